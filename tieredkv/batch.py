@@ -1,0 +1,33 @@
+"""The one object that carries a step's data from the scheduler's decisions to the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Tokens are ordered decodes first (one per sequence), then prefill chunks packed back to back."""
+
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [Bd] int32
+    max_decode_context_len: int
+    prefill_block_tables: torch.Tensor  # [Bp, max_blocks] int32
+    prefill_query_start_loc: list[int]  # Bp + 1 offsets, relative to the first prefill token
+    prefill_context_lens: list[int]  # Bp
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    logits_indices: torch.Tensor  # [S] int64: rows whose next-token logits are needed
+    attn: AttentionMetadata
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]

@@ -1,0 +1,148 @@
+"""Fixed-size KV blocks with reference counts, an LRU free queue and a hash -> block map."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from tieredkv.hashing import BlockHash
+
+
+class KVBlock:
+    """Metadata of one block of the pool; the K/V bytes live in the engine's cache tensor at `block_id`."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.token_ids: tuple[int, ...] | None = None  # set with block_hash, compared on every hit
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={cached})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of blocks with ref_cnt 0, in eviction order: the head is reused first.
+
+    popleft, append and remove are O(1). A deque would make `remove` O(n), and remove is the hot
+    operation: every prefix-cache hit on a freed block takes it out of the middle of the queue.
+    Invariant: a block is linked here iff its ref_cnt is 0.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]):
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("no free block")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free, block.next_free = last, self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """All blocks, allocated up front.
+
+    A block is in exactly one state: in use (ref_cnt > 0, not in the free queue), or free
+    (ref_cnt 0, in the free queue); a free block may still be cached (in the hash map) and is then
+    revived by `touch` on a prefix hit. Reusing a cached free block evicts its hash first and
+    reports it through `on_evict`, before the block is handed out.
+    """
+
+    def __init__(self, num_blocks: int, on_evict: Callable[[KVBlock], None] | None = None):
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.on_evict = on_evict
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_free
+
+    def get_cached(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """n fresh blocks with ref_cnt 1; evicts cached ones from the LRU head. Raises if fewer are free."""
+        if n > self.num_free:
+            raise MemoryError(f"asked for {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on each block, reviving free cached ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop a reference on each block, in the order given: the first freed is evicted first."""
+        for block in blocks:
+            assert block.ref_cnt > 0, block
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """Register a full block under its hash; a hash already held by another block stays with that one."""
+        if block_hash in self.cached:
+            return
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached[block_hash] = block
+
+    def evict_all_cached(self) -> int:
+        """Forget every free cached block (in use ones keep their hash). Returns how many."""
+        victims = [b for b in self.free_queue if b.block_hash is not None]
+        for block in victims:
+            self._evict(block)
+        return len(victims)
+
+    def _evict(self, block: KVBlock) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block)
+        del self.cached[block.block_hash]
+        block.block_hash = block.token_ids = None
+        self.num_evictions += 1

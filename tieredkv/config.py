@@ -1,0 +1,76 @@
+"""Validated configuration: the engine's `EngineConfig` and per-request `SamplingParams`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs, validated once and passed whole.
+
+    `num_blocks` wins over `kv_cache_bytes`; with neither, the KV pool takes
+    `gpu_memory_utilization` of the device memory left after the weights on CUDA,
+    and `cpu_kv_cache_bytes` on CPU.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("default", min_length=1, description='"default" or a local Hugging Face checkpoint directory')
+    dtype: DType = "auto"
+    device: str = Field("auto", description='"auto", "cpu", "cuda" or "cuda:N"')
+    block_size: int = Field(16, ge=1, le=1024)
+    num_blocks: int | None = Field(None, ge=2)
+    kv_cache_bytes: int | None = Field(None, gt=0)
+    cpu_kv_cache_bytes: int = Field(2 << 30, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(1024, ge=1)
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "triton", "torch"] = Field(
+        "auto", description='"auto": Triton kernels on CUDA, torch reference elsewhere'
+    )
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's)")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError(f'device must be "auto", "cpu", "cuda" or "cuda:N", got {v!r}')
+
+
+class SamplingParams(BaseModel):
+    """How to sample one request. `temperature=0` is greedy; `n` samples share the prompt's KV blocks."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=256)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

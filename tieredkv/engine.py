@@ -1,0 +1,185 @@
+"""The asyncio front: `async for chunk in engine.stream(prompt)`, many streams on one engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from tieredkv.config import EngineConfig, SamplingParams
+from tieredkv.engine_core import EngineCore, StepError
+from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
+from tieredkv.sequence import Request
+from tieredkv.tokenizer import PromptType
+
+log = logging.getLogger("tieredkv")
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed while the request was pending or running."""
+
+
+class AsyncEngine:
+    """Runs the engine loop as an asyncio task; each forward runs in one worker thread, off the loop.
+
+    Only the loop task touches the core between steps: `stream` and `abort` queue their changes and
+    the loop applies them before the next step, so a step never races with them.
+    """
+
+    def __init__(self, core: EngineCore):
+        self._core = core
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-step")
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="tieredkv-engine")
+
+    @classmethod
+    async def start(cls, config: EngineConfig | None = None, **kwargs) -> "AsyncEngine":
+        """Loads the model (in a thread) and starts the loop. kwargs build an EngineConfig when none is given."""
+        config = config or EngineConfig(**kwargs)
+        core = await asyncio.to_thread(EngineCore, config)
+        return cls(core)
+
+    @property
+    def core(self) -> EngineCore:
+        return self._core
+
+    @property
+    def tokenizer(self):
+        return self._core.tokenizer
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stops the loop; open streams end with EngineClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        await self._task
+        for queue in self._queues.values():
+            queue.put_nowait(EngineClosedError("engine closed"))
+        self._queues.clear()
+        self._executor.shutdown(wait=True)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def stream(
+        self, prompt: PromptType, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        """Validates now (raising before anything is allocated); the request starts on first iteration.
+
+        Leaving the `async for` early (break, exception, cancellation) aborts the request.
+        """
+        if self._closed:
+            raise EngineClosedError("engine closed")
+        req = self._core.make_request(prompt, params or SamplingParams(), request_id)
+        return self._iterate(req)
+
+    async def _iterate(self, req: Request) -> AsyncIterator[StreamChunk]:
+        if self._closed:
+            raise EngineClosedError("engine closed")
+        rid = req.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        self._pending_adds.append(req)
+        self._wake.set()
+        remaining = req.params.n
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if remaining:
+                self.abort(rid)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None, *,
+                       request_id: str | None = None) -> RequestOutput:
+        """The whole result of one request (all n samples)."""
+        params = params or SamplingParams()
+        outputs = [CompletionOutput(i) for i in range(params.n)]
+        texts: list[list[str]] = [[] for _ in range(params.n)]
+        rid, usage = None, []
+        async for chunk in self.stream(prompt, params, request_id=request_id):
+            rid = chunk.request_id
+            out = outputs[chunk.index]
+            texts[chunk.index].append(chunk.text)
+            out.token_ids.extend(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                out.finish_reason = chunk.finish_reason
+                usage.append(chunk.usage)
+        for out, parts in zip(outputs, texts):
+            out.text = "".join(parts)
+        total = Usage(usage[0].prompt_tokens, usage[0].cached_prompt_tokens,
+                      sum(u.completion_tokens for u in usage))
+        return RequestOutput(rid, outputs, total)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request; its blocks are freed before the next step and its stream ends with "abort"."""
+        self._pending_aborts.append(request_id)
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self._core.stats()
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _deliver(self, chunks: list[StreamChunk]) -> None:
+        for chunk in chunks:
+            queue = self._queues.get(chunk.request_id)
+            if queue is not None:
+                queue.put_nowait(chunk)
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        aborts, self._pending_aborts = self._pending_aborts, []
+        aborted = set(aborts)
+        for req in adds:
+            if req.request_id not in aborted:
+                self._core.add_request(req)
+        for rid in aborts:
+            self._deliver(self._core.abort(rid))
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            self._apply_pending()
+            if not self._core.has_work():
+                self._wake.clear()
+                if not (self._pending_adds or self._pending_aborts or self._closed):
+                    await self._wake.wait()
+                continue
+            try:
+                chunks = await loop.run_in_executor(self._executor, self._core.step)
+            except StepError as e:
+                log.exception("engine step failed; aborted %s", e.request_ids)
+                for rid in e.request_ids:
+                    queue = self._queues.get(rid)
+                    if queue is not None:
+                        queue.put_nowait(e)
+                continue
+            except Exception as e:  # a bug below the engine: fail what is in flight, keep serving
+                log.exception("engine step raised; aborting every request in flight")
+                for rid in list(self._core.requests):
+                    self._core.abort(rid)
+                for queue in self._queues.values():
+                    queue.put_nowait(e)
+                continue
+            self._deliver(chunks)
+        for rid in list(self._core.requests):
+            self._core.abort(rid)

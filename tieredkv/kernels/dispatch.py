@@ -1,0 +1,56 @@
+"""The one place that picks Triton kernels or their torch references."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tieredkv.kernels.block_copy import copy_blocks_ref, gather_blocks_ref, scatter_blocks_ref
+from tieredkv.kernels.decode_attention import decode_attention_ref
+from tieredkv.kernels.prefill_attention import prefill_attention_ref
+from tieredkv.kernels.store_kv import store_kv_ref
+
+FORCE_ENV = "TIEREDKV_ATTENTION_BACKEND"
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The kernel set one engine uses; every op has the signature of its torch reference."""
+
+    name: str
+    store_kv: Callable[..., None]
+    decode_attention: Callable[..., torch.Tensor]
+    prefill_attention: Callable[..., torch.Tensor]
+    copy_blocks: Callable[..., None]
+    gather_blocks: Callable[..., None]
+    scatter_blocks: Callable[..., None]
+
+
+TORCH_OPS = KernelOps(
+    name="torch",
+    store_kv=store_kv_ref,
+    decode_attention=decode_attention_ref,
+    prefill_attention=prefill_attention_ref,
+    copy_blocks=copy_blocks_ref,
+    gather_blocks=gather_blocks_ref,
+    scatter_blocks=scatter_blocks_ref,
+)
+
+
+def select_kernels(backend: str, device: torch.device) -> KernelOps:
+    """"auto" takes Triton on CUDA and torch elsewhere; the env var TIEREDKV_ATTENTION_BACKEND=torch forces torch."""
+    forced = os.environ.get(FORCE_ENV)
+    if forced:
+        backend = forced
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"{FORCE_ENV} must be auto, torch or triton, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return TORCH_OPS
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1)")
+    from tieredkv.kernels.triton_ops import TRITON_OPS
+
+    return TRITON_OPS

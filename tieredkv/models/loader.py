@@ -1,0 +1,103 @@
+"""Load a Llama-family Hugging Face checkpoint (config.json + safetensors) into `LlamaModel`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from tieredkv.models.llama import LlamaModel, RotaryEmbedding
+from tieredkv.models.spec import ModelSpec
+
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's files are missing, truncated or inconsistent."""
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors shards, from the index when there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index: {e}") from None
+        files = [model_dir / n for n in names]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index.name} names shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir} (pickled .bin checkpoints are not loaded)")
+    return files
+
+
+def fingerprint_weights(files: list[Path]) -> str:
+    """A cheap identity of the weights: sizes plus the first and last MiB of every shard."""
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(size - (1 << 20), 0))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+def load_model(
+    model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaModel:
+    """Builds the model without initialising it, then fills every parameter from the checkpoint."""
+    files = weight_files(model_dir)
+    with torch.device("meta"):
+        model = LlamaModel(spec, max_positions)
+    expected = {name for name, _ in model.named_parameters()}
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, torch.Tensor] = {}
+    with tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="loading weights",
+              disable=None) as bar:
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as st:
+                    for key in st.keys():
+                        name = key.removeprefix("model.")
+                        if name.startswith("lm_head.") and spec.tie_word_embeddings:
+                            continue
+                        tensor = st.get_tensor(key)
+                        parts[name] = tensor.to(device=device, dtype=dtype)
+                        bar.update(tensor.numel() * tensor.element_size())
+            except SafetensorError as e:
+                raise CheckpointError(f"cannot read {f.name} (truncated or corrupt safetensors file): {e}") from None
+    for name in expected:
+        if name in parts:
+            state[name] = parts.pop(name)
+            continue
+        for fused, pieces in _FUSED.items():
+            if fused in name:
+                try:
+                    state[name] = torch.cat([parts.pop(name.replace(fused, p)) for p in pieces], dim=0)
+                except KeyError as e:
+                    raise CheckpointError(f"checkpoint lacks tensor {e.args[0]!r}") from None
+                break
+        else:
+            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+    unused = [k for k in parts if not k.endswith("rotary_emb.inv_freq")]
+    if unused:
+        raise CheckpointError(f"checkpoint has tensors this architecture does not use: {', '.join(sorted(unused)[:5])}")
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint tensors do not match config.json: {e}") from None
+    model.rotary = RotaryEmbedding(spec, max_positions).to(device)
+    return model.eval()

@@ -1,0 +1,136 @@
+"""The architecture facts the engine needs, read from a checkpoint's config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is not of an architecture this engine implements."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and SmolLM share it."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    attention_bias: bool
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token across layers, per element byte (multiply by dtype size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelSpec":
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type")
+        known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
+        if known:
+            model_type = known[0]
+        elif archs or model_type not in _MODEL_TYPES:
+            what = ", ".join(archs) if archs else f"model_type={model_type!r}"
+            raise UnsupportedModelError(
+                f"unsupported architecture {what}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            spec = cls(
+                model_type=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rope_theta=_rope_theta(cfg),
+                rope_scaling=_rope_scaling(cfg),
+                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+                sliding_window=_sliding_window(cfg, model_type),
+                raw=cfg,
+            )
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json lacks required field {e.args[0]!r}") from None
+        if spec.num_heads % spec.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({spec.num_heads}) is not a multiple of num_key_value_heads ({spec.num_kv_heads})"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
+        return spec
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelSpec":
+        path = Path(path)
+        try:
+            cfg = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no config.json in {path.parent}") from None
+        except json.JSONDecodeError as e:
+            raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(cfg)
+
+
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    return float(_rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    params = dict(_rope_params(cfg))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ("linear", "llama3"):
+        raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    params["rope_type"] = kind
+    return params
+
+
+def _eos_ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in v) if isinstance(v, list) else (int(v),)
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        return None
+    return int(window)

@@ -1,0 +1,56 @@
+"""What the engine hands back: stream chunks, whole results, usage and stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """New output of one sample. `usage` is set on that sample's final chunk only."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the final chunk
+    usage: Usage | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    blocks_total: int
+    blocks_used: int
+    blocks_cached: int
+    prefix_cache_queries: int  # prompt tokens looked up, at first admission
+    prefix_cache_hits: int  # of which served from the cache
+    num_preemptions: int
+    cow_copies: int

@@ -1,0 +1,104 @@
+"""Per-request state: a request owns one sequence per sample (n), which the scheduler runs."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tieredkv.config import SamplingParams
+from tieredkv.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from tieredkv.block_pool import KVBlock
+    from tieredkv.detokenizer import IncrementalDetokenizer
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """One stream of tokens: the prompt plus what this sample has generated.
+
+    Invariants: `num_computed_tokens <= len(token_ids)`; `block_table` covers at least the computed
+    tokens; `block_hashes[i]` is the chained hash of full block i of `token_ids` (computed lazily).
+    """
+
+    def __init__(self, request: "Request", index: int, token_ids: list[int], generator: torch.Generator | None):
+        self.seq_id = next(_seq_counter)
+        self.request = request
+        self.index = index
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[KVBlock] = []
+        self.block_hashes: list[BlockHash] = []
+        self.num_cached_blocks = 0  # leading blocks of block_table already registered in the hash map
+        self.status = SeqStatus.WAITING
+        self.generator = generator
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.finish_reason: str | None = None
+        self.admit_order = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request.request_id}, idx={self.index}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
+
+
+@dataclass
+class Request:
+    """What a caller asked for. Until its prompt is computed it has one sequence; then `n` (forks)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache at first admission
+    aborted: bool = False
+
+    @property
+    def pending_forks(self) -> int:
+        return self.params.n - len(self.seqs)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.pending_forks == 0 and all(s.is_finished for s in self.seqs)
+
+    def make_generator(self, index: int, device: torch.device) -> torch.Generator | None:
+        """Sample i draws from its own generator seeded seed + i, so batching never changes its draws."""
+        if self.params.greedy:
+            return None
+        gen = torch.Generator(device="cpu")
+        if self.params.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.params.seed + index)
+        return gen

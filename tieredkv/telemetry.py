@@ -1,0 +1,24 @@
+"""OpenTelemetry tracing and metrics. Nothing is exported unless the application installs providers."""
+
+from __future__ import annotations
+
+from opentelemetry import metrics, trace
+
+_SCOPE = "tieredkv"
+
+
+class Telemetry:
+    """Per-engine instruments: one span per request, counters and a step-duration histogram."""
+
+    def __init__(self) -> None:
+        self.tracer = trace.get_tracer(_SCOPE)
+        meter = metrics.get_meter(_SCOPE)
+        self.requests = meter.create_counter("tieredkv.requests", unit="{request}", description="requests finished")
+        self.prompt_tokens = meter.create_counter("tieredkv.prompt_tokens", unit="{token}")
+        self.cached_prompt_tokens = meter.create_counter(
+            "tieredkv.cached_prompt_tokens", unit="{token}", description="prompt tokens served from the KV cache"
+        )
+        self.generated_tokens = meter.create_counter("tieredkv.generated_tokens", unit="{token}")
+        self.preemptions = meter.create_counter("tieredkv.preemptions", unit="{sequence}")
+        self.step_duration = meter.create_histogram("tieredkv.step.duration", unit="s")
+        self.step_tokens = meter.create_histogram("tieredkv.step.tokens", unit="{token}")

@@ -1,0 +1,52 @@
+"""Tokenizer and chat template from transformers, with the engine's input checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PromptType = str | list[int] | list[dict[str, Any]]
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as e:  # transformers raises several types for a missing or broken tokenizer
+            raise ValueError(f"cannot load a tokenizer from {model_dir}: {e}") from e
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text).input_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
+        if getattr(self.hf, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; pass a string or token ids")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.hf(text, add_special_tokens=False).input_ids)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def to_token_ids(self, prompt: PromptType) -> list[int]:
+        """str -> encoded; list of ints -> as is; list of chat messages -> chat template applied."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return list(prompt)
+            if all(isinstance(m, dict) for m in prompt):
+                return self.apply_chat_template(list(prompt))
+        raise TypeError("prompt must be a str, a list of token ids, or a list of chat messages")
