@@ -45,6 +45,14 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else self.root
             hashes.append(hash_block(parent, self._block_tokens(seq, len(hashes))))
 
+    def chain_hashes(self, token_ids: list[int]) -> list[BlockHash]:
+        """Hashes of every full block of token_ids, from the root."""
+        hashes: list[BlockHash] = []
+        for i in range(len(token_ids) // self.block_size):
+            block = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            hashes.append(hash_block(hashes[-1] if hashes else self.root, block))
+        return hashes
+
     # -- prefix cache ----------------------------------------------------------------------------
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:

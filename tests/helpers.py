@@ -1,0 +1,115 @@
+"""Tiny real checkpoints made on the fly, and the transformers reference they are checked against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "Paged attention keeps keys and values in fixed-size blocks. ",
+    "A prefix cache serves shared system prompts once. ",
+    "Élan, naïve café, smörgåsbord, 東京, 🙂🚀 and ünïcödé text. ",
+    "Numbers 0123456789 and symbols !?.,;:()[]{}<>+-*/=_ ",
+] * 20
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_checkpoint(out_dir: Path, kind: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random-initialised model of the given architecture saved as config.json + safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out_dir)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.08,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        with torch.no_grad():  # make the q/k/v biases matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    return out_dir
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' generate, greedy, one prompt at a time, EOS ignored: the new token ids of each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                               min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            out.append(y[0, len(ids):].tolist())
+    return out
+
+
+def check_pool_clean(core) -> None:
+    """After everything finished: no reference held, every block free, nothing queued."""
+    assert not core.scheduler.running and not core.scheduler.waiting
+    assert all(b.ref_cnt == 0 for b in core.pool.blocks)
+    assert core.pool.num_free == core.pool.num_blocks
+    assert not core.requests
+
+
+def check_pool_consistent(core) -> None:
+    """At any time: ref_cnt = number of block tables holding the block; free iff ref_cnt 0."""
+    holders: dict[int, int] = {}
+    for seq in core.scheduler.running:
+        for b in seq.block_table:
+            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+    for seq in core.scheduler.waiting:
+        assert not seq.block_table, "a waiting sequence holds blocks"
+    free_ids = {b.block_id for b in core.pool.free_queue}
+    assert len(free_ids) == core.pool.num_free
+    for b in core.pool.blocks:
+        assert b.ref_cnt == holders.get(b.block_id, 0), (b, holders.get(b.block_id, 0))
+        assert (b.block_id in free_ids) == (b.ref_cnt == 0), b
+    for h, b in core.pool.cached.items():
+        assert b.block_hash == h

@@ -1,0 +1,54 @@
+"""Random interleavings of add / step / abort / n>1 on a small pool never leak or double-book a block."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import check_pool_clean, check_pool_consistent
+from tieredkv import EngineConfig, RequestError, SamplingParams
+from tieredkv.engine_core import EngineCore
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["cache", "nocache"])
+def core(request, llama_dir):
+    return EngineCore(EngineConfig(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
+                                   max_num_batched_tokens=16, enable_prefix_caching=request.param))
+
+
+add = st.tuples(st.just("add"), st.integers(1, 22), st.integers(1, 8), st.integers(1, 3), st.booleans(),
+                st.booleans())
+step = st.tuples(st.just("step"))
+abort = st.tuples(st.just("abort"), st.integers(0, 50))
+ops_strategy = st.lists(st.one_of(add, step, step, step, abort), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops_strategy)
+def test_random_interleavings_keep_the_pool_consistent(core, ops):
+    shared = list(range(10, 40))
+    ids = []
+    for op in ops:
+        if op[0] == "add":
+            _, length, max_tokens, n, use_shared, sample = op
+            prompt = shared[:length] if use_shared else [(7 * i + length) % 200 + 3 for i in range(length)]
+            params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True,
+                                    temperature=0.7 if sample else 0.0, seed=1)
+            free_before = core.pool.num_free
+            try:
+                req = core.make_request(prompt, params)
+            except RequestError:
+                assert core.pool.num_free == free_before
+                continue
+            core.add_request(req)
+            ids.append(req.request_id)
+        elif op[0] == "step":
+            core.step()
+        elif ids:
+            core.abort(ids[op[1] % len(ids)])
+        check_pool_consistent(core)
+    for _ in range(500):
+        if not core.has_work():
+            break
+        core.step()
+        check_pool_consistent(core)
+    check_pool_clean(core)
