@@ -1,0 +1,129 @@
+"""Bad input gets a clear error before anything is allocated, and the engine keeps serving."""
+
+import json
+import shutil
+
+import pytest
+from pydantic import ValidationError
+
+from helpers import check_pool_clean
+from tieredkv import (AsyncEngine, CheckpointError, EngineConfig, RequestError, SamplingParams,
+                      UnsupportedModelError)
+
+
+@pytest.fixture(scope="module")
+async def engine(llama_dir):
+    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, max_model_len=256))
+    yield engine
+    await engine.close()
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ("", "empty"),
+        ([], "empty"),
+        ([5] * 256, "max_model_len"),
+        ([5, 10**6], "outside the vocabulary"),
+        ([5, -1], "outside the vocabulary"),
+        ([{"role": "user"}], "content"),
+    ],
+)
+async def test_bad_prompts(engine, prompt, match):
+    with pytest.raises(RequestError, match=match):
+        engine.stream(prompt, SamplingParams(max_tokens=4))
+    assert engine.stats().blocks_used == 0 and engine.stats().num_waiting == 0
+    out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=3))
+    assert len(out.outputs[0].token_ids) == 3
+
+
+async def test_wrong_prompt_type(engine):
+    with pytest.raises(TypeError, match="prompt must be"):
+        engine.stream(42)
+    with pytest.raises(TypeError, match="prompt must be"):
+        engine.stream([1.5, 2.5])
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"top_k": -1}, "top_k"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValidationError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"num_blocks": 1}, "num_blocks"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"no_such_field": 1}, "no_such_field"),
+    ],
+)
+def test_bad_engine_config(kwargs, field):
+    with pytest.raises(ValidationError, match=field):
+        EngineConfig(**kwargs)
+
+
+async def test_request_too_big_for_the_pool(engine):
+    with pytest.raises(RequestError, match="KV blocks"):
+        engine.stream([5] * 100, SamplingParams(max_tokens=150, n=8))
+    check_pool_clean(engine.core)
+
+
+async def test_duplicate_request_id(engine):
+    stream = engine.stream([5, 6], SamplingParams(max_tokens=50, ignore_eos=True), request_id="dup")
+    async for _ in stream:
+        with pytest.raises(RequestError, match="already in use"):
+            engine.stream([5, 6], request_id="dup")
+        break
+
+
+async def test_unknown_model_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        await AsyncEngine.start(EngineConfig(model=str(tmp_path / "no-such-model")))
+
+
+async def test_truncated_safetensors(llama_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        await AsyncEngine.start(EngineConfig(model=str(broken)))
+
+
+async def test_unsupported_architecture(llama_dir, tmp_path):
+    other = tmp_path / "gpt2ish"
+    shutil.copytree(llama_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        await AsyncEngine.start(EngineConfig(model=str(other)))
+
+
+async def test_missing_weights(llama_dir, tmp_path):
+    empty = tmp_path / "noweights"
+    shutil.copytree(llama_dir, empty)
+    (empty / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        await AsyncEngine.start(EngineConfig(model=str(empty)))
+
+
+async def test_max_model_len_beyond_the_model(llama_dir):
+    with pytest.raises(ValueError, match="max_model_len"):
+        await AsyncEngine.start(EngineConfig(model=str(llama_dir), max_model_len=10**6))

@@ -1,0 +1,60 @@
+"""Seeded sampling is reproducible whatever else is batched; top-k / top-p behave."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv.sampler import apply_top_k_top_p
+
+
+@pytest.fixture(scope="module")
+async def engine(llama_dir):
+    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=256))
+    yield engine
+    await engine.close()
+
+
+def prompt(seed, n=30):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+async def test_same_seed_same_output_whatever_is_batched(engine):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = await engine.generate(prompt(1), params)
+    others = [engine.generate(prompt(i, 10 + i), SamplingParams(max_tokens=20, temperature=1.2, seed=i))
+              for i in range(2, 8)]
+    batched, *_ = await asyncio.gather(engine.generate(prompt(1), params), *others)
+    assert batched.outputs[0].token_ids == alone.outputs[0].token_ids
+    different = await engine.generate(prompt(1), params.model_copy(update={"seed": 99}))
+    assert different.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+async def test_top_k_1_is_greedy(engine):
+    greedy = await engine.generate(prompt(3), SamplingParams(max_tokens=12, ignore_eos=True))
+    k1 = await engine.generate(prompt(3), SamplingParams(max_tokens=12, temperature=2.0, top_k=1, seed=5,
+                                                         ignore_eos=True))
+    assert k1.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+async def test_stop_token_ids_and_max_tokens(engine):
+    greedy = await engine.generate(prompt(4), SamplingParams(max_tokens=12, ignore_eos=True))
+    ids = greedy.outputs[0].token_ids
+    assert greedy.outputs[0].finish_reason == "length"
+    stop_at = ids[5]
+    out = await engine.generate(prompt(4), SamplingParams(max_tokens=12, stop_token_ids=[stop_at]))
+    assert out.outputs[0].token_ids == ids[: ids.index(stop_at) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = apply_top_k_top_p(logits, 0, 0.75).isfinite().tolist()
+    assert kept == [True, True, False, False]
+    kept = apply_top_k_top_p(logits, 0, 0.45).isfinite().tolist()
+    assert kept == [True, False, False, False]
+    kept = apply_top_k_top_p(logits, 3, 1.0).isfinite().tolist()
+    assert kept == [True, True, True, False]

@@ -1,0 +1,3 @@
+from tieredkv.cli import main
+
+main()
