@@ -16,8 +16,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [Bd] int32
     max_decode_context_len: int
     prefill_block_tables: torch.Tensor  # [Bp, max_blocks] int32
-    prefill_query_start_loc: list[int]  # Bp + 1 offsets, relative to the first prefill token
-    prefill_context_lens: list[int]  # Bp
+    prefill_query_start_loc: torch.Tensor  # [Bp + 1] int32 offsets, relative to the first prefill token
+    prefill_context_lens: torch.Tensor  # [Bp] int32
+    max_prefill_query_len: int
 
 
 @dataclass

@@ -51,8 +51,9 @@ class ModelRunner:
             decode_context_lens=self._tensor([s.num_computed_tokens + 1 for s, _ in decodes], torch.int32),
             max_decode_context_len=max((s.num_computed_tokens + 1 for s, _ in decodes), default=0),
             prefill_block_tables=self._block_tables([s for s, _ in prefills]),
-            prefill_query_start_loc=query_start,
-            prefill_context_lens=[s.num_computed_tokens + n for s, n in prefills],
+            prefill_query_start_loc=self._tensor(query_start, torch.int32),
+            prefill_context_lens=self._tensor([s.num_computed_tokens + n for s, n in prefills], torch.int32),
+            max_prefill_query_len=max((n for _, n in prefills), default=0),
         )
         batch = ForwardBatch(
             input_ids=self._tensor(input_ids, torch.int64),

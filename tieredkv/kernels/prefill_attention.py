@@ -13,13 +13,15 @@ def prefill_attention_ref(
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], already holding this chunk's K
     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int
-    query_start_loc: list[int],  # B + 1 offsets into T
-    context_lens: list[int],  # B totals: cached prefix + this chunk
+    query_start_loc: torch.Tensor,  # [B + 1] int32 offsets into T
+    context_lens: torch.Tensor,  # [B] int32 totals: cached prefix + this chunk
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Plain-torch reference. Query j of a chunk of length q sits at position context_len - q + j."""
     out = torch.empty_like(query)
-    for i, ctx in enumerate(context_lens):
+    query_start_loc = query_start_loc.tolist()
+    for i, ctx in enumerate(context_lens.tolist()):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len = end - start
         k = gather_kv(key_cache, block_tables[i : i + 1], ctx)  # [1, Hkv, ctx, D]

@@ -1,0 +1,334 @@
+"""Triton kernels for the paged KV cache. Each wrapper checks shapes, dtypes and strides, and has the
+signature of its torch reference (see the sibling modules), which the tests compare it against.
+
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tieredkv.kernels.dispatch import KernelOps
+
+DECODE_BLOCK_N = 64  # keys per inner iteration of the decode kernel
+DECODE_TOKENS_PER_SPLIT = 512  # split-K: one program per (sequence, kv head, 512 keys)
+PREFILL_BLOCK_M = 16
+PREFILL_BLOCK_N = 32
+COPY_BLOCK = 1024
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, (key_cache.shape, value_cache.shape)
+    assert key_cache.dtype == value_cache.dtype
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "head_dim must be contiguous"
+
+
+# -- 1. store K/V through the slot mapping ----------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
+    BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        i = tl.arange(0, HD_PAD)
+        h = i // HEAD_DIM
+        d = i % HEAD_DIM
+        mask = i < NUM_HEADS * HEAD_DIM
+        k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+        v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(key_cache_ptr + blk * stride_cb + off * stride_cs + h * stride_ch + d, k, mask=mask)
+        tl.store(value_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=mask)
+
+
+def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _check_cache(key_cache, value_cache)
+    num_tokens, num_heads, head_dim = key.shape
+    assert value.shape == key.shape and key.stride(-1) == 1 and value.stride(-1) == 1
+    assert key_cache.shape[2:] == (num_heads, head_dim), (key_cache.shape, key.shape)
+    assert slot_mapping.shape == (num_tokens,) and not slot_mapping.is_floating_point()
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        BLOCK_SIZE=key_cache.shape[1], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        HD_PAD=triton.next_power_of_2(num_heads * head_dim),
+    )
+
+
+# -- 2. decode attention, split-K with a log-sum-exp merge ------------------------------------------
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr,
+    scale,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    start = split * TOKENS_PER_SPLIT
+    if start < ctx:
+        end = tl.minimum(start + TOKENS_PER_SPLIT, ctx)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + g
+        g_mask = g < GROUP
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            valid = offs < end
+            blk = tl.load(block_tables_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=valid, other=0)
+            slot = offs % BLOCK_SIZE
+            k = tl.load(key_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
+                        + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(value_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                        + d[None, :], mask=valid[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [GROUP_PAD, BLOCK_N]
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(part_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :], out,
+                 mask=g_mask[:, None])
+        tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(context_lens_ptr + b)
+    num_splits = (ctx + TOKENS_PER_SPLIT - 1) // TOKENS_PER_SPLIT
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    live = s < num_splits
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + s, mask=live, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, 0))
+    weight = tl.where(live, weight, 0.0)
+    parts = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                    mask=live[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
+                     tokens_per_split: int = DECODE_TOKENS_PER_SPLIT):
+    _check_cache(key_cache, value_cache)
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    assert key_cache.shape[3] == head_dim and num_heads % num_kv_heads == 0
+    assert query.stride(-1) == 1 and query.dtype == key_cache.dtype
+    assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.stride(-1) == 1
+    assert context_lens.shape == (batch,) and not block_tables.is_floating_point()
+    assert tokens_per_split % DECODE_BLOCK_N == 0 or tokens_per_split < DECODE_BLOCK_N
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    group = num_heads // num_kv_heads
+    num_splits = max(triton.cdiv(max_context_len, tokens_per_split), 1)
+    out = torch.empty_like(query)
+    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, context_lens, part_out, part_lse, scale,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=min(DECODE_BLOCK_N, max(16, tokens_per_split)), TOKENS_PER_SPLIT=tokens_per_split,
+        PRECISION=_dot_precision(query.dtype),
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        part_out, part_lse, context_lens, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), TOKENS_PER_SPLIT=tokens_per_split,
+    )
+    return out
+
+
+# -- 3. prefill attention over the cached prefix and the chunk itself -------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr, out_ptr,
+    scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_ot, stride_oh,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    m_tile = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    if m_tile * BLOCK_M < q_len:
+        ctx = tl.load(context_lens_ptr + b)
+        prefix = ctx - q_len
+        kv_head = h // GROUP
+        rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q_pos = prefix + rows
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        key_end = tl.minimum(prefix + (m_tile + 1) * BLOCK_M, ctx)
+        for n0 in range(0, key_end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            valid = offs < key_end
+            blk = tl.load(block_tables_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=valid, other=0)
+            slot = offs % BLOCK_SIZE
+            k = tl.load(key_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
+                        + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(value_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                        + d[None, :], mask=valid[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+            allowed = valid[None, :] & (offs[None, :] <= q_pos[:, None])
+            qk = tl.where(allowed, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see no key at all
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+                      max_query_len=None):
+    _check_cache(key_cache, value_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    batch = context_lens.shape[0]
+    assert query_start_loc.shape == (batch + 1,) and block_tables.shape[0] == batch
+    assert query.stride(-1) == 1 and query.dtype == key_cache.dtype and block_tables.stride(-1) == 1
+    assert num_heads % num_kv_heads == 0 and key_cache.shape[3] == head_dim
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    out = torch.empty_like(query)
+    _prefill_kernel[(batch, num_heads, triton.cdiv(max_query_len, PREFILL_BLOCK_M))](
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out, scale,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads,
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, PRECISION=_dot_precision(query.dtype),
+    )
+    return out
+
+
+# -- 4. whole-block copies: copy-on-write, gather to and scatter from a staging buffer --------------
+
+
+@triton.jit
+def _copy_chunks_kernel(
+    src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr,
+    src_stride_idx, src_stride_chunk, dst_stride_idx, dst_stride_chunk,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program (i, j) copies CHUNK contiguous elements: src[src_idx[i], j] -> dst[dst_idx[i], j]."""
+    i = tl.program_id(0)
+    j = tl.program_id(1).to(tl.int64)
+    s = tl.load(src_idx_ptr + i).to(tl.int64)
+    t = tl.load(dst_idx_ptr + i).to(tl.int64)
+    src = src_ptr + s * src_stride_idx + j * src_stride_chunk
+    dst = dst_ptr + t * dst_stride_idx + j * dst_stride_chunk
+    for start in range(0, CHUNK, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < CHUNK
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def _check_pool(kv_cache: torch.Tensor) -> int:
+    assert kv_cache.dim() == 6, "kv_cache must be [L, 2, num_blocks, block_size, H, D]"
+    assert kv_cache.is_contiguous()
+    return kv_cache.shape[3] * kv_cache.shape[4] * kv_cache.shape[5]
+
+
+def _copy(src, dst, src_idx, dst_idx, src_strides, dst_strides, chunk: int, num_chunks: int) -> None:
+    n = src_idx.shape[0]
+    if n == 0:
+        return
+    _copy_chunks_kernel[(n, num_chunks)](
+        src, dst, src_idx, dst_idx, src_strides[0], src_strides[1], dst_strides[0], dst_strides[1],
+        CHUNK=chunk, BLOCK=min(COPY_BLOCK, triton.next_power_of_2(chunk)),
+    )
+
+
+def copy_blocks(kv_cache, src, dst) -> None:
+    chunk = _check_pool(kv_cache)
+    assert src.shape == dst.shape and src.dim() == 1
+    layers = kv_cache.shape[0] * 2
+    strides = (kv_cache.stride(2), kv_cache.stride(1))
+    _copy(kv_cache, kv_cache, src.to(kv_cache.device), dst.to(kv_cache.device), strides, strides, chunk, layers)
+
+
+def gather_blocks(kv_cache, block_ids, out) -> None:
+    chunk = _check_pool(kv_cache)
+    n = block_ids.shape[0]
+    assert out.shape == (n, kv_cache.shape[0], 2, *kv_cache.shape[3:]) and out.is_contiguous()
+    assert out.dtype == kv_cache.dtype and out.device == kv_cache.device
+    idx = torch.arange(n, device=kv_cache.device)
+    _copy(kv_cache, out, block_ids.to(kv_cache.device), idx, (kv_cache.stride(2), kv_cache.stride(1)),
+          (out.stride(0), out.stride(2)), chunk, kv_cache.shape[0] * 2)
+
+
+def scatter_blocks(kv_cache, block_ids, src) -> None:
+    chunk = _check_pool(kv_cache)
+    n = block_ids.shape[0]
+    assert src.shape == (n, kv_cache.shape[0], 2, *kv_cache.shape[3:]) and src.is_contiguous()
+    src = src.to(kv_cache.device, kv_cache.dtype)
+    idx = torch.arange(n, device=kv_cache.device)
+    _copy(src, kv_cache, idx, block_ids.to(kv_cache.device), (src.stride(0), src.stride(2)),
+          (kv_cache.stride(2), kv_cache.stride(1)), chunk, kv_cache.shape[0] * 2)
+
+
+TRITON_OPS = KernelOps(
+    name="triton",
+    store_kv=store_kv,
+    decode_attention=decode_attention,
+    prefill_attention=prefill_attention,
+    copy_blocks=copy_blocks,
+    gather_blocks=gather_blocks,
+    scatter_blocks=scatter_blocks,
+)
