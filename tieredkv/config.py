@@ -35,6 +35,7 @@ class EngineConfig(BaseModel):
         "auto", description='"auto": Triton kernels on CUDA, torch reference elsewhere'
     )
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's)")
+    cpu_malloc_tuning: bool = Field(True, description="on CPU, keep freed step buffers in glibc's heap")
 
     @field_validator("device")
     @classmethod

@@ -18,6 +18,7 @@ from tieredkv.detokenizer import IncrementalDetokenizer
 from tieredkv.hashing import root_hash
 from tieredkv.kernels import select_kernels
 from tieredkv.kv_manager import KVCacheManager, cdiv
+from tieredkv.malloc_tuning import tune_glibc_malloc
 from tieredkv.model_runner import ModelRunner
 from tieredkv.models.gguf_convert import default_model_dir
 from tieredkv.models.loader import fingerprint_weights, load_model, weight_files
@@ -78,6 +79,8 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.cpu_malloc_tuning:
+            tune_glibc_malloc()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model_dir(config.model)
         self.spec = ModelSpec.from_file(self.model_dir / "config.json")

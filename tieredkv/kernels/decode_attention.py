@@ -10,9 +10,11 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> t
     """[num_blocks, bs, H, D] cache, [B, max_blocks] tables -> [B, H, length, D] contiguous K or V."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    gathered = cache[block_tables[:, :num_blocks]]  # [B, nb, bs, H, D]
-    b, _, _, h, d = gathered.shape
-    return gathered.view(b, num_blocks * block_size, h, d)[:, :length].transpose(1, 2)
+    batch = block_tables.shape[0]
+    ids = block_tables[:, :num_blocks].reshape(-1)
+    gathered = torch.index_select(cache, 0, ids)  # [B * nb, bs, H, D]; faster than cache[ids] on CPU
+    h, d = cache.shape[2], cache.shape[3]
+    return gathered.view(batch, num_blocks * block_size, h, d)[:, :length].transpose(1, 2)
 
 
 def decode_attention_ref(
