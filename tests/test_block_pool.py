@@ -22,7 +22,7 @@ def test_free_queue_o1_operations_keep_order():
 
 def test_allocate_free_touch_and_eviction():
     evicted = []
-    pool = BlockPool(4, on_evict=lambda b: evicted.append(b.block_id))
+    pool = BlockPool(4, on_evict=lambda blocks: evicted.extend(b.block_id for b in blocks))
     a, b = pool.allocate(2)
     assert (a.ref_cnt, b.ref_cnt, pool.num_free) == (1, 1, 2)
     h = hash_block(root_hash("m"), [1, 2])

@@ -89,7 +89,8 @@ async def test_caching_off_hashes_nothing(llama_dir):
 
 
 async def test_freed_chain_is_evicted_tail_first(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=24, block_size=16)) as engine:
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=24, block_size=16,
+                                                    warm_bytes=0)) as engine:
         prompt = random_ids(16 * 6 + 1, seed=4)  # 6 full blocks get cached
         await engine.generate(prompt, SamplingParams(max_tokens=1))
         pool = engine.core.pool
@@ -99,4 +100,5 @@ async def test_freed_chain_is_evicted_tail_first(llama_dir):
         # demand for most of the pool evicts the tail of the chain, keeping its head usable
         await engine.generate(random_ids(16 * 20, seed=8), SamplingParams(max_tokens=1))
         again = await engine.generate(prompt, SamplingParams(max_tokens=1))
-        assert 0 < again.usage.cached_prompt_tokens < 96
+        assert again.usage.cached_prompt_tokens == 64  # 2 tail blocks of 6 were evicted, the head kept
+        assert again.usage.cached_tokens_by_tier == {"hot": 64, "warm": 0, "cold": 0}

@@ -73,11 +73,12 @@ class BlockPool:
 
     A block is in exactly one state: in use (ref_cnt > 0, not in the free queue), or free
     (ref_cnt 0, in the free queue); a free block may still be cached (in the hash map) and is then
-    revived by `touch` on a prefix hit. Reusing a cached free block evicts its hash first and
-    reports it through `on_evict`, before the block is handed out.
+    revived by `touch` on a prefix hit. Reusing cached free blocks evicts their hashes; one
+    `allocate` reports all the blocks it evicts in one `on_evict` call, before they are handed out
+    and while their data is intact (the tier manager demotes them then).
     """
 
-    def __init__(self, num_blocks: int, on_evict: Callable[[KVBlock], None] | None = None):
+    def __init__(self, num_blocks: int, on_evict: Callable[[list[KVBlock]], None] | None = None):
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
@@ -102,13 +103,15 @@ class BlockPool:
         """n fresh blocks with ref_cnt 1; evicts cached ones from the LRU head. Raises if fewer are free."""
         if n > self.num_free:
             raise MemoryError(f"asked for {n} blocks, {self.num_free} free")
-        out = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:
-                self._evict(block)
+        out = [self.free_queue.popleft() for _ in range(n)]
+        evicted = [b for b in out if b.block_hash is not None]
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        for block in evicted:
+            self.uncache(block)
+        self.num_evictions += len(evicted)
+        for block in out:
             block.ref_cnt = 1
-            out.append(block)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -134,15 +137,13 @@ class BlockPool:
         self.cached[block_hash] = block
 
     def evict_all_cached(self) -> int:
-        """Forget every free cached block (in use ones keep their hash). Returns how many."""
+        """Forget every free cached block (in use ones keep their hash), without demotion."""
         victims = [b for b in self.free_queue if b.block_hash is not None]
         for block in victims:
-            self._evict(block)
+            self.uncache(block)
         return len(victims)
 
-    def _evict(self, block: KVBlock) -> None:
-        if self.on_evict is not None:
-            self.on_evict(block)
+    def uncache(self, block: KVBlock) -> None:
+        """Drop the block's hash from the map; its data is no longer findable."""
         del self.cached[block.block_hash]
         block.block_hash = block.token_ids = None
-        self.num_evictions += 1

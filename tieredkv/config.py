@@ -36,6 +36,12 @@ class EngineConfig(BaseModel):
     )
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's)")
     cpu_malloc_tuning: bool = Field(True, description="on CPU, keep freed step buffers in glibc's heap")
+    warm_bytes: int | None = Field(
+        None, ge=0, description="host-memory tier budget; 0 turns it off; None: 10% of available RAM, at most 4 GiB"
+    )
+    cold_path: str | None = Field(None, description="directory of the LMDB disk tier; None turns it off")
+    cold_bytes: int = Field(16 << 30, gt=0, description="disk budget of the cold tier (payload bytes)")
+    max_pinned_fraction: float = Field(0.25, ge=0.0, le=0.9, description="share of the hot pool pin() may hold")
 
     @field_validator("device")
     @classmethod

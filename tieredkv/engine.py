@@ -33,6 +33,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
+        self._pending_calls: list[tuple] = []  # (fn, args, future): run by the loop between steps
         self._wake = asyncio.Event()
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name="tieredkv-engine")
@@ -69,6 +70,7 @@ class AsyncEngine:
             queue.put_nowait(EngineClosedError("engine closed"))
         self._queues.clear()
         self._executor.shutdown(wait=True)
+        await asyncio.to_thread(self._core.close)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -126,8 +128,41 @@ class AsyncEngine:
         for out, parts in zip(outputs, texts):
             out.text = "".join(parts)
         total = Usage(usage[0].prompt_tokens, usage[0].cached_prompt_tokens,
-                      sum(u.completion_tokens for u in usage))
+                      sum(u.completion_tokens for u in usage), usage[0].cached_tokens_by_tier)
         return RequestOutput(rid, outputs, total)
+
+    async def prefill(self, prompt: PromptType) -> Usage:
+        """Computes and caches the prompt's KV without generating; returns its usage."""
+        if self._closed:
+            raise EngineClosedError("engine closed")
+        req = self._core.make_request(prompt, SamplingParams(max_tokens=1))
+        req.prefill_only = True
+        usage = None
+        async for chunk in self._iterate(req):
+            usage = chunk.usage
+        return usage
+
+    async def clear_cache(self, tier: str = "all") -> int:
+        """Empties a tier ("hot", "warm", "cold" or "all"); returns how many entries were dropped."""
+        return await self._between_steps(self._core.clear_cache, tier)
+
+    async def pin(self, prompt: PromptType) -> int:
+        """Keeps the prompt's full blocks in the hot tier until unpin (prefilling them if needed),
+        within max_pinned_fraction of the pool. Returns the number of tokens pinned."""
+        ids = self._core.tokenizer.to_token_ids(prompt)
+        await self.prefill(ids)
+        return await self._between_steps(self._core.pin, ids)
+
+    async def unpin(self, prompt: PromptType) -> int:
+        return await self._between_steps(self._core.unpin, self._core.tokenizer.to_token_ids(prompt))
+
+    async def _between_steps(self, fn, *args):
+        if self._closed:
+            raise EngineClosedError("engine closed")
+        future = asyncio.get_running_loop().create_future()
+        self._pending_calls.append((fn, args, future))
+        self._wake.set()
+        return await future
 
     def abort(self, request_id: str) -> None:
         """Aborts a request; its blocks are freed before the next step and its stream ends with "abort"."""
@@ -148,6 +183,12 @@ class AsyncEngine:
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []
         aborts, self._pending_aborts = self._pending_aborts, []
+        calls, self._pending_calls = self._pending_calls, []
+        for fn, args, future in calls:  # quick, or waiting on the cold tier's writer (a clear)
+            try:
+                future.set_result(fn(*args))
+            except Exception as e:
+                future.set_exception(e)
         aborted = set(aborts)
         for req in adds:
             if req.request_id not in aborted:
@@ -161,7 +202,7 @@ class AsyncEngine:
             self._apply_pending()
             if not self._core.has_work():
                 self._wake.clear()
-                if not (self._pending_adds or self._pending_aborts or self._closed):
+                if not (self._pending_adds or self._pending_aborts or self._pending_calls or self._closed):
                     await self._wake.wait()
                 continue
             try:

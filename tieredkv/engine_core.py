@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +30,10 @@ from tieredkv.sampler import sample
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Request, Sequence
 from tieredkv.telemetry import Telemetry
+from tieredkv.tiers.cold import ColdTier
+from tieredkv.tiers.hot import HotTier
+from tieredkv.tiers.manager import TIER_NAMES, TierManager
+from tieredkv.tiers.warm import WarmTier
 from tieredkv.tokenizer import PromptType, Tokenizer
 
 log = logging.getLogger("tieredkv")
@@ -64,6 +70,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def default_warm_bytes() -> int:
+    """10% of the memory available now, at most 4 GiB."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 << 30
+    return min(available // 10, 4 << 30)
+
+
 def resolve_model_dir(model: str) -> Path:
     if model == "default":
         return default_model_dir()
@@ -96,9 +111,11 @@ class EngineCore:
         self.fingerprint = self._fingerprint()
         self.pool = BlockPool(self.num_blocks)
         self.kv = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching, root_hash(self.fingerprint))
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, select_kernels(
-            config.attention_backend, self.device))
+        ops = select_kernels(config.attention_backend, self.device)
+        self.tiers = self._build_tiers(ops)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops)
+        self.pins: dict[tuple[int, ...], list] = {}
         self.requests: dict[str, Request] = {}
         self.telemetry = Telemetry()
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s", self.model_dir.name,
@@ -140,6 +157,23 @@ class EngineCore:
         if num < 2:
             raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {block_bytes} bytes")
         return num
+
+    def _build_tiers(self, ops) -> TierManager:
+        cfg, spec = self.config, self.spec
+        block_shape = (spec.num_layers, 2, self.block_size, spec.num_kv_heads, spec.head_dim)
+        hot = HotTier(self.pool, self.kv_cache, ops)
+        warm_bytes = default_warm_bytes() if cfg.warm_bytes is None else cfg.warm_bytes
+        warm_blocks = warm_bytes // hot.block_bytes
+        warm = None
+        if warm_blocks > 0:
+            warm = WarmTier(warm_blocks, block_shape, self.dtype, pin=self.device.type == "cuda")
+        cold = None
+        if cfg.cold_path is not None:
+            cold = ColdTier(cfg.cold_path, cfg.cold_bytes, self.fingerprint, block_shape, self.dtype)
+        return TierManager(hot, warm, cold, self.block_size)
+
+    def close(self) -> None:
+        self.tiers.close()
 
     def _fingerprint(self) -> str:
         """Everything that changes the meaning of a block's bytes: model, dtype, block size, layout."""
@@ -207,7 +241,11 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.preempted:
             self.telemetry.preemptions.add(len(out.preempted))
+        for restore, blocks in out.restores:
+            self.tiers.apply(restore, blocks)
         if not out.scheduled:
+            if out.waiting_on_disk:  # nothing to compute until a cold read lands
+                self.tiers.wait([s.lookup for s in out.waiting_on_disk if s.lookup], timeout=0.05)
             return []
         try:
             logits, sampled = self.runner.execute(out)
@@ -219,15 +257,21 @@ class EngineCore:
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
-        rows, seqs = [], []
+        rows, seqs, chunks = [], [], []
         for i, seq in enumerate(sampled):
+            if seq.request.prefill_only:
+                self.scheduler.finish(seq, "prefill")
+                self._finish_request(seq.request)
+                chunks.append(self._chunk(seq, [], final=True))
+                continue
             family = [seq] + self._fork(seq)
             rows.extend([i] * len(family))
             seqs.extend(family)
         if rows != list(range(len(sampled))):
             logits = logits[rows]
-        tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
-        chunks = [self._append(seq, tok) for seq, tok in zip(seqs, tokens)]
+        if seqs:
+            tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+            chunks.extend(self._append(seq, tok) for seq, tok in zip(seqs, tokens))
         self.telemetry.step_duration.record(time.perf_counter() - t0)
         self.telemetry.step_tokens.record(out.num_tokens)
         return chunks
@@ -267,7 +311,8 @@ class EngineCore:
         req = seq.request
         usage = None
         if final:
-            usage = Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, seq.num_output_tokens)
+            by_tier = {name: req.cached_tokens_by_tier.get(name, 0) for name in TIER_NAMES}
+            usage = Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, seq.num_output_tokens, by_tier)
         return StreamChunk(req.request_id, seq.index, seq.detokenizer.take(final), token_ids,
                            seq.finish_reason if final else None, usage)
 
@@ -293,4 +338,43 @@ class EngineCore:
             prefix_cache_hits=sched.prefix_cache_hits,
             num_preemptions=sched.num_preemptions,
             cow_copies=self.kv.cow_copies,
+            tiers={name: replace(st) for name, st in self.tiers.tiers().items()},
+            blocks_pinned=sum(len(b) for b in self.pins.values()),
         )
+
+    # -- cache management (between steps) ---------------------------------------------------------
+
+    def clear_cache(self, tier: str) -> int:
+        """Empties "hot" (cached free blocks), "warm", "cold" or "all"; returns the entries dropped."""
+        if tier not in (*TIER_NAMES, "all"):
+            raise ValueError(f"tier must be one of hot, warm, cold, all; got {tier!r}")
+        return sum(self.tiers.clear(t) for t in (TIER_NAMES if tier == "all" else (tier,)))
+
+    def pin(self, token_ids: list[int]) -> int:
+        """Holds a reference on the hot blocks of token_ids' full blocks, so they are never evicted.
+        They must be cached already (the async engine prefills first). Returns the tokens pinned."""
+        key = tuple(token_ids)
+        if key in self.pins:
+            return len(self.pins[key]) * self.block_size
+        hashes = self.kv.chain_hashes(list(token_ids))
+        blocks = []
+        for i, h in enumerate(hashes):
+            block = self.pool.get_cached(h, key[i * self.block_size : (i + 1) * self.block_size])
+            if block is None:
+                break
+            blocks.append(block)
+        if len(blocks) < len(hashes):
+            raise RequestError("the prefix is not in the hot tier; prefill it first")
+        budget = int(self.num_blocks * self.config.max_pinned_fraction)
+        pinned = sum(len(b) for b in self.pins.values())
+        if pinned + len(blocks) > budget:
+            raise RequestError(f"pinning {len(blocks)} blocks would exceed the pinned budget "
+                               f"({pinned} of {budget} blocks in use; see max_pinned_fraction)")
+        self.pool.touch(blocks)
+        self.pins[key] = blocks
+        return len(blocks) * self.block_size
+
+    def unpin(self, token_ids: list[int]) -> int:
+        blocks = self.pins.pop(tuple(token_ids), [])
+        self.pool.free(reversed(blocks))
+        return len(blocks) * self.block_size

@@ -7,6 +7,8 @@ from typing import NamedTuple
 from tieredkv.block_pool import BlockPool, KVBlock
 from tieredkv.hashing import BlockHash, hash_block
 from tieredkv.sequence import Sequence
+from tieredkv.tiers.base import BlockKey
+from tieredkv.tiers.manager import Restore
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,6 +34,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.root = root
         self.pending_copies: list[BlockCopy] = []
+        self.pending_restores: list[tuple[Restore, list[KVBlock]]] = []
         self.cow_copies = 0
 
     # -- hashing ---------------------------------------------------------------------------------
@@ -54,6 +57,12 @@ class KVCacheManager:
         return hashes
 
     # -- prefix cache ----------------------------------------------------------------------------
+
+    def lookup_keys(self, seq: Sequence) -> list[BlockKey]:
+        """Keys of the full blocks a prefix lookup may cover (never the last token)."""
+        n = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, n)
+        return [BlockKey(seq.block_hashes[i], self._block_tokens(seq, i)) for i in range(n)]
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
         """Leading full blocks of seq found in the cache, stopping at the first miss.
@@ -86,27 +95,38 @@ class KVCacheManager:
 
     # -- allocation ------------------------------------------------------------------------------
 
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = ()) -> int:
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),
+                          restore: Restore | None = None) -> int:
         """Fresh blocks that allocate_slots would take from the pool, copy-on-write included."""
-        num_computed = seq.num_computed_tokens + len(cached) * self.block_size
-        have = len(seq.block_table) + len(cached)
+        restored_blocks = restore.num_blocks if restore else 0
+        num_computed = seq.num_computed_tokens + len(cached) * self.block_size + (restore.num_tokens if restore else 0)
+        have = len(seq.block_table) + len(cached) + restored_blocks
         need = cdiv(num_computed + num_new_tokens, self.block_size) - have
-        return max(need, 0) + int(self._needs_cow(seq))
+        return max(need, 0) + int(self._needs_cow(seq)) + restored_blocks
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = ()) -> bool:
-        """Make room for num_new_tokens after the computed ones, first adopting `cached` prefix blocks.
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),
+                       restore: Restore | None = None) -> bool:
+        """Make room for num_new_tokens after the computed ones, first adopting `cached` prefix blocks
+        and then fresh blocks for `restore` (promoted or swapped-in data, written before the forward).
 
         Returns False, changing nothing, when the pool cannot supply the blocks. Cached blocks that
         are free count as free until touched, so they are excluded from what can be allocated.
         """
         reviving = sum(1 for b in cached if b.ref_cnt == 0)
-        if self.num_blocks_needed(seq, num_new_tokens, cached) > self.pool.num_free - reviving:
+        if self.num_blocks_needed(seq, num_new_tokens, cached, restore) > self.pool.num_free - reviving:
             return False
         if cached:
             self.pool.touch(cached)
             seq.block_table.extend(cached)
             seq.num_computed_tokens += len(cached) * self.block_size
             seq.num_cached_blocks = len(seq.block_table)
+        if restore is not None:
+            fresh = self.pool.allocate(restore.num_blocks)
+            seq.block_table.extend(fresh)
+            seq.num_computed_tokens += restore.num_tokens
+            if restore.keys:  # promoted full blocks are registered in the hash map when written
+                seq.num_cached_blocks = len(seq.block_table)
+            self.pending_restores.append((restore, fresh))
         if self._needs_cow(seq):
             self._copy_on_write(seq)
         need = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
@@ -130,6 +150,10 @@ class KVCacheManager:
     def take_copies(self) -> list[BlockCopy]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    def take_restores(self) -> list[tuple[Restore, list[KVBlock]]]:
+        restores, self.pending_restores = self.pending_restores, []
+        return restores
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent (ref_cnt + 1 each) and its computed state."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tieredkv.tiers.base import TierStats
+
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
-    cached_prompt_tokens: int
+    cached_prompt_tokens: int  # the sum of cached_tokens_by_tier
     completion_tokens: int
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"hot": 0, "warm": 0, "cold": 0})
 
 
 @dataclass(frozen=True)
@@ -54,3 +57,5 @@ class EngineStats:
     prefix_cache_hits: int  # of which served from the cache
     num_preemptions: int
     cow_copies: int
+    tiers: dict[str, TierStats] = field(default_factory=dict)  # per tier: capacity, use, hits, moves
+    blocks_pinned: int = 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tieredkv.kv_manager import BlockCopy, KVCacheManager
 from tieredkv.sequence import Sequence, SeqStatus
+from tieredkv.tiers.manager import Restore, TierManager
 
 
 @dataclass
@@ -15,10 +16,15 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]]  # (sequence, number of tokens to compute this step)
     block_copies: list[BlockCopy]
     preempted: list[Sequence] = field(default_factory=list)
+    restores: list = field(default_factory=list)  # (Restore, fresh blocks) to write before the forward
+    waiting_on_disk: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+
+_NOT_READY = object()
 
 
 class Scheduler:
@@ -26,12 +32,16 @@ class Scheduler:
 
     Each step: running sequences that decode are served first, then running ones mid-prefill, then
     waiting ones, while the token budget and max_num_seqs allow. When the pool runs dry, the most
-    recently admitted running sequence not yet scheduled this step is preempted (its blocks freed,
-    recomputed later) and goes back to the front of `waiting`.
+    recently admitted running sequence not yet scheduled this step is preempted and goes back to the
+    front of `waiting`: its blocks are swapped to the warm tier when it has room, else freed and
+    recomputed later. A waiting sequence whose prefix is being read from the cold tier is passed
+    over until the read finishes, so the disk never holds up a step that has work to compute.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 tiers: TierManager | None = None):
         self.kv = kv
+        self.tiers = tiers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -75,25 +85,59 @@ class Scheduler:
                 scheduled[seq] = n
                 budget -= n
 
-        while self.waiting and budget > 0 and not preempted:
-            seq = self.waiting[0]
+        on_disk = []
+        for seq in list(self.waiting) if not preempted else []:
+            if budget == 0:
+                break
             forks = seq.request.pending_forks if seq.num_computed_tokens == 0 and seq.index == 0 else 0
             if len(self.running) + 1 + forks > self.max_num_seqs and self.running:
                 break
-            cached = self.kv.find_cached_prefix(seq)
-            num_cached = len(cached) * self.kv.block_size
-            n = min(seq.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(seq, n, cached):
+            cached, restore = self._prefix_for(seq)
+            if restore is _NOT_READY:
+                on_disk.append(seq)
+                continue
+            num_done = len(cached) * self.kv.block_size + (restore.num_tokens if restore else 0)
+            n = min(seq.num_tokens - num_done, budget)
+            if not self.kv.allocate_slots(seq, n, cached, restore):
+                if restore is not None and restore.swap_slots is None:
+                    seq.lookup = None  # look the lower tiers up again next time
                 break
-            self.waiting.popleft()
-            if seq.request.num_cached_tokens is None:
-                seq.request.num_cached_tokens = num_cached
+            self.waiting.remove(seq)
+            seq.swapped = None
+            req = seq.request
+            if req.num_cached_tokens is None:
+                by_tier = {"hot": len(cached) * self.kv.block_size}
+                for name, blocks in (restore.by_tier.items() if restore else ()):
+                    by_tier[name] = blocks * self.kv.block_size
+                req.cached_tokens_by_tier = by_tier
+                req.num_cached_tokens = sum(by_tier.values())
                 self.prefix_cache_queries += seq.num_prompt_tokens
-                self.prefix_cache_hits += num_cached
+                self.prefix_cache_hits += req.num_cached_tokens
             self.add_running(seq)
             scheduled[seq] = n
             budget -= n
-        return SchedulerOutput(list(scheduled.items()), self.kv.take_copies(), preempted)
+        return SchedulerOutput(list(scheduled.items()), self.kv.take_copies(), preempted, self.kv.take_restores(),
+                               on_disk)
+
+    def _prefix_for(self, seq: Sequence) -> tuple[list, "Restore | None"]:
+        """Hot prefix blocks plus what to restore below them: a swap-in, a promotion, or nothing.
+        Returns _NOT_READY as the restore while a cold read is in flight."""
+        if seq.swapped is not None:
+            return [], seq.swapped
+        cached = self.kv.find_cached_prefix(seq)
+        if self.tiers is None or not self.kv.enable_caching:
+            return cached, None
+        first = seq.request.num_cached_tokens is None
+        if seq.lookup is None:
+            seq.lookup = self.tiers.start_lookup(self.kv.lookup_keys(seq), len(cached))
+            if seq.lookup is None:
+                if first:
+                    self.tiers.finish_lookup_counts(len(cached), seq.num_prompt_tokens)
+                return cached, None
+        if not seq.lookup.ready:
+            return cached, _NOT_READY
+        lookup, seq.lookup = seq.lookup, None
+        return cached, self.tiers.finish_lookup(lookup, len(cached), seq.num_prompt_tokens, count=first)
 
     def _pick_victim(self, scheduled: dict[Sequence, int], current: Sequence) -> Sequence:
         candidates = [s for s in self.running if s not in scheduled and s is not current]
@@ -101,6 +145,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if self.tiers is not None:
+            seq.swapped = self.tiers.swap_out(seq.block_table, seq.num_computed_tokens)
         self.kv.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -118,5 +164,8 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(seq)
+        if self.tiers is not None:
+            self.tiers.drop_swap(seq.swapped)
+        seq.swapped = seq.lookup = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

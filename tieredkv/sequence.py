@@ -15,6 +15,7 @@ from tieredkv.hashing import BlockHash
 if TYPE_CHECKING:
     from tieredkv.block_pool import KVBlock
     from tieredkv.detokenizer import IncrementalDetokenizer
+    from tieredkv.tiers.manager import Lookup, Restore
 
 
 class SeqStatus(enum.Enum):
@@ -48,6 +49,8 @@ class Sequence:
         self.detokenizer: IncrementalDetokenizer | None = None
         self.finish_reason: str | None = None
         self.admit_order = 0
+        self.lookup: Lookup | None = None  # a walk of the lower tiers in progress while waiting
+        self.swapped: Restore | None = None  # where a preempted sequence's blocks wait in warm
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +85,8 @@ class Request:
     eos_token_ids: frozenset[int]
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache at first admission
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    prefill_only: bool = False  # compute and cache the prompt, generate nothing
     aborted: bool = False
 
     @property

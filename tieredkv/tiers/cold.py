@@ -1,0 +1,318 @@
+"""Cold tier: KV blocks in LMDB on disk, surviving restarts, shared safely between processes.
+
+Layout (one LMDB environment, four named databases):
+  blocks: key -> value, where key = fingerprint digest (8 bytes) || block hash (32 bytes) and
+          value = b"TKV1" || u32 header length || msgpack header || raw payload bytes;
+          the header holds format version, model fingerprint, dtype, shape, token ids and a crc32
+          of the payload. Any mismatch is a miss plus a failure count, never an exception.
+  lru:    key -> u64 access sequence number;  order: u64 sequence || key -> b"" (oldest first)
+  meta:   b"used_bytes", b"seq" -> u64
+All writes go through one writer thread that batches queued operations into one write transaction
+and doubles the map size on MapFullError. Reads use short read transactions and copy the payload
+out before the transaction ends. The disk budget is enforced inside each write transaction by
+evicting the oldest entries, so it holds across processes (LMDB serialises their writers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import zlib
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Sequence
+
+import lmdb
+import msgpack
+import torch
+
+from tieredkv.tiers.base import BlockKey, KVTier, TierStats
+
+log = logging.getLogger("tieredkv")
+
+FORMAT_VERSION = 1
+_MAGIC = b"TKV1"
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct(">Q")  # big-endian, so the order database sorts by sequence number
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MAX_BATCH = 256
+
+_ENVS: dict[str, tuple[lmdb.Environment, int]] = {}  # one environment per process and path (LMDB's rule)
+_ENVS_LOCK = threading.Lock()
+
+
+def _open_env(path: Path, map_size: int) -> lmdb.Environment:
+    key = os.path.realpath(path)
+    with _ENVS_LOCK:
+        if key in _ENVS:
+            env, refs = _ENVS[key]
+            _ENVS[key] = (env, refs + 1)
+            return env
+        path.mkdir(parents=True, exist_ok=True)
+        env = lmdb.open(str(path), map_size=map_size, max_dbs=4, readahead=False, max_readers=256)
+        _ENVS[key] = (env, 1)
+        return env
+
+
+def _close_env(env: lmdb.Environment) -> None:
+    with _ENVS_LOCK:
+        for key, (e, refs) in list(_ENVS.items()):
+            if e is env:
+                if refs > 1:
+                    _ENVS[key] = (e, refs - 1)
+                else:
+                    del _ENVS[key]
+                    env.close()
+                return
+
+
+class ColdTier(KVTier):
+    """LMDB store with a byte budget and LRU eviction recorded in the database."""
+
+    name = "cold"
+    blocking = True
+
+    def __init__(self, path: str | Path, budget_bytes: int, fingerprint: str, block_shape: tuple[int, ...],
+                 dtype: torch.dtype):
+        self.path = Path(path)
+        self.budget = budget_bytes
+        self.fingerprint = fingerprint
+        self.prefix = hashlib.sha256(fingerprint.encode()).digest()[:8]
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.dtype_name = str(dtype).removeprefix("torch.")
+        self.env = _open_env(self.path, map_size=max(64 << 20, min(budget_bytes * 2, 1 << 40)))
+        self.db_blocks = self.env.open_db(b"blocks")
+        self.db_lru = self.env.open_db(b"lru")
+        self.db_order = self.env.open_db(b"order")
+        self.db_meta = self.env.open_db(b"meta")
+        self._stats = TierStats("cold", budget_bytes)
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="tieredkv-lmdb-writer", daemon=True)
+        self._writer.start()
+        self._refresh_used()
+
+    # -- keys and values ---------------------------------------------------------------------------
+
+    def _key(self, key: BlockKey) -> bytes:
+        return self.prefix + key.block_hash
+
+    def _encode(self, key: BlockKey, block: torch.Tensor) -> bytes:
+        payload = block.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+        header = msgpack.packb({
+            "v": FORMAT_VERSION, "fp": self.fingerprint, "dtype": self.dtype_name, "shape": list(self.block_shape),
+            "tokens": list(key.token_ids), "crc": zlib.crc32(payload),
+        })
+        return _MAGIC + _U32.pack(len(header)) + header + payload
+
+    def _decode(self, key: BlockKey, value: memoryview) -> torch.Tensor | None:
+        """The block, or None (counted as a failure) when anything does not match."""
+        try:
+            if bytes(value[:4]) != _MAGIC:
+                raise ValueError("bad magic")
+            (hlen,) = _U32.unpack(value[4:8])
+            header = msgpack.unpackb(bytes(value[8 : 8 + hlen]))
+            payload = value[8 + hlen :]
+            if (header["v"] != FORMAT_VERSION or header["fp"] != self.fingerprint
+                    or header["dtype"] != self.dtype_name or tuple(header["shape"]) != self.block_shape
+                    or tuple(header["tokens"]) != key.token_ids):
+                raise ValueError("header mismatch")
+            if zlib.crc32(payload) != header["crc"]:
+                raise ValueError("checksum mismatch")
+            data = bytearray(payload)  # copy out before the read transaction ends
+        except Exception as e:  # any corrupt entry is a miss
+            log.warning("cold tier: unusable entry %s: %s", key.block_hash.hex()[:12], e)
+            self._stats.failures += 1
+            self._queue.put(("remove", [self._key(key)], None))
+            return None
+        return torch.frombuffer(data, dtype=self.dtype).view(self.block_shape)
+
+    # -- reads (any thread) ------------------------------------------------------------------------
+
+    def contains_sync(self, keys: Sequence[BlockKey]) -> int:
+        n = 0
+        with self.env.begin(db=self.db_blocks, buffers=True) as txn:
+            for key in keys:
+                if txn.get(self._key(key)) is None:
+                    break
+                n += 1
+        return n
+
+    def get_sync(self, keys: Sequence[BlockKey]) -> torch.Tensor | None:
+        blocks = []
+        try:
+            with self.env.begin(db=self.db_blocks, buffers=True) as txn:
+                for key in keys:
+                    value = txn.get(self._key(key))
+                    block = None if value is None else self._decode(key, value)
+                    if block is None:
+                        break
+                    blocks.append(block)
+        except lmdb.Error as e:
+            log.warning("cold tier read failed: %s", e)
+            self._stats.failures += 1
+        if not blocks:
+            return None
+        self._queue.put(("touch", [self._key(k) for k in keys[: len(blocks)]], None))
+        return torch.stack(blocks)
+
+    # -- writes (through the writer thread) --------------------------------------------------------
+
+    def put_nowait(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> None:
+        """Queues the blocks for writing and returns at once (the demotion path)."""
+        items = [(self._key(k), self._encode(k, b)) for k, b in zip(keys, blocks)]
+        self._queue.put(("put", items, None))
+
+    def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
+        done: Future = Future()
+        self._queue.put(("put", [(self._key(k), self._encode(k, b)) for k, b in zip(keys, blocks)], done))
+        return done.result()
+
+    def remove_sync(self, keys: Sequence[BlockKey]) -> int:
+        done: Future = Future()
+        self._queue.put(("remove", [self._key(k) for k in keys], done))
+        return done.result()
+
+    def clear(self) -> int:
+        """Drops every entry of this model's fingerprint."""
+        done: Future = Future()
+        self._queue.put(("clear", None, done))
+        return done.result()
+
+    def flush(self) -> None:
+        """Waits until everything queued so far is written."""
+        done: Future = Future()
+        self._queue.put(("noop", None, done))
+        done.result()
+
+    def close_sync(self) -> None:
+        if self._closed:
+            return
+        self._queue.put(None)
+        self._writer.join()
+        self._closed = True
+        _close_env(self.env)
+
+    def _write_loop(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            batch = [op]
+            while len(batch) < _MAX_BATCH:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                batch.append(nxt)
+            self._apply(batch)
+
+    def _apply(self, batch: list) -> None:
+        for attempt in range(8):
+            try:
+                results = []
+                with self.env.begin(write=True) as txn:
+                    for kind, payload, _ in batch:
+                        results.append(getattr(self, f"_txn_{kind}")(txn, payload))
+                break
+            except lmdb.MapFullError:
+                new_size = self.env.info()["map_size"] * 2
+                log.info("cold tier: growing the LMDB map to %d bytes", new_size)
+                self.env.set_mapsize(new_size)
+            except lmdb.Error as e:
+                log.warning("cold tier write failed: %s", e)
+                self._stats.failures += 1
+                results = [0] * len(batch)
+                break
+        else:
+            results = [0] * len(batch)
+        self._refresh_used()
+        for (_, _, done), result in zip(batch, results):
+            if done is not None:
+                done.set_result(result)
+
+    def _meta(self, txn, name: bytes) -> int:
+        raw = txn.get(name, db=self.db_meta)
+        return _U64.unpack(raw)[0] if raw else 0
+
+    def _set_meta(self, txn, name: bytes, value: int) -> None:
+        txn.put(name, _U64.pack(value), db=self.db_meta)
+
+    def _next_seq(self, txn) -> bytes:
+        seq = self._meta(txn, b"seq") + 1
+        self._set_meta(txn, b"seq", seq)
+        return _U64.pack(seq)
+
+    def _touch(self, txn, key: bytes) -> None:
+        old = txn.get(key, db=self.db_lru)
+        if old is not None:
+            txn.delete(old + key, db=self.db_order)
+        seq = self._next_seq(txn)
+        txn.put(key, seq, db=self.db_lru)
+        txn.put(seq + key, b"", db=self.db_order)
+
+    def _delete(self, txn, key: bytes) -> int:
+        value = txn.pop(key, db=self.db_blocks)
+        if value is None:
+            return 0
+        seq = txn.pop(key, db=self.db_lru)
+        if seq is not None:
+            txn.delete(seq + key, db=self.db_order)
+        self._set_meta(txn, b"used_bytes", max(self._meta(txn, b"used_bytes") - len(value), 0))
+        return 1
+
+    def _txn_put(self, txn, items) -> int:
+        stored = 0
+        for key, value in items:
+            if txn.get(key, db=self.db_blocks) is not None:
+                self._touch(txn, key)
+                stored += 1
+                continue
+            if len(value) > self.budget:
+                continue
+            used = self._meta(txn, b"used_bytes")
+            while used + len(value) > self.budget:
+                with txn.cursor(db=self.db_order) as cur:
+                    if not cur.first():
+                        break
+                    oldest = bytes(cur.key())[8:]
+                self._delete(txn, oldest)
+                self._stats.evictions += 1
+                used = self._meta(txn, b"used_bytes")
+            txn.put(key, value, db=self.db_blocks)
+            self._set_meta(txn, b"used_bytes", used + len(value))
+            self._touch(txn, key)
+            stored += 1
+        return stored
+
+    def _txn_touch(self, txn, keys) -> int:
+        for key in keys:
+            if txn.get(key, db=self.db_blocks) is not None:
+                self._touch(txn, key)
+        return 0
+
+    def _txn_remove(self, txn, keys) -> int:
+        return sum(self._delete(txn, key) for key in keys)
+
+    def _txn_clear(self, txn, _) -> int:
+        with txn.cursor(db=self.db_blocks) as cur:
+            mine = [bytes(k) for k in cur.iternext(values=False) if bytes(k).startswith(self.prefix)]
+        return sum(self._delete(txn, key) for key in mine)
+
+    def _txn_noop(self, txn, _) -> int:
+        return 0
+
+    def _refresh_used(self) -> None:
+        with self.env.begin() as txn:
+            self._stats.used_bytes = self._meta(txn, b"used_bytes")
+
+    def stats(self) -> TierStats:
+        return self._stats

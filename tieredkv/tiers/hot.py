@@ -1,0 +1,82 @@
+"""Hot tier: the accelerator's block pool seen through the storage interface."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tieredkv.block_pool import BlockPool, KVBlock
+from tieredkv.kernels import KernelOps
+from tieredkv.tiers.base import BlockKey, KVTier, TierStats
+
+
+class HotTier(KVTier):
+    """Cached blocks of the pool (ref_cnt 0 ones are evictable). Data moves with the pool's kernels."""
+
+    name = "hot"
+
+    def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, ops: KernelOps):
+        self.pool = pool
+        self.kv_cache = kv_cache
+        self.ops = ops
+        self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
+        self._stats = TierStats("hot", pool.num_blocks * self.block_bytes)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[KVBlock]:
+        hits = []
+        for key in keys:
+            block = self.pool.get_cached(key.block_hash, key.token_ids)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def contains_sync(self, keys: Sequence[BlockKey]) -> int:
+        return len(self.lookup(keys))
+
+    def get_sync(self, keys: Sequence[BlockKey]) -> torch.Tensor | None:
+        blocks = self.lookup(keys)
+        if not blocks:
+            return None
+        return self.gather([b.block_id for b in blocks]).cpu()
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """[n, layers, 2, block_size, kv_heads, head_dim] on the pool's device."""
+        kv = self.kv_cache
+        out = torch.empty((len(block_ids), kv.shape[0], 2, *kv.shape[3:]), dtype=kv.dtype, device=kv.device)
+        self.ops.gather_blocks(kv, torch.tensor(block_ids, device=kv.device), out)
+        return out
+
+    def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        kv = self.kv_cache
+        src = blocks.to(kv.device, kv.dtype, non_blocking=True).contiguous()
+        self.ops.scatter_blocks(kv, torch.tensor(block_ids, device=kv.device), src)
+
+    def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
+        """Writes the blocks into freshly allocated pool blocks, cached and immediately evictable."""
+        have = {k.block_hash for k in keys if k.block_hash in self.pool.cached}
+        new = [i for i, k in enumerate(keys) if k.block_hash not in have]
+        new = new[: self.pool.num_free]
+        if new:
+            fresh = self.pool.allocate(len(new))
+            self.scatter([b.block_id for b in fresh], blocks[new])
+            for i, block in zip(new, fresh):
+                self.pool.cache(block, keys[i].block_hash, keys[i].token_ids)
+            self.pool.free(reversed(fresh))
+        self._stats.used_bytes = len(self.pool.cached) * self.block_bytes
+        return len(have) + len(new)
+
+    def remove_sync(self, keys: Sequence[BlockKey]) -> int:
+        """Forgets the keys whose blocks are not in use."""
+        n = 0
+        for key in keys:
+            block = self.pool.get_cached(key.block_hash, key.token_ids)
+            if block is not None and block.ref_cnt == 0:
+                self.pool.uncache(block)
+                n += 1
+        return n
+
+    def stats(self) -> TierStats:
+        self._stats.used_bytes = (self.pool.num_blocks - self.pool.num_free) * self.block_bytes
+        return self._stats

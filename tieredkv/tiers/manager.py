@@ -1,0 +1,209 @@
+"""Moves blocks between tiers: demotes on eviction, promotes on a hit, swaps preempted sequences.
+
+Runs in the engine's step thread, except cold-tier reads, which run in a reader thread and are
+polled: a request whose prefix is being read from disk waits while the others compute.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from tieredkv.block_pool import KVBlock
+from tieredkv.tiers.base import BlockKey, TierStats
+from tieredkv.tiers.cold import ColdTier
+from tieredkv.tiers.hot import HotTier
+from tieredkv.tiers.warm import WarmTier
+
+log = logging.getLogger("tieredkv")
+TIER_NAMES = ("hot", "warm", "cold")
+
+
+@dataclass
+class Restore:
+    """Blocks to write into fresh hot blocks at admission: a promotion or a swap-in."""
+
+    start: int  # index of the first restored block in the sequence's block table
+    num_tokens: int  # tokens they hold (full blocks, except a swapped sequence's last one)
+    data: torch.Tensor | None  # [n, layers, 2, block_size, kv_heads, head_dim] in host memory; None: swap slots
+    keys: list[BlockKey] = field(default_factory=list)  # promotions: to register in the hash map
+    by_tier: dict[str, int] = field(default_factory=dict)  # promoted blocks per source tier
+    swap_slots: list[int] | None = None  # swap-ins: warm slots to release
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0] if self.data is not None else len(self.swap_slots)
+
+
+@dataclass
+class Lookup:
+    """A waiting sequence's walk below hot: warm hits at once, cold hits when the read finishes."""
+
+    start: int  # first block index looked up below hot
+    keys: list[BlockKey]
+    warm: torch.Tensor | None
+    cold: Future | None
+
+    @property
+    def ready(self) -> bool:
+        return self.cold is None or self.cold.done()
+
+
+class TierManager:
+    def __init__(self, hot: HotTier, warm: WarmTier | None, cold: ColdTier | None, block_size: int):
+        self.hot = hot
+        self.warm = warm
+        self.cold = cold
+        self.block_size = block_size
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-cold-read") if cold else None
+        if warm is not None:
+            warm.on_evict = self._demote_from_warm
+        hot.pool.on_evict = self._demote_from_hot
+
+    def tiers(self) -> dict[str, TierStats]:
+        out = {"hot": self.hot.stats()}
+        if self.warm is not None:
+            out["warm"] = self.warm.stats()
+        if self.cold is not None:
+            out["cold"] = self.cold.stats()
+        return out
+
+    # -- demotion ---------------------------------------------------------------------------------
+
+    def _demote_from_hot(self, blocks: list[KVBlock]) -> None:
+        """Write-back: copies evicted hot blocks down before the pool reuses them."""
+        if self.warm is None and self.cold is None:
+            return
+        keys = [BlockKey(b.block_hash, b.token_ids) for b in blocks]
+        try:
+            data = self.hot.gather([b.block_id for b in blocks])
+            if self.warm is not None and self.warm.capacity:
+                stored = self.warm.put_sync(keys, data)
+                self.warm.stats().demotions += stored
+            else:
+                self.cold.put_nowait(keys, data.cpu())
+                self.cold.stats().demotions += len(keys)
+        except Exception:  # a failed demotion loses cache, never correctness
+            log.exception("demotion from hot failed")
+            self.hot.stats().failures += 1
+        self.hot.stats().evictions += len(blocks)
+
+    def _demote_from_warm(self, keys: list[BlockKey], blocks: torch.Tensor) -> None:
+        if self.cold is None:
+            return
+        try:
+            self.cold.put_nowait(keys, blocks)
+            self.cold.stats().demotions += len(keys)
+        except Exception:
+            log.exception("demotion from warm failed")
+            self.warm.stats().failures += 1
+
+    # -- promotion --------------------------------------------------------------------------------
+
+    def start_lookup(self, keys: list[BlockKey], start: int) -> Lookup | None:
+        """Looks keys[start:] up in warm (now) and cold (in the reader thread), head first."""
+        rest = keys[start:]
+        if not rest or (self.warm is None and self.cold is None):
+            return None
+        warm = self.warm.get_sync(rest) if self.warm is not None else None
+        n_warm = 0 if warm is None else warm.shape[0]
+        cold = None
+        if self.cold is not None and n_warm < len(rest):
+            cold = self._reader.submit(self.cold.get_sync, rest[n_warm:])
+        return Lookup(start, rest, warm, cold)
+
+    def wait(self, lookups: list[Lookup], timeout: float) -> None:
+        """Blocks until one of the pending cold reads finishes (used only when nothing can compute)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        pending = [lk.cold for lk in lookups if lk.cold is not None and not lk.cold.done()]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def finish_lookup(self, lookup: Lookup, num_hot: int, num_queried_tokens: int, count: bool) -> Restore | None:
+        """Turns a finished lookup into a promotion that continues the hot hits; None if it cannot."""
+        parts, by_tier = [], {}
+        if lookup.warm is not None:
+            parts.append(lookup.warm)
+            by_tier["warm"] = lookup.warm.shape[0]
+        cold = None
+        if lookup.cold is not None:
+            try:
+                cold = lookup.cold.result()
+            except Exception:
+                log.exception("cold read failed")
+                self.cold.stats().failures += 1
+        if cold is not None:
+            parts.append(cold)
+            by_tier["cold"] = cold.shape[0]
+        if count:
+            self._count_lookup(num_hot, by_tier, num_queried_tokens)
+        if not parts or num_hot != lookup.start:  # hot changed while we waited: no gap allowed
+            return None
+        data = torch.cat(parts) if len(parts) > 1 else parts[0]
+        n = data.shape[0]
+        return Restore(lookup.start, n * self.block_size, data, lookup.keys[:n], by_tier)
+
+    def finish_lookup_counts(self, num_hot: int, num_queried_tokens: int) -> None:
+        """Counts a first lookup that found nothing to read below hot."""
+        self._count_lookup(num_hot, {}, num_queried_tokens)
+
+    def _count_lookup(self, num_hot: int, by_tier: dict[str, int], num_queried_tokens: int) -> None:
+        bs = self.block_size
+        remaining = num_queried_tokens
+        for name, n in (("hot", num_hot), ("warm", by_tier.get("warm", 0)), ("cold", by_tier.get("cold", 0))):
+            tier = self.tiers().get(name)
+            if tier is None:
+                continue
+            tier.hits += n * bs
+            tier.misses += remaining - n * bs
+            remaining -= n * bs
+
+    def apply(self, restore: Restore, blocks: list[KVBlock]) -> None:
+        """Writes restored data into the fresh hot blocks and registers promoted hashes."""
+        data = restore.data if restore.data is not None else self.warm.slab[torch.tensor(restore.swap_slots)]
+        self.hot.scatter([b.block_id for b in blocks], data)
+        for key, block in zip(restore.keys, blocks):
+            self.hot.pool.cache(block, key.block_hash, key.token_ids)
+        for name, n in restore.by_tier.items():
+            self.tiers()[name].promotions += n
+        if restore.swap_slots is not None:
+            self.warm.release(restore.swap_slots)
+
+    # -- swap -------------------------------------------------------------------------------------
+
+    def swap_out(self, blocks: list[KVBlock], num_tokens: int) -> Restore | None:
+        """Copies a preempted sequence's blocks into warm swap slots; None when warm has no room."""
+        if self.warm is None or not blocks:
+            return None
+        slots = self.warm.reserve(len(blocks))
+        if slots is None:
+            return None
+        self.warm.slab[torch.tensor(slots)] = self.hot.gather([b.block_id for b in blocks]).to("cpu")
+        self.warm.stats().demotions += len(blocks)
+        return Restore(0, num_tokens, None, swap_slots=slots)
+
+    def drop_swap(self, restore: Restore | None) -> None:
+        if restore is not None and restore.swap_slots is not None:
+            self.warm.release(restore.swap_slots)
+            restore.swap_slots = None
+
+    # -- management -------------------------------------------------------------------------------
+
+    def clear(self, tier: str) -> int:
+        if tier == "hot":
+            return self.hot.pool.evict_all_cached()
+        if tier == "warm" and self.warm is not None:
+            return self.warm.clear()
+        if tier == "cold" and self.cold is not None:
+            return self.cold.clear()
+        return 0
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+        if self.cold is not None:
+            self.cold.close_sync()
