@@ -173,6 +173,11 @@ class EngineCore:
         return TierManager(hot, warm, cold, self.block_size)
 
     def close(self) -> None:
+        """Persists cached blocks to the cold tier (when there is one) and closes the tiers."""
+        for blocks in self.pins.values():
+            self.pool.free(reversed(blocks))
+        self.pins.clear()
+        self.tiers.persist()
         self.tiers.close()
 
     def _fingerprint(self) -> str:
@@ -338,6 +343,7 @@ class EngineCore:
             prefix_cache_hits=sched.prefix_cache_hits,
             num_preemptions=sched.num_preemptions,
             cow_copies=self.kv.cow_copies,
+            num_swaps=sched.num_swaps,
             tiers={name: replace(st) for name, st in self.tiers.tiers().items()},
             blocks_pinned=sum(len(b) for b in self.pins.values()),
         )

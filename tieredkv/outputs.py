@@ -57,5 +57,6 @@ class EngineStats:
     prefix_cache_hits: int  # of which served from the cache
     num_preemptions: int
     cow_copies: int
+    num_swaps: int = 0  # preemptions swapped to the warm tier (the rest are recomputed)
     tiers: dict[str, TierStats] = field(default_factory=dict)  # per tier: capacity, use, hits, moves
     blocks_pinned: int = 0

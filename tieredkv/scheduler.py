@@ -48,6 +48,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions whose blocks went to the warm tier instead of being recomputed
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -147,6 +148,7 @@ class Scheduler:
         self.running.remove(seq)
         if self.tiers is not None:
             seq.swapped = self.tiers.swap_out(seq.block_table, seq.num_computed_tokens)
+            self.num_swaps += seq.swapped is not None
         self.kv.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

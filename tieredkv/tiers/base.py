@@ -39,8 +39,11 @@ class KVTier(ABC):
 
     The async methods are the interface; implementations provide their synchronous batch versions,
     which a tier that does blocking I/O (`blocking = True`) runs in a worker thread.
-    Every method takes a batch: one call moves many blocks.
+    Every method takes a batch: one call moves many blocks. `counters` is the tier's live TierStats;
+    `stats()` returns it with the current use filled in.
     """
+
+    counters: TierStats
 
     name: ClassVar[str]
     blocking: ClassVar[bool] = False

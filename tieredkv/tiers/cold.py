@@ -90,12 +90,20 @@ class ColdTier(KVTier):
         self.db_lru = self.env.open_db(b"lru")
         self.db_order = self.env.open_db(b"order")
         self.db_meta = self.env.open_db(b"meta")
-        self._stats = TierStats("cold", budget_bytes)
+        self.counters = TierStats("cold", budget_bytes)
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="tieredkv-lmdb-writer", daemon=True)
         self._writer.start()
         self._refresh_used()
+
+    @staticmethod
+    def entry_size(block_shape: tuple[int, ...], dtype: torch.dtype, fingerprint: str, num_tokens: int) -> int:
+        """Bytes one entry takes against the budget (small token ids; larger ids add a few bytes)."""
+        header = msgpack.packb({"v": FORMAT_VERSION, "fp": fingerprint, "dtype": str(dtype).removeprefix("torch."),
+                                "shape": list(block_shape), "tokens": [0] * num_tokens, "crc": 2**32 - 1})
+        payload = torch.empty(block_shape, dtype=dtype).numel() * dtype.itemsize
+        return len(_MAGIC) + _U32.size + len(header) + payload
 
     # -- keys and values ---------------------------------------------------------------------------
 
@@ -110,24 +118,29 @@ class ColdTier(KVTier):
         })
         return _MAGIC + _U32.pack(len(header)) + header + payload
 
+    def _header(self, key: BlockKey, value: memoryview) -> tuple[dict, int]:
+        """The entry's header and where its payload starts; raises ValueError on any mismatch."""
+        if bytes(value[:4]) != _MAGIC:
+            raise ValueError("bad magic")
+        (hlen,) = _U32.unpack(value[4:8])
+        header = msgpack.unpackb(bytes(value[8 : 8 + hlen]))
+        if (header["v"] != FORMAT_VERSION or header["fp"] != self.fingerprint
+                or header["dtype"] != self.dtype_name or tuple(header["shape"]) != self.block_shape
+                or tuple(header["tokens"]) != key.token_ids):
+            raise ValueError("header mismatch")
+        return header, 8 + hlen
+
     def _decode(self, key: BlockKey, value: memoryview) -> torch.Tensor | None:
         """The block, or None (counted as a failure) when anything does not match."""
         try:
-            if bytes(value[:4]) != _MAGIC:
-                raise ValueError("bad magic")
-            (hlen,) = _U32.unpack(value[4:8])
-            header = msgpack.unpackb(bytes(value[8 : 8 + hlen]))
-            payload = value[8 + hlen :]
-            if (header["v"] != FORMAT_VERSION or header["fp"] != self.fingerprint
-                    or header["dtype"] != self.dtype_name or tuple(header["shape"]) != self.block_shape
-                    or tuple(header["tokens"]) != key.token_ids):
-                raise ValueError("header mismatch")
+            header, start = self._header(key, value)
+            payload = value[start:]
             if zlib.crc32(payload) != header["crc"]:
                 raise ValueError("checksum mismatch")
             data = bytearray(payload)  # copy out before the read transaction ends
         except Exception as e:  # any corrupt entry is a miss
             log.warning("cold tier: unusable entry %s: %s", key.block_hash.hex()[:12], e)
-            self._stats.failures += 1
+            self.counters.failures += 1
             self._queue.put(("remove", [self._key(key)], None))
             return None
         return torch.frombuffer(data, dtype=self.dtype).view(self.block_shape)
@@ -138,7 +151,12 @@ class ColdTier(KVTier):
         n = 0
         with self.env.begin(db=self.db_blocks, buffers=True) as txn:
             for key in keys:
-                if txn.get(self._key(key)) is None:
+                value = txn.get(self._key(key))
+                if value is None:
+                    break
+                try:
+                    self._header(key, value)
+                except Exception:  # the payload's checksum is verified on get
                     break
                 n += 1
         return n
@@ -155,7 +173,7 @@ class ColdTier(KVTier):
                     blocks.append(block)
         except lmdb.Error as e:
             log.warning("cold tier read failed: %s", e)
-            self._stats.failures += 1
+            self.counters.failures += 1
         if not blocks:
             return None
         self._queue.put(("touch", [self._key(k) for k in keys[: len(blocks)]], None))
@@ -229,7 +247,7 @@ class ColdTier(KVTier):
                 self.env.set_mapsize(new_size)
             except lmdb.Error as e:
                 log.warning("cold tier write failed: %s", e)
-                self._stats.failures += 1
+                self.counters.failures += 1
                 results = [0] * len(batch)
                 break
         else:
@@ -285,7 +303,7 @@ class ColdTier(KVTier):
                         break
                     oldest = bytes(cur.key())[8:]
                 self._delete(txn, oldest)
-                self._stats.evictions += 1
+                self.counters.evictions += 1
                 used = self._meta(txn, b"used_bytes")
             txn.put(key, value, db=self.db_blocks)
             self._set_meta(txn, b"used_bytes", used + len(value))
@@ -312,7 +330,7 @@ class ColdTier(KVTier):
 
     def _refresh_used(self) -> None:
         with self.env.begin() as txn:
-            self._stats.used_bytes = self._meta(txn, b"used_bytes")
+            self.counters.used_bytes = self._meta(txn, b"used_bytes")
 
     def stats(self) -> TierStats:
-        return self._stats
+        return self.counters

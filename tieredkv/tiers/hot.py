@@ -21,7 +21,7 @@ class HotTier(KVTier):
         self.kv_cache = kv_cache
         self.ops = ops
         self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
-        self._stats = TierStats("hot", pool.num_blocks * self.block_bytes)
+        self.counters = TierStats("hot", pool.num_blocks * self.block_bytes)
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[KVBlock]:
         hits = []
@@ -39,6 +39,8 @@ class HotTier(KVTier):
         blocks = self.lookup(keys)
         if not blocks:
             return None
+        self.pool.touch(blocks)  # a read makes them the most recently used
+        self.pool.free(reversed(blocks))
         return self.gather([b.block_id for b in blocks]).cpu()
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:
@@ -64,7 +66,6 @@ class HotTier(KVTier):
             for i, block in zip(new, fresh):
                 self.pool.cache(block, keys[i].block_hash, keys[i].token_ids)
             self.pool.free(reversed(fresh))
-        self._stats.used_bytes = len(self.pool.cached) * self.block_bytes
         return len(have) + len(new)
 
     def remove_sync(self, keys: Sequence[BlockKey]) -> int:
@@ -78,5 +79,8 @@ class HotTier(KVTier):
         return n
 
     def stats(self) -> TierStats:
-        self._stats.used_bytes = (self.pool.num_blocks - self.pool.num_free) * self.block_bytes
-        return self._stats
+        """used_bytes: blocks holding data, in use by a sequence or cached for reuse."""
+        pool = self.pool
+        cached_free = sum(1 for b in pool.cached.values() if b.ref_cnt == 0)
+        self.counters.used_bytes = (pool.num_blocks - pool.num_free + cached_free) * self.block_bytes
+        return self.counters

@@ -63,13 +63,12 @@ class TierManager:
             warm.on_evict = self._demote_from_warm
         hot.pool.on_evict = self._demote_from_hot
 
+    def _present(self) -> dict[str, object]:
+        return {name: t for name, t in (("hot", self.hot), ("warm", self.warm), ("cold", self.cold)) if t is not None}
+
     def tiers(self) -> dict[str, TierStats]:
-        out = {"hot": self.hot.stats()}
-        if self.warm is not None:
-            out["warm"] = self.warm.stats()
-        if self.cold is not None:
-            out["cold"] = self.cold.stats()
-        return out
+        """Each present tier's counters, with its current use."""
+        return {name: t.stats() for name, t in self._present().items()}
 
     # -- demotion ---------------------------------------------------------------------------------
 
@@ -82,24 +81,24 @@ class TierManager:
             data = self.hot.gather([b.block_id for b in blocks])
             if self.warm is not None and self.warm.capacity:
                 stored = self.warm.put_sync(keys, data)
-                self.warm.stats().demotions += stored
+                self.warm.counters.demotions += stored
             else:
                 self.cold.put_nowait(keys, data.cpu())
-                self.cold.stats().demotions += len(keys)
+                self.cold.counters.demotions += len(keys)
         except Exception:  # a failed demotion loses cache, never correctness
             log.exception("demotion from hot failed")
-            self.hot.stats().failures += 1
-        self.hot.stats().evictions += len(blocks)
+            self.hot.counters.failures += 1
+        self.hot.counters.evictions += len(blocks)
 
     def _demote_from_warm(self, keys: list[BlockKey], blocks: torch.Tensor) -> None:
         if self.cold is None:
             return
         try:
             self.cold.put_nowait(keys, blocks)
-            self.cold.stats().demotions += len(keys)
+            self.cold.counters.demotions += len(keys)
         except Exception:
             log.exception("demotion from warm failed")
-            self.warm.stats().failures += 1
+            self.warm.counters.failures += 1
 
     # -- promotion --------------------------------------------------------------------------------
 
@@ -135,7 +134,7 @@ class TierManager:
                 cold = lookup.cold.result()
             except Exception:
                 log.exception("cold read failed")
-                self.cold.stats().failures += 1
+                self.cold.counters.failures += 1
         if cold is not None:
             parts.append(cold)
             by_tier["cold"] = cold.shape[0]
@@ -155,11 +154,11 @@ class TierManager:
         bs = self.block_size
         remaining = num_queried_tokens
         for name, n in (("hot", num_hot), ("warm", by_tier.get("warm", 0)), ("cold", by_tier.get("cold", 0))):
-            tier = self.tiers().get(name)
+            tier = self._present().get(name)
             if tier is None:
                 continue
-            tier.hits += n * bs
-            tier.misses += remaining - n * bs
+            tier.counters.hits += n * bs
+            tier.counters.misses += remaining - n * bs
             remaining -= n * bs
 
     def apply(self, restore: Restore, blocks: list[KVBlock]) -> None:
@@ -169,7 +168,7 @@ class TierManager:
         for key, block in zip(restore.keys, blocks):
             self.hot.pool.cache(block, key.block_hash, key.token_ids)
         for name, n in restore.by_tier.items():
-            self.tiers()[name].promotions += n
+            self._present()[name].counters.promotions += n
         if restore.swap_slots is not None:
             self.warm.release(restore.swap_slots)
 
@@ -183,7 +182,7 @@ class TierManager:
         if slots is None:
             return None
         self.warm.slab[torch.tensor(slots)] = self.hot.gather([b.block_id for b in blocks]).to("cpu")
-        self.warm.stats().demotions += len(blocks)
+        self.warm.counters.demotions += len(blocks)
         return Restore(0, num_tokens, None, swap_slots=slots)
 
     def drop_swap(self, restore: Restore | None) -> None:
@@ -201,6 +200,27 @@ class TierManager:
         if tier == "cold" and self.cold is not None:
             return self.cold.clear()
         return 0
+
+    def persist(self) -> int:
+        """Writes every cached hot and warm block to the cold tier (at shutdown), so that a restarted
+        engine on the same cold_path finds them. Returns the number of blocks queued."""
+        if self.cold is None:
+            return 0
+        n = 0
+        cached = list(self.hot.pool.cached.values())
+        for i in range(0, len(cached), 256):
+            part = cached[i : i + 256]
+            self.cold.put_nowait([BlockKey(b.block_hash, b.token_ids) for b in part],
+                                 self.hot.gather([b.block_id for b in part]).cpu())
+            n += len(part)
+        if self.warm is not None:
+            entries = list(self.warm.entries.items())
+            for i in range(0, len(entries), 256):
+                part = entries[i : i + 256]
+                slots = torch.tensor([slot for _, (slot, _) in part])
+                self.cold.put_nowait([BlockKey(h, tokens) for h, (_, tokens) in part], self.warm.slab[slots])
+                n += len(part)
+        return n
 
     def close(self) -> None:
         if self._reader is not None:

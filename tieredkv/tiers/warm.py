@@ -30,7 +30,7 @@ class WarmTier(KVTier):
         self.entries: OrderedDict[BlockHash, tuple[int, tuple[int, ...]]] = OrderedDict()
         self.free_slots = list(range(capacity_blocks - 1, -1, -1))
         self.on_evict = on_evict
-        self._stats = TierStats("warm", capacity_blocks * self.block_bytes)
+        self.counters = TierStats("warm", capacity_blocks * self.block_bytes)
 
     def contains_sync(self, keys: Sequence[BlockKey]) -> int:
         n = 0
@@ -69,7 +69,7 @@ class WarmTier(KVTier):
         self.slab[torch.tensor(slots)] = blocks[torch.tensor(new, device=blocks.device)].to("cpu", self.slab.dtype)
         for i, slot in zip(new, slots):
             self.entries[keys[i].block_hash] = (slot, keys[i].token_ids)
-        self._stats.used_bytes = len(self.entries) * self.block_bytes
+        self.counters.used_bytes = len(self.entries) * self.block_bytes
         return stored + len(new)
 
     def _make_room(self, n: int) -> None:
@@ -83,7 +83,7 @@ class WarmTier(KVTier):
         if self.on_evict is not None:
             self.on_evict([k for k, _ in victims], self.slab[torch.tensor([s for _, s in victims])])
         self.free_slots.extend(s for _, s in victims)
-        self._stats.evictions += len(victims)
+        self.counters.evictions += len(victims)
 
     def remove_sync(self, keys: Sequence[BlockKey]) -> int:
         n = 0
@@ -92,14 +92,14 @@ class WarmTier(KVTier):
             if entry is not None:
                 self.free_slots.append(entry[0])
                 n += 1
-        self._stats.used_bytes = len(self.entries) * self.block_bytes
+        self.counters.used_bytes = len(self.entries) * self.block_bytes
         return n
 
     def clear(self) -> int:
         n = len(self.entries)
         self.free_slots.extend(slot for slot, _ in self.entries.values())
         self.entries.clear()
-        self._stats.used_bytes = 0
+        self.counters.used_bytes = 0
         return n
 
     # -- swap space for preempted sequences --------------------------------------------------------
@@ -117,4 +117,4 @@ class WarmTier(KVTier):
         self.free_slots.extend(slots)
 
     def stats(self) -> TierStats:
-        return self._stats
+        return self.counters

@@ -1,0 +1,100 @@
+"""One contract for every storage tier: hot (the block pool), warm (host slab), cold (LMDB)."""
+
+import pytest
+import torch
+
+from tieredkv.block_pool import BlockPool
+from tieredkv.hashing import hash_block, root_hash
+from tieredkv.kernels.dispatch import TORCH_OPS
+from tieredkv.tiers.base import BlockKey
+from tieredkv.tiers.cold import ColdTier
+from tieredkv.tiers.hot import HotTier
+from tieredkv.tiers.warm import WarmTier
+
+SHAPE = (2, 2, 4, 2, 8)  # layers, k|v, block_size, kv_heads, head_dim
+CAPACITY = 6
+
+
+def make_keys(n, seed=0):
+    keys, parent = [], root_hash(f"contract-{seed}")
+    for i in range(n):
+        tokens = tuple(range(i * 4 + seed, i * 4 + 4 + seed))
+        parent = hash_block(parent, tokens)
+        keys.append(BlockKey(parent, tokens))
+    return keys
+
+
+def make_blocks(n, seed=0):
+    return torch.randn((n, *SHAPE), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(params=["hot", "warm", "cold"])
+async def tier(request, tmp_path):
+    if request.param == "hot":
+        pool = BlockPool(CAPACITY)
+        kv = torch.zeros(SHAPE[0], 2, CAPACITY, *SHAPE[2:])
+        t = HotTier(pool, kv, TORCH_OPS)
+    elif request.param == "warm":
+        t = WarmTier(CAPACITY, SHAPE, torch.float32, pin=False)
+    else:
+        entry = ColdTier.entry_size(SHAPE, torch.float32, "fp-test", num_tokens=4)
+        t = ColdTier(tmp_path / "cold", CAPACITY * entry, "fp-test", SHAPE, torch.float32)
+    yield t
+    await t.close()
+
+
+async def test_put_then_get_roundtrips_exactly(tier):
+    keys, blocks = make_keys(4), make_blocks(4)
+    assert await tier.put(keys, blocks) == 4
+    assert await tier.contains(keys) == 4
+    got = await tier.get(keys)
+    assert torch.equal(got, blocks)
+
+
+async def test_contains_and_get_stop_at_the_first_miss(tier):
+    keys, blocks = make_keys(5), make_blocks(5)
+    await tier.put(keys[:2] + keys[3:], torch.cat([blocks[:2], blocks[3:]]))
+    assert await tier.contains(keys) == 2
+    got = await tier.get(keys)
+    assert got.shape[0] == 2 and torch.equal(got, blocks[:2])
+    assert await tier.contains(keys[2:]) == 0
+    assert await tier.get(keys[2:]) is None
+
+
+async def test_same_hash_other_tokens_is_a_miss(tier):
+    keys, blocks = make_keys(1), make_blocks(1)
+    await tier.put(keys, blocks)
+    forged = [BlockKey(keys[0].block_hash, tuple(t + 1 for t in keys[0].token_ids))]
+    assert await tier.contains(forged) == 0
+
+
+async def test_put_is_idempotent_and_remove_drops(tier):
+    keys, blocks = make_keys(3), make_blocks(3)
+    assert await tier.put(keys, blocks) == 3
+    assert await tier.put(keys, blocks) == 3
+    assert await tier.remove(keys[1:2]) == 1
+    assert await tier.remove(keys[1:2]) == 0
+    assert await tier.contains(keys) == 1
+    assert await tier.contains(keys[2:]) == 1
+
+
+async def test_a_full_tier_evicts_least_recently_used_first(tier):
+    keys, blocks = make_keys(CAPACITY + 3), make_blocks(CAPACITY + 3)
+    for i in range(CAPACITY):
+        await tier.put(keys[i:i + 1], blocks[i:i + 1])
+    await tier.get(keys[:1])  # key 0 becomes the most recently used
+    if isinstance(tier, ColdTier):
+        tier.flush()
+    await tier.put(keys[CAPACITY:], blocks[CAPACITY:])
+    present = [await tier.contains([k]) for k in keys]
+    assert sum(present) <= CAPACITY
+    assert present[CAPACITY:] == [1, 1, 1]
+    assert present[0] == 1 and present[1] == 0  # key 1 was the oldest untouched
+    assert tier.stats().used_bytes <= tier.stats().capacity_bytes
+
+
+async def test_stats_report_capacity_and_use(tier):
+    before = tier.stats().used_bytes
+    await tier.put(make_keys(2, seed=9), make_blocks(2))
+    stats = tier.stats()
+    assert stats.capacity_bytes > 0 and stats.used_bytes > before and stats.name == tier.name

@@ -1,0 +1,112 @@
+"""The engine with all tiers on: exact outputs under a tiny hot pool, restarts, swaps, cache management."""
+
+import asyncio
+import random
+
+import pytest
+
+from helpers import check_pool_clean
+from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+
+BS = 16
+BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
+
+
+def rand_ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+SYSTEMS = [rand_ids(160, seed=s) for s in range(4)]  # 4 shared system prompts of 10 blocks each
+WORKLOAD = [SYSTEMS[i % 4] + rand_ids(9, seed=100 + i) for i in range(12)]
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+async def run(model_dir, prompts, **cfg):
+    async with await AsyncEngine.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
+        outs = [await engine.generate(p, PARAMS) for p in prompts]
+        check_pool_clean(engine.core)
+        return [o.outputs[0].token_ids for o in outs], [o.usage for o in outs], engine.stats()
+
+
+async def test_tiny_hot_pool_with_all_tiers_matches_unconstrained(llama_dir, tmp_path):
+    expected, _, _ = await run(llama_dir, WORKLOAD, num_blocks=512, warm_bytes=0)
+    got, usage, stats = await run(llama_dir, WORKLOAD, num_blocks=24, warm_bytes=12 * BLOCK_BYTES,
+                                  cold_path=str(tmp_path / "cold"))
+    assert got == expected
+    warm, cold = stats.tiers["warm"], stats.tiers["cold"]
+    assert warm.demotions > 0 and warm.promotions > 0 and warm.evictions > 0
+    assert cold.demotions > 0 and cold.promotions > 0
+    assert sum(u.cached_tokens_by_tier["warm"] for u in usage) == warm.promotions * BS
+    assert sum(u.cached_tokens_by_tier["cold"] for u in usage) == cold.promotions * BS
+    for u in usage:
+        assert u.cached_prompt_tokens == sum(u.cached_tokens_by_tier.values())
+    assert stats.tiers["hot"].hits + warm.hits + cold.hits == stats.prefix_cache_hits
+    assert cold.failures == 0 and warm.failures == 0
+
+
+async def test_restart_serves_prefixes_from_disk(llama_dir, tmp_path):
+    path = str(tmp_path / "cold")
+    first, usage1, _ = await run(llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
+    assert all(u.cached_prompt_tokens == 0 for u in usage1)
+    again, usage2, stats = await run(llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
+    assert again == first
+    assert [u.cached_tokens_by_tier["cold"] for u in usage2] == [160] * 4
+    assert stats.tiers["cold"].hits == 640 and stats.tiers["cold"].failures == 0
+
+
+@pytest.mark.parametrize("change", [{"block_size": 8}, {"dtype": "bfloat16"}], ids=["block-size", "dtype"])
+async def test_other_fingerprint_on_the_same_path_gets_no_hits(llama_dir, tmp_path, change):
+    path = str(tmp_path / "cold")
+    await run(llama_dir, WORKLOAD[:2], num_blocks=256, warm_bytes=0, cold_path=path)
+    _, usage, stats = await run(llama_dir, WORKLOAD[:2], num_blocks=256, warm_bytes=0, cold_path=path, **change)
+    assert all(u.cached_tokens_by_tier["cold"] == 0 for u in usage)
+    assert stats.tiers["cold"].hits == 0
+    # the first model's entries are still there for it
+    _, usage, _ = await run(llama_dir, WORKLOAD[:2], num_blocks=256, warm_bytes=0, cold_path=path)
+    assert all(u.cached_tokens_by_tier["cold"] == 160 for u in usage)
+
+
+async def test_preemption_swaps_to_warm_and_restores(llama_dir):
+    prompts = [rand_ids(40 + 7 * i, seed=i) for i in range(6)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    outs = {}
+    for label, cfg in (("big", dict(num_blocks=256, warm_bytes=0)),
+                       ("swap", dict(num_blocks=14, warm_bytes=64 * BLOCK_BYTES, enable_prefix_caching=False))):
+        async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **cfg)) as engine:
+            res = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            outs[label] = [r.outputs[0].token_ids for r in res]
+            stats = engine.stats()
+            check_pool_clean(engine.core)
+            assert not engine.core.tiers.warm or len(engine.core.tiers.warm.free_slots) == \
+                engine.core.tiers.warm.capacity - len(engine.core.tiers.warm.entries)
+    assert outs["swap"] == outs["big"]
+    assert stats.num_preemptions > 0 and stats.num_swaps == stats.num_preemptions
+
+
+async def test_prefill_clear_cache_and_pin(llama_dir):
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=40, warm_bytes=64 * BLOCK_BYTES, max_pinned_fraction=0.5)
+    async with await AsyncEngine.start(cfg) as engine:
+        system = SYSTEMS[0]
+        usage = await engine.prefill(system)
+        assert usage.completion_tokens == 0 and engine.stats().blocks_cached == 10
+        out = await engine.generate(system + [5, 6, 7], PARAMS)
+        assert out.usage.cached_tokens_by_tier["hot"] == 160
+
+        assert await engine.clear_cache("hot") == 10
+        out = await engine.generate(system + [5, 6, 8], PARAMS)
+        assert out.usage.cached_prompt_tokens == 0  # cleared, not demoted
+        await engine.clear_cache("all")
+
+        assert await engine.pin(system) == 160
+        assert engine.stats().blocks_pinned == 10
+        for i in range(1, 4):  # other prompts churn the rest of the pool; the pinned prefix stays hot
+            await engine.generate(SYSTEMS[i] + [9], PARAMS)
+        out = await engine.generate(system + [1, 2], PARAMS)
+        assert out.usage.cached_tokens_by_tier["hot"] == 160
+        with pytest.raises(RequestError, match="pinned budget"):
+            await engine.pin(SYSTEMS[1] + SYSTEMS[2])
+        assert await engine.unpin(system) == 160
+        check_pool_clean(engine.core)
+        with pytest.raises(ValueError, match="tier must be"):
+            await engine.clear_cache("lukewarm")
