@@ -67,6 +67,19 @@ async def test_other_fingerprint_on_the_same_path_gets_no_hits(llama_dir, tmp_pa
     assert all(u.cached_tokens_by_tier["cold"] == 160 for u in usage)
 
 
+async def test_demoted_down_to_cold_and_promoted_back(llama_dir, tmp_path):
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=32 * BLOCK_BYTES,
+                       cold_path=str(tmp_path / "cold"))
+    async with await AsyncEngine.start(cfg) as engine:
+        first = await engine.generate(SYSTEMS[1] + [4, 5], PARAMS)
+        await engine.clear_cache("hot", demote=True)
+        await engine.clear_cache("warm", demote=True)
+        await asyncio.to_thread(engine.core.tiers.cold.flush)
+        again = await engine.generate(SYSTEMS[1] + [4, 5], PARAMS)
+        assert again.usage.cached_tokens_by_tier == {"hot": 0, "warm": 0, "cold": 160}
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 async def test_preemption_swaps_to_warm_and_restores(llama_dir):
     prompts = [rand_ids(40 + 7 * i, seed=i) for i in range(6)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -96,6 +109,9 @@ async def test_prefill_clear_cache_and_pin(llama_dir):
         assert await engine.clear_cache("hot") == 10
         out = await engine.generate(system + [5, 6, 8], PARAMS)
         assert out.usage.cached_prompt_tokens == 0  # cleared, not demoted
+        assert await engine.clear_cache("hot", demote=True) == 10
+        out = await engine.generate(system + [5, 6, 9], PARAMS)
+        assert out.usage.cached_tokens_by_tier == {"hot": 0, "warm": 160, "cold": 0}
         await engine.clear_cache("all")
 
         assert await engine.pin(system) == 160

@@ -16,6 +16,16 @@ from tieredkv.tokenizer import PromptType
 log = logging.getLogger("tieredkv")
 
 
+def _run_calls(calls: list[tuple]) -> list[tuple[bool, object]]:
+    results = []
+    for fn, args, _ in calls:
+        try:
+            results.append((True, fn(*args)))
+        except Exception as e:
+            results.append((False, e))
+    return results
+
+
 class EngineClosedError(RuntimeError):
     """The engine was closed while the request was pending or running."""
 
@@ -142,9 +152,10 @@ class AsyncEngine:
             usage = chunk.usage
         return usage
 
-    async def clear_cache(self, tier: str = "all") -> int:
-        """Empties a tier ("hot", "warm", "cold" or "all"); returns how many entries were dropped."""
-        return await self._between_steps(self._core.clear_cache, tier)
+    async def clear_cache(self, tier: str = "all", demote: bool = False) -> int:
+        """Empties a tier ("hot", "warm", "cold" or "all"); returns how many entries left it. With
+        demote=True, a hot or warm tier's entries move down to the next tier instead of being dropped."""
+        return await self._between_steps(self._core.clear_cache, tier, demote)
 
     async def pin(self, prompt: PromptType) -> int:
         """Keeps the prompt's full blocks in the hot tier until unpin (prefilling them if needed),
@@ -183,12 +194,6 @@ class AsyncEngine:
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []
         aborts, self._pending_aborts = self._pending_aborts, []
-        calls, self._pending_calls = self._pending_calls, []
-        for fn, args, future in calls:  # quick, or waiting on the cold tier's writer (a clear)
-            try:
-                future.set_result(fn(*args))
-            except Exception as e:
-                future.set_exception(e)
         aborted = set(aborts)
         for req in adds:
             if req.request_id not in aborted:
@@ -200,6 +205,13 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while not self._closed:
             self._apply_pending()
+            if self._pending_calls:  # cache management may wait on disk: run it in the step thread
+                calls, self._pending_calls = self._pending_calls, []
+                results = await loop.run_in_executor(self._executor, _run_calls, calls)
+                for (_, _, future), (ok, value) in zip(calls, results):
+                    if not future.done():
+                        future.set_result(value) if ok else future.set_exception(value)
+                continue
             if not self._core.has_work():
                 self._wake.clear()
                 if not (self._pending_adds or self._pending_aborts or self._pending_calls or self._closed):

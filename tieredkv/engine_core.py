@@ -350,11 +350,14 @@ class EngineCore:
 
     # -- cache management (between steps) ---------------------------------------------------------
 
-    def clear_cache(self, tier: str) -> int:
-        """Empties "hot" (cached free blocks), "warm", "cold" or "all"; returns the entries dropped."""
+    def clear_cache(self, tier: str, demote: bool = False) -> int:
+        """Empties "hot" (cached free blocks), "warm", "cold" or "all"; returns the entries removed.
+        demote=True moves hot or warm entries to the next tier down instead (not with "all")."""
         if tier not in (*TIER_NAMES, "all"):
             raise ValueError(f"tier must be one of hot, warm, cold, all; got {tier!r}")
-        return sum(self.tiers.clear(t) for t in (TIER_NAMES if tier == "all" else (tier,)))
+        if demote and tier == "all":
+            raise ValueError('demote=True needs a single tier, not "all"')
+        return sum(self.tiers.clear(t, demote) for t in (TIER_NAMES if tier == "all" else (tier,)))
 
     def pin(self, token_ids: list[int]) -> int:
         """Holds a reference on the hot blocks of token_ids' full blocks, so they are never evicted.

@@ -182,9 +182,9 @@ class ColdTier(KVTier):
     # -- writes (through the writer thread) --------------------------------------------------------
 
     def put_nowait(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> None:
-        """Queues the blocks for writing and returns at once (the demotion path)."""
-        items = [(self._key(k), self._encode(k, b)) for k, b in zip(keys, blocks)]
-        self._queue.put(("put", items, None))
+        """Queues the blocks for writing and returns at once (the demotion path). `blocks` must not
+        change afterwards: the writer thread encodes them."""
+        self._queue.put(("put_blocks", (list(keys), blocks), None))
 
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
         done: Future = Future()
@@ -234,6 +234,11 @@ class ColdTier(KVTier):
             self._apply(batch)
 
     def _apply(self, batch: list) -> None:
+        batch = [  # encode (copy + checksum) outside the write transaction
+            ("put", [(self._key(k), self._encode(k, b)) for k, b in zip(*payload)], done)
+            if kind == "put_blocks" else (kind, payload, done)
+            for kind, payload, done in batch
+        ]
         for attempt in range(8):
             try:
                 results = []

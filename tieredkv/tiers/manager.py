@@ -192,10 +192,21 @@ class TierManager:
 
     # -- management -------------------------------------------------------------------------------
 
-    def clear(self, tier: str) -> int:
+    def clear(self, tier: str, demote: bool = False) -> int:
         if tier == "hot":
+            if demote:
+                pool = self.hot.pool
+                victims = [b for b in pool.free_queue if b.block_hash is not None]
+                for i in range(0, len(victims), 256):
+                    self._demote_from_hot(victims[i : i + 256])
             return self.hot.pool.evict_all_cached()
         if tier == "warm" and self.warm is not None:
+            if demote:
+                entries = list(self.warm.entries.items())
+                for i in range(0, len(entries), 256):
+                    part = entries[i : i + 256]
+                    slots = torch.tensor([slot for _, (slot, _) in part])
+                    self._demote_from_warm([BlockKey(h, t) for h, (_, t) in part], self.warm.slab[slots])
             return self.warm.clear()
         if tier == "cold" and self.cold is not None:
             return self.cold.clear()
