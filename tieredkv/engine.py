@@ -107,18 +107,29 @@ class AsyncEngine:
         self._pending_adds.append(req)
         self._wake.set()
         remaining = req.params.n
+        span = self._core.telemetry.start_request_span(req)
+        completion, reasons = 0, []
         try:
             while remaining:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    span.record_exception(item)
                     raise item
                 if item.finish_reason is not None:
                     remaining -= 1
+                    reasons.append(item.finish_reason)
+                    completion += item.usage.completion_tokens
+                    span.set_attributes({"tieredkv.cached_prompt_tokens": item.usage.cached_prompt_tokens,
+                                         **{f"tieredkv.cached_tokens.{t}": n
+                                            for t, n in item.usage.cached_tokens_by_tier.items()}})
                 yield item
         finally:
             self._queues.pop(rid, None)
             if remaining:
                 self.abort(rid)
+            span.set_attributes({"tieredkv.completion_tokens": completion,
+                                 "tieredkv.finish_reasons": reasons or ["abort"]})
+            span.end()
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None, *,
                        request_id: str | None = None) -> RequestOutput:

@@ -107,9 +107,11 @@ class Scheduler:
             seq.swapped = None
             req = seq.request
             if req.num_cached_tokens is None:
+                promoted = restore.by_tier if restore else {}
+                if self.tiers is not None:
+                    self.tiers.count_lookup(len(cached), promoted, seq.num_prompt_tokens)
                 by_tier = {"hot": len(cached) * self.kv.block_size}
-                for name, blocks in (restore.by_tier.items() if restore else ()):
-                    by_tier[name] = blocks * self.kv.block_size
+                by_tier.update({name: blocks * self.kv.block_size for name, blocks in promoted.items()})
                 req.cached_tokens_by_tier = by_tier
                 req.num_cached_tokens = sum(by_tier.values())
                 self.prefix_cache_queries += seq.num_prompt_tokens
@@ -128,17 +130,14 @@ class Scheduler:
         cached = self.kv.find_cached_prefix(seq)
         if self.tiers is None or not self.kv.enable_caching:
             return cached, None
-        first = seq.request.num_cached_tokens is None
         if seq.lookup is None:
             seq.lookup = self.tiers.start_lookup(self.kv.lookup_keys(seq), len(cached))
             if seq.lookup is None:
-                if first:
-                    self.tiers.finish_lookup_counts(len(cached), seq.num_prompt_tokens)
                 return cached, None
         if not seq.lookup.ready:
             return cached, _NOT_READY
         lookup, seq.lookup = seq.lookup, None
-        return cached, self.tiers.finish_lookup(lookup, len(cached), seq.num_prompt_tokens, count=first)
+        return cached, self.tiers.finish_lookup(lookup, len(cached))
 
     def _pick_victim(self, scheduled: dict[Sequence, int], current: Sequence) -> Sequence:
         candidates = [s for s in self.running if s not in scheduled and s is not current]

@@ -1,4 +1,5 @@
-"""OpenTelemetry tracing and metrics. Nothing is exported unless the application installs providers."""
+"""OpenTelemetry tracing and metrics through the global providers: nothing is recorded or exported
+unless the application installs SDK providers (opentelemetry-sdk) with an exporter or reader."""
 
 from __future__ import annotations
 
@@ -22,3 +23,12 @@ class Telemetry:
         self.preemptions = meter.create_counter("tieredkv.preemptions", unit="{sequence}")
         self.step_duration = meter.create_histogram("tieredkv.step.duration", unit="s")
         self.step_tokens = meter.create_histogram("tieredkv.step.tokens", unit="{token}")
+
+    def start_request_span(self, req) -> trace.Span:
+        """A span from a request's submission to its last chunk (or its abort)."""
+        return self.tracer.start_span("tieredkv.request", attributes={
+            "tieredkv.request_id": req.request_id,
+            "tieredkv.prompt_tokens": len(req.prompt_token_ids),
+            "tieredkv.n": req.params.n,
+            "tieredkv.max_tokens": req.params.max_tokens,
+        })

@@ -72,6 +72,36 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     )
 
 
+# -- shared by both attention kernels ----------------------------------------------------------------
+
+
+@triton.jit
+def _load_kv_tile(key_cache_ptr, value_cache_ptr, table_ptr, offs, valid, kv_head, d,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE: tl.constexpr):
+    """K and V [len(offs), D] of one KV head at token positions offs, read through a block table."""
+    blk = tl.load(table_ptr + offs // BLOCK_SIZE, mask=valid, other=0)
+    slot = offs % BLOCK_SIZE
+    k = tl.load(key_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
+                + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(value_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                + d[None, :], mask=valid[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """One online-softmax step: q [M, D] against a tile k, v [N, D] where `allowed` [M, N]."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+    qk = tl.where(allowed, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    p = tl.exp(qk - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+    return m_new, l_i, acc
+
+
 # -- 2. decode attention, split-K with a log-sum-exp merge ------------------------------------------
 
 
@@ -102,20 +132,10 @@ def _decode_split_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             valid = offs < end
-            blk = tl.load(block_tables_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=valid, other=0)
-            slot = offs % BLOCK_SIZE
-            k = tl.load(key_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-                        + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(value_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                        + d[None, :], mask=valid[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [GROUP_PAD, BLOCK_N]
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-            m_i = m_new
+            k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + b * stride_bt, offs, valid,
+                                 kv_head, d, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 BLOCK_SIZE)
+            m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, scale, PRECISION)
         out = acc / l_i[:, None]
         tl.store(part_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :], out,
                  mask=g_mask[:, None])
@@ -213,22 +233,11 @@ def _prefill_kernel(
         for n0 in range(0, key_end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             valid = offs < key_end
-            blk = tl.load(block_tables_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=valid, other=0)
-            slot = offs % BLOCK_SIZE
-            k = tl.load(key_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-                        + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(value_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                        + d[None, :], mask=valid[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+            k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + b * stride_bt, offs, valid,
+                                 kv_head, d, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 BLOCK_SIZE)
             allowed = valid[None, :] & (offs[None, :] <= q_pos[:, None])
-            qk = tl.where(allowed, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see no key at all
-            p = tl.exp(qk - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -122,7 +122,7 @@ class TierManager:
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def finish_lookup(self, lookup: Lookup, num_hot: int, num_queried_tokens: int, count: bool) -> Restore | None:
+    def finish_lookup(self, lookup: Lookup, num_hot: int) -> Restore | None:
         """Turns a finished lookup into a promotion that continues the hot hits; None if it cannot."""
         parts, by_tier = [], {}
         if lookup.warm is not None:
@@ -138,19 +138,14 @@ class TierManager:
         if cold is not None:
             parts.append(cold)
             by_tier["cold"] = cold.shape[0]
-        if count:
-            self._count_lookup(num_hot, by_tier, num_queried_tokens)
         if not parts or num_hot != lookup.start:  # hot changed while we waited: no gap allowed
             return None
         data = torch.cat(parts) if len(parts) > 1 else parts[0]
         n = data.shape[0]
         return Restore(lookup.start, n * self.block_size, data, lookup.keys[:n], by_tier)
 
-    def finish_lookup_counts(self, num_hot: int, num_queried_tokens: int) -> None:
-        """Counts a first lookup that found nothing to read below hot."""
-        self._count_lookup(num_hot, {}, num_queried_tokens)
-
-    def _count_lookup(self, num_hot: int, by_tier: dict[str, int], num_queried_tokens: int) -> None:
+    def count_lookup(self, num_hot: int, by_tier: dict[str, int], num_queried_tokens: int) -> None:
+        """Records a request's first admission: hits per tier, and misses of what each tier was asked."""
         bs = self.block_size
         remaining = num_queried_tokens
         for name, n in (("hot", num_hot), ("warm", by_tier.get("warm", 0)), ("cold", by_tier.get("cold", 0))):
