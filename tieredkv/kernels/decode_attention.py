@@ -34,7 +34,9 @@ def decode_attention_ref(
     k = gather_kv(key_cache, block_tables, length)  # [B, Hkv, L, D]
     v = gather_kv(value_cache, block_tables, length)
     q = query.view(batch, num_kv_heads, group, head_dim)  # query heads grouped by their KV head
-    positions = torch.arange(length, device=query.device)
-    mask = (positions[None, :] < context_lens[:, None].to(positions.dtype))[:, None, None, :]  # [B, 1, 1, L]
+    mask = None  # one sequence attends to all `length` keys
+    if batch > 1:
+        positions = torch.arange(length, device=query.device)
+        mask = (positions[None, :] < context_lens[:, None].to(positions.dtype))[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
     return out.reshape(batch, num_heads, head_dim)

@@ -44,10 +44,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for the batch's positions, computed once per forward."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +88,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         batch: ForwardBatch,
-        rotary: RotaryEmbedding,
+        rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, D]
         kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
         ops: KernelOps,
     ) -> torch.Tensor:
@@ -94,7 +97,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(batch.positions, q, k)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         key_cache, value_cache = kv_cache[self.layer_id, 0], kv_cache[self.layer_id, 1]
         ops.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
 
@@ -163,7 +166,8 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices."""
         x = self.embed_tokens(batch.input_ids)
+        rotary = self.rotary(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, batch, self.rotary, kv_cache, ops)
+            x = layer(x, batch, rotary, kv_cache, ops)
         x = self.norm(x[batch.logits_indices])
         return F.linear(x, self.lm_head_weight).float()
