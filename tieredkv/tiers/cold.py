@@ -53,7 +53,7 @@ def _open_env(path: Path, map_size: int) -> lmdb.Environment:
             _ENVS[key] = (env, refs + 1)
             return env
         path.mkdir(parents=True, exist_ok=True)
-        env = lmdb.open(str(path), map_size=map_size, max_dbs=4, readahead=False, max_readers=256)
+        env = lmdb.open(str(path), map_size=map_size, max_dbs=4, readahead=True, max_readers=256)
         _ENVS[key] = (env, 1)
         return env
 

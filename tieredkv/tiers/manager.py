@@ -20,6 +20,11 @@ from tieredkv.tiers.warm import WarmTier
 
 log = logging.getLogger("tieredkv")
 TIER_NAMES = ("hot", "warm", "cold")
+_BATCH = 256  # blocks per transfer when a whole tier moves
+
+
+def _batches(items: list) -> list[list]:
+    return [items[i : i + _BATCH] for i in range(0, len(items), _BATCH)]
 
 
 @dataclass
@@ -190,18 +195,13 @@ class TierManager:
     def clear(self, tier: str, demote: bool = False) -> int:
         if tier == "hot":
             if demote:
-                pool = self.hot.pool
-                victims = [b for b in pool.free_queue if b.block_hash is not None]
-                for i in range(0, len(victims), 256):
-                    self._demote_from_hot(victims[i : i + 256])
+                for part in _batches([b for b in self.hot.pool.free_queue if b.block_hash is not None]):
+                    self._demote_from_hot(part)
             return self.hot.pool.evict_all_cached()
         if tier == "warm" and self.warm is not None:
             if demote:
-                entries = list(self.warm.entries.items())
-                for i in range(0, len(entries), 256):
-                    part = entries[i : i + 256]
-                    slots = torch.tensor([slot for _, (slot, _) in part])
-                    self._demote_from_warm([BlockKey(h, t) for h, (_, t) in part], self.warm.slab[slots])
+                for keys, data in self._warm_batches():
+                    self._demote_from_warm(keys, data)
             return self.warm.clear()
         if tier == "cold" and self.cold is not None:
             return self.cold.clear()
@@ -213,20 +213,22 @@ class TierManager:
         if self.cold is None:
             return 0
         n = 0
-        cached = list(self.hot.pool.cached.values())
-        for i in range(0, len(cached), 256):
-            part = cached[i : i + 256]
+        for part in _batches(list(self.hot.pool.cached.values())):
             self.cold.put_nowait([BlockKey(b.block_hash, b.token_ids) for b in part],
                                  self.hot.gather([b.block_id for b in part]).cpu())
             n += len(part)
-        if self.warm is not None:
-            entries = list(self.warm.entries.items())
-            for i in range(0, len(entries), 256):
-                part = entries[i : i + 256]
-                slots = torch.tensor([slot for _, (slot, _) in part])
-                self.cold.put_nowait([BlockKey(h, tokens) for h, (_, tokens) in part], self.warm.slab[slots])
-                n += len(part)
+        for keys, data in self._warm_batches():
+            self.cold.put_nowait(keys, data)
+            n += len(keys)
         return n
+
+    def _warm_batches(self):
+        """(keys, data copied out of the slab) for every warm entry, in batches."""
+        if self.warm is None:
+            return
+        for part in _batches(list(self.warm.entries.items())):
+            slots = torch.tensor([slot for _, (slot, _) in part])
+            yield [BlockKey(h, tokens) for h, (_, tokens) in part], self.warm.slab[slots]
 
     def close(self) -> None:
         if self._reader is not None:
