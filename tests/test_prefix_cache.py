@@ -99,6 +99,7 @@ async def test_freed_chain_is_evicted_tail_first(llama_dir):
         assert order == [b.block_id for b in reversed(chain)]
         # demand for most of the pool evicts the tail of the chain, keeping its head usable
         await engine.generate(random_ids(16 * 20, seed=8), SamplingParams(max_tokens=1))
+        assert engine.stats().tiers["hot"].evictions == 2
         again = await engine.generate(prompt, SamplingParams(max_tokens=1))
         assert again.usage.cached_prompt_tokens == 64  # 2 tail blocks of 6 were evicted, the head kept
         assert again.usage.cached_tokens_by_tier == {"hot": 64, "warm": 0, "cold": 0}

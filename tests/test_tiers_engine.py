@@ -36,6 +36,7 @@ async def test_tiny_hot_pool_with_all_tiers_matches_unconstrained(llama_dir, tmp
     assert got == expected
     warm, cold = stats.tiers["warm"], stats.tiers["cold"]
     assert warm.demotions > 0 and warm.promotions > 0 and warm.evictions > 0
+    assert stats.tiers["hot"].evictions >= warm.demotions
     assert cold.demotions > 0 and cold.promotions > 0
     assert sum(u.cached_tokens_by_tier["warm"] for u in usage) == warm.promotions * BS
     assert sum(u.cached_tokens_by_tier["cold"] for u in usage) == cold.promotions * BS

@@ -83,7 +83,6 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.on_evict = on_evict
-        self.num_evictions = 0
 
     @property
     def num_blocks(self) -> int:
@@ -109,7 +108,6 @@ class BlockPool:
             self.on_evict(evicted)
         for block in evicted:
             self.uncache(block)
-        self.num_evictions += len(evicted)
         for block in out:
             block.ref_cnt = 1
         return out

@@ -146,7 +146,7 @@ class EngineCore:
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
-        block_bytes = self.spec.kv_bytes_per_token * self.block_size * self.dtype.itemsize
+        block_bytes = self.spec.kv_elements_per_token * self.block_size * self.dtype.itemsize
         budget = cfg.kv_cache_bytes
         if budget is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -227,7 +227,6 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
-        req.aborted = True
         chunks = []
         for seq in req.seqs:
             if not seq.is_finished:

@@ -87,7 +87,6 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache at first admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     prefill_only: bool = False  # compute and cache the prompt, generate nothing
-    aborted: bool = False
 
     @property
     def pending_forks(self) -> int:

@@ -42,8 +42,8 @@ class ModelSpec:
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across layers, per element byte (multiply by dtype size)."""
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token takes across all layers (times the dtype size for bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @classmethod

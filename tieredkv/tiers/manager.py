@@ -79,6 +79,7 @@ class TierManager:
 
     def _demote_from_hot(self, blocks: list[KVBlock]) -> None:
         """Write-back: copies evicted hot blocks down before the pool reuses them."""
+        self.hot.counters.evictions += len(blocks)
         if self.warm is None and self.cold is None:
             return
         keys = [BlockKey(b.block_hash, b.token_ids) for b in blocks]
@@ -93,7 +94,6 @@ class TierManager:
         except Exception:  # a failed demotion loses cache, never correctness
             log.exception("demotion from hot failed")
             self.hot.counters.failures += 1
-        self.hot.counters.evictions += len(blocks)
 
     def _demote_from_warm(self, keys: list[BlockKey], blocks: torch.Tensor) -> None:
         if self.cold is None:
