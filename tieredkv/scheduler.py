@@ -100,9 +100,7 @@ class Scheduler:
             num_done = len(cached) * self.kv.block_size + (restore.num_tokens if restore else 0)
             n = min(seq.num_tokens - num_done, budget)
             if not self.kv.allocate_slots(seq, n, cached, restore):
-                if restore is not None and restore.swap_slots is None:
-                    seq.lookup = None  # look the lower tiers up again next time
-                break
+                break  # a consumed lookup is simply made again at the next attempt
             self.waiting.remove(seq)
             seq.swapped = None
             req = seq.request
