@@ -96,6 +96,9 @@ def check_pool_clean(core) -> None:
     assert all(b.ref_cnt == 0 for b in core.pool.blocks)
     assert core.pool.num_free == core.pool.num_blocks
     assert not core.requests
+    warm = core.tiers.warm
+    if warm is not None:  # every swap slot lent to a preempted sequence came back
+        assert len(warm.free_slots) + len(warm.entries) == warm.capacity
 
 
 def check_pool_consistent(core) -> None:

@@ -11,8 +11,10 @@ from tieredkv.engine_core import EngineCore
 
 @pytest.fixture(scope="module", params=[True, False], ids=["cache", "nocache"])
 def core(request, llama_dir):
+    # a warm tier of 20 blocks: evictions demote, hits promote, preemptions swap (up to 10 blocks)
     return EngineCore(EngineConfig(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
-                                   max_num_batched_tokens=16, enable_prefix_caching=request.param))
+                                   max_num_batched_tokens=16, enable_prefix_caching=request.param,
+                                   warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
 
 
 add = st.tuples(st.just("add"), st.integers(1, 22), st.integers(1, 8), st.integers(1, 3), st.booleans(),

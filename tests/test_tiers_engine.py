@@ -92,8 +92,6 @@ async def test_preemption_swaps_to_warm_and_restores(llama_dir):
             outs[label] = [r.outputs[0].token_ids for r in res]
             stats = engine.stats()
             check_pool_clean(engine.core)
-            assert not engine.core.tiers.warm or len(engine.core.tiers.warm.free_slots) == \
-                engine.core.tiers.warm.capacity - len(engine.core.tiers.warm.entries)
     assert outs["swap"] == outs["big"]
     assert stats.num_preemptions > 0 and stats.num_swaps == stats.num_preemptions
 
