@@ -110,3 +110,5 @@ async def test_close_ends_open_streams(llama_dir):
             await engine.close()
     with pytest.raises(EngineClosedError):
         engine.stream([5, 6, 7])
+    with pytest.raises(EngineClosedError):
+        await engine.clear_cache("hot")

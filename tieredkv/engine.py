@@ -79,6 +79,10 @@ class AsyncEngine:
         for queue in self._queues.values():
             queue.put_nowait(EngineClosedError("engine closed"))
         self._queues.clear()
+        for _, _, future in self._pending_calls:
+            if not future.done():
+                future.set_exception(EngineClosedError("engine closed"))
+        self._pending_calls.clear()
         self._executor.shutdown(wait=True)
         await asyncio.to_thread(self._core.close)
 
