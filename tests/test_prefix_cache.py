@@ -94,7 +94,7 @@ async def test_freed_chain_is_evicted_tail_first(llama_dir):
         prompt = random_ids(16 * 6 + 1, seed=4)  # 6 full blocks get cached
         await engine.generate(prompt, SamplingParams(max_tokens=1))
         pool = engine.core.pool
-        chain = [pool.cached[h] for h in engine.core.kv.chain_hashes(prompt)]
+        chain = [pool.cached[k.block_hash] for k in engine.core.kv.chain_keys(prompt)]
         order = [b.block_id for b in pool.free_queue if b.block_hash is not None]
         assert order == [b.block_id for b in reversed(chain)]
         # demand for most of the pool evicts the tail of the chain, keeping its head usable

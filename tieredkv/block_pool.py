@@ -98,6 +98,16 @@ class BlockPool:
             return None
         return block
 
+    def cached_prefix(self, keys: Iterable[tuple[BlockHash, tuple[int, ...]]]) -> list[KVBlock]:
+        """The cached blocks of the leading (hash, token ids) keys, stopping at the first miss."""
+        hits = []
+        for block_hash, token_ids in keys:
+            block = self.get_cached(block_hash, token_ids)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     def allocate(self, n: int) -> list[KVBlock]:
         """n fresh blocks with ref_cnt 1; evicts cached ones from the LRU head. Raises if fewer are free."""
         if n > self.num_free:

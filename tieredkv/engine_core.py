@@ -364,14 +364,9 @@ class EngineCore:
         key = tuple(token_ids)
         if key in self.pins:
             return len(self.pins[key]) * self.block_size
-        hashes = self.kv.chain_hashes(list(token_ids))
-        blocks = []
-        for i, h in enumerate(hashes):
-            block = self.pool.get_cached(h, key[i * self.block_size : (i + 1) * self.block_size])
-            if block is None:
-                break
-            blocks.append(block)
-        if len(blocks) < len(hashes):
+        keys = self.kv.chain_keys(list(token_ids))
+        blocks = self.pool.cached_prefix(keys)
+        if len(blocks) < len(keys):
             raise RequestError("the prefix is not in the hot tier; prefill it first")
         budget = int(self.num_blocks * self.config.max_pinned_fraction)
         pinned = sum(len(b) for b in self.pins.values())

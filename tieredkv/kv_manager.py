@@ -48,21 +48,24 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else self.root
             hashes.append(hash_block(parent, self._block_tokens(seq, len(hashes))))
 
-    def chain_hashes(self, token_ids: list[int]) -> list[BlockHash]:
-        """Hashes of every full block of token_ids, from the root."""
-        hashes: list[BlockHash] = []
+    def chain_keys(self, token_ids: list[int]) -> list[BlockKey]:
+        """Keys of every full block of token_ids, hashed from the root."""
+        keys: list[BlockKey] = []
         for i in range(len(token_ids) // self.block_size):
-            block = token_ids[i * self.block_size : (i + 1) * self.block_size]
-            hashes.append(hash_block(hashes[-1] if hashes else self.root, block))
-        return hashes
+            block = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            keys.append(BlockKey(hash_block(keys[-1].block_hash if keys else self.root, block), block))
+        return keys
 
     # -- prefix cache ----------------------------------------------------------------------------
 
     def lookup_keys(self, seq: Sequence) -> list[BlockKey]:
         """Keys of the full blocks a prefix lookup may cover (never the last token)."""
+        return list(self._iter_lookup_keys(seq))
+
+    def _iter_lookup_keys(self, seq: Sequence):
         n = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, n)
-        return [BlockKey(seq.block_hashes[i], self._block_tokens(seq, i)) for i in range(n)]
+        return (BlockKey(seq.block_hashes[i], self._block_tokens(seq, i)) for i in range(n))
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
         """Leading full blocks of seq found in the cache, stopping at the first miss.
@@ -71,15 +74,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        self._extend_hashes(seq, max_blocks)
-        hits = []
-        for i in range(max_blocks):
-            block = self.pool.get_cached(seq.block_hashes[i], self._block_tokens(seq, i))
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self.pool.cached_prefix(self._iter_lookup_keys(seq))  # lazy: stops at the first miss
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed tokens since the last call."""

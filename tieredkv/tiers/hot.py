@@ -24,13 +24,7 @@ class HotTier(KVTier):
         self.counters = TierStats("hot", pool.num_blocks * self.block_bytes)
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[KVBlock]:
-        hits = []
-        for key in keys:
-            block = self.pool.get_cached(key.block_hash, key.token_ids)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self.pool.cached_prefix(keys)
 
     def contains_sync(self, keys: Sequence[BlockKey]) -> int:
         return len(self.lookup(keys))
