@@ -7,7 +7,7 @@ polled: a request whose prefix is being read from disk waits while the others co
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -121,8 +121,6 @@ class TierManager:
 
     def wait(self, lookups: list[Lookup], timeout: float) -> None:
         """Blocks until one of the pending cold reads finishes (used only when nothing can compute)."""
-        from concurrent.futures import FIRST_COMPLETED, wait
-
         pending = [lk.cold for lk in lookups if lk.cold is not None and not lk.cold.done()]
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
