@@ -111,15 +111,16 @@ class EngineCore:
         self.fingerprint = self._fingerprint()
         self.pool = BlockPool(self.num_blocks)
         self.kv = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching, root_hash(self.fingerprint))
-        ops = select_kernels(config.attention_backend, self.device)
+        ops = select_kernels(config.attention_backend, self.device, self.dtype)
         self.tiers = self._build_tiers(ops)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops)
         self.pins: dict[tuple[int, ...], list] = {}
         self.requests: dict[str, Request] = {}
         self.telemetry = Telemetry()
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s", self.model_dir.name,
-                 self.dtype, self.device, self.num_blocks, self.block_size, self.runner.ops.name)
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s",
+                 self.model_dir.name, self.dtype, self.device, self.num_blocks, self.block_size, ops.name,
+                 ops.linear.__name__)
 
     # -- set-up ----------------------------------------------------------------------------------
 

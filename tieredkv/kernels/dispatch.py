@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from tieredkv.kernels.block_copy import copy_blocks_ref, gather_blocks_ref, scatter_blocks_ref
 from tieredkv.kernels.decode_attention import decode_attention_ref
+from tieredkv.kernels.linear import select_linear
 from tieredkv.kernels.prefill_attention import prefill_attention_ref
 from tieredkv.kernels.store_kv import store_kv_ref
 
@@ -18,7 +19,10 @@ FORCE_ENV = "TIEREDKV_ATTENTION_BACKEND"
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The kernel set one engine uses; every op has the signature of its torch reference."""
+    """The kernel set one engine uses; every op has the signature of its torch reference.
+
+    `linear` is the dense-layer function (F.linear's signature) picked for the weights' device and dtype.
+    """
 
     name: str
     store_kv: Callable[..., None]
@@ -27,6 +31,7 @@ class KernelOps:
     copy_blocks: Callable[..., None]
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
+    linear: Callable[..., torch.Tensor] = torch.nn.functional.linear
 
 
 TORCH_OPS = KernelOps(
@@ -40,8 +45,15 @@ TORCH_OPS = KernelOps(
 )
 
 
-def select_kernels(backend: str, device: torch.device) -> KernelOps:
-    """"auto" takes Triton on CUDA and torch elsewhere; the env var TIEREDKV_ATTENTION_BACKEND=torch forces torch."""
+def select_kernels(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:
+    """"auto" takes Triton on CUDA and torch elsewhere; the env var TIEREDKV_ATTENTION_BACKEND=torch forces torch.
+    The dense layers get the best `linear` for `dtype` on `device` (kernels/linear.py), whatever the backend."""
+    ops = _attention_kernels(backend, device)
+    linear = select_linear(device, dtype)
+    return ops if linear is ops.linear else replace(ops, linear=linear)
+
+
+def _attention_kernels(backend: str, device: torch.device) -> KernelOps:
     forced = os.environ.get(FORCE_ENV)
     if forced:
         backend = forced

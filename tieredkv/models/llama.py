@@ -93,7 +93,8 @@ class Attention(nn.Module):
         ops: KernelOps,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -119,7 +120,7 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -129,9 +130,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        gate, up = ops.linear(x, self.gate_up_proj.weight).split(self.intermediate, dim=-1)
+        return ops.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -144,7 +145,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, batch, rotary, kv_cache, ops):
         x = x + self.self_attn(self.input_layernorm(x), batch, rotary, kv_cache, ops)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), ops)
 
 
 class LlamaModel(nn.Module):
@@ -170,4 +171,4 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, rotary, kv_cache, ops)
         x = self.norm(x[batch.logits_indices])
-        return F.linear(x, self.lm_head_weight).float()
+        return ops.linear(x, self.lm_head_weight).float()
