@@ -25,7 +25,8 @@ class ModelRunner:
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
         """Builds the batch; returns it with the sequences whose next token is sampled this step,
         in the order of the logits rows."""
-        decodes = [(s, n) for s, n in scheduled if n == 1]
+        # decodes sorted by context length, so that the torch decode attention's length groups are runs
+        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: sn[0].num_computed_tokens)
         prefills = [(s, n) for s, n in scheduled if n > 1]
         bs = self.block_size
         input_ids: list[int] = []

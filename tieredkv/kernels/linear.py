@@ -1,12 +1,15 @@
-"""Dense layers (x @ W.T + b). On CPU in fp32 they go through oneDNN rather than the default BLAS call.
+"""Dense layers (x @ W.T + b). On CPU in fp32 they avoid the default BLAS call, which is slow for our shapes.
 
-Why: the engine's decode steps multiply a few dozen rows by each weight matrix. On the x86 machines
-this project is measured on, the default fp32 path (`F.linear` -> MKL sgemm) runs those shapes at a
-third to a half of the speed oneDNN's matmul reaches, and the gap is what separates a batched decode
-step from a compute-bound one (see benchmarks/bench_engine.py). oneDNN ships inside every x86 and
-aarch64 build of torch, but its linear entry point `torch.ops.mkldnn._linear_pointwise` is internal,
-so it is used only after a self-check on this very torch build, and `F.linear` serves everywhere else
-(CUDA, other dtypes, builds without oneDNN, or TIEREDKV_CPU_LINEAR=torch).
+Why: a decode step multiplies a few dozen rows by each weight matrix. On the x86 machines this
+project is measured on, `F.linear` (MKL sgemm with the weight as the transposed right operand) runs
+those shapes at a third to a half of the speed of two alternatives, and that gap decides how much a
+batched decode step costs (benchmarks/bench_engine.py):
+  - for few rows and a layer-sized output, the same MKL product with the operands swapped,
+    (W @ x.T).T, which MKL splits across threads along the weight rather than along the few rows;
+  - otherwise (many rows, or the vocabulary-wide LM head), oneDNN's matmul. oneDNN ships inside every
+    x86 and aarch64 build of torch, but its linear entry point `torch.ops.mkldnn._linear_pointwise`
+    is internal, so it is used only after a self-check on this very torch build.
+`F.linear` serves everywhere else: CUDA, other dtypes, or TIEREDKV_CPU_LINEAR=torch.
 """
 
 from __future__ import annotations
@@ -20,10 +23,27 @@ import torch.nn.functional as F
 
 LinearFn = Callable[..., torch.Tensor]  # (x [..., K], weight [N, K], bias [N] | None) -> [..., N]
 FORCE_ENV = "TIEREDKV_CPU_LINEAR"
+SWAP_MAX_ROWS = 256  # up to this many rows the swapped product wins (decode steps, small prefill chunks)
+SWAP_MAX_OUT = 8192  # wider outputs (the LM head) go to oneDNN at any row count
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _swapped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.mm(weight, x.t()).t().contiguous()
+    return out if bias is None else out.add_(bias)
+
+
+def _cpu_linear(large: LinearFn) -> LinearFn:
+    def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= SWAP_MAX_ROWS and weight.shape[0] <= SWAP_MAX_OUT:
+            return _swapped_linear(x, weight, bias)
+        return large(x, weight, bias)
+
+    cpu_linear.__name__ = f"cpu_linear[swapped|{large.__name__}]"
+    return cpu_linear
 
 
 @functools.cache
@@ -43,13 +63,16 @@ def onednn_linear_usable() -> bool:
     return all(got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in checks)
 
 
+@functools.cache
+def _cpu_fp32_linear(use_onednn: bool) -> LinearFn:
+    return _cpu_linear(onednn_linear if use_onednn else F.linear)
+
+
 def select_linear(device: torch.device, dtype: torch.dtype) -> LinearFn:
     """The dense-layer function for weights of `dtype` on `device`."""
     forced = os.environ.get(FORCE_ENV, "auto")
-    if forced not in ("auto", "torch", "onednn"):
-        raise ValueError(f"{FORCE_ENV} must be auto, torch or onednn, got {forced!r}")
-    if forced != "torch" and device.type == "cpu" and dtype == torch.float32 and onednn_linear_usable():
-        return onednn_linear
-    if forced == "onednn":
-        raise ValueError(f"{FORCE_ENV}=onednn needs fp32 weights on CPU and a torch build whose oneDNN passes the check")
+    if forced not in ("auto", "torch"):
+        raise ValueError(f"{FORCE_ENV} must be auto or torch, got {forced!r}")
+    if forced == "auto" and device.type == "cpu" and dtype == torch.float32:
+        return _cpu_fp32_linear(onednn_linear_usable())
     return F.linear
