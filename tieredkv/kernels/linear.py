@@ -1,15 +1,15 @@
 """Dense layers (x @ W.T + b). On CPU in fp32 they avoid the default BLAS call, which is slow for our shapes.
 
 Why: a decode step multiplies a few dozen rows by each weight matrix. On the x86 machines this
-project is measured on, `F.linear` (MKL sgemm with the weight as the transposed right operand) runs
-those shapes at a third to a half of the speed of two alternatives, and that gap decides how much a
-batched decode step costs (benchmarks/bench_engine.py):
+project is measured on, `F.linear` (MKL sgemm with the weight as the transposed right operand) is
+up to twice as slow on such shapes as two alternatives:
   - for few rows and a layer-sized output, the same MKL product with the operands swapped,
     (W @ x.T).T, which MKL splits across threads along the weight rather than along the few rows;
   - otherwise (many rows, or the vocabulary-wide LM head), oneDNN's matmul. oneDNN ships inside every
     x86 and aarch64 build of torch, but its linear entry point `torch.ops.mkldnn._linear_pointwise`
     is internal, so it is used only after a self-check on this very torch build.
-`F.linear` serves everywhere else: CUDA, other dtypes, or TIEREDKV_CPU_LINEAR=torch.
+On the engine benchmark's workload this takes about 15% off the engine's time (the numbers are in
+the README). `F.linear` serves everywhere else: CUDA, other dtypes, or TIEREDKV_CPU_LINEAR=torch.
 """
 
 from __future__ import annotations
