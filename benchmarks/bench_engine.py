@@ -1,6 +1,6 @@
 """tieredkv vs Hugging Face transformers on the default model, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_engine.py            # the full run (~10 min on 2 cores)
+    .venv/bin/python benchmarks/bench_engine.py            # the full run (~14 min on 2 cores)
     .venv/bin/python benchmarks/bench_engine.py --quick    # 8 requests instead of 32
 
 Measures, on the same requests (greedy, fixed seed, EOS ignored):
