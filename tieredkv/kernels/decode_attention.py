@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -16,7 +15,6 @@ import torch.nn.functional as F
 GROUP_CALL_COST = 256
 
 
-@functools.lru_cache(maxsize=8)
 def length_groups(lens: tuple[int, ...], block_size: int) -> tuple[tuple[int, ...], ...]:
     """Split a batch into groups attended together, each padded to its longest member.
 
@@ -24,7 +22,7 @@ def length_groups(lens: tuple[int, ...], block_size: int) -> tuple[tuple[int, ..
     spread widely (a 64-token and a 640-token sequence decode side by side). Sequences are sorted by
     length and cut into consecutive runs that minimise sum(group size * group max length) plus
     GROUP_CALL_COST per group, by dynamic programming over the distinct lengths in blocks. Returns the
-    groups as tuples of batch positions, in ascending length. Cached: every layer of a step asks the same.
+    groups as tuples of batch positions, in ascending length. Called once per step (see _plan).
     """
     order = sorted(range(len(lens)), key=lens.__getitem__)
     padded = [-(-lens[i] // block_size) * block_size for i in order]
