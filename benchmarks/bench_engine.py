@@ -11,6 +11,9 @@ Measures, on the same requests (greedy, fixed seed, EOS ignored):
   3. batch-1 decode ms/token vs transformers;
   4. KV memory waste at the step of peak allocation: (allocated slots - used slots) / allocated slots.
 Prints a table of ratios (these machines are noisy: compare within one run).
+
+transformers runs on the engine's worker thread (`AsyncEngine.run_in_worker`), so that both sides
+share one OpenMP thread pool: a second pool makes libgomp stop spin-waiting and slows both.
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ async def main(args) -> dict:
     requests = make_requests(args.requests, vocab)
     out_tokens = sum(n for _, n in requests)
     print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, {out_tokens} output tokens")
-    hf = load_hf(core.model_dir)
+    hf = await engine.run_in_worker(load_hf, core.model_dir)
 
     # The engine runs before and after the transformers baselines (A-B-A), so that a drift in machine
     # speed over the baselines' minutes weighs on both sides; its rate is taken over both runs.
@@ -149,9 +152,9 @@ async def main(args) -> dict:
     t_before = await engine_throughput(engine, requests)
     results["kv_waste_at_peak"] = meter.waste
     print(f"engine: {out_tokens / t_before:.1f} tok/s, peak KV waste {meter.waste:.2%}", flush=True)
-    results["hf_static16_tok_s"] = out_tokens / hf_static_batches(hf, requests)
+    results["hf_static16_tok_s"] = out_tokens / await engine.run_in_worker(hf_static_batches, hf, requests)
     print(f"transformers static batches of 16: {results['hf_static16_tok_s']:.1f} tok/s", flush=True)
-    results["hf_single_tok_s"] = out_tokens / hf_one_at_a_time(hf, requests)
+    results["hf_single_tok_s"] = out_tokens / await engine.run_in_worker(hf_one_at_a_time, hf, requests)
     print(f"transformers one at a time: {results['hf_single_tok_s']:.1f} tok/s", flush=True)
     t_after = await engine_throughput(engine, requests)
     print(f"engine again: {out_tokens / t_after:.1f} tok/s", flush=True)
@@ -174,7 +177,7 @@ async def main(args) -> dict:
     engine_ms, hf_ms = [], []
     for _ in range(3):  # interleaved, so drifts in machine speed hit both alike
         engine_ms.append(await engine_decode_ms(engine, prompt, 48))
-        hf_ms.append(hf_decode_ms(hf, prompt, 48))
+        hf_ms.append(await engine.run_in_worker(hf_decode_ms, hf, prompt, 48))
     results["engine_decode_ms"] = statistics.median(engine_ms)
     results["hf_decode_ms"] = statistics.median(hf_ms)
     print(f"batch-1 decode: engine {results['engine_decode_ms']:.1f} ms/token, "

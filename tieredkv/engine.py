@@ -30,16 +30,28 @@ class EngineClosedError(RuntimeError):
     """The engine was closed while the request was pending or running."""
 
 
+def _worker() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-step")
+
+
 class AsyncEngine:
-    """Runs the engine loop as an asyncio task; each forward runs in one worker thread, off the loop.
+    """Runs the engine loop as an asyncio task; the engine's torch work runs in one worker thread.
 
     Only the loop task touches the core between steps: `stream` and `abort` queue their changes and
     the loop applies them before the next step, so a step never races with them.
+
+    Loading, every step and closing run on that same thread. On CPU this matters for speed: torch's
+    OpenMP runtime (libgomp) keeps a pool of helper threads per thread that starts parallel work, and
+    once the helpers of all pools outnumber the cores it stops spin-waiting between parallel regions
+    and puts them to sleep instead. A forward is thousands of short parallel regions, so every one
+    then pays a wake-up: steps measured 10-25% slower when the model was loaded on one thread and
+    run on another. CPU-heavy torch work an application does next to the engine can go through
+    `run_in_worker` for the same reason.
     """
 
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, executor: ThreadPoolExecutor | None = None):
         self._core = core
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-step")
+        self._executor = executor or _worker()
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
@@ -50,10 +62,16 @@ class AsyncEngine:
 
     @classmethod
     async def start(cls, config: EngineConfig | None = None, **kwargs) -> "AsyncEngine":
-        """Loads the model (in a thread) and starts the loop. kwargs build an EngineConfig when none is given."""
+        """Loads the model (on the worker thread) and starts the loop. kwargs build an EngineConfig when
+        none is given."""
         config = config or EngineConfig(**kwargs)
-        core = await asyncio.to_thread(EngineCore, config)
-        return cls(core)
+        executor = _worker()
+        try:
+            core = await asyncio.get_running_loop().run_in_executor(executor, EngineCore, config)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(core, executor)
 
     @property
     def core(self) -> EngineCore:
@@ -83,8 +101,10 @@ class AsyncEngine:
             if not future.done():
                 future.set_exception(EngineClosedError("engine closed"))
         self._pending_calls.clear()
-        self._executor.shutdown(wait=True)
-        await asyncio.to_thread(self._core.close)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._core.close)
+        finally:
+            self._executor.shutdown(wait=True)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -181,6 +201,15 @@ class AsyncEngine:
 
     async def unpin(self, prompt: PromptType) -> int:
         return await self._between_steps(self._core.unpin, self._core.tokenizer.to_token_ids(prompt))
+
+    async def run_in_worker(self, fn, *args):
+        """Runs fn(*args) on the engine's worker thread between two steps and returns its result.
+
+        For torch work an application does alongside the engine on CPU (see the class docstring):
+        done here it shares the engine's OpenMP threads instead of starting another pool. The engine
+        does not step while fn runs, so keep it short while requests are in flight.
+        """
+        return await self._between_steps(fn, *args)
 
     async def _between_steps(self, fn, *args):
         if self._closed:

@@ -130,20 +130,19 @@ class ColdTier(KVTier):
             raise ValueError("header mismatch")
         return header, 8 + hlen
 
-    def _decode(self, key: BlockKey, value: memoryview) -> torch.Tensor | None:
-        """The block, or None (counted as a failure) when anything does not match."""
+    def _payload(self, key: BlockKey, value: memoryview) -> memoryview | None:
+        """The entry's checked payload, or None (counted as a failure) when anything does not match."""
         try:
             header, start = self._header(key, value)
             payload = value[start:]
             if zlib.crc32(payload) != header["crc"]:
                 raise ValueError("checksum mismatch")
-            data = bytearray(payload)  # copy out before the read transaction ends
         except Exception as e:  # any corrupt entry is a miss
             log.warning("cold tier: unusable entry %s: %s", key.block_hash.hex()[:12], e)
             self.counters.failures += 1
             self._queue.put(("remove", [self._key(key)], None))
             return None
-        return torch.frombuffer(data, dtype=self.dtype).view(self.block_shape)
+        return payload
 
     # -- reads (any thread) ------------------------------------------------------------------------
 
@@ -162,22 +161,28 @@ class ColdTier(KVTier):
         return n
 
     def get_sync(self, keys: Sequence[BlockKey]) -> torch.Tensor | None:
-        blocks = []
+        """The blocks of the longest present prefix of keys, [n, *block_shape], or None.
+
+        Runs in the tier manager's reader thread, so the blocks are assembled with plain memory
+        copies: a torch copy of this size would start an OpenMP pool in this thread as well, which
+        slows every engine step on CPU (see AsyncEngine)."""
+        data, found = bytearray(), 0
         try:
             with self.env.begin(db=self.db_blocks, buffers=True) as txn:
                 for key in keys:
                     value = txn.get(self._key(key))
-                    block = None if value is None else self._decode(key, value)
-                    if block is None:
+                    payload = None if value is None else self._payload(key, value)
+                    if payload is None:
                         break
-                    blocks.append(block)
+                    data += payload  # copied out before the read transaction ends
+                    found += 1
         except lmdb.Error as e:
             log.warning("cold tier read failed: %s", e)
             self.counters.failures += 1
-        if not blocks:
+        if not found:
             return None
-        self._queue.put(("touch", [self._key(k) for k in keys[: len(blocks)]], None))
-        return torch.stack(blocks)
+        self._queue.put(("touch", [self._key(k) for k in keys[:found]], None))
+        return torch.frombuffer(data, dtype=self.dtype).view(found, *self.block_shape)
 
     # -- writes (through the writer thread) --------------------------------------------------------
 
