@@ -1,9 +1,12 @@
-"""The dense-layer function: on CPU in fp32 the swapped MKL product or oneDNN, F.linear elsewhere."""
+"""The dense-layer function: on CPU in fp32 oneDNN (with weights packed at load time) or the swapped
+MKL product, F.linear elsewhere."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tieredkv import EngineConfig
+from tieredkv.engine_core import EngineCore
 from tieredkv.kernels import select_kernels
 from tieredkv.kernels.linear import (
     FORCE_ENV,
@@ -12,26 +15,29 @@ from tieredkv.kernels.linear import (
     _cpu_fp32_linear,
     onednn_linear,
     onednn_linear_usable,
+    pack_onednn_weight,
     select_linear,
+    select_weight_packing,
 )
 
 CPU = torch.device("cpu")
 
 
-def check_against_f_linear(fn, rows, out_features, with_bias, seed=0):
+def check_against_f_linear(fn, rows, out_features, with_bias, seed=0, pack=None):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 96, generator=g)
     w = torch.randn(out_features, 96, generator=g)
     b = torch.randn(out_features, generator=g) if with_bias else None
     with torch.inference_mode():
-        got = fn(x, w, b)
+        fw = w if pack is None else pack(w)
+        got = fn(x, fw, b)
         assert got.shape == (rows, out_features) and got.is_contiguous()
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
         # a strided view and a 3-d input, as the model may hand them over
         xt = torch.randn(96, rows, generator=g).t()
-        torch.testing.assert_close(fn(xt, w, b), F.linear(xt, w, b), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(fn(xt, fw, b), F.linear(xt, w, b), rtol=1e-5, atol=1e-4)
         x3 = x.view(1, rows, 96)
-        torch.testing.assert_close(fn(x3, w, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(fn(x3, fw, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
 
 
 # row counts on both sides of the swapped product's limit, output widths on both sides of the LM-head limit
@@ -51,6 +57,40 @@ def test_cpu_linear_matches_f_linear(rows, out_features, with_bias, use_onednn):
 def test_onednn_linear_matches_f_linear():
     assert onednn_linear_usable()  # x86 and aarch64 builds of torch carry oneDNN
     check_against_f_linear(onednn_linear, 7, 160, with_bias=True)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows, out_features", CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_weights_match_f_linear(rows, out_features, with_bias):
+    packed = pack_onednn_weight(torch.randn(out_features, 96))
+    assert packed.is_mkldnn and packed.shape == (out_features, 96)
+    check_against_f_linear(_cpu_fp32_linear(True), rows, out_features, with_bias, seed=rows, pack=pack_onednn_weight)
+
+
+def test_packing_is_selected_for_cpu_fp32_only(monkeypatch):
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    want = pack_onednn_weight if onednn_linear_usable() else None
+    assert select_weight_packing(CPU, torch.float32) is want
+    assert select_kernels("auto", CPU, torch.float32).pack_linear_weight is want
+    assert select_weight_packing(CPU, torch.bfloat16) is None
+    assert select_weight_packing(torch.device("cuda"), torch.float32) is None
+    monkeypatch.setenv(FORCE_ENV, "torch")
+    assert select_weight_packing(CPU, torch.float32) is None
+    assert select_kernels("auto", CPU, torch.float32).pack_linear_weight is None
+
+
+@pytest.mark.parametrize("force", ["auto", "torch"])
+def test_engine_packs_projections_and_lm_head_and_keeps_the_embedding_plain(llama_dir, monkeypatch, force):
+    monkeypatch.setenv(FORCE_ENV, force)
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16))
+    model = core.model
+    packed = force == "auto" and onednn_linear_usable()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * model.spec.num_layers + (model.lm_head is not None)
+    assert all(m.weight.is_mkldnn == packed for m in linears)
+    assert model.lm_head_weight.is_mkldnn == packed
+    assert not model.embed_tokens.weight.is_mkldnn
 
 
 def test_cpu_fp32_gets_cpu_linear_and_others_keep_f_linear(monkeypatch):

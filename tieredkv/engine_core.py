@@ -112,15 +112,17 @@ class EngineCore:
         self.pool = BlockPool(self.num_blocks)
         self.kv = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching, root_hash(self.fingerprint))
         ops = select_kernels(config.attention_backend, self.device, self.dtype)
+        if ops.pack_linear_weight is not None:
+            self.model.pack_linear_weights(ops.pack_linear_weight)
         self.tiers = self._build_tiers(ops)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops)
         self.pins: dict[tuple[int, ...], list] = {}
         self.requests: dict[str, Request] = {}
         self.telemetry = Telemetry()
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s",
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s%s",
                  self.model_dir.name, self.dtype, self.device, self.num_blocks, self.block_size, ops.name,
-                 ops.linear.__name__)
+                 ops.linear.__name__, "" if ops.pack_linear_weight is None else " (packed weights)")
 
     # -- set-up ----------------------------------------------------------------------------------
 

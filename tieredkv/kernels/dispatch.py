@@ -10,7 +10,7 @@ import torch
 
 from tieredkv.kernels.block_copy import copy_blocks_ref, gather_blocks_ref, scatter_blocks_ref
 from tieredkv.kernels.decode_attention import decode_attention_ref
-from tieredkv.kernels.linear import select_linear
+from tieredkv.kernels.linear import select_linear, select_weight_packing
 from tieredkv.kernels.prefill_attention import prefill_attention_ref
 from tieredkv.kernels.store_kv import store_kv_ref
 
@@ -21,7 +21,9 @@ FORCE_ENV = "TIEREDKV_ATTENTION_BACKEND"
 class KernelOps:
     """The kernel set one engine uses; every op has the signature of its torch reference.
 
-    `linear` is the dense-layer function (F.linear's signature) picked for the weights' device and dtype.
+    `linear` is the dense-layer function (F.linear's signature) picked for the weights' device and dtype;
+    `pack_linear_weight`, when not None, turns a weight into the layout `linear` reads best, once at
+    load time (see LlamaModel.pack_linear_weights).
     """
 
     name: str
@@ -32,6 +34,7 @@ class KernelOps:
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
     linear: Callable[..., torch.Tensor] = torch.nn.functional.linear
+    pack_linear_weight: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 TORCH_OPS = KernelOps(
@@ -49,8 +52,10 @@ def select_kernels(backend: str, device: torch.device, dtype: torch.dtype = torc
     """"auto" takes Triton on CUDA and torch elsewhere; the env var TIEREDKV_ATTENTION_BACKEND=torch forces torch.
     The dense layers get the best `linear` for `dtype` on `device` (kernels/linear.py), whatever the backend."""
     ops = _attention_kernels(backend, device)
-    linear = select_linear(device, dtype)
-    return ops if linear is ops.linear else replace(ops, linear=linear)
+    linear, pack = select_linear(device, dtype), select_weight_packing(device, dtype)
+    if linear is ops.linear and pack is ops.pack_linear_weight:
+        return ops
+    return replace(ops, linear=linear, pack_linear_weight=pack)
 
 
 def _attention_kernels(backend: str, device: torch.device) -> KernelOps:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -159,10 +160,23 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec, max_positions)
+        self.tied_lm_head_packed: torch.Tensor | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        return self.embed_tokens.weight if self.tied_lm_head_packed is None else self.tied_lm_head_packed
+
+    def pack_linear_weights(self, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replaces the weight of every projection and of the LM head with pack(weight), a layout only
+        `KernelOps.linear` reads (see kernels/linear.py). A tied LM head gets a packed copy of its own,
+        since the embedding lookup needs the plain table."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight = nn.Parameter(pack(module.weight), requires_grad=False)
+        if self.lm_head is None:
+            self.tied_lm_head_packed = pack(self.embed_tokens.weight)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices."""
