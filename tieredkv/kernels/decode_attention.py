@@ -51,17 +51,18 @@ class _Group:
     ids: torch.Tensor  # [n * num_blocks] block ids to gather
     num_blocks: int
     length: int  # keys attended: the group's longest context
-    mask: torch.Tensor | None  # [n, 1, 1, length] bool, None when all contexts in the group are equal
+    mask: torch.Tensor | None  # [n, 1, 1, length] additive (0 or -inf), None when all contexts in the group are equal
 
 
 _local = threading.local()  # the last plan made in this thread: every layer of a step asks for the same
 
 
-def _plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[_Group]:
-    """The groups, gather ids and masks of one step's decode batch, made once and shared by its layers."""
+def _plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype) -> list[_Group]:
+    """The groups, gather ids and masks of one step's decode batch, made once and shared by its layers.
+    Masks are additive in the query's dtype: SDPA would otherwise convert a boolean mask in every layer."""
     last = getattr(_local, "plan", None)
-    if last is not None and last[0]() is block_tables and last[1]() is context_lens:
-        return last[2]
+    if last is not None and last[0]() is block_tables and last[1]() is context_lens and last[2] == dtype:
+        return last[3]
     lens = context_lens.tolist()
     plan = []
     for group in length_groups(tuple(lens), block_size):
@@ -76,9 +77,11 @@ def _plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: in
         mask = None
         if min(group_lens) != length:
             positions = torch.arange(length, device=context_lens.device)
-            mask = (positions[None, :] < context_lens[rows][:, None].to(positions.dtype))[:, None, None, :]
+            past = positions[None, :] >= context_lens[rows][:, None].to(positions.dtype)
+            mask = torch.zeros(past.shape, dtype=dtype, device=past.device).masked_fill_(past, float("-inf"))
+            mask = mask[:, None, None, :]
         plan.append(_Group(rows, block_tables[rows, :num_blocks].reshape(-1), num_blocks, length, mask))
-    _local.plan = (weakref.ref(block_tables), weakref.ref(context_lens), plan)
+    _local.plan = (weakref.ref(block_tables), weakref.ref(context_lens), dtype, plan)
     return plan
 
 
@@ -109,7 +112,7 @@ def decode_attention_ref(
     the Triton kernel uses and this reference does not need."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    plan = _plan(block_tables, context_lens, key_cache.shape[1])
+    plan = _plan(block_tables, context_lens, key_cache.shape[1], query.dtype)
     whole = len(plan) == 1 and isinstance(plan[0].rows, slice)  # one group, in batch order
     out = None if whole else torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for g in plan:

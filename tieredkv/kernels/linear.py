@@ -72,8 +72,10 @@ def onednn_linear_usable() -> bool:
     try:
         with torch.inference_mode():
             packed = pack_onednn_weight(w)
-            checks = [(onednn_linear(x, w, b), F.linear(x, w, b)), (onednn_linear(x[0, :1], w), F.linear(x[0, :1], w)),
-                      (onednn_linear(x, packed, b), F.linear(x, w, b)), (onednn_linear(x[1], packed), F.linear(x[1], w))]
+            checks = [(onednn_linear(x, w, b), F.linear(x, w, b)),
+                      (onednn_linear(x[0, :1], w), F.linear(x[0, :1], w)),
+                      (onednn_linear(x, packed, b), F.linear(x, w, b)),
+                      (onednn_linear(x[1], packed), F.linear(x[1], w))]
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
     return all(got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in checks)
