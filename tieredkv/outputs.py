@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tieredkv.tiers.base import TierStats
+from tieredkv.tiers.base import TIER_NAMES, TierStats
 
 
 @dataclass(frozen=True)
@@ -12,7 +12,7 @@ class Usage:
     prompt_tokens: int
     cached_prompt_tokens: int  # the sum of cached_tokens_by_tier
     completion_tokens: int
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"hot": 0, "warm": 0, "cold": 0})
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import torch
 
 from tieredkv.hashing import BlockHash
 
+TIER_NAMES = ("hot", "warm", "cold")  # top to bottom
+
 
 class BlockKey(NamedTuple):
     """A full block's chained hash and its token ids (compared on every hit)."""

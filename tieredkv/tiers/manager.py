@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tieredkv.block_pool import KVBlock
-from tieredkv.tiers.base import BlockKey, TierStats
+from tieredkv.tiers.base import TIER_NAMES, BlockKey, TierStats
 from tieredkv.tiers.cold import ColdTier
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.warm import WarmTier
 
 log = logging.getLogger("tieredkv")
-TIER_NAMES = ("hot", "warm", "cold")
 _BATCH = 256  # blocks per transfer when a whole tier moves
 
 
