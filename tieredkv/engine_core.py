@@ -30,9 +30,9 @@ from tieredkv.sampler import sample
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Request, Sequence
 from tieredkv.telemetry import Telemetry
+from tieredkv.tiers.base import TIER_NAMES
 from tieredkv.tiers.cold import ColdTier
 from tieredkv.tiers.hot import HotTier
-from tieredkv.tiers.base import TIER_NAMES
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.warm import WarmTier
 from tieredkv.tokenizer import PromptType, Tokenizer
