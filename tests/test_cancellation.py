@@ -16,12 +16,9 @@ async def engine(llama_dir):
     await engine.close()
 
 
-async def wait_idle(engine, steps=5):
-    for _ in range(200):
-        if not engine.core.has_work() and not engine._pending_aborts:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("engine did not go idle")
+async def wait_idle(engine):
+    """Everything posted to the worker so far (aborts included) has been applied, and it is idle."""
+    assert not await engine.run_in_worker(engine.core.has_work), "engine did not go idle"
 
 
 async def test_break_frees_blocks(engine):

@@ -1,10 +1,9 @@
 """tieredkv: an asyncio LLM engine with a paged, prefix-cached, tiered KV cache."""
 
 from tieredkv.config import EngineConfig, SamplingParams
-from tieredkv.engine import AsyncEngine, EngineClosedError
-from tieredkv.engine_core import RequestError, StepError
-from tieredkv.models.loader import CheckpointError
-from tieredkv.models.spec import UnsupportedModelError
+from tieredkv.engine import AsyncEngine
+from tieredkv.errors import (CheckpointError, EngineClosedError, RequestError, SamplingError, StepError,
+                             TieredKVError, UnsupportedModelError, WrongLoopError)
 from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 
 __all__ = [
@@ -17,9 +16,12 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "SamplingError",
     "StepError",
     "StreamChunk",
+    "TieredKVError",
     "UnsupportedModelError",
     "Usage",
+    "WrongLoopError",
 ]
 __version__ = "0.1.0"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: logits / T would overflow long before it mattered
 
 
 class EngineConfig(BaseModel):
@@ -52,15 +55,16 @@ class EngineConfig(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    """How to sample one request. `temperature=0` is greedy; `n` samples share the prompt's KV blocks."""
+    """How to sample one request. `temperature` below MIN_TEMPERATURE (0 included) is greedy; `n` samples
+    share the prompt's KV blocks, and sample i of a seeded request draws from seed + i."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -78,6 +82,13 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @model_validator(mode="after")
+    def _seeds_fit(self) -> "SamplingParams":
+        if self.seed is not None and self.seed + self.n - 1 >= SEED_LIMIT:
+            raise ValueError(f"seed + n - 1 must be below 2**64 (sample i uses seed + i); got seed={self.seed}, "
+                             f"n={self.n}")
+        return self
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE

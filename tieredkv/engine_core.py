@@ -1,31 +1,30 @@
-"""The synchronous engine: requests in, one `step()` at a time, stream chunks out. Not thread-safe:
-the async engine calls it from one thread at a time."""
+"""The synchronous engine: requests in, one `step()` at a time, outputs out. Not thread-safe: one thread
+(the async engine's worker) owns it and every object below it."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import time
-import uuid
 from dataclasses import replace
-from pathlib import Path
+from typing import Any
 
 import torch
 
 from tieredkv.block_pool import BlockPool
-from tieredkv.config import EngineConfig, SamplingParams
+from tieredkv.config import EngineConfig
 from tieredkv.detokenizer import IncrementalDetokenizer
+from tieredkv.engine_setup import (default_warm_bytes, eos_token_ids, max_model_len, model_fingerprint,
+                                   num_kv_blocks, resolve_device, resolve_dtype, resolve_model_dir)
+from tieredkv.errors import RequestError, StepError, TieredKVError
 from tieredkv.hashing import root_hash
 from tieredkv.kernels import select_kernels
 from tieredkv.kv_manager import KVCacheManager, cdiv
 from tieredkv.malloc_tuning import tune_glibc_malloc
 from tieredkv.model_runner import ModelRunner
-from tieredkv.models.gguf_convert import default_model_dir
-from tieredkv.models.loader import fingerprint_weights, load_model, weight_files
+from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
 from tieredkv.outputs import EngineStats, StreamChunk, Usage
+from tieredkv.request_factory import RequestFactory
 from tieredkv.sampler import sample
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Request, Sequence
@@ -39,54 +38,7 @@ from tieredkv.tokenizer import PromptType, Tokenizer
 
 log = logging.getLogger("tieredkv")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_LAYOUT = "L2NBHD"  # kv_cache[layer, k|v, block, slot, kv_head, dim]
-
-
-class RequestError(ValueError):
-    """A request was rejected before anything was allocated for it."""
-
-
-class StepError(RuntimeError):
-    """A forward pass failed; the requests in it were aborted and their blocks freed."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException):
-        super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
-        self.request_ids = request_ids
-        self.cause = cause
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def default_warm_bytes() -> int:
-    """10% of the memory available now, at most 4 GiB."""
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        available = 8 << 30
-    return min(available // 10, 4 << 30)
-
-
-def resolve_model_dir(model: str) -> Path:
-    if model == "default":
-        return default_model_dir()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model {model!r} is neither \"default\" nor a local checkpoint directory")
-    return path
+Output = tuple[Any, "StreamChunk | BaseException"]  # (request.sink, a chunk or the request's error)
 
 
 class EngineCore:
@@ -99,17 +51,18 @@ class EngineCore:
             tune_glibc_malloc()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model_dir(config.model)
-        self.spec = ModelSpec.from_file(self.model_dir / "config.json")
-        self.max_model_len = self._max_model_len()
+        self.spec = spec = ModelSpec.from_file(self.model_dir / "config.json")
+        self.max_model_len = max_model_len(spec, config.max_model_len)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.eos_token_ids = self._eos_token_ids()
-        self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, self.max_model_len)
+        self.eos_token_ids = eos_token_ids(spec, self.model_dir, self.tokenizer.eos_token_id)
+        self.model = load_model(self.model_dir, spec, self.dtype, self.device, self.max_model_len)
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks()
-        spec = self.spec
+        self.num_blocks = num_kv_blocks(config, spec, self.dtype, self.device)
         shape = (spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.fingerprint = self._fingerprint()
+        self.factory = RequestFactory(self.tokenizer, spec, config, self.max_model_len, self.eos_token_ids,
+                                      self.num_blocks)
+        self.fingerprint = model_fingerprint(self.model_dir, self.dtype, self.block_size)
         self.pool = BlockPool(self.num_blocks)
         self.kv = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching, root_hash(self.fingerprint))
         ops = select_kernels(config.attention_backend, self.device, self.dtype)
@@ -124,43 +77,6 @@ class EngineCore:
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s%s",
                  self.model_dir.name, self.dtype, self.device, self.num_blocks, self.block_size, ops.name,
                  ops.linear.__name__, "" if ops.pack_linear_weight is None else " (packed weights)")
-
-    # -- set-up ----------------------------------------------------------------------------------
-
-    def _max_model_len(self) -> int:
-        limit = self.spec.max_position_embeddings
-        if self.spec.sliding_window is not None:
-            limit = min(limit, self.spec.sliding_window)
-        wanted = self.config.max_model_len
-        if wanted is not None and wanted > limit:
-            raise ValueError(f"max_model_len={wanted} exceeds what the model supports ({limit})")
-        return wanted or limit
-
-    def _eos_token_ids(self) -> frozenset[int]:
-        ids = set(self.spec.eos_token_ids)
-        gen = self.model_dir / "generation_config.json"
-        if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
-
-    def _num_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        block_bytes = self.spec.kv_elements_per_token * self.block_size * self.dtype.itemsize
-        budget = cfg.kv_cache_bytes
-        if budget is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
-        elif budget is None:
-            budget = cfg.cpu_kv_cache_bytes
-        num = budget // block_bytes
-        if num < 2:
-            raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {block_bytes} bytes")
-        return num
 
     def _build_tiers(self, ops) -> TierManager:
         cfg, spec = self.config, self.spec
@@ -184,67 +100,69 @@ class EngineCore:
         self.tiers.persist()
         self.tiers.close()
 
-    def _fingerprint(self) -> str:
-        """Everything that changes the meaning of a block's bytes: model, dtype, block size, layout."""
-        config_bytes = (self.model_dir / "config.json").read_bytes()
-        identity = hashlib.sha256(config_bytes + fingerprint_weights(weight_files(self.model_dir)).encode())
-        return f"{identity.hexdigest()}|{self.dtype}|bs={self.block_size}|{KV_LAYOUT}"
-
     # -- requests --------------------------------------------------------------------------------
 
-    def make_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> Request:
-        """Tokenizes and validates; raises RequestError (or TypeError) naming the problem. Allocates nothing."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        try:
-            ids = self.tokenizer.to_token_ids(prompt)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise RequestError(f"token ids outside the vocabulary [0, {self.spec.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                               "(the prompt must leave room for at least one new token)")
-        if params.n > self.config.max_num_seqs:
-            raise RequestError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        total = min(len(ids) + params.max_tokens, self.max_model_len)
-        shared = len(ids) // self.block_size
-        needed = shared + params.n * (cdiv(total, self.block_size) - shared)
-        if needed > self.num_blocks:
-            raise RequestError(f"request needs up to {needed} KV blocks but the pool has {self.num_blocks}; "
-                               "lower max_tokens or n, or give the engine more KV memory")
-        rid = request_id or uuid.uuid4().hex
-        if rid in self.requests:
-            raise RequestError(f"request id {rid!r} is already in use")
-        return Request(rid, ids, params, self.eos_token_ids)
+    def make_request(self, prompt: PromptType, params, request_id: str | None = None) -> Request:
+        """Tokenizes and validates (RequestFactory.make); allocates nothing. Safe on any thread."""
+        return self.factory.make(prompt, params, request_id)
 
-    def add_request(self, req: Request) -> None:
-        seq = Sequence(req, 0, list(req.prompt_token_ids), req.make_generator(0, self.device))
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(b) for b in self.pins.values())
+
+    def add_request(self, req: Request) -> list[Output]:
+        """Queues the request. One that cannot be served here gets its error as its only output;
+        nothing else is touched."""
+        try:
+            self._check_fits(req)
+            seq = Sequence(req, 0, list(req.prompt_token_ids), req.make_generator(0, self.device))
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+        except Exception as e:
+            return [(req.sink, e if isinstance(e, TieredKVError) else RequestError(f"cannot admit the request: {e}"))]
         req.seqs.append(seq)
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
+        return []
 
-    def abort(self, request_id: str) -> list[StreamChunk]:
-        """Finishes every sample of the request with "abort" and frees its blocks; returns final chunks."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+    def _check_fits(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise RequestError(f"request id {req.request_id!r} is already in use")
+        self.factory.check_fits(len(req.prompt_token_ids), req.params, self.num_pinned_blocks)
+
+    def abort(self, request_id: str, sink: Any = None) -> list[Output]:
+        """Finishes every sample of the request with "abort" and frees its blocks; returns final chunks.
+        With `sink`, only the request delivering there is aborted (an id may have been reused since)."""
+        req = self.requests.get(request_id)
+        if req is None or (sink is not None and req.sink is not sink):
             return []
-        chunks = []
+        del self.requests[request_id]
+        outputs = []
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-                chunks.append(self._chunk(seq, [], final=True))
-        return chunks
+                outputs.append((req.sink, self._chunk(seq, [], final=True)))
+        return outputs
+
+    def fail(self, req: Request, error: BaseException) -> list[Output]:
+        """Ends a request with an error (its blocks freed); the error is its last output."""
+        if self.requests.pop(req.request_id, None) is None:
+            return []
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "error")
+        return [(req.sink, error)]
+
+    def fail_all(self, error: BaseException) -> list[Output]:
+        return [out for req in list(self.requests.values()) for out in self.fail(req, error)]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     # -- the step --------------------------------------------------------------------------------
 
-    def step(self) -> list[StreamChunk]:
-        """Schedules, runs one forward for the whole batch, samples, and returns the new chunks."""
+    def step(self) -> list[Output]:
+        """Schedules, runs one forward for the whole batch, samples; returns the new outputs. A failure
+        that belongs to some requests (a forward error, an unusable logits row, a request that can
+        never be scheduled) ends those requests with an error output and nothing else."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.preempted:
@@ -254,35 +172,63 @@ class EngineCore:
         if not out.scheduled:
             if out.waiting_on_disk:  # nothing to compute until a cold read lands
                 self.tiers.wait([s.lookup for s in out.waiting_on_disk if s.lookup], timeout=0.05)
+            elif not out.preempted and not self.scheduler.running and self.scheduler.waiting:
+                return self._fail_unschedulable(self.scheduler.waiting[0])
             return []
         try:
             logits, sampled = self.runner.execute(out)
         except Exception as e:
-            failed = sorted({s.request.request_id for s, _ in out.scheduled})
-            for rid in failed:
-                self.abort(rid)
-            raise StepError(failed, e) from e
+            log.exception("engine step failed")
+            failed = {s.request.request_id: s.request for s, _ in out.scheduled}
+            return [o for rid, req in failed.items() for o in self.fail(req, StepError([rid], e))]
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
-        rows, seqs, chunks = [], [], []
+        outputs, rows, seqs = [], [], []
         for i, seq in enumerate(sampled):
-            if seq.request.prefill_only:
-                self.scheduler.finish(seq, "prefill")
-                self._finish_request(seq.request)
-                chunks.append(self._chunk(seq, [], final=True))
+            req = seq.request
+            if req.prefill_only:
+                outputs.extend(self._finish_prefill(seq))
                 continue
-            family = [seq] + self._fork(seq)
+            try:
+                family = [seq] + self._fork(seq)
+            except Exception as e:
+                outputs.extend(self.fail(req, RequestError(f"forking the samples failed: {e}")))
+                continue
             rows.extend([i] * len(family))
             seqs.extend(family)
         if rows != list(range(len(sampled))):
             logits = logits[rows]
         if seqs:
             tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
-            chunks.extend(self._append(seq, tok) for seq, tok in zip(seqs, tokens))
+            for seq, tok in zip(seqs, tokens):
+                if isinstance(tok, int):
+                    if seq.request.request_id in self.requests:
+                        outputs.append((seq.request.sink, self._append(seq, tok)))
+                else:
+                    outputs.extend(self.fail(seq.request, tok))
         self.telemetry.step_duration.record(time.perf_counter() - t0)
         self.telemetry.step_tokens.record(out.num_tokens)
-        return chunks
+        return outputs
+
+    def _fail_unschedulable(self, seq: Sequence) -> list[Output]:
+        """Nothing runs and the head of the queue still cannot start: it never will, so it fails."""
+        needed = cdiv(seq.num_tokens, self.block_size)
+        pinned = self.num_pinned_blocks
+        return self.fail(seq.request, RequestError(
+            f"request {seq.request.request_id!r} cannot be scheduled: it needs {needed} KV blocks, the pool has "
+            f"{self.num_blocks} of which {pinned} are pinned and {self.num_blocks - self.pool.num_free} in use"))
+
+    def _finish_prefill(self, seq: Sequence) -> list[Output]:
+        req = seq.request
+        if req.pin:
+            try:
+                self.pin(req.prompt_token_ids)
+            except RequestError as e:
+                return self.fail(req, e)
+        self.scheduler.finish(seq, "prefill")
+        self._finish_request(req)
+        return [(req.sink, self._chunk(seq, [], final=True))]
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """When sample 0 finishes its prompt, the other n - 1 samples start, sharing its blocks."""
@@ -341,6 +287,7 @@ class EngineCore:
             num_waiting=len(sched.waiting),
             blocks_total=pool.num_blocks,
             blocks_used=pool.num_blocks - pool.num_free,
+            blocks_free=pool.num_free,
             blocks_cached=len(pool.cached),
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,

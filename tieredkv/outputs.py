@@ -51,7 +51,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     blocks_total: int
-    blocks_used: int
+    blocks_used: int  # held by a sequence or a pin; blocks_total - blocks_used are free (cached ones too)
     blocks_cached: int
     prefix_cache_queries: int  # prompt tokens looked up, at first admission
     prefix_cache_hits: int  # of which served from the cache
@@ -60,3 +60,4 @@ class EngineStats:
     num_swaps: int = 0  # preemptions swapped to the warm tier (the rest are recomputed)
     tiers: dict[str, TierStats] = field(default_factory=dict)  # per tier: capacity, use, hits, moves
     blocks_pinned: int = 0
+    blocks_free: int = 0  # blocks_used + blocks_free == blocks_total in every snapshot

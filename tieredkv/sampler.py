@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tieredkv.config import SamplingParams
+from tieredkv.errors import SamplingError
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -26,12 +27,20 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [S, V] fp32 -> S token ids."""
-    out = logits.argmax(-1).tolist()
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int | SamplingError]:
+    """logits [S, V] fp32 -> S token ids, or a SamplingError for each row that cannot be sampled (NaN or
+    +inf logits, nothing finite left): a bad row fails its own sequence, never the batch."""
+    out: list[int | SamplingError] = logits.argmax(-1).tolist()
+    bad = (logits.isnan() | logits.isposinf()).any(-1) | ~logits.isfinite().any(-1)  # [S]
+    for i in bad.nonzero().flatten().tolist():
+        out[i] = SamplingError("the model produced logits that are not finite numbers")
+    random_rows = [i for i, p in enumerate(params) if not p.greedy and isinstance(out[i], int)]
     if random_rows:
         rows = logits[random_rows].cpu()
         for j, i in enumerate(random_rows):
-            out[i] = sample_row(rows[j], params[i], generators[i])
+            try:
+                out[i] = sample_row(rows[j], params[i], generators[i])
+            except RuntimeError as e:  # e.g. a distribution torch.multinomial rejects
+                out[i] = SamplingError(f"sampling failed: {e}")
     return out

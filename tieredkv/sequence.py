@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -87,6 +87,8 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache at first admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     prefill_only: bool = False  # compute and cache the prompt, generate nothing
+    pin: bool = False  # with prefill_only: pin the prompt's full blocks when it is computed
+    sink: Any = None  # where the async front delivers this request's chunks (opaque to the core)
 
     @property
     def pending_forks(self) -> int:

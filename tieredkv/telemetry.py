@@ -24,11 +24,10 @@ class Telemetry:
         self.step_duration = meter.create_histogram("tieredkv.step.duration", unit="s")
         self.step_tokens = meter.create_histogram("tieredkv.step.tokens", unit="{token}")
 
-    def start_request_span(self, req) -> trace.Span:
+    def start_request_span(self, request_id: str, params) -> trace.Span:
         """A span from a request's submission to its last chunk (or its abort)."""
         return self.tracer.start_span("tieredkv.request", attributes={
-            "tieredkv.request_id": req.request_id,
-            "tieredkv.prompt_tokens": len(req.prompt_token_ids),
-            "tieredkv.n": req.params.n,
-            "tieredkv.max_tokens": req.params.max_tokens,
+            "tieredkv.request_id": request_id,
+            "tieredkv.n": params.n,
+            "tieredkv.max_tokens": params.max_tokens,
         })

@@ -8,6 +8,21 @@ from typing import Any
 PromptType = str | list[int] | list[dict[str, Any]]
 
 
+def check_messages(messages: list) -> None:
+    """Raises ValueError unless every message is a dict with string 'role' and 'content'."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"message {i} must be a dict with string 'role' and 'content', got {m!r:.200}")
+
+
+def check_text(text: str) -> None:
+    """Raises ValueError naming the position of a lone surrogate (text that is not valid Unicode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode: a lone surrogate at position {e.start}") from None
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path):
         from transformers import AutoTokenizer
@@ -18,16 +33,22 @@ class Tokenizer:
             raise ValueError(f"cannot load a tokenizer from {model_dir}: {e}") from e
 
     @property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry: no token covers more of a prompt."""
+        return max(map(len, self.hf.get_vocab()), default=1)
+
+    @property
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
 
     def encode(self, text: str) -> list[int]:
+        check_text(text)
         return list(self.hf(text).input_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
+        check_messages(messages)
+        for m in messages:
+            check_text(m["content"])
         if getattr(self.hf, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; pass a string or token ids")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -10,6 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from tieredkv.errors import CheckpointError
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
 from tieredkv.models.spec import ModelSpec
 
@@ -17,10 +18,6 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's files are missing, truncated or inconsistent."""
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -7,16 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tieredkv.errors import UnsupportedModelError
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
 _MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is not of an architecture this engine implements."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,96 @@
+"""Set-up facts an engine derives from its config and checkpoint: device, dtype, sizes, fingerprint, tiers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from tieredkv.config import EngineConfig
+from tieredkv.models.gguf_convert import default_model_dir
+from tieredkv.models.loader import fingerprint_weights, weight_files
+from tieredkv.models.spec import ModelSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_LAYOUT = "L2NBHD"  # kv_cache[layer, k|v, block, slot, kv_head, dim]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def default_warm_bytes() -> int:
+    """10% of the memory available now, at most 4 GiB."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 << 30
+    return min(available // 10, 4 << 30)
+
+
+def resolve_model_dir(model: str) -> Path:
+    if model == "default":
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {model!r} is neither \"default\" nor a local checkpoint directory")
+    return path
+
+
+def max_model_len(spec: ModelSpec, wanted: int | None) -> int:
+    limit = spec.max_position_embeddings
+    if spec.sliding_window is not None:
+        limit = min(limit, spec.sliding_window)
+    if wanted is not None and wanted > limit:
+        raise ValueError(f"max_model_len={wanted} exceeds what the model supports ({limit})")
+    return wanted or limit
+
+
+def eos_token_ids(spec: ModelSpec, model_dir: Path, tokenizer_eos: int | None) -> frozenset[int]:
+    ids = set(spec.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer_eos is not None:
+        ids.add(tokenizer_eos)
+    return frozenset(ids)
+
+
+def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> int:
+    """num_blocks when given; else what the KV budget (kv_cache_bytes, the free CUDA memory, or
+    cpu_kv_cache_bytes) holds."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    block_bytes = spec.kv_elements_per_token * cfg.block_size * dtype.itemsize
+    budget = cfg.kv_cache_bytes
+    if budget is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+    elif budget is None:
+        budget = cfg.cpu_kv_cache_bytes
+    num = budget // block_bytes
+    if num < 2:
+        raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {block_bytes} bytes")
+    return num
+
+
+def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int) -> str:
+    """Everything that changes the meaning of a block's bytes: model, dtype, block size, layout."""
+    config_bytes = (model_dir / "config.json").read_bytes()
+    identity = hashlib.sha256(config_bytes + fingerprint_weights(weight_files(model_dir)).encode())
+    return f"{identity.hexdigest()}|{dtype}|bs={block_size}|{KV_LAYOUT}"

@@ -1,0 +1,41 @@
+"""Every error the engine raises on purpose derives from TieredKVError; catch that for all of them."""
+
+from __future__ import annotations
+
+
+class TieredKVError(Exception):
+    """Base of the engine's own errors."""
+
+
+class RequestError(TieredKVError, ValueError):
+    """A request was rejected before anything was allocated for it, or could not be served; the
+    engine and every other request go on."""
+
+
+class StepError(TieredKVError, RuntimeError):
+    """A forward pass failed; the requests in it were aborted and their blocks freed."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+class EngineClosedError(TieredKVError, RuntimeError):
+    """The engine was closed (or its worker died) while the call was pending or running."""
+
+
+class WrongLoopError(TieredKVError, RuntimeError):
+    """An engine method was called from another event loop or thread than the one that started it."""
+
+
+class CheckpointError(TieredKVError, ValueError):
+    """The checkpoint's files are missing, truncated or inconsistent."""
+
+
+class UnsupportedModelError(TieredKVError, ValueError):
+    """The checkpoint is not of an architecture this engine implements."""
+
+
+class SamplingError(TieredKVError, RuntimeError):
+    """One row of a batch could not be sampled (its logits are not usable numbers); only its request fails."""

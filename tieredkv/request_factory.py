@@ -1,0 +1,101 @@
+"""Turns what a caller passes into a validated `Request`: cheap checks first, tokenization second."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from tieredkv.config import EngineConfig, SamplingParams
+from tieredkv.errors import RequestError
+from tieredkv.kv_manager import cdiv
+from tieredkv.models.spec import ModelSpec
+from tieredkv.sequence import Request
+from tieredkv.tokenizer import PromptType, Tokenizer, check_messages
+
+# A string of more than this many characters per allowed token cannot fit, whatever it tokenizes to: no
+# token is longer than the tokenizer's longest vocabulary entry (x2 for normalizers that expand text).
+_CHARS_PER_TOKEN_SLACK = 2
+
+
+class RequestFactory:
+    """Stateless apart from immutable engine facts, so it may run on any thread.
+
+    `precheck` is O(1) in the prompt's size for strings and chat messages (it never tokenizes) and is
+    meant for the caller's thread; `make` tokenizes and runs every check, and is meant for a
+    tokenizer thread. Both raise RequestError (or TypeError for a wrong type) and allocate nothing.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, spec: ModelSpec, config: EngineConfig, max_model_len: int,
+                 eos_token_ids: frozenset[int], num_blocks: int):
+        self.tokenizer = tokenizer
+        self.block_size = config.block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = spec.vocab_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.max_chars = max_model_len * tokenizer.max_token_chars * _CHARS_PER_TOKEN_SLACK
+
+    def precheck(self, prompt: Any, params: Any) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n > self.max_num_seqs:
+            raise RequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty")
+            if len(prompt) > self.max_chars:
+                raise RequestError(f"prompt has {len(prompt):,} characters, more than max_model_len "
+                                   f"({self.max_model_len} tokens) can hold; it was not tokenized")
+            return
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError("prompt must be a str, a list of token ids, or a list of chat messages")
+        if not prompt:
+            raise RequestError("prompt is empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            self._check_ids(prompt)
+            self.check_fits(len(prompt), params, 0)
+        elif all(isinstance(m, dict) for m in prompt):
+            try:
+                check_messages(prompt)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+            chars = sum(len(m["content"]) for m in prompt)
+            if chars > self.max_chars:
+                raise RequestError(f"messages have {chars:,} characters, more than max_model_len "
+                                   f"({self.max_model_len} tokens) can hold; they were not tokenized")
+        else:
+            raise TypeError("prompt must be a str, a list of token ids, or a list of chat messages")
+
+    def _check_ids(self, ids) -> None:
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                               "(the prompt must leave room for at least one new token)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams, pinned_blocks: int) -> None:
+        """Raises unless the request's most KV (every sample at max_tokens) fits beside the pinned blocks."""
+        total = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+        shared = num_prompt_tokens // self.block_size
+        needed = shared + params.n * (cdiv(total, self.block_size) - shared)
+        if needed > self.num_blocks - pinned_blocks:
+            where = f" and {pinned_blocks} of them are pinned" if pinned_blocks else ""
+            raise RequestError(f"request needs up to {needed} KV blocks but the pool has {self.num_blocks}{where}; "
+                               "lower max_tokens or n, unpin, or give the engine more KV memory")
+
+    def token_ids(self, prompt: PromptType) -> list[int]:
+        """The prompt's token ids, checked; tokenizes strings and applies the chat template to messages."""
+        try:
+            ids = self.tokenizer.to_token_ids(prompt)
+        except (ValueError, UnicodeError) as e:
+            raise RequestError(f"cannot tokenize the prompt: {e}") from None
+        self._check_ids(ids)
+        return ids
+
+    def make(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> Request:
+        self.precheck(prompt, params)
+        ids = self.token_ids(prompt)
+        self.check_fits(len(ids), params, 0)
+        return Request(request_id or uuid.uuid4().hex, ids, params, self.eos_token_ids)
