@@ -1,0 +1,88 @@
+"""The worker owns the engine: stats snapshots under load, pin with no window, admission that knows pins."""
+
+import asyncio
+import random
+
+import pytest
+
+from helpers import check_pool_clean
+from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+
+
+async def test_stats_in_a_tight_loop_beside_32_streams(llama_dir):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=96, max_num_seqs=32,
+                                                    warm_bytes=0)) as engine:
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 60))] for _ in range(32)]
+        done = asyncio.Event()
+        snapshots = 0
+
+        async def poll():
+            nonlocal snapshots
+            while not done.is_set():
+                s = engine.stats()
+                assert s.blocks_used + s.blocks_free == s.blocks_total
+                assert 0 <= s.blocks_cached <= s.blocks_total and s.num_running <= 32
+                assert s.tiers["hot"].used_bytes >= 0
+                snapshots += 1
+                await asyncio.sleep(0)
+
+        poller = asyncio.create_task(poll())
+        outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=12, ignore_eos=True))
+                                      for p in prompts))
+        done.set()
+        await poller
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+        assert snapshots > 100
+        await engine.run_in_worker(check_pool_clean, engine.core)
+        final = engine.stats()
+        assert final.num_running == final.num_waiting == final.blocks_used == 0
+
+
+async def test_pin_under_concurrent_load_succeeds(llama_dir):
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=24, max_num_seqs=16, max_pinned_fraction=0.5, warm_bytes=0)
+    async with await AsyncEngine.start(cfg) as engine:
+        rng = random.Random(2)
+        system = [rng.randrange(3, 300) for _ in range(64)]
+        load = [asyncio.create_task(engine.generate([rng.randrange(3, 300) for _ in range(40)],
+                                                    SamplingParams(max_tokens=20, ignore_eos=True)))
+                for _ in range(12)]
+        await asyncio.sleep(0.01)
+        assert await engine.pin(system) == 64
+        await asyncio.gather(*load)
+        assert engine.stats().blocks_pinned == 4
+        out = await engine.generate(system + [5, 6], SamplingParams(max_tokens=2))
+        assert out.usage.cached_tokens_by_tier["hot"] == 64
+        assert await engine.unpin(system) == 64
+        await engine.run_in_worker(check_pool_clean, engine.core)
+
+
+async def test_a_request_that_cannot_fit_beside_the_pinned_blocks_fails_clearly(llama_dir):
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=16, max_pinned_fraction=0.5, warm_bytes=0)
+    async with await AsyncEngine.start(cfg) as engine:
+        assert await engine.pin(list(range(3, 3 + 8 * 16))) == 128  # 8 of 16 blocks pinned
+        # 11 blocks: fits the pool, not beside the pins; it used to be admitted and stall the engine
+        with pytest.raises(RequestError, match=r"needs up to 11 KV blocks but the pool has 16 and 8 of them are pinned"):
+            await asyncio.wait_for(engine.generate(list(range(200, 360)), SamplingParams(max_tokens=16,
+                                                                                      ignore_eos=True)), 10)
+        out = await asyncio.wait_for(engine.generate(list(range(200, 230)), SamplingParams(max_tokens=4)), 10)
+        assert len(out.outputs[0].token_ids) == 4
+        await engine.unpin(list(range(3, 3 + 8 * 16)))
+        await engine.run_in_worker(check_pool_clean, engine.core)
+
+
+def test_a_request_that_can_never_be_scheduled_fails_instead_of_spinning(llama_dir):
+    from tieredkv.engine_core import EngineCore
+
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, max_pinned_fraction=0.5, warm_bytes=0))
+    req = core.make_request(list(range(3, 100)), SamplingParams(max_tokens=20))  # 8 blocks: fits the pool
+    assert core.add_request(req) == []
+    core.pins[(1,)] = core.pool.allocate(4)  # pinned behind admission's back: it can never run now
+    outputs = []
+    for _ in range(3):
+        outputs += core.step()
+    assert len(outputs) == 1 and isinstance(outputs[0][1], RequestError)
+    assert "cannot be scheduled" in str(outputs[0][1]) and "4 are pinned" in str(outputs[0][1])
+    assert not core.has_work()
+    core.pool.free(core.pins.pop((1,)))
+    check_pool_clean(core)
