@@ -86,3 +86,38 @@ def test_a_request_that_can_never_be_scheduled_fails_instead_of_spinning(llama_d
     assert not core.has_work()
     core.pool.free(core.pins.pop((1,)))
     check_pool_clean(core)
+
+
+def test_optional_imports_stay_unloaded_without_their_tier():
+    import subprocess
+    import sys
+
+    code = ("import sys, tieredkv, tieredkv.engine, tieredkv.engine_core; "
+            "print(sorted(m for m in ('lmdb', 'msgpack', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_decode_plan_is_made_once_per_step_and_carried_in_the_batch(llama_dir):
+    from dataclasses import replace
+
+    from tieredkv.engine_core import EngineCore
+    from tieredkv.kernels.decode_attention import plan_decode
+
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=32, warm_bytes=0))
+    made = []
+
+    def counting(*args):
+        made.append(plan_decode(*args))
+        return made[-1]
+
+    core.runner.ops = replace(core.runner.ops, plan_decode=counting)
+    for prompt in ([5, 6, 7, 8], list(range(3, 40))):
+        assert core.add_request(core.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))) == []
+    plans_per_step = []
+    while core.has_work():
+        made.clear()
+        core.step()
+        plans_per_step.append(len(made))
+    assert max(plans_per_step) == 1  # one plan per step, shared by all 3 layers (not one per layer)
+    assert sum(plans_per_step) >= 3

@@ -19,6 +19,7 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [Bp + 1] int32 offsets, relative to the first prefill token
     prefill_context_lens: torch.Tensor  # [Bp] int32
     max_prefill_query_len: int
+    decode_plan: object = None  # the kernel set's per-step decode plan (KernelOps.plan_decode), if it has one
 
 
 @dataclass

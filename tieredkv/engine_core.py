@@ -13,8 +13,8 @@ import torch
 from tieredkv.block_pool import BlockPool
 from tieredkv.config import EngineConfig
 from tieredkv.detokenizer import IncrementalDetokenizer
-from tieredkv.engine_setup import (default_warm_bytes, eos_token_ids, max_model_len, model_fingerprint,
-                                   num_kv_blocks, resolve_device, resolve_dtype, resolve_model_dir)
+from tieredkv.engine_setup import (build_tiers, eos_token_ids, max_model_len, model_fingerprint, num_kv_blocks,
+                                   resolve_device, resolve_dtype, resolve_model_dir)
 from tieredkv.errors import RequestError, StepError, TieredKVError
 from tieredkv.hashing import root_hash
 from tieredkv.kernels import select_kernels
@@ -30,10 +30,6 @@ from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Request, Sequence
 from tieredkv.telemetry import Telemetry
 from tieredkv.tiers.base import TIER_NAMES
-from tieredkv.tiers.cold import ColdTier
-from tieredkv.tiers.hot import HotTier
-from tieredkv.tiers.manager import TierManager
-from tieredkv.tiers.warm import WarmTier
 from tieredkv.tokenizer import PromptType, Tokenizer
 
 log = logging.getLogger("tieredkv")
@@ -68,7 +64,7 @@ class EngineCore:
         ops = select_kernels(config.attention_backend, self.device, self.dtype)
         if ops.pack_linear_weight is not None:
             self.model.pack_linear_weights(ops.pack_linear_weight)
-        self.tiers = self._build_tiers(ops)
+        self.tiers = build_tiers(config, spec, self.pool, self.kv_cache, ops, self.fingerprint)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops)
         self.pins: dict[tuple[int, ...], list] = {}
@@ -77,20 +73,6 @@ class EngineCore:
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s%s",
                  self.model_dir.name, self.dtype, self.device, self.num_blocks, self.block_size, ops.name,
                  ops.linear.__name__, "" if ops.pack_linear_weight is None else " (packed weights)")
-
-    def _build_tiers(self, ops) -> TierManager:
-        cfg, spec = self.config, self.spec
-        block_shape = (spec.num_layers, 2, self.block_size, spec.num_kv_heads, spec.head_dim)
-        hot = HotTier(self.pool, self.kv_cache, ops)
-        warm_bytes = default_warm_bytes() if cfg.warm_bytes is None else cfg.warm_bytes
-        warm_blocks = warm_bytes // hot.block_bytes
-        warm = None
-        if warm_blocks > 0:
-            warm = WarmTier(warm_blocks, block_shape, self.dtype, pin=self.device.type == "cuda")
-        cold = None
-        if cfg.cold_path is not None:
-            cold = ColdTier(cfg.cold_path, cfg.cold_bytes, self.fingerprint, block_shape, self.dtype)
-        return TierManager(hot, warm, cold, self.block_size)
 
     def close(self) -> None:
         """Persists cached blocks to the cold tier (when there is one) and closes the tiers."""

@@ -9,10 +9,15 @@ from pathlib import Path
 
 import torch
 
+from tieredkv.block_pool import BlockPool
 from tieredkv.config import EngineConfig
+from tieredkv.kernels import KernelOps
 from tieredkv.models.gguf_convert import default_model_dir
 from tieredkv.models.loader import fingerprint_weights, weight_files
 from tieredkv.models.spec import ModelSpec
+from tieredkv.tiers.hot import HotTier
+from tieredkv.tiers.manager import TierManager
+from tieredkv.tiers.warm import WarmTier
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_LAYOUT = "L2NBHD"  # kv_cache[layer, k|v, block, slot, kv_head, dim]
@@ -94,3 +99,21 @@ def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int) -> s
     config_bytes = (model_dir / "config.json").read_bytes()
     identity = hashlib.sha256(config_bytes + fingerprint_weights(weight_files(model_dir)).encode())
     return f"{identity.hexdigest()}|{dtype}|bs={block_size}|{KV_LAYOUT}"
+
+
+def build_tiers(cfg: EngineConfig, spec: ModelSpec, pool: BlockPool, kv_cache: torch.Tensor, ops: KernelOps,
+                fingerprint: str) -> TierManager:
+    """Hot over the pool; warm when its budget holds a block; cold (LMDB, imported only then) with a path."""
+    block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
+    hot = HotTier(pool, kv_cache, ops)
+    warm_bytes = default_warm_bytes() if cfg.warm_bytes is None else cfg.warm_bytes
+    warm_blocks = warm_bytes // hot.block_bytes
+    warm = None
+    if warm_blocks > 0:
+        warm = WarmTier(warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda")
+    cold = None
+    if cfg.cold_path is not None:
+        from tieredkv.tiers.cold import ColdTier
+
+        cold = ColdTier(cfg.cold_path, cfg.cold_bytes, fingerprint, block_shape, kv_cache.dtype)
+    return TierManager(hot, warm, cold, cfg.block_size)

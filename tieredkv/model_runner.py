@@ -46,10 +46,16 @@ class ModelRunner:
         query_start = [0]
         for _, n in prefills:
             query_start.append(query_start[-1] + n)
+        decode_tables = self._block_tables([s for s, _ in decodes])
+        decode_lens = self._tensor([s.num_computed_tokens + 1 for s, _ in decodes], torch.int32)
+        plan = None
+        if decodes and self.ops.plan_decode is not None:
+            plan = self.ops.plan_decode(decode_tables, decode_lens, bs, self.kv_cache.dtype)
         attn = AttentionMetadata(
             num_decode_tokens=len(decodes),
-            decode_block_tables=self._block_tables([s for s, _ in decodes]),
-            decode_context_lens=self._tensor([s.num_computed_tokens + 1 for s, _ in decodes], torch.int32),
+            decode_block_tables=decode_tables,
+            decode_context_lens=decode_lens,
+            decode_plan=plan,
             max_decode_context_len=max((s.num_computed_tokens + 1 for s, _ in decodes), default=0),
             prefill_block_tables=self._block_tables([s for s, _ in prefills]),
             prefill_query_start_loc=self._tensor(query_start, torch.int32),

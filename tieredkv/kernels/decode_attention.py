@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +20,7 @@ def length_groups(lens: tuple[int, ...], block_size: int) -> tuple[tuple[int, ..
     spread widely (a 64-token and a 640-token sequence decode side by side). Sequences are sorted by
     length and cut into consecutive runs that minimise sum(group size * group max length) plus
     GROUP_CALL_COST per group, by dynamic programming over the distinct lengths in blocks. Returns the
-    groups as tuples of batch positions, in ascending length. Called once per step (see _plan).
+    groups as tuples of batch positions, in ascending length. Called once per step (see plan_decode).
     """
     order = sorted(range(len(lens)), key=lens.__getitem__)
     padded = [-(-lens[i] // block_size) * block_size for i in order]
@@ -54,15 +52,11 @@ class _Group:
     mask: torch.Tensor | None  # [n, 1, 1, length] additive (0 or -inf), None when all contexts in the group are equal
 
 
-_local = threading.local()  # the last plan made in this thread: every layer of a step asks for the same
-
-
-def _plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype) -> list[_Group]:
-    """The groups, gather ids and masks of one step's decode batch, made once and shared by its layers.
-    Masks are additive in the query's dtype: SDPA would otherwise convert a boolean mask in every layer."""
-    last = getattr(_local, "plan", None)
-    if last is not None and last[0]() is block_tables and last[1]() is context_lens and last[2] == dtype:
-        return last[3]
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                dtype: torch.dtype) -> list[_Group]:
+    """The groups, gather ids and masks of one step's decode batch, made once (ModelRunner.prepare puts it
+    in the batch) and shared by its layers. Masks are additive in the query's dtype: SDPA would
+    otherwise convert a boolean mask in every layer."""
     lens = context_lens.tolist()
     plan = []
     for group in length_groups(tuple(lens), block_size):
@@ -81,7 +75,6 @@ def _plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: in
             mask = torch.zeros(past.shape, dtype=dtype, device=past.device).masked_fill_(past, float("-inf"))
             mask = mask[:, None, None, :]
         plan.append(_Group(rows, block_tables[rows, :num_blocks].reshape(-1), num_blocks, length, mask))
-    _local.plan = (weakref.ref(block_tables), weakref.ref(context_lens), dtype, plan)
     return plan
 
 
@@ -106,13 +99,16 @@ def decode_attention_ref(
     context_lens: torch.Tensor,  # [B] int, >= 1
     scale: float,
     max_context_len: int | None = None,
+    plan: list[_Group] | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Plain-torch reference: the query attends to the first context_lens[b] cached tokens of its sequence.
-    Sequences of similar length are attended together (see length_groups); `max_context_len` is a hint
-    the Triton kernel uses and this reference does not need."""
+    Sequences of similar length are attended together (see length_groups), as `plan` (plan_decode's,
+    made here when None) says; `max_context_len` is a hint the Triton kernel uses and this reference
+    does not need."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    plan = _plan(block_tables, context_lens, key_cache.shape[1], query.dtype)
+    if plan is None:
+        plan = plan_decode(block_tables, context_lens, key_cache.shape[1], query.dtype)
     whole = len(plan) == 1 and isinstance(plan[0].rows, slice)  # one group, in batch order
     out = None if whole else torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for g in plan:

@@ -3,38 +3,18 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import replace
 
 import torch
 
 from tieredkv.kernels.block_copy import copy_blocks_ref, gather_blocks_ref, scatter_blocks_ref
-from tieredkv.kernels.decode_attention import decode_attention_ref
+from tieredkv.kernels.decode_attention import decode_attention_ref, plan_decode
+from tieredkv.kernels.kernel_ops import KernelOps
 from tieredkv.kernels.linear import select_linear, select_weight_packing
 from tieredkv.kernels.prefill_attention import prefill_attention_ref
 from tieredkv.kernels.store_kv import store_kv_ref
 
 FORCE_ENV = "TIEREDKV_ATTENTION_BACKEND"
-
-
-@dataclass(frozen=True)
-class KernelOps:
-    """The kernel set one engine uses; every op has the signature of its torch reference.
-
-    `linear` is the dense-layer function (F.linear's signature) picked for the weights' device and dtype;
-    `pack_linear_weight`, when not None, turns a weight into the layout `linear` reads best, once at
-    load time (see LlamaModel.pack_linear_weights).
-    """
-
-    name: str
-    store_kv: Callable[..., None]
-    decode_attention: Callable[..., torch.Tensor]
-    prefill_attention: Callable[..., torch.Tensor]
-    copy_blocks: Callable[..., None]
-    gather_blocks: Callable[..., None]
-    scatter_blocks: Callable[..., None]
-    linear: Callable[..., torch.Tensor] = torch.nn.functional.linear
-    pack_linear_weight: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 TORCH_OPS = KernelOps(
@@ -45,6 +25,7 @@ TORCH_OPS = KernelOps(
     copy_blocks=copy_blocks_ref,
     gather_blocks=gather_blocks_ref,
     scatter_blocks=scatter_blocks_ref,
+    plan_decode=plan_decode,
 )
 
 

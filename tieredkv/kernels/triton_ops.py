@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tieredkv.kernels.dispatch import KernelOps
+from tieredkv.kernels.kernel_ops import KernelOps
 
 DECODE_BLOCK_N = 64  # keys per inner iteration of the decode kernel
 DECODE_TOKENS_PER_SPLIT = 512  # split-K: one program per (sequence, kv head, 512 keys)
@@ -165,7 +165,7 @@ def _decode_merge_kernel(
 
 
 def decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
-                     tokens_per_split: int = DECODE_TOKENS_PER_SPLIT):
+                     plan=None, tokens_per_split: int = DECODE_TOKENS_PER_SPLIT):
     _check_cache(key_cache, value_cache)
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]

@@ -110,7 +110,7 @@ class Attention(nn.Module):
             parts.append(
                 ops.decode_attention(
                     q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                    self.scale, meta.max_decode_context_len,
+                    self.scale, meta.max_decode_context_len, plan=meta.decode_plan,
                 )
             )
         if nd < num_tokens:

@@ -9,14 +9,17 @@ from __future__ import annotations
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tieredkv.block_pool import KVBlock
 from tieredkv.tiers.base import TIER_NAMES, BlockKey, TierStats
-from tieredkv.tiers.cold import ColdTier
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.warm import WarmTier
+
+if TYPE_CHECKING:
+    from tieredkv.tiers.cold import ColdTier
 
 log = logging.getLogger("tieredkv")
 _BATCH = 256  # blocks per transfer when a whole tier moves
@@ -57,7 +60,7 @@ class Lookup:
 
 
 class TierManager:
-    def __init__(self, hot: HotTier, warm: WarmTier | None, cold: ColdTier | None, block_size: int):
+    def __init__(self, hot: HotTier, warm: WarmTier | None, cold: "ColdTier | None", block_size: int):
         self.hot = hot
         self.warm = warm
         self.cold = cold

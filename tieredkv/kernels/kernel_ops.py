@@ -1,0 +1,30 @@
+"""The kernel set's type: a leaf module that both the dispatcher and the kernel modules import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The kernel set one engine uses; every op has the signature of its torch reference.
+
+    `linear` is the dense-layer function (F.linear's signature) picked for the weights' device and dtype;
+    `pack_linear_weight`, when not None, turns a weight into the layout `linear` reads best, once at
+    load time (see LlamaModel.pack_linear_weights). `plan_decode(block_tables, context_lens, block_size,
+    dtype)`, when not None, builds what `decode_attention(..., plan=)` reuses in every layer of a step.
+    """
+
+    name: str
+    store_kv: Callable[..., None]
+    decode_attention: Callable[..., torch.Tensor]
+    prefill_attention: Callable[..., torch.Tensor]
+    copy_blocks: Callable[..., None]
+    gather_blocks: Callable[..., None]
+    scatter_blocks: Callable[..., None]
+    linear: Callable[..., torch.Tensor] = torch.nn.functional.linear
+    pack_linear_weight: Callable[[torch.Tensor], torch.Tensor] | None = None
+    plan_decode: Callable[..., object] | None = None  # per-step decode plan, made once in ModelRunner.prepare
