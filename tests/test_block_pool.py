@@ -21,9 +21,9 @@ def test_free_queue_o1_operations_keep_order():
 
 
 def test_allocate_free_touch_and_eviction():
-    evicted = []
-    pool = BlockPool(4, on_evict=lambda blocks: evicted.extend(b.block_id for b in blocks))
-    a, b = pool.allocate(2)
+    pool = BlockPool(4)
+    (a, b), evicted = pool.allocate(2)
+    assert evicted == []
     assert (a.ref_cnt, b.ref_cnt, pool.num_free) == (1, 1, 2)
     h = hash_block(root_hash("m"), [1, 2])
     pool.cache(a, h, (1, 2))
@@ -37,8 +37,8 @@ def test_allocate_free_touch_and_eviction():
     pool.touch([a])  # revive from the middle of the free queue
     assert pool.num_free == 3
     pool.free([a])
-    got = pool.allocate(4)  # a is last in LRU order, so it is evicted last
-    assert got[-1] is a and evicted == [a.block_id] and not pool.cached
+    got, evicted = pool.allocate(4)  # a is last in LRU order, so it is evicted last
+    assert got[-1] is a and evicted == [(a.block_id, h, (1, 2))] and not pool.cached
     with pytest.raises(MemoryError):
         pool.allocate(1)
 

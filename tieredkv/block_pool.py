@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable, NamedTuple
 
 from tieredkv.hashing import BlockHash
+
+
+class Evicted(NamedTuple):
+    """A cached block that `allocate` reused: where its data still is, and what it was."""
+
+    block_id: int
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
 
 
 class KVBlock:
@@ -73,16 +81,15 @@ class BlockPool:
 
     A block is in exactly one state: in use (ref_cnt > 0, not in the free queue), or free
     (ref_cnt 0, in the free queue); a free block may still be cached (in the hash map) and is then
-    revived by `touch` on a prefix hit. Reusing cached free blocks evicts their hashes; one
-    `allocate` reports all the blocks it evicts in one `on_evict` call, before they are handed out
-    and while their data is intact (the tier manager demotes them then).
+    revived by `touch` on a prefix hit. Reusing cached free blocks evicts their hashes: `allocate`
+    returns them with the blocks, and the caller decides what happens to their data (the scheduler
+    plans their demotion before anything is written into them). Every method only changes metadata.
     """
 
-    def __init__(self, num_blocks: int, on_evict: Callable[[list[KVBlock]], None] | None = None):
+    def __init__(self, num_blocks: int):
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
-        self.on_evict = on_evict
 
     @property
     def num_blocks(self) -> int:
@@ -108,19 +115,18 @@ class BlockPool:
             hits.append(block)
         return hits
 
-    def allocate(self, n: int) -> list[KVBlock]:
-        """n fresh blocks with ref_cnt 1; evicts cached ones from the LRU head. Raises if fewer are free."""
+    def allocate(self, n: int) -> tuple[list[KVBlock], list[Evicted]]:
+        """n fresh blocks with ref_cnt 1, taken from the LRU head, and the cached ones among them that
+        were evicted to make them. Raises MemoryError if fewer than n are free."""
         if n > self.num_free:
             raise MemoryError(f"asked for {n} blocks, {self.num_free} free")
         out = [self.free_queue.popleft() for _ in range(n)]
-        evicted = [b for b in out if b.block_hash is not None]
-        if evicted and self.on_evict is not None:
-            self.on_evict(evicted)
-        for block in evicted:
-            self.uncache(block)
+        evicted = [Evicted(b.block_id, b.block_hash, b.token_ids) for b in out if b.block_hash is not None]
         for block in out:
+            if block.block_hash is not None:
+                self.uncache(block)
             block.ref_cnt = 1
-        return out
+        return out, evicted
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on each block, reviving free cached ones."""

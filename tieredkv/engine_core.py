@@ -149,8 +149,7 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.preempted:
             self.telemetry.preemptions.add(len(out.preempted))
-        for restore, blocks in out.restores:
-            self.tiers.apply(restore, blocks)
+        self.tiers.execute(out.moves)
         if not out.scheduled:
             if out.waiting_on_disk:  # nothing to compute until a cold read lands
                 self.tiers.wait([s.lookup for s in out.waiting_on_disk if s.lookup], timeout=0.05)

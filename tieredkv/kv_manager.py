@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from tieredkv.block_pool import BlockPool, KVBlock
 from tieredkv.hashing import BlockHash, hash_block
 from tieredkv.sequence import Sequence
 from tieredkv.tiers.base import BlockKey
 from tieredkv.tiers.manager import Restore
+from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, BlockMove
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-class BlockCopy(NamedTuple):
-    src: int
-    dst: int
 
 
 class KVCacheManager:
@@ -25,7 +19,9 @@ class KVCacheManager:
 
     The only writes into the cache happen at positions >= a sequence's num_computed_tokens, so only
     its last, partially filled block can be written while shared; that block is copied first
-    (copy-on-write) and the copy is queued in `pending_copies` for the model runner.
+    (copy-on-write). Every data movement this implies (demoting evicted blocks, promoted or swapped-in
+    data, copy-on-write copies) is appended to `moves` in a safe order (see tiers/moves.py) for the
+    step to carry out before its forward; this class itself only changes metadata.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool, root: BlockHash):
@@ -33,8 +29,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.root = root
-        self.pending_copies: list[BlockCopy] = []
-        self.pending_restores: list[tuple[Restore, list[KVBlock]]] = []
+        self.moves: list[BlockMove] = []
         self.cow_copies = 0
 
     # -- hashing ---------------------------------------------------------------------------------
@@ -116,18 +111,36 @@ class KVCacheManager:
             seq.num_computed_tokens += len(cached) * self.block_size
             seq.num_cached_blocks = len(seq.block_table)
         if restore is not None:
-            fresh = self.pool.allocate(restore.num_blocks)
+            fresh = self.allocate(restore.num_blocks)
             seq.block_table.extend(fresh)
             seq.num_computed_tokens += restore.num_tokens
-            if restore.keys:  # promoted full blocks are registered in the hash map when written
+            self._plan_restore(restore, fresh)
+            if restore.keys:  # promoted full blocks are findable from now: their data lands before the forward
                 seq.num_cached_blocks = len(seq.block_table)
-            self.pending_restores.append((restore, fresh))
         if self._needs_cow(seq):
             self._copy_on_write(seq)
         need = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
         if need > 0:
-            seq.block_table.extend(self.pool.allocate(need))
+            seq.block_table.extend(self.allocate(need))
         return True
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """n fresh blocks; the cached blocks evicted for them are demoted first (see tiers/moves.py)."""
+        blocks, evicted = self.pool.allocate(n)
+        self.moves.extend(BlockMove(DEMOTE, e.block_id, None, BlockKey(e.block_hash, e.token_ids))
+                          for e in evicted)
+        return blocks
+
+    def _plan_restore(self, restore: Restore, fresh: list[KVBlock]) -> None:
+        if restore.swap_slots is not None:
+            self.moves.extend(BlockMove(SWAP_IN, slot, b.block_id) for slot, b in zip(restore.swap_slots, fresh))
+            restore.swap_slots = None  # released by the move
+            return
+        sources = [name for name, n in restore.by_tier.items() for _ in range(n)]
+        for i, block in enumerate(fresh):
+            key = restore.keys[i]
+            self.pool.cache(block, key.block_hash, key.token_ids)
+            self.moves.append(BlockMove(PROMOTE, None, block.block_id, key, restore.data[i], sources[i]))
 
     def _needs_cow(self, seq: Sequence) -> bool:
         i = seq.num_computed_tokens // self.block_size
@@ -136,19 +149,15 @@ class KVCacheManager:
     def _copy_on_write(self, seq: Sequence) -> None:
         i = seq.num_computed_tokens // self.block_size
         old = seq.block_table[i]
-        (new,) = self.pool.allocate(1)
+        (new,) = self.allocate(1)
         self.pool.free([old])
         seq.block_table[i] = new
-        self.pending_copies.append(BlockCopy(old.block_id, new.block_id))
+        self.moves.append(BlockMove(COPY, old.block_id, new.block_id))
         self.cow_copies += 1
 
-    def take_copies(self) -> list[BlockCopy]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
-
-    def take_restores(self) -> list[tuple[Restore, list[KVBlock]]]:
-        restores, self.pending_restores = self.pending_restores, []
-        return restores
+    def take_moves(self) -> list[BlockMove]:
+        moves, self.moves = self.moves, []
+        return moves
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent (ref_cnt + 1 each) and its computed state."""

@@ -6,7 +6,6 @@ import torch
 
 from tieredkv.batch import AttentionMetadata, ForwardBatch
 from tieredkv.kernels import KernelOps
-from tieredkv.kv_manager import BlockCopy
 from tieredkv.models.llama import LlamaModel
 from tieredkv.scheduler import SchedulerOutput
 from tieredkv.sequence import Sequence
@@ -81,15 +80,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Runs copy-on-write copies, then the forward; returns fp32 logits [S, vocab] and their sequences."""
-        self.copy_blocks(out.block_copies)
+        """Runs the forward (block moves were carried out before); returns fp32 logits [S, vocab] and
+        their sequences."""
         batch, sampled = self.prepare(out.scheduled)
         logits = self.model(batch, self.kv_cache, self.ops)
         return logits, sampled
-
-    def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([c.src for c in copies], device=self.device)
-        dst = torch.tensor([c.dst for c in copies], device=self.device)
-        self.ops.copy_blocks(self.kv_cache, src, dst)

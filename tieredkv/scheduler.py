@@ -6,17 +6,17 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from tieredkv.kv_manager import BlockCopy, KVCacheManager
+from tieredkv.kv_manager import KVCacheManager
 from tieredkv.sequence import Sequence, SeqStatus
 from tieredkv.tiers.manager import Restore, TierManager
+from tieredkv.tiers.moves import SWAP_OUT, BlockMove
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]]  # (sequence, number of tokens to compute this step)
-    block_copies: list[BlockCopy]
+    moves: list[BlockMove] = field(default_factory=list)  # block data to move before the forward, in order
     preempted: list[Sequence] = field(default_factory=list)
-    restores: list = field(default_factory=list)  # (Restore, fresh blocks) to write before the forward
     waiting_on_disk: list[Sequence] = field(default_factory=list)
 
     @property
@@ -117,8 +117,7 @@ class Scheduler:
             self.add_running(seq)
             scheduled[seq] = n
             budget -= n
-        return SchedulerOutput(list(scheduled.items()), self.kv.take_copies(), preempted, self.kv.take_restores(),
-                               on_disk)
+        return SchedulerOutput(list(scheduled.items()), self.kv.take_moves(), preempted, on_disk)
 
     def _prefix_for(self, seq: Sequence) -> tuple[list, "Restore | None"]:
         """Hot prefix blocks plus what to restore below them: a swap-in, a promotion, or nothing.
@@ -143,9 +142,11 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        if self.tiers is not None:
-            seq.swapped = self.tiers.swap_out(seq.block_table, seq.num_computed_tokens)
-            self.num_swaps += seq.swapped is not None
+        slots = self.tiers.reserve_swap(len(seq.block_table)) if self.tiers is not None else None
+        if slots is not None:  # the blocks' data is read out before anything is written into them
+            self.kv.moves.extend(BlockMove(SWAP_OUT, b.block_id, slot) for b, slot in zip(seq.block_table, slots))
+            seq.swapped = Restore(0, seq.num_computed_tokens, None, swap_slots=slots)
+            self.num_swaps += 1
         self.kv.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

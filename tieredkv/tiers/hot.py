@@ -49,13 +49,17 @@ class HotTier(KVTier):
         src = blocks.to(kv.device, kv.dtype, non_blocking=True).contiguous()
         self.ops.scatter_blocks(kv, torch.tensor(block_ids, device=kv.device), src)
 
+    def copy(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        kv = self.kv_cache
+        self.ops.copy_blocks(kv, torch.tensor(src_ids, device=kv.device), torch.tensor(dst_ids, device=kv.device))
+
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
         """Writes the blocks into freshly allocated pool blocks, cached and immediately evictable."""
         have = {k.block_hash for k in keys if k.block_hash in self.pool.cached}
         new = [i for i, k in enumerate(keys) if k.block_hash not in have]
         new = new[: self.pool.num_free]
         if new:
-            fresh = self.pool.allocate(len(new))
+            fresh, _ = self.pool.allocate(len(new))  # cached blocks evicted here are dropped, not demoted
             self.scatter([b.block_id for b in fresh], blocks[new])
             for i, block in zip(new, fresh):
                 self.pool.cache(block, keys[i].block_hash, keys[i].token_ids)

@@ -1,7 +1,9 @@
 """Moves blocks between tiers: demotes on eviction, promotes on a hit, swaps preempted sequences.
 
-Runs in the engine's step thread, except cold-tier reads, which run in a reader thread and are
-polled: a request whose prefix is being read from disk waits while the others compute.
+Runs on the engine's worker thread, except cold-tier reads, which run in a reader thread and are
+polled: a request whose prefix is being read from disk waits while the others compute. Planning
+(lookups, swap slots) happens while the scheduler decides; the data moves in `execute`, in one place
+before the forward.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tieredkv.block_pool import KVBlock
-from tieredkv.tiers.base import TIER_NAMES, BlockKey, TierStats
+from tieredkv.tiers.base import BlockKey, TierStats
 from tieredkv.tiers.hot import HotTier
+from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, runs
 from tieredkv.tiers.warm import WarmTier
 
 if TYPE_CHECKING:
@@ -66,9 +68,6 @@ class TierManager:
         self.cold = cold
         self.block_size = block_size
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-cold-read") if cold else None
-        if warm is not None:
-            warm.on_evict = self._demote_from_warm
-        hot.pool.on_evict = self._demote_from_hot
 
     def _present(self) -> dict[str, object]:
         return {name: t for name, t in (("hot", self.hot), ("warm", self.warm), ("cold", self.cold)) if t is not None}
@@ -77,35 +76,58 @@ class TierManager:
         """Each present tier's counters, with its current use."""
         return {name: t.stats() for name, t in self._present().items()}
 
-    # -- demotion ---------------------------------------------------------------------------------
+    # -- carrying out a step's moves ----------------------------------------------------------------
 
-    def _demote_from_hot(self, blocks: list[KVBlock]) -> None:
-        """Write-back: copies evicted hot blocks down before the pool reuses them."""
-        self.hot.counters.evictions += len(blocks)
+    def execute(self, moves: list[BlockMove]) -> None:
+        """Carries out the moves in order, each run of one kind as one batched transfer."""
+        hot, warm = self.hot, self.warm
+        for run in runs(moves):
+            kind = run[0].kind
+            if kind == DEMOTE:
+                self._demote([m.src for m in run], [m.key for m in run])
+            elif kind == SWAP_OUT:
+                warm.write([m.dst for m in run], hot.gather([m.src for m in run]))
+                warm.counters.demotions += len(run)
+            elif kind == SWAP_IN:
+                slots = [m.src for m in run]
+                hot.scatter([m.dst for m in run], warm.read(slots))
+                warm.release(slots)
+            elif kind == PROMOTE:
+                hot.scatter([m.dst for m in run], torch.stack([m.data for m in run]))
+                for m in run:
+                    self._present()[m.tier].counters.promotions += 1
+            elif kind == COPY:
+                hot.copy([m.src for m in run], [m.dst for m in run])
+            else:
+                raise ValueError(f"unknown block move {kind!r}")
+
+    def _demote(self, block_ids: list[int], keys: list[BlockKey]) -> None:
+        """Write-back of evicted hot blocks: to warm (whose own evictions go on to cold), else to cold."""
+        self.hot.counters.evictions += len(block_ids)
         if self.warm is None and self.cold is None:
             return
-        keys = [BlockKey(b.block_hash, b.token_ids) for b in blocks]
         try:
-            data = self.hot.gather([b.block_id for b in blocks])
+            data = self.hot.gather(block_ids)
             if self.warm is not None and self.warm.capacity:
-                stored = self.warm.put_sync(keys, data)
+                stored, victims = self.warm.admit(keys, data)
                 self.warm.counters.demotions += stored
+                self._to_cold(*victims)
             else:
-                self.cold.put_nowait(keys, data.cpu())
-                self.cold.counters.demotions += len(keys)
+                self._to_cold(keys, data.cpu())
         except Exception:  # a failed demotion loses cache, never correctness
             log.exception("demotion from hot failed")
             self.hot.counters.failures += 1
 
-    def _demote_from_warm(self, keys: list[BlockKey], blocks: torch.Tensor) -> None:
-        if self.cold is None:
+    def _to_cold(self, keys: list[BlockKey], blocks: torch.Tensor | None) -> None:
+        """Queues blocks (on the host, never changed afterwards) for the cold tier's writer."""
+        if self.cold is None or not keys:
             return
         try:
             self.cold.put_nowait(keys, blocks)
             self.cold.counters.demotions += len(keys)
         except Exception:
-            log.exception("demotion from warm failed")
-            self.warm.counters.failures += 1
+            log.exception("demotion to cold failed")
+            self.cold.counters.failures += 1
 
     # -- promotion --------------------------------------------------------------------------------
 
@@ -161,29 +183,16 @@ class TierManager:
             tier.counters.misses += remaining - n * bs
             remaining -= n * bs
 
-    def apply(self, restore: Restore, blocks: list[KVBlock]) -> None:
-        """Writes restored data into the fresh hot blocks and registers promoted hashes."""
-        data = restore.data if restore.data is not None else self.warm.slab[torch.tensor(restore.swap_slots)]
-        self.hot.scatter([b.block_id for b in blocks], data)
-        for key, block in zip(restore.keys, blocks):
-            self.hot.pool.cache(block, key.block_hash, key.token_ids)
-        for name, n in restore.by_tier.items():
-            self._present()[name].counters.promotions += n
-        if restore.swap_slots is not None:
-            self.warm.release(restore.swap_slots)
-
     # -- swap -------------------------------------------------------------------------------------
 
-    def swap_out(self, blocks: list[KVBlock], num_tokens: int) -> Restore | None:
-        """Copies a preempted sequence's blocks into warm swap slots; None when warm has no room."""
-        if self.warm is None or not blocks:
+    def reserve_swap(self, n: int) -> list[int] | None:
+        """n warm slots for a preempted sequence's blocks (SWAP_OUT moves fill them); None: no room.
+        Cached warm entries evicted to make room go on to cold now."""
+        if self.warm is None or n == 0:
             return None
-        slots = self.warm.reserve(len(blocks))
-        if slots is None:
-            return None
-        self.warm.slab[torch.tensor(slots)] = self.hot.gather([b.block_id for b in blocks]).to("cpu")
-        self.warm.counters.demotions += len(blocks)
-        return Restore(0, num_tokens, None, swap_slots=slots)
+        slots, victims = self.warm.reserve(n)
+        self._to_cold(*victims)
+        return slots
 
     def drop_swap(self, restore: Restore | None) -> None:
         if restore is not None and restore.swap_slots is not None:
@@ -196,12 +205,12 @@ class TierManager:
         if tier == "hot":
             if demote:
                 for part in _batches([b for b in self.hot.pool.free_queue if b.block_hash is not None]):
-                    self._demote_from_hot(part)
+                    self._demote([b.block_id for b in part], [BlockKey(b.block_hash, b.token_ids) for b in part])
             return self.hot.pool.evict_all_cached()
         if tier == "warm" and self.warm is not None:
             if demote:
                 for keys, data in self._warm_batches():
-                    self._demote_from_warm(keys, data)
+                    self._to_cold(keys, data)
             return self.warm.clear()
         if tier == "cold" and self.cold is not None:
             return self.cold.clear()
