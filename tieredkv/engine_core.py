@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,13 +22,13 @@ from tieredkv.malloc_tuning import tune_glibc_malloc
 from tieredkv.model_runner import ModelRunner
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
-from tieredkv.outputs import EngineStats, StreamChunk, Usage
+from tieredkv.outputs import EngineStats, StreamChunk, collect_stats, make_chunk
+from tieredkv.pins import PinTable
 from tieredkv.request_factory import RequestFactory
 from tieredkv.sampler import sample
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Request, Sequence
 from tieredkv.telemetry import Telemetry
-from tieredkv.tiers.base import TIER_NAMES
 from tieredkv.tokenizer import PromptType, Tokenizer
 
 log = logging.getLogger("tieredkv")
@@ -67,18 +66,16 @@ class EngineCore:
         self.tiers = build_tiers(config, spec, self.pool, self.kv_cache, ops, self.fingerprint)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops)
-        self.pins: dict[tuple[int, ...], list] = {}
+        self.pins = PinTable(self.kv, int(self.num_blocks * config.max_pinned_fraction))
         self.requests: dict[str, Request] = {}
         self.telemetry = Telemetry()
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s%s",
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s, packed=%s",
                  self.model_dir.name, self.dtype, self.device, self.num_blocks, self.block_size, ops.name,
-                 ops.linear.__name__, "" if ops.pack_linear_weight is None else " (packed weights)")
+                 ops.linear.__name__, ops.pack_linear_weight is not None)
 
     def close(self) -> None:
         """Persists cached blocks to the cold tier (when there is one) and closes the tiers."""
-        for blocks in self.pins.values():
-            self.pool.free(reversed(blocks))
-        self.pins.clear()
+        self.pins.release_all()
         self.tiers.persist()
         self.tiers.close()
 
@@ -87,10 +84,6 @@ class EngineCore:
     def make_request(self, prompt: PromptType, params, request_id: str | None = None) -> Request:
         """Tokenizes and validates (RequestFactory.make); allocates nothing. Safe on any thread."""
         return self.factory.make(prompt, params, request_id)
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        return sum(len(b) for b in self.pins.values())
 
     def add_request(self, req: Request) -> list[Output]:
         """Queues the request. One that cannot be served here gets its error as its only output;
@@ -109,7 +102,7 @@ class EngineCore:
     def _check_fits(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise RequestError(f"request id {req.request_id!r} is already in use")
-        self.factory.check_fits(len(req.prompt_token_ids), req.params, self.num_pinned_blocks)
+        self.factory.check_fits(len(req.prompt_token_ids), req.params, self.pins.num_blocks)
 
     def abort(self, request_id: str, sink: Any = None) -> list[Output]:
         """Finishes every sample of the request with "abort" and frees its blocks; returns final chunks.
@@ -122,7 +115,7 @@ class EngineCore:
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-                outputs.append((req.sink, self._chunk(seq, [], final=True)))
+                outputs.append((req.sink, make_chunk(seq, [], final=True)))
         return outputs
 
     def fail(self, req: Request, error: BaseException) -> list[Output]:
@@ -195,7 +188,7 @@ class EngineCore:
     def _fail_unschedulable(self, seq: Sequence) -> list[Output]:
         """Nothing runs and the head of the queue still cannot start: it never will, so it fails."""
         needed = cdiv(seq.num_tokens, self.block_size)
-        pinned = self.num_pinned_blocks
+        pinned = self.pins.num_blocks
         return self.fail(seq.request, RequestError(
             f"request {seq.request.request_id!r} cannot be scheduled: it needs {needed} KV blocks, the pool has "
             f"{self.num_blocks} of which {pinned} are pinned and {self.num_blocks - self.pool.num_free} in use"))
@@ -209,7 +202,7 @@ class EngineCore:
                 return self.fail(req, e)
         self.scheduler.finish(seq, "prefill")
         self._finish_request(req)
-        return [(req.sink, self._chunk(seq, [], final=True))]
+        return [(req.sink, make_chunk(seq, [], final=True))]
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """When sample 0 finishes its prompt, the other n - 1 samples start, sharing its blocks."""
@@ -227,89 +220,31 @@ class EngineCore:
         return children
 
     def _append(self, seq: Sequence, token: int) -> StreamChunk:
-        seq.token_ids.append(token)
-        params = seq.request.params
-        reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in seq.request.eos_token_ids):
-            reason = "stop"
-        elif seq.detokenizer.add(token):
-            reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        reason = seq.append(token, self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             if seq.request.is_finished:
                 self._finish_request(seq.request)
-        return self._chunk(seq, [token], final=reason is not None)
-
-    def _chunk(self, seq: Sequence, token_ids: list[int], final: bool) -> StreamChunk:
-        req = seq.request
-        usage = None
-        if final:
-            by_tier = {name: req.cached_tokens_by_tier.get(name, 0) for name in TIER_NAMES}
-            usage = Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, seq.num_output_tokens, by_tier)
-        return StreamChunk(req.request_id, seq.index, seq.detokenizer.take(final), token_ids,
-                           seq.finish_reason if final else None, usage)
+        return make_chunk(seq, [token], final=reason is not None)
 
     def _finish_request(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
-        t = self.telemetry
-        t.requests.add(1)
-        t.prompt_tokens.add(len(req.prompt_token_ids))
-        t.cached_prompt_tokens.add(req.num_cached_tokens or 0)
-        t.generated_tokens.add(sum(s.num_output_tokens for s in req.seqs))
+        self.telemetry.record_finished(req)
 
     # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        pool, sched = self.pool, self.scheduler
-        return EngineStats(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            blocks_total=pool.num_blocks,
-            blocks_used=pool.num_blocks - pool.num_free,
-            blocks_free=pool.num_free,
-            blocks_cached=len(pool.cached),
-            prefix_cache_queries=sched.prefix_cache_queries,
-            prefix_cache_hits=sched.prefix_cache_hits,
-            num_preemptions=sched.num_preemptions,
-            cow_copies=self.kv.cow_copies,
-            num_swaps=sched.num_swaps,
-            tiers={name: replace(st) for name, st in self.tiers.tiers().items()},
-            blocks_pinned=sum(len(b) for b in self.pins.values()),
-        )
+        return collect_stats(self.pool, self.scheduler, self.kv.cow_copies, self.tiers.tiers(), self.pins.num_blocks)
 
     # -- cache management (between steps) ---------------------------------------------------------
 
     def clear_cache(self, tier: str, demote: bool = False) -> int:
         """Empties "hot" (cached free blocks), "warm", "cold" or "all"; returns the entries removed.
         demote=True moves hot or warm entries to the next tier down instead (not with "all")."""
-        if tier not in (*TIER_NAMES, "all"):
-            raise ValueError(f"tier must be one of hot, warm, cold, all; got {tier!r}")
-        if demote and tier == "all":
-            raise ValueError('demote=True needs a single tier, not "all"')
-        return sum(self.tiers.clear(t, demote) for t in (TIER_NAMES if tier == "all" else (tier,)))
+        return self.tiers.clear(tier, demote)
 
     def pin(self, token_ids: list[int]) -> int:
-        """Holds a reference on the hot blocks of token_ids' full blocks, so they are never evicted.
-        They must be cached already (the async engine prefills first). Returns the tokens pinned."""
-        key = tuple(token_ids)
-        if key in self.pins:
-            return len(self.pins[key]) * self.block_size
-        keys = self.kv.chain_keys(list(token_ids))
-        blocks = self.pool.cached_prefix(keys)
-        if len(blocks) < len(keys):
-            raise RequestError("the prefix is not in the hot tier; prefill it first")
-        budget = int(self.num_blocks * self.config.max_pinned_fraction)
-        pinned = sum(len(b) for b in self.pins.values())
-        if pinned + len(blocks) > budget:
-            raise RequestError(f"pinning {len(blocks)} blocks would exceed the pinned budget "
-                               f"({pinned} of {budget} blocks in use; see max_pinned_fraction)")
-        self.pool.touch(blocks)
-        self.pins[key] = blocks
-        return len(blocks) * self.block_size
+        return self.pins.pin(token_ids)
 
     def unpin(self, token_ids: list[int]) -> int:
-        blocks = self.pins.pop(tuple(token_ids), [])
-        self.pool.free(reversed(blocks))
-        return len(blocks) * self.block_size
+        return self.pins.unpin(token_ids)

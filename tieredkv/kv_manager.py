@@ -6,8 +6,7 @@ from tieredkv.block_pool import BlockPool, KVBlock
 from tieredkv.hashing import BlockHash, hash_block
 from tieredkv.sequence import Sequence
 from tieredkv.tiers.base import BlockKey
-from tieredkv.tiers.manager import Restore
-from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, BlockMove
+from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, BlockMove, Restore
 
 
 def cdiv(a: int, b: int) -> int:

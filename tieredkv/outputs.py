@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from tieredkv.tiers.base import TIER_NAMES, TierStats
+
+if TYPE_CHECKING:
+    from tieredkv.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -61,3 +65,33 @@ class EngineStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)  # per tier: capacity, use, hits, moves
     blocks_pinned: int = 0
     blocks_free: int = 0  # blocks_used + blocks_free == blocks_total in every snapshot
+
+
+def make_chunk(seq: "Sequence", token_ids: list[int], final: bool) -> StreamChunk:
+    """The sequence's new text and tokens; on its final chunk, its finish reason and usage."""
+    req = seq.request
+    usage = None
+    if final:
+        by_tier = {name: req.cached_tokens_by_tier.get(name, 0) for name in TIER_NAMES}
+        usage = Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, seq.num_output_tokens, by_tier)
+    return StreamChunk(req.request_id, seq.index, seq.detokenizer.take(final), token_ids,
+                       seq.finish_reason if final else None, usage)
+
+
+def collect_stats(pool, scheduler, cow_copies: int, tiers: dict[str, TierStats], pinned: int) -> EngineStats:
+    """A snapshot of the engine's counters: every field read at one moment, tier stats copied."""
+    return EngineStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        blocks_total=pool.num_blocks,
+        blocks_used=pool.num_blocks - pool.num_free,
+        blocks_free=pool.num_free,
+        blocks_cached=len(pool.cached),
+        prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions,
+        cow_copies=cow_copies,
+        num_swaps=scheduler.num_swaps,
+        tiers={name: replace(st) for name, st in tiers.items()},
+        blocks_pinned=pinned,
+    )

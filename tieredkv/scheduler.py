@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from tieredkv.kv_manager import KVCacheManager
 from tieredkv.sequence import Sequence, SeqStatus
-from tieredkv.tiers.manager import Restore, TierManager
-from tieredkv.tiers.moves import SWAP_OUT, BlockMove
+from tieredkv.tiers.manager import TierManager
+from tieredkv.tiers.moves import SWAP_OUT, BlockMove, Restore
 
 
 @dataclass

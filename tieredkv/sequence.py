@@ -15,7 +15,8 @@ from tieredkv.hashing import BlockHash
 if TYPE_CHECKING:
     from tieredkv.block_pool import KVBlock
     from tieredkv.detokenizer import IncrementalDetokenizer
-    from tieredkv.tiers.manager import Lookup, Restore
+    from tieredkv.tiers.manager import Lookup
+    from tieredkv.tiers.moves import Restore
 
 
 class SeqStatus(enum.Enum):
@@ -67,6 +68,18 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    def append(self, token: int, max_model_len: int) -> str | None:
+        """Adds a sampled token; returns why the sequence ends now ("stop" or "length"), or None."""
+        self.token_ids.append(token)
+        params = self.request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.request.eos_token_ids):
+            return "stop"
+        if self.detokenizer.add(token):
+            return "stop"
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
 
     def __repr__(self) -> str:
         return (

@@ -24,6 +24,12 @@ class Telemetry:
         self.step_duration = meter.create_histogram("tieredkv.step.duration", unit="s")
         self.step_tokens = meter.create_histogram("tieredkv.step.tokens", unit="{token}")
 
+    def record_finished(self, req) -> None:
+        self.requests.add(1)
+        self.prompt_tokens.add(len(req.prompt_token_ids))
+        self.cached_prompt_tokens.add(req.num_cached_tokens or 0)
+        self.generated_tokens.add(sum(s.num_output_tokens for s in req.seqs))
+
     def start_request_span(self, request_id: str, params) -> trace.Span:
         """A span from a request's submission to its last chunk (or its abort)."""
         return self.tracer.start_span("tieredkv.request", attributes={

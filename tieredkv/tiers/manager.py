@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tieredkv.tiers.base import BlockKey, TierStats
+from tieredkv.tiers.base import TIER_NAMES, BlockKey, TierStats
 from tieredkv.tiers.hot import HotTier
-from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, runs
+from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore, runs
 from tieredkv.tiers.warm import WarmTier
 
 if TYPE_CHECKING:
@@ -29,22 +29,6 @@ _BATCH = 256  # blocks per transfer when a whole tier moves
 
 def _batches(items: list) -> list[list]:
     return [items[i : i + _BATCH] for i in range(0, len(items), _BATCH)]
-
-
-@dataclass
-class Restore:
-    """Blocks to write into fresh hot blocks at admission: a promotion or a swap-in."""
-
-    start: int  # index of the first restored block in the sequence's block table
-    num_tokens: int  # tokens they hold (full blocks, except a swapped sequence's last one)
-    data: torch.Tensor | None  # [n, layers, 2, block_size, kv_heads, head_dim] in host memory; None: swap slots
-    keys: list[BlockKey] = field(default_factory=list)  # promotions: to register in the hash map
-    by_tier: dict[str, int] = field(default_factory=dict)  # promoted blocks per source tier
-    swap_slots: list[int] | None = None  # swap-ins: warm slots to release
-
-    @property
-    def num_blocks(self) -> int:
-        return self.data.shape[0] if self.data is not None else len(self.swap_slots)
 
 
 @dataclass
@@ -202,6 +186,15 @@ class TierManager:
     # -- management -------------------------------------------------------------------------------
 
     def clear(self, tier: str, demote: bool = False) -> int:
+        """Empties "hot" (cached free blocks), "warm", "cold" or "all"; returns the entries removed.
+        demote=True moves hot or warm entries to the next tier down instead (not with "all")."""
+        if tier not in (*TIER_NAMES, "all"):
+            raise ValueError(f"tier must be one of hot, warm, cold, all; got {tier!r}")
+        if demote and tier == "all":
+            raise ValueError('demote=True needs a single tier, not "all"')
+        return sum(self._clear(t, demote) for t in (TIER_NAMES if tier == "all" else (tier,)))
+
+    def _clear(self, tier: str, demote: bool) -> int:
         if tier == "hot":
             if demote:
                 for part in _batches([b for b in self.hot.pool.free_queue if b.block_hash is not None]):

@@ -10,6 +10,7 @@ a preempted one swapped out) when the allocation that frees it is planned, and e
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -44,3 +45,19 @@ def runs(moves: list[BlockMove]) -> list[list[BlockMove]]:
         else:
             out.append([move])
     return out
+
+
+@dataclass
+class Restore:
+    """Blocks to write into fresh hot blocks at admission: a promotion or a swap-in."""
+
+    start: int  # index of the first restored block in the sequence's block table
+    num_tokens: int  # tokens they hold (full blocks, except a swapped sequence's last one)
+    data: torch.Tensor | None  # [n, layers, 2, block_size, kv_heads, head_dim] in host memory; None: swap slots
+    keys: list[BlockKey] = field(default_factory=list)  # promotions: to register in the hash map
+    by_tier: dict[str, int] = field(default_factory=dict)  # promoted blocks per source tier
+    swap_slots: list[int] | None = None  # swap-ins: warm slots to release
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0] if self.data is not None else len(self.swap_slots)
