@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import struct
 import threading
@@ -31,46 +30,18 @@ import msgpack
 import torch
 
 from tieredkv.tiers.base import BlockKey, KVTier, TierStats
+from tieredkv.tiers.cold_txn import ColdTxnOps
+from tieredkv.tiers.lmdb_env import close_env, open_env
 
 log = logging.getLogger("tieredkv")
 
 FORMAT_VERSION = 1
 _MAGIC = b"TKV1"
 _U32 = struct.Struct("<I")
-_U64 = struct.Struct(">Q")  # big-endian, so the order database sorts by sequence number
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_BATCH = 256
 
-_ENVS: dict[str, tuple[lmdb.Environment, int]] = {}  # one environment per process and path (LMDB's rule)
-_ENVS_LOCK = threading.Lock()
-
-
-def _open_env(path: Path, map_size: int) -> lmdb.Environment:
-    key = os.path.realpath(path)
-    with _ENVS_LOCK:
-        if key in _ENVS:
-            env, refs = _ENVS[key]
-            _ENVS[key] = (env, refs + 1)
-            return env
-        path.mkdir(parents=True, exist_ok=True)
-        env = lmdb.open(str(path), map_size=map_size, max_dbs=4, readahead=True, max_readers=256)
-        _ENVS[key] = (env, 1)
-        return env
-
-
-def _close_env(env: lmdb.Environment) -> None:
-    with _ENVS_LOCK:
-        for key, (e, refs) in list(_ENVS.items()):
-            if e is env:
-                if refs > 1:
-                    _ENVS[key] = (e, refs - 1)
-                else:
-                    del _ENVS[key]
-                    env.close()
-                return
-
-
-class ColdTier(KVTier):
+class ColdTier(ColdTxnOps, KVTier):
     """LMDB store with a byte budget and LRU eviction recorded in the database."""
 
     name = "cold"
@@ -85,7 +56,7 @@ class ColdTier(KVTier):
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
-        self.env = _open_env(self.path, map_size=max(64 << 20, min(budget_bytes * 2, 1 << 40)))
+        self.env = open_env(self.path, map_size=max(64 << 20, min(budget_bytes * 2, 1 << 40)))
         self.db_blocks = self.env.open_db(b"blocks")
         self.db_lru = self.env.open_db(b"lru")
         self.db_order = self.env.open_db(b"order")
@@ -219,7 +190,7 @@ class ColdTier(KVTier):
         self._queue.put(None)
         self._writer.join()
         self._closed = True
-        _close_env(self.env)
+        close_env(self.env)
 
     def _write_loop(self) -> None:
         while True:
@@ -266,81 +237,6 @@ class ColdTier(KVTier):
         for (_, _, done), result in zip(batch, results):
             if done is not None:
                 done.set_result(result)
-
-    def _meta(self, txn, name: bytes) -> int:
-        raw = txn.get(name, db=self.db_meta)
-        return _U64.unpack(raw)[0] if raw else 0
-
-    def _set_meta(self, txn, name: bytes, value: int) -> None:
-        txn.put(name, _U64.pack(value), db=self.db_meta)
-
-    def _next_seq(self, txn) -> bytes:
-        seq = self._meta(txn, b"seq") + 1
-        self._set_meta(txn, b"seq", seq)
-        return _U64.pack(seq)
-
-    def _touch(self, txn, key: bytes) -> None:
-        old = txn.get(key, db=self.db_lru)
-        if old is not None:
-            txn.delete(old + key, db=self.db_order)
-        seq = self._next_seq(txn)
-        txn.put(key, seq, db=self.db_lru)
-        txn.put(seq + key, b"", db=self.db_order)
-
-    def _delete(self, txn, key: bytes) -> int:
-        value = txn.pop(key, db=self.db_blocks)
-        if value is None:
-            return 0
-        seq = txn.pop(key, db=self.db_lru)
-        if seq is not None:
-            txn.delete(seq + key, db=self.db_order)
-        self._set_meta(txn, b"used_bytes", max(self._meta(txn, b"used_bytes") - len(value), 0))
-        return 1
-
-    def _txn_put(self, txn, items) -> int:
-        stored = 0
-        for key, value in items:
-            if txn.get(key, db=self.db_blocks) is not None:
-                self._touch(txn, key)
-                stored += 1
-                continue
-            if len(value) > self.budget:
-                continue
-            used = self._meta(txn, b"used_bytes")
-            while used + len(value) > self.budget:
-                with txn.cursor(db=self.db_order) as cur:
-                    if not cur.first():
-                        break
-                    oldest = bytes(cur.key())[8:]
-                self._delete(txn, oldest)
-                self.counters.evictions += 1
-                used = self._meta(txn, b"used_bytes")
-            txn.put(key, value, db=self.db_blocks)
-            self._set_meta(txn, b"used_bytes", used + len(value))
-            self._touch(txn, key)
-            stored += 1
-        return stored
-
-    def _txn_touch(self, txn, keys) -> int:
-        for key in keys:
-            if txn.get(key, db=self.db_blocks) is not None:
-                self._touch(txn, key)
-        return 0
-
-    def _txn_remove(self, txn, keys) -> int:
-        return sum(self._delete(txn, key) for key in keys)
-
-    def _txn_clear(self, txn, _) -> int:
-        with txn.cursor(db=self.db_blocks) as cur:
-            mine = [bytes(k) for k in cur.iternext(values=False) if bytes(k).startswith(self.prefix)]
-        return sum(self._delete(txn, key) for key in mine)
-
-    def _txn_noop(self, txn, _) -> int:
-        return 0
-
-    def _refresh_used(self) -> None:
-        with self.env.begin() as txn:
-            self.counters.used_bytes = self._meta(txn, b"used_bytes")
 
     def stats(self) -> TierStats:
         return self.counters

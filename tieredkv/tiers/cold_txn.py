@@ -1,0 +1,88 @@
+"""The cold tier's operations inside one LMDB write transaction: budget, LRU order, removal."""
+
+from __future__ import annotations
+
+import struct
+
+_U64 = struct.Struct(">Q")  # big-endian, so the order database sorts by sequence number
+
+
+class ColdTxnOps:
+    """Mixed into ColdTier: needs `env`, `db_blocks`, `db_lru`, `db_order`, `db_meta`, `budget`, `prefix`
+    and `counters`. Each `_txn_<kind>(txn, payload)` applies one queued operation of the writer thread.
+    The byte budget is enforced here, by evicting the oldest entries, so it holds across processes."""
+
+    def _meta(self, txn, name: bytes) -> int:
+        raw = txn.get(name, db=self.db_meta)
+        return _U64.unpack(raw)[0] if raw else 0
+
+    def _set_meta(self, txn, name: bytes, value: int) -> None:
+        txn.put(name, _U64.pack(value), db=self.db_meta)
+
+    def _next_seq(self, txn) -> bytes:
+        seq = self._meta(txn, b"seq") + 1
+        self._set_meta(txn, b"seq", seq)
+        return _U64.pack(seq)
+
+    def _touch(self, txn, key: bytes) -> None:
+        old = txn.get(key, db=self.db_lru)
+        if old is not None:
+            txn.delete(old + key, db=self.db_order)
+        seq = self._next_seq(txn)
+        txn.put(key, seq, db=self.db_lru)
+        txn.put(seq + key, b"", db=self.db_order)
+
+    def _delete(self, txn, key: bytes) -> int:
+        value = txn.pop(key, db=self.db_blocks)
+        if value is None:
+            return 0
+        seq = txn.pop(key, db=self.db_lru)
+        if seq is not None:
+            txn.delete(seq + key, db=self.db_order)
+        self._set_meta(txn, b"used_bytes", max(self._meta(txn, b"used_bytes") - len(value), 0))
+        return 1
+
+    def _txn_put(self, txn, items) -> int:
+        stored = 0
+        for key, value in items:
+            if txn.get(key, db=self.db_blocks) is not None:
+                self._touch(txn, key)
+                stored += 1
+                continue
+            if len(value) > self.budget:
+                continue
+            used = self._meta(txn, b"used_bytes")
+            while used + len(value) > self.budget:
+                with txn.cursor(db=self.db_order) as cur:
+                    if not cur.first():
+                        break
+                    oldest = bytes(cur.key())[8:]
+                self._delete(txn, oldest)
+                self.counters.evictions += 1
+                used = self._meta(txn, b"used_bytes")
+            txn.put(key, value, db=self.db_blocks)
+            self._set_meta(txn, b"used_bytes", used + len(value))
+            self._touch(txn, key)
+            stored += 1
+        return stored
+
+    def _txn_touch(self, txn, keys) -> int:
+        for key in keys:
+            if txn.get(key, db=self.db_blocks) is not None:
+                self._touch(txn, key)
+        return 0
+
+    def _txn_remove(self, txn, keys) -> int:
+        return sum(self._delete(txn, key) for key in keys)
+
+    def _txn_clear(self, txn, _) -> int:
+        with txn.cursor(db=self.db_blocks) as cur:
+            mine = [bytes(k) for k in cur.iternext(values=False) if bytes(k).startswith(self.prefix)]
+        return sum(self._delete(txn, key) for key in mine)
+
+    def _txn_noop(self, txn, _) -> int:
+        return 0
+
+    def _refresh_used(self) -> None:
+        with self.env.begin() as txn:
+            self.counters.used_bytes = self._meta(txn, b"used_bytes")
