@@ -1,0 +1,144 @@
+"""The data path without a model: the KV manager and scheduler plan block moves as data, in a safe order,
+and the tier manager carries them out (a fake forward writes the blocks)."""
+
+import torch
+
+from tieredkv.block_pool import BlockPool
+from tieredkv.config import SamplingParams
+from tieredkv.hashing import root_hash
+from tieredkv.kernels.dispatch import TORCH_OPS
+from tieredkv.kv_manager import KVCacheManager
+from tieredkv.scheduler import Scheduler
+from tieredkv.sequence import Request, Sequence, SeqStatus
+from tieredkv.tiers.hot import HotTier
+from tieredkv.tiers.manager import TierManager
+from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, SWAP_OUT
+from tieredkv.tiers.warm import WarmTier
+
+BS, LAYERS, HEADS, DIM = 4, 2, 1, 2
+
+
+def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8):
+    pool = BlockPool(num_blocks)
+    kv = KVCacheManager(pool, BS, True, root_hash("test"))
+    cache = torch.zeros(LAYERS, 2, num_blocks, BS, HEADS, DIM)
+    warm = WarmTier(warm_blocks, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=False) if warm_blocks else None
+    tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, None, BS)
+    return pool, kv, cache, tiers, Scheduler(kv, max_seqs, budget, tiers)
+
+
+def seq(tokens, rid="r"):
+    req = Request(rid, list(tokens), SamplingParams(max_tokens=8), frozenset())
+    s = Sequence(req, 0, list(tokens), None)
+    req.seqs.append(s)
+    return s
+
+
+def fake_forward(cache, scheduled):
+    """Writes each computed token's value (its token id) into its slot, as the forward would."""
+    for s, n in scheduled:
+        for p in range(s.num_computed_tokens, s.num_computed_tokens + n):
+            cache[:, :, s.block_table[p // BS].block_id, p % BS] = float(s.token_ids[p])
+        s.num_computed_tokens += n
+
+
+def block_values(cache, s):
+    return [cache[0, 0, b.block_id, :, 0, 0].tolist() for b in s.block_table]
+
+
+def run_step(sched, tiers, cache, kv):
+    out = sched.schedule()
+    tiers.execute(out.moves)
+    fake_forward(cache, out.scheduled)
+    for s, _ in out.scheduled:
+        kv.cache_full_blocks(s)
+    return out
+
+
+def test_budget_chunks_prefills_and_decodes_go_first():
+    pool, kv, cache, tiers, sched = make(num_blocks=16, budget=8)
+    a, b = seq(range(10, 22), "a"), seq(range(30, 35), "b")
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched, tiers, cache, kv)
+    assert [(s.request.request_id, n) for s, n in out.scheduled] == [("a", 8)]
+    out = run_step(sched, tiers, cache, kv)
+    assert [(s.request.request_id, n) for s, n in out.scheduled] == [("a", 4), ("b", 4)]
+    a.token_ids.append(99)  # a decodes now; it is served before b's prefill continues
+    out = run_step(sched, tiers, cache, kv)
+    assert [(s.request.request_id, n) for s, n in out.scheduled] == [("a", 1), ("b", 1)]
+
+
+def test_an_evicted_cached_block_is_demoted_before_it_is_reused_and_promoted_back_intact():
+    pool, kv, cache, tiers, sched = make(num_blocks=4)
+    first = seq(range(10, 23))  # 3 full blocks + 1 token
+    sched.add(first)
+    run_step(sched, tiers, cache, kv)
+    expected = block_values(cache, first)[:3]
+    sched.finish(first, "stop")
+    other = seq(range(50, 63), "other")  # needs all 4 blocks: every cached one is evicted
+    sched.add(other)
+    out = run_step(sched, tiers, cache, kv)
+    kinds = [m.kind for m in out.moves]
+    assert kinds == [DEMOTE] * 3, kinds  # planned when allocated, carried out before the forward wrote
+    assert tiers.warm.contains_sync(kv.chain_keys(list(range(10, 22)))) == 3
+    sched.finish(other, "stop")
+    again = seq(range(10, 23), "again")
+    sched.add(again)
+    for _ in range(3):
+        out = run_step(sched, tiers, cache, kv)
+        if out.scheduled:
+            break
+    assert [m.kind for m in out.moves].count(PROMOTE) == 3
+    assert block_values(cache, again)[:3] == expected
+    assert again.request.cached_tokens_by_tier == {"hot": 0, "warm": 12}
+    assert tiers.warm.counters.promotions == 3 and tiers.hot.counters.evictions >= 3
+
+
+def test_copy_on_write_is_a_planned_copy():
+    pool, kv, cache, tiers, sched = make(num_blocks=8)
+    parent = seq(range(10, 16))  # 1 full block + a shared partial one
+    sched.add(parent)
+    run_step(sched, tiers, cache, kv)
+    child = Sequence(parent.request, 1, list(parent.token_ids), None)
+    kv.fork(parent, child)
+    sched.add_running(child)
+    shared = child.block_table[1].block_id
+    parent.token_ids.append(1)
+    child.token_ids.append(2)
+    out = run_step(sched, tiers, cache, kv)
+    copies = [m for m in out.moves if m.kind == COPY]
+    assert len(copies) == 1 and copies[0].src == shared
+    assert block_values(cache, parent)[1][:3] == [14.0, 15.0, 1.0]
+    assert block_values(cache, child)[1][:3] == [14.0, 15.0, 2.0]
+
+
+def test_preemption_swaps_the_newest_out_first_and_back_in_intact():
+    pool, kv, cache, tiers, sched = make(num_blocks=6, warm_blocks=16, budget=64)
+    old, new = seq(range(10, 19), "old"), seq(range(30, 39), "new")  # 3 blocks each
+    sched.add(old)
+    sched.add(new)
+    run_step(sched, tiers, cache, kv)
+    saved = block_values(cache, new)
+    old.token_ids.extend([1] * 4)  # old needs a 4th block: the newest running sequence goes
+    out = run_step(sched, tiers, cache, kv)
+    assert [s.request.request_id for s in out.preempted] == ["new"]
+    assert [m.kind for m in out.moves][:3] == [SWAP_OUT] * 3
+    assert new.status is SeqStatus.WAITING and new.swapped is not None
+    sched.finish(old, "stop")
+    out = run_step(sched, tiers, cache, kv)
+    assert [m.kind for m in out.moves].count(SWAP_IN) == 3
+    assert block_values(cache, new) == saved
+    sched.finish(new, "stop")
+    assert len(tiers.warm.free_slots) + len(tiers.warm.entries) == tiers.warm.capacity
+    assert pool.num_free == pool.num_blocks
+
+
+def test_free_releases_blocks_tail_first():
+    pool, kv, cache, tiers, sched = make(num_blocks=8)
+    s = seq(range(10, 23))
+    sched.add(s)
+    run_step(sched, tiers, cache, kv)
+    ids = [b.block_id for b in s.block_table]
+    kv.free(s)
+    assert [b.block_id for b in pool.free_queue][-len(ids):] == ids[::-1]
