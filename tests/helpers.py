@@ -116,3 +116,4 @@ def check_pool_consistent(core) -> None:
         assert (b.block_id in free_ids) == (b.ref_cnt == 0), b
     for h, b in core.pool.cached.items():
         assert b.block_hash == h
+    assert core.pool.num_cached_free == sum(1 for b in core.pool.cached.values() if b.ref_cnt == 0)

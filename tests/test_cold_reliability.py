@@ -51,7 +51,7 @@ def test_corrupt_payload_is_a_counted_miss(tmp_path):
     got = tier.get_sync([key(1), key(2)])
     assert got.shape[0] == 1 and torch.equal(got[0], block(1))  # stops at the corrupt one
     assert tier.stats().failures == 1
-    tier.flush()
+    tier.flush_sync()
     assert tier.contains_sync([key(2)]) == 0  # the bad entry was removed
     tier.close_sync()
 

@@ -92,7 +92,7 @@ def test_an_evicted_cached_block_is_demoted_before_it_is_reused_and_promoted_bac
     assert [m.kind for m in out.moves].count(PROMOTE) == 3
     assert block_values(cache, again)[:3] == expected
     assert again.request.cached_tokens_by_tier == {"hot": 0, "warm": 12}
-    assert tiers.warm.counters.promotions == 3 and tiers.hot.counters.evictions >= 3
+    assert tiers.warm.stats().promotions == 3 and tiers.hot.stats().evictions >= 3
 
 
 def test_copy_on_write_is_a_planned_copy():
@@ -142,3 +142,32 @@ def test_free_releases_blocks_tail_first():
     ids = [b.block_id for b in s.block_table]
     kv.free(s)
     assert [b.block_id for b in pool.free_queue][-len(ids):] == ids[::-1]
+
+
+def test_a_new_tier_is_one_class_under_the_tier_manager():
+    from memory_tier import MemoryTier
+
+    pool = BlockPool(4)
+    kv = KVCacheManager(pool, BS, True, root_hash("test"))
+    cache = torch.zeros(LAYERS, 2, 4, BS, HEADS, DIM)
+    warm = WarmTier(2, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=False)
+    memory = MemoryTier(16, warm.block_bytes)
+    tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, memory, BS)
+    sched = Scheduler(kv, 8, 64, tiers)
+    first = seq(range(10, 23))
+    sched.add(first)
+    run_step(sched, tiers, cache, kv)
+    expected = block_values(cache, first)[:3]
+    sched.finish(first, "stop")
+    other = seq(range(50, 63), "other")  # evicts the 3 cached blocks: 2 fit warm, its evictions go on down
+    sched.add(other)
+    run_step(sched, tiers, cache, kv)
+    sched.finish(other, "stop")
+    tiers.clear("warm", demote=True)  # warm -> the new tier
+    assert memory.contains_sync(kv.chain_keys(list(range(10, 22)))) == 3
+    again = seq(range(10, 23), "again")
+    sched.add(again)
+    run_step(sched, tiers, cache, kv)
+    assert block_values(cache, again)[:3] == expected
+    assert again.request.cached_tokens_by_tier == {"hot": 0, "cold": 12}
+    assert memory.stats().promotions == 3

@@ -75,7 +75,7 @@ async def test_demoted_down_to_cold_and_promoted_back(llama_dir, tmp_path):
         first = await engine.generate(SYSTEMS[1] + [4, 5], PARAMS)
         await engine.clear_cache("hot", demote=True)
         await engine.clear_cache("warm", demote=True)
-        await asyncio.to_thread(engine.core.tiers.cold.flush)
+        await asyncio.to_thread(engine.core.tiers.cold.flush_sync)
         again = await engine.generate(SYSTEMS[1] + [4, 5], PARAMS)
         assert again.usage.cached_tokens_by_tier == {"hot": 0, "warm": 0, "cold": 160}
         assert again.outputs[0].token_ids == first.outputs[0].token_ids

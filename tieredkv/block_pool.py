@@ -90,6 +90,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_cached_free = 0  # cached blocks with ref_cnt 0 (kept in step, so stats are O(1))
 
     @property
     def num_blocks(self) -> int:
@@ -133,6 +134,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self.num_cached_free -= block.block_hash is not None
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -142,6 +144,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                self.num_cached_free += block.block_hash is not None
 
     def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
         """Register a full block under its hash; a hash already held by another block stays with that one."""
@@ -149,6 +152,7 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached[block_hash] = block
+        self.num_cached_free += block.ref_cnt == 0
 
     def evict_all_cached(self) -> int:
         """Forget every free cached block (in use ones keep their hash), without demotion."""
@@ -161,3 +165,4 @@ class BlockPool:
         """Drop the block's hash from the map; its data is no longer findable."""
         del self.cached[block.block_hash]
         block.block_hash = block.token_ids = None
+        self.num_cached_free -= block.ref_cnt == 0

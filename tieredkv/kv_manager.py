@@ -85,13 +85,19 @@ class KVCacheManager:
     # -- allocation ------------------------------------------------------------------------------
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),
-                          restore: Restore | None = None) -> int:
+                          restore_blocks: int = 0, restore_tokens: int = 0) -> int:
         """Fresh blocks that allocate_slots would take from the pool, copy-on-write included."""
-        restored_blocks = restore.num_blocks if restore else 0
-        num_computed = seq.num_computed_tokens + len(cached) * self.block_size + (restore.num_tokens if restore else 0)
-        have = len(seq.block_table) + len(cached) + restored_blocks
+        num_computed = seq.num_computed_tokens + len(cached) * self.block_size + restore_tokens
+        have = len(seq.block_table) + len(cached) + restore_blocks
         need = cdiv(num_computed + num_new_tokens, self.block_size) - have
-        return max(need, 0) + int(self._needs_cow(seq)) + restored_blocks
+        return max(need, 0) + int(self._needs_cow(seq)) + restore_blocks
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),
+                     restore_blocks: int = 0, restore_tokens: int = 0) -> bool:
+        """Whether allocate_slots with these arguments (a restore of that size) would succeed."""
+        reviving = sum(1 for b in cached if b.ref_cnt == 0)  # free until touched: not allocatable
+        need = self.num_blocks_needed(seq, num_new_tokens, cached, restore_blocks, restore_tokens)
+        return need <= self.pool.num_free - reviving
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),
                        restore: Restore | None = None) -> bool:
@@ -101,8 +107,8 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool cannot supply the blocks. Cached blocks that
         are free count as free until touched, so they are excluded from what can be allocated.
         """
-        reviving = sum(1 for b in cached if b.ref_cnt == 0)
-        if self.num_blocks_needed(seq, num_new_tokens, cached, restore) > self.pool.num_free - reviving:
+        if not self.can_allocate(seq, num_new_tokens, cached, *((restore.num_blocks, restore.num_tokens)
+                                                               if restore else ())):
             return False
         if cached:
             self.pool.touch(cached)
@@ -135,11 +141,16 @@ class KVCacheManager:
             self.moves.extend(BlockMove(SWAP_IN, slot, b.block_id) for slot, b in zip(restore.swap_slots, fresh))
             restore.swap_slots = None  # released by the move
             return
-        sources = [name for name, n in restore.by_tier.items() for _ in range(n)]
-        for i, block in enumerate(fresh):
-            key = restore.keys[i]
-            self.pool.cache(block, key.block_hash, key.token_ids)
-            self.moves.append(BlockMove(PROMOTE, None, block.block_id, key, restore.data[i], sources[i]))
+        i = 0
+        for part in restore.parts:
+            for j in range(part.num_blocks):
+                block, key = fresh[i], restore.keys[i]
+                self.pool.cache(block, key.block_hash, key.token_ids)
+                if part.slots is not None:
+                    self.moves.append(BlockMove(PROMOTE, part.slots[j], block.block_id, key, None, part.tier))
+                else:
+                    self.moves.append(BlockMove(PROMOTE, None, block.block_id, key, part.data[j], part.tier))
+                i += 1
 
     def _needs_cow(self, seq: Sequence) -> bool:
         i = seq.num_computed_tokens // self.block_size

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tieredkv.kv_manager import KVCacheManager
 from tieredkv.sequence import Sequence, SeqStatus
+from tieredkv.tiers.lookup import Lookup
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.moves import SWAP_OUT, BlockMove, Restore
 
@@ -97,10 +98,21 @@ class Scheduler:
             if restore is _NOT_READY:
                 on_disk.append(seq)
                 continue
-            num_done = len(cached) * self.kv.block_size + (restore.num_tokens if restore else 0)
+            bs = self.kv.block_size
+            promoting = isinstance(restore, Lookup)
+            if promoting:  # room for what it found, before taking anything from the tiers
+                found = restore.num_blocks()
+                n = min(seq.num_tokens - (len(cached) + found) * bs, budget)
+                if not self.kv.can_allocate(seq, n, cached, found, found * bs):
+                    break  # the finished lookup stays for the next attempt
+                seq.lookup = None
+                restore = self.tiers.finish_lookup(restore, len(cached))  # at most what it found
+            num_done = len(cached) * bs + (restore.num_tokens if restore else 0)
             n = min(seq.num_tokens - num_done, budget)
             if not self.kv.allocate_slots(seq, n, cached, restore):
-                break  # a consumed lookup is simply made again at the next attempt
+                if promoting:  # cannot happen after can_allocate; never leak a taken slot
+                    self.tiers.drop_restore(restore)
+                break  # a swapped sequence keeps its swap slots for the next attempt
             self.waiting.remove(seq)
             seq.swapped = None
             req = seq.request
@@ -119,9 +131,9 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(list(scheduled.items()), self.kv.take_moves(), preempted, on_disk)
 
-    def _prefix_for(self, seq: Sequence) -> tuple[list, "Restore | None"]:
-        """Hot prefix blocks plus what to restore below them: a swap-in, a promotion, or nothing.
-        Returns _NOT_READY as the restore while a cold read is in flight."""
+    def _prefix_for(self, seq: Sequence) -> tuple[list, "Restore | Lookup | None"]:
+        """Hot prefix blocks plus what to restore below them: a swap-in, a finished lookup (its
+        promotion), or nothing. Returns _NOT_READY while a blocking tier's read is in flight."""
         if seq.swapped is not None:
             return [], seq.swapped
         cached = self.kv.find_cached_prefix(seq)
@@ -133,8 +145,10 @@ class Scheduler:
                 return cached, None
         if not seq.lookup.ready:
             return cached, _NOT_READY
-        lookup, seq.lookup = seq.lookup, None
-        return cached, self.tiers.finish_lookup(lookup, len(cached))
+        if seq.lookup.start != len(cached):  # hot changed while it waited: look again
+            seq.lookup = None
+            return self._prefix_for(seq)
+        return cached, seq.lookup
 
     def _pick_victim(self, scheduled: dict[Sequence, int], current: Sequence) -> Sequence:
         candidates = [s for s in self.running if s not in scheduled and s is not current]

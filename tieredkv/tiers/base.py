@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Sequence
+from dataclasses import dataclass, replace
+from typing import ClassVar, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -36,35 +37,101 @@ class TierStats:
     failures: int = 0  # read errors, checksum or header mismatches: each served as a miss
 
 
+Victims = tuple[list[BlockKey], "torch.Tensor | None"]  # entries a tier evicted: keys, blocks (a copy)
+NO_VICTIMS: Victims = ([], None)
+
+
 class KVTier(ABC):
-    """A store of KV blocks keyed by BlockKey; values are tensors [n, layers, 2, block_size, kv_heads, head_dim].
+    """A store of KV blocks keyed by BlockKey; blocks are tensors [n, layers, 2, block_size, kv_heads, head_dim].
 
-    The async methods are the interface; implementations provide their synchronous batch versions,
-    which a tier that does blocking I/O (`blocking = True`) runs in a worker thread.
-    Every method takes a batch: one call moves many blocks. `counters` is the tier's live TierStats;
-    `stats()` returns it with the current use filled in.
+    This is all the tier manager uses of a lower tier (hot, the pool itself, is the one tier it also
+    reads by block id), so a new tier is one subclass that passes tests/test_tier_contract.py. Every
+    method takes a batch. The synchronous methods are the implementation; the async ones run them in a
+    worker thread when the tier does blocking I/O (`blocking = True`).
+
+    Counters: `count(field=n, ...)` adds under a lock (a tier may be used from several threads), and
+    `stats()` returns a copy of them with the current use filled in (`_used_bytes`).
     """
-
-    counters: TierStats
 
     name: ClassVar[str]
     blocking: ClassVar[bool] = False
+    durable: ClassVar[bool] = False  # outlives the process: the tier manager persists into it at close
+
+    def __init__(self, capacity_bytes: int):
+        self._counters = TierStats(self.name, capacity_bytes)
+        self._counter_lock = threading.Lock()
+
+    def count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            for name, n in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + n)
+
+    def stats(self) -> TierStats:
+        with self._counter_lock:
+            return replace(self._counters, used_bytes=self._used_bytes())
+
+    @abstractmethod
+    def _used_bytes(self) -> int: ...
+
+    # -- the synchronous interface ---------------------------------------------------------------
+
+    @abstractmethod
+    def contains_sync(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading keys are present, stopping at the first miss."""
+
+    @abstractmethod
+    def get_sync(self, keys: Sequence[BlockKey]) -> torch.Tensor | None:
+        """The blocks of the leading present keys, [n, ...] on the host, or None for no hit; they
+        become the most recently used."""
+
+    @abstractmethod
+    def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
+        """Stores blocks [len(keys), ...] (evicting the least recently used to make room); returns how
+        many are stored (present ones count). Visible to every later call when it returns."""
+
+    def admit(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> tuple[int, Victims]:
+        """Write-back from the tier above: like put_sync, but it may return before the write lands
+        (`flush_sync` waits), and it returns the entries it evicted for the tier below. `blocks` must
+        not change afterwards."""
+        return self.put_sync(keys, blocks), NO_VICTIMS
+
+    @abstractmethod
+    def remove_sync(self, keys: Sequence[BlockKey]) -> int:
+        """Drops the keys; returns how many were present."""
+
+    @abstractmethod
+    def clear_sync(self) -> int:
+        """Drops every entry; returns how many there were."""
+
+    @abstractmethod
+    def export_sync(self, batch: int) -> Iterator[tuple[list[BlockKey], torch.Tensor]]:
+        """Every entry, as (keys, blocks) batches of at most `batch` blocks copied to the host."""
+
+    def flush_sync(self) -> None:
+        """Waits until every admitted block is stored."""
+
+    def close_sync(self) -> None:
+        """Releases the tier's resources; nothing is lost that a durable tier stored."""
+
+    # -- the async interface ---------------------------------------------------------------------
 
     async def contains(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading keys are present, stopping at the first miss."""
         return await self._call(self.contains_sync, keys)
 
     async def get(self, keys: Sequence[BlockKey]) -> torch.Tensor | None:
-        """The blocks of the leading present keys, [n, ...] on CPU (n may be 0), or None for no hit."""
         return await self._call(self.get_sync, keys)
 
     async def put(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
-        """Stores blocks [len(keys), ...]; returns how many were stored (present ones count)."""
         return await self._call(self.put_sync, keys, blocks)
 
     async def remove(self, keys: Sequence[BlockKey]) -> int:
-        """Drops the keys; returns how many were present."""
         return await self._call(self.remove_sync, keys)
+
+    async def clear(self) -> int:
+        return await self._call(self.clear_sync)
+
+    async def flush(self) -> None:
+        await self._call(self.flush_sync)
 
     async def close(self) -> None:
         await self._call(self.close_sync)
@@ -74,20 +141,26 @@ class KVTier(ABC):
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
 
-    @abstractmethod
-    def contains_sync(self, keys: Sequence[BlockKey]) -> int: ...
+
+class SwapSpace(ABC):
+    """Slots of a KVTier that can be lent out, outside its cache: swap space for preempted sequences,
+    and promotion in place (the warm tier provides them). A lent slot is the borrower's until released."""
 
     @abstractmethod
-    def get_sync(self, keys: Sequence[BlockKey]) -> torch.Tensor | None: ...
+    def take(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Removes the leading present keys from the cache and lends their slots (read, then release)."""
 
     @abstractmethod
-    def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int: ...
+    def reserve(self, n: int) -> tuple[list[int] | None, Victims]:
+        """n slots (evicting cached entries to make room, returned for the tier below), or None."""
 
     @abstractmethod
-    def remove_sync(self, keys: Sequence[BlockKey]) -> int: ...
-
-    def close_sync(self) -> None:
-        return None
+    def write(self, slots: list[int], blocks: torch.Tensor) -> None:
+        """Copies blocks [len(slots), ...] from any device into the slots."""
 
     @abstractmethod
-    def stats(self) -> TierStats: ...
+    def read_runs(self, slots: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """The slots' blocks as (offset in `slots`, view) per run of consecutive slots: no copy."""
+
+    @abstractmethod
+    def release(self, slots: list[int]) -> None: ...

@@ -18,34 +18,30 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
-import struct
 import threading
-import zlib
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import lmdb
-import msgpack
 import torch
 
-from tieredkv.tiers.base import BlockKey, KVTier, TierStats
+from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, Victims
+from tieredkv.tiers.cold_format import ColdFormat
 from tieredkv.tiers.cold_txn import ColdTxnOps
 from tieredkv.tiers.lmdb_env import close_env, open_env
 
 log = logging.getLogger("tieredkv")
 
-FORMAT_VERSION = 1
-_MAGIC = b"TKV1"
-_U32 = struct.Struct("<I")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_BATCH = 256
 
-class ColdTier(ColdTxnOps, KVTier):
+
+class ColdTier(ColdFormat, ColdTxnOps, KVTier):
     """LMDB store with a byte budget and LRU eviction recorded in the database."""
 
     name = "cold"
     blocking = True
+    durable = True
 
     def __init__(self, path: str | Path, budget_bytes: int, fingerprint: str, block_shape: tuple[int, ...],
                  dtype: torch.dtype):
@@ -61,59 +57,13 @@ class ColdTier(ColdTxnOps, KVTier):
         self.db_lru = self.env.open_db(b"lru")
         self.db_order = self.env.open_db(b"order")
         self.db_meta = self.env.open_db(b"meta")
-        self.counters = TierStats("cold", budget_bytes)
+        super().__init__(budget_bytes)
+        self._used = 0  # payload bytes stored, as of the writer's last transaction
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="tieredkv-lmdb-writer", daemon=True)
         self._writer.start()
         self._refresh_used()
-
-    @staticmethod
-    def entry_size(block_shape: tuple[int, ...], dtype: torch.dtype, fingerprint: str, num_tokens: int) -> int:
-        """Bytes one entry takes against the budget (small token ids; larger ids add a few bytes)."""
-        header = msgpack.packb({"v": FORMAT_VERSION, "fp": fingerprint, "dtype": str(dtype).removeprefix("torch."),
-                                "shape": list(block_shape), "tokens": [0] * num_tokens, "crc": 2**32 - 1})
-        payload = torch.empty(block_shape, dtype=dtype).numel() * dtype.itemsize
-        return len(_MAGIC) + _U32.size + len(header) + payload
-
-    # -- keys and values ---------------------------------------------------------------------------
-
-    def _key(self, key: BlockKey) -> bytes:
-        return self.prefix + key.block_hash
-
-    def _encode(self, key: BlockKey, block: torch.Tensor) -> bytes:
-        payload = block.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
-        header = msgpack.packb({
-            "v": FORMAT_VERSION, "fp": self.fingerprint, "dtype": self.dtype_name, "shape": list(self.block_shape),
-            "tokens": list(key.token_ids), "crc": zlib.crc32(payload),
-        })
-        return _MAGIC + _U32.pack(len(header)) + header + payload
-
-    def _header(self, key: BlockKey, value: memoryview) -> tuple[dict, int]:
-        """The entry's header and where its payload starts; raises ValueError on any mismatch."""
-        if bytes(value[:4]) != _MAGIC:
-            raise ValueError("bad magic")
-        (hlen,) = _U32.unpack(value[4:8])
-        header = msgpack.unpackb(bytes(value[8 : 8 + hlen]))
-        if (header["v"] != FORMAT_VERSION or header["fp"] != self.fingerprint
-                or header["dtype"] != self.dtype_name or tuple(header["shape"]) != self.block_shape
-                or tuple(header["tokens"]) != key.token_ids):
-            raise ValueError("header mismatch")
-        return header, 8 + hlen
-
-    def _payload(self, key: BlockKey, value: memoryview) -> memoryview | None:
-        """The entry's checked payload, or None (counted as a failure) when anything does not match."""
-        try:
-            header, start = self._header(key, value)
-            payload = value[start:]
-            if zlib.crc32(payload) != header["crc"]:
-                raise ValueError("checksum mismatch")
-        except Exception as e:  # any corrupt entry is a miss
-            log.warning("cold tier: unusable entry %s: %s", key.block_hash.hex()[:12], e)
-            self.counters.failures += 1
-            self._queue.put(("remove", [self._key(key)], None))
-            return None
-        return payload
 
     # -- reads (any thread) ------------------------------------------------------------------------
 
@@ -149,7 +99,7 @@ class ColdTier(ColdTxnOps, KVTier):
                     found += 1
         except lmdb.Error as e:
             log.warning("cold tier read failed: %s", e)
-            self.counters.failures += 1
+            self.count(failures=1)
         if not found:
             return None
         self._queue.put(("touch", [self._key(k) for k in keys[:found]], None))
@@ -157,10 +107,11 @@ class ColdTier(ColdTxnOps, KVTier):
 
     # -- writes (through the writer thread) --------------------------------------------------------
 
-    def put_nowait(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> None:
-        """Queues the blocks for writing and returns at once (the demotion path). `blocks` must not
-        change afterwards: the writer thread encodes them."""
+    def admit(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> tuple[int, Victims]:
+        """Queues the blocks for the writer thread (which encodes them) and returns at once; what the
+        byte budget evicts is dropped (nothing lies below cold)."""
         self._queue.put(("put_blocks", (list(keys), blocks), None))
+        return len(keys), NO_VICTIMS
 
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
         done: Future = Future()
@@ -172,13 +123,39 @@ class ColdTier(ColdTxnOps, KVTier):
         self._queue.put(("remove", [self._key(k) for k in keys], done))
         return done.result()
 
-    def clear(self) -> int:
+    def clear_sync(self) -> int:
         """Drops every entry of this model's fingerprint."""
         done: Future = Future()
         self._queue.put(("clear", None, done))
         return done.result()
 
-    def flush(self) -> None:
+    def export_sync(self, batch: int) -> Iterator[tuple[list[BlockKey], torch.Tensor]]:
+        """Every usable entry of this fingerprint, read in short transactions of up to `batch` entries."""
+        after, more = self.prefix, True
+        while more:
+            keys, data, more = [], bytearray(), False
+            with self.env.begin(db=self.db_blocks, buffers=True) as txn:
+                cur = txn.cursor()
+                found = cur.set_range(after)
+                while found and bytes(cur.key()[:8]) == self.prefix:
+                    if len(keys) == batch:
+                        more = True
+                        break
+                    raw, value = bytes(cur.key()), cur.value()
+                    after = raw + b"\0"
+                    try:
+                        key = BlockKey(raw[8:], tuple(self._header(None, value)[0]["tokens"]))
+                    except Exception:  # unreadable: _payload below would count it; skip it here
+                        key = None
+                    payload = None if key is None else self._payload(key, value)
+                    if payload is not None:
+                        keys.append(key)
+                        data += payload  # copied out before the read transaction ends
+                    found = cur.next()
+            if keys:
+                yield keys, torch.frombuffer(data, dtype=self.dtype).view(len(keys), *self.block_shape)
+
+    def flush_sync(self) -> None:
         """Waits until everything queued so far is written."""
         done: Future = Future()
         self._queue.put(("noop", None, done))
@@ -228,7 +205,7 @@ class ColdTier(ColdTxnOps, KVTier):
                 self.env.set_mapsize(new_size)
             except lmdb.Error as e:
                 log.warning("cold tier write failed: %s", e)
-                self.counters.failures += 1
+                self.count(failures=1)
                 results = [0] * len(batch)
                 break
         else:
@@ -238,5 +215,5 @@ class ColdTier(ColdTxnOps, KVTier):
             if done is not None:
                 done.set_result(result)
 
-    def stats(self) -> TierStats:
-        return self.counters
+    def _used_bytes(self) -> int:
+        return self._used

@@ -9,7 +9,7 @@ _U64 = struct.Struct(">Q")  # big-endian, so the order database sorts by sequenc
 
 class ColdTxnOps:
     """Mixed into ColdTier: needs `env`, `db_blocks`, `db_lru`, `db_order`, `db_meta`, `budget`, `prefix`
-    and `counters`. Each `_txn_<kind>(txn, payload)` applies one queued operation of the writer thread.
+    and the KVTier counters. Each `_txn_<kind>(txn, payload)` applies one queued operation of the writer thread.
     The byte budget is enforced here, by evicting the oldest entries, so it holds across processes."""
 
     def _meta(self, txn, name: bytes) -> int:
@@ -58,7 +58,7 @@ class ColdTxnOps:
                         break
                     oldest = bytes(cur.key())[8:]
                 self._delete(txn, oldest)
-                self.counters.evictions += 1
+                self.count(evictions=1)
                 used = self._meta(txn, b"used_bytes")
             txn.put(key, value, db=self.db_blocks)
             self._set_meta(txn, b"used_bytes", used + len(value))
@@ -85,4 +85,4 @@ class ColdTxnOps:
 
     def _refresh_used(self) -> None:
         with self.env.begin() as txn:
-            self.counters.used_bytes = self._meta(txn, b"used_bytes")
+            self._used = self._meta(txn, b"used_bytes")

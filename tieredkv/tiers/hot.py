@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from tieredkv.block_pool import BlockPool, KVBlock
 from tieredkv.kernels import KernelOps
-from tieredkv.tiers.base import BlockKey, KVTier, TierStats
+from tieredkv.tiers.base import BlockKey, KVTier
 
 
 class HotTier(KVTier):
-    """Cached blocks of the pool (ref_cnt 0 ones are evictable). Data moves with the pool's kernels."""
+    """Cached blocks of the pool (ref_cnt 0 ones are evictable). Data moves with the pool's kernels.
+
+    Besides the tier contract, the tier manager reads and writes it by block id (`gather`, `scatter`,
+    `scatter_runs`, `copy`): hot is the tier whose index is the block pool itself.
+    """
 
     name = "hot"
 
@@ -21,7 +25,7 @@ class HotTier(KVTier):
         self.kv_cache = kv_cache
         self.ops = ops
         self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
-        self.counters = TierStats("hot", pool.num_blocks * self.block_bytes)
+        super().__init__(pool.num_blocks * self.block_bytes)
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[KVBlock]:
         return self.pool.cached_prefix(keys)
@@ -48,6 +52,12 @@ class HotTier(KVTier):
         kv = self.kv_cache
         src = blocks.to(kv.device, kv.dtype, non_blocking=True).contiguous()
         self.ops.scatter_blocks(kv, torch.tensor(block_ids, device=kv.device), src)
+
+    def scatter_runs(self, block_ids: list[int], runs: list[tuple[int, torch.Tensor]]) -> None:
+        """Writes host views (SwapSpace.read_runs: (offset in block_ids, [n, ...] view)) into the blocks;
+        from pinned memory each run is one asynchronous host-to-device copy on the current stream."""
+        for offset, view in runs:
+            self.scatter(block_ids[offset : offset + view.shape[0]], view)
 
     def copy(self, src_ids: list[int], dst_ids: list[int]) -> None:
         kv = self.kv_cache
@@ -76,9 +86,17 @@ class HotTier(KVTier):
                 n += 1
         return n
 
-    def stats(self) -> TierStats:
-        """used_bytes: blocks holding data, in use by a sequence or cached for reuse."""
+    def clear_sync(self) -> int:
+        """Forgets every cached block that is not in use."""
+        return self.pool.evict_all_cached()
+
+    def export_sync(self, batch: int) -> Iterator[tuple[list[BlockKey], torch.Tensor]]:
+        blocks = list(self.pool.cached.values())
+        for i in range(0, len(blocks), batch):
+            part = blocks[i : i + batch]
+            yield [BlockKey(b.block_hash, b.token_ids) for b in part], self.gather([b.block_id for b in part]).cpu()
+
+    def _used_bytes(self) -> int:
+        """Blocks holding data, in use by a sequence or cached for reuse."""
         pool = self.pool
-        cached_free = sum(1 for b in pool.cached.values() if b.ref_cnt == 0)
-        self.counters.used_bytes = (pool.num_blocks - pool.num_free + cached_free) * self.block_bytes
-        return self.counters
+        return (pool.num_blocks - pool.num_free + pool.num_cached_free) * self.block_bytes

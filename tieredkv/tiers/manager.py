@@ -1,187 +1,203 @@
 """Moves blocks between tiers: demotes on eviction, promotes on a hit, swaps preempted sequences.
 
-Runs on the engine's worker thread, except cold-tier reads, which run in a reader thread and are
-polled: a request whose prefix is being read from disk waits while the others compute. Planning
-(lookups, swap slots) happens while the scheduler decides; the data moves in `execute`, in one place
-before the forward.
+Runs on the engine's worker thread, except reads from blocking tiers (cold), which run in a reader
+thread and are polled: a request whose prefix is being read from disk waits while the others compute.
+Planning (lookups, lent slots) happens while the scheduler decides; the data moves in `execute`, in
+one place before the forward. Below hot, every tier is used only through the KVTier contract (plus
+SwapSpace for the tier that lends slots), top to bottom.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 
-from tieredkv.tiers.base import TIER_NAMES, BlockKey, TierStats
+from tieredkv.tiers.base import TIER_NAMES, BlockKey, KVTier, SwapSpace, TierStats, Victims
 from tieredkv.tiers.hot import HotTier
+from tieredkv.tiers.lookup import Lookup, finish_lookup, start_lookup
 from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore, runs
-from tieredkv.tiers.warm import WarmTier
-
-if TYPE_CHECKING:
-    from tieredkv.tiers.cold import ColdTier
 
 log = logging.getLogger("tieredkv")
 _BATCH = 256  # blocks per transfer when a whole tier moves
 
 
-def _batches(items: list) -> list[list]:
-    return [items[i : i + _BATCH] for i in range(0, len(items), _BATCH)]
-
-
-@dataclass
-class Lookup:
-    """A waiting sequence's walk below hot: warm hits at once, cold hits when the read finishes."""
-
-    start: int  # first block index looked up below hot
-    keys: list[BlockKey]
-    warm: torch.Tensor | None
-    cold: Future | None
+class TierManager:
+    def __init__(self, hot: HotTier, warm: KVTier | None, cold: KVTier | None, block_size: int):
+        self.hot = hot
+        self.lower: list[KVTier] = [t for t in (warm, cold) if t is not None]  # top to bottom
+        self.block_size = block_size
+        self.swap: SwapSpace | None = next((t for t in self.lower if isinstance(t, SwapSpace)), None)
+        blocking = [t for t in self.lower if t.blocking]
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-tier-read") if blocking else None
+        device = hot.kv_cache.device
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._last_copy = None  # CUDA event after the last moves' copies
+        self._unreleased: list[tuple[SwapSpace, list[int]]] = []  # slots read by copies maybe still in flight
 
     @property
-    def ready(self) -> bool:
-        return self.cold is None or self.cold.done()
+    def warm(self) -> KVTier | None:
+        return self.tier("warm")
 
+    @property
+    def cold(self) -> KVTier | None:
+        return self.tier("cold")
 
-class TierManager:
-    def __init__(self, hot: HotTier, warm: WarmTier | None, cold: "ColdTier | None", block_size: int):
-        self.hot = hot
-        self.warm = warm
-        self.cold = cold
-        self.block_size = block_size
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-cold-read") if cold else None
-
-    def _present(self) -> dict[str, object]:
-        return {name: t for name, t in (("hot", self.hot), ("warm", self.warm), ("cold", self.cold)) if t is not None}
+    def tier(self, name: str) -> KVTier | None:
+        return self.hot if name == "hot" else next((t for t in self.lower if t.name == name), None)
 
     def tiers(self) -> dict[str, TierStats]:
         """Each present tier's counters, with its current use."""
-        return {name: t.stats() for name, t in self._present().items()}
+        return {t.name: t.stats() for t in (self.hot, *self.lower)}
 
     # -- carrying out a step's moves ----------------------------------------------------------------
 
     def execute(self, moves: list[BlockMove]) -> None:
-        """Carries out the moves in order, each run of one kind as one batched transfer."""
-        hot, warm = self.hot, self.warm
-        for run in runs(moves):
-            kind = run[0].kind
-            if kind == DEMOTE:
-                self._demote([m.src for m in run], [m.key for m in run])
-            elif kind == SWAP_OUT:
-                warm.write([m.dst for m in run], hot.gather([m.src for m in run]))
-                warm.counters.demotions += len(run)
-            elif kind == SWAP_IN:
-                slots = [m.src for m in run]
-                hot.scatter([m.dst for m in run], warm.read(slots))
-                warm.release(slots)
-            elif kind == PROMOTE:
-                hot.scatter([m.dst for m in run], torch.stack([m.data for m in run]))
-                for m in run:
-                    self._present()[m.tier].counters.promotions += 1
-            elif kind == COPY:
-                hot.copy([m.src for m in run], [m.dst for m in run])
-            else:
-                raise ValueError(f"unknown block move {kind!r}")
+        """Carries out the moves in order, each run of one kind as one batched transfer. On CUDA they
+        run on a copy stream that the forward's stream then waits for (H2D from pinned slab views is
+        asynchronous; slots read that way are released once the copies are done)."""
+        self._settle()
+        if not moves:
+            return
+        with self._on_copy_stream():
+            for run in runs(moves):
+                self._execute_run(run[0].kind, run)
+        if self._copy_stream is None:
+            self._settle()
+
+    def _execute_run(self, kind: str, run: list[BlockMove]) -> None:
+        hot, dst = self.hot, [m.dst for m in run]
+        if kind == DEMOTE:
+            self._demote([m.src for m in run], [m.key for m in run])
+        elif kind == SWAP_OUT:
+            self.swap.write(dst, hot.gather([m.src for m in run]))
+            self.swap.count(demotions=len(run))
+            self._wait_for_host_copies()
+        elif kind == SWAP_IN:
+            slots = [m.src for m in run]
+            hot.scatter_runs(dst, self.swap.read_runs(slots))
+            self._unreleased.append((self.swap, slots))
+        elif kind == PROMOTE:
+            for part in runs(run, lambda m: (m.tier, m.src is None)):
+                tier, ids = self.tier(part[0].tier), [m.dst for m in part]
+                if part[0].src is None:
+                    hot.scatter(ids, torch.stack([m.data for m in part]))
+                else:
+                    slots = [m.src for m in part]
+                    hot.scatter_runs(ids, tier.read_runs(slots))
+                    self._unreleased.append((tier, slots))
+                tier.count(promotions=len(part))
+        elif kind == COPY:
+            hot.copy([m.src for m in run], dst)
+        else:
+            raise ValueError(f"unknown block move {kind!r}")
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self):
+        stream = self._copy_stream
+        if stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(compute)  # the blocks read here were written by earlier forwards
+        with torch.cuda.stream(stream):
+            yield
+        self._last_copy = stream.record_event()
+        compute.wait_event(self._last_copy)  # the forward waits for the moves, the host does not
+
+    def _wait_for_host_copies(self) -> None:
+        """Device-to-host copies into a slab must land before the host reads the slab."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+
+    def _settle(self) -> None:
+        """Releases slots whose data copies have finished (waiting for the last copies on CUDA)."""
+        if self._last_copy is not None:
+            self._last_copy.synchronize()
+            self._last_copy = None
+        for tier, slots in self._unreleased:
+            tier.release(slots)
+        self._unreleased.clear()
 
     def _demote(self, block_ids: list[int], keys: list[BlockKey]) -> None:
-        """Write-back of evicted hot blocks: to warm (whose own evictions go on to cold), else to cold."""
-        self.hot.counters.evictions += len(block_ids)
-        if self.warm is None and self.cold is None:
+        """Write-back of evicted hot blocks to the first lower tier; its evictions go on down."""
+        self.hot.count(evictions=len(block_ids))
+        if not self.lower:
             return
         try:
             data = self.hot.gather(block_ids)
-            if self.warm is not None and self.warm.capacity:
-                stored, victims = self.warm.admit(keys, data)
-                self.warm.counters.demotions += stored
-                self._to_cold(*victims)
-            else:
-                self._to_cold(keys, data.cpu())
+            self._admit(0, keys, data if self.lower[0] is self.swap else data.cpu())
+            self._wait_for_host_copies()
         except Exception:  # a failed demotion loses cache, never correctness
             log.exception("demotion from hot failed")
-            self.hot.counters.failures += 1
+            self.hot.count(failures=1)
 
-    def _to_cold(self, keys: list[BlockKey], blocks: torch.Tensor | None) -> None:
-        """Queues blocks (on the host, never changed afterwards) for the cold tier's writer."""
-        if self.cold is None or not keys:
-            return
-        try:
-            self.cold.put_nowait(keys, blocks)
-            self.cold.counters.demotions += len(keys)
-        except Exception:
-            log.exception("demotion to cold failed")
-            self.cold.counters.failures += 1
+    def _admit(self, level: int, keys: list[BlockKey], blocks: torch.Tensor | None) -> None:
+        """Stores blocks in self.lower[level], passing what it evicts to the next level down."""
+        while level < len(self.lower) and keys:
+            tier = self.lower[level]
+            try:
+                stored, (keys, blocks) = tier.admit(keys, blocks)
+                tier.count(demotions=stored)
+            except Exception:
+                log.exception("demotion to %s failed", tier.name)
+                tier.count(failures=1)
+                return
+            level += 1
+
+    def pass_down(self, tier: KVTier, victims: Victims) -> None:
+        self._admit(self.lower.index(tier) + 1, *victims)
 
     # -- promotion --------------------------------------------------------------------------------
 
     def start_lookup(self, keys: list[BlockKey], start: int) -> Lookup | None:
-        """Looks keys[start:] up in warm (now) and cold (in the reader thread), head first."""
-        rest = keys[start:]
-        if not rest or (self.warm is None and self.cold is None):
-            return None
-        warm = self.warm.get_sync(rest) if self.warm is not None else None
-        n_warm = 0 if warm is None else warm.shape[0]
-        cold = None
-        if self.cold is not None and n_warm < len(rest):
-            cold = self._reader.submit(self.cold.get_sync, rest[n_warm:])
-        return Lookup(start, rest, warm, cold)
+        """Looks keys[start:] up below hot, head first (see lookup.start_lookup)."""
+        return start_lookup(self.lower, self._reader, keys[start:], start)
 
     def wait(self, lookups: list[Lookup], timeout: float) -> None:
-        """Blocks until one of the pending cold reads finishes (used only when nothing can compute)."""
-        pending = [lk.cold for lk in lookups if lk.cold is not None and not lk.cold.done()]
+        """Blocks until one of the pending reads finishes (used only when nothing can compute)."""
+        pending = [lk.below for lk in lookups if lk.below is not None and not lk.below.done()]
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def finish_lookup(self, lookup: Lookup, num_hot: int) -> Restore | None:
-        """Turns a finished lookup into a promotion that continues the hot hits; None if it cannot."""
-        parts, by_tier = [], {}
-        if lookup.warm is not None:
-            parts.append(lookup.warm)
-            by_tier["warm"] = lookup.warm.shape[0]
-        cold = None
-        if lookup.cold is not None:
-            try:
-                cold = lookup.cold.result()
-            except Exception:
-                log.exception("cold read failed")
-                self.cold.counters.failures += 1
-        if cold is not None:
-            parts.append(cold)
-            by_tier["cold"] = cold.shape[0]
-        if not parts or num_hot != lookup.start:  # hot changed while we waited: no gap allowed
+        """The promotion that continues the hot hits, or None (see lookup.finish_lookup)."""
+        if num_hot != lookup.start:  # hot changed while we waited: no gap allowed
             return None
-        data = torch.cat(parts) if len(parts) > 1 else parts[0]
-        n = data.shape[0]
-        return Restore(lookup.start, n * self.block_size, data, lookup.keys[:n], by_tier)
+        return finish_lookup(lookup, self.block_size, self.lower[-1])
 
     def count_lookup(self, num_hot: int, by_tier: dict[str, int], num_queried_tokens: int) -> None:
         """Records a request's first admission: hits per tier, and misses of what each tier was asked."""
-        bs = self.block_size
-        remaining = num_queried_tokens
-        for name, n in (("hot", num_hot), ("warm", by_tier.get("warm", 0)), ("cold", by_tier.get("cold", 0))):
-            tier = self._present().get(name)
-            if tier is None:
-                continue
-            tier.counters.hits += n * bs
-            tier.counters.misses += remaining - n * bs
+        bs, remaining = self.block_size, num_queried_tokens
+        for tier in (self.hot, *self.lower):
+            n = num_hot if tier is self.hot else by_tier.get(tier.name, 0)
+            tier.count(hits=n * bs, misses=remaining - n * bs)
             remaining -= n * bs
 
     # -- swap -------------------------------------------------------------------------------------
 
     def reserve_swap(self, n: int) -> list[int] | None:
-        """n warm slots for a preempted sequence's blocks (SWAP_OUT moves fill them); None: no room.
-        Cached warm entries evicted to make room go on to cold now."""
-        if self.warm is None or n == 0:
+        """n slots for a preempted sequence's blocks (SWAP_OUT moves fill them); None: no room.
+        Cached entries evicted to make room go on down now."""
+        if self.swap is None or n == 0:
             return None
-        slots, victims = self.warm.reserve(n)
-        self._to_cold(*victims)
+        slots, victims = self.swap.reserve(n)
+        self.pass_down(self.swap, victims)
         return slots
 
     def drop_swap(self, restore: Restore | None) -> None:
         if restore is not None and restore.swap_slots is not None:
-            self.warm.release(restore.swap_slots)
+            self.swap.release(restore.swap_slots)
             restore.swap_slots = None
+
+    def drop_restore(self, restore: Restore | None) -> None:
+        """Gives back what an unused restore holds: swap slots, or the slots its promotion took."""
+        self.drop_swap(restore)
+        for part in restore.parts if restore is not None else ():
+            if part.slots:
+                self.tier(part.tier).release(part.slots)
 
     # -- management -------------------------------------------------------------------------------
 
@@ -192,48 +208,36 @@ class TierManager:
             raise ValueError(f"tier must be one of hot, warm, cold, all; got {tier!r}")
         if demote and tier == "all":
             raise ValueError('demote=True needs a single tier, not "all"')
+        self._settle()
         return sum(self._clear(t, demote) for t in (TIER_NAMES if tier == "all" else (tier,)))
 
-    def _clear(self, tier: str, demote: bool) -> int:
-        if tier == "hot":
-            if demote:
-                for part in _batches([b for b in self.hot.pool.free_queue if b.block_hash is not None]):
-                    self._demote([b.block_id for b in part], [BlockKey(b.block_hash, b.token_ids) for b in part])
-            return self.hot.pool.evict_all_cached()
-        if tier == "warm" and self.warm is not None:
-            if demote:
-                for keys, data in self._warm_batches():
-                    self._to_cold(keys, data)
-            return self.warm.clear()
-        if tier == "cold" and self.cold is not None:
-            return self.cold.clear()
-        return 0
+    def _clear(self, name: str, demote: bool) -> int:
+        tier = self.tier(name)
+        if tier is None:
+            return 0
+        if demote:
+            level = 0 if tier is self.hot else self.lower.index(tier) + 1
+            for keys, data in tier.export_sync(_BATCH):
+                self._admit(level, keys, data)
+        return tier.clear_sync()
 
     def persist(self) -> int:
-        """Writes every cached hot and warm block to the cold tier (at shutdown), so that a restarted
-        engine on the same cold_path finds them. Returns the number of blocks queued."""
-        if self.cold is None:
+        """Writes every cached block above the durable tier into it (at shutdown), so that a restarted
+        engine finds them. Returns the number of blocks queued."""
+        self._settle()
+        durable = next((t for t in self.lower if t.durable), None)
+        if durable is None:
             return 0
         n = 0
-        for part in _batches(list(self.hot.pool.cached.values())):
-            self.cold.put_nowait([BlockKey(b.block_hash, b.token_ids) for b in part],
-                                 self.hot.gather([b.block_id for b in part]).cpu())
-            n += len(part)
-        for keys, data in self._warm_batches():
-            self.cold.put_nowait(keys, data)
-            n += len(keys)
+        for tier in (self.hot, *self.lower[: self.lower.index(durable)]):
+            for keys, data in tier.export_sync(_BATCH):
+                durable.admit(keys, data)
+                n += len(keys)
         return n
 
-    def _warm_batches(self):
-        """(keys, data copied out of the slab) for every warm entry, in batches."""
-        if self.warm is None:
-            return
-        for part in _batches(list(self.warm.entries.items())):
-            slots = torch.tensor([slot for _, (slot, _) in part])
-            yield [BlockKey(h, tokens) for h, (_, tokens) in part], self.warm.slab[slots]
-
     def close(self) -> None:
+        self._settle()
         if self._reader is not None:
             self._reader.shutdown(wait=True)
-        if self.cold is not None:
-            self.cold.close_sync()
+        for tier in self.lower:
+            tier.close_sync()

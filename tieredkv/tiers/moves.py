@@ -25,26 +25,38 @@ COPY = "copy"  # hot block -> hot block (copy-on-write)
 
 
 class BlockMove(NamedTuple):
-    """One block's move. `src`/`dst` are hot block ids or warm slots, as the kind says; a promotion
-    carries its data (a host tensor row, read at lookup time) instead of a source slot."""
+    """One block's move. `src`/`dst` are hot block ids or swap-space slots, as the kind says; a
+    promotion reads a lent slot of `tier`, or carries its data (a host tensor row) with src None."""
 
     kind: str
     src: int | None
     dst: int | None
     key: BlockKey | None = None  # demote / promote: the block's identity in the tier it goes to
-    data: torch.Tensor | None = None  # promote: [layers, 2, block_size, kv_heads, head_dim] on the host
-    tier: str | None = None  # promote: where the data came from ("warm" or "cold"), for the counters
+    data: torch.Tensor | None = None  # promote without a slot: [layers, 2, block_size, kv_heads, head_dim]
+    tier: str | None = None  # promote: the source tier (counters; the slot's owner)
 
 
-def runs(moves: list[BlockMove]) -> list[list[BlockMove]]:
-    """Consecutive moves of one kind, batched: each run is carried out with one transfer."""
+def runs(moves: list[BlockMove], key=lambda m: m.kind) -> list[list[BlockMove]]:
+    """Consecutive moves with the same key (by default, of one kind): each run is one transfer."""
     out: list[list[BlockMove]] = []
     for move in moves:
-        if out and out[-1][0].kind == move.kind:
+        if out and key(out[-1][0]) == key(move):
             out[-1].append(move)
         else:
             out.append([move])
     return out
+
+
+class RestorePart(NamedTuple):
+    """A run of promoted blocks from one tier: lent slots of a swap-space tier, or host data."""
+
+    tier: str
+    slots: list[int] | None  # read in place (SwapSpace.read_runs), released once read
+    data: torch.Tensor | None  # [n, layers, 2, block_size, kv_heads, head_dim] on the host
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.slots) if self.slots is not None else self.data.shape[0]
 
 
 @dataclass
@@ -53,11 +65,17 @@ class Restore:
 
     start: int  # index of the first restored block in the sequence's block table
     num_tokens: int  # tokens they hold (full blocks, except a swapped sequence's last one)
-    data: torch.Tensor | None  # [n, layers, 2, block_size, kv_heads, head_dim] in host memory; None: swap slots
-    keys: list[BlockKey] = field(default_factory=list)  # promotions: to register in the hash map
-    by_tier: dict[str, int] = field(default_factory=dict)  # promoted blocks per source tier
-    swap_slots: list[int] | None = None  # swap-ins: warm slots to release
+    keys: list[BlockKey] = field(default_factory=list)  # promotions: registered in the hash map
+    parts: list[RestorePart] = field(default_factory=list)  # promotions: where the blocks come from, in order
+    swap_slots: list[int] | None = None  # swap-ins: warm slots to read and release
 
     @property
     def num_blocks(self) -> int:
-        return self.data.shape[0] if self.data is not None else len(self.swap_slots)
+        return len(self.swap_slots) if self.swap_slots is not None else sum(p.num_blocks for p in self.parts)
+
+    @property
+    def by_tier(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for part in self.parts:
+            out[part.tier] = out.get(part.tier, 0) + part.num_blocks
+        return out

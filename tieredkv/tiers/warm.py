@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from tieredkv.hashing import BlockHash
-from tieredkv.tiers.base import BlockKey, KVTier, TierStats
+from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, SwapSpace, Victims
 
 
-Victims = tuple[list[BlockKey], "torch.Tensor | None"]  # evicted entries: keys and their blocks (a copy)
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(offset in slots, first slot, length) of each run of consecutive slots."""
+    out: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if out and out[-1][1] + out[-1][2] == slot:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, slot, 1))
+    return out
 
 
-class WarmTier(KVTier):
+class WarmTier(KVTier, SwapSpace):
     """A slab [capacity, layers, 2, block_size, kv_heads, head_dim] with a slot allocator and an LRU.
 
     `entries` maps a block hash to its slot in LRU order (oldest first); `free_slots` holds the rest,
     except the slots lent out by `reserve` (preemption swap space). Putting into a full tier evicts the
     oldest entries: `admit` and `reserve` return them (keys, blocks copied out of the slab) for the
-    caller to pass on. All operations are O(1) per block.
+    caller to pass on. Slots are handed out lowest first, so consecutive blocks tend to sit in
+    consecutive slots, and `read_runs` gives them as views of the slab (pinned on CUDA: a device copy
+    from there is a real asynchronous transfer). All operations are O(1) per block.
     """
 
     name = "warm"
@@ -29,9 +39,12 @@ class WarmTier(KVTier):
         self.capacity = capacity_blocks
         self.slab = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin)
         self.block_bytes = self.slab[0].numel() * self.slab.element_size() if capacity_blocks else 0
+        super().__init__(capacity_blocks * self.block_bytes)
         self.entries: OrderedDict[BlockHash, tuple[int, tuple[int, ...]]] = OrderedDict()
-        self.free_slots = list(range(capacity_blocks - 1, -1, -1))
-        self.counters = TierStats("warm", capacity_blocks * self.block_bytes)
+        self.free_slots = list(range(capacity_blocks - 1, -1, -1))  # popped from the end: lowest first
+
+    def _used_bytes(self) -> int:
+        return len(self.entries) * self.block_bytes
 
     def contains_sync(self, keys: Sequence[BlockKey]) -> int:
         n = 0
@@ -51,40 +64,52 @@ class WarmTier(KVTier):
 
     def get_sync(self, keys: Sequence[BlockKey]) -> torch.Tensor | None:
         slots = self.slots_of(keys)
-        if not slots:
-            return None
-        return self.slab[torch.tensor(slots)]
+        return self.read(slots) if slots else None
+
+    def take(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Removes the leading present keys from the cache and lends their slots (release them when
+        their data has been read): promotion moves a block up rather than copying it."""
+        slots = self.slots_of(keys)
+        for key in keys[: len(slots)]:
+            del self.entries[key.block_hash]
+        return slots
 
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
         """Stores the blocks; entries evicted to make room are dropped (see `admit` to keep them)."""
         return self.admit(keys, blocks)[0]
 
     def admit(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> tuple[int, Victims]:
-        """put_sync that also returns the entries it evicted, for the next tier down."""
+        """put_sync that returns what does not stay: the entries evicted to make room, and the blocks
+        of this batch that find no slot (the earliest ones, when the batch outgrows the tier)."""
         assert blocks.shape[0] == len(keys) and blocks.shape[1:] == self.slab.shape[1:], blocks.shape
         new = [i for i, k in enumerate(keys) if k.block_hash not in self.entries]
         stored = len(keys) - len(new)
-        new = new[: self.capacity]
-        if not new:
-            return stored, ([], None)
-        victims = self._make_room(len(new))
-        new = new[: len(self.free_slots)]  # slots lent to swap space cannot be taken back
-        if not new:
-            return stored, victims
-        slots = [self.free_slots.pop() for _ in new]
-        self.write(slots, blocks[torch.tensor(new, device=blocks.device)])
-        for i, slot in zip(new, slots):
-            self.entries[keys[i].block_hash] = (slot, keys[i].token_ids)
-        self.counters.used_bytes = len(self.entries) * self.block_bytes
-        return stored + len(new), victims
+        victim_keys, victim_data = self._make_room(min(len(new), self.capacity))
+        cut = max(len(new) - len(self.free_slots), 0)  # slots lent to swap space cannot be taken back
+        overflow, new = new[:cut], new[cut:]
+        if overflow:
+            picked = blocks[torch.tensor(overflow, device=blocks.device)].to("cpu", self.slab.dtype)
+            victim_keys = victim_keys + [keys[i] for i in overflow]
+            victim_data = picked if victim_data is None else torch.cat([victim_data, picked])
+        if new:
+            slots = [self.free_slots.pop() for _ in new]
+            self.write(slots, blocks if len(new) == len(keys) else blocks[torch.tensor(new, device=blocks.device)])
+            for i, slot in zip(new, slots):
+                self.entries[keys[i].block_hash] = (slot, keys[i].token_ids)
+        return stored + len(new), (victim_keys, victim_data)
 
     def write(self, slots: list[int], blocks: torch.Tensor) -> None:
-        """Copies blocks [len(slots), ...] (any device) into the slab's slots."""
-        self.slab[torch.tensor(slots)] = blocks.to("cpu", self.slab.dtype)
+        """Copies blocks [len(slots), ...] from any device straight into the slab, run by run (from
+        CUDA: asynchronous on the current stream; the caller synchronizes before the host reads)."""
+        for offset, first, n in slot_runs(slots):
+            self.slab[first : first + n].copy_(blocks[offset : offset + n], non_blocking=True)
 
     def read(self, slots: list[int]) -> torch.Tensor:
         """A copy of the slots' blocks [len(slots), ...]."""
         return self.slab[torch.tensor(slots)]
+
+    def read_runs(self, slots: list[int]) -> list[tuple[int, torch.Tensor]]:
+        return [(offset, self.slab[first : first + n]) for offset, first, n in slot_runs(slots)]
 
     def _make_room(self, n: int) -> Victims:
         """Evicts the oldest entries until n slots are free (or nothing is left to evict)."""
@@ -93,10 +118,10 @@ class WarmTier(KVTier):
             block_hash, (slot, tokens) = self.entries.popitem(last=False)
             victims.append((BlockKey(block_hash, tokens), slot))
         if not victims:
-            return [], None
+            return NO_VICTIMS
         data = self.read([s for _, s in victims])
-        self.free_slots.extend(s for _, s in victims)
-        self.counters.evictions += len(victims)
+        self.release([s for _, s in victims])
+        self.count(evictions=len(victims))
         return [k for k, _ in victims], data
 
     def remove_sync(self, keys: Sequence[BlockKey]) -> int:
@@ -104,32 +129,31 @@ class WarmTier(KVTier):
         for key in keys:
             entry = self.entries.pop(key.block_hash, None)
             if entry is not None:
-                self.free_slots.append(entry[0])
+                self.release([entry[0]])
                 n += 1
-        self.counters.used_bytes = len(self.entries) * self.block_bytes
         return n
 
-    def clear(self) -> int:
+    def clear_sync(self) -> int:
         n = len(self.entries)
-        self.free_slots.extend(slot for slot, _ in self.entries.values())
+        self.release([slot for slot, _ in self.entries.values()])
         self.entries.clear()
-        self.counters.used_bytes = 0
         return n
+
+    def export_sync(self, batch: int) -> Iterator[tuple[list[BlockKey], torch.Tensor]]:
+        items = list(self.entries.items())
+        for i in range(0, len(items), batch):
+            part = items[i : i + batch]
+            yield [BlockKey(h, tokens) for h, (_, tokens) in part], self.read([slot for _, (slot, _) in part])
 
     # -- swap space for preempted sequences --------------------------------------------------------
 
     def reserve(self, n: int) -> tuple[list[int] | None, Victims]:
-        """Lends n slots outside the LRU (evicting cached entries to make room; they are returned);
-        None for the slots if impossible."""
         if n > self.capacity // 2:  # keep at least half of the tier for cached prefixes
-            return None, ([], None)
+            return None, NO_VICTIMS
         victims = self._make_room(n)
         if len(self.free_slots) < n:
             return None, victims
         return [self.free_slots.pop() for _ in range(n)], victims
 
     def release(self, slots: list[int]) -> None:
-        self.free_slots.extend(slots)
-
-    def stats(self) -> TierStats:
-        return self.counters
+        self.free_slots.extend(sorted(slots, reverse=True))

@@ -1,0 +1,95 @@
+"""Prefix lookups below hot: counted now where a tier answers at once, read in a thread where it blocks."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from tieredkv.tiers.base import BlockKey, KVTier, SwapSpace
+from tieredkv.tiers.moves import Restore, RestorePart
+
+log = logging.getLogger("tieredkv")
+
+
+@dataclass
+class Lookup:
+    """A waiting sequence's walk below hot: counts in the non-blocking tiers now (their blocks are
+    taken at admission), the blocking tiers' blocks read in the reader thread."""
+
+    start: int  # first block index looked up below hot
+    keys: list[BlockKey]
+    found: list[tuple[KVTier, int]]  # leading hits per non-blocking tier, in order
+    below: Future | None  # -> [(tier name, blocks)] from the blocking tiers
+
+    @property
+    def ready(self) -> bool:
+        return self.below is None or self.below.done()
+
+    def num_blocks(self) -> int:
+        """Blocks the lookup found (once ready); admission may get fewer if some were evicted since."""
+        n = sum(count for _, count in self.found)
+        if self.below is not None and self.below.done() and self.below.exception() is None:
+            n += sum(data.shape[0] for _, data in self.below.result())
+        return n
+
+
+def _read_below(tiers: list[KVTier], keys: list[BlockKey]) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for tier in tiers:
+        data = tier.get_sync(keys) if keys else None
+        if data is None:
+            break
+        out.append((tier.name, data))
+        keys = keys[data.shape[0]:]
+    return out
+
+
+def start_lookup(lower: list[KVTier], reader, rest: list[BlockKey], start: int) -> Lookup | None:
+    """Walks `rest` (keys from block `start` on) through the lower tiers, each continuing where the one
+    above stopped: non-blocking tiers are counted now, the blocking ones read by `reader`."""
+    if not rest or not lower:
+        return None
+    found, i, tiers = [], 0, list(lower)
+    while tiers and not tiers[0].blocking and i < len(rest):
+        tier = tiers.pop(0)
+        n = tier.contains_sync(rest[i:])
+        found.append((tier, n))
+        i += n
+    below = reader.submit(_read_below, tiers, rest[i:]) if tiers and i < len(rest) else None
+    return Lookup(start, rest, found, below)
+
+
+def finish_lookup(lookup: Lookup, block_size: int, bottom: KVTier) -> Restore | None:
+    """Turns a finished lookup into a promotion: takes the blocks from the non-blocking tiers (lending
+    a swap-space tier's slots) and adds the blocking tiers' data. Stops at the first block no longer
+    there (evicted since the lookup); None if nothing is left."""
+    parts, i, complete = [], 0, True
+    for tier, n in lookup.found:
+        keys = lookup.keys[i : i + n]
+        if isinstance(tier, SwapSpace):
+            slots = tier.take(keys)
+            part = RestorePart(tier.name, slots, None) if slots else None
+        else:
+            data = tier.get_sync(keys)
+            part = RestorePart(tier.name, None, data) if data is not None else None
+        got = part.num_blocks if part else 0
+        if part:
+            parts.append(part)
+        i += got
+        if got < n:
+            complete = False
+            break
+    if complete and lookup.below is not None:
+        try:
+            for name, data in lookup.below.result():
+                parts.append(RestorePart(name, None, data))
+                i += data.shape[0]
+        except Exception:
+            log.exception("reading a lower tier failed")
+            bottom.count(failures=1)
+    if not parts:
+        return None
+    return Restore(lookup.start, i * block_size, lookup.keys[:i], parts)
