@@ -1,6 +1,7 @@
 """The data path without a model: the KV manager and scheduler plan block moves as data, in a safe order,
 and the tier manager carries them out (a fake forward writes the blocks)."""
 
+import pytest
 import torch
 
 from tieredkv.block_pool import BlockPool
@@ -171,3 +172,35 @@ def test_a_new_tier_is_one_class_under_the_tier_manager():
     assert block_values(cache, again)[:3] == expected
     assert again.request.cached_tokens_by_tier == {"hot": 0, "cold": 12}
     assert memory.stats().promotions == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_moves_use_pinned_views_and_a_copy_stream_the_forward_waits_for():
+    pool = BlockPool(6)
+    kv = KVCacheManager(pool, BS, True, root_hash("test"))
+    cache = torch.zeros(LAYERS, 2, 6, BS, HEADS, DIM, device="cuda")
+    warm = WarmTier(8, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=True)
+    assert warm.slab.is_pinned()
+    tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, None, BS)
+    assert tiers._copy_stream is not None
+    sched = Scheduler(kv, 8, 64, tiers)
+    first = seq(range(10, 23))
+    sched.add(first)
+    run_step(sched, tiers, cache, kv)
+    expected = block_values(cache, first)[:3]
+    sched.finish(first, "stop")
+    other = seq(range(50, 71), "other")  # evicts the cached blocks into the pinned slab (D2H)
+    sched.add(other)
+    run_step(sched, tiers, cache, kv)
+    sched.finish(other, "stop")
+    for view in (v for _, v in warm.read_runs(list(range(3)))):
+        assert view.is_pinned() and view.data_ptr() >= warm.slab.data_ptr()  # views, not copies
+    again = seq(range(10, 23), "again")
+    sched.add(again)
+    out = run_step(sched, tiers, cache, kv)  # promoted H2D on the copy stream; the compute stream waits
+    assert [m.kind for m in out.moves].count(PROMOTE) == 3
+    torch.cuda.current_stream().synchronize()
+    assert block_values(cache, again)[:3] == expected
+    tiers.execute([])  # settles: the lent slots come back once their copies are done
+    assert len(warm.free_slots) + len(warm.entries) == warm.capacity
