@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import make_checkpoint  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the cold tier's key file lives under XDG_CONFIG_HOME: keep the tests' key out of the user's home
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tieredkv-test-config-")
 
 
 @pytest.fixture(scope="session")

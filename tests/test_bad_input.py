@@ -1,5 +1,6 @@
 """Bad input gets a clear error before anything is allocated, and the engine keeps serving."""
 
+import asyncio
 import json
 import shutil
 
@@ -127,3 +128,50 @@ async def test_missing_weights(llama_dir, tmp_path):
 async def test_max_model_len_beyond_the_model(llama_dir):
     with pytest.raises(ValueError, match="max_model_len"):
         await AsyncEngine.start(EngineConfig(model=str(llama_dir), max_model_len=10**6))
+
+
+def _copy_with_config(llama_dir, tmp_path, name, **changes):
+    out = tmp_path / name
+    shutil.copytree(llama_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(changes)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("changes, error, match", [
+    ({"num_hidden_layers": 10**6}, CheckpointError, "num_hidden_layers=1000000 but the weights have 3 layers"),
+    ({"num_attention_heads": 0}, UnsupportedModelError, "num_heads must be a positive integer"),
+    ({"hidden_size": 4096}, CheckpointError, "has shape"),
+    ({"vocab_size": 10**7}, CheckpointError, "vocab_size"),
+    ({"intermediate_size": "lots"}, UnsupportedModelError, "wrong kind"),
+    ({"head_dim": 15}, UnsupportedModelError, "even"),
+])
+async def test_a_hostile_config_is_refused_before_anything_is_built(llama_dir, tmp_path, changes, error, match):
+    model = _copy_with_config(llama_dir, tmp_path, "hostile", **changes)
+    with pytest.raises(error, match=match):
+        await asyncio.wait_for(AsyncEngine.start(EngineConfig(model=str(model), num_blocks=16)), 20)
+
+
+async def test_a_huge_max_position_embeddings_allocates_nothing_for_it(llama_dir, tmp_path):
+    model = _copy_with_config(llama_dir, tmp_path, "longctx", max_position_embeddings=10**9)
+    async with await asyncio.wait_for(AsyncEngine.start(EngineConfig(model=str(model), num_blocks=16)), 20) as e:
+        out = await e.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 3
+        assert not any(b.numel() > 10**6 for b in e.core.model.buffers())
+
+
+@pytest.mark.parametrize("target", ["config.json", "model.safetensors", "tokenizer.json"])
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+async def test_files_that_never_end_are_refused(llama_dir, tmp_path, target, kind):
+    import os
+
+    model = tmp_path / "odd"
+    shutil.copytree(llama_dir, model)
+    (model / target).unlink()
+    if kind == "device":
+        os.symlink("/dev/zero", model / target)
+    else:
+        os.mkfifo(model / target)
+    with pytest.raises(CheckpointError, match=f"{target}.* not a regular file"):
+        await asyncio.wait_for(AsyncEngine.start(EngineConfig(model=str(model), num_blocks=16)), 20)

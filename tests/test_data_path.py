@@ -204,3 +204,67 @@ def test_cuda_moves_use_pinned_views_and_a_copy_stream_the_forward_waits_for():
     assert block_values(cache, again)[:3] == expected
     tiers.execute([])  # settles: the lent slots come back once their copies are done
     assert len(warm.free_slots) + len(warm.entries) == warm.capacity
+
+
+def _with_memory_tier(memory_cls, warm_blocks=0, num_blocks=4):
+    pool = BlockPool(num_blocks)
+    kv = KVCacheManager(pool, BS, True, root_hash("test"))
+    cache = torch.zeros(LAYERS, 2, num_blocks, BS, HEADS, DIM)
+    warm = WarmTier(warm_blocks, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=False) if warm_blocks else None
+    memory = memory_cls(16, LAYERS * 2 * BS * HEADS * DIM * 4)
+    tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, memory, BS)
+    return pool, kv, cache, tiers, Scheduler(kv, 8, 64, tiers), memory
+
+
+def test_a_failing_lower_tier_is_a_miss_and_a_failure_count():
+    from memory_tier import MemoryTier
+
+    class Broken(MemoryTier):
+        blocking = True  # read in the reader thread, like the disk tier
+
+        def get_sync(self, keys):
+            raise OSError("disk gone")
+
+    pool, kv, cache, tiers, sched, memory = _with_memory_tier(Broken)
+    prompt = list(range(10, 23))
+    memory.put_sync(kv.chain_keys(prompt[:12]), torch.ones(3, LAYERS, 2, BS, HEADS, DIM))
+    s = seq(prompt)
+    sched.add(s)
+    for _ in range(20):
+        out = run_step(sched, tiers, cache, kv)
+        if out.scheduled:
+            break
+        tiers.wait([x.lookup for x in out.waiting_on_disk if x.lookup], timeout=1)
+    assert out.scheduled == [(s, 13)]  # computed from scratch
+    assert s.request.num_cached_tokens == 0
+    assert memory.stats().failures == 1
+
+
+def test_a_finished_lookup_waits_for_room_instead_of_being_read_again():
+    from memory_tier import MemoryTier
+
+    reads = []
+
+    class Counting(MemoryTier):
+        blocking = True
+
+        def get_sync(self, keys):
+            reads.append(keys[0].token_ids[0])
+            return super().get_sync(keys)
+
+    pool, kv, cache, tiers, sched, memory = _with_memory_tier(Counting, num_blocks=6)
+    prompt = list(range(10, 23))
+    memory.put_sync(kv.chain_keys(prompt[:12]), torch.ones(3, LAYERS, 2, BS, HEADS, DIM))
+    hog = seq(range(100, 117), "hog")  # 5 blocks: no room for the 4 the prompt needs
+    sched.add(hog)
+    run_step(sched, tiers, cache, kv)
+    s = seq(prompt)
+    sched.add(s)
+    for _ in range(5):
+        out = run_step(sched, tiers, cache, kv)
+        tiers.wait([x.lookup for x in out.waiting_on_disk if x.lookup], timeout=1)
+        assert s.status is SeqStatus.WAITING
+    sched.finish(hog, "stop")
+    run_step(sched, tiers, cache, kv)
+    assert s.status is SeqStatus.RUNNING and s.request.cached_tokens_by_tier["cold"] == 12
+    assert reads.count(10) == 1  # the prompt's blocks were read once, kept while the pool was full

@@ -8,7 +8,7 @@ from tieredkv.block_pool import BlockPool
 from tieredkv.hashing import hash_block, root_hash
 from tieredkv.kernels.dispatch import TORCH_OPS
 from tieredkv.tiers.base import BlockKey
-from tieredkv.tiers.cold import ColdTier
+from tieredkv.tiers.cold import ColdTier, disk_cost
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.warm import WarmTier
 
@@ -42,7 +42,7 @@ async def tier(request, tmp_path):
     elif request.param == "memory":
         t = MemoryTier(CAPACITY, make_blocks(1)[0].numel() * 4)
     else:
-        entry = ColdTier.entry_size(SHAPE, torch.float32, "fp-test", num_tokens=4)
+        entry = disk_cost(ColdTier.entry_bytes(SHAPE, torch.float32, "fp-test", num_tokens=4))
         t = ColdTier(tmp_path / "cold", CAPACITY * entry, "fp-test", SHAPE, torch.float32)
     yield t
     await t.close()

@@ -43,7 +43,10 @@ class EngineConfig(BaseModel):
         None, ge=0, description="host-memory tier budget; 0 turns it off; None: 10% of available RAM, at most 4 GiB"
     )
     cold_path: str | None = Field(None, description="directory of the LMDB disk tier; None turns it off")
-    cold_bytes: int = Field(16 << 30, gt=0, description="disk budget of the cold tier (payload bytes)")
+    cold_bytes: int = Field(16 << 30, gt=0, description="disk budget of the cold tier (bytes on disk, whole pages)")
+    cold_secret_path: str | None = Field(
+        None, description="owner-only file with the key that authenticates cold entries, created on first use; "
+        "None: ~/.config/tieredkv/cold.key. Processes sharing a cold_path must share it")
     max_pinned_fraction: float = Field(0.25, ge=0.0, le=0.9, description="share of the hot pool pin() may hold")
 
     @field_validator("device")

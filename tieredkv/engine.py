@@ -189,7 +189,7 @@ class AsyncEngine:
     async def unpin(self, prompt: PromptType) -> int:
         self._check_open()
         ids = await self._loop.run_in_executor(self._tokenizer, self.core.factory.token_ids, prompt)
-        return await self._submit(self._worker.core.unpin, ids)
+        return await self._submit(self._worker.core.pins.unpin, ids)
 
     async def clear_cache(self, tier: str = "all", demote: bool = False) -> int:
         """Empties a tier ("hot", "warm", "cold" or "all"); returns how many entries left it. With

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
-
 import torch
 
 from tieredkv.block_pool import BlockPool
@@ -22,7 +21,7 @@ from tieredkv.malloc_tuning import tune_glibc_malloc
 from tieredkv.model_runner import ModelRunner
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
-from tieredkv.outputs import EngineStats, StreamChunk, collect_stats, make_chunk
+from tieredkv.outputs import EngineStats, Output, StreamChunk, collect_stats, make_chunk
 from tieredkv.pins import PinTable
 from tieredkv.request_factory import RequestFactory
 from tieredkv.sampler import sample
@@ -33,10 +32,12 @@ from tieredkv.tokenizer import PromptType, Tokenizer
 
 log = logging.getLogger("tieredkv")
 
-Output = tuple[Any, "StreamChunk | BaseException"]  # (request.sink, a chunk or the request's error)
 
 
 class EngineCore:
+    """Owns the model, the KV pool and tiers, the scheduler and the requests; `step()` is
+    schedule -> execute (block moves, then one forward) -> update (sample, stop rules, forks)."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         if config.num_threads is not None:
@@ -50,7 +51,7 @@ class EngineCore:
         self.max_model_len = max_model_len(spec, config.max_model_len)
         self.tokenizer = Tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(spec, self.model_dir, self.tokenizer.eos_token_id)
-        self.model = load_model(self.model_dir, spec, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(self.model_dir, spec, self.dtype, self.device)
         self.block_size = config.block_size
         self.num_blocks = num_kv_blocks(config, spec, self.dtype, self.device)
         shape = (spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
@@ -89,20 +90,16 @@ class EngineCore:
         """Queues the request. One that cannot be served here gets its error as its only output;
         nothing else is touched."""
         try:
-            self._check_fits(req)
-            seq = Sequence(req, 0, list(req.prompt_token_ids), req.make_generator(0, self.device))
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+            if req.request_id in self.requests:
+                raise RequestError(f"request id {req.request_id!r} is already in use")
+            self.factory.check_fits(len(req.prompt_token_ids), req.params, self.pins.num_blocks)
+            seq = self._new_sequence(req, 0, req.prompt_token_ids)
         except Exception as e:
             return [(req.sink, e if isinstance(e, TieredKVError) else RequestError(f"cannot admit the request: {e}"))]
         req.seqs.append(seq)
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
         return []
-
-    def _check_fits(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise RequestError(f"request id {req.request_id!r} is already in use")
-        self.factory.check_fits(len(req.prompt_token_ids), req.params, self.pins.num_blocks)
 
     def abort(self, request_id: str, sink: Any = None) -> list[Output]:
         """Finishes every sample of the request with "abort" and frees its blocks; returns final chunks.
@@ -155,6 +152,13 @@ class EngineCore:
             log.exception("engine step failed")
             failed = {s.request.request_id: s.request for s, _ in out.scheduled}
             return [o for rid, req in failed.items() for o in self.fail(req, StepError([rid], e))]
+        outputs = self._update(out, logits, sampled)
+        self.telemetry.step_duration.record(time.perf_counter() - t0)
+        self.telemetry.step_tokens.record(out.num_tokens)
+        return outputs
+
+    def _update(self, out, logits: torch.Tensor, sampled: list[Sequence]) -> list[Output]:
+        """After the forward: computed tokens, newly full blocks cached, forks, sampling, stop rules."""
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
@@ -181,28 +185,29 @@ class EngineCore:
                         outputs.append((seq.request.sink, self._append(seq, tok)))
                 else:
                     outputs.extend(self.fail(seq.request, tok))
-        self.telemetry.step_duration.record(time.perf_counter() - t0)
-        self.telemetry.step_tokens.record(out.num_tokens)
         return outputs
 
     def _fail_unschedulable(self, seq: Sequence) -> list[Output]:
         """Nothing runs and the head of the queue still cannot start: it never will, so it fails."""
-        needed = cdiv(seq.num_tokens, self.block_size)
-        pinned = self.pins.num_blocks
         return self.fail(seq.request, RequestError(
-            f"request {seq.request.request_id!r} cannot be scheduled: it needs {needed} KV blocks, the pool has "
-            f"{self.num_blocks} of which {pinned} are pinned and {self.num_blocks - self.pool.num_free} in use"))
+            f"request {seq.request.request_id!r} cannot be scheduled: it needs {cdiv(seq.num_tokens, self.block_size)}"
+            f" KV blocks, the pool has {self.num_blocks} of which {self.pins.num_blocks} are pinned"))
 
     def _finish_prefill(self, seq: Sequence) -> list[Output]:
         req = seq.request
         if req.pin:
             try:
-                self.pin(req.prompt_token_ids)
+                self.pins.pin(req.prompt_token_ids)
             except RequestError as e:
                 return self.fail(req, e)
         self.scheduler.finish(seq, "prefill")
         self._finish_request(req)
         return [(req.sink, make_chunk(seq, [], final=True))]
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(req, index, list(token_ids), req.make_generator(index, self.device))
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+        return seq
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """When sample 0 finishes its prompt, the other n - 1 samples start, sharing its blocks."""
@@ -211,8 +216,7 @@ class EngineCore:
             return []
         children = []
         for i in range(len(req.seqs), req.params.n):
-            child = Sequence(req, i, list(seq.token_ids), req.make_generator(i, self.device))
-            child.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+            child = self._new_sequence(req, i, seq.token_ids)
             self.kv.fork(seq, child)
             req.seqs.append(child)
             self.scheduler.add_running(child)
@@ -242,9 +246,3 @@ class EngineCore:
         """Empties "hot" (cached free blocks), "warm", "cold" or "all"; returns the entries removed.
         demote=True moves hot or warm entries to the next tier down instead (not with "all")."""
         return self.tiers.clear(tier, demote)
-
-    def pin(self, token_ids: list[int]) -> int:
-        return self.pins.pin(token_ids)
-
-    def unpin(self, token_ids: list[int]) -> int:
-        return self.pins.unpin(token_ids)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 from tieredkv.block_pool import BlockPool
 from tieredkv.config import EngineConfig
 from tieredkv.kernels import KernelOps
+from tieredkv.models.checks import check_regular_files, read_json
 from tieredkv.models.gguf_convert import default_model_dir
 from tieredkv.models.loader import fingerprint_weights, weight_files
 from tieredkv.models.spec import ModelSpec
@@ -53,6 +53,7 @@ def resolve_model_dir(model: str) -> Path:
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r} is neither \"default\" nor a local checkpoint directory")
+    check_regular_files(path)
     return path
 
 
@@ -69,7 +70,7 @@ def eos_token_ids(spec: ModelSpec, model_dir: Path, tokenizer_eos: int | None) -
     ids = set(spec.eos_token_ids)
     gen = model_dir / "generation_config.json"
     if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        eos = read_json(gen).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer_eos is not None:
         ids.add(tokenizer_eos)
@@ -115,5 +116,5 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, pool: BlockPool, kv_cache: t
     if cfg.cold_path is not None:
         from tieredkv.tiers.cold import ColdTier
 
-        cold = ColdTier(cfg.cold_path, cfg.cold_bytes, fingerprint, block_shape, kv_cache.dtype)
+        cold = ColdTier(cfg.cold_path, cfg.cold_bytes, fingerprint, block_shape, kv_cache.dtype, cfg.cold_secret_path)
     return TierManager(hot, warm, cold, cfg.block_size)

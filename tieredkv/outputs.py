@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tieredkv.tiers.base import TIER_NAMES, TierStats
 
 if TYPE_CHECKING:
     from tieredkv.sequence import Sequence
+
+
+Output = tuple[Any, "StreamChunk | BaseException"]  # (a request's sink, a chunk or the request's error)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ import threading
 from typing import Any, Callable
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine_core import EngineCore, Output
+from tieredkv.engine_core import EngineCore
+from tieredkv.outputs import Output
 from tieredkv.errors import EngineClosedError
 from tieredkv.sequence import Request
 

@@ -36,18 +36,18 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_positions, head_dim] indexed by each token's position."""
+    """cos/sin [T, 1, D] of the batch's positions, computed once per forward from the inverse
+    frequencies: no table sized by the model's maximum length (which a config may set to anything).
+    `positions * inv_freq` in fp32 is the same product a precomputed table would hold, bit for bit."""
 
-    def __init__(self, spec: ModelSpec, max_positions: int):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(spec)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for the batch's positions, computed once per forward."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -152,14 +152,14 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Weights use Hugging Face names, except that q/k/v and gate/up are stored fused (see loader)."""
 
-    def __init__(self, spec: ModelSpec, max_positions: int):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(spec, max_positions)
+        self.rotary = RotaryEmbedding(spec)
         self.tied_lm_head_packed: torch.Tensor | None = None
 
     @property

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from tieredkv.errors import CheckpointError
+from tieredkv.errors import CheckpointError, UnsupportedModelError
+from tieredkv.models.checks import check_spec_against_weights, read_json, tensor_shapes
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
 from tieredkv.models.spec import ModelSpec
 
@@ -25,8 +25,8 @@ def weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
+            names = sorted(set(read_json(index)["weight_map"].values()))
+        except (UnsupportedModelError, KeyError, AttributeError) as e:
             raise CheckpointError(f"{index} is not a safetensors index: {e}") from None
         files = [model_dir / n for n in names]
         missing = [f.name for f in files if not f.exists()]
@@ -52,13 +52,13 @@ def fingerprint_weights(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def load_model(
-    model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_positions: int
-) -> LlamaModel:
-    """Builds the model without initialising it, then fills every parameter from the checkpoint."""
+def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """Checks the config against the weights' headers, builds the model without
+    initialising it, then fills every parameter from the checkpoint."""
     files = weight_files(model_dir)
+    check_spec_against_weights(spec, tensor_shapes(files))
     with torch.device("meta"):
-        model = LlamaModel(spec, max_positions)
+        model = LlamaModel(spec)
     expected = {name for name, _ in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, torch.Tensor] = {}
@@ -96,5 +96,5 @@ def load_model(
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
         raise CheckpointError(f"checkpoint tensors do not match config.json: {e}") from None
-    model.rotary = RotaryEmbedding(spec, max_positions).to(device)
+    model.rotary = RotaryEmbedding(spec).to(device)
     return model.eval()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +66,7 @@ class ModelSpec:
                 num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                head_dim=int(cfg.get("head_dim") or (hidden // heads if heads > 0 else 0)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 rope_theta=_rope_theta(cfg),
@@ -80,6 +79,14 @@ class ModelSpec:
             )
         except KeyError as e:
             raise UnsupportedModelError(f"config.json lacks required field {e.args[0]!r}") from None
+        except (TypeError, ValueError, OverflowError) as e:
+            raise UnsupportedModelError(f"config.json has a field of the wrong kind: {e}") from None
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            if getattr(spec, name) < 1:
+                raise UnsupportedModelError(f"config.json: {name} must be a positive integer, got {getattr(spec, name)}")
+        if spec.head_dim % 2:
+            raise UnsupportedModelError(f"config.json: head_dim must be even for rotary embeddings, got {spec.head_dim}")
         if spec.num_heads % spec.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({spec.num_heads}) is not a multiple of num_key_value_heads ({spec.num_kv_heads})"
@@ -90,13 +97,13 @@ class ModelSpec:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelSpec":
+        from tieredkv.models.checks import read_json
+
         path = Path(path)
         try:
-            cfg = json.loads(path.read_text())
+            cfg = read_json(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"no config.json in {path.parent}") from None
-        except json.JSONDecodeError as e:
-            raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from None
         return cls.from_dict(cfg)
 
 

@@ -1,22 +1,25 @@
 """Cold tier: KV blocks in LMDB on disk, surviving restarts, shared safely between processes.
 
 Layout (one LMDB environment, four named databases):
-  blocks: key -> value, where key = fingerprint digest (8 bytes) || block hash (32 bytes) and
-          value = b"TKV1" || u32 header length || msgpack header || raw payload bytes;
-          the header holds format version, model fingerprint, dtype, shape, token ids and a crc32
-          of the payload. Any mismatch is a miss plus a failure count, never an exception.
+  blocks: key -> value, where key = fingerprint digest (8 bytes) || block hash (32 bytes) and the
+          value is an authenticated entry (cold_format.py): any mismatch is a miss plus a failure
+          count, never an exception and never a wrong block.
   lru:    key -> u64 access sequence number;  order: u64 sequence || key -> b"" (oldest first)
   meta:   b"used_bytes", b"seq" -> u64
-All writes go through one writer thread that batches queued operations into one write transaction
-and doubles the map size on MapFullError. Reads use short read transactions and copy the payload
-out before the transaction ends. The disk budget is enforced inside each write transaction by
-evicting the oldest entries, so it holds across processes (LMDB serialises their writers).
+The store is checked before it is mapped (lmdb_check.py). All writes go through one writer thread that
+batches queued operations into one write transaction; the disk budget counts whole LMDB pages and is
+enforced inside each write transaction by evicting the oldest entries, so it holds across processes
+(LMDB serialises their writers). The map, and so the file, never outgrows the budget by more than
+a margin: a batch that does not fit is written in smaller transactions instead. Reads use short read
+transactions and copy the payload out before the transaction ends. The writer never dies silently: a
+failed batch counts failures, and a caller never waits on a writer that has stopped.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import queue
 import threading
 from concurrent.futures import Future
@@ -26,14 +29,28 @@ from typing import Iterator, Sequence
 import lmdb
 import torch
 
+from tieredkv.errors import TieredKVError
 from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, Victims
-from tieredkv.tiers.cold_format import ColdFormat
+from tieredkv.tiers.cold_format import ColdFormat, load_secret
 from tieredkv.tiers.cold_txn import ColdTxnOps
 from tieredkv.tiers.lmdb_env import close_env, open_env
 
 log = logging.getLogger("tieredkv")
 
 _MAX_BATCH = 256
+_MIN_MAP = 64 << 20
+
+
+def disk_cost(value_bytes: int, page_size: int = mmap.PAGESIZE) -> int:
+    """Disk bytes an entry takes: LMDB keeps a small value in a shared leaf page, a large one in whole
+    pages of its own (behind a 16-byte page header)."""
+    if value_bytes + 16 <= page_size // 2:
+        return value_bytes + 16
+    return -(-(value_bytes + 16) // page_size) * page_size
+
+
+class ColdTierError(TieredKVError, RuntimeError):
+    """The cold folder cannot be opened, or the cold tier's writer thread has stopped."""
 
 
 class ColdTier(ColdFormat, ColdTxnOps, KVTier):
@@ -44,7 +61,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
     durable = True
 
     def __init__(self, path: str | Path, budget_bytes: int, fingerprint: str, block_shape: tuple[int, ...],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, secret_path: str | Path | None = None):
         self.path = Path(path)
         self.budget = budget_bytes
         self.fingerprint = fingerprint
@@ -52,31 +69,41 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
-        self.env = open_env(self.path, map_size=max(64 << 20, min(budget_bytes * 2, 1 << 40)))
+        self.secret = load_secret(secret_path)
+        self.map_limit = budget_bytes + max(budget_bytes // 4, _MIN_MAP)  # the file never grows past this
+        try:
+            self.handle = open_env(self.path, map_size=min(max(_MIN_MAP, budget_bytes // 4), self.map_limit))
+        except (lmdb.Error, OSError) as e:
+            raise ColdTierError(f"cannot open the cold tier at {self.path}: {e}") from None
+        self.env = self.handle.env
+        self.page_size = self.env.stat()["psize"]
         self.db_blocks = self.env.open_db(b"blocks")
         self.db_lru = self.env.open_db(b"lru")
         self.db_order = self.env.open_db(b"order")
         self.db_meta = self.env.open_db(b"meta")
         super().__init__(budget_bytes)
-        self._used = 0  # payload bytes stored, as of the writer's last transaction
+        self._used = 0  # bytes (whole pages) stored, as of the writer's last transaction
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="tieredkv-lmdb-writer", daemon=True)
         self._writer.start()
         self._refresh_used()
 
+    def cost(self, value_bytes: int) -> int:
+        return disk_cost(value_bytes, self.page_size)
+
     # -- reads (any thread) ------------------------------------------------------------------------
 
     def contains_sync(self, keys: Sequence[BlockKey]) -> int:
         n = 0
-        with self.env.begin(db=self.db_blocks, buffers=True) as txn:
+        with self.handle.transaction(db=self.db_blocks, buffers=True) as txn:
             for key in keys:
                 value = txn.get(self._key(key))
                 if value is None:
                     break
                 try:
                     self._header(key, value)
-                except Exception:  # the payload's checksum is verified on get
+                except Exception:  # the payload is authenticated on get
                     break
                 n += 1
         return n
@@ -89,7 +116,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         slows every engine step on CPU (see AsyncEngine)."""
         data, found = bytearray(), 0
         try:
-            with self.env.begin(db=self.db_blocks, buffers=True) as txn:
+            with self.handle.transaction(db=self.db_blocks, buffers=True) as txn:
                 for key in keys:
                     value = txn.get(self._key(key))
                     payload = None if value is None else self._payload(key, value)
@@ -105,36 +132,12 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         self._queue.put(("touch", [self._key(k) for k in keys[:found]], None))
         return torch.frombuffer(data, dtype=self.dtype).view(found, *self.block_shape)
 
-    # -- writes (through the writer thread) --------------------------------------------------------
-
-    def admit(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> tuple[int, Victims]:
-        """Queues the blocks for the writer thread (which encodes them) and returns at once; what the
-        byte budget evicts is dropped (nothing lies below cold)."""
-        self._queue.put(("put_blocks", (list(keys), blocks), None))
-        return len(keys), NO_VICTIMS
-
-    def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
-        done: Future = Future()
-        self._queue.put(("put", [(self._key(k), self._encode(k, b)) for k, b in zip(keys, blocks)], done))
-        return done.result()
-
-    def remove_sync(self, keys: Sequence[BlockKey]) -> int:
-        done: Future = Future()
-        self._queue.put(("remove", [self._key(k) for k in keys], done))
-        return done.result()
-
-    def clear_sync(self) -> int:
-        """Drops every entry of this model's fingerprint."""
-        done: Future = Future()
-        self._queue.put(("clear", None, done))
-        return done.result()
-
     def export_sync(self, batch: int) -> Iterator[tuple[list[BlockKey], torch.Tensor]]:
         """Every usable entry of this fingerprint, read in short transactions of up to `batch` entries."""
         after, more = self.prefix, True
         while more:
             keys, data, more = [], bytearray(), False
-            with self.env.begin(db=self.db_blocks, buffers=True) as txn:
+            with self.handle.transaction(db=self.db_blocks, buffers=True) as txn:
                 cur = txn.cursor()
                 found = cur.set_range(after)
                 while found and bytes(cur.key()[:8]) == self.prefix:
@@ -155,11 +158,40 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
             if keys:
                 yield keys, torch.frombuffer(data, dtype=self.dtype).view(len(keys), *self.block_shape)
 
+    # -- writes (through the writer thread) --------------------------------------------------------
+
+    def admit(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> tuple[int, Victims]:
+        """Queues the blocks for the writer thread (which encodes them) and returns at once; what the
+        byte budget evicts is dropped (nothing lies below cold)."""
+        if self._writer.is_alive():
+            self._queue.put(("put_blocks", (list(keys), blocks), None))
+        return len(keys), NO_VICTIMS
+
+    def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
+        return self._wait("put", [(self._key(k), self._encode(k, b)) for k, b in zip(keys, blocks)])
+
+    def remove_sync(self, keys: Sequence[BlockKey]) -> int:
+        return self._wait("remove", [self._key(k) for k in keys])
+
+    def clear_sync(self) -> int:
+        """Drops every entry of this model's fingerprint."""
+        return self._wait("clear", None)
+
     def flush_sync(self) -> None:
         """Waits until everything queued so far is written."""
+        self._wait("noop", None)
+
+    def _wait(self, kind: str, payload) -> int:
+        """Queues one operation and waits for its result, never for a writer that has stopped."""
         done: Future = Future()
-        self._queue.put(("noop", None, done))
-        done.result()
+        if self._writer.is_alive():
+            self._queue.put((kind, payload, done))
+        while True:
+            try:
+                return done.result(timeout=0.5)
+            except TimeoutError:
+                if not self._writer.is_alive() and not done.done():
+                    raise ColdTierError("the cold tier's writer thread has stopped") from None
 
     def close_sync(self) -> None:
         if self._closed:
@@ -167,7 +199,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         self._queue.put(None)
         self._writer.join()
         self._closed = True
-        close_env(self.env)
+        close_env(self.handle)
 
     def _write_loop(self) -> None:
         while True:
@@ -184,36 +216,42 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
                     self._queue.put(None)
                     break
                 batch.append(nxt)
-            self._apply(batch)
-
-    def _apply(self, batch: list) -> None:
-        batch = [  # encode (copy + checksum) outside the write transaction
-            ("put", [(self._key(k), self._encode(k, b)) for k, b in zip(*payload)], done)
-            if kind == "put_blocks" else (kind, payload, done)
-            for kind, payload, done in batch
-        ]
-        for attempt in range(8):
             try:
-                results = []
-                with self.env.begin(write=True) as txn:
-                    for kind, payload, _ in batch:
-                        results.append(getattr(self, f"_txn_{kind}")(txn, payload))
-                break
-            except lmdb.MapFullError:
-                new_size = self.env.info()["map_size"] * 2
-                log.info("cold tier: growing the LMDB map to %d bytes", new_size)
-                self.env.set_mapsize(new_size)
-            except lmdb.Error as e:
-                log.warning("cold tier write failed: %s", e)
+                results = self._apply(self._encoded(batch))
+            except Exception:  # never die: count, answer every waiter, take the next batch
+                log.exception("cold tier: a write batch failed")
                 self.count(failures=1)
                 results = [0] * len(batch)
-                break
-        else:
-            results = [0] * len(batch)
-        self._refresh_used()
-        for (_, _, done), result in zip(batch, results):
-            if done is not None:
-                done.set_result(result)
+            for (_, _, done), result in zip(batch, results):
+                if done is not None and not done.done():
+                    done.set_result(result)
+
+    def _encoded(self, batch: list) -> list:
+        """Queued demotions encoded (copy + MAC) outside the write transaction."""
+        return [("put", [(self._key(k), self._encode(k, b)) for k, b in zip(*payload)], done)
+                if kind == "put_blocks" else (kind, payload, done) for kind, payload, done in batch]
+
+    def _apply(self, batch: list) -> list[int]:
+        """Runs the batch in one write transaction. When the map is full: grow it up to map_limit, then
+        write the batch in halves (pages freed by one committed transaction serve the next)."""
+        while True:
+            try:
+                with self.handle.transaction(write=True) as txn:
+                    results = [getattr(self, f"_txn_{kind}")(txn, payload) for kind, payload, _ in batch]
+                self._refresh_used()
+                return results
+            except lmdb.MapFullError:
+                size = self.env.info()["map_size"]
+                if size < self.map_limit:
+                    log.info("cold tier: growing the LMDB map to %d bytes", min(size * 2, self.map_limit))
+                    self.handle.resize(min(size * 2, self.map_limit))
+                elif len(batch) > 1:
+                    half = len(batch) // 2
+                    return self._apply(batch[:half]) + self._apply(batch[half:])
+                else:
+                    log.warning("cold tier: the store is full at its size limit; an operation was dropped")
+                    self.count(failures=1)
+                    return [0]
 
     def _used_bytes(self) -> int:
         return self._used

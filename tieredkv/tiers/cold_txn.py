@@ -8,8 +8,8 @@ _U64 = struct.Struct(">Q")  # big-endian, so the order database sorts by sequenc
 
 
 class ColdTxnOps:
-    """Mixed into ColdTier: needs `env`, `db_blocks`, `db_lru`, `db_order`, `db_meta`, `budget`, `prefix`
-    and the KVTier counters. Each `_txn_<kind>(txn, payload)` applies one queued operation of the writer thread.
+    """Mixed into ColdTier: needs `handle`, `db_blocks`, `db_lru`, `db_order`, `db_meta`, `budget`, `prefix`,
+    `cost` (bytes an entry takes on disk) and the KVTier counters. Each `_txn_<kind>(txn, payload)` applies one queued operation of the writer thread.
     The byte budget is enforced here, by evicting the oldest entries, so it holds across processes."""
 
     def _meta(self, txn, name: bytes) -> int:
@@ -39,7 +39,7 @@ class ColdTxnOps:
         seq = txn.pop(key, db=self.db_lru)
         if seq is not None:
             txn.delete(seq + key, db=self.db_order)
-        self._set_meta(txn, b"used_bytes", max(self._meta(txn, b"used_bytes") - len(value), 0))
+        self._set_meta(txn, b"used_bytes", max(self._meta(txn, b"used_bytes") - self.cost(len(value)), 0))
         return 1
 
     def _txn_put(self, txn, items) -> int:
@@ -49,10 +49,11 @@ class ColdTxnOps:
                 self._touch(txn, key)
                 stored += 1
                 continue
-            if len(value) > self.budget:
+            cost = self.cost(len(value))
+            if cost > self.budget:
                 continue
             used = self._meta(txn, b"used_bytes")
-            while used + len(value) > self.budget:
+            while used + cost > self.budget:
                 with txn.cursor(db=self.db_order) as cur:
                     if not cur.first():
                         break
@@ -61,7 +62,7 @@ class ColdTxnOps:
                 self.count(evictions=1)
                 used = self._meta(txn, b"used_bytes")
             txn.put(key, value, db=self.db_blocks)
-            self._set_meta(txn, b"used_bytes", used + len(value))
+            self._set_meta(txn, b"used_bytes", used + cost)
             self._touch(txn, key)
             stored += 1
         return stored
@@ -84,5 +85,5 @@ class ColdTxnOps:
         return 0
 
     def _refresh_used(self) -> None:
-        with self.env.begin() as txn:
+        with self.handle.transaction() as txn:
             self._used = self._meta(txn, b"used_bytes")

@@ -1,0 +1,86 @@
+"""Checks that run on a checkpoint before anything is allocated for it: regular files of sane size only,
+and config.json's sizes against the tensor shapes that the safetensors headers declare."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import struct
+from pathlib import Path
+
+from tieredkv.errors import CheckpointError, UnsupportedModelError
+from tieredkv.models.spec import ModelSpec
+
+MAX_JSON_BYTES = 64 << 20  # config, generation config, index, tokenizer files are far smaller
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on its JSON header
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_regular_files(model_dir: Path) -> None:
+    """Every entry of the directory (links followed) is a regular file or a folder: a FIFO would hang
+    whoever reads it, and a device (a link to /dev/zero, say) never ends."""
+    for entry in model_dir.iterdir():
+        try:
+            mode = entry.stat().st_mode
+        except OSError as e:
+            raise CheckpointError(f"cannot read {entry.name}: {e}") from None
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise CheckpointError(f"{entry.name} in {model_dir} is not a regular file")
+
+
+def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> dict:
+    """A JSON object from a regular file of at most `limit` bytes."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path.name} is not a regular file")
+    if st.st_size > limit:
+        raise CheckpointError(f"{path.name} has {st.st_size:,} bytes, more than a JSON file of a checkpoint can")
+    with open(path, "rb") as f:
+        try:
+            value = json.loads(f.read(limit))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise UnsupportedModelError(f"{path} does not hold a JSON object")
+    return value
+
+
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Name (without a leading "model.") -> shape of every tensor, from the files' headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (size,)
+            if n > min(MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(f"cannot read {f.name} (truncated or corrupt safetensors file)")
+            try:
+                header = json.loads(fh.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise CheckpointError(f"cannot read {f.name} (truncated or corrupt safetensors file)") from None
+        for name, info in header.items():
+            if name != "__metadata__":
+                shapes[name.removeprefix("model.")] = tuple(info.get("shape", ()))
+    return shapes
+
+
+def check_spec_against_weights(spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> None:
+    """config.json's sizes must be what the weights have: a wrong or hostile config is caught here, before
+    a model of its size is built."""
+    def expect(name: str, shape: tuple[int, ...], fields: str) -> None:
+        got = shapes.get(name)
+        if got is not None and tuple(got) != shape:
+            raise CheckpointError(f"{name} has shape {tuple(got)} but config.json ({fields}) says {shape}")
+
+    layers = {int(m.group(1)) for name in shapes for m in [_LAYER.search(name)] if m}
+    if layers != set(range(spec.num_layers)):
+        found = f"{len(layers)} layers" if layers else "no layers"
+        raise CheckpointError(f"config.json says num_hidden_layers={spec.num_layers} but the weights have {found}")
+    h, d = spec.hidden_size, spec.head_dim
+    expect("embed_tokens.weight", (spec.vocab_size, h), "vocab_size, hidden_size")
+    expect("layers.0.self_attn.q_proj.weight", (spec.num_heads * d, h), "num_attention_heads, head_dim")
+    expect("layers.0.self_attn.k_proj.weight", (spec.num_kv_heads * d, h), "num_key_value_heads, head_dim")
+    expect("layers.0.mlp.gate_proj.weight", (spec.intermediate_size, h), "intermediate_size")
