@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lmdb
 import pytest
 import torch
 

@@ -125,3 +125,24 @@ async def test_prefill_clear_cache_and_pin(llama_dir):
         check_pool_clean(engine.core)
         with pytest.raises(ValueError, match="tier must be"):
             await engine.clear_cache("lukewarm")
+
+
+@pytest.mark.parametrize("damage", ["flip-payloads", "flip-anywhere", "truncate", "zero"])
+async def test_a_damaged_cold_store_never_changes_a_token(llama_dir, tmp_path, damage):
+    path = tmp_path / "cold"
+    expected, _, _ = await run(llama_dir, WORKLOAD[:6], num_blocks=512, warm_bytes=0, enable_prefix_caching=False)
+    await run(llama_dir, WORKLOAD[:6], num_blocks=256, warm_bytes=0, cold_path=str(path))  # persisted at close
+    data = path / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    rng = random.Random(damage)
+    if damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "zero":
+        raw = bytearray(len(raw))
+    else:
+        for _ in range(200):
+            at = rng.randrange(len(raw)) if damage == "flip-anywhere" else rng.randrange(len(raw) // 2, len(raw))
+            raw[at] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    got, _, stats = await run(llama_dir, WORKLOAD[:6], num_blocks=256, warm_bytes=0, cold_path=str(path))
+    assert got == expected  # served from cache where intact, recomputed where not

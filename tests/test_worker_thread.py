@@ -51,3 +51,15 @@ async def test_run_in_worker_raises_what_fn_raises_and_the_engine_keeps_serving(
         out = await engine.generate(list(range(3, 20)), SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(out.outputs[0].token_ids) == 3
 
+
+
+async def test_close_leaves_no_engine_thread_running(llama_dir):
+    import asyncio
+
+    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32))
+    await engine.generate("Paged attention", SamplingParams(max_tokens=2))  # the tokenizer thread ran too
+    await engine.close()
+    assert not engine._worker.thread.is_alive()  # an engine thread alive at exit aborts the interpreter
+    await asyncio.sleep(0.1)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tieredkv-") and t.is_alive()
+                and not t.name.startswith("tieredkv-tokenize")]

@@ -77,7 +77,8 @@ class AsyncEngine:
             self._closing = True
             self._worker.post(self._worker.stop)
         await asyncio.shield(self._worker.closed)
-        self._tokenizer.shutdown(wait=False)
+        self._worker.thread.join(timeout=10)  # it settled `closed` as its last act: this returns at once
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
     def _on_closed(self, _) -> None:
         """Every stream still open ends, even where the worker could not reach it (a failed core)."""
