@@ -19,13 +19,31 @@ from tieredkv.tiers.warm import WarmTier
 BS, LAYERS, HEADS, DIM = 4, 2, 1, 2
 
 
-def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8):
+def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device="cpu"):
+    """A pool, KV manager, cache, tier manager (warm, then `lower` below it) and scheduler."""
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, BS, True, root_hash("test"))
-    cache = torch.zeros(LAYERS, 2, num_blocks, BS, HEADS, DIM)
-    warm = WarmTier(warm_blocks, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=False) if warm_blocks else None
-    tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, None, BS)
+    cache = torch.zeros(LAYERS, 2, num_blocks, BS, HEADS, DIM, device=device)
+    warm = None
+    if warm_blocks:
+        warm = WarmTier(warm_blocks, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=device == "cuda")
+    tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, lower, BS)
     return pool, kv, cache, tiers, Scheduler(kv, max_seqs, budget, tiers)
+
+
+def cache_then_evict(sched, tiers, cache, kv, prompt, other):
+    """Runs `prompt` (its full blocks get cached), then `other`, whose allocation evicts them; returns
+    the first three blocks' values as `prompt` computed them, and the evicting step's output."""
+    first = seq(prompt)
+    sched.add(first)
+    run_step(sched, tiers, cache, kv)
+    expected = block_values(cache, first)[:3]
+    sched.finish(first, "stop")
+    evictor = seq(other, "other")
+    sched.add(evictor)
+    out = run_step(sched, tiers, cache, kv)
+    sched.finish(evictor, "stop")
+    return expected, out
 
 
 def seq(tokens, rid="r"):
@@ -72,18 +90,11 @@ def test_budget_chunks_prefills_and_decodes_go_first():
 
 def test_an_evicted_cached_block_is_demoted_before_it_is_reused_and_promoted_back_intact():
     pool, kv, cache, tiers, sched = make(num_blocks=4)
-    first = seq(range(10, 23))  # 3 full blocks + 1 token
-    sched.add(first)
-    run_step(sched, tiers, cache, kv)
-    expected = block_values(cache, first)[:3]
-    sched.finish(first, "stop")
-    other = seq(range(50, 63), "other")  # needs all 4 blocks: every cached one is evicted
-    sched.add(other)
-    out = run_step(sched, tiers, cache, kv)
+    # 3 full blocks + 1 token, then a prompt that needs all 4 blocks: every cached one is evicted
+    expected, out = cache_then_evict(sched, tiers, cache, kv, range(10, 23), range(50, 63))
     kinds = [m.kind for m in out.moves]
     assert kinds == [DEMOTE] * 3, kinds  # planned when allocated, carried out before the forward wrote
     assert tiers.warm.contains_sync(kv.chain_keys(list(range(10, 22)))) == 3
-    sched.finish(other, "stop")
     again = seq(range(10, 23), "again")
     sched.add(again)
     for _ in range(3):
@@ -148,22 +159,10 @@ def test_free_releases_blocks_tail_first():
 def test_a_new_tier_is_one_class_under_the_tier_manager():
     from memory_tier import MemoryTier
 
-    pool = BlockPool(4)
-    kv = KVCacheManager(pool, BS, True, root_hash("test"))
-    cache = torch.zeros(LAYERS, 2, 4, BS, HEADS, DIM)
-    warm = WarmTier(2, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=False)
-    memory = MemoryTier(16, warm.block_bytes)
-    tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, memory, BS)
-    sched = Scheduler(kv, 8, 64, tiers)
-    first = seq(range(10, 23))
-    sched.add(first)
-    run_step(sched, tiers, cache, kv)
-    expected = block_values(cache, first)[:3]
-    sched.finish(first, "stop")
-    other = seq(range(50, 63), "other")  # evicts the 3 cached blocks: 2 fit warm, its evictions go on down
-    sched.add(other)
-    run_step(sched, tiers, cache, kv)
-    sched.finish(other, "stop")
+    memory = MemoryTier(16, LAYERS * 2 * BS * HEADS * DIM * 4)
+    pool, kv, cache, tiers, sched = make(num_blocks=4, warm_blocks=2, lower=memory)
+    # the 3 cached blocks are evicted: 2 fit warm, the rest goes on down
+    expected, _ = cache_then_evict(sched, tiers, cache, kv, range(10, 23), range(50, 63))
     tiers.clear("warm", demote=True)  # warm -> the new tier
     assert memory.contains_sync(kv.chain_keys(list(range(10, 22)))) == 3
     again = seq(range(10, 23), "again")
@@ -177,23 +176,11 @@ def test_a_new_tier_is_one_class_under_the_tier_manager():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_moves_use_pinned_views_and_a_copy_stream_the_forward_waits_for():
-    pool = BlockPool(6)
-    kv = KVCacheManager(pool, BS, True, root_hash("test"))
-    cache = torch.zeros(LAYERS, 2, 6, BS, HEADS, DIM, device="cuda")
-    warm = WarmTier(8, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=True)
-    assert warm.slab.is_pinned()
-    tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, None, BS)
-    assert tiers._copy_stream is not None
-    sched = Scheduler(kv, 8, 64, tiers)
-    first = seq(range(10, 23))
-    sched.add(first)
-    run_step(sched, tiers, cache, kv)
-    expected = block_values(cache, first)[:3]
-    sched.finish(first, "stop")
-    other = seq(range(50, 71), "other")  # evicts the cached blocks into the pinned slab (D2H)
-    sched.add(other)
-    run_step(sched, tiers, cache, kv)
-    sched.finish(other, "stop")
+    pool, kv, cache, tiers, sched = make(num_blocks=6, device="cuda")
+    warm = tiers.warm
+    assert warm.slab.is_pinned() and tiers._copy_stream is not None
+    # the cached blocks are evicted into the pinned slab (device to host)
+    expected, _ = cache_then_evict(sched, tiers, cache, kv, range(10, 23), range(50, 71))
     for view in (v for _, v in warm.read_runs(list(range(3)))):
         assert view.is_pinned() and view.data_ptr() >= warm.slab.data_ptr()  # views, not copies
     again = seq(range(10, 23), "again")
@@ -206,14 +193,9 @@ def test_cuda_moves_use_pinned_views_and_a_copy_stream_the_forward_waits_for():
     assert len(warm.free_slots) + len(warm.entries) == warm.capacity
 
 
-def _with_memory_tier(memory_cls, warm_blocks=0, num_blocks=4):
-    pool = BlockPool(num_blocks)
-    kv = KVCacheManager(pool, BS, True, root_hash("test"))
-    cache = torch.zeros(LAYERS, 2, num_blocks, BS, HEADS, DIM)
-    warm = WarmTier(warm_blocks, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=False) if warm_blocks else None
+def _with_memory_tier(memory_cls, num_blocks=4):
     memory = memory_cls(16, LAYERS * 2 * BS * HEADS * DIM * 4)
-    tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, memory, BS)
-    return pool, kv, cache, tiers, Scheduler(kv, 8, 64, tiers), memory
+    return (*make(num_blocks=num_blocks, warm_blocks=0, lower=memory), memory)
 
 
 def test_a_failing_lower_tier_is_a_miss_and_a_failure_count():

@@ -2,13 +2,14 @@
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine import AsyncEngine
-from tieredkv.errors import (CheckpointError, EngineClosedError, RequestError, SamplingError, StepError,
-                             TieredKVError, UnsupportedModelError, WrongLoopError)
+from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, RequestError, SamplingError,
+                             StepError, TieredKVError, UnsupportedModelError, WrongLoopError)
 from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 
 __all__ = [
     "AsyncEngine",
     "CheckpointError",
+    "ColdTierError",
     "CompletionOutput",
     "EngineClosedError",
     "EngineConfig",

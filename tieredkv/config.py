@@ -37,7 +37,8 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description='"auto": Triton kernels on CUDA, torch reference elsewhere'
     )
-    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's)")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's, one "
+                                    "per core: measured 2x faster than 1 alone, equal beside busy processes)")
     cpu_malloc_tuning: bool = Field(True, description="on CPU, keep freed step buffers in glibc's heap")
     warm_bytes: int | None = Field(
         None, ge=0, description="host-memory tier budget; 0 turns it off; None: 10% of available RAM, at most 4 GiB"

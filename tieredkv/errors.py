@@ -39,3 +39,7 @@ class UnsupportedModelError(TieredKVError, ValueError):
 
 class SamplingError(TieredKVError, RuntimeError):
     """One row of a batch could not be sampled (its logits are not usable numbers); only its request fails."""
+
+
+class ColdTierError(TieredKVError, RuntimeError):
+    """The cold folder cannot be opened, or the cold tier's writer thread has stopped."""

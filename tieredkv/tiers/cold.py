@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import mmap
 import queue
 import threading
 from concurrent.futures import Future
@@ -29,10 +28,10 @@ from typing import Iterator, Sequence
 import lmdb
 import torch
 
-from tieredkv.errors import TieredKVError
+from tieredkv.errors import ColdTierError
 from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, Victims
 from tieredkv.tiers.cold_format import ColdFormat, load_secret
-from tieredkv.tiers.cold_txn import ColdTxnOps
+from tieredkv.tiers.cold_txn import ColdTxnOps, disk_cost
 from tieredkv.tiers.lmdb_env import close_env, open_env
 
 log = logging.getLogger("tieredkv")
@@ -40,17 +39,7 @@ log = logging.getLogger("tieredkv")
 _MAX_BATCH = 256
 _MIN_MAP = 64 << 20
 
-
-def disk_cost(value_bytes: int, page_size: int = mmap.PAGESIZE) -> int:
-    """Disk bytes an entry takes: LMDB keeps a small value in a shared leaf page, a large one in whole
-    pages of its own (behind a 16-byte page header)."""
-    if value_bytes + 16 <= page_size // 2:
-        return value_bytes + 16
-    return -(-(value_bytes + 16) // page_size) * page_size
-
-
-class ColdTierError(TieredKVError, RuntimeError):
-    """The cold folder cannot be opened, or the cold tier's writer thread has stopped."""
+__all__ = ["ColdTier", "ColdTierError", "disk_cost"]
 
 
 class ColdTier(ColdFormat, ColdTxnOps, KVTier):

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import mmap
 import struct
 
 _U64 = struct.Struct(">Q")  # big-endian, so the order database sorts by sequence number
 
 
+def disk_cost(value_bytes: int, page_size: int = mmap.PAGESIZE) -> int:
+    """Disk bytes an entry takes: LMDB keeps a small value in a shared leaf page, a large one in whole
+    pages of its own (behind a 16-byte page header)."""
+    if value_bytes + 16 <= page_size // 2:
+        return value_bytes + 16
+    return -(-(value_bytes + 16) // page_size) * page_size
+
+
 class ColdTxnOps:
-    """Mixed into ColdTier: needs `handle`, `db_blocks`, `db_lru`, `db_order`, `db_meta`, `budget`, `prefix`,
-    `cost` (bytes an entry takes on disk) and the KVTier counters. Each `_txn_<kind>(txn, payload)` applies one queued operation of the writer thread.
-    The byte budget is enforced here, by evicting the oldest entries, so it holds across processes."""
+    """Mixed into ColdTier: needs `handle`, `db_blocks`, `db_lru`, `db_order`, `db_meta`, `budget`,
+    `prefix`, `cost` (bytes an entry takes on disk) and the KVTier counters. Each `_txn_<kind>(txn,
+    payload)` applies one queued operation of the writer thread. The byte budget is enforced here, by
+    evicting the oldest entries, so it holds across processes."""
 
     def _meta(self, txn, name: bytes) -> int:
         raw = txn.get(name, db=self.db_meta)
