@@ -34,7 +34,7 @@ class TierStats:
     promotions: int = 0
     demotions: int = 0
     evictions: int = 0
-    failures: int = 0  # read errors, checksum or header mismatches: each served as a miss
+    failures: int = 0  # read errors, failed authentication or header mismatches: each served as a miss
 
 
 Victims = tuple[list[BlockKey], "torch.Tensor | None"]  # entries a tier evicted: keys, blocks (a copy)
