@@ -73,6 +73,17 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=256)
+    logprobs: int | None = Field(None, ge=0, le=20, description="return each sampled token's log-probability "
+                                 "and this many top alternatives' (raw model distribution)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once from every token already "
+                                    "in the output (OpenAI)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted per occurrence in the output")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="divides positive / multiplies negative "
+                                      "logits of tokens in the prompt or output (transformers); 1 is off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top token's probability")
+    min_tokens: int = Field(0, ge=0, description="EOS, stop tokens and stop strings cannot end the output before this")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias added to its logit "
+                                         "(-100 to 100)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -86,8 +97,18 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float]) -> dict[int, float]:
+        bad = {t: b for t, b in v.items() if not -100.0 <= b <= 100.0}
+        if bad:
+            raise ValueError(f"logit_bias values must be within [-100, 100]; got {bad}")
+        return v
+
     @model_validator(mode="after")
     def _seeds_fit(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
         if self.seed is not None and self.seed + self.n - 1 >= SEED_LIMIT:
             raise ValueError(f"seed + n - 1 must be below 2**64 (sample i uses seed + i); got seed={self.seed}, "
                              f"n={self.n}")

@@ -31,8 +31,9 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
 
-    def add(self, token_id: int) -> bool:
-        """Append a token; returns True when a stop string completed (text is then cut before it)."""
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        """Append a token; returns True when a stop string completed (text is then cut before it).
+        With check_stop False (min_tokens not reached yet), stop strings are not looked for."""
         self._ids.append(token_id)
         prefix = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
         full = self._decoder.decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
@@ -42,7 +43,7 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         start = max(len(self.text) - self._hold, 0)
         self.text += delta
-        if not self._stop:
+        if not self._stop or not check_stop:
             return False
         cut = min((i for i in (self.text.find(s, start) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:

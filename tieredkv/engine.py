@@ -160,6 +160,8 @@ class AsyncEngine:
                 out = outputs[chunk.index]
                 texts[chunk.index].append(chunk.text)
                 out.token_ids.extend(chunk.token_ids)
+                if chunk.logprobs is not None:
+                    out.logprobs = (out.logprobs or []) + chunk.logprobs
                 if chunk.finish_reason is not None:
                     out.finish_reason = chunk.finish_reason
                     usage.append(chunk.usage)

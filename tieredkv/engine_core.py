@@ -21,10 +21,10 @@ from tieredkv.malloc_tuning import tune_glibc_malloc
 from tieredkv.model_runner import ModelRunner
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
-from tieredkv.outputs import EngineStats, Output, StreamChunk, collect_stats, make_chunk
+from tieredkv.outputs import EngineStats, Output, StreamChunk, TokenLogprob, collect_stats, make_chunk
 from tieredkv.pins import PinTable
 from tieredkv.request_factory import RequestFactory
-from tieredkv.sampler import sample
+from tieredkv.sampler import RowState, Sampled, sample
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Request, Sequence
 from tieredkv.telemetry import Telemetry
@@ -178,13 +178,13 @@ class EngineCore:
         if rows != list(range(len(sampled))):
             logits = logits[rows]
         if seqs:
-            tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
-            for seq, tok in zip(seqs, tokens):
-                if isinstance(tok, int):
+            states = [RowState(s.request.params, s.token_ids, s.num_prompt_tokens, s.request.stop_ids) for s in seqs]
+            for seq, got in zip(seqs, sample(logits, states, [s.generator for s in seqs])):
+                if isinstance(got, Sampled):
                     if seq.request.request_id in self.requests:
-                        outputs.append((seq.request.sink, self._append(seq, tok)))
+                        outputs.append((seq.request.sink, self._append(seq, got)))
                 else:
-                    outputs.extend(self.fail(seq.request, tok))
+                    outputs.extend(self.fail(seq.request, got))
         return outputs
 
     def _fail_unschedulable(self, seq: Sequence) -> list[Output]:
@@ -223,13 +223,14 @@ class EngineCore:
             children.append(child)
         return children
 
-    def _append(self, seq: Sequence, token: int) -> StreamChunk:
-        reason = seq.append(token, self.max_model_len)
+    def _append(self, seq: Sequence, got: Sampled) -> StreamChunk:
+        reason = seq.append(got.token, self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             if seq.request.is_finished:
                 self._finish_request(seq.request)
-        return make_chunk(seq, [token], final=reason is not None)
+        logprobs = None if got.logprob is None else [TokenLogprob(got.token, got.logprob, got.top)]
+        return make_chunk(seq, [got.token], final=reason is not None, logprobs=logprobs)
 
     def _finish_request(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)

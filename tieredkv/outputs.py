@@ -23,8 +23,18 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the top alternatives' (token id, log-probability)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class StreamChunk:
-    """New output of one sample. `usage` is set on that sample's final chunk only."""
+    """New output of one sample. `usage` is set on that sample's final chunk only; `logprobs` (one per
+    token in `token_ids`) when the request asked for them."""
 
     request_id: str
     index: int
@@ -32,6 +42,7 @@ class StreamChunk:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort" on the final chunk
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -40,6 +51,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -70,15 +82,18 @@ class EngineStats:
     blocks_free: int = 0  # blocks_used + blocks_free == blocks_total in every snapshot
 
 
-def make_chunk(seq: "Sequence", token_ids: list[int], final: bool) -> StreamChunk:
+def make_chunk(seq: "Sequence", token_ids: list[int], final: bool,
+               logprobs: list[TokenLogprob] | None = None) -> StreamChunk:
     """The sequence's new text and tokens; on its final chunk, its finish reason and usage."""
     req = seq.request
     usage = None
     if final:
         by_tier = {name: req.cached_tokens_by_tier.get(name, 0) for name in TIER_NAMES}
         usage = Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, seq.num_output_tokens, by_tier)
+    if logprobs is None and req.params.logprobs is not None:
+        logprobs = []
     return StreamChunk(req.request_id, seq.index, seq.detokenizer.take(final), token_ids,
-                       seq.finish_reason if final else None, usage)
+                       seq.finish_reason if final else None, usage, logprobs)
 
 
 def collect_stats(pool, scheduler, cow_copies: int, tiers: dict[str, TierStats], pinned: int) -> EngineStats:

@@ -41,6 +41,9 @@ class RequestFactory:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.n > self.max_num_seqs:
             raise RequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+        outside = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if outside:
+            raise RequestError(f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty")

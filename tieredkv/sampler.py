@@ -1,11 +1,26 @@
-"""Next-token choice per sequence: greedy in one batched argmax, the rest from their own generators."""
+"""Next-token choice per sequence: processors applied batch-wide, greedy in one batched argmax, the rest
+from their own generators; log-probabilities for the rows that ask."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from tieredkv.config import SamplingParams
 from tieredkv.errors import SamplingError
+from tieredkv.logits_processors import RowState, apply_min_p, apply_processors
+
+__all__ = ["RowState", "Sampled", "apply_top_k_top_p", "sample", "sample_row"]
+
+
+class Sampled(NamedTuple):
+    """A sampled token; with `logprobs` asked, its log-probability and the top alternatives', from the
+    model's raw distribution (before penalties, bias and temperature)."""
+
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -22,25 +37,37 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [V] fp32 on CPU -> one token id drawn with `generator`."""
+    """logits [V] fp32 on CPU -> one token id drawn with `generator` (temperature, then top-k, top-p
+    and min-p)."""
     logits = apply_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    logits = apply_min_p(logits, params.min_p)
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int | SamplingError]:
-    """logits [S, V] fp32 -> S token ids, or a SamplingError for each row that cannot be sampled (NaN or
-    +inf logits, nothing finite left): a bad row fails its own sequence, never the batch."""
-    out: list[int | SamplingError] = logits.argmax(-1).tolist()
-    bad = (logits.isnan() | logits.isposinf()).any(-1) | ~logits.isfinite().any(-1)  # [S]
-    for i in bad.nonzero().flatten().tolist():
-        out[i] = SamplingError("the model produced logits that are not finite numbers")
-    random_rows = [i for i, p in enumerate(params) if not p.greedy and isinstance(out[i], int)]
+def sample(logits: torch.Tensor, rows: list[RowState],
+           generators: list[torch.Generator | None]) -> list[Sampled | SamplingError]:
+    """logits [S, V] fp32 -> S sampled tokens, or a SamplingError for each row that cannot be sampled
+    (NaN or +inf logits, nothing finite left): a bad row fails its own sequence, never the batch."""
+    bad = ((logits.isnan() | logits.isposinf()).any(-1) | ~logits.isfinite().any(-1)).tolist()  # [S]
+    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None and not bad[i]]
+    raw = logits[asked].log_softmax(-1) if asked else None  # before any processor changes the logits
+    logits = apply_processors(logits, rows)
+    tokens = logits.argmax(-1).tolist()
+    out: list[Sampled | SamplingError] = [
+        SamplingError("the model produced logits that are not finite numbers") if bad[i] else Sampled(t)
+        for i, t in enumerate(tokens)]
+    random_rows = [i for i, row in enumerate(rows) if not row.params.greedy and not bad[i]]
     if random_rows:
-        rows = logits[random_rows].cpu()
+        picked = logits[random_rows].cpu()
         for j, i in enumerate(random_rows):
             try:
-                out[i] = sample_row(rows[j], params[i], generators[i])
+                out[i] = Sampled(sample_row(picked[j], rows[i].params, generators[i]))
             except RuntimeError as e:  # e.g. a distribution torch.multinomial rejects
                 out[i] = SamplingError(f"sampling failed: {e}")
+    for j, i in enumerate(asked):
+        if isinstance(out[i], Sampled):
+            k = rows[i].params.logprobs
+            top = raw[j].topk(k) if k else None
+            out[i] = Sampled(out[i].token, float(raw[j, out[i].token]),
+                             list(zip(top.indices.tolist(), top.values.tolist())) if k else [])
     return out

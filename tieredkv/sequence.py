@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,9 +74,9 @@ class Sequence:
         """Adds a sampled token; returns why the sequence ends now ("stop" or "length"), or None."""
         self.token_ids.append(token)
         params = self.request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.request.eos_token_ids):
+        if token in self.request.stop_ids:
             return "stop"
-        if self.detokenizer.add(token):
+        if self.detokenizer.add(token, check_stop=self.num_output_tokens >= params.min_tokens):
             return "stop"
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
@@ -102,6 +103,12 @@ class Request:
     prefill_only: bool = False  # compute and cache the prompt, generate nothing
     pin: bool = False  # with prefill_only: pin the prompt's full blocks when it is computed
     sink: Any = None  # where the async front delivers this request's chunks (opaque to the core)
+
+    @functools.cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """Tokens that end a sample: stop_token_ids, and EOS unless ignore_eos."""
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        return frozenset(self.params.stop_token_ids) | eos
 
     @property
     def pending_forks(self) -> int:

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 def merge_chunks(first: StreamChunk, then: StreamChunk) -> StreamChunk:
     """Two consecutive chunks of one sample as one."""
-    return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids)
+    logprobs = None if first.logprobs is None else first.logprobs + (then.logprobs or [])
+    return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids, logprobs=logprobs)
 
 
 class Channel:
