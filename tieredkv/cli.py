@@ -1,9 +1,10 @@
-"""Command line: `python -m tieredkv demo` and `python -m tieredkv generate PROMPT`."""
+"""Command line: `python -m tieredkv demo`, `python -m tieredkv generate PROMPT`, `tieredkv serve`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from importlib.resources import files
@@ -56,6 +57,26 @@ async def generate(args: argparse.Namespace) -> None:
         await _stream_answer(engine, prompt, params)
 
 
+async def serve(args: argparse.Namespace) -> None:
+    try:
+        from tieredkv.serve import ServerSettings, install_prometheus, start_server
+    except ImportError:
+        sys.exit("tieredkv serve needs the serve extra: pip install 'tieredkv[serve]'")
+    metrics = install_prometheus()
+    config = EngineConfig(model=args.model, cold_path=args.cold_path, max_num_seqs=args.max_num_seqs)
+    settings = ServerSettings(model_name=args.served_model_name or args.model,
+                              api_key=args.api_key or os.environ.get("TIEREDKV_API_KEY"),
+                              max_queued=args.max_queued, metrics=metrics)
+    async with await AsyncEngine.start(config) as engine:
+        runner, port = await start_server(engine, settings, args.host, args.port)
+        print(f"serving {settings.model_name!r} on http://{args.host}:{port}/v1"
+              f"{' (metrics on /metrics)' if metrics else ''}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tieredkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +92,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
     p.set_defaults(func=generate)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    p.add_argument("--model", default="default")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or TIEREDKV_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-queued", type=int, default=256, help="requests waiting beyond that get HTTP 429")
+    p.add_argument("--cold-path", default=None, help="directory of the disk tier (off by default)")
+    p.set_defaults(func=serve)
     args = parser.parse_args(argv)
     try:
         asyncio.run(args.func(args))

@@ -1,0 +1,236 @@
+"""The OpenAI-compatible server, driven by the official `openai` client (and raw HTTP for what a client
+library would not send)."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from helpers import check_pool_clean
+from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv.serve import ServerSettings, start_server
+
+NAME = "tiny"
+SYSTEM = "Paged attention keeps keys and values in fixed-size blocks. " * 8
+
+
+@pytest.fixture(scope="module")
+async def server(llama_dir):
+    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=256, max_num_seqs=8))
+    runner, port = await start_server(engine, ServerSettings(model_name=NAME, max_queued=4, max_body_bytes=1 << 16,
+                                                             max_prompt_chars=20_000), port=0)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    yield engine, client, f"http://127.0.0.1:{port}"
+    await client.close()
+    await runner.cleanup()
+    await engine.close()
+
+
+def chat(question):
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+async def test_chat_matches_the_engine_and_reports_usage(server):
+    engine, client, _ = server
+    got = await client.chat.completions.create(model=NAME, messages=chat("What is a block?"), max_tokens=12)
+    want = await engine.generate(chat("What is a block?"), SamplingParams(max_tokens=12))
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+
+
+async def test_a_repeated_system_prompt_reports_cached_tokens(server):
+    _, client, _ = server
+    await client.chat.completions.create(model=NAME, messages=chat("first question"), max_tokens=2)
+    again = await client.chat.completions.create(model=NAME, messages=chat("second one"), max_tokens=2)
+    details = again.usage.prompt_tokens_details
+    assert details.cached_tokens >= 64
+    assert sum(details.model_extra["cached_tokens_by_tier"].values()) == details.cached_tokens
+
+
+async def test_streamed_chat_equals_the_whole_one_with_usage_last(server):
+    _, client, _ = server
+    whole = await client.chat.completions.create(model=NAME, messages=chat("stream it"), max_tokens=16)
+    stream = await client.chat.completions.create(model=NAME, messages=chat("stream it"), max_tokens=16,
+                                                  stream=True, stream_options={"include_usage": True})
+    text, finish, usage = [], None, None
+    async for event in stream:
+        if event.choices:
+            text.append(event.choices[0].delta.content or "")
+            finish = event.choices[0].finish_reason or finish
+        if event.usage is not None:
+            usage = event.usage
+    assert "".join(text) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+async def test_n_and_seed_are_reproducible(server):
+    _, client, _ = server
+    kwargs = dict(model=NAME, messages=chat("pick words"), max_tokens=10, n=2, temperature=1.0, seed=42)
+    a = await client.chat.completions.create(**kwargs)
+    b = await client.chat.completions.create(**kwargs)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len(a.choices) == 2 and a.choices[0].index == 0 and a.choices[1].index == 1
+    c = await client.chat.completions.create(**{**kwargs, "seed": 43})
+    assert [x.message.content for x in c.choices] != [x.message.content for x in a.choices]
+
+
+async def test_stop_strings(server):
+    engine, client, _ = server
+    plain = await client.completions.create(model=NAME, prompt="The quick brown", max_tokens=12, temperature=0)
+    text = plain.choices[0].text
+    stop = text[4:7]
+    assert stop.strip()
+    got = await client.completions.create(model=NAME, prompt="The quick brown", max_tokens=12, stop=[stop])
+    assert got.choices[0].text == text[: text.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
+
+
+async def test_logprobs_in_chat_and_completions(server):
+    _, client, _ = server
+    got = await client.chat.completions.create(model=NAME, messages=chat("logprobs"), max_tokens=6, logprobs=True,
+                                               top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens
+    assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    done = await client.completions.create(model=NAME, prompt="Paged", max_tokens=4, logprobs=1)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(v <= 0 for v in lp.token_logprobs) and lp.text_offset == sorted(lp.text_offset)
+
+
+async def test_completions_stream(server):
+    _, client, _ = server
+    whole = await client.completions.create(model=NAME, prompt=[5, 6, 7, 8], max_tokens=8)
+    parts = [e.choices[0].text async for e in await client.completions.create(model=NAME, prompt=[5, 6, 7, 8],
+                                                                               max_tokens=8, stream=True)]
+    assert "".join(parts) == whole.choices[0].text
+
+
+async def test_models_and_health(server):
+    _, client, url = server
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+        assert r.status == 200 and (await r.json())["status"] == "ok"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": NAME}, 400, "messages"),
+    ({"model": NAME, "messages": "hi"}, 400, "messages"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400, "tools"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x" * 30_000}]}, 400, "prompt"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+])
+async def test_malformed_requests_get_openai_errors_naming_the_field(server, body, status, param):
+    engine, _, url = server
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == status
+        error = (await r.json())["error"]
+        assert error["param"] == param and error["message"] and error["type"]
+    await engine.run_in_worker(check_pool_clean, engine.core)
+
+
+async def test_invalid_json_and_a_huge_body(server):
+    _, _, url = server
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", data=b"{not json") as r:
+            assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
+        async with s.post(url + "/v1/completions", data=b"x" * (1 << 17)) as r:
+            assert r.status == 413 and (await r.json())["error"]
+
+
+async def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    engine, _, url = server
+    body = {"model": NAME, "prompt": [5, 6, 7, 8, 9], "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(url + "/v1/completions", json=body)
+        for _ in range(3):
+            assert (await r.content.readline()) is not None
+        assert engine.stats().blocks_used > 0
+        r.close()  # the connection is dropped mid-stream
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        s = engine.stats()
+        if s.num_running == 0 and s.blocks_used == 0:
+            break
+    await engine.run_in_worker(check_pool_clean, engine.core)
+
+
+async def test_overload_queues_then_answers_429_with_retry_after(server):
+    engine, client, url = server
+    body = {"model": NAME, "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        async def one():
+            async with s.post(url + "/v1/completions", json=body) as r:
+                return r.status, r.headers.get("Retry-After")
+
+        results = await asyncio.gather(*(one() for _ in range(30)))  # 8 run, 4 may wait, the rest are turned away
+    assert {status for status, _ in results} <= {200, 429}
+    assert sum(status == 200 for status, _ in results) >= 12
+    assert all(retry == "1" for status, retry in results if status == 429)
+    assert any(status == 429 for status, _ in results)
+    await engine.run_in_worker(check_pool_clean, engine.core)
+
+
+async def test_an_api_key_is_required_when_set(llama_dir):
+    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32))
+    runner, port = await start_server(engine, ServerSettings(model_name=NAME, api_key="sekret"), port=0)
+    try:
+        bad = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.models.list()
+        good = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sekret", max_retries=0)
+        assert (await good.models.list()).data[0].id == NAME
+        await bad.close()
+        await good.close()
+    finally:
+        await runner.cleanup()
+        await engine.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_cli_serves_with_metrics(llama_dir):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-m", "tieredkv", "serve", "--model", str(llama_dir), "--port",
+                             str(port), "--served-model-name", NAME], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        while line and "serving" not in line:
+            line = proc.stdout.readline()
+        assert "serving" in line, line
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        done = client.completions.create(model=NAME, prompt="Paged attention", max_tokens=3)
+        assert done.usage.completion_tokens == 3
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert "tieredkv_generated_tokens" in text and "tieredkv_requests" in text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

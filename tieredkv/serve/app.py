@@ -1,0 +1,278 @@
+"""An OpenAI-compatible HTTP server over one AsyncEngine, built on aiohttp.
+
+aiohttp because it is one asyncio-native package that is both the server and (in the tests and the
+benchmark) a raw client, with streamed responses and disconnect-driven cancellation built in; FastAPI
+would add Starlette, uvicorn and a second validation layer next to the engine's pydantic models.
+
+One engine serves every connection. A client that goes away cancels its handler, which leaves the
+request's `async with engine.stream(...)`, so the request is aborted and its blocks freed at once.
+Limits a public endpoint needs: body size, prompt size (before tokenizing), requests waiting beyond
+what runs (429 with Retry-After), and an optional API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from tieredkv.engine import AsyncEngine
+from tieredkv.errors import EngineClosedError, RequestError, TieredKVError
+from tieredkv.serve.protocol import (BadRequest, chat_logprobs, chat_messages, completion_logprobs,
+                                     completion_prompt, envelope, new_id, sampling_params, usage_body)
+
+log = logging.getLogger("tieredkv")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str = "default"
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    max_prompt_chars: int = 1 << 20  # checked before tokenizing
+    max_queued: int = 256  # requests allowed to wait beyond the engine's max_num_seqs; more get 429
+    metrics: bool = False  # GET /metrics (needs the prometheus extra and install_prometheus())
+
+
+_ENGINE = web.AppKey("engine", AsyncEngine)
+_SETTINGS = web.AppKey("settings", ServerSettings)
+_ACTIVE = web.AppKey("active", list)
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> web.Application:
+    settings = settings or ServerSettings()
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=settings.max_body_bytes)
+    app[_ENGINE], app[_SETTINGS], app[_ACTIVE] = engine, settings, [0]
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    if settings.metrics:
+        app.router.add_get("/metrics", _metrics)
+    return app
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return web.json_response(e.body(), status=e.status, headers=e.headers)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[_SETTINGS].max_body_bytes
+        return web.json_response(BadRequest(f"the request body is larger than {limit} bytes", status=413).body(),
+                                 status=413)
+    except RequestError as e:
+        return web.json_response(BadRequest(str(e)).body(), status=400)
+    except EngineClosedError as e:
+        return web.json_response(BadRequest(str(e), status=503, type_="server_error").body(), status=503)
+    except (web.HTTPException, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("request failed")
+        return web.json_response(BadRequest("internal error", status=500, type_="server_error").body(), status=500)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler):
+    key = request.app[_SETTINGS].api_key
+    if key is not None and request.path != "/health":
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise BadRequest("invalid or missing API key", status=401, type_="authentication_error",
+                             code="invalid_api_key")
+    return await handler(request)
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _models(request: web.Request) -> web.Response:
+    name = request.app[_SETTINGS].model_name
+    return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                                           "owned_by": "tieredkv"}]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if request.content_length is not None and request.content_length > request.app[_SETTINGS].max_body_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=request.app[_SETTINGS].max_body_bytes,
+                                            actual_size=request.content_length)
+    try:
+        body = json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    name = request.app[_SETTINGS].model_name
+    if body.get("model") not in (None, name):
+        raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {name!r}", "model",
+                         status=404, code="model_not_found")
+    return body
+
+
+def _check_size(request: web.Request, chars: int) -> None:
+    limit = request.app[_SETTINGS].max_prompt_chars
+    if chars > limit:
+        raise BadRequest(f"the prompt has {chars:,} characters; this server takes at most {limit:,}", "prompt")
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    body = await _body(request)
+    messages = chat_messages(body)
+    _check_size(request, sum(len(m["content"]) for m in messages))
+    return await _serve(request, body, messages, chat=True)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    body = await _body(request)
+    prompt = completion_prompt(body)
+    _check_size(request, len(prompt))
+    return await _serve(request, body, prompt, chat=False)
+
+
+@contextlib.contextmanager
+def _admitted(request: web.Request):
+    """Counts the requests being served; beyond what runs plus max_queued, a 429 with Retry-After."""
+    active, engine = request.app[_ACTIVE], request.app[_ENGINE]
+    if active[0] >= engine.core.config.max_num_seqs + request.app[_SETTINGS].max_queued:
+        raise BadRequest("the server is busy; retry shortly", status=429, type_="rate_limit_error",
+                         headers={"Retry-After": "1"})
+    active[0] += 1
+    try:
+        yield
+    finally:
+        active[0] -= 1
+
+
+async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool) -> web.StreamResponse:
+    engine = request.app[_ENGINE]
+    params = sampling_params(body, chat)
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    out = _Output(rid, request.app[_SETTINGS].model_name, chat, params.n, engine)
+    with _admitted(request):
+        async with engine.stream(prompt, params, request_id=rid) as stream:
+            first = await stream.__anext__()  # a request refused once tokenized is still a clean 400
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return await _stream_events(request, stream, first, out, include_usage)
+            async for chunk in _chain(first, stream):
+                out.add(chunk)
+            return web.json_response(out.whole())
+
+
+async def _chain(first, stream):
+    yield first
+    async for chunk in stream:
+        yield chunk
+
+
+async def _stream_events(request, stream, first, out: "_Output", include_usage: bool) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        async for chunk in _chain(first, stream):
+            await response.write(_event(out.chunk(chunk)))
+    except TieredKVError as e:  # the status line is gone: report the error as an event
+        await response.write(_event(BadRequest(str(e), type_="server_error").body()))
+    if include_usage and out.usages:
+        await response.write(_event({**envelope(out.kind + ".chunk" if out.chat else out.kind, out.rid, out.model),
+                                     "choices": [], "usage": usage_body(out.usages)}))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _Output:
+    """Accumulates one request's chunks into OpenAI objects: the whole response or stream chunks."""
+
+    def __init__(self, rid: str, model: str, chat: bool, n: int, engine: AsyncEngine):
+        self.rid, self.model, self.chat = rid, model, chat
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.texts = [[] for _ in range(n)]
+        self.logprobs: list[list | None] = [None] * n
+        self.finish: list[str | None] = [None] * n
+        self.offsets = [0] * n
+        self.role_sent = [False] * n
+        self.usages = []
+        tokenizer = engine.tokenizer
+        self.decode = lambda t: tokenizer.decode([t], skip_special_tokens=False)
+
+    def add(self, chunk) -> None:
+        i = chunk.index
+        self.texts[i].append(chunk.text)
+        if chunk.logprobs is not None:
+            self.logprobs[i] = (self.logprobs[i] or []) + chunk.logprobs
+        if chunk.finish_reason is not None:
+            self.finish[i] = chunk.finish_reason
+            self.usages.append(chunk.usage)
+
+    def _logprobs(self, logprobs, i: int) -> dict | None:
+        if self.chat:
+            return chat_logprobs(logprobs, self.decode)
+        return completion_logprobs(logprobs, self.decode, self.offsets[i])
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for i, parts in enumerate(self.texts):
+            text = "".join(parts)
+            choice = {"index": i, "logprobs": self._logprobs(self.logprobs[i], i), "finish_reason": self.finish[i]}
+            choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            choices.append(choice)
+        return {**envelope(self.kind, self.rid, self.model), "choices": choices, "usage": usage_body(self.usages)}
+
+    def chunk(self, chunk) -> dict[str, Any]:
+        i = chunk.index
+        if chunk.finish_reason is not None:
+            self.usages.append(chunk.usage)
+        choice = {"index": i, "logprobs": self._logprobs(chunk.logprobs, i), "finish_reason": chunk.finish_reason}
+        if self.chat:
+            delta = {"content": chunk.text}
+            if not self.role_sent[i]:
+                delta, self.role_sent[i] = {"role": "assistant", **delta}, True
+            choice["delta"] = delta
+            kind = self.kind + ".chunk"
+        else:
+            choice["text"] = chunk.text
+            kind = self.kind
+        self.offsets[i] += len(chunk.text)
+        return {**envelope(kind, self.rid, self.model), "choices": [choice]}
+
+
+def install_prometheus() -> bool:
+    """Exports the engine's OpenTelemetry metrics for GET /metrics (the prometheus extra). Sets the
+    process's meter provider, so call it once, before the engine starts; False if the extra is missing."""
+    try:
+        from opentelemetry import metrics
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider
+    except ImportError:
+        return False
+    metrics.set_meter_provider(MeterProvider(metric_readers=[PrometheusMetricReader()]))
+    return True
+
+
+async def start_server(engine: AsyncEngine, settings: ServerSettings, host: str = "127.0.0.1",
+                       port: int = 8000) -> tuple[web.AppRunner, int]:
+    """Serves `engine` on host:port (0: any free port) until `await runner.cleanup()`; returns the port."""
+    runner = web.AppRunner(create_app(engine, settings), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, runner.addresses[0][1]

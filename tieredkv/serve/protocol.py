@@ -1,0 +1,142 @@
+"""OpenAI's request and response shapes: requests parsed into a prompt and SamplingParams (a bad field is a
+400 naming it), engine output turned into chat.completion / text_completion objects and chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+
+from tieredkv.config import SamplingParams
+from tieredkv.outputs import TokenLogprob, Usage
+
+# Parameters passed to SamplingParams as they are; the last five are extensions (as vLLM accepts them).
+_PASSED = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+           "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos")
+_UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "suffix", "audio", "modalities")
+
+
+class BadRequest(Exception):
+    """An OpenAI-shaped error: HTTP status, message, the offending parameter."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
+    for name in _UNSUPPORTED:
+        if body.get(name) is not None:
+            raise BadRequest(f"{name} is not supported by this server", name)
+    if body.get("echo"):
+        raise BadRequest("echo is not supported by this server", "echo")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise BadRequest("only response_format {\"type\": \"text\"} is supported", "response_format")
+    kw: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
+    names = {}  # SamplingParams field -> the request's name for it, for error messages
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            kw.setdefault("max_tokens", body[name])
+            names.setdefault("max_tokens", name)
+    if body.get("logit_bias") is not None:
+        bias = body["logit_bias"]
+        if not isinstance(bias, dict):
+            raise BadRequest("logit_bias must map token ids to numbers", "logit_bias")
+        try:
+            kw["logit_bias"] = {int(t): b for t, b in bias.items()}
+        except (TypeError, ValueError):
+            raise BadRequest("logit_bias keys must be token ids", "logit_bias") from None
+    if chat:
+        if body.get("top_logprobs") is not None and not body.get("logprobs"):
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        if body.get("logprobs"):
+            kw["logprobs"] = body.get("top_logprobs") or 0
+            names["logprobs"] = "top_logprobs"
+    elif body.get("logprobs") is not None:
+        kw["logprobs"] = body["logprobs"]
+    try:
+        return SamplingParams(**kw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else None
+        param = names.get(field, field)
+        raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or text parts", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        return prompt
+    raise BadRequest("prompt must be one string or one list of token ids", "prompt")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_body(usages: list[Usage]) -> dict[str, Any]:
+    """OpenAI's usage; cached prompt tokens in its own field, their split by tier as an extension."""
+    first = usages[0]
+    completion = sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens,
+                                      "cached_tokens_by_tier": dict(first.cached_tokens_by_tier)}}
+
+
+def chat_logprobs(logprobs: list[TokenLogprob] | None, decode) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob] | None, decode, offset: int) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    tokens = [decode(lp.token_id) for lp in logprobs]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{decode(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
+
+
+def envelope(kind: str, rid: str, model: str) -> dict[str, Any]:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
