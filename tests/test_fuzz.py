@@ -38,7 +38,7 @@ def core(llama_dir):
 def run(core, prompt, params) -> list:
     """Everything the request produced, until it ended."""
     try:
-        req = core.make_request(prompt, params)
+        req = core.factory.make(prompt, params)
     except CLEAR:
         return []
     outputs = core.add_request(req)

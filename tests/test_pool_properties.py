@@ -37,7 +37,7 @@ def test_random_interleavings_keep_the_pool_consistent(core, ops):
                                     temperature=0.7 if sample else 0.0, seed=1)
             free_before = core.pool.num_free
             try:
-                req = core.make_request(prompt, params)
+                req = core.factory.make(prompt, params)
             except RequestError:
                 assert core.pool.num_free == free_before
                 continue

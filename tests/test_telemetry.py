@@ -51,3 +51,103 @@ async def test_request_span_and_counters(otel, llama_dir):
     assert sums["tieredkv.generated_tokens"] == 11
     assert sums["tieredkv.prompt_tokens"] == 74
     assert sums["tieredkv.cached_prompt_tokens"] == 32
+
+
+def points(reader) -> dict[str, list]:
+    out = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                out[m.name] = list(m.data.data_points)
+    return out
+
+
+def by_attr(pts, key) -> dict:
+    return {p.attributes.get(key): p.value for p in pts}
+
+
+async def test_a_scripted_scenario_gives_exact_metrics_and_span_events(otel, llama_dir):
+    import pytest as _pytest
+
+    from tieredkv import RequestError
+
+    exporter, reader = otel
+    before = points(reader)
+    exporter.clear()
+    shared = list(range(3, 3 + 64))  # 64 tokens: 4 full blocks
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0)
+    async with await AsyncEngine.start(cfg) as engine:
+        await engine.generate(shared + [200, 201], SamplingParams(max_tokens=4, ignore_eos=True))
+        second = await engine.generate(shared + [300, 301, 302], SamplingParams(max_tokens=6, ignore_eos=True))
+        assert second.usage.cached_tokens_by_tier["hot"] == 64
+        async for _ in engine.stream(shared + [400], SamplingParams(max_tokens=50, ignore_eos=True),
+                                     request_id="left"):
+            break
+        with _pytest.raises(RequestError):
+            engine.stream([], SamplingParams())
+        await engine.run_in_worker(lambda: None)
+        after = points(reader)
+        stats = engine.stats()
+
+    def delta(name, key, value):
+        old = by_attr(before.get(name, []), key).get(value, 0)
+        return by_attr(after[name], key).get(value, 0) - old
+
+    assert delta("tieredkv.prompt_tokens", "source", "hot") == 64
+    assert delta("tieredkv.prompt_tokens", "source", "computed") == 66 + 3
+    assert delta("tieredkv.requests", "finish_reason", "length") == 2
+    assert delta("tieredkv.requests", "finish_reason", "abort") == 1
+    assert delta("tieredkv.requests", "finish_reason", "rejected") == 1
+    hist = {p.attributes.get("x"): p for p in after["gen_ai.server.time_to_first_token"]}[None]
+    old = before.get("gen_ai.server.time_to_first_token")
+    assert hist.count - (old[0].count if old else 0) == 3  # every request that produced a token
+    assert list(hist.explicit_bounds)[:3] == [0.005, 0.01, 0.025]  # not the SDK's 0, 5, 10 ...
+    itl = after["gen_ai.server.time_per_output_token"][0]
+    assert itl.count - (before["gen_ai.server.time_per_output_token"][0].count
+                        if "gen_ai.server.time_per_output_token" in before else 0) >= 3 + 5
+    assert list(after["tieredkv.step.duration"][0].explicit_bounds)[0] == 0.001
+    running = after["tieredkv.requests.running"][0].value
+    usage = by_attr(after["tieredkv.kv_cache.usage"], "tier")
+    assert running == stats.num_running == 0 and 0 < usage["hot"] <= 1
+    assert by_attr(after["tieredkv.kv_cache.used_bytes"], "tier")["hot"] == stats.tiers["hot"].used_bytes
+    spans = {s.attributes["tieredkv.request_id"]: s for s in exporter.get_finished_spans()
+             if s.name == "tieredkv.request"}
+    events = [e.name for s in spans.values() if s.attributes.get("tieredkv.completion_tokens") == 6
+              for e in s.events]
+    assert events[:3] == ["queued", "admitted", "first_token"] and events[-1] == "finished"
+    admitted = next(e for s in spans.values() for e in s.events if e.name == "admitted"
+                    and e.attributes.get("tieredkv.cached_tokens.hot") == 64)
+    assert admitted is not None
+    assert spans["left"].attributes["tieredkv.finish_reasons"] == ("abort",)
+
+
+def test_serve_metrics_is_scrapeable_over_http(llama_dir):
+    """In a child process: serve_metrics sets the process's meter provider."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import asyncio, sys, urllib.request
+from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv.telemetry import serve_metrics
+
+async def main():
+    port = serve_metrics(0)
+    async with await AsyncEngine.start(EngineConfig(model=sys.argv[1], num_blocks=32)) as engine:
+        await engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+        await engine.run_in_worker(lambda: None)
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
+        print(text.decode())
+
+asyncio.run(main())
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    done = subprocess.run([sys.executable, "-c", code, str(llama_dir)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = done.stdout
+    assert 'tieredkv_generated_tokens_total' in text and 'tieredkv_requests_total{' in text
+    assert 'gen_ai_server_time_to_first_token_seconds_bucket{' in text
+    assert 'tieredkv_kv_cache_usage_ratio{' in text or 'tieredkv_kv_cache_usage{' in text

@@ -75,7 +75,7 @@ def test_a_request_that_can_never_be_scheduled_fails_instead_of_spinning(llama_d
     from tieredkv.engine_core import EngineCore
 
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, max_pinned_fraction=0.5, warm_bytes=0))
-    req = core.make_request(list(range(3, 100)), SamplingParams(max_tokens=20))  # 8 blocks: fits the pool
+    req = core.factory.make(list(range(3, 100)), SamplingParams(max_tokens=20))  # 8 blocks: fits the pool
     assert core.add_request(req) == []
     core.pins.pins[(1,)] = core.pool.allocate(4)[0]  # pinned behind admission's back: it can never run now
     core.pins.num_blocks = 4
@@ -114,7 +114,7 @@ def test_the_decode_plan_is_made_once_per_step_and_carried_in_the_batch(llama_di
 
     core.runner.ops = replace(core.runner.ops, plan_decode=counting)
     for prompt in ([5, 6, 7, 8], list(range(3, 40))):
-        assert core.add_request(core.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))) == []
+        assert core.add_request(core.factory.make(prompt, SamplingParams(max_tokens=4, ignore_eos=True))) == []
     plans_per_step = []
     while core.has_work():
         made.clear()

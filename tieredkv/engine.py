@@ -111,7 +111,11 @@ class AsyncEngine:
 
     def _open(self, prompt, params, request_id: str | None, flags: dict[str, bool]) -> RequestStream:
         self._check_open()
-        self.core.factory.precheck(prompt, params)
+        try:
+            self.core.factory.precheck(prompt, params)
+        except (RequestError, TypeError):
+            self.core.telemetry.on_rejected()
+            raise
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -123,18 +127,19 @@ class AsyncEngine:
         """A stream's first iteration: tokenize on the tokenizer thread, then queue it for the worker."""
         span = self._worker.core.telemetry.start_request_span(channel.request_id, params)
         try:
-            self._tokenizer.submit(self._prepare, channel, prompt, params, flags)
+            self._tokenizer.submit(self._prepare, channel, prompt, params, flags, span)
         except RuntimeError:  # the tokenizer pool is shut down: the engine closed
             channel.push(EngineClosedError("engine closed"))
         return span
 
-    def _prepare(self, channel: Channel, prompt, params, flags: dict[str, bool]) -> None:
+    def _prepare(self, channel: Channel, prompt, params, flags: dict[str, bool], span) -> None:
         try:
             req = self._worker.core.factory.make(prompt, params, channel.request_id)
         except Exception as e:
+            self._worker.core.telemetry.on_rejected()
             self._worker.call_loop(channel.push, e)
             return
-        req.sink = channel
+        req.sink, req.span = channel, span
         req.prefill_only = flags.get("prefill_only", False)
         req.pin = flags.get("pin", False)
         if not self._worker.post(self._worker.add, req):
@@ -197,7 +202,7 @@ class AsyncEngine:
     async def clear_cache(self, tier: str = "all", demote: bool = False) -> int:
         """Empties a tier ("hot", "warm", "cold" or "all"); returns how many entries left it. With
         demote=True, a hot or warm tier's entries move down to the next tier instead of being dropped."""
-        return await self._submit(self._worker.core.clear_cache, tier, demote)
+        return await self._submit(self._worker.core.tiers.clear, tier, demote)
 
     async def run_in_worker(self, fn, *args):
         """Runs fn(*args) on the engine's worker thread between two steps and returns its result.

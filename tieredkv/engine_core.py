@@ -28,7 +28,7 @@ from tieredkv.sampler import RowState, Sampled, sample
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Request, Sequence
 from tieredkv.telemetry import Telemetry
-from tieredkv.tokenizer import PromptType, Tokenizer
+from tieredkv.tokenizer import Tokenizer
 
 log = logging.getLogger("tieredkv")
 
@@ -82,10 +82,6 @@ class EngineCore:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def make_request(self, prompt: PromptType, params, request_id: str | None = None) -> Request:
-        """Tokenizes and validates (RequestFactory.make); allocates nothing. Safe on any thread."""
-        return self.factory.make(prompt, params, request_id)
-
     def add_request(self, req: Request) -> list[Output]:
         """Queues the request. One that cannot be served here gets its error as its only output;
         nothing else is touched."""
@@ -95,7 +91,9 @@ class EngineCore:
             self.factory.check_fits(len(req.prompt_token_ids), req.params, self.pins.num_blocks)
             seq = self._new_sequence(req, 0, req.prompt_token_ids)
         except Exception as e:
+            self.telemetry.on_rejected()
             return [(req.sink, e if isinstance(e, TieredKVError) else RequestError(f"cannot admit the request: {e}"))]
+        self.telemetry.on_added(req)
         req.seqs.append(seq)
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
@@ -108,6 +106,7 @@ class EngineCore:
         if req is None or (sink is not None and req.sink is not sink):
             return []
         del self.requests[request_id]
+        self.telemetry.on_ended(req, "abort")
         outputs = []
         for seq in req.seqs:
             if not seq.is_finished:
@@ -119,6 +118,7 @@ class EngineCore:
         """Ends a request with an error (its blocks freed); the error is its last output."""
         if self.requests.pop(req.request_id, None) is None:
             return []
+        self.telemetry.on_ended(req, "error")
         for seq in req.seqs:
             self.scheduler.finish(seq, "error")
         return [(req.sink, error)]
@@ -137,8 +137,10 @@ class EngineCore:
         never be scheduled) ends those requests with an error output and nothing else."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        if out.preempted:
-            self.telemetry.preemptions.add(len(out.preempted))
+        for seq in out.admitted:
+            self.telemetry.on_admitted(seq, t0)
+        for seq in out.preempted:
+            self.telemetry.on_preempted(seq)
         self.tiers.execute(out.moves)
         if not out.scheduled:
             if out.waiting_on_disk:  # nothing to compute until a cold read lands
@@ -224,6 +226,7 @@ class EngineCore:
         return children
 
     def _append(self, seq: Sequence, got: Sampled) -> StreamChunk:
+        self.telemetry.on_token(seq, time.perf_counter())
         reason = seq.append(got.token, self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -234,16 +237,9 @@ class EngineCore:
 
     def _finish_request(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
-        self.telemetry.record_finished(req)
+        self.telemetry.on_finished(req)
 
     # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         return collect_stats(self.pool, self.scheduler, self.kv.cow_copies, self.tiers.tiers(), self.pins.num_blocks)
-
-    # -- cache management (between steps) ---------------------------------------------------------
-
-    def clear_cache(self, tier: str, demote: bool = False) -> int:
-        """Empties "hot" (cached free blocks), "warm", "cold" or "all"; returns the entries removed.
-        demote=True moves hot or warm entries to the next tier down instead (not with "all")."""
-        return self.tiers.clear(tier, demote)

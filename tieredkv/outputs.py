@@ -77,6 +77,7 @@ class EngineStats:
     num_preemptions: int
     cow_copies: int
     num_swaps: int = 0  # preemptions swapped to the warm tier (the rest are recomputed)
+    num_swapped: int = 0  # waiting sequences whose blocks wait in warm swap slots now
     tiers: dict[str, TierStats] = field(default_factory=dict)  # per tier: capacity, use, hits, moves
     blocks_pinned: int = 0
     blocks_free: int = 0  # blocks_used + blocks_free == blocks_total in every snapshot
@@ -110,6 +111,7 @@ def collect_stats(pool, scheduler, cow_copies: int, tiers: dict[str, TierStats],
         num_preemptions=scheduler.num_preemptions,
         cow_copies=cow_copies,
         num_swaps=scheduler.num_swaps,
+        num_swapped=sum(1 for s in scheduler.waiting if s.swapped is not None),
         tiers={name: replace(st) for name, st in tiers.items()},
         blocks_pinned=pinned,
     )

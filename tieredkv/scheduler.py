@@ -19,6 +19,7 @@ class SchedulerOutput:
     moves: list[BlockMove] = field(default_factory=list)  # block data to move before the forward, in order
     preempted: list[Sequence] = field(default_factory=list)
     waiting_on_disk: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # moved from waiting to running this step
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +88,7 @@ class Scheduler:
                 scheduled[seq] = n
                 budget -= n
 
-        on_disk = []
+        on_disk, admitted = [], []
         for seq in list(self.waiting) if not preempted else []:
             if budget == 0:
                 break
@@ -127,9 +128,10 @@ class Scheduler:
                 self.prefix_cache_queries += seq.num_prompt_tokens
                 self.prefix_cache_hits += req.num_cached_tokens
             self.add_running(seq)
+            admitted.append(seq)
             scheduled[seq] = n
             budget -= n
-        return SchedulerOutput(list(scheduled.items()), self.kv.take_moves(), preempted, on_disk)
+        return SchedulerOutput(list(scheduled.items()), self.kv.take_moves(), preempted, on_disk, admitted)
 
     def _prefix_for(self, seq: Sequence) -> tuple[list, "Restore | Lookup | None"]:
         """Hot prefix blocks plus what to restore below them: a swap-in, a finished lookup (its

@@ -53,6 +53,7 @@ class Sequence:
         self.admit_order = 0
         self.lookup: Lookup | None = None  # a walk of the lower tiers in progress while waiting
         self.swapped: Restore | None = None  # where a preempted sequence's blocks wait in warm
+        self.last_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +104,10 @@ class Request:
     prefill_only: bool = False  # compute and cache the prompt, generate nothing
     pin: bool = False  # with prefill_only: pin the prompt's full blocks when it is computed
     sink: Any = None  # where the async front delivers this request's chunks (opaque to the core)
+    span: Any = None  # the request's trace span, when the async front made one
+    arrival_time: float | None = None  # perf_counter at add; then first admission, first token
+    admitted_time: float | None = None
+    first_token_time: float | None = None
 
     @functools.cached_property
     def stop_ids(self) -> frozenset[int]:

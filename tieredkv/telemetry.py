@@ -1,34 +1,124 @@
 """OpenTelemetry tracing and metrics through the global providers: nothing is recorded or exported
-unless the application installs SDK providers (opentelemetry-sdk) with an exporter or reader."""
+unless the application installs SDK providers (opentelemetry-sdk) with an exporter or reader (the
+`prometheus` extra and `tieredkv.serve.install_prometheus` give a scrapeable /metrics).
+
+Names follow OpenTelemetry's semantic conventions for generative AI servers where one exists
+(`gen_ai.server.*`); the rest are `tieredkv.*`. The README's "Metrics" table lists them all with the
+vLLM metric each corresponds to. Histogram buckets fit what they measure (seconds from milliseconds up,
+tokens from 1 to 8192), not the SDK's defaults.
+"""
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
+import weakref
+
 from opentelemetry import metrics, trace
+from opentelemetry.metrics import Observation
 
 _SCOPE = "tieredkv"
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0]
+TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]
+TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+TIER_COUNTERS = ("promotions", "demotions", "evictions", "failures")
+
+# Observable instruments exist once per process (creating one again returns the first, with its
+# callbacks), so their callbacks report every live engine, each under its own `engine` attribute.
+_LIVE: "weakref.WeakSet[Telemetry]" = weakref.WeakSet()
+_REGISTERED = threading.Lock()
+_registered: list[bool] = []
+_ids = itertools.count()
 
 
 class Telemetry:
-    """Per-engine instruments: one span per request, counters and a step-duration histogram."""
+    """Per-engine instruments. The worker thread records events as they happen (`on_*`); gauges and
+    per-tier counters are read from `snapshot`, the stats the worker publishes after every step."""
 
     def __init__(self) -> None:
+        self.snapshot = None  # EngineStats, set by the worker
         self.tracer = trace.get_tracer(_SCOPE)
-        meter = metrics.get_meter(_SCOPE)
-        self.requests = meter.create_counter("tieredkv.requests", unit="{request}", description="requests finished")
-        self.prompt_tokens = meter.create_counter("tieredkv.prompt_tokens", unit="{token}")
-        self.cached_prompt_tokens = meter.create_counter(
-            "tieredkv.cached_prompt_tokens", unit="{token}", description="prompt tokens served from the KV cache"
-        )
-        self.generated_tokens = meter.create_counter("tieredkv.generated_tokens", unit="{token}")
-        self.preemptions = meter.create_counter("tieredkv.preemptions", unit="{sequence}")
-        self.step_duration = meter.create_histogram("tieredkv.step.duration", unit="s")
-        self.step_tokens = meter.create_histogram("tieredkv.step.tokens", unit="{token}")
+        m = metrics.get_meter(_SCOPE)
+        self.requests = m.create_counter("tieredkv.requests", unit="{request}",
+                                         description="requests ended, by finish_reason (stop, length, abort, "
+                                                     "error, rejected)")
+        self.prompt_tokens = m.create_counter("tieredkv.prompt_tokens", unit="{token}",
+                                              description="prompt tokens of finished requests, by source "
+                                                          "(computed, hot, warm, cold)")
+        self.cached_prompt_tokens = m.create_counter("tieredkv.cached_prompt_tokens", unit="{token}",
+                                                     description="prompt tokens served from the KV cache")
+        self.generated_tokens = m.create_counter("tieredkv.generated_tokens", unit="{token}")
+        self.preemptions = m.create_counter("tieredkv.preemptions", unit="{sequence}",
+                                            description="preempted sequences, by kind (swap, recompute)")
+        self.ttft = m.create_histogram("gen_ai.server.time_to_first_token", unit="s",
+                                       explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
+        self.itl = m.create_histogram("gen_ai.server.time_per_output_token", unit="s",
+                                      explicit_bucket_boundaries_advisory=TOKEN_LATENCY_BUCKETS)
+        self.e2e = m.create_histogram("gen_ai.server.request.duration", unit="s",
+                                      explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
+        self.queue_time = m.create_histogram("tieredkv.request.queue_time", unit="s",
+                                             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
+        self.step_duration = m.create_histogram("tieredkv.step.duration", unit="s",
+                                                explicit_bucket_boundaries_advisory=TOKEN_LATENCY_BUCKETS)
+        self.step_tokens = m.create_histogram("tieredkv.step.tokens", unit="{token}",
+                                              explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
+        self.engine_id = str(next(_ids))
+        _LIVE.add(self)
+        with _REGISTERED:
+            if not _registered:
+                _register_observables(m)
+                _registered.append(True)
 
-    def record_finished(self, req) -> None:
-        self.requests.add(1)
-        self.prompt_tokens.add(len(req.prompt_token_ids))
+    # -- events, on the worker thread -------------------------------------------------------------
+
+    def on_added(self, req) -> None:
+        req.arrival_time = time.perf_counter()
+        _event(req, "queued", {"tieredkv.prompt_tokens": len(req.prompt_token_ids)})
+
+    def on_admitted(self, seq, now: float) -> None:
+        req = seq.request
+        if req.admitted_time is None:
+            req.admitted_time = now
+            self.queue_time.record(now - req.arrival_time)
+            _event(req, "admitted", {f"tieredkv.cached_tokens.{t}": n for t, n in req.cached_tokens_by_tier.items()})
+        else:
+            _event(req, "resumed", {"tieredkv.sample": seq.index})
+
+    def on_preempted(self, seq) -> None:
+        kind = "swap" if seq.swapped is not None else "recompute"
+        self.preemptions.add(1, {"kind": kind})
+        _event(seq.request, "preempted", {"tieredkv.kind": kind, "tieredkv.sample": seq.index})
+
+    def on_token(self, seq, now: float) -> None:
+        req = seq.request
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.ttft.record(now - req.arrival_time)
+            _event(req, "first_token", {})
+        elif seq.last_token_time is not None:
+            self.itl.record(now - seq.last_token_time)
+        seq.last_token_time = now
+
+    def on_finished(self, req) -> None:
+        reason = next((s.finish_reason for s in req.seqs if s.finish_reason), "stop")
+        self.on_ended(req, reason)
+        cached = req.cached_tokens_by_tier
+        computed = len(req.prompt_token_ids) - sum(cached.values())
+        for source, n in (("computed", computed), *cached.items()):
+            self.prompt_tokens.add(n, {"source": source})
         self.cached_prompt_tokens.add(req.num_cached_tokens or 0)
         self.generated_tokens.add(sum(s.num_output_tokens for s in req.seqs))
+        if req.arrival_time is not None:
+            self.e2e.record(time.perf_counter() - req.arrival_time)
+
+    def on_ended(self, req, reason: str) -> None:
+        """Counts every request that ends, whatever the reason (the finished ones via on_finished)."""
+        self.requests.add(1, {"finish_reason": reason})
+        _event(req, "finished" if reason in ("stop", "length", "prefill") else reason, {})
+
+    def on_rejected(self) -> None:
+        self.requests.add(1, {"finish_reason": "rejected"})
 
     def start_request_span(self, request_id: str, params) -> trace.Span:
         """A span from a request's submission to its last chunk (or its abort)."""
@@ -37,3 +127,54 @@ class Telemetry:
             "tieredkv.n": params.n,
             "tieredkv.max_tokens": params.max_tokens,
         })
+
+
+def _event(req, name: str, attributes: dict) -> None:
+    span = getattr(req, "span", None)
+    if span is not None and span.is_recording():
+        span.add_event(name, attributes)
+
+
+def _register_observables(m) -> None:
+    for name in TIER_COUNTERS:
+        m.create_observable_counter(f"tieredkv.tier.{name}", [_observe(lambda snap, name=name: [
+            (getattr(st, name), {"tier": t}) for t, st in snap.tiers.items()])], unit="{block}")
+    m.create_observable_gauge("tieredkv.kv_cache.usage", [_observe(lambda snap: [
+        (st.used_bytes / st.capacity_bytes if st.capacity_bytes else 0.0, {"tier": t})
+        for t, st in snap.tiers.items()])], unit="1", description="share of each tier's capacity holding KV data")
+    m.create_observable_gauge("tieredkv.kv_cache.used_bytes", [_observe(lambda snap: [
+        (st.used_bytes, {"tier": t}) for t, st in snap.tiers.items()])], unit="By")
+    for name, field in (("running", "num_running"), ("waiting", "num_waiting"), ("swapped", "num_swapped")):
+        m.create_observable_gauge(f"tieredkv.requests.{name}", [_observe(
+            lambda snap, field=field: [(getattr(snap, field), {})])], unit="{sequence}")
+
+
+def _observe(values):
+    """A callback: values(snapshot) -> [(value, attributes)] for every live engine that has stats."""
+    def callback(_options):
+        return [Observation(v, {**attrs, "engine": t.engine_id})
+                for t in list(_LIVE) if t.snapshot is not None for v, attrs in values(t.snapshot)]
+    return callback
+
+
+def install_prometheus() -> bool:
+    """Exports the engine's OpenTelemetry metrics in Prometheus' format (the `prometheus` extra). Sets
+    the process's meter provider, so call it once, before the engine starts; False without the extra."""
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider
+    except ImportError:
+        return False
+    metrics.set_meter_provider(MeterProvider(metric_readers=[PrometheusMetricReader()]))
+    return True
+
+
+def serve_metrics(port: int, addr: str = "127.0.0.1") -> int:
+    """install_prometheus(), then /metrics over HTTP on addr:port (0: any free port) from a daemon
+    thread; returns the port. For an application that embeds the engine without `tieredkv serve`."""
+    if not install_prometheus():
+        raise ImportError("serving metrics needs the prometheus extra: pip install 'tieredkv[prometheus]'")
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, addr)
+    return server.server_port

@@ -37,7 +37,7 @@ class ServerSettings:
     max_body_bytes: int = 8 << 20
     max_prompt_chars: int = 1 << 20  # checked before tokenizing
     max_queued: int = 256  # requests allowed to wait beyond the engine's max_num_seqs; more get 429
-    metrics: bool = False  # GET /metrics (needs the prometheus extra and install_prometheus())
+    metrics: bool = False  # GET /metrics (needs the prometheus extra and telemetry.install_prometheus())
 
 
 _ENGINE = web.AppKey("engine", AsyncEngine)
@@ -253,19 +253,6 @@ class _Output:
             kind = self.kind
         self.offsets[i] += len(chunk.text)
         return {**envelope(kind, self.rid, self.model), "choices": [choice]}
-
-
-def install_prometheus() -> bool:
-    """Exports the engine's OpenTelemetry metrics for GET /metrics (the prometheus extra). Sets the
-    process's meter provider, so call it once, before the engine starts; False if the extra is missing."""
-    try:
-        from opentelemetry import metrics
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from opentelemetry.sdk.metrics import MeterProvider
-    except ImportError:
-        return False
-    metrics.set_meter_provider(MeterProvider(metric_readers=[PrometheusMetricReader()]))
-    return True
 
 
 async def start_server(engine: AsyncEngine, settings: ServerSettings, host: str = "127.0.0.1",
