@@ -11,6 +11,7 @@ from typing import Any
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine_core import EngineCore
 from tieredkv.errors import EngineClosedError, RequestError, WrongLoopError
+from tieredkv.explain import BlockReport, explain
 from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
 from tieredkv.stream import Channel, RequestStream
 from tieredkv.tokenizer import PromptType
@@ -193,6 +194,13 @@ class AsyncEngine:
         Returns the number of tokens pinned."""
         usage = await self._prefill(prompt, pin=True)
         return usage.prompt_tokens // self.core.block_size * self.core.block_size
+
+    async def explain(self, prompt: PromptType) -> list[BlockReport]:
+        """For each block of the prompt: where a request would take it from (hot, warm, cold), or why it
+        would be computed. Changes nothing in the cache."""
+        self._check_open()
+        ids = await self._loop.run_in_executor(self._tokenizer, self.core.factory.token_ids, prompt)
+        return await self._submit(explain, self._worker.core, ids)
 
     async def unpin(self, prompt: PromptType) -> int:
         self._check_open()

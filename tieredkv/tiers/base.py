@@ -6,7 +6,8 @@ import asyncio
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import ClassVar, Iterator, NamedTuple, Sequence
+from collections import OrderedDict
+from typing import ClassVar, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -57,9 +58,25 @@ class KVTier(ABC):
     blocking: ClassVar[bool] = False
     durable: ClassVar[bool] = False  # outlives the process: the tier manager persists into it at close
 
+    DROPPED_LOG = 1 << 16  # how many dropped block hashes a tier remembers, for explain()
+
     def __init__(self, capacity_bytes: int):
         self._counters = TierStats(self.name, capacity_bytes)
         self._counter_lock = threading.Lock()
+        self._dropped: OrderedDict[bytes, None] = OrderedDict()
+
+    def note_dropped(self, hashes: Iterable[bytes]) -> None:
+        """Remembers (the last DROPPED_LOG) blocks this tier let go for good: no tier below kept them."""
+        with self._counter_lock:
+            for h in hashes:
+                self._dropped[h] = None
+                self._dropped.move_to_end(h)
+            while len(self._dropped) > self.DROPPED_LOG:
+                self._dropped.popitem(last=False)
+
+    def dropped(self, block_hash: bytes) -> bool:
+        with self._counter_lock:
+            return block_hash in self._dropped
 
     def count(self, **deltas: int) -> None:
         with self._counter_lock:

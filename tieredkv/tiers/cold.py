@@ -17,7 +17,6 @@ failed batch counts failures, and a caller never waits on a writer that has stop
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
@@ -30,7 +29,7 @@ import torch
 
 from tieredkv.errors import ColdTierError
 from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, Victims
-from tieredkv.tiers.cold_format import ColdFormat, load_secret
+from tieredkv.tiers.cold_format import ColdFormat, fingerprint_prefix, load_secret
 from tieredkv.tiers.cold_txn import ColdTxnOps, disk_cost
 from tieredkv.tiers.lmdb_env import close_env, open_env
 
@@ -54,7 +53,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         self.path = Path(path)
         self.budget = budget_bytes
         self.fingerprint = fingerprint
-        self.prefix = hashlib.sha256(fingerprint.encode()).digest()[:8]
+        self.prefix = fingerprint_prefix(fingerprint)
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
@@ -76,6 +75,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="tieredkv-lmdb-writer", daemon=True)
         self._writer.start()
+        self._queue.put(("register", fingerprint, None))
         self._refresh_used()
 
     def cost(self, value_bytes: int) -> int:

@@ -32,6 +32,11 @@ _U32 = struct.Struct("<I")
 MAC_BYTES = 16
 
 
+def fingerprint_prefix(fingerprint: str) -> bytes:
+    """The first 8 bytes of every key stored under this model fingerprint."""
+    return hashlib.sha256(fingerprint.encode()).digest()[:8]
+
+
 def default_secret_path() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "tieredkv" / "cold.key"
@@ -108,17 +113,22 @@ class ColdFormat:
             raise ValueError("header mismatch")
         return header, 8 + hlen
 
+    def _verified(self, key: BlockKey, value: memoryview) -> memoryview:
+        """The entry's authenticated payload; raises ValueError saying what does not match."""
+        _, start = self._header(key, value)
+        payload = value[start + MAC_BYTES :]
+        if len(payload) != self.payload_bytes:
+            raise ValueError(f"payload of {len(payload)} bytes, a block has {self.payload_bytes}")
+        expected = self._mac(self._key(key), value[8:start], payload)
+        if not hmac.compare_digest(expected, bytes(value[start : start + MAC_BYTES])):
+            raise ValueError("authentication failed (changed without the key)")
+        return payload
+
     def _payload(self, key: BlockKey, value: memoryview) -> memoryview | None:
         """The entry's authenticated payload, or None (a failure, and the entry is removed) when
         anything does not match."""
         try:
-            _, start = self._header(key, value)
-            payload = value[start + MAC_BYTES :]
-            if len(payload) != self.payload_bytes:
-                raise ValueError(f"payload of {len(payload)} bytes, a block has {self.payload_bytes}")
-            expected = self._mac(self._key(key), value[8:start], payload)
-            if not hmac.compare_digest(expected, bytes(value[start : start + MAC_BYTES])):
-                raise ValueError("authentication failed (changed without the key)")
+            payload = self._verified(key, value)
         except Exception as e:  # any corrupt entry is a miss
             log.warning("cold tier: unusable entry %s: %s", key.block_hash.hex()[:12], e)
             self.count(failures=1)

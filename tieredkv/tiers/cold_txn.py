@@ -5,6 +5,10 @@ from __future__ import annotations
 import mmap
 import struct
 
+import msgpack
+
+from tieredkv.tiers.cold_format import fingerprint_prefix
+
 _U64 = struct.Struct(">Q")  # big-endian, so the order database sorts by sequence number
 
 
@@ -21,6 +25,25 @@ class ColdTxnOps:
     `prefix`, `cost` (bytes an entry takes on disk) and the KVTier counters. Each `_txn_<kind>(txn,
     payload)` applies one queued operation of the writer thread. The byte budget is enforced here, by
     evicting the oldest entries, so it holds across processes."""
+
+    def known_fingerprints(self) -> list[str]:
+        """Every model fingerprint that has stored blocks in this folder."""
+        with self.handle.transaction() as txn:
+            return self._fingerprints(txn)
+
+    def inspect_sync(self, key, fingerprint: str | None = None) -> str:
+        """"ok", "missing" or "failed" (present but would not authenticate) for the key under this
+        tier's fingerprint, or whether another fingerprint stores it; changes nothing."""
+        prefix = self.prefix if fingerprint is None else fingerprint_prefix(fingerprint)
+        with self.handle.transaction(db=self.db_blocks, buffers=True) as txn:
+            value = txn.get(prefix + key.block_hash)
+            if value is None or fingerprint is not None:
+                return "missing" if value is None else "ok"
+            try:
+                self._verified(key, value)
+            except Exception:
+                return "failed"
+            return "ok"
 
     def _meta(self, txn, name: bytes) -> int:
         raw = txn.get(name, db=self.db_meta)
@@ -70,6 +93,7 @@ class ColdTxnOps:
                     oldest = bytes(cur.key())[8:]
                 self._delete(txn, oldest)
                 self.count(evictions=1)
+                self.note_dropped([oldest[8:]])
                 used = self._meta(txn, b"used_bytes")
             txn.put(key, value, db=self.db_blocks)
             self._set_meta(txn, b"used_bytes", used + cost)
@@ -93,6 +117,21 @@ class ColdTxnOps:
 
     def _txn_noop(self, txn, _) -> int:
         return 0
+
+    def _txn_register(self, txn, fingerprint: str) -> int:
+        """Records a fingerprint that stores blocks here (explain() checks the others' chains)."""
+        known = self._fingerprints(txn)
+        if fingerprint not in known:
+            txn.put(b"fingerprints", msgpack.packb(known + [fingerprint]), db=self.db_meta)
+        return 0
+
+    def _fingerprints(self, txn) -> list[str]:
+        raw = txn.get(b"fingerprints", db=self.db_meta)
+        try:
+            known = msgpack.unpackb(raw) if raw else []
+        except Exception:
+            return []
+        return [f for f in known if isinstance(f, str)] if isinstance(known, list) else []
 
     def _refresh_used(self) -> None:
         with self.handle.transaction() as txn:

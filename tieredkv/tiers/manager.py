@@ -125,6 +125,7 @@ class TierManager:
         """Write-back of evicted hot blocks to the first lower tier; its evictions go on down."""
         self.hot.count(evictions=len(block_ids))
         if not self.lower:
+            self.hot.note_dropped(k.block_hash for k in keys)
             return
         try:
             data = self.hot.gather(block_ids)
@@ -146,6 +147,8 @@ class TierManager:
                 tier.count(failures=1)
                 return
             level += 1
+        if keys:  # evicted from the bottom tier: gone
+            self.lower[-1].note_dropped(k.block_hash for k in keys)
 
     def pass_down(self, tier: KVTier, victims: Victims) -> None:
         self._admit(self.lower.index(tier) + 1, *victims)

@@ -1,0 +1,90 @@
+"""Why a prompt would be served from where it would: for each of its blocks, the tier a request would
+take it from, or the reason it would be computed. Reads every tier, changes none."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tieredkv.hashing import hash_block, root_hash
+from tieredkv.tiers.base import BlockKey
+
+
+@dataclass(frozen=True)
+class BlockReport:
+    index: int
+    start: int  # token positions [start, end)
+    end: int
+    source: str | None  # "hot", "warm" or "cold": where a request would take it from; None: computed
+    reason: str | None = None  # why it would be computed
+
+
+def explain(core, token_ids: list[int]) -> list[BlockReport]:
+    """One report per block of token_ids (the last one may be partial). Runs on the engine's worker."""
+    bs = core.block_size
+    keys = core.kv.chain_keys(token_ids)
+    lookup = (len(token_ids) - 1) // bs  # full blocks a lookup may cover: never the last token
+    reports, served = [], True
+    for i, key in enumerate(keys):
+        where = _where(core, key)
+        if not core.kv.enable_caching:
+            source, reason = None, "prefix caching is off"
+        elif i >= lookup:
+            source, reason = None, "it holds the prompt's last token, which is always computed"
+        elif not served:
+            source, reason = None, "an earlier block is computed, and a prefix stops at its first miss" + (
+                f" (this one is in {where})" if where else "")
+        elif where is not None:
+            source, reason = where, None
+        else:
+            source, reason = None, _why(core, keys, i)
+        served = served and source is not None
+        reports.append(BlockReport(i, i * bs, (i + 1) * bs, source, reason))
+    if len(token_ids) % bs:
+        n = len(keys)
+        reports.append(BlockReport(n, n * bs, len(token_ids), None, "a partial block is never cached"))
+    return reports
+
+
+def _where(core, key: BlockKey) -> str | None:
+    if core.pool.get_cached(key.block_hash, key.token_ids) is not None:
+        return "hot"
+    for tier in core.tiers.lower:
+        if tier.name == "cold":
+            if tier.inspect_sync(key) == "ok":
+                return "cold"
+        elif tier.contains_sync([key]):
+            return tier.name
+    return None
+
+
+def _why(core, keys: list[BlockKey], i: int) -> str:
+    key = keys[i]
+    cold = core.tiers.cold
+    if cold is not None and cold.inspect_sync(key) == "failed":
+        return "its cold entry failed authentication (damaged or changed), so it is not used"
+    for tier in reversed([core.tiers.hot, *core.tiers.lower]):
+        if tier.dropped(key.block_hash):
+            return f"it was evicted from {tier.name}, and no tier below kept it"
+    if cold is not None:
+        tokens = [t for k in keys[: i + 1] for t in k.token_ids]
+        for fingerprint in cold.known_fingerprints():
+            if fingerprint == core.fingerprint:
+                continue
+            other = _chain(core, fingerprint, tokens)
+            if other is not None and cold.inspect_sync(other, fingerprint) == "ok":
+                return "it is stored under another fingerprint (model, dtype, block size or layout differ)"
+    return "it was never computed here"
+
+
+def _chain(core, fingerprint: str, tokens: list[int]) -> BlockKey | None:
+    """The last full block's key under another fingerprint (its block size is part of it)."""
+    try:
+        bs = int(fingerprint.split("|bs=")[1].split("|")[0])
+    except (IndexError, ValueError):
+        return None
+    parent, key = root_hash(fingerprint), None
+    for start in range(0, len(tokens) - len(tokens) % bs, bs):
+        block = tuple(tokens[start : start + bs])
+        parent = hash_block(parent, block)
+        key = BlockKey(parent, block)
+    return key
