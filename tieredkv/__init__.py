@@ -3,7 +3,7 @@
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine import AsyncEngine
 from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, RequestError, SamplingError,
-                             StepError, TieredKVError, UnsupportedModelError, WrongLoopError)
+                             SnapshotError, StepError, TieredKVError, UnsupportedModelError, WrongLoopError)
 from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SamplingError",
+    "SnapshotError",
     "StepError",
     "StreamChunk",
     "TieredKVError",

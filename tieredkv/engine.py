@@ -13,6 +13,7 @@ from tieredkv.engine_core import EngineCore
 from tieredkv.errors import EngineClosedError, RequestError, WrongLoopError
 from tieredkv.explain import BlockReport, explain
 from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
+from tieredkv.snapshot import blocks_to_export, read_snapshot, write_snapshot
 from tieredkv.stream import Channel, RequestStream
 from tieredkv.tokenizer import PromptType
 from tieredkv.worker import EngineWorker
@@ -202,6 +203,34 @@ class AsyncEngine:
         ids = await self._loop.run_in_executor(self._tokenizer, self.core.factory.token_ids, prompt)
         return await self._submit(explain, self._worker.core, ids)
 
+    async def export_cache(self, path, prompts: list[PromptType] | None = None, progress=None) -> int:
+        """Writes every cached block (or the full blocks of `prompts`) with its hash, token ids and the
+        model fingerprint to one file at `path`; returns the number of blocks. `progress(n)` is called
+        after each batch. The file is written with aiofiles, the blocks gathered on the worker."""
+        self._check_open()
+        ids = None
+        if prompts is not None:
+            ids = [await self._loop.run_in_executor(self._tokenizer, self.core.factory.token_ids, p) for p in prompts]
+        core = self._worker.core
+        batches = await self._submit(blocks_to_export, core, ids)
+        return await write_snapshot(path, core.fingerprint, core.dtype, _block_shape(core),
+                                    lambda: self._submit(next, batches, None), progress)
+
+    async def import_cache(self, path, progress=None) -> dict[str, int | bool]:
+        """Loads a snapshot's blocks into the warm tier (cold below it; hot without either). Raises
+        SnapshotError for another model's snapshot; every entry is checked, so a damaged or truncated
+        file imports nothing wrong. Returns {"imported", "corrupt", "complete"}."""
+        self._check_open()
+        core = self._worker.core
+        batches, report = read_snapshot(path, core.fingerprint, core.dtype, _block_shape(core))
+        imported = 0
+        async for keys, data in batches:
+            await self._submit(core.tiers.import_blocks, keys, data)
+            imported += len(keys)
+            if progress is not None:
+                progress(len(keys))
+        return {"imported": imported, **report}
+
     async def unpin(self, prompt: PromptType) -> int:
         self._check_open()
         ids = await self._loop.run_in_executor(self._tokenizer, self.core.factory.token_ids, prompt)
@@ -242,3 +271,8 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The counters published after the last step or command: from any thread, never blocks."""
         return self._worker.snapshot
+
+
+def _block_shape(core) -> tuple[int, ...]:
+    layers, kv, _, block_size, heads, dim = core.kv_cache.shape
+    return (layers, kv, block_size, heads, dim)

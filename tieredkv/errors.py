@@ -43,3 +43,7 @@ class SamplingError(TieredKVError, RuntimeError):
 
 class ColdTierError(TieredKVError, RuntimeError):
     """The cold folder cannot be opened, or the cold tier's writer thread has stopped."""
+
+
+class SnapshotError(TieredKVError, ValueError):
+    """The file is not a cache snapshot, or was written for another model, dtype, block size or layout."""

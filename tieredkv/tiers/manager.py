@@ -224,6 +224,13 @@ class TierManager:
                 self._admit(level, keys, data)
         return tier.clear_sync()
 
+    def import_blocks(self, keys: list[BlockKey], blocks: torch.Tensor) -> None:
+        """Stores blocks from outside (a cache snapshot) in the first lower tier, or hot without one."""
+        if self.lower:
+            self._admit(0, keys, blocks)
+        else:
+            self.hot.put_sync(keys, blocks)
+
     def persist(self) -> int:
         """Writes every cached block above the durable tier into it (at shutdown), so that a restarted
         engine finds them. Returns the number of blocks queued."""

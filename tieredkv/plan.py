@@ -1,0 +1,152 @@
+"""Capacity planning before deployment: how many KV blocks each tier holds for a model on a machine, how
+many sequences run before preemption, how many shared prompts each tier keeps. Exact arithmetic from
+the checkpoint's config and tensor headers (no weights are read); `profile` measures one forward."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tieredkv.engine_setup import max_model_len, model_fingerprint, resolve_dtype, resolve_model_dir
+from tieredkv.kv_manager import cdiv
+from tieredkv.models.checks import tensor_shapes
+from tieredkv.models.loader import weight_files
+from tieredkv.models.spec import ModelSpec
+from tieredkv.tiers.cold_format import ColdFormat
+from tieredkv.tiers.cold_txn import disk_cost
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'80GiB', '16 GB', '512MiB', '1e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 80GiB, 512MiB, 16GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    dtype: str
+    block_size: int
+    max_model_len: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    device_memory: int
+    memory_utilization: float
+    activation_bytes: int  # reserved for one step's activations (estimated, or measured with profile)
+    hot_blocks: int
+    warm_blocks: int
+    cold_blocks: int
+    seq_len: int
+    seqs_before_preemption: int  # sequences of seq_len tokens that fit the hot pool at once
+    shared_prompt_len: int
+    shared_prompts: dict  # tier -> distinct shared prompts of shared_prompt_len tokens it keeps
+    measured: bool = False
+
+    @property
+    def tokens(self) -> dict[str, int]:
+        return {t: n * self.block_size for t, n in
+                (("hot", self.hot_blocks), ("warm", self.warm_blocks), ("cold", self.cold_blocks))}
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tokens": self.tokens}
+
+
+def device_memory(device: str) -> int:
+    """The accelerator's memory on CUDA, the machine's RAM elsewhere."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def estimate_activations(spec: ModelSpec, tokens: int, seqs: int, itemsize: int) -> int:
+    """A step's peak activations: one layer's widest tensors for `tokens` tokens, plus fp32 logits."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_token = (2 * spec.hidden_size + q + 2 * kv + 3 * spec.intermediate_size) * itemsize
+    return tokens * per_token + seqs * spec.vocab_size * 4
+
+
+def plan(model: str = "default", device: str = "cpu", device_memory_bytes: int | None = None,
+         memory_utilization: float = 0.9, dtype: str = "auto", block_size: int = 16,
+         max_len: int | None = None, warm_bytes: int = 0, cold_bytes: int = 0, seq_len: int = 4096,
+         shared_prompt_len: int = 1024, max_num_batched_tokens: int = 1024, max_num_seqs: int = 64,
+         activation_bytes: int | None = None) -> Plan:
+    model_dir = resolve_model_dir(model)
+    spec = ModelSpec.from_file(model_dir / "config.json")
+    torch_dtype = resolve_dtype(dtype, torch.device(device))
+    item = torch_dtype.itemsize
+    shapes = tensor_shapes(weight_files(model_dir))
+    weights = sum(torch.Size(s).numel() for name, s in shapes.items()
+                  if not (spec.tie_word_embeddings and name.startswith("lm_head."))) * item
+    per_token = spec.kv_elements_per_token * item
+    per_block = per_token * block_size
+    memory = device_memory_bytes if device_memory_bytes is not None else device_memory(device)
+    measured = activation_bytes is not None
+    if activation_bytes is None:
+        activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, item)
+    hot = max(int(memory * memory_utilization) - weights - activation_bytes, 0) // per_block
+    block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
+    fingerprint = model_fingerprint(model_dir, torch_dtype, block_size)
+    entry = disk_cost(ColdFormat.entry_bytes(block_shape, torch_dtype, fingerprint, block_size))
+    prompt_blocks = max(shared_prompt_len // block_size, 1)
+    tiers = {"hot": hot, "warm": warm_bytes // per_block, "cold": cold_bytes // entry}
+    return Plan(
+        model=model_dir.name, dtype=str(torch_dtype).removeprefix("torch."), block_size=block_size,
+        max_model_len=max_model_len(spec, max_len), weight_bytes=weights, kv_bytes_per_token=per_token,
+        kv_bytes_per_block=per_block, device_memory=memory, memory_utilization=memory_utilization,
+        activation_bytes=activation_bytes, hot_blocks=hot, warm_blocks=tiers["warm"], cold_blocks=tiers["cold"],
+        seq_len=seq_len, seqs_before_preemption=hot // cdiv(seq_len, block_size),
+        shared_prompt_len=shared_prompt_len, shared_prompts={t: n // prompt_blocks for t, n in tiers.items()},
+        measured=measured)
+
+
+def profile_activations(model: str, device: str, dtype: str, max_num_batched_tokens: int) -> int:
+    """The dry run: one prefill forward of max_num_batched_tokens tokens on the real device, measuring
+    the memory it needs beyond weights and KV (CUDA's peak allocation; on CPU the growth of the peak RSS)."""
+    import resource
+
+    from tieredkv.config import EngineConfig, SamplingParams
+    from tieredkv.engine_core import EngineCore
+
+    blocks = cdiv(max_num_batched_tokens, 16) + 2
+    core = EngineCore(EngineConfig(model=model, device=device, dtype=dtype, num_blocks=blocks,
+                                   max_num_batched_tokens=max_num_batched_tokens, warm_bytes=0))
+    ids = [(i * 7919) % (core.spec.vocab_size - 10) + 5 for i in range(max_num_batched_tokens)]
+    core.add_request(core.factory.make(ids[:-1], SamplingParams(max_tokens=1)))
+    if core.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(core.device)
+        base = torch.cuda.memory_allocated(core.device)
+        core.step()
+        return torch.cuda.max_memory_allocated(core.device) - base
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    core.step()
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base, 0)
+
+
+def format_plan(p: Plan) -> str:
+    gib = 2**30
+    lines = [
+        f"model {p.model}, {p.dtype}, block size {p.block_size}, max_model_len {p.max_model_len:,}",
+        f"weights            {p.weight_bytes / gib:10.2f} GiB",
+        f"KV per token       {p.kv_bytes_per_token / 1024:10.1f} KiB   per block {p.kv_bytes_per_block / 2**20:.2f} MiB",
+        f"device memory      {p.device_memory / gib:10.2f} GiB x {p.memory_utilization:.2f}",
+        f"activations        {p.activation_bytes / gib:10.2f} GiB ({'measured' if p.measured else 'estimated'})",
+        "",
+        f"{'tier':<8}{'blocks':>14}{'tokens':>16}{f'prompts of {p.shared_prompt_len}':>20}",
+    ]
+    for tier, tokens in p.tokens.items():
+        blocks = getattr(p, f"{tier}_blocks")
+        lines.append(f"{tier:<8}{blocks:>14,}{tokens:>16,}{p.shared_prompts[tier]:>20,}")
+    lines += ["", f"sequences of {p.seq_len:,} tokens running at once before preemption: {p.seqs_before_preemption:,}"]
+    return "\n".join(lines)
