@@ -1,4 +1,5 @@
-"""Command line: `python -m tieredkv demo`, `python -m tieredkv generate PROMPT`, `tieredkv serve`."""
+"""Command line (`tieredkv ...` or `python -m tieredkv ...`): demo, generate, chat, serve, plan, explain,
+cache inspect|clear|export|import, bench. Every command has --help."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from importlib.resources import files
 
 from tieredkv.config import EngineConfig, SamplingParams
+from tieredkv.cli_tools import add_parsers
 from tieredkv.engine import AsyncEngine
 
 DEMO_QUESTIONS = [
@@ -102,8 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-queued", type=int, default=256, help="requests waiting beyond that get HTTP 429")
     p.add_argument("--cold-path", default=None, help="directory of the disk tier (off by default)")
     p.set_defaults(func=serve)
+    add_parsers(sub)
     args = parser.parse_args(argv)
     try:
-        asyncio.run(args.func(args))
+        result = args.func(args)
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
     except KeyboardInterrupt:
         sys.exit(130)

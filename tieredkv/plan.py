@@ -112,9 +112,8 @@ def plan(model: str = "default", device: str = "cpu", device_memory_bytes: int |
 
 def profile_activations(model: str, device: str, dtype: str, max_num_batched_tokens: int) -> int:
     """The dry run: one prefill forward of max_num_batched_tokens tokens on the real device, measuring
-    the memory it needs beyond weights and KV (CUDA's peak allocation; on CPU the growth of the peak RSS)."""
-    import resource
-
+    the memory it needs beyond weights and KV: CUDA's peak allocation, or on Linux CPUs the growth of the
+    resident set's high-water mark (reset first through /proc/self/clear_refs)."""
     from tieredkv.config import EngineConfig, SamplingParams
     from tieredkv.engine_core import EngineCore
 
@@ -129,9 +128,16 @@ def profile_activations(model: str, device: str, dtype: str, max_num_batched_tok
         base = torch.cuda.memory_allocated(core.device)
         core.step()
         return torch.cuda.max_memory_allocated(core.device) - base
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    base = _status_kib("VmRSS")
     core.step()
-    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base, 0)
+    return max(_status_kib("VmHWM") - base, 0) * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def format_plan(p: Plan) -> str:
