@@ -142,6 +142,7 @@ async def main(args) -> dict:
     core = engine.core
     vocab = core.spec.vocab_size
     requests = make_requests(args.requests, vocab)
+    results["requests"] = len(requests)
     out_tokens = sum(n for _, n in requests)
     print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, {out_tokens} output tokens")
     hf = await engine.run_in_worker(load_hf, core.model_dir)

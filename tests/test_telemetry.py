@@ -151,3 +151,17 @@ asyncio.run(main())
     assert 'tieredkv_generated_tokens_total' in text and 'tieredkv_requests_total{' in text
     assert 'gen_ai_server_time_to_first_token_seconds_bucket{' in text
     assert 'tieredkv_kv_cache_usage_ratio{' in text or 'tieredkv_kv_cache_usage{' in text
+
+
+async def test_a_promotion_is_a_span_event_with_counts(otel, llama_dir):
+    exporter, _ = otel
+    exporter.clear()
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=12, warm_bytes=64 * 3 * 2 * 16 * 2 * 16 * 4)
+    prompt = list(range(3, 3 + 64)) + [5]
+    async with await AsyncEngine.start(cfg) as engine:
+        await engine.generate(prompt, SamplingParams(max_tokens=1))
+        await engine.generate(list(range(100, 290)), SamplingParams(max_tokens=1))  # evicts the prompt to warm
+        out = await engine.generate(prompt, SamplingParams(max_tokens=1))
+    assert out.usage.cached_tokens_by_tier["warm"] == 64
+    promoted = [e for s in exporter.get_finished_spans() for e in s.events if e.name == "promoted"]
+    assert [dict(e.attributes) for e in promoted] == [{"tieredkv.promoted_tokens.warm": 64}]

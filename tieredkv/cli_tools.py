@@ -128,7 +128,7 @@ def plot_results(results: dict, out: Path) -> list[Path]:
     values = [results["engine_tok_s"], results["hf_static16_tok_s"], results["hf_single_tok_s"]]
     a.bar(names, values, color=["tab:blue", "tab:gray", "tab:gray"])
     a.set_ylabel("output tokens / s")
-    a.set_title(f"{results.get('requests', '')} requests at once")
+    a.set_title(f"{results['requests']} mixed requests at once" if "requests" in results else "mixed requests at once")
     b.bar(["cold prefix", "cached prefix"], [results["ttft_cold_s"], results["ttft_warm_s"]],
           color=["tab:gray", "tab:blue"])
     b.set_ylabel("time to first token (s)")

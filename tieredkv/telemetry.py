@@ -82,6 +82,10 @@ class Telemetry:
             req.admitted_time = now
             self.queue_time.record(now - req.arrival_time)
             _event(req, "admitted", {f"tieredkv.cached_tokens.{t}": n for t, n in req.cached_tokens_by_tier.items()})
+            promoted = {f"tieredkv.promoted_tokens.{t}": n for t, n in req.cached_tokens_by_tier.items()
+                        if t != "hot" and n}
+            if promoted:
+                _event(req, "promoted", promoted)
         else:
             _event(req, "resumed", {"tieredkv.sample": seq.index})
 
