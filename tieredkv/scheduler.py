@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from tieredkv.kv_manager import KVCacheManager
 from tieredkv.sequence import Sequence, SeqStatus
-from tieredkv.tiers.lookup import Lookup
+from tieredkv.tiers.lookup import Lookup, count_lookup
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.moves import SWAP_OUT, BlockMove, Restore
 
@@ -120,7 +120,8 @@ class Scheduler:
             if req.num_cached_tokens is None:
                 promoted = restore.by_tier if restore else {}
                 if self.tiers is not None:
-                    self.tiers.count_lookup(len(cached), promoted, seq.num_prompt_tokens)
+                    count_lookup([self.tiers.hot, *self.tiers.lower], {"hot": len(cached), **promoted},
+                                 seq.num_prompt_tokens, self.kv.block_size)
                 by_tier = {"hot": len(cached) * self.kv.block_size}
                 by_tier.update({name: blocks * self.kv.block_size for name, blocks in promoted.items()})
                 req.cached_tokens_by_tier = by_tier

@@ -51,18 +51,15 @@ class Telemetry:
         self.generated_tokens = m.create_counter("tieredkv.generated_tokens", unit="{token}")
         self.preemptions = m.create_counter("tieredkv.preemptions", unit="{sequence}",
                                             description="preempted sequences, by kind (swap, recompute)")
-        self.ttft = m.create_histogram("gen_ai.server.time_to_first_token", unit="s",
-                                       explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
-        self.itl = m.create_histogram("gen_ai.server.time_per_output_token", unit="s",
-                                      explicit_bucket_boundaries_advisory=TOKEN_LATENCY_BUCKETS)
-        self.e2e = m.create_histogram("gen_ai.server.request.duration", unit="s",
-                                      explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
-        self.queue_time = m.create_histogram("tieredkv.request.queue_time", unit="s",
-                                             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
-        self.step_duration = m.create_histogram("tieredkv.step.duration", unit="s",
-                                                explicit_bucket_boundaries_advisory=TOKEN_LATENCY_BUCKETS)
-        self.step_tokens = m.create_histogram("tieredkv.step.tokens", unit="{token}",
-                                              explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
+        def histogram(name: str, unit: str, buckets: list[float]):
+            return m.create_histogram(name, unit=unit, explicit_bucket_boundaries_advisory=buckets)
+
+        self.ttft = histogram("gen_ai.server.time_to_first_token", "s", LATENCY_BUCKETS)
+        self.itl = histogram("gen_ai.server.time_per_output_token", "s", TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("gen_ai.server.request.duration", "s", LATENCY_BUCKETS)
+        self.queue_time = histogram("tieredkv.request.queue_time", "s", LATENCY_BUCKETS)
+        self.step_duration = histogram("tieredkv.step.duration", "s", TOKEN_LATENCY_BUCKETS)
+        self.step_tokens = histogram("tieredkv.step.tokens", "{token}", TOKEN_BUCKETS)
         self.engine_id = str(next(_ids))
         _LIVE.add(self)
         with _REGISTERED:

@@ -93,3 +93,13 @@ def finish_lookup(lookup: Lookup, block_size: int, bottom: KVTier) -> Restore | 
     if not parts:
         return None
     return Restore(lookup.start, i * block_size, lookup.keys[:i], parts)
+
+
+def count_lookup(tiers: list[KVTier], by_tier: dict[str, int], num_queried_tokens: int, block_size: int) -> None:
+    """Records a request's first admission on each tier, top to bottom: the tokens it served (hits), and
+    the tokens it was asked for but did not have (misses). by_tier: blocks served per tier name."""
+    remaining = num_queried_tokens
+    for tier in tiers:
+        n = by_tier.get(tier.name, 0) * block_size
+        tier.count(hits=n, misses=remaining - n)
+        remaining -= n

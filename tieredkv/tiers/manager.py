@@ -171,14 +171,6 @@ class TierManager:
             return None
         return finish_lookup(lookup, self.block_size, self.lower[-1])
 
-    def count_lookup(self, num_hot: int, by_tier: dict[str, int], num_queried_tokens: int) -> None:
-        """Records a request's first admission: hits per tier, and misses of what each tier was asked."""
-        bs, remaining = self.block_size, num_queried_tokens
-        for tier in (self.hot, *self.lower):
-            n = num_hot if tier is self.hot else by_tier.get(tier.name, 0)
-            tier.count(hits=n * bs, misses=remaining - n * bs)
-            remaining -= n * bs
-
     # -- swap -------------------------------------------------------------------------------------
 
     def reserve_swap(self, n: int) -> list[int] | None:
