@@ -133,6 +133,7 @@ async def test_engine_through_triton_kernels_matches_reference_kernels(llama_dir
                            device=DEVICE, max_num_batched_tokens=16)
         async with await AsyncEngine.start(cfg) as engine:
             assert engine.core.runner.ops.name == backend
+            assert engine.core.runner.warmed_up == (backend == "triton")  # kernels compiled at start-up
             outs[backend] = [(await engine.generate(p, params)).outputs[0].token_ids for p in prompts]
     assert outs["triton"] == outs["torch"]
 
@@ -175,3 +176,74 @@ async def test_default_model_on_cuda_kernels_match_references():
             outs[backend] = [(await engine.generate(c, SamplingParams(max_tokens=32))).outputs[0].token_ids
                              for c in chats]
     assert outs["triton"] == outs["torch"]
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 112])
+def test_head_dims_that_are_not_powers_of_two(head_dim):
+    block_size, kv_heads, group = 16, 2, 2
+    kc, vc = make_cache(12, block_size, kv_heads, head_dim, seed=4)
+    lens = [40, 7]
+    tables = make_tables(lens, block_size, 12, seed=4)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, kv_heads * group, head_dim, device=DEVICE)
+    torch.testing.assert_close(triton_ops.decode_attention(q, kc, vc, tables, ctx, 0.1),
+                               decode_attention_ref(q, kc, vc, tables, ctx, 0.1), atol=ATOL, rtol=0)
+    torch.testing.assert_close(triton_ops.decode_attention(q, kc, vc, tables, ctx, 0.1, tokens_per_split=16),
+                               decode_attention_ref(q, kc, vc, tables, ctx, 0.1), atol=ATOL, rtol=0)
+    qp = torch.randn(12, kv_heads * group, head_dim, device=DEVICE)  # 5 + 7 new tokens after 35 and 0 cached
+    starts = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    plens = torch.tensor([40, 7], dtype=torch.int32, device=DEVICE)
+    torch.testing.assert_close(triton_ops.prefill_attention(qp, kc, vc, tables, starts, plens, 0.1),
+                               prefill_attention_ref(qp, kc, vc, tables, starts, plens, 0.1), atol=ATOL, rtol=0)
+
+
+def test_block_offsets_past_2_31_elements():
+    """A pool whose `block id * block stride` passes 2**31: the kernels address it in int64. The view is
+    cheap: untouched pages of a large allocation cost no memory."""
+    block_size, kv_heads, head_dim = 16, 1, 16  # 256 elements a block
+    num_blocks = (1 << 31) // 256 + 64
+    kc = torch.empty(num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
+    vc = torch.empty(num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
+    top = [num_blocks - 3, num_blocks - 1]
+    g = torch.Generator().manual_seed(5)
+    for b in top:
+        kc[b] = torch.randn(block_size, kv_heads, head_dim, generator=g).to(DEVICE)
+        vc[b] = torch.randn(block_size, kv_heads, head_dim, generator=g).to(DEVICE)
+    tables = torch.tensor([top], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, 1, head_dim, device=DEVICE)
+    torch.testing.assert_close(triton_ops.decode_attention(q, kc, vc, tables, ctx, 0.25),
+                               decode_attention_ref(q, kc, vc, tables, ctx, 0.25), atol=ATOL, rtol=0)
+    key, value = torch.randn(1, kv_heads, head_dim, device=DEVICE), torch.randn(1, kv_heads, head_dim, device=DEVICE)
+    slot = torch.tensor([(num_blocks - 2) * block_size + 5], device=DEVICE)
+    triton_ops.store_kv(key, value, kc, vc, slot)
+    assert torch.equal(kc[num_blocks - 2, 5], key[0]) and torch.equal(vc[num_blocks - 2, 5], value[0])
+
+
+def test_one_plan_per_step_shares_split_size_and_scratch_across_layers():
+    block_size, head_dim, kv_heads, group = 16, 64, 1, 3
+    kc, vc = make_cache(24, block_size, kv_heads, head_dim, seed=6)
+    lens = [300, 20]
+    tables = make_tables(lens, block_size, 24, seed=6)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    plan = triton_ops.plan_decode(tables, ctx, block_size, torch.float32)
+    ref = decode_attention_ref(torch.ones(2, 3, head_dim, device=DEVICE), kc, vc, tables, ctx, 0.1)
+    outs, scratch = [], []
+    for _ in range(3):  # three "layers"
+        outs.append(triton_ops.decode_attention(torch.ones(2, 3, head_dim, device=DEVICE), kc, vc, tables, ctx, 0.1,
+                                                plan=plan))
+        scratch.append(plan.scratch[0].data_ptr())
+    assert len(set(scratch)) == 1 and plan.tokens_per_split % triton_ops.DECODE_BLOCK_N == 0
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def test_split_choice_fills_the_device_and_skips_the_merge_when_one_split_does():
+    cpu = torch.device("cpu")
+    assert triton_ops.choose_split(64, 4000, cpu) >= 4000  # the batch fills it: one split, no merge
+    several = triton_ops.choose_split(1, 4000, cpu)
+    assert several < 4000 and several % triton_ops.DECODE_BLOCK_N == 0
+    with pytest.raises(AssertionError, match="multiple of"):
+        kc, vc = make_cache(4, 16, 1, 64)
+        triton_ops.decode_attention(torch.randn(1, 1, 64), kc, vc, torch.zeros(1, 4, dtype=torch.int32),
+                                    torch.tensor([30], dtype=torch.int32), 0.1, tokens_per_split=100)

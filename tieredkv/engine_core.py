@@ -43,6 +43,8 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this (worker) thread's current device: "cuda:N" means N
         if self.device.type == "cpu" and config.cpu_malloc_tuning:
             tune_glibc_malloc()
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -67,6 +69,8 @@ class EngineCore:
         self.tiers = build_tiers(config, spec, self.pool, self.kv_cache, ops, self.fingerprint)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops)
+        if ops.name == "triton":
+            self.runner.warmup()  # compile every kernel variant now, not on the first request
         self.pins = PinTable(self.kv, int(self.num_blocks * config.max_pinned_fraction))
         self.requests: dict[str, Request] = {}
         self.telemetry = Telemetry()

@@ -20,6 +20,7 @@ class ModelRunner:
         self.block_size = block_size
         self.ops = ops
         self.device = kv_cache.device
+        self.warmed_up = False
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
         """Builds the batch; returns it with the sequences whose next token is sampled this step,
@@ -69,6 +70,25 @@ class ModelRunner:
             attn=attn,
         )
         return batch, sampled
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One forward with a decode and a prefill chunk over block 0 (free at start-up, so nothing is
+        lost), so that every kernel variant a step uses is compiled before the first request."""
+        bs, n = self.block_size, min(self.block_size, 4)
+        tables = self._tensor([0], torch.int32).reshape(1, 1)
+        lens = self._tensor([1], torch.int32)
+        attn = AttentionMetadata(
+            num_decode_tokens=1, decode_block_tables=tables, decode_context_lens=lens, max_decode_context_len=1,
+            prefill_block_tables=tables, prefill_query_start_loc=self._tensor([0, n], torch.int32),
+            prefill_context_lens=self._tensor([n], torch.int32), max_prefill_query_len=n,
+            decode_plan=self.ops.plan_decode(tables, lens, bs, self.kv_cache.dtype) if self.ops.plan_decode else None)
+        batch = ForwardBatch(input_ids=self._tensor([0] * (n + 1), torch.int64),
+                             positions=self._tensor([0] + list(range(n)), torch.int64),
+                             slot_mapping=self._tensor([0] + list(range(n)), torch.int64),
+                             logits_indices=self._tensor([0, n], torch.int64), attn=attn)
+        self.model(batch, self.kv_cache, self.ops)
+        self.warmed_up = True
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -42,7 +42,7 @@ def _store_kv_kernel(
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
-        blk = slot // BLOCK_SIZE
+        blk = (slot // BLOCK_SIZE).to(tl.int64)  # block * stride passes 2**31 in a large pool
         off = slot % BLOCK_SIZE
         i = tl.arange(0, HD_PAD)
         h = i // HEAD_DIM
@@ -76,15 +76,18 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 @triton.jit
-def _load_kv_tile(key_cache_ptr, value_cache_ptr, table_ptr, offs, valid, kv_head, d,
+def _load_kv_tile(key_cache_ptr, value_cache_ptr, table_ptr, offs, valid, kv_head, d, d_ok,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE: tl.constexpr):
-    """K and V [len(offs), D] of one KV head at token positions offs, read through a block table."""
-    blk = tl.load(table_ptr + offs // BLOCK_SIZE, mask=valid, other=0)
+    """K and V [len(offs), D_PAD] of one KV head at token positions offs, read through a block table;
+    columns past the head dim (d_ok false) read as zeros. Block offsets in int64: a large pool's
+    `block id * stride` passes 2**31."""
+    blk = tl.load(table_ptr + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     slot = offs % BLOCK_SIZE
+    mask = valid[:, None] & d_ok[None, :]
     k = tl.load(key_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-                + d[None, :], mask=valid[:, None], other=0.0)
+                + d[None, :], mask=mask, other=0.0)
     v = tl.load(value_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                + d[None, :], mask=valid[:, None], other=0.0)
+                + d[None, :], mask=mask, other=0.0)
     return k, v
 
 
@@ -107,13 +110,16 @@ def _attend_tile(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION: tl.constexpr
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     scale,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
+    """Program (b, kv head, split) attends its split of the context; with DIRECT (one split) it writes
+    the output itself and no merge runs."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,50 +128,79 @@ def _decode_split_kernel(
     if start < ctx:
         end = tl.minimum(start + TOKENS_PER_SPLIT, ctx)
         g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, HD_PAD)
+        d_ok = d < HEAD_DIM
         heads = kv_head * GROUP + g
         g_mask = g < GROUP
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+        qmask = g_mask[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HD_PAD], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             valid = offs < end
             k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + b * stride_bt, offs, valid,
-                                 kv_head, d, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 kv_head, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                  BLOCK_SIZE)
             m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, scale, PRECISION)
         out = acc / l_i[:, None]
-        tl.store(part_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :], out,
-                 mask=g_mask[:, None])
-        tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=g_mask)
+        if DIRECT:
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=qmask)
+        else:
+            tl.store(part_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
+                     out, mask=qmask)
+            tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=g_mask)
 
 
 @triton.jit
 def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + b)
     num_splits = (ctx + TOKENS_PER_SPLIT - 1) // TOKENS_PER_SPLIT
     s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HD_PAD)
+    d_ok = d < HEAD_DIM
     live = s < num_splits
     lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + s, mask=live, other=float("-inf"))
     weight = tl.exp(lse - tl.max(lse, 0))
     weight = tl.where(live, weight, 0.0)
     parts = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                    mask=live[:, None], other=0.0)
+                    mask=live[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+class DecodePlan:
+    """One step's split-K layout and scratch, made by plan_decode and reused by every layer: the split
+    size is chosen once (from the batch and the device), the partial-result buffers allocated once."""
+
+    def __init__(self, max_context_len: int):
+        self.max_context_len = max_context_len
+        self.tokens_per_split: int | None = None
+        self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def plan_decode(block_tables, context_lens, block_size, dtype) -> DecodePlan:
+    return DecodePlan(int(context_lens.max()) if context_lens.numel() else 0)
+
+
+def choose_split(programs: int, max_context_len: int, device: torch.device) -> int:
+    """Tokens per split so that the grid has about two programs per multiprocessor (one split when the
+    batch alone fills the device), a multiple of the kernel's tile."""
+    cores = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    splits = max(1, min(triton.cdiv(2 * cores, max(programs, 1)), triton.cdiv(max_context_len, DECODE_BLOCK_N)))
+    return triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
 
 
 def decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
-                     plan=None, tokens_per_split: int = DECODE_TOKENS_PER_SPLIT):
+                     plan: DecodePlan | None = None, tokens_per_split: int | None = None):
     _check_cache(key_cache, value_cache)
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -173,29 +208,40 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
     assert query.stride(-1) == 1 and query.dtype == key_cache.dtype
     assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.stride(-1) == 1
     assert context_lens.shape == (batch,) and not block_tables.is_floating_point()
-    assert tokens_per_split % DECODE_BLOCK_N == 0 or tokens_per_split < DECODE_BLOCK_N
-    if max_context_len is None:
-        max_context_len = int(context_lens.max())
+    plan = plan or DecodePlan(max_context_len if max_context_len is not None else int(context_lens.max()))
+    if tokens_per_split is None:
+        if plan.tokens_per_split is None:
+            plan.tokens_per_split = choose_split(batch * num_kv_heads, plan.max_context_len, query.device)
+        tokens_per_split = plan.tokens_per_split
+    assert tokens_per_split > 0 and (tokens_per_split % DECODE_BLOCK_N == 0 or tokens_per_split < DECODE_BLOCK_N), \
+        f"tokens_per_split must be a multiple of {DECODE_BLOCK_N} (or below it), got {tokens_per_split}"
     group = num_heads // num_kv_heads
-    num_splits = max(triton.cdiv(max_context_len, tokens_per_split), 1)
+    num_splits = max(triton.cdiv(plan.max_context_len, tokens_per_split), 1)
     out = torch.empty_like(query)
-    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
-    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    shape = (batch, num_heads, num_splits, head_dim)
+    if plan.scratch is None or plan.scratch[0].shape != shape or plan.scratch[0].device != query.device:
+        plan.scratch = (torch.empty(shape, dtype=torch.float32, device=query.device),
+                        torch.empty(shape[:3], dtype=torch.float32, device=query.device))
+    part_out, part_lse = plan.scratch
+    hd_pad = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, context_lens, part_out, part_lse, scale,
+        query, key_cache, value_cache, block_tables, context_lens, part_out, part_lse, out, scale,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=min(DECODE_BLOCK_N, max(16, tokens_per_split)), TOKENS_PER_SPLIT=tokens_per_split,
-        PRECISION=_dot_precision(query.dtype),
-    )
-    _decode_merge_kernel[(batch, num_heads)](
-        part_out, part_lse, context_lens, out,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), TOKENS_PER_SPLIT=tokens_per_split,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=hd_pad, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=min(DECODE_BLOCK_N, max(16, tokens_per_split)),
+        TOKENS_PER_SPLIT=tokens_per_split, PRECISION=_dot_precision(query.dtype), DIRECT=num_splits == 1,
     )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_out, part_lse, context_lens, out,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HD_PAD=hd_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            TOKENS_PER_SPLIT=tokens_per_split,
+        )
     return out
 
 
@@ -208,7 +254,7 @@ def _prefill_kernel(
     scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_ot, stride_oh,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -223,24 +269,25 @@ def _prefill_kernel(
         rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         q_pos = prefix + rows
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, HD_PAD)
+        d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_M, HD_PAD], tl.float32)
         key_end = tl.minimum(prefix + (m_tile + 1) * BLOCK_M, ctx)
         for n0 in range(0, key_end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             valid = offs < key_end
             k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + b * stride_bt, offs, valid,
-                                 kv_head, d, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 kv_head, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                  BLOCK_SIZE)
             allowed = valid[None, :] & (offs[None, :] <= q_pos[:, None])
             m_i, l_i, acc = _attend_tile(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
@@ -260,8 +307,9 @@ def prefill_attention(query, key_cache, value_cache, block_tables, query_start_l
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads,
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, PRECISION=_dot_precision(query.dtype),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=triton.next_power_of_2(head_dim),
+        GROUP=num_heads // num_kv_heads, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+        PRECISION=_dot_precision(query.dtype),
     )
     return out
 
@@ -340,4 +388,5 @@ TRITON_OPS = KernelOps(
     copy_blocks=copy_blocks,
     gather_blocks=gather_blocks,
     scatter_blocks=scatter_blocks,
+    plan_decode=plan_decode,
 )
