@@ -34,6 +34,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(1024, ge=1)
     enable_prefix_caching: bool = True
+    cascade_attention: bool = Field(True, description="decode sequences sharing a cached prefix read it once per "
+                                    "step (where it pays; see kernels/cascade.py)")
     attention_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description='"auto": Triton kernels on CUDA, torch reference elsewhere'
     )

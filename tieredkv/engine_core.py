@@ -68,7 +68,7 @@ class EngineCore:
             self.model.pack_linear_weights(ops.pack_linear_weight)
         self.tiers = build_tiers(config, spec, self.pool, self.kv_cache, ops, self.fingerprint)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops, config.cascade_attention)
         if ops.name == "triton":
             self.runner.warmup()  # compile every kernel variant now, not on the first request
         self.pins = PinTable(self.kv, int(self.num_blocks * config.max_pinned_fraction))

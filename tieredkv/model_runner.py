@@ -6,6 +6,7 @@ import torch
 
 from tieredkv.batch import AttentionMetadata, ForwardBatch
 from tieredkv.kernels import KernelOps
+from tieredkv.kernels.cascade import shared_prefixes
 from tieredkv.models.llama import LlamaModel
 from tieredkv.scheduler import SchedulerOutput
 from tieredkv.sequence import Sequence
@@ -14,12 +15,14 @@ from tieredkv.sequence import Sequence
 class ModelRunner:
     """Owns the KV cache tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops: KernelOps):
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops: KernelOps,
+                 cascade: bool = True):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.ops = ops
         self.device = kv_cache.device
+        self.cascade = cascade
         self.warmed_up = False
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
@@ -50,7 +53,11 @@ class ModelRunner:
         decode_lens = self._tensor([s.num_computed_tokens + 1 for s, _ in decodes], torch.int32)
         plan = None
         if decodes and self.ops.plan_decode is not None:
-            plan = self.ops.plan_decode(decode_tables, decode_lens, bs, self.kv_cache.dtype)
+            prefixes = None
+            if self.cascade and len(decodes) > 1:
+                prefixes = shared_prefixes([[b.block_id for b in s.block_table] for s, _ in decodes],
+                                           [s.num_computed_tokens + 1 for s, _ in decodes], bs)
+            plan = self.ops.plan_decode(decode_tables, decode_lens, bs, self.kv_cache.dtype, prefixes)
         attn = AttentionMetadata(
             num_decode_tokens=len(decodes),
             decode_block_tables=decode_tables,

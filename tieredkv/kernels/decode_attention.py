@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tieredkv.kernels.cascade import CascadePlan, cascade_attention, plan_cascades
+
 # One more group (two gathers and an SDPA call per layer) costs about as much as attending this many
 # extra key positions in one sequence, on CPU (tens of microseconds of call overhead per group vs
 # about half a microsecond per key position for 9 heads of 64); 64 to 512 measured alike here.
@@ -52,14 +54,28 @@ class _Group:
     mask: torch.Tensor | None  # [n, 1, 1, length] additive (0 or -inf), None when all contexts in the group are equal
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                dtype: torch.dtype) -> list[_Group]:
+@dataclass
+class DecodePlanRef:
+    """One step's decode attention plan: length groups of the sequences attended alone, and cascade
+    groups of sequences that share a prefix (see kernels/cascade.py)."""
+
+    groups: list[_Group]
+    cascades: CascadePlan | None
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype,
+                prefixes: list[tuple[list[int], int]] | None = None) -> DecodePlanRef:
     """The groups, gather ids and masks of one step's decode batch, made once (ModelRunner.prepare puts it
     in the batch) and shared by its layers. Masks are additive in the query's dtype: SDPA would
-    otherwise convert a boolean mask in every layer."""
+    otherwise convert a boolean mask in every layer. `prefixes` (cascade.shared_prefixes) are attended
+    as cascades; the other rows by length group."""
+    cascades = plan_cascades(block_tables, context_lens, block_size, dtype, prefixes) if prefixes else None
+    in_cascade = {r for rows, _ in prefixes or () for r in rows}
     lens = context_lens.tolist()
+    alone = [i for i in range(len(lens)) if i not in in_cascade]
     plan = []
-    for group in length_groups(tuple(lens), block_size):
+    for members in length_groups(tuple(lens[i] for i in alone), block_size) if alone else ():
+        group = tuple(alone[j] for j in members)
         first, last_row = group[0], group[-1]
         if list(group) == list(range(first, last_row + 1)):  # a run of the batch (the runner sorts by length)
             rows: slice | torch.Tensor = slice(first, last_row + 1)
@@ -75,7 +91,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
             mask = torch.zeros(past.shape, dtype=dtype, device=past.device).masked_fill_(past, float("-inf"))
             mask = mask[:, None, None, :]
         plan.append(_Group(rows, block_tables[rows, :num_blocks].reshape(-1), num_blocks, length, mask))
-    return plan
+    return DecodePlanRef(plan, cascades)
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int, length: int) -> torch.Tensor:
@@ -99,7 +115,7 @@ def decode_attention_ref(
     context_lens: torch.Tensor,  # [B] int, >= 1
     scale: float,
     max_context_len: int | None = None,
-    plan: list[_Group] | None = None,
+    plan: DecodePlanRef | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Plain-torch reference: the query attends to the first context_lens[b] cached tokens of its sequence.
     Sequences of similar length are attended together (see length_groups), as `plan` (plan_decode's,
@@ -109,9 +125,11 @@ def decode_attention_ref(
     num_kv_heads = key_cache.shape[2]
     if plan is None:
         plan = plan_decode(block_tables, context_lens, key_cache.shape[1], query.dtype)
-    whole = len(plan) == 1 and isinstance(plan[0].rows, slice)  # one group, in batch order
+    whole = plan.cascades is None and len(plan.groups) == 1 and isinstance(plan.groups[0].rows, slice)  # in order
     out = None if whole else torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    for g in plan:
+    if plan.cascades is not None:
+        out[plan.cascades.rows] = cascade_attention(query, key_cache, value_cache, plan.cascades, scale)
+    for g in plan.groups:
         q = query[g.rows]
         n = q.shape[0]
         k = _gather(key_cache, g.ids, n, g.num_blocks, g.length)  # [n, Hkv, L, D]

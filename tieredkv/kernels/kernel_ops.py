@@ -15,7 +15,9 @@ class KernelOps:
     `linear` is the dense-layer function (F.linear's signature) picked for the weights' device and dtype;
     `pack_linear_weight`, when not None, turns a weight into the layout `linear` reads best, once at
     load time (see LlamaModel.pack_linear_weights). `plan_decode(block_tables, context_lens, block_size,
-    dtype)`, when not None, builds what `decode_attention(..., plan=)` reuses in every layer of a step.
+    dtype, prefixes)`, when not None, builds what `decode_attention(..., plan=)` reuses in every layer of a
+    step; `prefixes` are the decode rows that share leading blocks (kernels/cascade.py), for a kernel set
+    that attends them together.
     """
 
     name: str

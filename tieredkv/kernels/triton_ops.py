@@ -187,7 +187,8 @@ class DecodePlan:
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def plan_decode(block_tables, context_lens, block_size, dtype) -> DecodePlan:
+def plan_decode(block_tables, context_lens, block_size, dtype, prefixes=None) -> DecodePlan:
+    """The step's plan; shared prefixes are attended per sequence here (no cascade kernel yet)."""
     return DecodePlan(int(context_lens.max()) if context_lens.numel() else 0)
 
 

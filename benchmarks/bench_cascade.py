@@ -1,0 +1,103 @@
+"""Shared-prefix (cascade) decode attention on the chatbot pattern, default model, one run side by side:
+4 system prompts of 1,024 tokens x 8 conversations (32-token questions, 32 output tokens), all at once.
+
+    .venv/bin/python benchmarks/bench_cascade.py            # with transformers one at a time (~5 min more)
+    .venv/bin/python benchmarks/bench_cascade.py --no-hf
+
+Reports output tok/s and median TTFT for the engine with grouping on and off (and transformers one
+request at a time), and the mean duration of the decode steps that run all 32 sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+import torch
+
+from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+
+
+def workload(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(0)
+    systems = [[rng.randrange(100, vocab) for _ in range(1024)] for _ in range(4)]
+    convs = [systems[i % 4] + [rng.randrange(100, vocab) for _ in range(32)] for i in range(32)]
+    return systems, convs
+
+
+async def run_engine(cascade: bool) -> dict:
+    cfg = EngineConfig(model="default", max_num_seqs=64, cascade_attention=cascade, warm_bytes=0)
+    async with await AsyncEngine.start(cfg) as engine:
+        systems, convs = workload(engine.core.spec.vocab_size)
+        for s in systems:  # the system prompts are cached, as a chatbot's are
+            await engine.generate(s + [5], SamplingParams(max_tokens=1))
+        core, steps = engine.core, []
+        inner = core.step
+
+        def timed():
+            decoding = len(core.scheduler.running) == 32 and not core.scheduler.waiting
+            t0 = time.perf_counter()
+            out = inner()
+            if decoding:
+                steps.append(time.perf_counter() - t0)
+            return out
+
+        core.step = timed
+        ttfts = []
+
+        async def one(prompt):
+            t0, first, n = time.perf_counter(), None, 0
+            async for chunk in engine.stream(prompt, SamplingParams(max_tokens=32, ignore_eos=True)):
+                first = first or time.perf_counter() - t0
+                n += len(chunk.token_ids)
+            ttfts.append(first)
+            return n
+
+        t0 = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(c) for c in convs)))
+        seconds = time.perf_counter() - t0
+        return {"tok_s": tokens / seconds, "ttft": statistics.median(ttfts),
+                "step_ms": 1000 * statistics.mean(steps) if steps else float("nan"), "steps": len(steps)}
+
+
+def run_hf() -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from tieredkv.models.gguf_convert import default_model_dir
+
+    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=torch.float32).eval()
+    _, convs = workload(model.config.vocab_size)
+    t0, ttfts = time.perf_counter(), []
+    with torch.no_grad():
+        for c in convs:
+            x = torch.tensor([c])
+            t1 = time.perf_counter()
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=1, do_sample=False, pad_token_id=0)
+            ttfts.append(time.perf_counter() - t1)
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, min_new_tokens=32,
+                           do_sample=False, pad_token_id=0)
+    seconds = time.perf_counter() - t0 - sum(ttfts)
+    return {"tok_s": 32 * len(convs) / seconds, "ttft": statistics.median(ttfts)}
+
+
+async def main(args) -> None:
+    results = {"engine, grouping on": await run_engine(True), "engine, grouping off": await run_engine(False)}
+    if args.hf:
+        results["transformers one at a time"] = run_hf()
+    print(f"{'run':<30}{'tok/s':>9}{'TTFT p50 s':>12}{'32-seq decode step ms':>24}")
+    for name, r in results.items():
+        print(f"{name:<30}{r['tok_s']:>9.1f}{r['ttft']:>12.3f}{r.get('step_ms', float('nan')):>24.1f}")
+    on, off = results["engine, grouping on"], results["engine, grouping off"]
+    print(f"grouping on / off: throughput {on['tok_s'] / off['tok_s']:.2f}x, decode step {off['step_ms'] / on['step_ms']:.2f}x"
+          f" faster")
+    if args.hf:
+        print(f"vs transformers one at a time: {on['tok_s'] / results['transformers one at a time']['tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-hf", dest="hf", action="store_false")
+    asyncio.run(main(parser.parse_args()))

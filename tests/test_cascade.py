@@ -1,0 +1,106 @@
+"""Shared-prefix (cascade) decode attention equals plain attention, and the engine's outputs on the
+shared-system-prompt pattern equal each conversation run alone."""
+
+import random
+
+import pytest
+import torch
+
+from tieredkv.kernels import cascade
+from tieredkv.kernels.decode_attention import DecodePlanRef, decode_attention_ref, plan_decode
+
+
+def batch(members_per_group, loners, prefix_blocks, bs=16, kv_heads=2, group=3, d=32, seed=0, scattered=False):
+    """Block tables where each group's rows start with the same blocks, then their own; loners alone."""
+    rng = random.Random(seed)
+    next_block = [0]
+
+    def fresh(n):
+        ids = list(range(next_block[0], next_block[0] + n))
+        next_block[0] += n
+        return ids
+
+    tables, lens, groups = [], [], []
+    for g, n in enumerate(members_per_group):
+        shared = fresh(prefix_blocks[g])
+        if scattered:  # the shared blocks are not one run of the pool: the prefix is gathered
+            rng.shuffle(shared)
+        rows = []
+        for _ in range(n):
+            extra = rng.randrange(1, 40)  # the suffix: ends inside a block or on its boundary
+            own = fresh(-(-extra // bs))
+            rows.append(len(tables))
+            tables.append(shared + own)
+            lens.append(len(shared) * bs + extra)
+        groups.append(rows)
+    for _ in range(loners):
+        ctx = rng.randrange(5, 120)
+        tables.append(fresh(-(-ctx // bs)))
+        lens.append(ctx)
+    width = max(map(len, tables))
+    t = torch.tensor([row + [0] * (width - len(row)) for row in tables], dtype=torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(next_block[0], bs, kv_heads, d, generator=g)
+    vc = torch.randn(next_block[0], bs, kv_heads, d, generator=g)
+    q = torch.randn(len(tables), kv_heads * group, d, generator=g)
+    return q, kc, vc, t, torch.tensor(lens, dtype=torch.int32), groups
+
+
+@pytest.mark.parametrize("members, loners, prefix_blocks", [
+    ([1], 0, [4]), ([2], 0, [4]), ([16], 0, [8]), ([3, 5], 4, [4, 6]), ([2, 2, 7], 1, [5, 4, 9]),
+])
+@pytest.mark.parametrize("scattered", [False, True], ids=["one-run", "scattered"])
+def test_cascade_equals_plain_attention(members, loners, prefix_blocks, scattered):
+    q, kc, vc, tables, lens, groups = batch(members, loners, prefix_blocks, seed=len(members) + loners,
+                                            scattered=scattered)
+    plain = decode_attention_ref(q, kc, vc, tables, lens, 0.2, plan=DecodePlanRef(
+        plan_decode(tables, lens, 16, torch.float32).groups, None))
+    prefixes = [(rows, prefix_blocks[i]) for i, rows in enumerate(groups)]
+    plan = plan_decode(tables, lens, 16, torch.float32, prefixes)
+    assert plan.cascades.num_groups == len(groups)
+    got = decode_attention_ref(q, kc, vc, tables, lens, 0.2, plan=plan)
+    torch.testing.assert_close(got, plain, atol=2e-6, rtol=0)
+
+
+def test_shared_prefixes_follows_the_rule():
+    bs = 16
+    common = list(range(10))
+    tables = [common + [100 + i] for i in range(3)] + [[50, 51], common[:2] + [60]]
+    lens = [170, 165, 161, 20, 40]
+    # rows 0-2 share 10 blocks; row 4 shares only 2 with them (below the minimum): it stays alone
+    assert cascade.shared_prefixes(tables, lens, bs) == [([0, 1, 2], 10)]
+    assert cascade.shared_prefixes([common + [1], common + [2]], [170, 170], bs) == [([0, 1], 10)]
+    assert cascade.shared_prefixes([common + [1]], [170], bs) == []  # a group of one
+    assert cascade.shared_prefixes([[1, 2], [1, 3]], [20, 20], bs) == []  # too short to pay
+
+
+async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_alone(llama_dir, monkeypatch):
+    import asyncio
+
+    from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+    from tieredkv.kernels import decode_attention as da
+
+    rng = random.Random(7)
+    systems = [[rng.randrange(3, 300) for _ in range(100)] for _ in range(2)]
+    convs = [systems[i % 2] + [rng.randrange(3, 300) for _ in range(rng.randrange(3, 20))] for i in range(8)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    formed = []
+    real = da.plan_cascades
+
+    def counting(*args):
+        out = real(*args)
+        formed.append(out.num_groups if out is not None else 0)
+        return out
+
+    monkeypatch.setattr(da, "plan_cascades", counting)
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=256, max_num_seqs=16)
+    async with await AsyncEngine.start(cfg) as engine:
+        for s in systems:  # the system prompts are cached first, as a chatbot's are
+            await engine.generate(s + [5], SamplingParams(max_tokens=1))
+        together = await asyncio.gather(*(engine.generate(c, params) for c in convs))
+    assert max(formed) == 2  # both system prompts were attended as cascades
+    alone = []
+    async with await AsyncEngine.start(cfg.model_copy(update={"cascade_attention": False})) as engine:
+        for c in convs:
+            alone.append(await engine.generate(c, params))
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]

@@ -1,0 +1,160 @@
+"""Shared-prefix (cascade) decode attention, plain torch: decode sequences whose block tables start with
+the same physical blocks attend to that shared prefix together, reading its K/V once per step for the
+whole group (one batched matrix product over every query of the group), then each to its own suffix;
+the two halves are merged by log-sum-exp, which equals attention over the whole context up to fp32
+rounding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The rule (benchmarks/bench_cascade.py): grouping pays once a group shares this much, this often.
+MIN_GROUP = 2  # sequences
+MIN_PREFIX_TOKENS = 64
+
+
+def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
+    """(rows, shared full blocks) for the groups of decode rows whose tables start with the same blocks,
+    where grouping pays (MIN_GROUP rows sharing MIN_PREFIX_TOKENS). Rows are taken in the order of their
+    tables, so rows with long common prefixes are neighbours; a row that would shorten its group's
+    prefix below the minimum starts a new group. A shared block is full and computed: the token being
+    decoded is never in one (a shared partial block is copied before it is written)."""
+    min_blocks = -(-MIN_PREFIX_TOKENS // block_size)
+    usable = {r: tables[r][: (lens[r] - 1) // block_size] for r in range(len(tables))}
+    groups, rows, common = [], [], 0
+
+    def close():
+        if len(rows) >= MIN_GROUP and common >= min_blocks:
+            groups.append((sorted(rows), common))
+
+    for r in sorted(usable, key=lambda r: usable[r]):
+        if rows:
+            first = usable[rows[0]]
+            n = 0
+            while n < min(common, len(usable[r])) and usable[r][n] == first[n]:
+                n += 1
+            if n >= min_blocks:
+                rows.append(r)
+                common = n
+                continue
+            close()
+        rows, common = [r], len(usable[r])
+    if rows:
+        close()
+    return groups
+
+
+@dataclass
+class CascadePlan:
+    """Every cascade group of a step, batched: groups padded to the most members and the longest shared
+    prefix, members' suffixes padded to the longest; the masks hide the padding."""
+
+    rows: torch.Tensor  # [M] batch positions of all members, group by group
+    slots: torch.Tensor  # [M] each member's position in the padded [groups x max members] layout
+    members: torch.Tensor  # [groups * max_members] batch rows in that layout (padding repeats a member)
+    prefix_ids: torch.Tensor  # [groups * max_prefix_blocks] shared blocks (padding: block 0, masked)
+    prefix_mask: torch.Tensor  # [groups, 1, 1, max_prefix] additive
+    suffix_ids: torch.Tensor  # [M * max_suffix_blocks] each member's remaining blocks
+    suffix_mask: torch.Tensor  # [M, 1, 1, max_suffix] additive
+    prefix_runs: list[tuple[int, int] | None]  # per group: (first block, blocks) when its prefix is one run
+    num_groups: int
+    max_members: int
+    max_prefix_blocks: int
+    suffix_blocks: int
+    suffix_len: int
+
+
+def plan_cascades(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype,
+                  prefixes: list[tuple[list[int], int]]) -> CascadePlan | None:
+    if not prefixes:
+        return None
+    dev, bs = block_tables.device, block_size
+    max_members = max(len(rows) for rows, _ in prefixes)
+    max_blocks = max(n for _, n in prefixes)
+    rows, slots, members, prefix_ids, prefix_keep, suffix_starts, runs = [], [], [], [], [], [], []
+    for g, (group_rows, n) in enumerate(prefixes):
+        ids = block_tables[group_rows[0], :n].tolist()
+        runs.append((ids[0], n) if ids == list(range(ids[0], ids[0] + n)) else None)
+        rows += group_rows
+        slots += [g * max_members + i for i in range(len(group_rows))]
+        members += group_rows + [group_rows[0]] * (max_members - len(group_rows))
+        prefix_ids += ids + [0] * (max_blocks - n)
+        prefix_keep.append(n * bs)
+        suffix_starts += [n] * len(group_rows)
+    idx = torch.tensor(rows, device=dev)
+    starts = torch.tensor(suffix_starts, device=dev)
+    suffix = context_lens[idx] - starts * bs
+    length = int(suffix.max())
+    nb = -(-length // bs)
+    cols = starts[:, None] + torch.arange(nb, device=dev)[None, :]
+    tables = torch.gather(block_tables[idx], 1, cols.clamp(max=block_tables.shape[1] - 1).to(torch.int64))
+
+    def additive(past: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(past.shape, dtype=dtype, device=dev).masked_fill_(past, float("-inf"))[:, None, None, :]
+
+    keep = torch.tensor(prefix_keep, device=dev)
+    return CascadePlan(
+        rows=idx, slots=torch.tensor(slots, device=dev), members=torch.tensor(members, device=dev),
+        prefix_ids=torch.tensor(prefix_ids, device=dev),
+        prefix_mask=additive(torch.arange(max_blocks * bs, device=dev)[None, :] >= keep[:, None]),
+        suffix_ids=tables.reshape(-1), suffix_mask=additive(torch.arange(length, device=dev)[None, :] >= suffix[:, None]),
+        prefix_runs=runs, num_groups=len(prefixes), max_members=max_members, max_prefix_blocks=max_blocks, suffix_blocks=nb,
+        suffix_len=length)
+
+
+def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, c: CascadePlan,
+                      scale: float) -> torch.Tensor:
+    """Decode attention [M, Hq, D] for every cascade member (rows c.rows): each group's shared prefix read
+    once for all its queries, each member's suffix apart, both halves in one softmax. Works in the
+    padded group layout [groups, Hkv, members, G, ...]; the prefix products run per (group, KV head) as
+    plain matrix products straight on the gathered blocks (a [P, D] slice with a row stride), which
+    spares copying the prefix into a head-major layout."""
+    hkv, d = key_cache.shape[2], key_cache.shape[3]
+    ng, nm, m = c.num_groups, c.max_members, c.rows.shape[0]
+    group = query.shape[1] // hkv
+    qg = query[c.members].view(ng, nm, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(ng, hkv, nm * group, d)
+    kp, vp = _prefix_kv(key_cache, c), _prefix_kv(value_cache, c)  # per group [P_g, Hkv, D]
+    sp = qg.new_zeros(ng, hkv, nm * group, c.max_prefix_blocks * key_cache.shape[1])
+    for g in range(ng):
+        for h in range(hkv):
+            torch.mm(qg[g, h], kp[g][:, h].t(), out=sp[g, h, :, : kp[g].shape[0]])
+    sp = (sp * scale + c.prefix_mask).view(ng, hkv, nm, group, -1)
+    # suffixes, member by member, moved into the group layout (padding members: -inf, weight 0)
+    q = query[c.rows].view(m, hkv, group, d)
+    ks = torch.index_select(key_cache, 0, c.suffix_ids).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
+    vs = torch.index_select(value_cache, 0, c.suffix_ids).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
+    ss = torch.matmul(q, ks.transpose(-1, -2)) * scale + c.suffix_mask  # [M, Hkv, G, Ls]
+    ss_g = ss.new_full((ng * nm, hkv, group, c.suffix_len), float("-inf"))
+    ss_g[c.slots] = ss
+    ss_g = ss_g.view(ng, nm, hkv, group, -1).transpose(1, 2)  # [groups, Hkv, members, G, Ls]
+    top = torch.maximum(sp.amax(-1), ss_g.amax(-1))[..., None]
+    pp, ps = torch.exp(sp - top), torch.exp(ss_g - top)
+    total = pp.sum(-1) + ps.sum(-1)  # [groups, Hkv, members, G]
+    out = qg.new_empty(ng, hkv, nm * group, d)
+    pp = pp.view(ng, hkv, nm * group, -1)
+    for g in range(ng):
+        for h in range(hkv):
+            torch.mm(pp[g, h, :, : vp[g].shape[0]], vp[g][:, h], out=out[g, h])
+    out = out.view(ng, hkv, nm, group, d).transpose(1, 2).reshape(ng * nm, hkv, group, d)[c.slots]
+    ps = ps.transpose(1, 2).reshape(ng * nm, hkv, group, -1)[c.slots]  # back to members: [M, Hkv, G, Ls]
+    out = out + torch.matmul(ps, vs)
+    total = total.transpose(1, 2).reshape(ng * nm, hkv, group)[c.slots]
+    return (out / total[..., None]).reshape(m, hkv * group, d)
+
+
+def _prefix_kv(cache: torch.Tensor, c: CascadePlan) -> list[torch.Tensor]:
+    """Each group's shared K or V as [P, Hkv, D]: a view of the pool where the blocks are one run (no
+    copy at all), else one gather."""
+    hkv, d = cache.shape[2], cache.shape[3]
+    gathered = None
+    out = []
+    for g, run in enumerate(c.prefix_runs):
+        if run is not None:
+            out.append(cache[run[0] : run[0] + run[1]].view(-1, hkv, d))
+            continue
+        if gathered is None:
+            gathered = torch.index_select(cache, 0, c.prefix_ids).view(c.num_groups, -1, hkv, d)
+        out.append(gathered[g])
+    return out
