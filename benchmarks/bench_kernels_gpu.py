@@ -6,7 +6,9 @@
    bandwidth as a fraction of the device's peak, and time vs the torch reference and vs torch SDPA
    on contiguous K/V of the same sizes.
 2. Store-K/V and block gather/copy kernels: GB/s (bytes read + written).
-3. The engine on the default model: decode tokens/s at batch 1, 16 and 64.
+3. Cascade decode (32 sequences over one shared 1,024-token prefix) against plain split-K decode;
+   prefill attention TFLOP/s; the launch overhead of a tiny decode.
+4. The engine on the default model: decode tokens/s at batch 1, 16 and 64.
 """
 
 from __future__ import annotations
@@ -81,6 +83,44 @@ def movement_kernels() -> None:
     print(f"store K/V of {tokens} tokens: {k.numel() * k.element_size() * 4 / t / 1e6:.0f} GB/s")
 
 
+def cascade_prefill_and_launch() -> None:
+    from tieredkv.kernels import triton_ops
+
+    hq, hkv, d, bs, dtype, batch = 32, 8, 128, 16, torch.bfloat16, 32
+    scale = d**-0.5
+    prefix, own = 1024 // bs, 64 // bs
+    kc = torch.randn(prefix + batch * own + 1, bs, hkv, d, device="cuda", dtype=dtype)
+    vc = torch.randn_like(kc)
+    tables = torch.tensor([list(range(prefix)) + list(range(prefix + i * own, prefix + (i + 1) * own))
+                           for i in range(batch)], device="cuda", dtype=torch.int32)
+    lens = torch.full((batch,), (prefix + own) * bs, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
+    plain = triton_ops.plan_decode(tables, lens, bs, dtype)
+    grouped = triton_ops.plan_decode(tables, lens, bs, dtype, [(list(range(batch)), prefix)])
+    t_plain = bench_ms(lambda: triton_ops.decode_attention(q, kc, vc, tables, lens, scale, plan=plain))
+    t_casc = bench_ms(lambda: triton_ops.decode_attention(q, kc, vc, tables, lens, scale, plan=grouped))
+    print("\n## cascade decode: 32 sequences over one shared 1,024-token prefix (+64 own tokens), bf16")
+    print(f"plain split-K {t_plain:.3f} ms, cascade {t_casc:.3f} ms: {t_plain / t_casc:.2f}x")
+
+    seqs, chunk, cached = 8, 512, 1024
+    nb = (chunk + cached) // bs
+    kc2 = torch.randn(seqs * nb + 1, bs, hkv, d, device="cuda", dtype=dtype)
+    vc2 = torch.randn_like(kc2)
+    tables2 = torch.arange(seqs * nb, device="cuda", dtype=torch.int32).view(seqs, nb)
+    qsl = torch.arange(0, (seqs + 1) * chunk, chunk, device="cuda", dtype=torch.int32)
+    lens2 = torch.full((seqs,), chunk + cached, device="cuda", dtype=torch.int32)
+    q2 = torch.randn(seqs * chunk, hq, d, device="cuda", dtype=dtype)
+    t_pre = bench_ms(lambda: triton_ops.prefill_attention(q2, kc2, vc2, tables2, qsl, lens2, scale, chunk))
+    flops = 4 * seqs * chunk * (cached + chunk / 2) * hq * d  # QK and PV, causal over the chunk
+    print(f"\n## prefill attention: {seqs} chunks of {chunk} after {cached} cached: {t_pre:.3f} ms, "
+          f"{flops / t_pre / 1e9:.0f} TFLOP/s")
+
+    q1, t1, l1 = q[:1], tables[:1, :1].contiguous(), torch.full((1,), 16, device="cuda", dtype=torch.int32)
+    tiny = triton_ops.plan_decode(t1, l1, bs, dtype)
+    t_small = bench_ms(lambda: triton_ops.decode_attention(q1, kc, vc, t1, l1, scale, plan=tiny), reps=200)
+    print(f"\n## launch overhead: a 16-token decode takes {t_small * 1000:.1f} us")
+
+
 async def engine_decode() -> None:
     from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 
@@ -109,6 +149,7 @@ def main() -> None:
     print(f"device: {name}, nominal peak {peak:.0f} GB/s")
     decode_attention(peak)
     movement_kernels()
+    cascade_prefill_and_launch()
     asyncio.run(engine_decode())
 
 

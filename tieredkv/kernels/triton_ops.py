@@ -6,6 +6,8 @@ On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set befor
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -110,8 +112,8 @@ def _attend_tile(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION: tl.constexpr
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
-    scale,
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, first_key_ptr, part_out_ptr,
+    part_lse_ptr, out_ptr, scale,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, GROUP: tl.constexpr,
@@ -124,7 +126,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
-    start = split * TOKENS_PER_SPLIT
+    start = tl.load(first_key_ptr + b) + split * TOKENS_PER_SPLIT  # cascade members start after the prefix
     if start < ctx:
         end = tl.minimum(start + TOKENS_PER_SPLIT, ctx)
         g = tl.arange(0, GROUP_PAD)
@@ -156,19 +158,19 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr,
 ):
+    """Merges every partial result of (b, h) by log-sum-exp; a slot no program wrote holds lse -inf."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    ctx = tl.load(context_lens_ptr + b)
-    num_splits = (ctx + TOKENS_PER_SPLIT - 1) // TOKENS_PER_SPLIT
-    s = tl.arange(0, SPLITS_PAD)
+    s = tl.arange(0, SLOTS_PAD)
     d = tl.arange(0, HD_PAD)
     d_ok = d < HEAD_DIM
-    live = s < num_splits
+    live = s < SLOTS
     lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + s, mask=live, other=float("-inf"))
+    live = live & (lse > float("-inf"))
     weight = tl.exp(lse - tl.max(lse, 0))
     weight = tl.where(live, weight, 0.0)
     parts = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
@@ -177,19 +179,91 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+@triton.jit
+def _prefix_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, prefix_tables_ptr, prefix_lens_ptr, members_ptr, part_out_ptr,
+    part_lse_ptr, scale,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_pt, stride_mg,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, first_slot,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, GROUP: tl.constexpr,
+    ROWS: tl.constexpr, MEMBERS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program (cascade group, kv head, split) attends every query of the group's members (rows = member x
+    query head of this KV head) to its split of the shared prefix, whose K/V it reads once for all."""
+    grp = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    plen = tl.load(prefix_lens_ptr + grp)
+    start = split * TOKENS_PER_SPLIT
+    if start < plen:
+        end = tl.minimum(start + TOKENS_PER_SPLIT, plen)
+        r = tl.arange(0, ROWS)
+        member = tl.load(members_ptr + grp * stride_mg + r // GROUP, mask=r < MEMBERS_PAD * GROUP, other=-1)
+        ok = (member >= 0) & (r < MEMBERS_PAD * GROUP)
+        head = kv_head * GROUP + r % GROUP
+        d = tl.arange(0, HD_PAD)
+        d_ok = d < HEAD_DIM
+        row = tl.where(ok, member, 0)
+        qmask = ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + row[:, None] * stride_qb + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HD_PAD], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            valid = offs < end
+            k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, prefix_tables_ptr + grp * stride_pt, offs, valid,
+                                 kv_head, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 BLOCK_SIZE)
+            m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, scale, PRECISION)
+        out = acc / l_i[:, None]
+        slot = first_slot + split
+        tl.store(part_out_ptr + row[:, None] * stride_pb + head[:, None] * stride_ph + slot * stride_ps + d[None, :],
+                 out, mask=qmask)
+        tl.store(part_lse_ptr + row * stride_lb + head * stride_lh + slot, m_i + tl.log(l_i), mask=ok)
+
+
 class DecodePlan:
     """One step's split-K layout and scratch, made by plan_decode and reused by every layer: the split
-    size is chosen once (from the batch and the device), the partial-result buffers allocated once."""
+    size is chosen once (from the batch and the device), the partial-result buffers allocated once.
+    `cascade` holds the shared-prefix groups (their prefix is attended once per group by _prefix_kernel,
+    into extra partial-result slots that the merge folds in)."""
 
-    def __init__(self, max_context_len: int):
+    def __init__(self, max_context_len: int, cascade: "TritonCascade | None" = None):
         self.max_context_len = max_context_len
+        self.cascade = cascade
         self.tokens_per_split: int | None = None
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.no_offsets: torch.Tensor | None = None
+
+
+class TritonCascade(NamedTuple):
+    members: torch.Tensor  # [groups, max members] int32 batch rows, -1 padding
+    prefix_tables: torch.Tensor  # [groups, max prefix blocks] int32
+    prefix_lens: torch.Tensor  # [groups] int32 tokens
+    first_key: torch.Tensor  # [B] int32: where each row's own keys start (its prefix's length, or 0)
+    max_prefix_len: int
 
 
 def plan_decode(block_tables, context_lens, block_size, dtype, prefixes=None) -> DecodePlan:
-    """The step's plan; shared prefixes are attended per sequence here (no cascade kernel yet)."""
-    return DecodePlan(int(context_lens.max()) if context_lens.numel() else 0)
+    max_len = int(context_lens.max()) if context_lens.numel() else 0
+    if not prefixes:
+        return DecodePlan(max_len)
+    width = max(len(rows) for rows, _ in prefixes)
+    blocks = max(n for _, n in prefixes)
+    members = torch.full((len(prefixes), width), -1, dtype=torch.int32)
+    tables = torch.zeros(len(prefixes), blocks, dtype=torch.int32)
+    first = torch.zeros(block_tables.shape[0], dtype=torch.int32)
+    host = block_tables.cpu()
+    for g, (rows, n) in enumerate(prefixes):
+        members[g, : len(rows)] = torch.tensor(rows, dtype=torch.int32)
+        tables[g, :n] = host[rows[0], :n]
+        first[rows] = n * block_size
+    dev = block_tables.device
+    lens = torch.tensor([n * block_size for _, n in prefixes], dtype=torch.int32)
+    return DecodePlan(max_len, TritonCascade(members.to(dev), tables.to(dev), lens.to(dev), first.to(dev),
+                                             blocks * block_size))
 
 
 def choose_split(programs: int, max_context_len: int, device: torch.device) -> int:
@@ -217,31 +291,53 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
     assert tokens_per_split > 0 and (tokens_per_split % DECODE_BLOCK_N == 0 or tokens_per_split < DECODE_BLOCK_N), \
         f"tokens_per_split must be a multiple of {DECODE_BLOCK_N} (or below it), got {tokens_per_split}"
     group = num_heads // num_kv_heads
+    cascade = plan.cascade
     num_splits = max(triton.cdiv(plan.max_context_len, tokens_per_split), 1)
+    prefix_splits = triton.cdiv(cascade.max_prefix_len, tokens_per_split) if cascade is not None else 0
+    slots = num_splits + prefix_splits
     out = torch.empty_like(query)
-    shape = (batch, num_heads, num_splits, head_dim)
+    shape = (batch, num_heads, slots, head_dim)
     if plan.scratch is None or plan.scratch[0].shape != shape or plan.scratch[0].device != query.device:
         plan.scratch = (torch.empty(shape, dtype=torch.float32, device=query.device),
                         torch.empty(shape[:3], dtype=torch.float32, device=query.device))
+        plan.no_offsets = torch.zeros(batch, dtype=torch.int32, device=query.device)
     part_out, part_lse = plan.scratch
+    direct = slots == 1
+    if not direct:
+        part_lse.fill_(float("-inf"))  # slots no program writes (past a short context) weigh nothing
     hd_pad = triton.next_power_of_2(head_dim)
+    first_key = cascade.first_key if cascade is not None else plan.no_offsets
+    block_n = min(DECODE_BLOCK_N, max(16, tokens_per_split))
+    precision = _dot_precision(query.dtype)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, context_lens, part_out, part_lse, out, scale,
+        query, key_cache, value_cache, block_tables, context_lens, first_key, part_out, part_lse, out, scale,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=hd_pad, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=min(DECODE_BLOCK_N, max(16, tokens_per_split)),
-        TOKENS_PER_SPLIT=tokens_per_split, PRECISION=_dot_precision(query.dtype), DIRECT=num_splits == 1,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        TOKENS_PER_SPLIT=tokens_per_split, PRECISION=precision, DIRECT=direct,
     )
-    if num_splits > 1:
+    if cascade is not None:
+        width = cascade.members.shape[1]
+        _prefix_kernel[(cascade.members.shape[0], num_kv_heads, prefix_splits)](
+            query, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, cascade.members,
+            part_out, part_lse, scale,
+            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), cascade.prefix_tables.stride(0),
+            cascade.members.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), num_splits,
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=hd_pad, GROUP=group,
+            ROWS=max(16, triton.next_power_of_2(width * group)), MEMBERS_PAD=width, BLOCK_N=block_n,
+            TOKENS_PER_SPLIT=tokens_per_split, PRECISION=precision,
+        )
+    if not direct:
         _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, context_lens, out,
+            part_out, part_lse, out,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HD_PAD=hd_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            TOKENS_PER_SPLIT=tokens_per_split,
+            HEAD_DIM=head_dim, HD_PAD=hd_pad, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
         )
     return out
 
