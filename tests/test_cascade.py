@@ -95,12 +95,24 @@ async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_a
         return out
 
     monkeypatch.setattr(da, "plan_cascades", counting)
+    from tieredkv.model_runner import ModelRunner
+
+    prefill_groups = []
+    real_prepare = ModelRunner.prepare
+
+    def prepare(self, scheduled):
+        batch, sampled = real_prepare(self, scheduled)
+        prefill_groups.append(len(batch.attn.prefill_plan or ()))
+        return batch, sampled
+
+    monkeypatch.setattr(ModelRunner, "prepare", prepare)
     cfg = EngineConfig(model=str(llama_dir), num_blocks=256, max_num_seqs=16)
     async with await AsyncEngine.start(cfg) as engine:
         for s in systems:  # the system prompts are cached first, as a chatbot's are
             await engine.generate(s + [5], SamplingParams(max_tokens=1))
         together = await asyncio.gather(*(engine.generate(c, params) for c in convs))
     assert max(formed) == 2  # both system prompts were attended as cascades
+    assert max(prefill_groups) == 2  # the burst of new conversations prefilled against them together
     alone = []
     async with await AsyncEngine.start(cfg.model_copy(update={"cascade_attention": False})) as engine:
         for c in convs:
@@ -152,3 +164,30 @@ async def test_engine_cascades_through_triton_match_the_torch_path(llama_dir):
             outs[backend] = [r.outputs[0].token_ids for r in results]
             assert any(cascades), backend  # the shared system prompt was attended as a cascade
     assert outs["triton"] == outs["torch"]
+
+
+def test_prefill_chunks_after_one_cached_prefix_equal_plain_prefill():
+    from tieredkv.kernels.prefill_attention import prefill_attention_ref
+
+    bs, hkv, group, d = 16, 2, 3, 32
+    g = torch.Generator().manual_seed(3)
+    prefix = list(range(6))  # 96 cached tokens, shared
+    rows_tables, lens, chunks = [], [], [9, 16, 23, 1]
+    nxt = 6
+    for i, q_len in enumerate(chunks):
+        extra = (5 if i == 2 else 0) + q_len  # one row has more of its own cached before its chunk
+        own = list(range(nxt, nxt + -(-extra // bs)))
+        nxt += len(own)
+        rows_tables.append(prefix + own)
+        lens.append(96 + extra)
+    width = max(map(len, rows_tables))
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in rows_tables], dtype=torch.int32)
+    kc, vc = torch.randn(nxt, bs, hkv, d, generator=g), torch.randn(nxt, bs, hkv, d, generator=g)
+    qsl = torch.tensor([0, 9, 25, 48, 49], dtype=torch.int32)
+    q = torch.randn(49, hkv * group, d, generator=g)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    plain = prefill_attention_ref(q, kc, vc, tables, qsl, ctx, 0.2)
+    found = cascade.shared_prefixes(rows_tables, [n - c + 1 for n, c in zip(lens, chunks)], bs)
+    assert found == [([0, 1, 2, 3], 6)]
+    got = prefill_attention_ref(q, kc, vc, tables, qsl, ctx, 0.2, plan=found)
+    torch.testing.assert_close(got, plain, atol=2e-6, rtol=0)

@@ -20,6 +20,7 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor  # [Bp] int32
     max_prefill_query_len: int
     decode_plan: object = None  # the kernel set's per-step decode plan (KernelOps.plan_decode), if it has one
+    prefill_plan: list | None = None  # prefill chunks that follow the same cached blocks (cascade.shared_prefixes)
 
 
 @dataclass

@@ -53,10 +53,7 @@ class ModelRunner:
         decode_lens = self._tensor([s.num_computed_tokens + 1 for s, _ in decodes], torch.int32)
         plan = None
         if decodes and self.ops.plan_decode is not None:
-            prefixes = None
-            if self.cascade and len(decodes) > 1:
-                prefixes = shared_prefixes([[b.block_id for b in s.block_table] for s, _ in decodes],
-                                           [s.num_computed_tokens + 1 for s, _ in decodes], bs)
+            prefixes = self._prefixes(decodes) or None
             plan = self.ops.plan_decode(decode_tables, decode_lens, bs, self.kv_cache.dtype, prefixes)
         attn = AttentionMetadata(
             num_decode_tokens=len(decodes),
@@ -68,6 +65,7 @@ class ModelRunner:
             prefill_query_start_loc=self._tensor(query_start, torch.int32),
             prefill_context_lens=self._tensor([s.num_computed_tokens + n for s, n in prefills], torch.int32),
             max_prefill_query_len=max((n for _, n in prefills), default=0),
+            prefill_plan=self._prefixes(prefills) or None,
         )
         batch = ForwardBatch(
             input_ids=self._tensor(input_ids, torch.int64),
@@ -96,6 +94,14 @@ class ModelRunner:
                              logits_indices=self._tensor([0, n], torch.int64), attn=attn)
         self.model(batch, self.kv_cache, self.ops)
         self.warmed_up = True
+
+    def _prefixes(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[list[int], int]]:
+        """Rows (of `scheduled`) that share leading cached blocks, for cascade attention: blocks wholly
+        before the first position each row computes this step."""
+        if not self.cascade or len(scheduled) < 2:
+            return []
+        return shared_prefixes([[b.block_id for b in s.block_table] for s, _ in scheduled],
+                               [s.num_computed_tokens + 1 for s, _ in scheduled], self.block_size)
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

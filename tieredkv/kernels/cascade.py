@@ -158,3 +158,53 @@ def _prefix_kv(cache: torch.Tensor, c: CascadePlan) -> list[torch.Tensor]:
             gathered = torch.index_select(cache, 0, c.prefix_ids).view(c.num_groups, -1, hkv, d)
         out.append(gathered[g])
     return out
+
+
+def prefill_cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              block_tables: torch.Tensor, starts: list[int], lens: list[int], scale: float,
+                              rows: list[int], prefix_blocks: int) -> dict[int, torch.Tensor]:
+    """Prefill chunks of several sequences that follow one cached prefix (a burst of new conversations):
+    every chunk's queries against the shared prefix in one product (its K/V read once), each chunk
+    against its own keys after it (causal), merged by log-sum-exp. Returns {row: [q_len, Hq, D]}."""
+    bs, hkv, d = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    p = prefix_blocks * bs
+    ids = block_tables[rows[0], :prefix_blocks]
+    kp = torch.index_select(key_cache, 0, ids).view(p, hkv, d).transpose(0, 1)  # [Hkv, P, D]
+    vp = torch.index_select(value_cache, 0, ids).view(p, hkv, d).transpose(0, 1)
+    chunks = [query[starts[r] : starts[r + 1]] for r in rows]
+    group = query.shape[1] // hkv
+    qs = torch.cat(chunks).view(-1, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, Tq*G, D]
+    op, lp = _attend(qs, kp, vp, scale, None)
+    op = op.view(hkv, -1, group, d).permute(1, 0, 2, 3)  # [Tq, Hkv, G, D]
+    lp = lp.view(hkv, -1, group).permute(1, 0, 2)  # [Tq, Hkv, G]
+    out, at = {}, 0
+    for r, q in zip(rows, chunks):
+        q_len, ctx = q.shape[0], lens[r]
+        own = ctx - p
+        nb = -(-own // bs)
+        tbl = block_tables[r, prefix_blocks : prefix_blocks + nb]
+        k = torch.index_select(key_cache, 0, tbl).view(nb * bs, hkv, d)[:own].transpose(0, 1)  # [Hkv, own, D]
+        v = torch.index_select(value_cache, 0, tbl).view(nb * bs, hkv, d)[:own].transpose(0, 1)
+        pos = torch.arange(q_len, device=q.device)[:, None] + (own - q_len)
+        mask = torch.zeros(q_len, own, dtype=q.dtype, device=q.device).masked_fill_(
+            torch.arange(own, device=q.device)[None, :] > pos, float("-inf"))
+        qh = q.view(q_len, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, q_len * group, d)
+        mask = mask[:, None, :].expand(q_len, group, own).reshape(q_len * group, own)
+        oo, lo = _attend(qh, k, v, scale, mask)
+        oo = oo.view(hkv, q_len, group, d).permute(1, 0, 2, 3)
+        lo = lo.view(hkv, q_len, group).permute(1, 0, 2)
+        po, pl = op[at : at + q_len], lp[at : at + q_len]
+        m = torch.maximum(pl, lo)
+        wp, wo = torch.exp(pl - m)[..., None], torch.exp(lo - m)[..., None]
+        out[r] = ((po * wp + oo * wo) / (wp + wo)).reshape(q_len, hkv * group, d)
+        at += q_len
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
+    """q [..., M, D], k/v [..., L, D] -> (out [..., M, D], lse [..., M])."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tieredkv.kernels.cascade import prefill_cascade_attention
 from tieredkv.kernels.decode_attention import gather_kv
 
 
@@ -17,11 +18,24 @@ def prefill_attention_ref(
     context_lens: torch.Tensor,  # [B] int32 totals: cached prefix + this chunk
     scale: float,
     max_query_len: int | None = None,
+    plan: list[tuple[list[int], int]] | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Plain-torch reference. Query j of a chunk of length q sits at position context_len - q + j."""
+    """Plain-torch reference. Query j of a chunk of length q sits at position context_len - q + j.
+    `plan` lists groups of chunks that follow the same cached blocks (cascade.shared_prefixes): their
+    queries meet the shared prefix in one product (cascade.prefill_cascade_attention)."""
     out = torch.empty_like(query)
     query_start_loc = query_start_loc.tolist()
-    for i, ctx in enumerate(context_lens.tolist()):
+    lens = context_lens.tolist()
+    grouped = set()
+    for rows, blocks in plan or ():
+        parts = prefill_cascade_attention(query, key_cache, value_cache, block_tables, query_start_loc, lens, scale,
+                                          rows, blocks)
+        for r, o in parts.items():
+            out[query_start_loc[r] : query_start_loc[r + 1]] = o
+        grouped.update(rows)
+    for i, ctx in enumerate(lens):
+        if i in grouped:
+            continue
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len = end - start
         k = gather_kv(key_cache, block_tables[i : i + 1], ctx)  # [1, Hkv, ctx, D]

@@ -388,7 +388,8 @@ def _prefill_kernel(
 
 
 def prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-                      max_query_len=None):
+                      max_query_len=None, plan=None):
+    """(`plan`, the chunks that share a cached prefix, is for the torch path; each chunk runs alone here.)"""
     _check_cache(key_cache, value_cache)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]

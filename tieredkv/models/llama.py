@@ -117,7 +117,7 @@ class Attention(nn.Module):
             parts.append(
                 ops.prefill_attention(
                     q[nd:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                    meta.prefill_context_lens, self.scale, meta.max_prefill_query_len,
+                    meta.prefill_context_lens, self.scale, meta.max_prefill_query_len, plan=meta.prefill_plan,
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
