@@ -107,6 +107,25 @@ def _attend_tile(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION: tl.constexpr
     return m_new, l_i, acc
 
 
+@triton.jit
+def _attend_range(q, key_cache_ptr, value_cache_ptr, table_ptr, start, end, kv_head, d, d_ok, scale,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  ROWS: tl.constexpr, HD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Online softmax of q [ROWS, HD_PAD] over key positions [start, end) read through a block table:
+    (running max, running sum, unnormalised output)."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HD_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, table_ptr, offs, valid, kv_head, d, d_ok,
+                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, scale, PRECISION)
+    return m_i, l_i, acc
+
+
 # -- 2. decode attention, split-K with a log-sum-exp merge ------------------------------------------
 
 
@@ -136,16 +155,9 @@ def _decode_split_kernel(
         g_mask = g < GROUP
         qmask = g_mask[:, None] & d_ok[None, :]
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HD_PAD], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs = n0 + tl.arange(0, BLOCK_N)
-            valid = offs < end
-            k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + b * stride_bt, offs, valid,
-                                 kv_head, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 BLOCK_SIZE)
-            m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, scale, PRECISION)
+        m_i, l_i, acc = _attend_range(q, key_cache_ptr, value_cache_ptr, block_tables_ptr + b * stride_bt, start, end,
+                                      kv_head, d, d_ok, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                      stride_vh, GROUP_PAD, HD_PAD, BLOCK_N, BLOCK_SIZE, PRECISION)
         out = acc / l_i[:, None]
         if DIRECT:
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -207,16 +219,9 @@ def _prefix_kernel(
         row = tl.where(ok, member, 0)
         qmask = ok[:, None] & d_ok[None, :]
         q = tl.load(q_ptr + row[:, None] * stride_qb + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, HD_PAD], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs = n0 + tl.arange(0, BLOCK_N)
-            valid = offs < end
-            k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, prefix_tables_ptr + grp * stride_pt, offs, valid,
-                                 kv_head, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 BLOCK_SIZE)
-            m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, scale, PRECISION)
+        m_i, l_i, acc = _attend_range(q, key_cache_ptr, value_cache_ptr, prefix_tables_ptr + grp * stride_pt, start,
+                                      end, kv_head, d, d_ok, scale, stride_kb, stride_ks, stride_kh, stride_vb,
+                                      stride_vs, stride_vh, ROWS, HD_PAD, BLOCK_N, BLOCK_SIZE, PRECISION)
         out = acc / l_i[:, None]
         slot = first_slot + split
         tl.store(part_out_ptr + row[:, None] * stride_pb + head[:, None] * stride_ph + slot * stride_ps + d[None, :],
