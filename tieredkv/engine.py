@@ -135,7 +135,7 @@ class AsyncEngine:
 
     def _prepare(self, channel: Channel, prompt, params, flags: dict[str, bool], span) -> None:
         try:
-            req = self._worker.core.factory.make(prompt, params, channel.request_id)
+            req = self._worker.core.factory.make(prompt, params, channel.request_id, prechecked=True)
         except Exception as e:
             self._worker.core.telemetry.on_rejected()
             self._worker.call_loop(channel.push, e)

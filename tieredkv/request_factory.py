@@ -97,8 +97,15 @@ class RequestFactory:
         self._check_ids(ids)
         return ids
 
-    def make(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> Request:
-        self.precheck(prompt, params)
-        ids = self.token_ids(prompt)
-        self.check_fits(len(ids), params, 0)
+    def make(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+             prechecked: bool = False) -> Request:
+        """Every check, then the Request; `prechecked` skips what precheck() already did on the caller's
+        thread (the async engine prechecks in stream())."""
+        if not prechecked:
+            self.precheck(prompt, params)
+        if isinstance(prompt, (list, tuple)) and isinstance(prompt[0], int):
+            ids = list(prompt)  # token ids: precheck() has checked them and the request's size
+        else:
+            ids = self.token_ids(prompt)
+            self.check_fits(len(ids), params, 0)
         return Request(request_id or uuid.uuid4().hex, ids, params, self.eos_token_ids)
