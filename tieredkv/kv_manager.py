@@ -107,8 +107,8 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool cannot supply the blocks. Cached blocks that
         are free count as free until touched, so they are excluded from what can be allocated.
         """
-        if not self.can_allocate(seq, num_new_tokens, cached, *((restore.num_blocks, restore.num_tokens)
-                                                               if restore else ())):
+        restore_blocks, restore_tokens = (restore.num_blocks, restore.num_tokens) if restore else (0, 0)
+        if not self.can_allocate(seq, num_new_tokens, cached, restore_blocks, restore_tokens):
             return False
         if cached:
             self.pool.touch(cached)

@@ -162,7 +162,7 @@ class Scheduler:
         slots = self.tiers.reserve_swap(len(seq.block_table)) if self.tiers is not None else None
         if slots is not None:  # the blocks' data is read out before anything is written into them
             self.kv.moves.extend(BlockMove(SWAP_OUT, b.block_id, slot) for b, slot in zip(seq.block_table, slots))
-            seq.swapped = Restore(0, seq.num_computed_tokens, None, swap_slots=slots)
+            seq.swapped = Restore(0, seq.num_computed_tokens, swap_slots=slots)
             self.num_swaps += 1
         self.kv.free(seq)
         seq.status = SeqStatus.WAITING
