@@ -48,9 +48,14 @@ def test_store_kv_kernel_matches_reference(block_size, head_dim, kv_heads, group
     value = torch.randn(tokens, kv_heads, head_dim, device=DEVICE)
     slots = torch.randperm(num_blocks * block_size)[:tokens].to(DEVICE)
     slots[3] = slots[7] = -1  # padding tokens are not stored
-    store_kv_ref(key, value, k_ref, v_ref, slots)
-    triton_ops.store_kv(key, value, k_tri, v_tri, slots)
-    assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
+    ref, tri = torch.stack((k_ref, v_ref)), torch.stack((k_tri, v_tri))
+    store_kv_ref(key, value, ref, slots)
+    triton_ops.store_kv(key, value, tri, slots)
+    assert torch.equal(tri, ref)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    assert torch.equal(ref[0].reshape(num_blocks * block_size, -1)[untouched.to(DEVICE)],
+                       k_ref.reshape(num_blocks * block_size, -1)[untouched.to(DEVICE)])
 
 
 @pytest.mark.parametrize("block_size, head_dim, kv_heads, group", SHAPES)
@@ -216,8 +221,9 @@ def test_block_offsets_past_2_31_elements():
                                decode_attention_ref(q, kc, vc, tables, ctx, 0.25), atol=ATOL, rtol=0)
     key, value = torch.randn(1, kv_heads, head_dim, device=DEVICE), torch.randn(1, kv_heads, head_dim, device=DEVICE)
     slot = torch.tensor([(num_blocks - 2) * block_size + 5], device=DEVICE)
-    triton_ops.store_kv(key, value, kc, vc, slot)
-    assert torch.equal(kc[num_blocks - 2, 5], key[0]) and torch.equal(vc[num_blocks - 2, 5], value[0])
+    kv = torch.stack((kc, vc))
+    triton_ops.store_kv(key, value, kv, slot)
+    assert torch.equal(kv[0, num_blocks - 2, 5], key[0]) and torch.equal(kv[1, num_blocks - 2, 5], value[0])
 
 
 def test_one_plan_per_step_shares_split_size_and_scratch_across_layers():

@@ -140,3 +140,30 @@ def decode_attention_ref(
             return o
         out[g.rows] = o
     return out
+
+
+def decode_attention_dense(
+    query: torch.Tensor,  # [B, Hq, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, W] int: every row's first W blocks (padding entries may be any valid block)
+    context_lens: torch.Tensor,  # [B] int, >= 1
+    scale: float,
+    max_context_len: int | None = None,
+    plan: object = None,
+) -> torch.Tensor:  # [B, Hq, D]
+    """The same attention as decode_attention_ref written without a Python decision that depends on the
+    data: every row attends over its table's W blocks with the positions at or past its length masked.
+    It traces into one graph whatever the batch and the table width (the compiled decode path,
+    compiled_decode.py), and costs B * W * block_size key positions, so it suits small batches."""
+    batch, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads = block_tables.shape[1], key_cache.shape[1], key_cache.shape[2]
+    ids = block_tables.reshape(-1).to(torch.int64)
+    k = torch.index_select(key_cache, 0, ids).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+    v = torch.index_select(value_cache, 0, ids).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bhgd,bnhd->bhgn", q.float(), k.float()) * scale
+    past = torch.arange(num_blocks * block_size, device=query.device)[None, :] >= context_lens[:, None]
+    scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgn,bnhd->bhgd", scores.softmax(dim=-1), v.float())
+    return out.reshape(batch, num_heads, head_dim).to(query.dtype)

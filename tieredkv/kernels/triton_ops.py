@@ -56,7 +56,8 @@ def _store_kv_kernel(
         tl.store(value_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=mask)
 
 
-def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+def store_kv(key, value, kv_cache, slot_mapping) -> None:
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
     _check_cache(key_cache, value_cache)
     num_tokens, num_heads, head_dim = key.shape
     assert value.shape == key.shape and key.stride(-1) == 1 and value.stride(-1) == 1
