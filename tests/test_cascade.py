@@ -100,8 +100,8 @@ async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_a
     prefill_groups = []
     real_prepare = ModelRunner.prepare
 
-    def prepare(self, scheduled):
-        batch, sampled = real_prepare(self, scheduled)
+    def prepare(self, scheduled, **kwargs):
+        batch, sampled = real_prepare(self, scheduled, **kwargs)
         prefill_groups.append(len(batch.attn.prefill_plan or ()))
         return batch, sampled
 

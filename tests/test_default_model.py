@@ -19,7 +19,8 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 async def engine():
-    engine = await AsyncEngine.start(EngineConfig(model="default", kv_cache_bytes=256 << 20))
+    # the compiled decode path, as on CPU by default (the suite turns it off for other engines)
+    engine = await AsyncEngine.start(EngineConfig(model="default", kv_cache_bytes=256 << 20, compile_decode=True))
     yield engine
     await engine.close()
 
@@ -36,6 +37,8 @@ async def test_greedy_chat_matches_transformers(engine):
     hf = AutoModelForCausalLM.from_pretrained(str(engine.core.model_dir), dtype=torch.float32).eval()
     tok = engine.tokenizer
     params = SamplingParams(max_tokens=MAX_NEW)
+    steps = engine.core.runner.compiled.steps
+    decodes = 0  # requests run one at a time: every step after a prefill is one decode
     for messages in CHATS:
         ids = tok.apply_chat_template(messages)
         with torch.no_grad():
@@ -44,8 +47,11 @@ async def test_greedy_chat_matches_transformers(engine):
         expected = y[0, len(ids):].tolist()
         out = await engine.generate(messages, params)
         assert out.outputs[0].token_ids == expected
+        decodes += len(expected) - 1
         assert out.text == tok.decode(expected)
     first = await engine.generate(CHATS[0], params)
     assert first.text == "The capital of France is Paris."
     assert first.outputs[0].finish_reason == "stop"
+    decodes += len(first.outputs[0].token_ids) - 1
+    assert engine.core.runner.compiled.steps - steps == decodes  # the compiled path ran every one
     check_pool_clean(engine.core)

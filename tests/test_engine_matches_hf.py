@@ -66,3 +66,19 @@ async def test_block_size_8_and_32(case):
     for bs in (8, 32):
         got, _, _ = await run_engine(model_dir, prompts, True, block_size=bs, num_blocks=128)
         assert got == expected
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "batched"])
+async def test_greedy_matches_transformers_compiled_decode(case, batched):
+    """The same with the compiled decode path, the CPU default (the suite turns it off elsewhere)."""
+    model_dir, prompts, expected = case
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    config = EngineConfig(model=str(model_dir), num_blocks=256, max_num_batched_tokens=64, compile_decode=True)
+    async with await AsyncEngine.start(config) as engine:
+        if batched:
+            results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        else:
+            results = [await engine.generate(p, params) for p in prompts]
+        compiled = engine.core.runner.compiled
+        assert compiled.steps > 0 and compiled.graphs == 1
+    assert [r.outputs[0].token_ids for r in results] == expected

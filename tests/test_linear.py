@@ -81,16 +81,23 @@ def test_packing_is_selected_for_cpu_fp32_only(monkeypatch):
 
 
 @pytest.mark.parametrize("force", ["auto", "torch"])
-def test_engine_packs_projections_and_lm_head_and_keeps_the_embedding_plain(llama_dir, monkeypatch, force):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_engine_packs_projections_and_lm_head_and_keeps_the_embedding_plain(llama_dir, monkeypatch, force, compiled):
+    """Packed weights serve the eager forward; the compiled decode path reads plain ones, so with it on
+    the plain weights stay beside the packed copies, and without it they are dropped."""
     monkeypatch.setenv(FORCE_ENV, force)
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16))
-    model = core.model
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, compile_decode=compiled))
+    model, ops = core.model, core.runner.ops
     packed = force == "auto" and onednn_linear_usable()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 4 * model.spec.num_layers + (model.lm_head is not None)
-    assert all(m.weight.is_mkldnn == packed for m in linears)
-    assert model.lm_head_weight.is_mkldnn == packed
+    assert all(hasattr(m, "packed_weight") == packed for m in linears)
+    assert all(m.packed_weight.is_mkldnn for m in linears if packed)
+    assert all(m.weight.is_mkldnn == (packed and not compiled) for m in linears)
+    assert model.lm_head_weight(ops).is_mkldnn == packed
     assert not model.embed_tokens.weight.is_mkldnn
+    if compiled:
+        assert not model.lm_head_weight(core.runner.compiled.ops).is_mkldnn
 
 
 def test_cpu_fp32_gets_cpu_linear_and_others_keep_f_linear(monkeypatch):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tieredkv.block_pool import BlockPool
+from tieredkv.compiled_decode import CompiledDecode, compile_wanted
 from tieredkv.config import EngineConfig
 from tieredkv.detokenizer import IncrementalDetokenizer
 from tieredkv.engine_setup import (build_tiers, eos_token_ids, max_model_len, model_fingerprint, num_kv_blocks,
@@ -64,19 +65,23 @@ class EngineCore:
         self.pool = BlockPool(self.num_blocks)
         self.kv = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching, root_hash(self.fingerprint))
         ops = select_kernels(config.attention_backend, self.device, self.dtype)
+        compile_decode = compile_wanted(config.compile_decode, self.device)
         if ops.pack_linear_weight is not None:
-            self.model.pack_linear_weights(ops.pack_linear_weight)
+            self.model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compile_decode)
         self.tiers = build_tiers(config, spec, self.pool, self.kv_cache, ops, self.fingerprint)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops, config.cascade_attention)
+        compiled = CompiledDecode(self.model, self.kv_cache, ops) if compile_decode else None
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops, config.cascade_attention, compiled)
         if ops.name == "triton":
             self.runner.warmup()  # compile every kernel variant now, not on the first request
+        if compiled is not None:
+            compiled.warmup()
         self.pins = PinTable(self.kv, int(self.num_blocks * config.max_pinned_fraction))
         self.requests: dict[str, Request] = {}
         self.telemetry = Telemetry()
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s, packed=%s",
-                 self.model_dir.name, self.dtype, self.device, self.num_blocks, self.block_size, ops.name,
-                 ops.linear.__name__, ops.pack_linear_weight is not None)
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s, packed=%s, "
+                 "compiled decode=%s", self.model_dir.name, self.dtype, self.device, self.num_blocks, self.block_size,
+                 ops.name, ops.linear.__name__, ops.pack_linear_weight is not None, compiled is not None)
 
     def close(self) -> None:
         """Persists cached blocks to the cold tier (when there is one) and closes the tiers."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tieredkv.batch import AttentionMetadata, ForwardBatch
+from tieredkv.compiled_decode import CompiledDecode
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.cascade import shared_prefixes
 from tieredkv.models.llama import LlamaModel
@@ -16,18 +17,19 @@ class ModelRunner:
     """Owns the KV cache tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops: KernelOps,
-                 cascade: bool = True):
+                 cascade: bool = True, compiled: CompiledDecode | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.ops = ops
         self.device = kv_cache.device
         self.cascade = cascade
+        self.compiled = compiled  # the compiled path for small decode-only steps, when the engine compiles
         self.warmed_up = False
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
+    def prepare(self, scheduled: list[tuple[Sequence, int]], with_plan: bool = True) -> tuple[ForwardBatch, list[Sequence]]:
         """Builds the batch; returns it with the sequences whose next token is sampled this step,
-        in the order of the logits rows."""
+        in the order of the logits rows. `with_plan=False` leaves out the decode plan (the compiled path has none)."""
         # decodes sorted by context length, so that the torch decode attention's length groups are runs
         decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: sn[0].num_computed_tokens)
         prefills = [(s, n) for s, n in scheduled if n > 1]
@@ -52,7 +54,7 @@ class ModelRunner:
         decode_tables = self._block_tables([s for s, _ in decodes])
         decode_lens = self._tensor([s.num_computed_tokens + 1 for s, _ in decodes], torch.int32)
         plan = None
-        if decodes and self.ops.plan_decode is not None:
+        if with_plan and decodes and self.ops.plan_decode is not None:
             prefixes = self._prefixes(decodes) or None
             plan = self.ops.plan_decode(decode_tables, decode_lens, bs, self.kv_cache.dtype, prefixes)
         attn = AttentionMetadata(
@@ -115,6 +117,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs the forward (block moves were carried out before); returns fp32 logits [S, vocab] and
         their sequences."""
-        batch, sampled = self.prepare(out.scheduled)
-        logits = self.model(batch, self.kv_cache, self.ops)
+        compiled = self.compiled is not None and self.compiled.accepts(out.scheduled)
+        batch, sampled = self.prepare(out.scheduled, with_plan=not compiled)
+        logits = None
+        if compiled:
+            a = batch.attn
+            logits = self.compiled.run(batch.input_ids, batch.positions, batch.slot_mapping, a.decode_block_tables,
+                                       a.decode_context_lens)
+        if logits is None:
+            logits = self.model(batch, self.kv_cache, self.ops)
         return logits, sampled

@@ -50,6 +50,13 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
+def dense(ops: KernelOps, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) through the kernel set's dense function, reading the weight in the layout that function
+    takes: the packed copy (LlamaModel.pack_linear_weights) when the kernel set packs, else the plain one."""
+    weight = layer.weight if ops.pack_linear_weight is None else layer.packed_weight
+    return ops.linear(x, weight, layer.bias)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + _rotate_half(x) * sin
 
@@ -90,18 +97,18 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         batch: ForwardBatch,
         rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, D]
-        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+        layer_cache: torch.Tensor,  # this layer's [2, num_blocks, block_size, Hkv, D]: K then V
         ops: KernelOps,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = dense(ops, self.qkv_proj, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        key_cache, value_cache = kv_cache[self.layer_id, 0], kv_cache[self.layer_id, 1]
-        ops.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        ops.store_kv(k, v, layer_cache, batch.slot_mapping)
+        key_cache, value_cache = layer_cache[0], layer_cache[1]
 
         meta = batch.attn
         nd = meta.num_decode_tokens
@@ -121,7 +128,7 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
+        return dense(ops, self.o_proj, out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -132,8 +139,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        gate, up = ops.linear(x, self.gate_up_proj.weight).split(self.intermediate, dim=-1)
-        return ops.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = dense(ops, self.gate_up_proj, x).split(self.intermediate, dim=-1)
+        return dense(ops, self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -144,8 +151,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, batch, rotary, kv_cache, ops):
-        x = x + self.self_attn(self.input_layernorm(x), batch, rotary, kv_cache, ops)
+    def forward(self, x, batch, rotary, layer_cache, ops):
+        """Reads no per-layer Python value (the layer's cache comes in), so that one compiled graph serves
+        every layer (compiled_decode.py)."""
+        x = x + self.self_attn(self.input_layernorm(x), batch, rotary, layer_cache, ops)
         return x + self.mlp(self.post_attention_layernorm(x), ops)
 
 
@@ -160,29 +169,37 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec)
-        self.tied_lm_head_packed: torch.Tensor | None = None
+        self.packed_lm_head: torch.Tensor | None = None
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head.weight
-        return self.embed_tokens.weight if self.tied_lm_head_packed is None else self.tied_lm_head_packed
+    def lm_head_weight(self, ops: KernelOps) -> torch.Tensor:
+        if ops.pack_linear_weight is not None:
+            return self.packed_lm_head
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_linear_weights(self, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replaces the weight of every projection and of the LM head with pack(weight), a layout only
-        `KernelOps.linear` reads (see kernels/linear.py). A tied LM head gets a packed copy of its own,
-        since the embedding lookup needs the plain table."""
+    def pack_linear_weights(self, pack: Callable[[torch.Tensor], torch.Tensor], keep_plain: bool) -> None:
+        """Gives every projection, and the LM head, a `packed_weight`: pack(weight), a layout only the
+        packing kernel set's `linear` reads (see kernels/linear.py). With `keep_plain` the plain weights
+        stay too (twice the memory), for a kernel set that reads them (the compiled decode path); without,
+        the plain projection weights are dropped (the embedding table stays: lookups need it)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                module.weight = nn.Parameter(pack(module.weight), requires_grad=False)
-        if self.lm_head is None:
-            self.tied_lm_head_packed = pack(self.embed_tokens.weight)
+                module.packed_weight = pack(module.weight)
+                if not keep_plain:
+                    module.weight = nn.Parameter(module.packed_weight, requires_grad=False)
+        self.packed_lm_head = self.lm_head.packed_weight if self.lm_head is not None else pack(self.embed_tokens.weight)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices."""
-        x = self.embed_tokens(batch.input_ids)
-        rotary = self.rotary(batch.positions, x.dtype)
+        x, rotary = self.embed(batch)
         for layer in self.layers:
-            x = layer(x, batch, rotary, kv_cache, ops)
-        x = self.norm(x[batch.logits_indices])
-        return ops.linear(x, self.lm_head_weight).float()
+            x = layer(x, batch, rotary, kv_cache[layer.self_attn.layer_id], ops)
+        return self.logits(x, batch, ops)
+
+    def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The first hidden states [T, hidden] and the rotary cos/sin of the batch's positions."""
+        x = self.embed_tokens(batch.input_ids)
+        return x, self.rotary(batch.positions, x.dtype)
+
+    def logits(self, x: torch.Tensor, batch: ForwardBatch, ops: KernelOps) -> torch.Tensor:
+        """fp32 logits [S, vocab] of the rows batch.logits_indices of the last hidden states."""
+        return ops.linear(self.norm(x[batch.logits_indices]), self.lm_head_weight(ops)).float()

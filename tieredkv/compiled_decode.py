@@ -1,0 +1,143 @@
+"""The compiled decode path: a step that decodes one sequence and does nothing else runs the same
+LlamaModel layers through a graph compiled by inductor, with compile-friendly ops.
+
+Why: at batch 1 a CPU decode step reads every weight once (the floor: the weights' bytes over the
+memory bandwidth), and the eager forward adds a fixed cost on top: some 40 small torch operations
+per layer, each with its dispatch, allocation and Python around it. Inductor fuses the norms, rotary
+embedding, residual adds, the K/V store and the attention's gather and softmax into a few generated
+C++ loops, and keeps the dense layers as library calls on the plain weights (for one row MKL's
+product reads them faster than oneDNN's packed layout, which wins from four rows on: kernels/linear.py).
+
+What: one graph, for one layer and any block-table width; every layer calls it (a layer reads no
+per-layer Python value: its weights and cache come in as inputs). The engine compiles it at start-up
+(`warmup`), so no request waits for a compile, and inductor keeps it in its on-disk cache
+(`configure_cache`), so a restart loads it. Steps with more sequences run the eager forward: measured
+here, a graph dynamic in the batch was no faster at 2 decodes and twice as slow at 8 (its attention
+loops and the plain weights' products lose to the eager grouping and oneDNN's packed weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tieredkv.batch import AttentionMetadata, ForwardBatch
+from tieredkv.kernels import KernelOps
+from tieredkv.kernels.decode_attention import decode_attention_dense
+from tieredkv.kernels.store_kv import store_kv_dense
+from tieredkv.models.llama import LlamaModel
+
+log = logging.getLogger("tieredkv")
+
+COMPILE_ENV = "TIEREDKV_COMPILE_DECODE"
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+MIN_TABLE_WIDTH = 2  # tables are padded to this width: a width of 1 would be a graph of its own
+RECOMPILE_LIMIT = 3  # 1 is expected; past this the path turns itself off rather than compile every step
+
+
+def compile_wanted(setting: bool | None, device: torch.device) -> bool:
+    """EngineConfig.compile_decode: None means the TIEREDKV_COMPILE_DECODE environment variable
+    ("1" or "0") when set, else on for CPU (on CUDA the Triton kernels already fuse the attention)."""
+    if setting is not None:
+        return setting
+    env = os.environ.get(COMPILE_ENV)
+    if env is None:
+        return device.type == "cpu"
+    if env not in ("0", "1"):
+        raise ValueError(f"{COMPILE_ENV} must be 0 or 1, got {env!r}")
+    return env == "1"
+
+
+def configure_cache() -> Path:
+    """Inductor's on-disk cache under the user's cache directory (~/.cache/tieredkv/inductor), unless
+    TORCHINDUCTOR_CACHE_DIR names another; inductor's default lies in /tmp, which a reboot may empty.
+    (Importing inductor writes its default into the variable, so the default counts as unset.)"""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get(CACHE_ENV) in (None, os.path.abspath(default_cache_dir())):
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        os.environ[CACHE_ENV] = str(base / "tieredkv" / "inductor")
+    return Path(os.environ[CACHE_ENV])
+
+
+class CompiledDecode:
+    """Runs steps that decode one sequence through the compiled graph."""
+
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.ops = replace(ops, name=f"{ops.name}+compiled", linear=F.linear, pack_linear_weight=None, plan_decode=None,
+                           decode_attention=decode_attention_dense, store_kv=store_kv_dense)
+        self.cache_dir = configure_cache()
+        self.graphs = 0  # graphs compiled (or loaded from the cache): 1 after warmup, and no more after
+        self.steps = 0  # steps this path ran
+        self.disabled: str | None = None  # why the path turned itself off, if it did
+        # The layers are not changed after load, so no guard checks their attributes on every call: that
+        # would cost more than the layer's fused loops.
+        # isolate_recompiles: each engine counts its own graphs (the code object is shared by all engines).
+        self._layer = torch.compile(self._layer_forward, backend=self._backend, fullgraph=True,
+                                    recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True,
+                                    options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+    def _backend(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(gm, example_inputs)
+
+    def _layer_forward(self, layer, x, cos, sin, layer_cache, positions, slot_mapping, block_tables, context_lens):
+        """One decoder layer (any of them: the same graph serves all) over one decode."""
+        attn = AttentionMetadata(
+            num_decode_tokens=x.shape[0], decode_block_tables=block_tables, decode_context_lens=context_lens,
+            max_decode_context_len=0, prefill_block_tables=block_tables[:0], prefill_query_start_loc=context_lens[:1],
+            prefill_context_lens=context_lens[:0], max_prefill_query_len=0)
+        batch = ForwardBatch(positions, positions, slot_mapping, positions, attn)
+        return layer(x, batch, (cos, sin), layer_cache, self.ops)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """LlamaModel.forward with each layer through the compiled graph."""
+        x, (cos, sin) = self.model.embed(batch)
+        a = batch.attn
+        for i, layer in enumerate(self.model.layers):
+            x = self._layer(layer, x, cos, sin, self.kv_cache[i], batch.positions, batch.slot_mapping,
+                            a.decode_block_tables, a.decode_context_lens)
+        return self.model.logits(x, batch, self.ops)
+
+    def accepts(self, scheduled: list) -> bool:
+        """True for a step that decodes one sequence (one new token) and nothing else."""
+        return self.disabled is None and len(scheduled) == 1 and scheduled[0][1] == 1
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits [1, vocab] for one decode; block_tables [1, W] int32 (any W >= 1). None when the
+        compiler refuses the step (more graphs than RECOMPILE_LIMIT): the path then turns itself off, with
+        a warning, and the caller runs the eager forward (which rewrites the same K/V slot)."""
+        width = block_tables.shape[1]
+        if width < MIN_TABLE_WIDTH:  # the padding entries repeat the row's block; their positions are masked
+            block_tables = block_tables.repeat(1, -(-MIN_TABLE_WIDTH // width))
+        torch._dynamo.mark_dynamic(block_tables, 1)
+        attn = AttentionMetadata(1, block_tables, context_lens, 0, block_tables[:0], context_lens[:1], context_lens[:0],
+                                 0)
+        logits_indices = torch.zeros(1, dtype=torch.int64, device=input_ids.device)
+        try:
+            logits = self._forward(ForwardBatch(input_ids, positions, slot_mapping, logits_indices, attn))
+        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+            self.disabled = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            log.warning("compiled decode turned off, the eager forward serves from now on: %s", self.disabled)
+            return None
+        self.steps += 1
+        return logits
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compiles (or loads from the cache) the graph with a decode over block 0, free at start-up.
+        Where that fails (no C++ compiler, say) the path is off and the eager forward serves."""
+        zeros = torch.zeros(1, dtype=torch.int64, device=self.kv_cache.device)
+        self.run(zeros, zeros.clone(), zeros.clone(), torch.zeros(1, MIN_TABLE_WIDTH, dtype=torch.int32, device=zeros.device),
+                 torch.ones(1, dtype=torch.int32, device=zeros.device))
+        self.steps = 0
