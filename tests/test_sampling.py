@@ -58,3 +58,24 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert kept == [True, False, False, False]
     kept = apply_top_k_top_p(logits, 3, 1.0).isfinite().tolist()
     assert kept == [True, True, True, False]
+
+
+def test_rows_with_a_nan_a_posinf_or_nothing_finite_fail_alone():
+    """The bad-row rule (a row's max is not finite) on each kind of bad row, beside rows that are fine,
+    including one whose every token but one is -inf."""
+    from tieredkv.errors import SamplingError
+    from tieredkv.logits_processors import RowState
+    from tieredkv.sampler import Sampled, sample
+
+    logits = torch.randn(6, 50)
+    logits[0, 7] = float("nan")
+    logits[1, 3] = float("inf")
+    logits[2] = float("-inf")
+    logits[3] = float("-inf")
+    logits[3, 11] = -5.0
+    logits[4, :] = float("-inf")
+    logits[4, 2] = float("nan")
+    rows = [RowState(SamplingParams(), [1, 2], 1, frozenset()) for _ in range(6)]
+    out = sample(logits, rows, [None] * 6)
+    assert [isinstance(o, SamplingError) for o in out] == [True, True, True, False, True, False]
+    assert out[3] == Sampled(11) and out[5] == Sampled(int(logits[5].argmax()))

@@ -28,6 +28,13 @@ class RowState(NamedTuple):
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    @property
+    def has_processors(self) -> bool:
+        """True when some processor changes this row's logits now (apply_processors' conditions)."""
+        p = self.params
+        return bool(p.logit_bias or (self.stop_ids and self.num_output_tokens < p.min_tokens)
+                    or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+
 
 def _padded(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, L] int64 ids (padding 0) and [R, L] bool validity."""
@@ -54,6 +61,8 @@ def apply_processors(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor
     Order (as vLLM): logit bias, min_tokens, then penalties: repetition (HF semantics: over prompt and
     output, positive logits divided, negative multiplied), then frequency and presence (OpenAI
     semantics: over the output, `- frequency * count - presence * (count > 0)`)."""
+    if not any(row.has_processors for row in rows):
+        return logits
     device, vocab = logits.device, logits.shape[-1]
     bias = [(r, t, b) for r, row in enumerate(rows) for t, b in row.params.logit_bias.items() if 0 <= t < vocab]
     if bias:

@@ -48,11 +48,12 @@ def sample(logits: torch.Tensor, rows: list[RowState],
            generators: list[torch.Generator | None]) -> list[Sampled | SamplingError]:
     """logits [S, V] fp32 -> S sampled tokens, or a SamplingError for each row that cannot be sampled
     (NaN or +inf logits, nothing finite left): a bad row fails its own sequence, never the batch."""
-    bad = ((logits.isnan() | logits.isposinf()).any(-1) | ~logits.isfinite().any(-1)).tolist()  # [S]
+    # a row's max is not finite exactly when the row has a NaN (amax propagates it), a +inf, or nothing
+    # but -inf
+    bad = (~logits.amax(-1).isfinite()).tolist()  # [S]
     asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None and not bad[i]]
     raw = logits[asked].log_softmax(-1) if asked else None  # before any processor changes the logits
-    logits = apply_processors(logits, rows)
-    tokens = logits.argmax(-1).tolist()
+    tokens = apply_processors(logits, rows).argmax(-1).tolist()
     out: list[Sampled | SamplingError] = [
         SamplingError("the model produced logits that are not finite numbers") if bad[i] else Sampled(t)
         for i, t in enumerate(tokens)]
