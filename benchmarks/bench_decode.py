@@ -1,0 +1,218 @@
+"""One user, one stream: batch-1 decode on CPU, side by side in one run.
+
+    .venv/bin/python benchmarks/bench_decode.py            # ~12 min on 2 cores
+    .venv/bin/python benchmarks/bench_decode.py --quick    # fewer tokens and repeats, no throughput part
+
+Measures, on the default model:
+  1. start-up: a fresh process builds the engine with an empty compile cache, then again with the cache it
+     left (the compiled decode path), and once with compile_decode=False;
+  2. batch-1 decode ms/token (128-token prompt, greedy, EOS ignored) for tieredkv fp32 and bf16, each with
+     the compiled decode path and with the eager forward, and for transformers fp32, interleaved;
+  3. the engine's own cost per decode step outside the forward (scheduler, block moves, sampling, stop rules)
+     and the batch preparation inside it;
+  4. bf16 against fp32: greedy agreement over a set of prompts and the largest next-token logit difference;
+  5. mixed 32-request throughput (bench_engine.py's workload) with and without the compiled path.
+Prints llama.cpp's F32 figure measured on these machines (FACTS) for reference. Ratios are what to
+compare: these machines are noisy.
+
+Every engine core and transformers run on the main thread, one at a time: engines on worker threads
+of their own would each bring an OpenMP thread pool, and once the pools' threads outnumber the cores
+libgomp stops spin-waiting and every variant slows (see README, "One worker thread for torch").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tieredkv import EngineConfig, SamplingParams
+from tieredkv.engine_core import EngineCore
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_engine import hf_decode_ms, load_hf, make_requests  # noqa: E402
+
+LLAMA_CPP_F32_MS = 20.8  # llama-bench, same weights in F32, 2 threads (FACTS.md)
+FLOOR_MS = 21.0  # 538 MB of fp32 weights per token at ~25 GB/s
+KV_BYTES = 96 << 20
+
+STARTUP = """
+import json, sys, time
+t0 = time.perf_counter()
+from tieredkv.engine_core import EngineCore
+from tieredkv.config import EngineConfig
+core = EngineCore(EngineConfig(kv_cache_bytes={kv}, warm_bytes=0, compile_decode={compiled}))
+print(json.dumps({{"seconds": time.perf_counter() - t0, "graphs": core.runner.compiled.graphs if core.runner.compiled else 0}}))
+"""
+
+
+def startup_seconds(cache_dir: str, compiled: bool) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    out = subprocess.run([sys.executable, "-c", STARTUP.format(kv=KV_BYTES, compiled=compiled)], env=env,
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class StepClock:
+    """Wraps an engine core's step, the runner's execute and its prepare to time them."""
+
+    def __init__(self, core):
+        self.step, self.execute, self.prepare = [], [], []
+        for obj, name, sink in ((core, "step", self.step), (core.runner, "execute", self.execute),
+                                (core.runner, "prepare", self.prepare)):
+            setattr(obj, name, self._timed(getattr(obj, name), sink))
+
+    @staticmethod
+    def _timed(fn, sink):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sink.append(time.perf_counter() - t0)
+            return out
+        return timed
+
+    def reset(self):
+        for sink in (self.step, self.execute, self.prepare):
+            sink.clear()
+
+
+def run(core: EngineCore, prompts: list[list[int]], max_tokens: list[int], stamps: list | None = None) -> list:
+    """Serves the prompts at once to the end; returns each one's tokens. `stamps` gets the time of every
+    step that produced a token for the first request."""
+    reqs = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_tokens)]
+    for r in reqs:
+        if core.add_request(r):
+            raise RuntimeError("request refused")
+    first = reqs[0].seqs[0]
+    while core.has_work():
+        before = first.num_tokens
+        core.step()
+        if stamps is not None and first.num_tokens > before:
+            stamps.append(time.perf_counter())
+    return [r.seqs[0].output_token_ids for r in reqs]
+
+
+def decode_ms(core: EngineCore, prompt: list[int], n: int) -> float:
+    stamps: list[float] = []
+    run(core, [prompt], [n], stamps)
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1000
+
+
+def next_token_logits(core: EngineCore, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The fp32 logits each prompt's prefill produced (one request at a time)."""
+    captured = []
+    inner = core.runner.execute
+
+    def execute(out):
+        logits, sampled = inner(out)
+        captured.append(logits[-1].float().clone())
+        return logits, sampled
+
+    core.runner.execute = execute
+    try:
+        for p in prompts:
+            run(core, [p], [1])
+    finally:
+        core.runner.execute = inner
+    return captured
+
+
+def main(args) -> dict:
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as cache:
+        first, second = startup_seconds(cache, True), startup_seconds(cache, True)
+        eager = startup_seconds(cache, False)
+    results["startup_s"] = {"compiled_first": first["seconds"], "compiled_second": second["seconds"],
+                            "eager": eager["seconds"]}
+    print(f"start-up: compiled first {first['seconds']:.1f}s ({first['graphs']} graphs compiled), second "
+          f"{second['seconds']:.1f}s (from the cache), eager {eager['seconds']:.1f}s", flush=True)
+
+    variants = {}
+    for dtype in ("float32", "bfloat16"):
+        for compiled in (True, False):
+            cfg = EngineConfig(dtype=dtype, kv_cache_bytes=KV_BYTES, warm_bytes=0, compile_decode=compiled)
+            variants[f"{dtype}{'' if compiled else ' eager'}"] = EngineCore(cfg)
+    fp32 = variants["float32"]
+    vocab = fp32.spec.vocab_size
+    hf = load_hf(fp32.model_dir)
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, vocab) for _ in range(128)]
+    run(fp32, [prompt], [4])  # first touches of every buffer, before anything is timed
+    clocks = {name: StepClock(core) for name, core in variants.items()}
+    ms: dict[str, list[float]] = {name: [] for name in [*variants, "transformers"]}
+    for _ in range(args.repeats):  # interleaved: a drift in machine speed hits every variant alike
+        for name, core in variants.items():
+            ms[name].append(decode_ms(core, prompt, args.tokens))
+        ms["transformers"].append(hf_decode_ms(hf, prompt, args.tokens))
+    results["decode_ms"] = {name: statistics.median(v) for name, v in ms.items()}
+    for name, clock in clocks.items():
+        outside = [s - e for s, e in zip(clock.step, clock.execute)]
+        results.setdefault("per_step_ms", {})[name] = {
+            "step": statistics.median(clock.step) * 1e3, "outside_forward": statistics.median(outside) * 1e3,
+            "prepare": statistics.median(clock.prepare) * 1e3}
+    print("\n| batch-1 decode | ms/token | vs tieredkv fp32 eager | vs floor (21 ms) |\n|---|---|---|---|")
+    base = results["decode_ms"]["float32 eager"]
+    for name, value in results["decode_ms"].items():
+        print(f"| {name} | {value:.1f} | {base / value:.2f}x faster | {value / FLOOR_MS:.2f}x |")
+    print(f"| llama.cpp F32 (FACTS, not run here) | {LLAMA_CPP_F32_MS} | {base / LLAMA_CPP_F32_MS:.2f}x | "
+          f"{LLAMA_CPP_F32_MS / FLOOR_MS:.2f}x |")
+    print("\n| per decode step (ms, median) | step | outside the forward | batch preparation |\n|---|---|---|---|")
+    for name, row in results["per_step_ms"].items():
+        print(f"| {name} | {row['step']:.2f} | {row['outside_forward']:.2f} | {row['prepare']:.2f} |")
+
+    # bf16 against fp32, both compiled: greedy continuations and next-token logits
+    prompts = [fp32.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in (
+        "What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
+        "Explain what a hash table is.", "Give me a recipe for pancakes.", "Why is the sky blue?")]
+    prompts += [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 256))] for _ in range(args.prompts - 6)]
+    outs = {name: [run(variants[name], [p], [32])[0] for p in prompts] for name in ("float32", "bfloat16")}
+    same = sum(a == b for a, b in zip(outs["float32"], outs["bfloat16"]))
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                  for a, b in zip(outs["float32"], outs["bfloat16"])]
+    l32, l16 = next_token_logits(variants["float32"], prompts), next_token_logits(variants["bfloat16"], prompts)
+    diff = max(float((a - b).abs().max()) for a, b in zip(l32, l16))
+    top1 = sum(int(a.argmax()) == int(b.argmax()) for a, b in zip(l32, l16))
+    results["bf16_vs_fp32"] = {"prompts": len(prompts), "identical_32_token_continuations": same,
+                               "mean_first_divergence": statistics.mean(first_diff),
+                               "next_token_top1_agree": top1, "max_logit_diff": diff}
+    print(f"\nbf16 vs fp32 over {len(prompts)} prompts: {same} identical 32-token greedy continuations, "
+          f"first divergence at token {statistics.mean(first_diff):.1f} on average, next-token top-1 agrees on "
+          f"{top1}, largest next-token logit difference {diff:.3f}", flush=True)
+
+    if not args.quick:  # the mixed workload (bench_engine.py's), both ways, A-B-A-B
+        requests = make_requests(32, vocab)
+        out_tokens = sum(n for _, n in requests)
+        runs: dict[str, list[float]] = {"float32": [], "float32 eager": []}
+        for _ in range(2):
+            for name in runs:
+                variants[name].tiers.clear("all")  # from an empty cache each time
+                t0 = time.perf_counter()
+                run(variants[name], [p for p, _ in requests], [n for _, n in requests])
+                runs[name].append(out_tokens / (time.perf_counter() - t0))
+        results["mixed32_tok_s"] = {name: statistics.mean(v) for name, v in runs.items()}
+        ratio = results["mixed32_tok_s"]["float32"] / results["mixed32_tok_s"]["float32 eager"]
+        print(f"mixed 32 requests: compiled {results['mixed32_tok_s']['float32']:.1f} tok/s, eager "
+              f"{results['mixed32_tok_s']['float32 eager']:.1f} tok/s ({ratio:.2f}x)", flush=True)
+    for core in variants.values():
+        core.close()
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    ns = parser.parse_args()
+    ns.tokens, ns.repeats, ns.prompts = (32, 2, 8) if ns.quick else (128, 3, 16)
+    res = main(ns)
+    if ns.json:
+        ns.json.write_text(json.dumps(res, indent=1))
