@@ -110,3 +110,24 @@ def test_a_compiler_failure_leaves_the_eager_forward_serving(llama_dir, monkeypa
     prompt = [5, 6, 7, 8]
     assert run_to_end(core, [prompt], [10]) == hf_greedy(llama_dir, [prompt], 10)
     assert compiled.steps == 0
+
+
+@pytest.mark.parametrize("num_layers, run", [(2, 2), (30, 30), (64, 32), (60, 30), (37, 1)])
+def test_layer_runs_are_equal_and_caches_share_memory_not_storage(num_layers, run):
+    """One graph serves every run, so runs are equal; each cache is the layer's own memory under a
+    storage of its own (inputs sharing a storage would be copied whole by the graph)."""
+    from types import SimpleNamespace
+
+    from tieredkv.compiled_decode import layer_groups
+
+    kv = torch.zeros(num_layers, 2, 3, 4, 1, 2)
+    groups = layer_groups(SimpleNamespace(layers=list(range(num_layers))), kv)
+    assert [len(layers) for layers, _ in groups] == [run] * (num_layers // run)
+    assert [layer for layers, _ in groups for layer in layers] == list(range(num_layers))
+    caches = [c for _, cs in groups for c in cs]
+    layer_bytes = kv[0].numel() * kv.element_size()
+    # a view's storage would be the whole cache's; each of these covers its layer alone
+    assert all(c.untyped_storage().nbytes() == layer_bytes for c in caches)
+    assert [c.data_ptr() for c in caches] == [kv[i].data_ptr() for i in range(num_layers)]
+    caches[-1][1, 2, 3, 0, 1] = 7.0  # writes land in the engine's cache
+    assert kv[-1, 1, 2, 3, 0, 1] == 7.0 and kv.sum() == 7.0

@@ -8,12 +8,15 @@ embedding, residual adds, the K/V store and the attention's gather and softmax i
 C++ loops, and keeps the dense layers as library calls on the plain weights (for one row MKL's
 product reads them faster than oneDNN's packed layout, which wins from four rows on: kernels/linear.py).
 
-What: one graph, for one layer and any block-table width; every layer calls it (a layer reads no
-per-layer Python value: its weights and cache come in as inputs). The engine compiles it at start-up
-(`warmup`), so no request waits for a compile, and inductor keeps it in its on-disk cache
-(`configure_cache`), so a restart loads it. Steps with more sequences run the eager forward: measured
-here, a graph dynamic in the batch was no faster at 2 decodes and twice as slow at 8 (its attention
-loops and the plain weights' products lose to the eager grouping and oneDNN's packed weights).
+What: one graph for a run of layers (the whole stack, for the default model's 30), which every run of
+that length calls: a layer reads no per-layer Python value, its weights and cache come in as inputs.
+One graph over the stack, rather than one per layer, saves torch.compile's ~0.1 ms wrapper around each
+call (3 ms a token for 30 layers) and fuses each layer's last residual add into the next one's norm.
+The engine compiles it at start-up (`warmup`), so no request waits for a compile, and inductor keeps
+it in its on-disk cache (`configure_cache`), so a restart loads it. Steps with more sequences run the
+eager forward: measured here, a graph dynamic in the batch was no faster at 2 decodes and twice as
+slow at 8 (its attention loops and the plain weights' products lose to the eager grouping and oneDNN's
+packed weights).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ log = logging.getLogger("tieredkv")
 COMPILE_ENV = "TIEREDKV_COMPILE_DECODE"
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 MIN_TABLE_WIDTH = 2  # tables are padded to this width: a width of 1 would be a graph of its own
+MAX_LAYERS_PER_GRAPH = 32  # the graph's compile time grows with its layers (the default model's 30: ~50 s, once)
 RECOMPILE_LIMIT = 3  # 1 is expected; past this the path turns itself off rather than compile every step
 
 
@@ -65,6 +69,26 @@ def configure_cache() -> Path:
     return Path(os.environ[CACHE_ENV])
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as `t` (contiguous, on CPU) under a storage object of its own."""
+    return torch.from_numpy(t.view(torch.uint8).numpy()).view(t.dtype).view(t.shape)
+
+
+def layer_groups(model: LlamaModel, kv_cache: torch.Tensor) -> list[tuple[tuple, tuple]]:
+    """The layers in equal runs, each with its layers' caches, for one graph to serve every run.
+
+    A run is the whole stack when it has at most MAX_LAYERS_PER_GRAPH layers, else the longest run up to
+    that which divides it. Each layer's cache is given a storage object of its own: a graph whose inputs
+    share one storage and are written copies them whole (that is how inductor keeps aliased inputs
+    right), where separate inputs are written in place. Off the CPU (no such alias), one layer a run."""
+    num = len(model.layers)
+    if kv_cache.device.type != "cpu":
+        return [((layer,), (kv_cache[i],)) for i, layer in enumerate(model.layers)]
+    size = max(g for g in range(1, min(num, MAX_LAYERS_PER_GRAPH) + 1) if num % g == 0)
+    caches = [own_storage(kv_cache[i]) for i in range(num)]
+    return [(tuple(model.layers[i:i + size]), tuple(caches[i:i + size])) for i in range(0, num, size)]
+
+
 class CompiledDecode:
     """Runs steps that decode one sequence through the compiled graph."""
 
@@ -80,6 +104,7 @@ class CompiledDecode:
         # The layers are not changed after load, so no guard checks their attributes on every call: that
         # would cost more than the layer's fused loops.
         # isolate_recompiles: each engine counts its own graphs (the code object is shared by all engines).
+        self._groups = layer_groups(model, kv_cache)
         self._layer = torch.compile(self._layer_forward, backend=self._backend, fullgraph=True,
                                     recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True,
                                     options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
@@ -90,21 +115,23 @@ class CompiledDecode:
         self.graphs += 1
         return compile_fx(gm, example_inputs)
 
-    def _layer_forward(self, layer, x, cos, sin, layer_cache, positions, slot_mapping, block_tables, context_lens):
-        """One decoder layer (any of them: the same graph serves all) over one decode."""
+    def _layer_forward(self, layers, x, cos, sin, layer_caches, positions, slot_mapping, block_tables, context_lens):
+        """A run of decoder layers (any run of that length: the same graph serves all) over one decode."""
         attn = AttentionMetadata(
             num_decode_tokens=x.shape[0], decode_block_tables=block_tables, decode_context_lens=context_lens,
             max_decode_context_len=0, prefill_block_tables=block_tables[:0], prefill_query_start_loc=context_lens[:1],
             prefill_context_lens=context_lens[:0], max_prefill_query_len=0)
         batch = ForwardBatch(positions, positions, slot_mapping, positions, attn)
-        return layer(x, batch, (cos, sin), layer_cache, self.ops)
+        for layer, cache in zip(layers, layer_caches):
+            x = layer(x, batch, (cos, sin), cache, self.ops)
+        return x
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """LlamaModel.forward with each layer through the compiled graph."""
+        """LlamaModel.forward with each run of layers through the compiled graph."""
         x, (cos, sin) = self.model.embed(batch)
         a = batch.attn
-        for i, layer in enumerate(self.model.layers):
-            x = self._layer(layer, x, cos, sin, self.kv_cache[i], batch.positions, batch.slot_mapping,
+        for layers, caches in self._groups:
+            x = self._layer(layers, x, cos, sin, caches, batch.positions, batch.slot_mapping,
                             a.decode_block_tables, a.decode_context_lens)
         return self.model.logits(x, batch, self.ops)
 
