@@ -131,3 +131,17 @@ def test_layer_runs_are_equal_and_caches_share_memory_not_storage(num_layers, ru
     assert [c.data_ptr() for c in caches] == [kv[i].data_ptr() for i in range(num_layers)]
     caches[-1][1, 2, 3, 0, 1] = 7.0  # writes land in the engine's cache
     assert kv[-1, 1, 2, 3, 0, 1] == 7.0 and kv.sum() == 7.0
+
+
+def test_a_stack_in_several_runs_shares_one_graph(llama_dir, monkeypatch):
+    """A stack longer than MAX_LAYERS_PER_GRAPH runs as equal runs of layers through one graph, the
+    embedding and logits outside it; outputs equal transformers'."""
+    import tieredkv.compiled_decode as cd
+
+    monkeypatch.setattr(cd, "MAX_LAYERS_PER_GRAPH", 1)
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=True))
+    compiled = core.runner.compiled
+    assert len(compiled._groups) == core.spec.num_layers > 1
+    prompt = list(range(9, 30))
+    assert run_to_end(core, [prompt], [20]) == hf_greedy(llama_dir, [prompt], 20)
+    assert compiled.steps == 19 and compiled.graphs == 1

@@ -101,11 +101,11 @@ class CompiledDecode:
         self.graphs = 0  # graphs compiled (or loaded from the cache): 1 after warmup, and no more after
         self.steps = 0  # steps this path ran
         self.disabled: str | None = None  # why the path turned itself off, if it did
+        self._groups = layer_groups(model, kv_cache)
         # The layers are not changed after load, so no guard checks their attributes on every call: that
         # would cost more than the layer's fused loops.
         # isolate_recompiles: each engine counts its own graphs (the code object is shared by all engines).
-        self._groups = layer_groups(model, kv_cache)
-        self._layer = torch.compile(self._layer_forward, backend=self._backend, fullgraph=True,
+        self._stack = torch.compile(self._stack_forward, backend=self._backend, fullgraph=True,
                                     recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True,
                                     options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
@@ -115,23 +115,37 @@ class CompiledDecode:
         self.graphs += 1
         return compile_fx(gm, example_inputs)
 
-    def _layer_forward(self, layers, x, cos, sin, layer_caches, positions, slot_mapping, block_tables, context_lens):
-        """A run of decoder layers (any run of that length: the same graph serves all) over one decode."""
-        attn = AttentionMetadata(
-            num_decode_tokens=x.shape[0], decode_block_tables=block_tables, decode_context_lens=context_lens,
-            max_decode_context_len=0, prefill_block_tables=block_tables[:0], prefill_query_start_loc=context_lens[:1],
-            prefill_context_lens=context_lens[:0], max_prefill_query_len=0)
-        batch = ForwardBatch(positions, positions, slot_mapping, positions, attn)
+    def _stack_forward(self, layers, x, cos, sin, layer_caches, positions, slot_mapping, block_tables, context_lens,
+                       input_ids=None):
+        """A run of decoder layers (any run of that length: the same graph serves all) over one decode.
+        With `input_ids` (the run is the whole stack) the embedding before and the logits after are in
+        the graph too, and x, cos and sin are not read."""
+        batch = self._batch(input_ids, positions, slot_mapping, block_tables, context_lens)
+        if input_ids is not None:
+            x, (cos, sin) = self.model.embed(batch)
         for layer, cache in zip(layers, layer_caches):
             x = layer(x, batch, (cos, sin), cache, self.ops)
-        return x
+        return x if input_ids is None else self.model.logits(x, batch, self.ops)
+
+    @staticmethod
+    def _batch(input_ids, positions, slot_mapping, block_tables, context_lens) -> ForwardBatch:
+        attn = AttentionMetadata(
+            num_decode_tokens=1, decode_block_tables=block_tables, decode_context_lens=context_lens,
+            max_decode_context_len=0, prefill_block_tables=block_tables[:0], prefill_query_start_loc=context_lens[:1],
+            prefill_context_lens=context_lens[:0], max_prefill_query_len=0)
+        ids = positions if input_ids is None else input_ids
+        return ForwardBatch(ids, positions, slot_mapping, torch.zeros_like(positions), attn)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """LlamaModel.forward with each run of layers through the compiled graph."""
-        x, (cos, sin) = self.model.embed(batch)
         a = batch.attn
+        if len(self._groups) == 1:
+            layers, caches = self._groups[0]
+            return self._stack(layers, None, None, None, caches, batch.positions, batch.slot_mapping,
+                               a.decode_block_tables, a.decode_context_lens, batch.input_ids)
+        x, (cos, sin) = self.model.embed(batch)
         for layers, caches in self._groups:
-            x = self._layer(layers, x, cos, sin, caches, batch.positions, batch.slot_mapping,
+            x = self._stack(layers, x, cos, sin, caches, batch.positions, batch.slot_mapping,
                             a.decode_block_tables, a.decode_context_lens)
         return self.model.logits(x, batch, self.ops)
 
