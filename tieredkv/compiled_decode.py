@@ -8,10 +8,11 @@ embedding, residual adds, the K/V store and the attention's gather and softmax i
 C++ loops, and keeps the dense layers as library calls on the plain weights (for one row MKL's
 product reads them faster than oneDNN's packed layout, which wins from four rows on: kernels/linear.py).
 
-What: one graph for a run of layers (the whole stack, for the default model's 30), which every run of
-that length calls: a layer reads no per-layer Python value, its weights and cache come in as inputs.
-One graph over the stack, rather than one per layer, saves torch.compile's ~0.1 ms wrapper around each
-call (3 ms a token for 30 layers) and fuses each layer's last residual add into the next one's norm.
+What: one graph for a run of layers (the whole stack, for the default model's 30, with the embedding
+and the logits), which every run of that length calls: a layer reads no per-layer Python value, its
+weights and cache come in as inputs. One graph over the stack, rather than one per layer, saves
+torch.compile's ~0.1 ms wrapper around each call (3 ms a token for 30 layers) and fuses each layer's
+last residual add into the next one's norm.
 The engine compiles it at start-up (`warmup`), so no request waits for a compile, and inductor keeps
 it in its on-disk cache (`configure_cache`), so a restart loads it. Steps with more sequences run the
 eager forward: measured here, a graph dynamic in the batch was no faster at 2 decodes and twice as
