@@ -37,11 +37,13 @@ async def _stream_answer(engine: AsyncEngine, messages, params: SamplingParams) 
 async def demo(args: argparse.Namespace) -> None:
     system = files("tieredkv").joinpath("data/demo_system_prompt.txt").read_text()
     config = EngineConfig(model=args.model)
-    print(f"starting tieredkv on model={args.model!r}...", flush=True)
+    print(f"starting tieredkv on model={args.model!r} (on CPU the first start on a machine also compiles "
+          "the batch-1 decode graph, about a minute; later starts load it)...", flush=True)
+    t0 = time.perf_counter()
     async with await AsyncEngine.start(config) as engine:
         core = engine.core
         print(f"{core.model_dir.name}: {core.dtype} on {core.device}, {core.num_blocks} KV blocks "
-              f"of {core.block_size} tokens\n")
+              f"of {core.block_size} tokens, ready in {time.perf_counter() - t0:.1f} s\n")
         params = SamplingParams(max_tokens=args.max_tokens)
         for question in DEMO_QUESTIONS:
             print(f">>> {question}\n")
