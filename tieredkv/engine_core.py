@@ -34,7 +34,6 @@ from tieredkv.tokenizer import Tokenizer
 log = logging.getLogger("tieredkv")
 
 
-
 class EngineCore:
     """Owns the model, the KV pool and tiers, the scheduler and the requests; `step()` is
     schedule -> execute (block moves, then one forward) -> update (sample, stop rules, forks)."""
@@ -70,18 +69,15 @@ class EngineCore:
             self.model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compile_decode)
         self.tiers = build_tiers(config, spec, self.pool, self.kv_cache, ops, self.fingerprint)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
-        compiled = CompiledDecode(self.model, self.kv_cache, ops) if compile_decode else None
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops, config.cascade_attention, compiled)
-        if ops.name == "triton":
-            self.runner.warmup()  # compile every kernel variant now, not on the first request
-        if compiled is not None:
-            compiled.warmup()
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops, config.cascade_attention,
+                                  CompiledDecode(self.model, self.kv_cache, ops) if compile_decode else None)
+        self.runner.compile_now()
         self.pins = PinTable(self.kv, int(self.num_blocks * config.max_pinned_fraction))
         self.requests: dict[str, Request] = {}
         self.telemetry = Telemetry()
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s, packed=%s, "
                  "compiled decode=%s", self.model_dir.name, self.dtype, self.device, self.num_blocks, self.block_size,
-                 ops.name, ops.linear.__name__, ops.pack_linear_weight is not None, compiled is not None)
+                 ops.name, ops.linear.__name__, ops.pack_linear_weight is not None, compile_decode)
 
     def close(self) -> None:
         """Persists cached blocks to the cold tier (when there is one) and closes the tiers."""

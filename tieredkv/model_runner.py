@@ -78,6 +78,14 @@ class ModelRunner:
         )
         return batch, sampled
 
+    def compile_now(self) -> None:
+        """Compiles what would otherwise compile on the first request: every Triton kernel variant a step
+        uses, and the compiled decode graph."""
+        if self.ops.name == "triton":
+            self.warmup()
+        if self.compiled is not None:
+            self.compiled.warmup()
+
     @torch.inference_mode()
     def warmup(self) -> None:
         """One forward with a decode and a prefill chunk over block 0 (free at start-up, so nothing is
