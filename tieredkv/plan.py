@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -113,13 +115,26 @@ def plan(model: str = "default", device: str = "cpu", device_memory_bytes: int |
 def profile_activations(model: str, device: str, dtype: str, max_num_batched_tokens: int) -> int:
     """The dry run: one prefill forward of max_num_batched_tokens tokens on the real device, measuring
     the memory it needs beyond weights and KV: CUDA's peak allocation, or on Linux CPUs the growth of the
-    resident set's high-water mark (reset first through /proc/self/clear_refs)."""
+    resident set's high-water mark (reset first through /proc/self/clear_refs). On CPU it runs in a
+    fresh process: in one that has done other work, the forward's buffers may come from freed memory
+    that is still resident, and the high-water mark would not move."""
+    if not device.startswith("cuda"):
+        code = ("import sys; from tieredkv.plan import _profile_here; "
+                "print(_profile_here(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))")
+        out = subprocess.run([sys.executable, "-c", code, model, device, dtype, str(max_num_batched_tokens)],
+                             check=True, capture_output=True, text=True).stdout
+        return int(out.strip().splitlines()[-1])
+    return _profile_here(model, device, dtype, max_num_batched_tokens)
+
+
+def _profile_here(model: str, device: str, dtype: str, max_num_batched_tokens: int) -> int:
     from tieredkv.config import EngineConfig, SamplingParams
     from tieredkv.engine_core import EngineCore
 
     blocks = cdiv(max_num_batched_tokens, 16) + 2
     core = EngineCore(EngineConfig(model=model, device=device, dtype=dtype, num_blocks=blocks,
-                                   max_num_batched_tokens=max_num_batched_tokens, warm_bytes=0))
+                                   max_num_batched_tokens=max_num_batched_tokens, warm_bytes=0,
+                                   compile_decode=False))  # a prefill is measured: nothing to compile
     ids = [(i * 7919) % (core.spec.vocab_size - 10) + 5 for i in range(max_num_batched_tokens)]
     core.add_request(core.factory.make(ids[:-1], SamplingParams(max_tokens=1)))
     if core.device.type == "cuda":
