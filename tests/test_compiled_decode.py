@@ -1,5 +1,5 @@
-"""The compiled decode path (compiled_decode.py): its ops match the references, it is what runs for
-small decode-only steps, and its graphs are compiled once at start-up."""
+"""The compiled decode path (compiled_decode.py): its ops match the references, it is what runs for a
+step that decodes one sequence, and its graph is compiled once, at start-up."""
 
 import pytest
 import torch

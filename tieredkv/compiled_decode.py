@@ -130,6 +130,7 @@ class CompiledDecode:
 
     @staticmethod
     def _batch(input_ids, positions, slot_mapping, block_tables, context_lens) -> ForwardBatch:
+        """One decode's batch; inside the graph without `input_ids` (a run after the first reads none)."""
         attn = AttentionMetadata(
             num_decode_tokens=1, decode_block_tables=block_tables, decode_context_lens=context_lens,
             max_decode_context_len=0, prefill_block_tables=block_tables[:0], prefill_query_start_loc=context_lens[:1],
@@ -163,11 +164,8 @@ class CompiledDecode:
         if width < MIN_TABLE_WIDTH:  # the padding entries repeat the row's block; their positions are masked
             block_tables = block_tables.repeat(1, -(-MIN_TABLE_WIDTH // width))
         torch._dynamo.mark_dynamic(block_tables, 1)
-        attn = AttentionMetadata(1, block_tables, context_lens, 0, block_tables[:0], context_lens[:1], context_lens[:0],
-                                 0)
-        logits_indices = torch.zeros(1, dtype=torch.int64, device=input_ids.device)
         try:
-            logits = self._forward(ForwardBatch(input_ids, positions, slot_mapping, logits_indices, attn))
+            logits = self._forward(self._batch(input_ids, positions, slot_mapping, block_tables, context_lens))
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
             self.disabled = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             log.warning("compiled decode turned off, the eager forward serves from now on: %s", self.disabled)
@@ -180,6 +178,6 @@ class CompiledDecode:
         """Compiles (or loads from the cache) the graph with a decode over block 0, free at start-up.
         Where that fails (no C++ compiler, say) the path is off and the eager forward serves."""
         zeros = torch.zeros(1, dtype=torch.int64, device=self.kv_cache.device)
-        self.run(zeros, zeros.clone(), zeros.clone(), torch.zeros(1, MIN_TABLE_WIDTH, dtype=torch.int32, device=zeros.device),
-                 torch.ones(1, dtype=torch.int32, device=zeros.device))
+        table = torch.zeros(1, MIN_TABLE_WIDTH, dtype=torch.int32, device=zeros.device)
+        self.run(zeros, zeros.clone(), zeros.clone(), table, torch.ones(1, dtype=torch.int32, device=zeros.device))
         self.steps = 0

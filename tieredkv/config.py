@@ -42,8 +42,9 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's, one "
                                     "per core: measured 2x faster than 1 alone, equal beside busy processes)")
     compile_decode: bool | None = Field(
-        None, description="run steps of up to 8 decodes through an inductor-compiled graph (compiled at start-up, "
-        "cached on disk); None: the TIEREDKV_COMPILE_DECODE environment variable (0/1) if set, else on for CPU")
+        None, description="run a step that decodes one sequence through an inductor-compiled graph (compiled at "
+        "start-up, cached on disk); None: the TIEREDKV_COMPILE_DECODE environment variable (0/1) if set, else on "
+        "for CPU")
     cpu_malloc_tuning: bool = Field(True, description="on CPU, keep freed step buffers in glibc's heap")
     warm_bytes: int | None = Field(
         None, ge=0, description="host-memory tier budget; 0 turns it off; None: 10% of available RAM, at most 4 GiB"

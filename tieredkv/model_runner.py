@@ -24,12 +24,14 @@ class ModelRunner:
         self.ops = ops
         self.device = kv_cache.device
         self.cascade = cascade
-        self.compiled = compiled  # the compiled path for small decode-only steps, when the engine compiles
+        self.compiled = compiled  # the compiled path for a step that decodes one sequence, when the engine compiles
         self.warmed_up = False
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]], with_plan: bool = True) -> tuple[ForwardBatch, list[Sequence]]:
+    def prepare(self, scheduled: list[tuple[Sequence, int]],
+                with_plan: bool = True) -> tuple[ForwardBatch, list[Sequence]]:
         """Builds the batch; returns it with the sequences whose next token is sampled this step,
-        in the order of the logits rows. `with_plan=False` leaves out the decode plan (the compiled path has none)."""
+        in the order of the logits rows. `with_plan=False` leaves out the decode plan (the compiled path
+        has none)."""
         # decodes sorted by context length, so that the torch decode attention's length groups are runs
         decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: sn[0].num_computed_tokens)
         prefills = [(s, n) for s, n in scheduled if n > 1]
