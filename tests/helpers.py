@@ -97,8 +97,11 @@ def check_pool_clean(core) -> None:
     assert core.pool.num_free == core.pool.num_blocks
     assert not core.requests
     warm = core.tiers.warm
-    if warm is not None:  # every swap slot lent to a preempted sequence came back
+    if warm is not None:  # every slot lent to a preempted sequence or as a far block came back
         assert len(warm.free_slots) + len(warm.entries) == warm.capacity
+    far = core.kv.far
+    if far is not None:
+        assert far.num_in_use == 0 and not far.by_hash
 
 
 def check_pool_consistent(core) -> None:
@@ -117,3 +120,24 @@ def check_pool_consistent(core) -> None:
     for h, b in core.pool.cached.items():
         assert b.block_hash == h
     assert core.pool.num_cached_free == sum(1 for b in core.pool.cached.values() if b.ref_cnt == 0)
+    check_far_blocks(core, holders)
+
+
+def check_far_blocks(core, holders: dict[int, int]) -> None:
+    """Far blocks (held in warm slots): ref_cnt = holders, each one lent slot, findable by their hash."""
+    far = core.kv.far
+    if far is None:
+        return
+    blocks = {b.block_id: b for s in core.scheduler.running for b in s.block_table if far.is_far(b)}
+    assert len(blocks) == far.num_in_use
+    for block_id, b in blocks.items():
+        assert b.ref_cnt == holders[block_id], b
+    assert all(far.by_hash[b.block_hash] is b for b in blocks.values() if b.block_hash in far.by_hash)
+    assert all(b.block_id in blocks for b in far.by_hash.values())
+    warm = core.tiers.warm
+    swapped = sum(len(s.swapped.swap_slots) for s in core.scheduler.waiting
+                  if s.swapped is not None and s.swapped.swap_slots is not None)
+    lent = warm.capacity - len(warm.free_slots) - len(warm.entries)
+    assert lent == len(blocks) + swapped
+    slots = {bid - far.base for bid in blocks}
+    assert not slots & set(warm.free_slots) and not slots & {s for s, _ in warm.entries.values()}

@@ -14,7 +14,7 @@ from tieredkv import (AsyncEngine, CheckpointError, EngineConfig, RequestError, 
 
 @pytest.fixture(scope="module")
 async def engine(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, max_model_len=256))
+    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, max_model_len=256, warm_bytes=0))
     yield engine
     await engine.close()
 

@@ -55,3 +55,40 @@ async def test_greedy_chat_matches_transformers(engine):
     decodes += len(first.outputs[0].token_ids) - 1
     assert engine.core.runner.compiled.steps - steps == decodes  # the compiled path ran every one
     check_pool_clean(engine.core)
+
+
+def long_document(num_items: int, seed: int) -> str:
+    """A made-up inventory: every line different, so no block of the document repeats another."""
+    import random
+
+    rng = random.Random(seed)
+    colours = ["red", "blue", "green", "amber", "violet", "grey", "white", "black"]
+    things = ["lamp", "chair", "kettle", "bicycle", "clock", "piano", "tent", "camera", "ladder", "drum"]
+    cities = ["Lisbon", "Oslo", "Lima", "Cairo", "Perth", "Quito", "Riga", "Hanoi", "Dakar", "Austin"]
+    lines = [f"Item {i}: a {rng.choice(colours)} {rng.choice(things)} weighing {rng.randrange(1, 90)} kg, "
+             f"stored in {rng.choice(cities)} since {rng.randrange(1950, 2024)}." for i in range(1, num_items + 1)]
+    return "Warehouse inventory.\n" + "\n".join(lines)
+
+
+async def test_a_document_larger_than_the_hot_pool_matches_transformers():
+    """More than 1,500 tokens on a pool of 40 blocks (640 tokens): the older blocks are offloaded to the
+    warm tier and read in place, through the compiled decode path too."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = EngineConfig(model="default", num_blocks=40, warm_bytes=64 << 20, compile_decode=True)
+    async with await AsyncEngine.start(cfg) as engine:
+        messages = [{"role": "user", "content": long_document(70, seed=3) + "\n\nWhere is item 42 stored?"}]
+        ids = engine.tokenizer.apply_chat_template(messages)
+        assert len(ids) > 1500
+        hf = AutoModelForCausalLM.from_pretrained(str(engine.core.model_dir), dtype=torch.float32).eval()
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, min_new_tokens=16,
+                            do_sample=False)
+        steps = engine.core.runner.compiled.steps
+        out = await engine.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True))
+        assert out.outputs[0].token_ids == y[0, len(ids):].tolist()
+        stats = engine.stats()
+        assert stats.blocks_offloaded >= len(ids) // 16 - 40 and stats.num_preemptions == 0
+        assert engine.core.runner.compiled.steps - steps == 15  # every decode, far blocks and all
+        check_pool_clean(engine.core)

@@ -56,8 +56,18 @@ async def test_greedy_matches_transformers(case, caching, batched):
 async def test_greedy_matches_transformers_under_preemption(case, caching):
     model_dir, prompts, expected = case
     got, stats, _ = await run_engine(model_dir, prompts, True, enable_prefix_caching=caching,
-                                     num_blocks=16, max_num_batched_tokens=128)
+                                     num_blocks=16, max_num_batched_tokens=128, offload=False)
     assert stats.num_preemptions > 0
+    assert got == expected
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
+async def test_greedy_matches_transformers_with_old_blocks_offloaded(case, caching):
+    """The same squeeze with offloading on: old blocks move to the warm tier instead of preempting."""
+    model_dir, prompts, expected = case
+    got, stats, _ = await run_engine(model_dir, prompts, True, enable_prefix_caching=caching,
+                                     num_blocks=16, max_num_batched_tokens=128, warm_bytes=1 << 20)
+    assert stats.blocks_offloaded > 0 and stats.num_preemptions == 0 and stats.blocks_far == 0
     assert got == expected
 
 

@@ -9,11 +9,14 @@ from tieredkv import EngineConfig, RequestError, SamplingParams
 from tieredkv.engine_core import EngineCore
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["cache", "nocache"])
+@pytest.fixture(scope="module", params=[(True, True), (False, True), (True, False)],
+                ids=["cache", "nocache", "cache-nooffload"])
 def core(request, llama_dir):
-    # a warm tier of 20 blocks: evictions demote, hits promote, preemptions swap (up to 10 blocks)
+    # a warm tier of 20 blocks: evictions demote, hits promote; sequences that outgrow the pool keep old
+    # blocks there (offload), or without offloading, preemptions swap (up to 10 blocks)
+    caching, offload = request.param
     return EngineCore(EngineConfig(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
-                                   max_num_batched_tokens=16, enable_prefix_caching=request.param,
+                                   max_num_batched_tokens=16, enable_prefix_caching=caching, offload=offload,
                                    warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
 
 
@@ -54,3 +57,18 @@ def test_random_interleavings_keep_the_pool_consistent(core, ops):
         core.step()
         check_pool_consistent(core)
     check_pool_clean(core)
+
+
+def test_a_squeeze_offloads_or_preempts(core):
+    """Three requests of 8 blocks each on a pool of 12: old blocks go to the warm tier (or, with
+    offloading off, the newest request is preempted); every step keeps the pool consistent."""
+    before = core.kv.offloaded_blocks, core.scheduler.num_preemptions
+    for i in range(3):
+        prompt = [(5 * j + i) % 200 + 3 for j in range(22)]
+        core.add_request(core.factory.make(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+    while core.has_work():
+        core.step()
+        check_pool_consistent(core)
+    check_pool_clean(core)
+    offloaded, preempted = core.kv.offloaded_blocks - before[0], core.scheduler.num_preemptions - before[1]
+    assert (offloaded > 0 and preempted == 0) if core.config.offload else (offloaded == 0 and preempted > 0)

@@ -49,6 +49,8 @@ class EngineConfig(BaseModel):
     warm_bytes: int | None = Field(
         None, ge=0, description="host-memory tier budget; 0 turns it off; None: 10% of available RAM, at most 4 GiB"
     )
+    offload: bool = Field(True, description="a sequence whose KV outgrows the hot pool keeps its older blocks in "
+                          "the warm tier, where attention reads them in place (on CPU, where warm is the same memory)")
     cold_path: str | None = Field(None, description="directory of the LMDB disk tier; None turns it off")
     cold_bytes: int = Field(16 << 30, gt=0, description="disk budget of the cold tier (bytes on disk, whole pages)")
     cold_secret_path: str | None = Field(

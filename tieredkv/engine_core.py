@@ -12,9 +12,11 @@ from tieredkv.block_pool import BlockPool
 from tieredkv.compiled_decode import CompiledDecode, compile_wanted
 from tieredkv.config import EngineConfig
 from tieredkv.detokenizer import IncrementalDetokenizer
-from tieredkv.engine_setup import (build_tiers, eos_token_ids, max_model_len, model_fingerprint, num_kv_blocks,
+from tieredkv.engine_setup import (build_tiers, eos_token_ids, far_capacity, make_kv_cache, max_model_len,
+                                   model_fingerprint, num_kv_blocks, warm_blocks,
                                    resolve_device, resolve_dtype, resolve_model_dir)
 from tieredkv.errors import RequestError, StepError, TieredKVError
+from tieredkv.far_blocks import FarBlocks
 from tieredkv.hashing import root_hash
 from tieredkv.kernels import select_kernels
 from tieredkv.kv_manager import KVCacheManager, cdiv
@@ -56,10 +58,11 @@ class EngineCore:
         self.model = load_model(self.model_dir, spec, self.dtype, self.device)
         self.block_size = config.block_size
         self.num_blocks = num_kv_blocks(config, spec, self.dtype, self.device)
-        shape = (spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        num_warm = warm_blocks(config, spec, self.dtype)
+        num_far = far_capacity(config, self.device, num_warm)
+        self.kv_cache = make_kv_cache(spec, self.block_size, self.num_blocks, num_far, self.dtype, self.device)
         self.factory = RequestFactory(self.tokenizer, spec, config, self.max_model_len, self.eos_token_ids,
-                                      self.num_blocks)
+                                      self.num_blocks, num_far)
         self.fingerprint = model_fingerprint(self.model_dir, self.dtype, self.block_size)
         self.pool = BlockPool(self.num_blocks)
         self.kv = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching, root_hash(self.fingerprint))
@@ -67,7 +70,9 @@ class EngineCore:
         compile_decode = compile_wanted(config.compile_decode, self.device)
         if ops.pack_linear_weight is not None:
             self.model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compile_decode)
-        self.tiers = build_tiers(config, spec, self.pool, self.kv_cache, ops, self.fingerprint)
+        self.tiers = build_tiers(config, spec, self.pool, self.kv_cache, ops, self.fingerprint, num_warm)
+        if num_far:
+            self.kv.far = FarBlocks(self.tiers.warm, self.num_blocks, self.tiers.pass_down)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops, config.cascade_attention,
                                   CompiledDecode(self.model, self.kv_cache, ops) if compile_decode else None)
@@ -247,4 +252,4 @@ class EngineCore:
     # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return collect_stats(self.pool, self.scheduler, self.kv.cow_copies, self.tiers.tiers(), self.pins.num_blocks)
+        return collect_stats(self.pool, self.scheduler, self.kv, self.tiers.tiers(), self.pins.num_blocks)

@@ -102,16 +102,40 @@ def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int) -> s
     return f"{identity.hexdigest()}|{dtype}|bs={block_size}|{KV_LAYOUT}"
 
 
+def warm_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Blocks the warm tier's budget holds (warm_bytes, or default_warm_bytes())."""
+    warm_bytes = default_warm_bytes() if cfg.warm_bytes is None else cfg.warm_bytes
+    return warm_bytes // (spec.kv_elements_per_token * cfg.block_size * dtype.itemsize)
+
+
+def far_capacity(cfg: EngineConfig, device: torch.device, num_warm_blocks: int) -> int:
+    """Warm blocks that running sequences may use as far blocks (read in place by attention): the whole
+    warm tier on CPU with offloading on, where warm is the same memory as hot; none elsewhere."""
+    return num_warm_blocks if cfg.offload and device.type == "cpu" else 0
+
+
+def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """[layers, 2, num_blocks + num_far, block_size, kv_heads, head_dim]: the hot pool, zeroed, then the
+    warm tier's slab when it serves far blocks (left unwritten: its pages are taken as blocks land)."""
+    shape = (spec.num_layers, 2, num_blocks + num_far, block_size, spec.num_kv_heads, spec.head_dim)
+    if not num_far:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    kv_cache = torch.empty(shape, dtype=dtype, device=device)
+    kv_cache[:, :, :num_blocks].zero_()
+    return kv_cache
+
+
 def build_tiers(cfg: EngineConfig, spec: ModelSpec, pool: BlockPool, kv_cache: torch.Tensor, ops: KernelOps,
-                fingerprint: str) -> TierManager:
-    """Hot over the pool; warm when its budget holds a block; cold (LMDB, imported only then) with a path."""
+                fingerprint: str, num_warm_blocks: int) -> TierManager:
+    """Hot over the pool; warm when its budget holds a block (the tail of kv_cache when that has room
+    beyond the pool); cold (LMDB, imported only then) with a path."""
     block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
     hot = HotTier(pool, kv_cache, ops)
-    warm_bytes = default_warm_bytes() if cfg.warm_bytes is None else cfg.warm_bytes
-    warm_blocks = warm_bytes // hot.block_bytes
     warm = None
-    if warm_blocks > 0:
-        warm = WarmTier(warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda")
+    if num_warm_blocks > 0:
+        tail = kv_cache[:, :, pool.num_blocks :] if kv_cache.shape[2] > pool.num_blocks else None
+        warm = WarmTier(num_warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda", slab=tail)
     cold = None
     if cfg.cold_path is not None:
         from tieredkv.tiers.cold import ColdTier

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from tieredkv.block_pool import BlockPool, KVBlock
+from tieredkv.far_blocks import FarBlocks
 from tieredkv.hashing import BlockHash, hash_block
 from tieredkv.sequence import Sequence
 from tieredkv.tiers.base import BlockKey
-from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, BlockMove, Restore
+from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
+
 
 
 def cdiv(a: int, b: int) -> int:
@@ -21,6 +23,10 @@ class KVCacheManager:
     (copy-on-write). Every data movement this implies (demoting evicted blocks, promoted or swapped-in
     data, copy-on-write copies) is appended to `moves` in a safe order (see tiers/moves.py) for the
     step to carry out before its forward; this class itself only changes metadata.
+
+    With `far` (far_blocks.py), a block table may also hold far blocks: full blocks that live in the
+    warm tier. `offload` moves old full blocks there when the hot pool runs dry, and prefix lookups
+    adopt warm blocks in place; only a sequence's last blocks, the ones it writes, must be hot.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool, root: BlockHash):
@@ -30,6 +36,8 @@ class KVCacheManager:
         self.root = root
         self.moves: list[BlockMove] = []
         self.cow_copies = 0
+        self.far: FarBlocks | None = None
+        self.offloaded_blocks = 0  # hot blocks of running sequences moved to far blocks
 
     # -- hashing ---------------------------------------------------------------------------------
 
@@ -62,13 +70,32 @@ class KVCacheManager:
         return (BlockKey(seq.block_hashes[i], self._block_tokens(seq, i)) for i in range(n))
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
-        """Leading full blocks of seq found in the cache, stopping at the first miss.
+        """Leading full blocks of seq found in the cache, stopping at the first miss: hot blocks, and
+        far blocks in use (by another sequence of the same document). The lower tiers are looked up
+        after this (TierManager.start_lookup).
 
         Never covers the last token: its logits must be computed. Mutates only seq.block_hashes.
         """
         if not self.enable_caching:
             return []
-        return self.pool.cached_prefix(self._iter_lookup_keys(seq))  # lazy: stops at the first miss
+        if self.far is None:
+            return self.pool.cached_prefix(self._iter_lookup_keys(seq))  # lazy: stops at the first miss
+        return self._hits(self._iter_lookup_keys(seq))
+
+    def _hits(self, keys) -> list[KVBlock]:
+        hits: list[KVBlock] = []
+        for key in keys:
+            hit = self.pool.get_cached(*key) or self.far.find(key)
+            if hit is None:
+                break
+            hits.append(hit)
+        return hits
+
+    def hit_tier(self, hit: KVBlock) -> str:
+        return "warm" if self.is_far(hit) else "hot"
+
+    def is_far(self, block: KVBlock) -> bool:
+        return self.far is not None and self.far.is_far(block)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed tokens since the last call."""
@@ -79,7 +106,11 @@ class KVCacheManager:
             return
         self._extend_hashes(seq, num_full)
         for i in range(seq.num_cached_blocks, num_full):
-            self.pool.cache(seq.block_table[i], seq.block_hashes[i], self._block_tokens(seq, i))
+            block, key = seq.block_table[i], BlockKey(seq.block_hashes[i], self._block_tokens(seq, i))
+            if self.is_far(block):
+                self.far.register(block, key)
+            else:
+                self.pool.cache(block, *key)
         seq.num_cached_blocks = num_full
 
     # -- allocation ------------------------------------------------------------------------------
@@ -95,9 +126,17 @@ class KVCacheManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),
                      restore_blocks: int = 0, restore_tokens: int = 0) -> bool:
         """Whether allocate_slots with these arguments (a restore of that size) would succeed."""
-        reviving = sum(1 for b in cached if b.ref_cnt == 0)  # free until touched: not allocatable
         need = self.num_blocks_needed(seq, num_new_tokens, cached, restore_blocks, restore_tokens)
-        return need <= self.pool.num_free - reviving
+        return need <= self._allocatable(cached)
+
+    def _allocatable(self, cached: list[KVBlock]) -> int:
+        reviving = sum(1 for b in cached if b.ref_cnt == 0)  # free until touched
+        return self.pool.num_free - reviving
+
+    def max_new_tokens(self, seq: Sequence, cached: list[KVBlock] = ()) -> int:
+        """The most new tokens allocate_slots(seq, n, cached) can take from the free blocks now."""
+        have = len(seq.block_table) + len(cached) + self._allocatable(cached) - int(self._needs_cow(seq))
+        return max(have * self.block_size - seq.num_computed_tokens - len(cached) * self.block_size, 0)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),
                        restore: Restore | None = None) -> bool:
@@ -111,9 +150,8 @@ class KVCacheManager:
         if not self.can_allocate(seq, num_new_tokens, cached, restore_blocks, restore_tokens):
             return False
         if cached:
-            self.pool.touch(cached)
-            seq.block_table.extend(cached)
-            seq.num_computed_tokens += len(cached) * self.block_size
+            seq.block_table.extend(self._take_hits(cached))
+            seq.num_computed_tokens = len(seq.block_table) * self.block_size
             seq.num_cached_blocks = len(seq.block_table)
         if restore is not None:
             fresh = self.allocate(restore.num_blocks)
@@ -128,6 +166,23 @@ class KVCacheManager:
         if need > 0:
             seq.block_table.extend(self.allocate(need))
         return True
+
+    def _take_hits(self, hits: list[KVBlock]) -> list[KVBlock]:
+        self._touch(hits)
+        return hits
+
+    def adopt_far(self, seq: Sequence, cached: list[KVBlock], restore: Restore) -> list[KVBlock]:
+        """Takes the cached blocks, then the restored ones as far blocks, in place: nothing is copied
+        into hot (for a prefix larger than what hot can hold). Some restored blocks may be lost if warm
+        has no room left for data read from below; they are recomputed. Then continues the prefix with
+        cached blocks after them (a document's last blocks often stay hot) and returns those."""
+        seq.block_table.extend(self._take_hits(cached))
+        seq.block_table.extend(self.far.place(restore))
+        more = self._take_hits(self._hits(self.lookup_keys(seq)[len(seq.block_table) :]))
+        seq.block_table.extend(more)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_cached_blocks = len(seq.block_table)
+        return more
 
     def allocate(self, n: int) -> list[KVBlock]:
         """n fresh blocks; the cached blocks evicted for them are demoted first (see tiers/moves.py)."""
@@ -171,7 +226,7 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent (ref_cnt + 1 each) and its computed state."""
-        self.pool.touch(parent.block_table)
+        self._touch(parent.block_table)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
@@ -179,7 +234,50 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks tail-first, so a chain's tail is evicted before its head."""
-        self.pool.free(reversed(seq.block_table))
+        self._free(reversed(seq.block_table))
         seq.block_table = []
         seq.num_cached_blocks = 0
         seq.num_computed_tokens = 0
+
+    def _touch(self, blocks) -> None:
+        for block in blocks:
+            (self.far if self.is_far(block) else self.pool).touch([block])
+
+    def _free(self, blocks) -> None:
+        for block in blocks:
+            (self.far if self.is_far(block) else self.pool).free([block])
+
+    # -- offloading --------------------------------------------------------------------------------
+
+    def offload(self, n: int, seqs: list[Sequence]) -> int:
+        """Frees up to n hot blocks by moving old full blocks of `seqs` to far blocks (lowest positions
+        first, so a sequence keeps its latest blocks hot). A block qualifies when every reference to it
+        comes from `seqs` and it is computed in all of them. Returns the number of hot blocks freed."""
+        if self.far is None or n <= 0:
+            return 0
+        holders: dict[int, list[tuple[Sequence, int]]] = {}
+        for seq in seqs:
+            for i in range(seq.num_computed_tokens // self.block_size):
+                block = seq.block_table[i]
+                if not self.is_far(block):
+                    holders.setdefault(block.block_id, []).append((seq, i))
+        blocks = {b.block_id: b for s in seqs for b in s.block_table}
+        ready = [bid for bid, refs in holders.items() if len(refs) == blocks[bid].ref_cnt]
+        ready.sort(key=lambda bid: holders[bid][0][1])
+        chosen = ready[: min(n, self.far.num_available)]
+        fars = self.far.lend(len(chosen)) if chosen else None
+        if not fars:
+            return 0
+        for bid, far in zip(chosen, fars):
+            hot, refs = blocks[bid], holders[bid]
+            self.moves.append(BlockMove(SWAP_OUT, bid, far.block_id - self.far.base))
+            if hot.block_hash is not None:
+                key = BlockKey(hot.block_hash, hot.token_ids)
+                self.pool.uncache(hot)
+                self.far.register(far, key)
+            far.ref_cnt = len(refs)
+            for seq, i in refs:
+                seq.block_table[i] = far
+            self.pool.free([hot] * len(refs))
+        self.offloaded_blocks += len(chosen)
+        return len(chosen)

@@ -81,6 +81,8 @@ class EngineStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)  # per tier: capacity, use, hits, moves
     blocks_pinned: int = 0
     blocks_free: int = 0  # blocks_used + blocks_free == blocks_total in every snapshot
+    blocks_far: int = 0  # blocks of running sequences kept in the warm tier now (far_blocks.py)
+    blocks_offloaded: int = 0  # hot blocks of running sequences moved to the warm tier so far
 
 
 def make_chunk(seq: "Sequence", token_ids: list[int], final: bool,
@@ -97,7 +99,7 @@ def make_chunk(seq: "Sequence", token_ids: list[int], final: bool,
                        seq.finish_reason if final else None, usage, logprobs)
 
 
-def collect_stats(pool, scheduler, cow_copies: int, tiers: dict[str, TierStats], pinned: int) -> EngineStats:
+def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int) -> EngineStats:
     """A snapshot of the engine's counters: every field read at one moment, tier stats copied."""
     return EngineStats(
         num_running=len(scheduler.running),
@@ -109,9 +111,11 @@ def collect_stats(pool, scheduler, cow_copies: int, tiers: dict[str, TierStats],
         prefix_cache_queries=scheduler.prefix_cache_queries,
         prefix_cache_hits=scheduler.prefix_cache_hits,
         num_preemptions=scheduler.num_preemptions,
-        cow_copies=cow_copies,
+        cow_copies=kv.cow_copies,
         num_swaps=scheduler.num_swaps,
         num_swapped=sum(1 for s in scheduler.waiting if s.swapped is not None),
         tiers={name: replace(st) for name, st in tiers.items()},
         blocks_pinned=pinned,
+        blocks_far=kv.far.num_in_use if kv.far is not None else 0,
+        blocks_offloaded=kv.offloaded_blocks,
     )

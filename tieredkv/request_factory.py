@@ -26,10 +26,11 @@ class RequestFactory:
     """
 
     def __init__(self, tokenizer: Tokenizer, spec: ModelSpec, config: EngineConfig, max_model_len: int,
-                 eos_token_ids: frozenset[int], num_blocks: int):
+                 eos_token_ids: frozenset[int], num_blocks: int, num_far_blocks: int = 0):
         self.tokenizer = tokenizer
         self.block_size = config.block_size
         self.num_blocks = num_blocks
+        self.num_far_blocks = num_far_blocks  # warm blocks a sequence may keep its older KV in
         self.vocab_size = spec.vocab_size
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
@@ -79,14 +80,17 @@ class RequestFactory:
             raise RequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams, pinned_blocks: int) -> None:
-        """Raises unless the request's most KV (every sample at max_tokens) fits beside the pinned blocks."""
+        """Raises unless the request's most KV (every sample at max_tokens) fits beside the pinned blocks,
+        in the hot pool and the warm blocks it may offload to; each sample's last block must be hot."""
         total = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
         shared = num_prompt_tokens // self.block_size
         needed = shared + params.n * (cdiv(total, self.block_size) - shared)
-        if needed > self.num_blocks - pinned_blocks:
+        hot = self.num_blocks - pinned_blocks
+        if needed > hot + self.num_far_blocks or (self.num_far_blocks and params.n + 1 > hot):
             where = f" and {pinned_blocks} of them are pinned" if pinned_blocks else ""
-            raise RequestError(f"request needs up to {needed} KV blocks but the pool has {self.num_blocks}{where}; "
-                               "lower max_tokens or n, unpin, or give the engine more KV memory")
+            warm = f" and the warm tier {self.num_far_blocks} more" if self.num_far_blocks else ""
+            raise RequestError(f"request needs up to {needed} KV blocks but the pool has {self.num_blocks}{where}"
+                               f"{warm}; lower max_tokens or n, unpin, or give the engine more KV memory")
 
     def token_ids(self, prompt: PromptType) -> list[int]:
         """The prompt's token ids, checked; tokenizes strings and applies the chat template to messages."""

@@ -78,13 +78,18 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this step
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n):
+            fits = self.kv.allocate_slots(seq, n)
+            if not fits and self.kv.far is not None:  # offload old blocks before preempting anyone
+                n = self._make_room(seq, n) or n
+                fits = self.kv.allocate_slots(seq, n)
+            while not fits:
                 victim = self._pick_victim(scheduled, seq)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
-            else:
+                fits = self.kv.allocate_slots(seq, n)
+            if fits:
                 scheduled[seq] = n
                 budget -= n
 
@@ -100,30 +105,44 @@ class Scheduler:
                 on_disk.append(seq)
                 continue
             bs = self.kv.block_size
-            promoting = isinstance(restore, Lookup)
+            promoting, far = isinstance(restore, Lookup), False
             if promoting:  # room for what it found, before taking anything from the tiers
                 found = restore.num_blocks()
                 n = min(seq.num_tokens - (len(cached) + found) * bs, budget)
                 if not self.kv.can_allocate(seq, n, cached, found, found * bs):
-                    break  # the finished lookup stays for the next attempt
+                    far = self._make_room(seq, 1, cached) > 0  # too big for hot: stays below it, in place
+                    if not far:
+                        break  # the finished lookup stays for the next attempt
                 seq.lookup = None
                 restore = self.tiers.finish_lookup(restore, len(cached))  # at most what it found
-            num_done = len(cached) * bs + (restore.num_tokens if restore else 0)
+            hits = cached
+            if far and restore is not None:
+                hits = cached + self.kv.adopt_far(seq, cached, restore)
+                cached = []
+            num_done = seq.num_computed_tokens + len(cached) * bs + (0 if far or not restore else restore.num_tokens)
             n = min(seq.num_tokens - num_done, budget)
-            if not self.kv.allocate_slots(seq, n, cached, restore):
-                if promoting:  # cannot happen after can_allocate; never leak a taken slot
+            fits = True
+            if (far or restore is None) and not self.kv.can_allocate(seq, n, cached):
+                n = self._make_room(seq, n, cached)
+                fits = n > 0
+            if not fits or not self.kv.allocate_slots(seq, n, cached, None if far else restore):
+                if promoting and not far:  # cannot happen after can_allocate; never leak a taken slot
                     self.tiers.drop_restore(restore)
+                self.kv.free(seq)  # (holds far blocks only if adopt_far ran; then cannot happen either)
                 break  # a swapped sequence keeps its swap slots for the next attempt
             self.waiting.remove(seq)
             seq.swapped = None
             req = seq.request
             if req.num_cached_tokens is None:
-                promoted = restore.by_tier if restore else {}
+                blocks_by_tier = {"hot": 0}
+                for hit in hits:
+                    tier = self.kv.hit_tier(hit)
+                    blocks_by_tier[tier] = blocks_by_tier.get(tier, 0) + 1
+                for name, blocks in (restore.by_tier if restore else {}).items():
+                    blocks_by_tier[name] = blocks_by_tier.get(name, 0) + blocks
                 if self.tiers is not None:
-                    count_lookup([self.tiers.hot, *self.tiers.lower], {"hot": len(cached), **promoted},
-                                 seq.num_prompt_tokens, self.kv.block_size)
-                by_tier = {"hot": len(cached) * self.kv.block_size}
-                by_tier.update({name: blocks * self.kv.block_size for name, blocks in promoted.items()})
+                    count_lookup([self.tiers.hot, *self.tiers.lower], blocks_by_tier, seq.num_prompt_tokens, bs)
+                by_tier = {name: blocks * bs for name, blocks in blocks_by_tier.items()}
                 req.cached_tokens_by_tier = by_tier
                 req.num_cached_tokens = sum(by_tier.values())
                 self.prefix_cache_queries += seq.num_prompt_tokens
@@ -153,13 +172,25 @@ class Scheduler:
             return self._prefix_for(seq)
         return cached, seq.lookup
 
+    def _make_room(self, seq: Sequence, n: int, cached: list = ()) -> int:
+        """With far blocks: offloads old blocks of the running sequences until seq's n new tokens fit
+        in the hot pool, or as many as can go; returns the new tokens that fit now (at most n)."""
+        if self.kv.far is None:
+            return 0
+        need = self.kv.num_blocks_needed(seq, n, cached) - self.kv._allocatable(cached)
+        holders = self.running if seq in self.running else [*self.running, seq]
+        self.kv.offload(need, holders)
+        return min(n, self.kv.max_new_tokens(seq, cached))
+
     def _pick_victim(self, scheduled: dict[Sequence, int], current: Sequence) -> Sequence:
         candidates = [s for s in self.running if s not in scheduled and s is not current]
         return max(candidates, key=lambda s: s.admit_order) if candidates else current
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        slots = self.tiers.reserve_swap(len(seq.block_table)) if self.tiers is not None else None
+        slots = None
+        if self.tiers is not None and not any(self.kv.is_far(b) for b in seq.block_table):
+            slots = self.tiers.reserve_swap(len(seq.block_table))  # with far blocks: recomputed, from the cache
         if slots is not None:  # the blocks' data is read out before anything is written into them
             self.kv.moves.extend(BlockMove(SWAP_OUT, b.block_id, slot) for b, slot in zip(seq.block_table, slots))
             seq.swapped = Restore(0, seq.num_computed_tokens, swap_slots=slots)

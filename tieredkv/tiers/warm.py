@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Iterator, Sequence
 
@@ -23,7 +24,11 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 
 class WarmTier(KVTier, SwapSpace):
-    """A slab [capacity, layers, 2, block_size, kv_heads, head_dim] with a slot allocator and an LRU.
+    """A slab of `capacity` blocks with a slot allocator and an LRU.
+
+    The slab is block-major, [capacity, layers, 2, block_size, kv_heads, head_dim], unless one is given:
+    on CPU the engine passes the tail of its cache tensor, layer-major [layers, 2, capacity, ...], so
+    that slot s is block `base + s` of that tensor and attention reads a slot in place (see far_blocks.py).
 
     `entries` maps a block hash to its slot in LRU order (oldest first); `free_slots` holds the rest,
     except the slots lent out by `reserve` (preemption swap space). Putting into a full tier evicts the
@@ -35,10 +40,16 @@ class WarmTier(KVTier, SwapSpace):
 
     name = "warm"
 
-    def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool):
+    def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+                 slab: torch.Tensor | None = None):
         self.capacity = capacity_blocks
-        self.slab = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin)
-        self.block_bytes = self.slab[0].numel() * self.slab.element_size() if capacity_blocks else 0
+        self.layer_major = slab is not None
+        if slab is None:
+            slab = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        assert slab.shape[2 if self.layer_major else 0] == capacity_blocks, slab.shape
+        self.slab = slab
+        self.block_shape = tuple(block_shape)
+        self.block_bytes = math.prod(block_shape) * slab.element_size()
         super().__init__(capacity_blocks * self.block_bytes)
         self.entries: OrderedDict[BlockHash, tuple[int, tuple[int, ...]]] = OrderedDict()
         self.free_slots = list(range(capacity_blocks - 1, -1, -1))  # popped from the end: lowest first
@@ -81,7 +92,7 @@ class WarmTier(KVTier, SwapSpace):
     def admit(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> tuple[int, Victims]:
         """put_sync that returns what does not stay: the entries evicted to make room, and the blocks
         of this batch that find no slot (the earliest ones, when the batch outgrows the tier)."""
-        assert blocks.shape[0] == len(keys) and blocks.shape[1:] == self.slab.shape[1:], blocks.shape
+        assert blocks.shape[0] == len(keys) and blocks.shape[1:] == self.block_shape, blocks.shape
         new = [i for i, k in enumerate(keys) if k.block_hash not in self.entries]
         stored = len(keys) - len(new)
         victim_keys, victim_data = self._make_room(min(len(new), self.capacity))
@@ -102,14 +113,23 @@ class WarmTier(KVTier, SwapSpace):
         """Copies blocks [len(slots), ...] from any device straight into the slab, run by run (from
         CUDA: asynchronous on the current stream; the caller synchronizes before the host reads)."""
         for offset, first, n in slot_runs(slots):
-            self.slab[first : first + n].copy_(blocks[offset : offset + n], non_blocking=True)
+            self._run(first, n).copy_(blocks[offset : offset + n], non_blocking=True)
 
     def read(self, slots: list[int]) -> torch.Tensor:
         """A copy of the slots' blocks [len(slots), ...]."""
-        return self.slab[torch.tensor(slots)]
+        index = torch.tensor(slots)
+        if self.layer_major:
+            return self.slab[:, :, index].permute(2, 0, 1, 3, 4, 5).contiguous()
+        return self.slab[index]
 
     def read_runs(self, slots: list[int]) -> list[tuple[int, torch.Tensor]]:
-        return [(offset, self.slab[first : first + n]) for offset, first, n in slot_runs(slots)]
+        return [(offset, self._run(first, n)) for offset, first, n in slot_runs(slots)]
+
+    def _run(self, first: int, n: int) -> torch.Tensor:
+        """Slots first..first+n-1 as a view [n, layers, 2, block_size, kv_heads, head_dim]."""
+        if self.layer_major:
+            return self.slab[:, :, first : first + n].permute(2, 0, 1, 3, 4, 5)
+        return self.slab[first : first + n]
 
     def _make_room(self, n: int) -> Victims:
         """Evicts the oldest entries until n slots are free (or nothing is left to evict)."""
@@ -154,6 +174,27 @@ class WarmTier(KVTier, SwapSpace):
         if len(self.free_slots) < n:
             return None, victims
         return [self.free_slots.pop() for _ in range(n)], victims
+
+    def lend(self, n: int) -> tuple[list[int] | None, Victims]:
+        """n slots for blocks of running sequences (far blocks), evicting cached entries for room; None
+        when lent slots already fill the tier."""
+        victims = self._make_room(n)
+        if len(self.free_slots) < n:
+            return None, victims
+        return [self.free_slots.pop() for _ in range(n)], victims
+
+    @property
+    def num_lendable(self) -> int:
+        """Slots that `lend` can hand out: free ones and those of cached entries."""
+        return len(self.free_slots) + len(self.entries)
+
+    def keep(self, slot: int, key: BlockKey) -> None:
+        """A lent slot whose block is no longer in use becomes a cached entry (the most recent), unless
+        the key is cached already; then the slot is released."""
+        if key.block_hash in self.entries:
+            self.release([slot])
+        else:
+            self.entries[key.block_hash] = (slot, key.token_ids)
 
     def release(self, slots: list[int]) -> None:
         self.free_slots.extend(sorted(slots, reverse=True))

@@ -1,0 +1,133 @@
+"""Documents whose KV outgrows the hot pool: old blocks live in the warm tier as far blocks, attention
+reads them in place, and the output is the same as with a pool that holds everything (and transformers)."""
+
+import asyncio
+import random
+
+import pytest
+
+from helpers import check_pool_clean, check_pool_consistent, hf_greedy
+from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+
+BS = 16
+BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
+NEW = 64
+SMALL = dict(num_blocks=8, warm_bytes=200 * BLOCK_BYTES, max_num_batched_tokens=256)
+
+
+def doc(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 440) for _ in range(n)]
+
+
+DOC_A, DOC_B = doc(1000, 1), doc(1000, 2)
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir):
+    return hf_greedy(llama_dir, [DOC_A, DOC_B], NEW)
+
+
+async def generate(engine, prompt, n=1, max_tokens=NEW):
+    out = await engine.generate(prompt, SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True))
+    return out
+
+
+async def test_a_document_larger_than_the_hot_pool_matches_transformers(llama_dir, expected):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=128)) as engine:
+        assert (await generate(engine, DOC_A)).outputs[0].token_ids == expected[0]  # unconstrained
+        assert engine.stats().blocks_offloaded == 0
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+        out = await generate(engine, DOC_A)
+        assert out.outputs[0].token_ids == expected[0]
+        stats = engine.stats()
+        # 67 blocks of KV in a pool of 8: everything but the last few went to the warm tier, in place
+        assert stats.blocks_offloaded >= 67 - 8 and stats.num_preemptions == 0
+        assert stats.tiers["warm"].demotions == stats.blocks_offloaded and stats.tiers["warm"].promotions == 0
+        check_pool_clean(engine.core)
+
+
+async def test_two_samples_share_the_offloaded_prompt(llama_dir, expected):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+        out = await generate(engine, DOC_A, n=2)
+        assert [o.token_ids for o in out.outputs] == [expected[0], expected[0]]
+        # the prompt's far blocks are shared, not copied: 62 full prompt blocks, at most 8 blocks hot
+        assert engine.stats().blocks_offloaded < 62 + 2 * (NEW // BS + 1)
+        check_pool_clean(engine.core)
+
+
+async def test_two_long_documents_at_once(llama_dir, expected):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+        outs = await asyncio.gather(generate(engine, DOC_A), generate(engine, DOC_B))
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert engine.stats().num_preemptions == 0
+        check_pool_clean(engine.core)
+
+
+async def test_an_abort_midway_releases_every_tier(llama_dir):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+        params = SamplingParams(max_tokens=NEW, n=2, ignore_eos=True)
+        seen = 0
+        async for _ in engine.stream(DOC_A, params):
+            seen += 1
+            if seen == 1:
+                assert engine.core.kv.far.num_in_use > 0
+            if seen == 5:
+                break
+        await asyncio.sleep(0.2)  # the abort is applied between steps on the worker
+        for _ in range(50):
+            if not engine.core.has_work():
+                break
+            await asyncio.sleep(0.05)
+        check_pool_clean(engine.core)
+
+
+async def test_a_repeat_reuses_the_document_from_warm_in_place(llama_dir, expected):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+        first = await generate(engine, DOC_A)
+        again = await generate(engine, DOC_A)
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids == expected[0]
+        by_tier = again.usage.cached_tokens_by_tier
+        # the old blocks were found in warm and used where they are, the last ones in hot
+        assert by_tier["warm"] >= (len(DOC_A) // BS - 8) * BS and by_tier["cold"] == 0
+        assert by_tier["hot"] + by_tier["warm"] == (len(DOC_A) - 1) // BS * BS  # the hot tail too
+        warm = engine.stats().tiers["warm"]
+        assert warm.promotions == 0 and warm.hits == by_tier["warm"]
+        check_pool_clean(engine.core)
+
+
+async def test_a_repeat_from_cold_after_a_restart_is_placed_in_warm(llama_dir, expected, tmp_path):
+    cfg = EngineConfig(model=str(llama_dir), cold_path=str(tmp_path / "cold"), **SMALL)
+    async with await AsyncEngine.start(cfg) as engine:
+        await generate(engine, DOC_A)  # closing persists every cached block to the cold tier
+    async with await AsyncEngine.start(cfg) as engine:
+        again = await generate(engine, DOC_A)
+        assert again.outputs[0].token_ids == expected[0]
+        # 62 blocks read from disk: more than hot holds, so they went to warm slots as far blocks
+        assert again.usage.cached_tokens_by_tier == {"hot": 0, "warm": 0, "cold": (len(DOC_A) - 1) // BS * BS}
+        assert engine.stats().tiers["hot"].promotions == 0
+        check_pool_clean(engine.core)
+
+
+async def test_a_request_beyond_hot_and_warm_is_refused_with_the_numbers(llama_dir):
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=40 * BLOCK_BYTES)
+    async with await AsyncEngine.start(cfg) as engine:
+        with pytest.raises(RequestError, match="needs up to 67 KV blocks but the pool has 8 and the warm tier 40"):
+            engine.stream(DOC_A, SamplingParams(max_tokens=NEW))
+        check_pool_clean(engine.core)
+
+
+def test_pool_consistent_while_offloaded(llama_dir):
+    """Step by step through two long documents and a fork: reference counts hold in both tiers."""
+    from tieredkv.engine_core import EngineCore
+
+    core = EngineCore(EngineConfig(model=str(llama_dir), **SMALL))
+    for i, prompt in enumerate((DOC_A[:300], DOC_B[:400])):
+        core.add_request(core.factory.make(prompt, SamplingParams(max_tokens=20, n=1 + i, ignore_eos=True)))
+    steps = 0
+    while core.has_work():
+        core.step()
+        check_pool_consistent(core)
+        steps += 1
+    assert core.kv.offloaded_blocks > 0 and steps > 20
+    check_pool_clean(core)
