@@ -5,9 +5,11 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from helpers import check_pool_clean, check_pool_consistent, hf_greedy
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+from tieredkv.engine_setup import FAR_ENV
 
 BS = 16
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
@@ -23,6 +25,13 @@ def doc(n: int, seed: int) -> list[int]:
 DOC_A, DOC_B = doc(1000, 1), doc(1000, 2)
 
 
+@pytest.fixture(autouse=True, params=["in place", "staged"])
+def far_mode(request, monkeypatch):
+    """Every test twice: far blocks read in place (CPU), and staged per layer (the CUDA path's logic)."""
+    monkeypatch.setenv(FAR_ENV, request.param)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def expected(llama_dir):
     return hf_greedy(llama_dir, [DOC_A, DOC_B], NEW)
@@ -33,13 +42,17 @@ async def generate(engine, prompt, n=1, max_tokens=NEW):
     return out
 
 
-async def test_a_document_larger_than_the_hot_pool_matches_transformers(llama_dir, expected):
+async def test_a_document_larger_than_the_hot_pool_matches_transformers(llama_dir, expected, far_mode):
     async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=128)) as engine:
         assert (await generate(engine, DOC_A)).outputs[0].token_ids == expected[0]  # unconstrained
         assert engine.stats().blocks_offloaded == 0
     async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+        core = engine.core
+        staged = core.runner.far_base is not None
+        assert staged == (far_mode == "staged") and core.kv_cache.shape[2] == 8 + (0 if staged else 200)
         out = await generate(engine, DOC_A)
         assert out.outputs[0].token_ids == expected[0]
+        assert core.runner.staged_steps > 0 if staged else core.runner.staged_steps == 0
         stats = engine.stats()
         # 67 blocks of KV in a pool of 8: everything but the last few went to the warm tier, in place
         assert stats.blocks_offloaded >= 67 - 8 and stats.num_preemptions == 0
@@ -131,3 +144,28 @@ def test_pool_consistent_while_offloaded(llama_dir):
         steps += 1
     assert core.kv.offloaded_blocks > 0 and steps > 20
     check_pool_clean(core)
+
+
+async def test_the_triton_kernels_read_far_blocks(llama_dir, far_mode):
+    """The Triton attention kernels (under the interpreter here) over far blocks: in place, by their ids
+    in the extended cache tensor, or staged into the per-layer buffer."""
+    cfg = EngineConfig(model=str(llama_dir), attention_backend="triton", **SMALL)
+    async with await AsyncEngine.start(cfg) as engine:
+        out = await generate(engine, DOC_A[:300], max_tokens=4)
+        assert engine.core.runner.ops.name == "triton" and engine.stats().blocks_offloaded > 0
+        check_pool_clean(engine.core)
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64)) as engine:
+        assert out.outputs[0].token_ids == (await generate(engine, DOC_A[:300], max_tokens=4)).outputs[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_a_long_document_on_cuda_streams_far_blocks_from_pinned_memory(llama_dir, expected, far_mode):
+    cfg = EngineConfig(model=str(llama_dir), device="cuda", dtype="float32", **SMALL)
+    async with await AsyncEngine.start(cfg) as engine:
+        assert engine.core.tiers.warm.slab.is_pinned() and engine.core.runner.far_base == 8
+        outs = await asyncio.gather(generate(engine, DOC_A), generate(engine, DOC_B, n=2))
+        assert outs[0].outputs[0].token_ids == expected[0]
+        assert [o.token_ids for o in outs[1].outputs] == [expected[1]] * 2
+        assert engine.core.runner.staged_steps > 0
+        check_pool_clean(engine.core)

@@ -21,6 +21,7 @@ class AttentionMetadata:
     max_prefill_query_len: int
     decode_plan: object = None  # the kernel set's per-step decode plan (KernelOps.plan_decode), if it has one
     prefill_plan: list | None = None  # prefill chunks that follow the same cached blocks (cascade.shared_prefixes)
+    stage: object = None  # far_stage.StagePlan when the tables index staged blocks instead of the cache
 
 
 @dataclass

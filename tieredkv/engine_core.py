@@ -12,7 +12,7 @@ from tieredkv.block_pool import BlockPool
 from tieredkv.compiled_decode import CompiledDecode, compile_wanted
 from tieredkv.config import EngineConfig
 from tieredkv.detokenizer import IncrementalDetokenizer
-from tieredkv.engine_setup import (build_tiers, eos_token_ids, far_capacity, make_kv_cache, max_model_len,
+from tieredkv.engine_setup import (build_tiers, eos_token_ids, far_mode, make_kv_cache, max_model_len,
                                    model_fingerprint, num_kv_blocks, warm_blocks,
                                    resolve_device, resolve_dtype, resolve_model_dir)
 from tieredkv.errors import RequestError, StepError, TieredKVError
@@ -59,8 +59,10 @@ class EngineCore:
         self.block_size = config.block_size
         self.num_blocks = num_kv_blocks(config, spec, self.dtype, self.device)
         num_warm = warm_blocks(config, spec, self.dtype)
-        num_far = far_capacity(config, self.device, num_warm)
-        self.kv_cache = make_kv_cache(spec, self.block_size, self.num_blocks, num_far, self.dtype, self.device)
+        mode = far_mode(config, self.device) if num_warm else None
+        num_far = num_warm if mode else 0
+        self.kv_cache = make_kv_cache(spec, self.block_size, self.num_blocks, num_far if mode == "in place" else 0,
+                                      self.dtype, self.device)
         self.factory = RequestFactory(self.tokenizer, spec, config, self.max_model_len, self.eos_token_ids,
                                       self.num_blocks, num_far)
         self.fingerprint = model_fingerprint(self.model_dir, self.dtype, self.block_size)
@@ -71,11 +73,13 @@ class EngineCore:
         if ops.pack_linear_weight is not None:
             self.model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compile_decode)
         self.tiers = build_tiers(config, spec, self.pool, self.kv_cache, ops, self.fingerprint, num_warm)
-        if num_far:
+        if mode:
             self.kv.far = FarBlocks(self.tiers.warm, self.num_blocks, self.tiers.pass_down)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops, config.cascade_attention,
                                   CompiledDecode(self.model, self.kv_cache, ops) if compile_decode else None)
+        if mode == "staged":
+            self.runner.stage_far_blocks(self.num_blocks, self.tiers.warm.slab)
         self.runner.compile_now()
         self.pins = PinTable(self.kv, int(self.num_blocks * config.max_pinned_fraction))
         self.requests: dict[str, Request] = {}

@@ -108,10 +108,21 @@ def warm_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
     return warm_bytes // (spec.kv_elements_per_token * cfg.block_size * dtype.itemsize)
 
 
-def far_capacity(cfg: EngineConfig, device: torch.device, num_warm_blocks: int) -> int:
-    """Warm blocks that running sequences may use as far blocks (read in place by attention): the whole
-    warm tier on CPU with offloading on, where warm is the same memory as hot; none elsewhere."""
-    return num_warm_blocks if cfg.offload and device.type == "cpu" else 0
+FAR_ENV = "TIEREDKV_FAR_BLOCKS"
+
+
+def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
+    """How attention reaches far blocks (far_blocks.py): "in place" on CPU, where the warm slab can be
+    the tail of the cache tensor; "staged" on CUDA, where it is pinned host memory (far_stage.py); None
+    with offloading off. TIEREDKV_FAR_BLOCKS=staged stages on CPU too (it exercises the CUDA logic)."""
+    if not cfg.offload:
+        return None
+    forced = os.environ.get(FAR_ENV)
+    if forced not in (None, "", "staged", "in place"):
+        raise ValueError(f'{FAR_ENV} must be "staged" or "in place", got {forced!r}')
+    if forced:
+        return forced if device.type == "cpu" else "staged"
+    return "in place" if device.type == "cpu" else "staged"
 
 
 def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, dtype: torch.dtype,

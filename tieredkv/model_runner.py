@@ -6,6 +6,7 @@ import torch
 
 from tieredkv.batch import AttentionMetadata, ForwardBatch
 from tieredkv.compiled_decode import CompiledDecode
+from tieredkv.far_stage import StagePlan, plan_stage
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.cascade import shared_prefixes
 from tieredkv.models.llama import LlamaModel
@@ -26,6 +27,22 @@ class ModelRunner:
         self.cascade = cascade
         self.compiled = compiled  # the compiled path for a step that decodes one sequence, when the engine compiles
         self.warmed_up = False
+        self.far_base: int | None = None  # with staged far blocks: the first far id, and the warm slab
+        self.far_slab: torch.Tensor | None = None
+        self.staged_steps = 0
+
+    def stage_far_blocks(self, base: int, slab: torch.Tensor) -> None:
+        """Far blocks (ids >= base) are not in the cache tensor: steps that use them stage them (far_stage.py)."""
+        self.far_base, self.far_slab = base, slab
+
+    def _table_ids(self, seqs: list[Sequence]) -> tuple[list[list[int]], StagePlan | None]:
+        """Each sequence's block ids as the kernels index them, and the staging plan when they need one."""
+        tables = [[b.block_id for b in s.block_table] for s in seqs]
+        if self.far_base is None or all(i < self.far_base for t in tables for i in t):
+            return tables, None
+        stage, tables = plan_stage(tables, self.far_base, self.far_slab, self.device)
+        self.staged_steps += 1
+        return tables, stage
 
     def prepare(self, scheduled: list[tuple[Sequence, int]],
                 with_plan: bool = True) -> tuple[ForwardBatch, list[Sequence]]:
@@ -53,11 +70,13 @@ class ModelRunner:
         query_start = [0]
         for _, n in prefills:
             query_start.append(query_start[-1] + n)
-        decode_tables = self._block_tables([s for s, _ in decodes])
+        ids, stage = self._table_ids([s for s, _ in decodes + prefills])
+        decode_ids, prefill_ids = ids[: len(decodes)], ids[len(decodes) :]
+        decode_tables = self._block_tables(decode_ids)
         decode_lens = self._tensor([s.num_computed_tokens + 1 for s, _ in decodes], torch.int32)
         plan = None
         if with_plan and decodes and self.ops.plan_decode is not None:
-            prefixes = self._prefixes(decodes) or None
+            prefixes = self._prefixes(decodes, decode_ids) or None
             plan = self.ops.plan_decode(decode_tables, decode_lens, bs, self.kv_cache.dtype, prefixes)
         attn = AttentionMetadata(
             num_decode_tokens=len(decodes),
@@ -65,11 +84,12 @@ class ModelRunner:
             decode_context_lens=decode_lens,
             decode_plan=plan,
             max_decode_context_len=max((s.num_computed_tokens + 1 for s, _ in decodes), default=0),
-            prefill_block_tables=self._block_tables([s for s, _ in prefills]),
+            prefill_block_tables=self._block_tables(prefill_ids),
             prefill_query_start_loc=self._tensor(query_start, torch.int32),
             prefill_context_lens=self._tensor([s.num_computed_tokens + n for s, n in prefills], torch.int32),
             max_prefill_query_len=max((n for _, n in prefills), default=0),
-            prefill_plan=self._prefixes(prefills) or None,
+            prefill_plan=self._prefixes(prefills, prefill_ids) or None,
+            stage=stage,
         )
         batch = ForwardBatch(
             input_ids=self._tensor(input_ids, torch.int64),
@@ -107,21 +127,20 @@ class ModelRunner:
         self.model(batch, self.kv_cache, self.ops)
         self.warmed_up = True
 
-    def _prefixes(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[list[int], int]]:
-        """Rows (of `scheduled`) that share leading cached blocks, for cascade attention: blocks wholly
-        before the first position each row computes this step."""
+    def _prefixes(self, scheduled: list[tuple[Sequence, int]], ids: list[list[int]]) -> list[tuple[list[int], int]]:
+        """Rows (of `scheduled`; `ids` their tables) that share leading cached blocks, for cascade
+        attention: blocks wholly before the first position each row computes this step."""
         if not self.cascade or len(scheduled) < 2:
             return []
-        return shared_prefixes([[b.block_id for b in s.block_table] for s, _ in scheduled],
-                               [s.num_computed_tokens + 1 for s, _ in scheduled], self.block_size)
+        return shared_prefixes(ids, [s.num_computed_tokens + 1 for s, _ in scheduled], self.block_size)
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max((len(s.block_table) for s in seqs), default=0)
-        rows = [[b.block_id for b in s.block_table] + [0] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32).reshape(len(seqs), width).to(self.device, non_blocking=True)
+    def _block_tables(self, ids: list[list[int]]) -> torch.Tensor:
+        width = max((len(t) for t in ids), default=0)
+        rows = [t + [0] * (width - len(t)) for t in ids]
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(ids), width).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
@@ -130,7 +149,7 @@ class ModelRunner:
         compiled = self.compiled is not None and self.compiled.accepts(out.scheduled)
         batch, sampled = self.prepare(out.scheduled, with_plan=not compiled)
         logits = None
-        if compiled:
+        if compiled and batch.attn.stage is None:
             a = batch.attn
             logits = self.compiled.run(batch.input_ids, batch.positions, batch.slot_mapping, a.decode_block_tables,
                                        a.decode_context_lens)

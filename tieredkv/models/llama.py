@@ -108,9 +108,11 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         ops.store_kv(k, v, layer_cache, batch.slot_mapping)
+        meta = batch.attn
+        if meta.stage is not None:  # far blocks outside the cache tensor (far_stage.py); never when compiled
+            layer_cache = meta.stage.gather(layer_cache, self.layer_id)
         key_cache, value_cache = layer_cache[0], layer_cache[1]
 
-        meta = batch.attn
         nd = meta.num_decode_tokens
         parts = []
         if nd:

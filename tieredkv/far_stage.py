@@ -1,0 +1,59 @@
+"""Staging far blocks for attention where the warm tier is not the accelerator's memory (CUDA).
+
+On CPU the warm slab is the tail of the cache tensor and attention reads far blocks in place. On
+CUDA it is pinned host memory, which the kernels cannot index. There, a step whose batch holds far
+blocks stages, layer by layer, every block its block tables name into one buffer of that layer
+[2, T, block_size, kv_heads, head_dim]: hot blocks by a device gather (after this step's K/V are
+stored), far blocks by a host-to-device copy from the slab. The block tables of such a step index
+that buffer (see `StagePlan.remap`), so the same attention kernels run unchanged. The buffer holds one
+layer of the batch's context at a time: 1/num_layers of its KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StagePlan:
+    """Where each staged block comes from: hot_src (device ids) -> hot_dst, far_slots (slab slots, on
+    the host) -> far_dst; positions are indices into the staged buffer of `num_blocks` blocks."""
+
+    num_blocks: int
+    hot_src: torch.Tensor
+    hot_dst: torch.Tensor
+    far_slots: torch.Tensor
+    far_dst: torch.Tensor
+    slab: torch.Tensor  # the warm tier's block-major slab [capacity, layers, 2, block_size, kv_heads, head_dim]
+
+    def gather(self, layer_cache: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """This layer's staged blocks [2, num_blocks, block_size, kv_heads, head_dim] on the cache's device."""
+        out = layer_cache.new_empty((2, self.num_blocks, *layer_cache.shape[2:]))
+        out[:, self.hot_dst] = layer_cache[:, self.hot_src]
+        if self.far_slots.numel():
+            far = self.slab[self.far_slots, layer_id].transpose(0, 1)  # [2, n, ...] on the host
+            if out.is_cuda:
+                far = far.pin_memory()
+            out[:, self.far_dst] = far.to(out.device, non_blocking=True)
+        return out
+
+
+def plan_stage(tables: list[list[int]], base: int, slab: torch.Tensor,
+               device: torch.device) -> tuple[StagePlan, list[list[int]]]:
+    """The staging plan for a step's block tables (ids >= base are far: slot id - base), and the
+    tables rewritten to index the staged buffer. Each block is staged once, however many rows name it."""
+    position: dict[int, int] = {}
+    for table in tables:
+        for block_id in table:
+            position.setdefault(block_id, len(position))
+    hot = [(b, i) for b, i in position.items() if b < base]
+    far = [(b - base, i) for b, i in position.items() if b >= base]
+
+    def column(pairs, j, dev):
+        return torch.tensor([p[j] for p in pairs], dtype=torch.int64).to(dev, non_blocking=True)
+
+    plan = StagePlan(len(position), column(hot, 0, device), column(hot, 1, device), column(far, 0, "cpu"),
+                     column(far, 1, device), slab)
+    return plan, [[position[b] for b in table] for table in tables]
