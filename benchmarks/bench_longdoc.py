@@ -1,0 +1,142 @@
+"""One long document, several questions about it: a hot pool far smaller than its KV against one that
+holds everything, side by side in one run.
+
+    .venv/bin/python benchmarks/bench_longdoc.py                  # ~6 min on 2 cores
+    .venv/bin/python benchmarks/bench_longdoc.py --tokens 2000    # a shorter document
+
+Default model, greedy, EOS ignored. A ~6,000-token document and 5 questions, each asked as one chat
+turn (document, then question), one after the other. Engines:
+  - "offloaded": a hot pool of 64 blocks (1,024 tokens) and a warm tier: the document's older blocks
+    live in warm as far blocks, read in place by attention, and later questions find them there;
+  - "unconstrained": a pool that holds everything (no warm tier).
+For each: time to first token of the first question and of the later ones, decode ms/token, bytes moved
+per tier, the most hot blocks in use at once, and whether the two engines' answers agree. The engines
+alternate (A B A B) and each figure is the median over the repeats; ratios are what to compare.
+
+Every engine runs on the main thread, one at a time (see bench_decode.py for why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from tieredkv import EngineConfig, SamplingParams
+from tieredkv.engine_core import EngineCore
+
+QUESTIONS = ["Which city hosts the most projects?", "Summarise the budget of project 12.",
+             "Who leads project 40?", "List three projects that started before 2001.",
+             "Which project has the smallest team?"]
+PEOPLE = ["Ana", "Bo", "Chen", "Dara", "Eli", "Femi", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]
+TOPICS = ["bridge repair", "water meters", "school meals", "bus routes", "solar roofs", "library hours",
+          "street lights", "tree planting", "flood maps", "bike lanes", "clinic software", "market stalls"]
+CITIES = ["Porto", "Bergen", "Cusco", "Aswan", "Darwin", "Cuenca", "Tartu", "Hue", "Thies", "Boise"]
+
+
+def document(tokenizer, target_tokens: int, seed: int = 7) -> str:
+    """Project notes, every line different, grown until the chat turn is about target_tokens long."""
+    rng = random.Random(seed)
+    lines, i = ["Notes on the city's projects."], 0
+    while True:
+        i += 1
+        lines.append(f"Project {i}: {rng.choice(TOPICS)} in {rng.choice(CITIES)}, led by {rng.choice(PEOPLE)} "
+                     f"since {rng.randrange(1990, 2024)}, team of {rng.randrange(2, 40)}, budget "
+                     f"{rng.randrange(10, 900)} thousand.")
+        if i % 5 == 0 and len(tokenizer.apply_chat_template(chat("\n".join(lines), ""))) >= target_tokens:
+            return "\n".join(lines)
+
+
+def chat(doc: str, question: str) -> list[dict]:
+    return [{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}]
+
+
+def ask(core: EngineCore, prompt: list[int], max_tokens: int, peak: list[int]) -> dict:
+    """Runs one request to the end; returns its TTFT, decode ms/token, tokens and cached tokens by tier."""
+    req = core.factory.make(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    t0 = time.perf_counter()
+    core.add_request(req)
+    first = None
+    while core.has_work():
+        core.step()
+        peak[0] = max(peak[0], core.pool.num_blocks - core.pool.num_free)
+        if first is None and req.seqs[0].num_output_tokens:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    seq = req.seqs[0]
+    return {"ttft_s": first - t0, "decode_ms": (end - first) * 1e3 / (seq.num_output_tokens - 1),
+            "tokens": seq.output_token_ids, "cached": dict(req.cached_tokens_by_tier)}
+
+
+def run(label: str, cfg: EngineConfig, prompts: list[list[int]], max_tokens: int) -> dict:
+    core = EngineCore(cfg)
+    block_bytes = core.tiers.hot.block_bytes
+    peak = [0]
+    answers = [ask(core, p, max_tokens, peak) for p in prompts]
+    stats = core.stats()
+    core.close()
+    moved = {name: {"demoted_MB": t.demotions * block_bytes / 1e6, "promoted_MB": t.promotions * block_bytes / 1e6}
+             for name, t in stats.tiers.items()}
+    return {"label": label, "answers": answers, "moved": moved, "peak_hot_blocks": peak[0],
+            "hot_blocks": core.num_blocks, "blocks_offloaded": stats.blocks_offloaded,
+            "preemptions": stats.num_preemptions}
+
+
+def main(args) -> dict:
+    configs = {
+        "offloaded": EngineConfig(num_blocks=64, warm_bytes=1 << 30),
+        "unconstrained": EngineConfig(kv_cache_bytes=1 << 30, warm_bytes=0),
+    }
+    probe = EngineCore(EngineConfig(num_blocks=2, warm_bytes=0, compile_decode=False))
+    doc = document(probe.tokenizer, args.tokens)
+    prompts = [probe.tokenizer.apply_chat_template(chat(doc, q)) for q in QUESTIONS[: args.questions]]
+    del probe
+    print(f"document + question: {len(prompts[0])} tokens; {len(prompts)} questions; {args.max_tokens} new each")
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    for r in range(args.repeats):
+        for name, cfg in configs.items():
+            res = run(name, cfg, prompts, args.max_tokens)
+            runs[name].append(res)
+            a = res["answers"]
+            print(f"  [{r + 1}] {name:13s} first TTFT {a[0]['ttft_s']:6.2f} s, later TTFT "
+                  f"{statistics.median(x['ttft_s'] for x in a[1:]):6.3f} s, decode "
+                  f"{statistics.median(x['decode_ms'] for x in a):5.1f} ms/token, peak hot blocks "
+                  f"{res['peak_hot_blocks']}/{res['hot_blocks']}")
+    out = {"prompt_tokens": len(prompts[0]), "questions": len(prompts), "max_tokens": args.max_tokens}
+    for name, results in runs.items():
+        out[name] = {
+            "first_ttft_s": statistics.median(r["answers"][0]["ttft_s"] for r in results),
+            "later_ttft_s": statistics.median(x["ttft_s"] for r in results for x in r["answers"][1:]),
+            "decode_ms_per_token": statistics.median(x["decode_ms"] for r in results for x in r["answers"]),
+            "moved": results[-1]["moved"], "peak_hot_blocks": results[-1]["peak_hot_blocks"],
+            "hot_blocks": results[-1]["hot_blocks"], "blocks_offloaded": results[-1]["blocks_offloaded"],
+            "preemptions": results[-1]["preemptions"],
+            "cached_tokens_by_tier": [x["cached"] for x in results[-1]["answers"]],
+        }
+    off, big = out["offloaded"], out["unconstrained"]
+    out["same_answers"] = all(a["tokens"] == b["tokens"] for ra, rb in zip(runs["offloaded"], runs["unconstrained"])
+                              for a, b in zip(ra["answers"], rb["answers"]))
+    out["ratios"] = {
+        "decode_offloaded_vs_unconstrained": off["decode_ms_per_token"] / big["decode_ms_per_token"],
+        "first_ttft_offloaded_vs_unconstrained": off["first_ttft_s"] / big["first_ttft_s"],
+        "later_vs_first_ttft_speedup_offloaded": off["first_ttft_s"] / off["later_ttft_s"],
+        "later_vs_first_ttft_speedup_unconstrained": big["first_ttft_s"] / big["later_ttft_s"],
+    }
+    print(json.dumps(out["ratios"], indent=2), "\nsame answers:", out["same_answers"])
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=6000, help="document length (tokens, with the chat turn)")
+    parser.add_argument("--questions", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    result = main(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
