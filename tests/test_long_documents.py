@@ -69,11 +69,16 @@ async def test_two_samples_share_the_offloaded_prompt(llama_dir, expected):
         check_pool_clean(engine.core)
 
 
-async def test_two_long_documents_at_once(llama_dir, expected):
+async def test_two_long_documents_at_once(llama_dir, expected, far_mode):
     async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
         outs = await asyncio.gather(generate(engine, DOC_A), generate(engine, DOC_B))
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert engine.stats().num_preemptions == 0
+        runner = engine.core.runner
+        if far_mode == "staged":  # a step stages the far blocks of one document (8 at most besides)
+            assert 0 < runner.peak_staged_blocks <= 8 + 67 and engine.core.scheduler.stage_cap == 8  # not 2 x 67
+        else:
+            assert runner.peak_staged_blocks == 0
         check_pool_clean(engine.core)
 
 
@@ -83,8 +88,9 @@ async def test_an_abort_midway_releases_every_tier(llama_dir):
         seen = 0
         async for _ in engine.stream(DOC_A, params):
             seen += 1
-            if seen == 1:
+            if seen == 1:  # the document's first blocks are far blocks now, and explain says so
                 assert engine.core.kv.far.num_in_use > 0
+                assert [r.source for r in (await engine.explain(DOC_A))[:3]] == ["warm"] * 3
             if seen == 5:
                 break
         await asyncio.sleep(0.2)  # the abort is applied between steps on the worker

@@ -78,8 +78,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops, config.cascade_attention,
                                   CompiledDecode(self.model, self.kv_cache, ops) if compile_decode else None)
-        if mode == "staged":
+        if mode == "staged":  # the staged buffer: this step's hot blocks and at most a pool's worth of far ones
             self.runner.stage_far_blocks(self.num_blocks, self.tiers.warm.slab)
+            self.scheduler.stage_cap = self.num_blocks
         self.runner.compile_now()
         self.pins = PinTable(self.kv, int(self.num_blocks * config.max_pinned_fraction))
         self.requests: dict[str, Request] = {}

@@ -127,15 +127,16 @@ class KVCacheManager:
                      restore_blocks: int = 0, restore_tokens: int = 0) -> bool:
         """Whether allocate_slots with these arguments (a restore of that size) would succeed."""
         need = self.num_blocks_needed(seq, num_new_tokens, cached, restore_blocks, restore_tokens)
-        return need <= self._allocatable(cached)
+        return need <= self.allocatable(cached)
 
-    def _allocatable(self, cached: list[KVBlock]) -> int:
+    def allocatable(self, cached: list[KVBlock] = ()) -> int:
+        """Blocks allocate() can supply once `cached` hits are taken."""
         reviving = sum(1 for b in cached if b.ref_cnt == 0)  # free until touched
         return self.pool.num_free - reviving
 
     def max_new_tokens(self, seq: Sequence, cached: list[KVBlock] = ()) -> int:
         """The most new tokens allocate_slots(seq, n, cached) can take from the free blocks now."""
-        have = len(seq.block_table) + len(cached) + self._allocatable(cached) - int(self._needs_cow(seq))
+        have = len(seq.block_table) + len(cached) + self.allocatable(cached) - int(self._needs_cow(seq))
         return max(have * self.block_size - seq.num_computed_tokens - len(cached) * self.block_size, 0)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),

@@ -30,6 +30,7 @@ class ModelRunner:
         self.far_base: int | None = None  # with staged far blocks: the first far id, and the warm slab
         self.far_slab: torch.Tensor | None = None
         self.staged_steps = 0
+        self.peak_staged_blocks = 0  # the largest staging buffer a step used, in blocks of one layer
 
     def stage_far_blocks(self, base: int, slab: torch.Tensor) -> None:
         """Far blocks (ids >= base) are not in the cache tensor: steps that use them stage them (far_stage.py)."""
@@ -42,6 +43,7 @@ class ModelRunner:
             return tables, None
         stage, tables = plan_stage(tables, self.far_base, self.far_slab, self.device)
         self.staged_steps += 1
+        self.peak_staged_blocks = max(self.peak_staged_blocks, stage.num_blocks)
         return tables, stage
 
     def prepare(self, scheduled: list[tuple[Sequence, int]],

@@ -53,6 +53,8 @@ class Scheduler:
         self.num_swaps = 0  # preemptions whose blocks went to the warm tier instead of being recomputed
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.stage_cap: int | None = None  # far blocks staged per step, where attention stages them (CUDA)
+        self._step = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,11 +74,14 @@ class Scheduler:
         preempted: list[Sequence] = []
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decoding + prefilling:
+        staged = _StageBudget(self.stage_cap, self.kv, self._step)
+        for seq in staged.order(decoding + prefilling):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this step
                 continue
+            if not staged.admits(seq):
+                continue  # its far blocks wait for a later step (it keeps them)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             fits = self.kv.allocate_slots(seq, n)
             if not fits and self.kv.far is not None:  # offload old blocks before preempting anyone
@@ -92,6 +97,7 @@ class Scheduler:
             if fits:
                 scheduled[seq] = n
                 budget -= n
+                staged.add(seq)
 
         on_disk, admitted = [], []
         for seq in list(self.waiting) if not preempted else []:
@@ -132,25 +138,13 @@ class Scheduler:
                 break  # a swapped sequence keeps its swap slots for the next attempt
             self.waiting.remove(seq)
             seq.swapped = None
-            req = seq.request
-            if req.num_cached_tokens is None:
-                blocks_by_tier = {"hot": 0}
-                for hit in hits:
-                    tier = self.kv.hit_tier(hit)
-                    blocks_by_tier[tier] = blocks_by_tier.get(tier, 0) + 1
-                for name, blocks in (restore.by_tier if restore else {}).items():
-                    blocks_by_tier[name] = blocks_by_tier.get(name, 0) + blocks
-                if self.tiers is not None:
-                    count_lookup([self.tiers.hot, *self.tiers.lower], blocks_by_tier, seq.num_prompt_tokens, bs)
-                by_tier = {name: blocks * bs for name, blocks in blocks_by_tier.items()}
-                req.cached_tokens_by_tier = by_tier
-                req.num_cached_tokens = sum(by_tier.values())
-                self.prefix_cache_queries += seq.num_prompt_tokens
-                self.prefix_cache_hits += req.num_cached_tokens
+            if seq.request.num_cached_tokens is None:
+                self._record_hits(seq, hits, restore)
             self.add_running(seq)
             admitted.append(seq)
             scheduled[seq] = n
             budget -= n
+        self._step += 1
         return SchedulerOutput(list(scheduled.items()), self.kv.take_moves(), preempted, on_disk, admitted)
 
     def _prefix_for(self, seq: Sequence) -> tuple[list, "Restore | Lookup | None"]:
@@ -172,12 +166,29 @@ class Scheduler:
             return self._prefix_for(seq)
         return cached, seq.lookup
 
+    def _record_hits(self, seq: Sequence, hits: list, restore: Restore | None) -> None:
+        """A request's first admission: the prompt tokens each tier served, on the request and the tiers."""
+        blocks_by_tier = {"hot": 0}
+        for hit in hits:
+            tier = self.kv.hit_tier(hit)
+            blocks_by_tier[tier] = blocks_by_tier.get(tier, 0) + 1
+        for name, blocks in (restore.by_tier if restore else {}).items():
+            blocks_by_tier[name] = blocks_by_tier.get(name, 0) + blocks
+        bs = self.kv.block_size
+        if self.tiers is not None:
+            count_lookup([self.tiers.hot, *self.tiers.lower], blocks_by_tier, seq.num_prompt_tokens, bs)
+        req = seq.request
+        req.cached_tokens_by_tier = {name: blocks * bs for name, blocks in blocks_by_tier.items()}
+        req.num_cached_tokens = sum(req.cached_tokens_by_tier.values())
+        self.prefix_cache_queries += seq.num_prompt_tokens
+        self.prefix_cache_hits += req.num_cached_tokens
+
     def _make_room(self, seq: Sequence, n: int, cached: list = ()) -> int:
         """With far blocks: offloads old blocks of the running sequences until seq's n new tokens fit
         in the hot pool, or as many as can go; returns the new tokens that fit now (at most n)."""
         if self.kv.far is None:
             return 0
-        need = self.kv.num_blocks_needed(seq, n, cached) - self.kv._allocatable(cached)
+        need = self.kv.num_blocks_needed(seq, n, cached) - self.kv.allocatable(cached)
         holders = self.running if seq in self.running else [*self.running, seq]
         self.kv.offload(need, holders)
         return min(n, self.kv.max_new_tokens(seq, cached))
@@ -217,3 +228,31 @@ class Scheduler:
         seq.swapped = seq.lookup = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+
+class _StageBudget:
+    """Where far blocks are staged for attention (far_stage.py), bounds the far blocks one step stages
+    to `cap` (one sequence always goes, however many it has), so the staging buffer stays bounded.
+    Sequences with far blocks take turns: the one that waited longest goes first."""
+
+    def __init__(self, cap: int | None, kv: KVCacheManager, step: int):
+        self.cap, self.kv, self.step = cap, kv, step
+        self.used = 0
+
+    def _far(self, seq: Sequence) -> int:
+        return sum(1 for b in seq.block_table if self.kv.is_far(b))
+
+    def order(self, seqs: list[Sequence]) -> list[Sequence]:
+        if self.cap is None:
+            return seqs
+        return sorted(seqs, key=lambda s: (self._far(s) > 0, s.last_staged_step))  # stable: near ones first
+
+    def admits(self, seq: Sequence) -> bool:
+        return self.cap is None or not self.used or self.used + self._far(seq) <= self.cap
+
+    def add(self, seq: Sequence) -> None:
+        if self.cap is not None:
+            far = self._far(seq)
+            self.used += far
+            if far:
+                seq.last_staged_step = self.step
