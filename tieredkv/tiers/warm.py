@@ -55,7 +55,8 @@ class WarmTier(KVTier, SwapSpace):
         self.free_slots = list(range(capacity_blocks - 1, -1, -1))  # popped from the end: lowest first
 
     def _used_bytes(self) -> int:
-        return len(self.entries) * self.block_bytes
+        """Cached entries and lent slots (swap space, far blocks of running sequences)."""
+        return (self.capacity - len(self.free_slots)) * self.block_bytes
 
     def contains_sync(self, keys: Sequence[BlockKey]) -> int:
         n = 0
