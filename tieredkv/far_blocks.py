@@ -14,9 +14,10 @@ from tieredkv.tiers.warm import WarmTier
 class FarBlocks:
     """Lends warm slots to sequences whose KV outgrows the hot pool, as blocks of their block tables.
 
-    A far block is a KVBlock whose `block_id` is `base + slot` (base: the hot pool's size). The engine
-    makes the warm slab the tail of the cache tensor, layer-major, so the attention kernels read a far
-    block in place by that id, exactly like a hot one; nothing is copied to attend to it.
+    A far block is a KVBlock whose `block_id` is `base + slot` (base: the hot pool's size). On CPU the
+    engine makes the warm slab the tail of the cache tensor, layer-major, so the attention kernels read
+    a far block in place by that id, exactly like a hot one; nothing is copied to attend to it. On CUDA
+    the slab is pinned host memory and a step stages the far blocks it reads (far_stage.py).
 
     Far blocks have reference counts like hot ones (forks and other requests share them). In use, a
     slot is lent (the warm tier cannot evict it); a full block registered under its hash is findable

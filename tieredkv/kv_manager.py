@@ -10,7 +10,6 @@ from tieredkv.tiers.base import BlockKey
 from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
 
 
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -25,8 +24,9 @@ class KVCacheManager:
     step to carry out before its forward; this class itself only changes metadata.
 
     With `far` (far_blocks.py), a block table may also hold far blocks: full blocks that live in the
-    warm tier. `offload` moves old full blocks there when the hot pool runs dry, and prefix lookups
-    adopt warm blocks in place; only a sequence's last blocks, the ones it writes, must be hot.
+    warm tier. `offload` moves old full blocks there when the hot pool runs dry, and a prefix found
+    below hot that hot cannot hold is adopted in place (`adopt_far`); only the blocks a sequence
+    writes must be hot.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool, root: BlockHash):
@@ -151,8 +151,9 @@ class KVCacheManager:
         if not self.can_allocate(seq, num_new_tokens, cached, restore_blocks, restore_tokens):
             return False
         if cached:
-            seq.block_table.extend(self._take_hits(cached))
-            seq.num_computed_tokens = len(seq.block_table) * self.block_size
+            self._touch(cached)
+            seq.block_table.extend(cached)
+            seq.num_computed_tokens += len(cached) * self.block_size
             seq.num_cached_blocks = len(seq.block_table)
         if restore is not None:
             fresh = self.allocate(restore.num_blocks)
@@ -168,18 +169,16 @@ class KVCacheManager:
             seq.block_table.extend(self.allocate(need))
         return True
 
-    def _take_hits(self, hits: list[KVBlock]) -> list[KVBlock]:
-        self._touch(hits)
-        return hits
-
     def adopt_far(self, seq: Sequence, cached: list[KVBlock], restore: Restore) -> list[KVBlock]:
         """Takes the cached blocks, then the restored ones as far blocks, in place: nothing is copied
         into hot (for a prefix larger than what hot can hold). Some restored blocks may be lost if warm
         has no room left for data read from below; they are recomputed. Then continues the prefix with
         cached blocks after them (a document's last blocks often stay hot) and returns those."""
-        seq.block_table.extend(self._take_hits(cached))
+        self._touch(cached)
+        seq.block_table.extend(cached)
         seq.block_table.extend(self.far.place(restore))
-        more = self._take_hits(self._hits(self.lookup_keys(seq)[len(seq.block_table) :]))
+        more = self._hits(self.lookup_keys(seq)[len(seq.block_table) :])
+        self._touch(more)
         seq.block_table.extend(more)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_cached_blocks = len(seq.block_table)
