@@ -28,6 +28,11 @@ def test_plan_arithmetic_by_hand(llama_dir):
     assert p.warm_blocks == 10_485_760 // 12_288 == 853
     assert p.cold_blocks == 52_428_800 // 16_384 == 3200  # 12.3 KB entries take 4 pages on disk
     assert p.seqs_before_preemption == 4126 // 7 == 589  # 100 tokens: 7 blocks
+    assert p.seqs_with_offload == (4126 + 853) // 7 == 711  # older blocks offloaded to warm
+    assert p.longest_sequence == 2048  # max_model_len: hot + warm hold (4126 + 853) * 16 tokens
+    small = plan(str(llama_dir), device_memory_bytes=1 << 20, memory_utilization=1.0, dtype="float32",
+                 activation_bytes=0, warm_bytes=20 * 12_288)
+    assert (small.hot_blocks, small.longest_sequence) == (30, (30 + 20) * 16)  # 1 MiB - 673,536 B: 30 blocks
     assert p.shared_prompts == {"hot": 1031, "warm": 213, "cold": 800}  # 64 tokens: 4 blocks
     assert p.tokens == {"hot": 4126 * 16, "warm": 853 * 16, "cold": 3200 * 16}
 

@@ -51,6 +51,8 @@ class Plan:
     cold_blocks: int
     seq_len: int
     seqs_before_preemption: int  # sequences of seq_len tokens that fit the hot pool at once
+    seqs_with_offload: int  # ... when their older blocks move to the warm tier (offload=True)
+    longest_sequence: int  # the most tokens one sequence can hold: max_model_len, or hot + warm if fewer
     shared_prompt_len: int
     shared_prompts: dict  # tier -> distinct shared prompts of shared_prompt_len tokens it keeps
     measured: bool = False
@@ -108,6 +110,8 @@ def plan(model: str = "default", device: str = "cpu", device_memory_bytes: int |
         kv_bytes_per_block=per_block, device_memory=memory, memory_utilization=memory_utilization,
         activation_bytes=activation_bytes, hot_blocks=hot, warm_blocks=tiers["warm"], cold_blocks=tiers["cold"],
         seq_len=seq_len, seqs_before_preemption=hot // cdiv(seq_len, block_size),
+        seqs_with_offload=min((hot + tiers["warm"]) // cdiv(seq_len, block_size), hot),
+        longest_sequence=min(max_model_len(spec, max_len), (hot + tiers["warm"]) * block_size),
         shared_prompt_len=shared_prompt_len, shared_prompts={t: n // prompt_blocks for t, n in tiers.items()},
         measured=measured)
 
@@ -169,5 +173,7 @@ def format_plan(p: Plan) -> str:
     for tier, tokens in p.tokens.items():
         blocks = getattr(p, f"{tier}_blocks")
         lines.append(f"{tier:<8}{blocks:>14,}{tokens:>16,}{p.shared_prompts[tier]:>20,}")
-    lines += ["", f"sequences of {p.seq_len:,} tokens running at once before preemption: {p.seqs_before_preemption:,}"]
+    lines += ["", f"sequences of {p.seq_len:,} tokens running at once before preemption: {p.seqs_before_preemption:,}"
+              + (f", {p.seqs_with_offload:,} with their older blocks in warm" if p.warm_blocks else ""),
+              f"longest sequence: {p.longest_sequence:,} tokens"]
     return "\n".join(lines)
