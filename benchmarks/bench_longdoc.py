@@ -8,7 +8,10 @@ Default model, greedy, EOS ignored. A ~6,000-token document and 5 questions, eac
 turn (document, then question), one after the other. Engines:
   - "offloaded": a hot pool of 64 blocks (1,024 tokens) and a warm tier: the document's older blocks
     live in warm as far blocks, read in place by attention, and later questions find them there;
-  - "unconstrained": a pool that holds everything (no warm tier).
+  - "unconstrained": a pool that holds everything (no warm tier);
+  - with --staged, also "offloaded, staged": the offloaded engine with TIEREDKV_FAR_BLOCKS=staged, the
+    path CUDA takes (far blocks staged per layer into a buffer instead of read in place), to show what
+    those copies cost here.
 For each: time to first token of the first question and of the later ones, decode ms/token, bytes moved
 per tier, the most hot blocks in use at once, and whether the two engines' answers agree. The engines
 alternate (A B A B) and each figure is the median over the repeats; ratios are what to compare.
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
 
 from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine_core import EngineCore
+from tieredkv.engine_setup import FAR_ENV
 
 QUESTIONS = ["Which city hosts the most projects?", "Summarise the budget of project 12.",
              "Who leads project 40?", "List three projects that started before 2001.",
@@ -71,7 +76,12 @@ def ask(core: EngineCore, prompt: list[int], max_tokens: int, peak: list[int]) -
 
 
 def run(label: str, cfg: EngineConfig, prompts: list[list[int]], max_tokens: int) -> dict:
-    core = EngineCore(cfg)
+    if label.endswith("staged"):
+        os.environ[FAR_ENV] = "staged"
+    try:
+        core = EngineCore(cfg)
+    finally:
+        os.environ.pop(FAR_ENV, None)
     block_bytes = core.tiers.hot.block_bytes
     peak = [0]
     answers = [ask(core, p, max_tokens, peak) for p in prompts]
@@ -89,6 +99,8 @@ def main(args) -> dict:
         "offloaded": EngineConfig(num_blocks=64, warm_bytes=1 << 30),
         "unconstrained": EngineConfig(kv_cache_bytes=1 << 30, warm_bytes=0),
     }
+    if args.staged:
+        configs["offloaded, staged"] = configs["offloaded"]
     probe = EngineCore(EngineConfig(num_blocks=2, warm_bytes=0, compile_decode=False))
     doc = document(probe.tokenizer, args.tokens)
     prompts = [probe.tokenizer.apply_chat_template(chat(doc, q)) for q in QUESTIONS[: args.questions]]
@@ -100,7 +112,7 @@ def main(args) -> dict:
             res = run(name, cfg, prompts, args.max_tokens)
             runs[name].append(res)
             a = res["answers"]
-            print(f"  [{r + 1}] {name:13s} first TTFT {a[0]['ttft_s']:6.2f} s, later TTFT "
+            print(f"  [{r + 1}] {name:17s} first TTFT {a[0]['ttft_s']:6.2f} s, later TTFT "
                   f"{statistics.median(x['ttft_s'] for x in a[1:]):6.3f} s, decode "
                   f"{statistics.median(x['decode_ms'] for x in a):5.1f} ms/token, peak hot blocks "
                   f"{res['peak_hot_blocks']}/{res['hot_blocks']}")
@@ -116,7 +128,8 @@ def main(args) -> dict:
             "cached_tokens_by_tier": [x["cached"] for x in results[-1]["answers"]],
         }
     off, big = out["offloaded"], out["unconstrained"]
-    out["same_answers"] = all(a["tokens"] == b["tokens"] for ra, rb in zip(runs["offloaded"], runs["unconstrained"])
+    out["same_answers"] = all(a["tokens"] == b["tokens"] for name in configs if name != "unconstrained"
+                              for ra, rb in zip(runs[name], runs["unconstrained"])
                               for a, b in zip(ra["answers"], rb["answers"]))
     out["ratios"] = {
         "decode_offloaded_vs_unconstrained": off["decode_ms_per_token"] / big["decode_ms_per_token"],
@@ -124,6 +137,10 @@ def main(args) -> dict:
         "later_vs_first_ttft_speedup_offloaded": off["first_ttft_s"] / off["later_ttft_s"],
         "later_vs_first_ttft_speedup_unconstrained": big["first_ttft_s"] / big["later_ttft_s"],
     }
+    if args.staged:
+        staged = out["offloaded, staged"]
+        out["ratios"]["decode_staged_vs_unconstrained"] = staged["decode_ms_per_token"] / big["decode_ms_per_token"]
+        out["ratios"]["first_ttft_staged_vs_unconstrained"] = staged["first_ttft_s"] / big["first_ttft_s"]
     print(json.dumps(out["ratios"], indent=2), "\nsame answers:", out["same_answers"])
     return out
 
@@ -134,6 +151,7 @@ if __name__ == "__main__":
     parser.add_argument("--questions", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--staged", action="store_true", help="also run the staged far-block path (CUDA's)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     result = main(args)
