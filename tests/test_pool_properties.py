@@ -7,17 +7,21 @@ from hypothesis import strategies as st
 from helpers import check_pool_clean, check_pool_consistent
 from tieredkv import EngineConfig, RequestError, SamplingParams
 from tieredkv.engine_core import EngineCore
+from tieredkv.engine_setup import FAR_ENV
 
 
-@pytest.fixture(scope="module", params=[(True, True), (False, True), (True, False)],
-                ids=["cache", "nocache", "cache-nooffload"])
+@pytest.fixture(scope="module", params=[(True, True, ""), (False, True, ""), (True, False, ""), (True, True, "staged")],
+                ids=["cache", "nocache", "cache-nooffload", "cache-staged"])
 def core(request, llama_dir):
     # a warm tier of 20 blocks: evictions demote, hits promote; sequences that outgrow the pool keep old
-    # blocks there (offload), or without offloading, preemptions swap (up to 10 blocks)
-    caching, offload = request.param
-    return EngineCore(EngineConfig(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
-                                   max_num_batched_tokens=16, enable_prefix_caching=caching, offload=offload,
-                                   warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
+    # blocks there (offload; staged: only what preemption cannot solve), or without offloading,
+    # preemptions swap (up to 10 blocks)
+    caching, offload, far_mode = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAR_ENV, far_mode)
+        return EngineCore(EngineConfig(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
+                                       max_num_batched_tokens=16, enable_prefix_caching=caching, offload=offload,
+                                       warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
 
 
 add = st.tuples(st.just("add"), st.integers(1, 22), st.integers(1, 8), st.integers(1, 3), st.booleans(),
@@ -61,7 +65,8 @@ def test_random_interleavings_keep_the_pool_consistent(core, ops):
 
 def test_a_squeeze_offloads_or_preempts(core):
     """Three requests of 8 blocks each on a pool of 12: old blocks go to the warm tier (or, with
-    offloading off, the newest request is preempted); every step keeps the pool consistent."""
+    offloading off or staged far blocks, the newest request is preempted first); every step keeps the
+    pool consistent."""
     before = core.kv.offloaded_blocks, core.scheduler.num_preemptions
     for i in range(3):
         prompt = [(5 * j + i) % 200 + 3 for j in range(22)]
@@ -71,4 +76,9 @@ def test_a_squeeze_offloads_or_preempts(core):
         check_pool_consistent(core)
     check_pool_clean(core)
     offloaded, preempted = core.kv.offloaded_blocks - before[0], core.scheduler.num_preemptions - before[1]
-    assert (offloaded > 0 and preempted == 0) if core.config.offload else (offloaded == 0 and preempted > 0)
+    if not core.config.offload:
+        assert offloaded == 0 and preempted > 0
+    elif core.runner.far_base is None:  # far blocks read in place: offload, never preempt
+        assert offloaded > 0 and preempted == 0
+    else:  # staged: preemption first; one that cannot fit beside the scheduled others offloads its own
+        assert preempted > 0

@@ -81,6 +81,7 @@ class EngineCore:
         if mode == "staged":  # the staged buffer: this step's hot blocks and at most a pool's worth of far ones
             self.runner.stage_far_blocks(self.num_blocks, self.tiers.warm.slab)
             self.scheduler.stage_cap = self.num_blocks
+            self.scheduler.offload_others = False
         self.runner.compile_now()
         self.pins = PinTable(self.kv, int(self.num_blocks * config.max_pinned_fraction))
         self.requests: dict[str, Request] = {}

@@ -54,6 +54,10 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.stage_cap: int | None = None  # far blocks staged per step, where attention stages them (CUDA)
+        # Where far blocks cost nothing to read (CPU), a dry pool offloads old blocks of any running
+        # sequence before preempting; where they are staged, preemption comes first and only a sequence
+        # that cannot fit beside the others offloads (its own request's blocks).
+        self.offload_others = True
         self._step = 0
 
     def add(self, seq: Sequence) -> None:
@@ -84,11 +88,16 @@ class Scheduler:
                 continue  # its far blocks wait for a later step (it keeps them)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             fits = self.kv.allocate_slots(seq, n)
-            if not fits and self.kv.far is not None:  # offload old blocks before preempting anyone
+            if not fits and self.kv.far is not None and self.offload_others:  # before preempting anyone
                 n = self._make_room(seq, n) or n
                 fits = self.kv.allocate_slots(seq, n)
             while not fits:
                 victim = self._pick_victim(scheduled, seq)
+                if victim is seq and self.kv.far is not None and not self.offload_others:
+                    fitting = self._make_room(seq, n)  # it cannot fit beside the others: its old blocks go
+                    if fitting and self.kv.allocate_slots(seq, fitting):
+                        n, fits = fitting, True
+                        break
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -184,13 +193,14 @@ class Scheduler:
         self.prefix_cache_hits += req.num_cached_tokens
 
     def _make_room(self, seq: Sequence, n: int, cached: list = ()) -> int:
-        """With far blocks: offloads old blocks of the running sequences until seq's n new tokens fit
-        in the hot pool, or as many as can go; returns the new tokens that fit now (at most n)."""
+        """With far blocks: offloads old blocks of the running sequences (with `offload_others` off, only
+        those of seq's own request) until seq's n new tokens fit in the hot pool, or as many as can go;
+        returns the new tokens that fit now (at most n)."""
         if self.kv.far is None:
             return 0
         need = self.kv.num_blocks_needed(seq, n, cached) - self.kv.allocatable(cached)
-        holders = self.running if seq in self.running else [*self.running, seq]
-        self.kv.offload(need, holders)
+        holders = self.running if self.offload_others else [s for s in self.running if s.request is seq.request]
+        self.kv.offload(need, holders if seq in holders else [*holders, seq])
         return min(n, self.kv.max_new_tokens(seq, cached))
 
     def _pick_victim(self, scheduled: dict[Sequence, int], current: Sequence) -> Sequence:
