@@ -165,3 +165,16 @@ async def test_a_promotion_is_a_span_event_with_counts(otel, llama_dir):
     assert out.usage.cached_tokens_by_tier["warm"] == 64
     promoted = [e for s in exporter.get_finished_spans() for e in s.events if e.name == "promoted"]
     assert [dict(e.attributes) for e in promoted] == [{"tieredkv.promoted_tokens.warm": 64}]
+
+
+async def test_offloaded_blocks_are_metrics(otel, llama_dir):
+    """A prompt of 20 blocks on a pool of 8: its old blocks go to the warm tier, and the counter says how many."""
+    _, reader = otel
+    before = metric_sums(reader).get("tieredkv.kv_cache.offloaded_blocks", 0)
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=64 * 3 * 2 * 16 * 2 * 16 * 4)
+    async with await AsyncEngine.start(cfg) as engine:
+        await engine.generate([(7 * i) % 400 + 3 for i in range(320)], SamplingParams(max_tokens=4, ignore_eos=True))
+        stats = engine.stats()
+        sums = metric_sums(reader)
+    assert stats.blocks_offloaded > 0 and sums["tieredkv.kv_cache.far_blocks"] == stats.blocks_far == 0
+    assert sums["tieredkv.kv_cache.offloaded_blocks"] - before == stats.blocks_offloaded

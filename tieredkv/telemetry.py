@@ -145,6 +145,10 @@ def _register_observables(m) -> None:
         for t, st in snap.tiers.items()])], unit="1", description="share of each tier's capacity holding KV data")
     m.create_observable_gauge("tieredkv.kv_cache.used_bytes", [_observe(lambda snap: [
         (st.used_bytes, {"tier": t}) for t, st in snap.tiers.items()])], unit="By")
+    m.create_observable_gauge("tieredkv.kv_cache.far_blocks", [_observe(lambda snap: [(snap.blocks_far, {})])],
+                              unit="{block}", description="blocks of running sequences kept in the warm tier")
+    m.create_observable_counter("tieredkv.kv_cache.offloaded_blocks", [_observe(lambda snap: [
+        (snap.blocks_offloaded, {})])], unit="{block}", description="hot blocks moved to the warm tier while in use")
     for name, field in (("running", "num_running"), ("waiting", "num_waiting"), ("swapped", "num_swapped")):
         m.create_observable_gauge(f"tieredkv.requests.{name}", [_observe(
             lambda snap, field=field: [(getattr(snap, field), {})])], unit="{sequence}")
