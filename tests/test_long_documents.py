@@ -176,3 +176,14 @@ async def test_a_long_document_on_cuda_streams_far_blocks_from_pinned_memory(lla
         assert [o.token_ids for o in outs[1].outputs] == [expected[1]] * 2
         assert engine.core.runner.staged_steps > 0
         check_pool_clean(engine.core)
+
+
+async def test_without_prefix_caching(llama_dir, expected):
+    """Far blocks without hashes: offloaded, read, and given back to warm as free slots, not cache."""
+    cfg = EngineConfig(model=str(llama_dir), enable_prefix_caching=False, **SMALL)
+    async with await AsyncEngine.start(cfg) as engine:
+        outs = await asyncio.gather(generate(engine, DOC_A, n=2), generate(engine, DOC_B))
+        assert [o.token_ids for o in outs[0].outputs] == [expected[0]] * 2
+        assert outs[1].outputs[0].token_ids == expected[1]
+        assert engine.stats().blocks_offloaded > 0 and not engine.core.tiers.warm.entries
+        check_pool_clean(engine.core)
