@@ -82,7 +82,7 @@ def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device
     cpu_kv_cache_bytes) holds."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    block_bytes = spec.kv_elements_per_token * cfg.block_size * dtype.itemsize
+    block_bytes = kv_block_bytes(spec, cfg.block_size, dtype)
     budget = cfg.kv_cache_bytes
     if budget is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -102,10 +102,15 @@ def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int) -> s
     return f"{identity.hexdigest()}|{dtype}|bs={block_size}|{KV_LAYOUT}"
 
 
+def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """One block's K and V over every layer."""
+    return spec.kv_elements_per_token * block_size * dtype.itemsize
+
+
 def warm_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
     """Blocks the warm tier's budget holds (warm_bytes, or default_warm_bytes())."""
     warm_bytes = default_warm_bytes() if cfg.warm_bytes is None else cfg.warm_bytes
-    return warm_bytes // (spec.kv_elements_per_token * cfg.block_size * dtype.itemsize)
+    return warm_bytes // kv_block_bytes(spec, cfg.block_size, dtype)
 
 
 FAR_ENV = "TIEREDKV_FAR_BLOCKS"
@@ -120,9 +125,7 @@ def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
     forced = os.environ.get(FAR_ENV)
     if forced not in (None, "", "staged", "in place"):
         raise ValueError(f'{FAR_ENV} must be "staged" or "in place", got {forced!r}')
-    if forced:
-        return forced if device.type == "cpu" else "staged"
-    return "in place" if device.type == "cpu" else "staged"
+    return (forced or "in place") if device.type == "cpu" else "staged"
 
 
 def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, dtype: torch.dtype,

@@ -66,18 +66,15 @@ class FarBlocks:
         slots are kept where they are; data read from a lower tier is written into newly lent slots.
         Stops early (releasing what is left) when warm cannot lend more."""
         blocks: list[KVBlock] = []
-        full = True
-        for part in restore.parts:
-            slots = part.slots
-            if slots is None and full:
-                slots = self.lend_slots(part.num_blocks)
-                if slots is not None:
-                    self.warm.write(slots, part.data)
-            if slots is None or not full:
-                full = False
-                if part.slots is not None:
-                    self.warm.release(part.slots)
-                continue
+        for i, part in enumerate(restore.parts):
+            slots = part.slots if part.slots is not None else self.lend_slots(part.num_blocks)
+            if slots is None:  # warm is full of blocks in use: the rest is recomputed
+                for rest in restore.parts[i + 1 :]:
+                    if rest.slots is not None:
+                        self.warm.release(rest.slots)
+                break
+            if part.slots is None:
+                self.warm.write(slots, part.data)
             blocks.extend(self._new(slot) for slot in slots)
         for block, key in zip(blocks, restore.keys):
             self.register(block, key)

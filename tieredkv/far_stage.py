@@ -5,7 +5,7 @@ CUDA it is pinned host memory, which the kernels cannot index. There, a step who
 blocks stages, layer by layer, every block its block tables name into one buffer of that layer
 [2, T, block_size, kv_heads, head_dim]: hot blocks by a device gather (after this step's K/V are
 stored), far blocks by a host-to-device copy from the slab. The block tables of such a step index
-that buffer (see `StagePlan.remap`), so the same attention kernels run unchanged. The buffer holds one
+that buffer (see `plan_stage`), so the same attention kernels run unchanged. The buffer holds one
 layer of the batch's context at a time: 1/num_layers of its KV.
 """
 

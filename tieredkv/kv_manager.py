@@ -255,22 +255,21 @@ class KVCacheManager:
         comes from `seqs` and it is computed in all of them. Returns the number of hot blocks freed."""
         if self.far is None or n <= 0:
             return 0
-        holders: dict[int, list[tuple[Sequence, int]]] = {}
+        holders: dict[KVBlock, list[tuple[Sequence, int]]] = {}
         for seq in seqs:
             for i in range(seq.num_computed_tokens // self.block_size):
                 block = seq.block_table[i]
                 if not self.is_far(block):
-                    holders.setdefault(block.block_id, []).append((seq, i))
-        blocks = {b.block_id: b for s in seqs for b in s.block_table}
-        ready = [bid for bid, refs in holders.items() if len(refs) == blocks[bid].ref_cnt]
-        ready.sort(key=lambda bid: holders[bid][0][1])
+                    holders.setdefault(block, []).append((seq, i))
+        ready = [block for block, refs in holders.items() if len(refs) == block.ref_cnt]
+        ready.sort(key=lambda block: holders[block][0][1])
         chosen = ready[: min(n, self.far.num_available)]
         fars = self.far.lend(len(chosen)) if chosen else None
         if not fars:
             return 0
-        for bid, far in zip(chosen, fars):
-            hot, refs = blocks[bid], holders[bid]
-            self.moves.append(BlockMove(SWAP_OUT, bid, far.block_id - self.far.base))
+        for hot, far in zip(chosen, fars):
+            refs = holders[hot]
+            self.moves.append(BlockMove(SWAP_OUT, hot.block_id, far.block_id - self.far.base))
             if hot.block_hash is not None:
                 key = BlockKey(hot.block_hash, hot.token_ids)
                 self.pool.uncache(hot)

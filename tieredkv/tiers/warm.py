@@ -171,10 +171,7 @@ class WarmTier(KVTier, SwapSpace):
     def reserve(self, n: int) -> tuple[list[int] | None, Victims]:
         if n > self.capacity // 2:  # keep at least half of the tier for cached prefixes
             return None, NO_VICTIMS
-        victims = self._make_room(n)
-        if len(self.free_slots) < n:
-            return None, victims
-        return [self.free_slots.pop() for _ in range(n)], victims
+        return self.lend(n)
 
     def lend(self, n: int) -> tuple[list[int] | None, Victims]:
         """n slots for blocks of running sequences (far blocks), evicting cached entries for room; None
