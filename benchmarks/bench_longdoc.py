@@ -9,7 +9,7 @@ turn (document, then question), one after the other. Engines:
   - "offloaded": a hot pool of 64 blocks (1,024 tokens) and a warm tier: the document's older blocks
     live in warm as far blocks, read in place by attention, and later questions find them there;
   - "unconstrained": a pool that holds everything (no warm tier);
-  - with --staged, also "offloaded, staged": the offloaded engine with TIEREDKV_FAR_BLOCKS=staged, the
+  - with --staged, also "offloaded, staged": the offloaded engine with far_blocks="staged", the
     path CUDA takes (far blocks staged per layer into a buffer instead of read in place), to show what
     those copies cost here.
 For each: time to first token of the first question and of the later ones, decode ms/token, bytes moved
@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
 
 from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine_core import EngineCore
-from tieredkv.engine_setup import FAR_ENV
 
 QUESTIONS = ["Which city hosts the most projects?", "Summarise the budget of project 12.",
              "Who leads project 40?", "List three projects that started before 2001.",
@@ -76,12 +74,7 @@ def ask(core: EngineCore, prompt: list[int], max_tokens: int, peak: list[int]) -
 
 
 def run(label: str, cfg: EngineConfig, prompts: list[list[int]], max_tokens: int) -> dict:
-    if label.endswith("staged"):
-        os.environ[FAR_ENV] = "staged"
-    try:
-        core = EngineCore(cfg)
-    finally:
-        os.environ.pop(FAR_ENV, None)
+    core = EngineCore(cfg)
     block_bytes = core.tiers.hot.block_bytes
     peak = [0]
     answers = [ask(core, p, max_tokens, peak) for p in prompts]
@@ -100,7 +93,7 @@ def main(args) -> dict:
         "unconstrained": EngineConfig(kv_cache_bytes=1 << 30, warm_bytes=0),
     }
     if args.staged:
-        configs["offloaded, staged"] = configs["offloaded"]
+        configs["offloaded, staged"] = configs["offloaded"].model_copy(update={"far_blocks": "staged"})
     probe = EngineCore(EngineConfig(num_blocks=2, warm_bytes=0, compile_decode=False))
     doc = document(probe.tokenizer, args.tokens)
     prompts = [probe.tokenizer.apply_chat_template(chat(doc, q)) for q in QUESTIONS[: args.questions]]

@@ -99,9 +99,7 @@ def check_pool_clean(core) -> None:
     warm = core.tiers.warm
     if warm is not None:  # every slot lent to a preempted sequence or as a far block came back
         assert len(warm.free_slots) + len(warm.entries) == warm.capacity
-    far = core.kv.far
-    if far is not None:
-        assert far.num_in_use == 0 and not far.by_hash
+    assert core.pool.num_far == 0 and all(not core.pool.is_far(b) for b in core.pool.cached.values())
 
 
 def check_pool_consistent(core) -> None:
@@ -125,19 +123,20 @@ def check_pool_consistent(core) -> None:
 
 def check_far_blocks(core, holders: dict[int, int]) -> None:
     """Far blocks (held in warm slots): ref_cnt = holders, each one lent slot, findable by their hash."""
-    far = core.kv.far
-    if far is None:
-        return
-    blocks = {b.block_id: b for s in core.scheduler.running for b in s.block_table if far.is_far(b)}
-    assert len(blocks) == far.num_in_use
+    pool = core.pool
+    blocks = {b.block_id: b for s in core.scheduler.running for b in s.block_table if pool.is_far(b)}
+    assert len(blocks) == pool.num_far
     for block_id, b in blocks.items():
         assert b.ref_cnt == holders[block_id], b
-    assert all(far.by_hash[b.block_hash] is b for b in blocks.values() if b.block_hash in far.by_hash)
-    assert all(b.block_id in blocks for b in far.by_hash.values())
+    far_cached = {h: b for h, b in pool.cached.items() if pool.is_far(b)}
+    assert all(far_cached[b.block_hash] is b for b in blocks.values() if b.block_hash in far_cached)
+    assert all(b.block_id in blocks for b in far_cached.values())
     warm = core.tiers.warm
+    if warm is None:
+        return
     swapped = sum(len(s.swapped.swap_slots) for s in core.scheduler.waiting
                   if s.swapped is not None and s.swapped.swap_slots is not None)
     lent = warm.capacity - len(warm.free_slots) - len(warm.entries)
     assert lent == len(blocks) + swapped
-    slots = {bid - far.base for bid in blocks}
+    slots = {pool.slot_of(bid) for bid in blocks}
     assert not slots & set(warm.free_slots) and not slots & {s for s, _ in warm.entries.values()}

@@ -13,22 +13,25 @@ from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Request, Sequence, SeqStatus
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.manager import TierManager
-from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, SWAP_OUT
+from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PROMOTE, SWAP_IN, SWAP_OUT
 from tieredkv.tiers.warm import WarmTier
 
 BS, LAYERS, HEADS, DIM = 4, 2, 1, 2
 
 
-def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device="cpu"):
-    """A pool, KV manager, cache, tier manager (warm, then `lower` below it) and scheduler."""
-    pool = BlockPool(num_blocks)
-    kv = KVCacheManager(pool, BS, True, root_hash("test"))
-    cache = torch.zeros(LAYERS, 2, num_blocks, BS, HEADS, DIM, device=device)
+def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device="cpu", far=False, stage_cap=None):
+    """A pool, KV manager, cache, tier manager (warm, then `lower` below it) and scheduler. With `far`, the
+    warm slab is the cache tensor's tail and the pool lends its slots as far blocks (in place, as on CPU)."""
+    cache = torch.zeros(LAYERS, 2, num_blocks + (warm_blocks if far else 0), BS, HEADS, DIM, device=device)
     warm = None
     if warm_blocks:
-        warm = WarmTier(warm_blocks, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=device == "cuda")
+        warm = WarmTier(warm_blocks, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=device == "cuda",
+                        slab=cache[:, :, num_blocks:] if far else None)
+    pool = BlockPool(num_blocks, warm if far else None)
+    kv = KVCacheManager(pool, BS, True, root_hash("test"))
     tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, lower, BS)
-    return pool, kv, cache, tiers, Scheduler(kv, max_seqs, budget, tiers)
+    offload = ("last" if stage_cap else "first") if far else None
+    return pool, kv, cache, tiers, Scheduler(kv, max_seqs, budget, tiers, offload=offload, stage_cap=stage_cap)
 
 
 def cache_then_evict(sched, tiers, cache, kv, prompt, other):
@@ -250,3 +253,86 @@ def test_a_finished_lookup_waits_for_room_instead_of_being_read_again():
     run_step(sched, tiers, cache, kv)
     assert s.status is SeqStatus.RUNNING and s.request.cached_tokens_by_tier["cold"] == 12
     assert reads.count(10) == 1  # the prompt's blocks were read once, kept while the pool was full
+
+
+# -- one pool over hot ids and far ids (warm slots lent to running sequences) ---------------------------
+
+
+def test_one_pool_counts_references_and_hashes_in_both_id_ranges():
+    pool, kv, cache, tiers, sched = make(num_blocks=4, warm_blocks=6, far=True)
+    warm = tiers.warm
+    (hot,), _ = pool.allocate(1)
+    fars, victims = pool.lend(2)
+    assert [b.block_id for b in fars] == [4, 5] and victims == ([], None)  # far_base + the lowest slots
+    assert [pool.is_far(b) for b in (hot, *fars)] == [False, True, True] and pool.num_far == 2
+    keys = kv.chain_keys(list(range(3 * BS)))
+    for block, key in zip((hot, *fars), keys):
+        pool.cache(block, *key)
+    assert pool.cached_prefix(keys) == [hot, *fars]  # one hash map over both ranges
+    assert pool.cached_prefix(keys, hot_only=True) == [hot]
+    assert [pool.tier_of(b) for b in pool.cached_prefix(keys)] == ["hot", "warm", "warm"]
+    pool.touch([fars[0]])
+    pool.free([fars[0]])
+    assert fars[0].ref_cnt == 1 and pool.num_far == 2
+    pool.free(reversed([hot, *fars]))  # tail first: a far block's last reference returns its slot
+    assert pool.num_far == 0 and pool.num_free == 4
+    assert pool.cached_prefix(keys) == [hot]  # the far ones are warm entries now, in LRU order
+    assert [s for s, _ in warm.entries.values()] == [1, 0] and warm.contains_sync(keys[1:]) == 2
+    (plain,), _ = pool.lend(1)  # a far block without a hash goes back as a free slot
+    pool.free([plain])
+    assert len(warm.free_slots) + len(warm.entries) == warm.capacity
+
+
+def test_offload_is_a_move_of_its_own_and_the_sequence_reads_its_old_blocks_in_place():
+    pool, kv, cache, tiers, sched = make(num_blocks=4, warm_blocks=8, budget=64, far=True)
+    a = seq(range(10, 23), "a")  # 3 full blocks + 1 token: all 4 hot blocks
+    sched.add(a)
+    run_step(sched, tiers, cache, kv)
+    before = block_values(cache, a)
+    a.token_ids.extend(range(60, 64))  # a 5th block: its oldest full block goes to a far block
+    out = run_step(sched, tiers, cache, kv)
+    assert [(m.kind, m.src, m.dst) for m in out.moves] == [(OFFLOAD, 0, pool.far_base)] and not out.preempted
+    assert a.block_table[0].block_id == pool.far_base and pool.num_far == 1 and kv.offloaded_blocks == 1
+    assert block_values(cache, a)[:3] == before[:3]  # the data moved with the block
+    keys = kv.chain_keys(a.token_ids)
+    assert pool.cached_prefix(keys)[:3] == a.block_table[:3]  # its hash moved too
+    assert tiers.warm.stats().demotions == 1
+    sched.finish(a, "stop")
+    assert pool.num_far == 0 and tiers.warm.contains_sync(keys) == 1
+
+
+def test_a_prefix_too_big_for_hot_is_adopted_as_far_blocks_with_planned_promotions():
+    from memory_tier import MemoryTier
+
+    memory = MemoryTier(16, LAYERS * 2 * BS * HEADS * DIM * 4)  # stands in for cold
+    pool, kv, cache, tiers, sched = make(num_blocks=4, warm_blocks=8, budget=64, far=True, lower=memory)
+    prompt = list(range(10, 10 + 6 * BS + 1))  # 6 full blocks + 1 token: more than hot holds
+    keys = kv.chain_keys(prompt)
+    data = torch.arange(6, dtype=torch.float32)[:, None, None, None, None, None].expand(6, LAYERS, 2, BS, HEADS, DIM)
+    memory.put_sync(keys, data.clone())
+    s = seq(prompt)
+    sched.add(s)
+    out = run_step(sched, tiers, cache, kv)
+    promotions = [m for m in out.moves if m.kind == PROMOTE]
+    assert [m.dst for m in promotions] == [pool.far_base + i for i in range(6)] and not tiers.warm.entries
+    assert all(pool.is_far(b) for b in s.block_table[:6]) and s.request.cached_tokens_by_tier["cold"] == 6 * BS
+    assert [v[0] for v in block_values(cache, s)[:6]] == [float(i) for i in range(6)]  # landed in warm slots
+    assert memory.stats().promotions == 6
+    sched.finish(s, "stop")
+    assert pool.num_far == 0 and tiers.warm.contains_sync(keys) == 6
+
+
+def test_the_stage_budget_bounds_far_blocks_per_step_and_sequences_take_turns():
+    pool, kv, cache, tiers, sched = make(num_blocks=8, warm_blocks=16, budget=64, far=True, stage_cap=3)
+    a, b = seq(range(10, 23), "a"), seq(range(30, 43), "b")
+    for s in (a, b):
+        sched.add(s)
+        run_step(sched, tiers, cache, kv)
+    for s in (a, b):
+        kv.offload(3, [s])  # each holds 3 far blocks now
+        tiers.execute(kv.take_moves())
+        s.token_ids.append(1)
+    assert kv.num_far_blocks(a) == kv.num_far_blocks(b) == 3
+    first = [x.request.request_id for x, _ in run_step(sched, tiers, cache, kv).scheduled]
+    second = [x.request.request_id for x, _ in run_step(sched, tiers, cache, kv).scheduled]
+    assert len(first) == len(second) == 1 and first != second  # 3 + 3 > cap: one a step, in turns

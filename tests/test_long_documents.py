@@ -9,7 +9,6 @@ import torch
 
 from helpers import check_pool_clean, check_pool_consistent, hf_greedy
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
-from tieredkv.engine_setup import FAR_ENV
 
 BS = 16
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
@@ -25,11 +24,16 @@ def doc(n: int, seed: int) -> list[int]:
 DOC_A, DOC_B = doc(1000, 1), doc(1000, 2)
 
 
-@pytest.fixture(autouse=True, params=["in place", "staged"])
-def far_mode(request, monkeypatch):
+@pytest.fixture(autouse=True, params=["in_place", "staged"])
+def far_mode(request):
     """Every test twice: far blocks read in place (CPU), and staged per layer (the CUDA path's logic)."""
-    monkeypatch.setenv(FAR_ENV, request.param)
     return request.param
+
+
+@pytest.fixture
+def small(far_mode):
+    """A hot pool of 8 blocks beside a warm tier of 200, far blocks read as the test's mode says."""
+    return dict(SMALL, far_blocks=far_mode)
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +46,11 @@ async def generate(engine, prompt, n=1, max_tokens=NEW):
     return out
 
 
-async def test_a_document_larger_than_the_hot_pool_matches_transformers(llama_dir, expected, far_mode):
+async def test_a_document_larger_than_the_hot_pool_matches_transformers(llama_dir, expected, far_mode, small):
     async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=128)) as engine:
         assert (await generate(engine, DOC_A)).outputs[0].token_ids == expected[0]  # unconstrained
         assert engine.stats().blocks_offloaded == 0
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **small)) as engine:
         core = engine.core
         staged = core.runner.far_base is not None
         assert staged == (far_mode == "staged") and core.kv_cache.shape[2] == 8 + (0 if staged else 200)
@@ -60,8 +64,8 @@ async def test_a_document_larger_than_the_hot_pool_matches_transformers(llama_di
         check_pool_clean(engine.core)
 
 
-async def test_two_samples_share_the_offloaded_prompt(llama_dir, expected):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+async def test_two_samples_share_the_offloaded_prompt(llama_dir, expected, small):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **small)) as engine:
         out = await generate(engine, DOC_A, n=2)
         assert [o.token_ids for o in out.outputs] == [expected[0], expected[0]]
         # the prompt's far blocks are shared, not copied: 62 full prompt blocks, at most 8 blocks hot
@@ -69,8 +73,8 @@ async def test_two_samples_share_the_offloaded_prompt(llama_dir, expected):
         check_pool_clean(engine.core)
 
 
-async def test_two_long_documents_at_once(llama_dir, expected, far_mode):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+async def test_two_long_documents_at_once(llama_dir, expected, far_mode, small):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **small)) as engine:
         outs = await asyncio.gather(generate(engine, DOC_A), generate(engine, DOC_B))
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert engine.stats().num_preemptions == 0
@@ -82,8 +86,8 @@ async def test_two_long_documents_at_once(llama_dir, expected, far_mode):
         check_pool_clean(engine.core)
 
 
-async def test_an_abort_midway_releases_every_tier(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+async def test_an_abort_midway_releases_every_tier(llama_dir, small):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **small)) as engine:
         params = SamplingParams(max_tokens=NEW, n=2, ignore_eos=True)
         seen = 0
         async for _ in engine.stream(DOC_A, params):
@@ -102,8 +106,8 @@ async def test_an_abort_midway_releases_every_tier(llama_dir):
         check_pool_clean(engine.core)
 
 
-async def test_a_repeat_reuses_the_document_from_warm_in_place(llama_dir, expected):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **SMALL)) as engine:
+async def test_a_repeat_reuses_the_document_from_warm_in_place(llama_dir, expected, small):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **small)) as engine:
         first = await generate(engine, DOC_A)
         again = await generate(engine, DOC_A)
         assert again.outputs[0].token_ids == first.outputs[0].token_ids == expected[0]
@@ -116,8 +120,8 @@ async def test_a_repeat_reuses_the_document_from_warm_in_place(llama_dir, expect
         check_pool_clean(engine.core)
 
 
-async def test_a_repeat_from_cold_after_a_restart_is_placed_in_warm(llama_dir, expected, tmp_path):
-    cfg = EngineConfig(model=str(llama_dir), cold_path=str(tmp_path / "cold"), **SMALL)
+async def test_a_repeat_from_cold_after_a_restart_is_placed_in_warm(llama_dir, expected, tmp_path, small):
+    cfg = EngineConfig(model=str(llama_dir), cold_path=str(tmp_path / "cold"), **small)
     async with await AsyncEngine.start(cfg) as engine:
         await generate(engine, DOC_A)  # closing persists every cached block to the cold tier
     async with await AsyncEngine.start(cfg) as engine:
@@ -137,11 +141,11 @@ async def test_a_request_beyond_hot_and_warm_is_refused_with_the_numbers(llama_d
         check_pool_clean(engine.core)
 
 
-def test_pool_consistent_while_offloaded(llama_dir):
+def test_pool_consistent_while_offloaded(llama_dir, small):
     """Step by step through two long documents and a fork: reference counts hold in both tiers."""
     from tieredkv.engine_core import EngineCore
 
-    core = EngineCore(EngineConfig(model=str(llama_dir), **SMALL))
+    core = EngineCore(EngineConfig(model=str(llama_dir), **small))
     for i, prompt in enumerate((DOC_A[:300], DOC_B[:400])):
         core.add_request(core.factory.make(prompt, SamplingParams(max_tokens=20, n=1 + i, ignore_eos=True)))
     steps = 0
@@ -153,10 +157,10 @@ def test_pool_consistent_while_offloaded(llama_dir):
     check_pool_clean(core)
 
 
-async def test_the_triton_kernels_read_far_blocks(llama_dir, far_mode):
+async def test_the_triton_kernels_read_far_blocks(llama_dir, far_mode, small):
     """The Triton attention kernels (under the interpreter here) over far blocks: in place, by their ids
     in the extended cache tensor, or staged into the per-layer buffer."""
-    cfg = EngineConfig(model=str(llama_dir), attention_backend="triton", **SMALL)
+    cfg = EngineConfig(model=str(llama_dir), attention_backend="triton", **small)
     async with await AsyncEngine.start(cfg) as engine:
         out = await generate(engine, DOC_A[:300], max_tokens=4)
         assert engine.core.runner.ops.name == "triton" and engine.stats().blocks_offloaded > 0
@@ -167,8 +171,8 @@ async def test_the_triton_kernels_read_far_blocks(llama_dir, far_mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-async def test_a_long_document_on_cuda_streams_far_blocks_from_pinned_memory(llama_dir, expected, far_mode):
-    cfg = EngineConfig(model=str(llama_dir), device="cuda", dtype="float32", **SMALL)
+async def test_a_long_document_on_cuda_streams_far_blocks_from_pinned_memory(llama_dir, expected, far_mode, small):
+    cfg = EngineConfig(model=str(llama_dir), device="cuda", dtype="float32", **small)
     async with await AsyncEngine.start(cfg) as engine:
         assert engine.core.tiers.warm.slab.is_pinned() and engine.core.runner.far_base == 8
         outs = await asyncio.gather(generate(engine, DOC_A), generate(engine, DOC_B, n=2))
@@ -178,9 +182,9 @@ async def test_a_long_document_on_cuda_streams_far_blocks_from_pinned_memory(lla
         check_pool_clean(engine.core)
 
 
-async def test_without_prefix_caching(llama_dir, expected):
+async def test_without_prefix_caching(llama_dir, expected, small):
     """Far blocks without hashes: offloaded, read, and given back to warm as free slots, not cache."""
-    cfg = EngineConfig(model=str(llama_dir), enable_prefix_caching=False, **SMALL)
+    cfg = EngineConfig(model=str(llama_dir), enable_prefix_caching=False, **small)
     async with await AsyncEngine.start(cfg) as engine:
         outs = await asyncio.gather(generate(engine, DOC_A, n=2), generate(engine, DOC_B))
         assert [o.token_ids for o in outs[0].outputs] == [expected[0]] * 2

@@ -1,10 +1,14 @@
-"""Fixed-size KV blocks with reference counts, an LRU free queue and a hash -> block map."""
+"""Every KV block a block table can name, in one id space: hot blocks, then warm slots lent as far blocks."""
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 from tieredkv.hashing import BlockHash
+from tieredkv.tiers.base import BlockKey
+
+if TYPE_CHECKING:
+    from tieredkv.tiers.base import SwapSpace, Victims
 
 
 class Evicted(NamedTuple):
@@ -77,28 +81,62 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All blocks, allocated up front.
+    """All blocks a block table can hold, in one id space with one reference count and one hash map.
 
-    A block is in exactly one state: in use (ref_cnt > 0, not in the free queue), or free
-    (ref_cnt 0, in the free queue); a free block may still be cached (in the hash map) and is then
-    revived by `touch` on a prefix hit. Reusing cached free blocks evicts their hashes: `allocate`
-    returns them with the blocks, and the caller decides what happens to their data (the scheduler
-    plans their demotion before anything is written into them). Every method only changes metadata.
+    Ids [0, num_blocks) are hot: allocated up front, in the accelerator's cache tensor. Ids from
+    `far_base` (= num_blocks) on are far: block `far_base + s` lives in slot s of the warm tier
+    (`lender`), lent while a sequence holds it. Where a block lives is a property of its id
+    (`is_far`), read by the runner and the tiers; everything here treats both ranges alike, except
+    what happens when the last reference goes: a hot block joins the LRU free queue (still cached,
+    revived by `touch` on a prefix hit); a far block gives its slot back to the warm tier, as a cached
+    warm entry when it has a hash.
+
+    A hot block is in exactly one state: in use (ref_cnt > 0, not in the free queue), or free
+    (ref_cnt 0, in the free queue). A far block exists only while in use. `cached` maps a hash to its
+    block: any cached hot block, and far blocks in use. Reusing cached free hot blocks evicts their
+    hashes: `allocate` returns them, and lending slots returns what the warm tier evicted; the caller
+    turns both into block moves. Every method only changes metadata, O(1) per block.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, lender: "SwapSpace | None" = None):
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_cached_free = 0  # cached blocks with ref_cnt 0 (kept in step, so stats are O(1))
+        self.lender = lender  # the warm tier, when far blocks are on
+        self.num_far = 0  # far blocks in use
 
     @property
     def num_blocks(self) -> int:
+        """Hot blocks."""
+        return len(self.blocks)
+
+    @property
+    def far_base(self) -> int:
         return len(self.blocks)
 
     @property
     def num_free(self) -> int:
+        """Free hot blocks."""
         return self.free_queue.num_free
+
+    @property
+    def num_far_available(self) -> int:
+        """Far blocks `lend` could hand out now (0 without a lender)."""
+        return self.lender.num_lendable if self.lender is not None else 0
+
+    def is_far(self, block: KVBlock) -> bool:
+        return block.block_id >= self.far_base
+
+    def is_far_id(self, block_id: int) -> bool:
+        return block_id >= self.far_base
+
+    def slot_of(self, far_id: int) -> int:
+        """The warm slot a far block id names."""
+        return far_id - self.far_base
+
+    def tier_of(self, block: KVBlock) -> str:
+        return "warm" if self.is_far(block) else "hot"
 
     def get_cached(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
         block = self.cached.get(block_hash)
@@ -106,18 +144,19 @@ class BlockPool:
             return None
         return block
 
-    def cached_prefix(self, keys: Iterable[tuple[BlockHash, tuple[int, ...]]]) -> list[KVBlock]:
-        """The cached blocks of the leading (hash, token ids) keys, stopping at the first miss."""
+    def cached_prefix(self, keys: Iterable[tuple[BlockHash, tuple[int, ...]]], hot_only: bool = False) -> list[KVBlock]:
+        """The cached blocks of the leading (hash, token ids) keys, stopping at the first miss (or, with
+        hot_only, at the first far block)."""
         hits = []
         for block_hash, token_ids in keys:
             block = self.get_cached(block_hash, token_ids)
-            if block is None:
+            if block is None or (hot_only and self.is_far(block)):
                 break
             hits.append(block)
         return hits
 
     def allocate(self, n: int) -> tuple[list[KVBlock], list[Evicted]]:
-        """n fresh blocks with ref_cnt 1, taken from the LRU head, and the cached ones among them that
+        """n fresh hot blocks with ref_cnt 1, taken from the LRU head, and the cached ones among them that
         were evicted to make them. Raises MemoryError if fewer than n are free."""
         if n > self.num_free:
             raise MemoryError(f"asked for {n} blocks, {self.num_free} free")
@@ -129,8 +168,21 @@ class BlockPool:
             block.ref_cnt = 1
         return out, evicted
 
+    def lend(self, n: int) -> tuple[list[KVBlock] | None, "Victims"]:
+        """n fresh far blocks with ref_cnt 1 (None when the warm tier cannot lend that many), and the
+        entries the warm tier evicted to make room (keys, a copy of their data), to pass on down."""
+        slots, victims = self.lender.lend(n)
+        return (None if slots is None else [self.far_block(slot) for slot in slots]), victims
+
+    def far_block(self, slot: int) -> KVBlock:
+        """A far block with ref_cnt 1 over a slot already lent by the warm tier."""
+        block = KVBlock(self.far_base + slot)
+        block.ref_cnt = 1
+        self.num_far += 1
+        return block
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on each block, reviving free cached ones."""
+        """Take a reference on each block, reviving free cached hot ones."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
@@ -142,13 +194,27 @@ class BlockPool:
         for block in blocks:
             assert block.ref_cnt > 0, block
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt:
+                continue
+            if self.is_far(block):
+                self._return_far(block)
+            else:
                 self.free_queue.append(block)
                 self.num_cached_free += block.block_hash is not None
 
+    def _return_far(self, block: KVBlock) -> None:
+        self.num_far -= 1
+        slot = self.slot_of(block.block_id)
+        if block.block_hash is None:
+            self.lender.release([slot])
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        self.lender.keep(slot, BlockKey(block.block_hash, block.token_ids))
+
     def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
         """Register a full block under its hash; a hash already held by another block stays with that one."""
-        if block_hash in self.cached:
+        if block_hash in self.cached or block.block_hash is not None:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached[block_hash] = block

@@ -51,6 +51,10 @@ class EngineConfig(BaseModel):
     )
     offload: bool = Field(True, description="a sequence whose KV outgrows the hot pool keeps its older blocks in "
                           "the warm tier, where attention reads them in place (on CPU, where warm is the same memory)")
+    far_blocks: Literal["auto", "in_place", "staged"] = Field(
+        "auto", description='how attention reads blocks kept in the warm tier: "in_place" (CPU: the warm slab is '
+        'the tail of the cache tensor), "staged" (copied per layer into a buffer; what CUDA does); "auto": in '
+        "place on CPU, staged on CUDA")
     cold_path: str | None = Field(None, description="directory of the LMDB disk tier; None turns it off")
     cold_bytes: int = Field(16 << 30, gt=0, description="disk budget of the cold tier (bytes on disk, whole pages)")
     cold_secret_path: str | None = Field(

@@ -8,7 +8,6 @@ import time
 from typing import Any
 import torch
 
-from tieredkv.block_pool import BlockPool
 from tieredkv.compiled_decode import CompiledDecode, compile_wanted
 from tieredkv.config import EngineConfig
 from tieredkv.detokenizer import IncrementalDetokenizer
@@ -16,7 +15,6 @@ from tieredkv.engine_setup import (build_tiers, eos_token_ids, far_mode, make_kv
                                    model_fingerprint, num_kv_blocks, warm_blocks,
                                    resolve_device, resolve_dtype, resolve_model_dir)
 from tieredkv.errors import RequestError, StepError, TieredKVError
-from tieredkv.far_blocks import FarBlocks
 from tieredkv.hashing import root_hash
 from tieredkv.kernels import select_kernels
 from tieredkv.kv_manager import KVCacheManager, cdiv
@@ -66,22 +64,21 @@ class EngineCore:
         self.factory = RequestFactory(self.tokenizer, spec, config, self.max_model_len, self.eos_token_ids,
                                       self.num_blocks, num_far)
         self.fingerprint = model_fingerprint(self.model_dir, self.dtype, self.block_size)
-        self.pool = BlockPool(self.num_blocks)
-        self.kv = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching, root_hash(self.fingerprint))
         ops = select_kernels(config.attention_backend, self.device, self.dtype)
         compile_decode = compile_wanted(config.compile_decode, self.device)
         if ops.pack_linear_weight is not None:
             self.model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compile_decode)
-        self.tiers = build_tiers(config, spec, self.pool, self.kv_cache, ops, self.fingerprint, num_warm)
-        if mode:
-            self.kv.far = FarBlocks(self.tiers.warm, self.num_blocks, self.tiers.pass_down)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
+        self.tiers = build_tiers(config, spec, self.num_blocks, self.kv_cache, ops, self.fingerprint, num_warm,
+                                 far=mode is not None)
+        self.pool = self.tiers.hot.pool
+        self.kv = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching, root_hash(self.fingerprint))
+        staged = mode == "staged"  # the staged buffer: this step's hot blocks and at most a pool's worth of far ones
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tiers,
+                                   offload={"in place": "first", "staged": "last"}.get(mode),
+                                   stage_cap=self.num_blocks if staged else None)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, ops, config.cascade_attention,
-                                  CompiledDecode(self.model, self.kv_cache, ops) if compile_decode else None)
-        if mode == "staged":  # the staged buffer: this step's hot blocks and at most a pool's worth of far ones
-            self.runner.stage_far_blocks(self.num_blocks, self.tiers.warm.slab)
-            self.scheduler.stage_cap = self.num_blocks
-            self.scheduler.offload_others = False
+                                  CompiledDecode(self.model, self.kv_cache, ops) if compile_decode else None,
+                                  far=(self.num_blocks, self.tiers.warm.slab) if staged else None)
         self.runner.compile_now()
         self.pins = PinTable(self.kv, int(self.num_blocks * config.max_pinned_fraction))
         self.requests: dict[str, Request] = {}

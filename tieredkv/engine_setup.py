@@ -113,19 +113,15 @@ def warm_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
     return warm_bytes // kv_block_bytes(spec, cfg.block_size, dtype)
 
 
-FAR_ENV = "TIEREDKV_FAR_BLOCKS"
-
-
 def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
-    """How attention reaches far blocks (far_blocks.py): "in place" on CPU, where the warm slab can be
+    """How attention reaches far blocks (block_pool.py): "in place" on CPU, where the warm slab can be
     the tail of the cache tensor; "staged" on CUDA, where it is pinned host memory (far_stage.py); None
-    with offloading off. TIEREDKV_FAR_BLOCKS=staged stages on CPU too (it exercises the CUDA logic)."""
+    with offloading off. `far_blocks="staged"` stages on CPU too (it runs the CUDA path's logic)."""
     if not cfg.offload:
         return None
-    forced = os.environ.get(FAR_ENV)
-    if forced not in (None, "", "staged", "in place"):
-        raise ValueError(f'{FAR_ENV} must be "staged" or "in place", got {forced!r}')
-    return (forced or "in place") if device.type == "cpu" else "staged"
+    if device.type != "cpu" or cfg.far_blocks == "staged":
+        return "staged"
+    return "in place"
 
 
 def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, dtype: torch.dtype,
@@ -140,16 +136,17 @@ def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: in
     return kv_cache
 
 
-def build_tiers(cfg: EngineConfig, spec: ModelSpec, pool: BlockPool, kv_cache: torch.Tensor, ops: KernelOps,
-                fingerprint: str, num_warm_blocks: int) -> TierManager:
-    """Hot over the pool; warm when its budget holds a block (the tail of kv_cache when that has room
-    beyond the pool); cold (LMDB, imported only then) with a path."""
+def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
+                fingerprint: str, num_warm_blocks: int, far: bool) -> TierManager:
+    """The block pool (lending warm slots as far blocks when `far`) and hot over it; warm when its budget
+    holds a block (the tail of kv_cache when that has room beyond the pool); cold (LMDB, imported only
+    then) with a path."""
     block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
-    hot = HotTier(pool, kv_cache, ops)
     warm = None
     if num_warm_blocks > 0:
-        tail = kv_cache[:, :, pool.num_blocks :] if kv_cache.shape[2] > pool.num_blocks else None
+        tail = kv_cache[:, :, num_blocks:] if kv_cache.shape[2] > num_blocks else None
         warm = WarmTier(num_warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda", slab=tail)
+    hot = HotTier(BlockPool(num_blocks, warm if far else None), kv_cache, ops)
     cold = None
     if cfg.cold_path is not None:
         from tieredkv.tiers.cold import ColdTier

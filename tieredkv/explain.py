@@ -46,10 +46,9 @@ def explain(core, token_ids: list[int]) -> list[BlockReport]:
 
 
 def _where(core, key: BlockKey) -> str | None:
-    if core.pool.get_cached(key.block_hash, key.token_ids) is not None:
-        return "hot"
-    if core.kv.far is not None and core.kv.far.find(key) is not None:
-        return "warm"  # a block of a running sequence, kept in a warm slot (far_blocks.py)
+    block = core.pool.get_cached(key.block_hash, key.token_ids)
+    if block is not None:
+        return core.pool.tier_of(block)  # "warm": a far block of a running sequence, in a warm slot
     for tier in core.tiers.lower:
         if tier.name == "cold":
             if tier.inspect_sync(key) == "ok":

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from tieredkv.block_pool import BlockPool, KVBlock
-from tieredkv.far_blocks import FarBlocks
 from tieredkv.hashing import BlockHash, hash_block
 from tieredkv.sequence import Sequence
-from tieredkv.tiers.base import BlockKey
-from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
+from tieredkv.tiers.base import BlockKey, Victims
+from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
 
 
 def cdiv(a: int, b: int) -> int:
@@ -20,13 +19,14 @@ class KVCacheManager:
     The only writes into the cache happen at positions >= a sequence's num_computed_tokens, so only
     its last, partially filled block can be written while shared; that block is copied first
     (copy-on-write). Every data movement this implies (demoting evicted blocks, promoted or swapped-in
-    data, copy-on-write copies) is appended to `moves` in a safe order (see tiers/moves.py) for the
-    step to carry out before its forward; this class itself only changes metadata.
+    data, offloaded blocks, copy-on-write copies) is appended to `moves` in a safe order (see
+    tiers/moves.py) for the step to carry out before its forward; this class itself only changes
+    metadata (block tables, the pool, and the warm tier's slot index through the pool's lender).
 
-    With `far` (far_blocks.py), a block table may also hold far blocks: full blocks that live in the
-    warm tier. `offload` moves old full blocks there when the hot pool runs dry, and a prefix found
-    below hot that hot cannot hold is adopted in place (`adopt_far`); only the blocks a sequence
-    writes must be hot.
+    When the pool has a lender, a block table may also hold far blocks: full blocks that live in the
+    warm tier (block_pool.py). `offload` moves old full blocks there when the hot pool runs dry, and a
+    prefix found below hot that hot cannot hold is adopted in place (`adopt_far`); only the blocks a
+    sequence writes must be hot.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool, root: BlockHash):
@@ -36,7 +36,6 @@ class KVCacheManager:
         self.root = root
         self.moves: list[BlockMove] = []
         self.cow_copies = 0
-        self.far: FarBlocks | None = None
         self.offloaded_blocks = 0  # hot blocks of running sequences moved to far blocks
 
     # -- hashing ---------------------------------------------------------------------------------
@@ -70,7 +69,7 @@ class KVCacheManager:
         return (BlockKey(seq.block_hashes[i], self._block_tokens(seq, i)) for i in range(n))
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
-        """Leading full blocks of seq found in the cache, stopping at the first miss: hot blocks, and
+        """Leading full blocks of seq found in the pool, stopping at the first miss: hot blocks, and
         far blocks in use (by another sequence of the same document). The lower tiers are looked up
         after this (TierManager.start_lookup).
 
@@ -78,24 +77,10 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return []
-        if self.far is None:
-            return self.pool.cached_prefix(self._iter_lookup_keys(seq))  # lazy: stops at the first miss
-        return self._hits(self._iter_lookup_keys(seq))
+        return self.pool.cached_prefix(self._iter_lookup_keys(seq))  # lazy: stops at the first miss
 
-    def _hits(self, keys) -> list[KVBlock]:
-        hits: list[KVBlock] = []
-        for key in keys:
-            hit = self.pool.get_cached(*key) or self.far.find(key)
-            if hit is None:
-                break
-            hits.append(hit)
-        return hits
-
-    def hit_tier(self, hit: KVBlock) -> str:
-        return "warm" if self.is_far(hit) else "hot"
-
-    def is_far(self, block: KVBlock) -> bool:
-        return self.far is not None and self.far.is_far(block)
+    def num_far_blocks(self, seq: Sequence) -> int:
+        return sum(1 for b in seq.block_table if self.pool.is_far(b))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed tokens since the last call."""
@@ -106,11 +91,7 @@ class KVCacheManager:
             return
         self._extend_hashes(seq, num_full)
         for i in range(seq.num_cached_blocks, num_full):
-            block, key = seq.block_table[i], BlockKey(seq.block_hashes[i], self._block_tokens(seq, i))
-            if self.is_far(block):
-                self.far.register(block, key)
-            else:
-                self.pool.cache(block, *key)
+            self.pool.cache(seq.block_table[i], seq.block_hashes[i], self._block_tokens(seq, i))
         seq.num_cached_blocks = num_full
 
     # -- allocation ------------------------------------------------------------------------------
@@ -151,7 +132,7 @@ class KVCacheManager:
         if not self.can_allocate(seq, num_new_tokens, cached, restore_blocks, restore_tokens):
             return False
         if cached:
-            self._touch(cached)
+            self.pool.touch(cached)
             seq.block_table.extend(cached)
             seq.num_computed_tokens += len(cached) * self.block_size
             seq.num_cached_blocks = len(seq.block_table)
@@ -174,15 +155,49 @@ class KVCacheManager:
         into hot (for a prefix larger than what hot can hold). Some restored blocks may be lost if warm
         has no room left for data read from below; they are recomputed. Then continues the prefix with
         cached blocks after them (a document's last blocks often stay hot) and returns those."""
-        self._touch(cached)
+        self.pool.touch(cached)
         seq.block_table.extend(cached)
-        seq.block_table.extend(self.far.place(restore))
-        more = self._hits(self.lookup_keys(seq)[len(seq.block_table) :])
-        self._touch(more)
+        seq.block_table.extend(self._place_far(restore))
+        more = self.pool.cached_prefix(self.lookup_keys(seq)[len(seq.block_table) :])
+        self.pool.touch(more)
         seq.block_table.extend(more)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_cached_blocks = len(seq.block_table)
         return more
+
+    def _place_far(self, restore: Restore) -> list[KVBlock]:
+        """Far blocks over a finished lookup's blocks, registered under its keys, in order: lent warm
+        slots are kept where they are; data read from a lower tier goes into newly lent ones (a PROMOTE
+        move each). Stops early (releasing what is left) when warm cannot lend more."""
+        blocks: list[KVBlock] = []
+        for i, part in enumerate(restore.parts):
+            if part.slots is not None:
+                blocks.extend(self.pool.far_block(slot) for slot in part.slots)
+                continue
+            fresh = self._lend(part.num_blocks)
+            if fresh is None:  # warm is full of blocks in use: the rest is recomputed
+                for rest in restore.parts[i + 1 :]:
+                    if rest.slots is not None:
+                        self.pool.lender.release(rest.slots)
+                break
+            keys = restore.keys[len(blocks) : len(blocks) + len(fresh)]
+            self.moves.extend(BlockMove(PROMOTE, None, b.block_id, key, part.data[j], part.tier)
+                              for j, (b, key) in enumerate(zip(fresh, keys)))
+            blocks.extend(fresh)
+        for block, key in zip(blocks, restore.keys):
+            self.pool.cache(block, *key)
+        return blocks
+
+    def _lend(self, n: int) -> list[KVBlock] | None:
+        """n far blocks; what the warm tier evicts for them goes on down (PASS_DOWN moves)."""
+        blocks, victims = self.pool.lend(n)
+        self.pass_down("warm", victims)
+        return blocks
+
+    def pass_down(self, tier: str, victims: Victims) -> None:
+        """Moves for entries `tier` evicted (their data copied out): each goes to the tier below."""
+        keys, data = victims
+        self.moves.extend(BlockMove(PASS_DOWN, None, None, key, data[i], tier) for i, key in enumerate(keys))
 
     def allocate(self, n: int) -> list[KVBlock]:
         """n fresh blocks; the cached blocks evicted for them are demoted first (see tiers/moves.py)."""
@@ -224,9 +239,15 @@ class KVCacheManager:
         moves, self.moves = self.moves, []
         return moves
 
+    def swap_out(self, seq: Sequence, slots: list[int]) -> Restore:
+        """SWAP_OUT moves of seq's blocks into lent warm slots (read out before anything is written into
+        the blocks), and the restore that swaps them back in. The caller frees seq's blocks."""
+        self.moves.extend(BlockMove(SWAP_OUT, b.block_id, slot) for b, slot in zip(seq.block_table, slots))
+        return Restore(0, seq.num_computed_tokens, swap_slots=slots)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent (ref_cnt + 1 each) and its computed state."""
-        self._touch(parent.block_table)
+        self.pool.touch(parent.block_table)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
@@ -234,18 +255,10 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks tail-first, so a chain's tail is evicted before its head."""
-        self._free(reversed(seq.block_table))
+        self.pool.free(reversed(seq.block_table))
         seq.block_table = []
         seq.num_cached_blocks = 0
         seq.num_computed_tokens = 0
-
-    def _touch(self, blocks) -> None:
-        for block in blocks:
-            (self.far if self.is_far(block) else self.pool).touch([block])
-
-    def _free(self, blocks) -> None:
-        for block in blocks:
-            (self.far if self.is_far(block) else self.pool).free([block])
 
     # -- offloading --------------------------------------------------------------------------------
 
@@ -253,27 +266,27 @@ class KVCacheManager:
         """Frees up to n hot blocks by moving old full blocks of `seqs` to far blocks (lowest positions
         first, so a sequence keeps its latest blocks hot). A block qualifies when every reference to it
         comes from `seqs` and it is computed in all of them. Returns the number of hot blocks freed."""
-        if self.far is None or n <= 0:
+        if self.pool.lender is None or n <= 0:
             return 0
         holders: dict[KVBlock, list[tuple[Sequence, int]]] = {}
         for seq in seqs:
             for i in range(seq.num_computed_tokens // self.block_size):
                 block = seq.block_table[i]
-                if not self.is_far(block):
+                if not self.pool.is_far(block):
                     holders.setdefault(block, []).append((seq, i))
         ready = [block for block, refs in holders.items() if len(refs) == block.ref_cnt]
         ready.sort(key=lambda block: holders[block][0][1])
-        chosen = ready[: min(n, self.far.num_available)]
-        fars = self.far.lend(len(chosen)) if chosen else None
+        chosen = ready[: min(n, self.pool.num_far_available)]
+        fars = self._lend(len(chosen)) if chosen else None
         if not fars:
             return 0
         for hot, far in zip(chosen, fars):
             refs = holders[hot]
-            self.moves.append(BlockMove(SWAP_OUT, hot.block_id, far.block_id - self.far.base))
+            self.moves.append(BlockMove(OFFLOAD, hot.block_id, far.block_id))
             if hot.block_hash is not None:
                 key = BlockKey(hot.block_hash, hot.token_ids)
                 self.pool.uncache(hot)
-                self.far.register(far, key)
+                self.pool.cache(far, *key)
             far.ref_cnt = len(refs)
             for seq, i in refs:
                 seq.block_table[i] = far

@@ -18,7 +18,8 @@ class ModelRunner:
     """Owns the KV cache tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops: KernelOps,
-                 cascade: bool = True, compiled: CompiledDecode | None = None):
+                 cascade: bool = True, compiled: CompiledDecode | None = None,
+                 far: tuple[int, torch.Tensor] | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -27,14 +28,11 @@ class ModelRunner:
         self.cascade = cascade
         self.compiled = compiled  # the compiled path for a step that decodes one sequence, when the engine compiles
         self.warmed_up = False
-        self.far_base: int | None = None  # with staged far blocks: the first far id, and the warm slab
-        self.far_slab: torch.Tensor | None = None
+        # far: where far blocks (ids >= base) are not in the cache tensor, the first far id and the warm slab;
+        # steps that use them stage them (far_stage.py)
+        self.far_base, self.far_slab = far if far is not None else (None, None)
         self.staged_steps = 0
         self.peak_staged_blocks = 0  # the largest staging buffer a step used, in blocks of one layer
-
-    def stage_far_blocks(self, base: int, slab: torch.Tensor) -> None:
-        """Far blocks (ids >= base) are not in the cache tensor: steps that use them stage them (far_stage.py)."""
-        self.far_base, self.far_slab = base, slab
 
     def _table_ids(self, seqs: list[Sequence]) -> tuple[list[list[int]], StagePlan | None]:
         """Each sequence's block ids as the kernels index them, and the staging plan when they need one."""

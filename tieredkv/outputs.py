@@ -81,7 +81,7 @@ class EngineStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)  # per tier: capacity, use, hits, moves
     blocks_pinned: int = 0
     blocks_free: int = 0  # blocks_used + blocks_free == blocks_total in every snapshot
-    blocks_far: int = 0  # blocks of running sequences kept in the warm tier now (far_blocks.py)
+    blocks_far: int = 0  # blocks of running sequences kept in the warm tier now (block_pool.py)
     blocks_offloaded: int = 0  # hot blocks of running sequences moved to the warm tier so far
 
 
@@ -116,6 +116,6 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int)
         num_swapped=sum(1 for s in scheduler.waiting if s.swapped is not None),
         tiers={name: replace(st) for name, st in tiers.items()},
         blocks_pinned=pinned,
-        blocks_far=kv.far.num_in_use if kv.far is not None else 0,
+        blocks_far=pool.num_far,
         blocks_offloaded=kv.offloaded_blocks,
     )

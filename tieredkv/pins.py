@@ -25,7 +25,7 @@ class PinTable:
         if key in self.pins:
             return len(self.pins[key]) * self.kv.block_size
         keys = self.kv.chain_keys(list(token_ids))
-        blocks = self.pool.cached_prefix(keys)
+        blocks = self.pool.cached_prefix(keys, hot_only=True)
         if len(blocks) < len(keys):
             raise RequestError("the prefix is not in the hot tier; prefill it first")
         if self.num_blocks + len(blocks) > self.budget:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from tieredkv.kv_manager import KVCacheManager
 from tieredkv.sequence import Sequence, SeqStatus
 from tieredkv.tiers.lookup import Lookup, count_lookup
 from tieredkv.tiers.manager import TierManager
-from tieredkv.tiers.moves import SWAP_OUT, BlockMove, Restore
+from tieredkv.tiers.moves import BlockMove, Restore
 
 
 @dataclass
@@ -29,6 +30,23 @@ class SchedulerOutput:
 _NOT_READY = object()
 
 
+@dataclass
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    budget: int
+    stage: "_StageBudget"
+    scheduled: dict[Sequence, int] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+    on_disk: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.scheduled[seq] = n
+        self.budget -= n
+        self.stage.add(seq)
+
+
 class Scheduler:
     """FCFS admission from `waiting`; `running` is kept in admission order.
 
@@ -38,14 +56,23 @@ class Scheduler:
     front of `waiting`: its blocks are swapped to the warm tier when it has room, else freed and
     recomputed later. A waiting sequence whose prefix is being read from the cold tier is passed
     over until the read finishes, so the disk never holds up a step that has work to compute.
+
+    `offload` says what a dry pool does when far blocks are on (engine_setup.far_mode): "first" (far
+    blocks cost nothing to read: old blocks of any running sequence move to far blocks before anyone is
+    preempted), "last" (far blocks are staged per step, at most `stage_cap` of them: preemption comes
+    first, and only a sequence that cannot fit beside the others offloads its own request's blocks), or
+    None (off: preempt).
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 tiers: TierManager | None = None):
+                 tiers: TierManager | None = None, offload: Literal["first", "last"] | None = None,
+                 stage_cap: int | None = None):
         self.kv = kv
         self.tiers = tiers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.offload = offload
+        self.stage_cap = stage_cap  # far blocks staged per step, where attention stages them (CUDA)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admit_counter = itertools.count()
@@ -53,11 +80,6 @@ class Scheduler:
         self.num_swaps = 0  # preemptions whose blocks went to the warm tier instead of being recomputed
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.stage_cap: int | None = None  # far blocks staged per step, where attention stages them (CUDA)
-        # Where far blocks cost nothing to read (CPU), a dry pool offloads old blocks of any running
-        # sequence before preempting; where they are staged, preemption comes first and only a sequence
-        # that cannot fit beside the others offloads (its own request's blocks).
-        self.offload_others = True
         self._step = 0
 
     def add(self, seq: Sequence) -> None:
@@ -73,88 +95,119 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        scheduled: dict[Sequence, int] = {}
-        preempted: list[Sequence] = []
+        """This step's sequences and token counts, and the block moves to carry out before its forward."""
+        step = _Step(self.max_num_batched_tokens, _StageBudget(self.stage_cap, self.kv, self._step))
+        self._schedule_running(step)
+        if not step.preempted:
+            self._admit_waiting(step)
+        self._step += 1
+        return SchedulerOutput(list(step.scheduled.items()), self.kv.take_moves(), step.preempted, step.on_disk,
+                               step.admitted)
+
+    # -- running sequences ------------------------------------------------------------------------
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Decodes first, then prefill chunks, each given its blocks (offloading or preempting for them)."""
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        staged = _StageBudget(self.stage_cap, self.kv, self._step)
-        for seq in staged.order(decoding + prefilling):
-            if budget == 0:
+        for seq in step.stage.order(decoding + prefilling):
+            if step.budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this step
                 continue
-            if not staged.admits(seq):
+            if not step.stage.admits(seq):
                 continue  # its far blocks wait for a later step (it keeps them)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            fits = self.kv.allocate_slots(seq, n)
-            if not fits and self.kv.far is not None and self.offload_others:  # before preempting anyone
-                n = self._make_room(seq, n) or n
-                fits = self.kv.allocate_slots(seq, n)
-            while not fits:
-                victim = self._pick_victim(scheduled, seq)
-                if victim is seq and self.kv.far is not None and not self.offload_others:
-                    fitting = self._make_room(seq, n)  # it cannot fit beside the others: its old blocks go
-                    if fitting and self.kv.allocate_slots(seq, fitting):
-                        n, fits = fitting, True
-                        break
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-                fits = self.kv.allocate_slots(seq, n)
-            if fits:
-                scheduled[seq] = n
-                budget -= n
-                staged.add(seq)
+            n = self._fit_running(seq, min(seq.num_tokens - seq.num_computed_tokens, step.budget), step)
+            if n:
+                step.add(seq, n)
 
-        on_disk, admitted = [], []
-        for seq in list(self.waiting) if not preempted else []:
-            if budget == 0:
+    def _fit_running(self, seq: Sequence, n: int, step: _Step) -> int:
+        """Allocates blocks for n new tokens of seq; returns how many fit (0: seq itself was preempted)."""
+        if self.kv.allocate_slots(seq, n):
+            return n
+        if self.offload == "first":  # before preempting anyone
+            n = self._make_room(seq, n) or n
+            if self.kv.allocate_slots(seq, n):
+                return n
+        while True:
+            victim = self._pick_victim(step.scheduled, seq)
+            if victim is seq and self.offload == "last":  # it cannot fit beside the others: its old blocks go
+                fitting = self._make_room(seq, n)
+                if fitting and self.kv.allocate_slots(seq, fitting):
+                    return fitting
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is seq:
+                return 0
+            if self.kv.allocate_slots(seq, n):
+                return n
+
+    # -- waiting sequences ------------------------------------------------------------------------
+
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admits waiting sequences in order while they fit; one whose cold read is in flight is passed over."""
+        for seq in list(self.waiting):
+            if step.budget == 0:
                 break
             forks = seq.request.pending_forks if seq.num_computed_tokens == 0 and seq.index == 0 else 0
             if len(self.running) + 1 + forks > self.max_num_seqs and self.running:
                 break
             cached, restore = self._prefix_for(seq)
             if restore is _NOT_READY:
-                on_disk.append(seq)
+                step.on_disk.append(seq)
                 continue
-            bs = self.kv.block_size
-            promoting, far = isinstance(restore, Lookup), False
-            if promoting:  # room for what it found, before taking anything from the tiers
-                found = restore.num_blocks()
-                n = min(seq.num_tokens - (len(cached) + found) * bs, budget)
-                if not self.kv.can_allocate(seq, n, cached, found, found * bs):
-                    far = self._make_room(seq, 1, cached) > 0  # too big for hot: stays below it, in place
-                    if not far:
-                        break  # the finished lookup stays for the next attempt
-                seq.lookup = None
-                restore = self.tiers.finish_lookup(restore, len(cached))  # at most what it found
-            hits = cached
-            if far and restore is not None:
-                hits = cached + self.kv.adopt_far(seq, cached, restore)
-                cached = []
-            num_done = seq.num_computed_tokens + len(cached) * bs + (0 if far or not restore else restore.num_tokens)
-            n = min(seq.num_tokens - num_done, budget)
-            fits = True
-            if (far or restore is None) and not self.kv.can_allocate(seq, n, cached):
-                n = self._make_room(seq, n, cached)
-                fits = n > 0
-            if not fits or not self.kv.allocate_slots(seq, n, cached, None if far else restore):
-                if promoting and not far:  # cannot happen after can_allocate; never leak a taken slot
-                    self.tiers.drop_restore(restore)
-                self.kv.free(seq)  # (holds far blocks only if adopt_far ran; then cannot happen either)
-                break  # a swapped sequence keeps its swap slots for the next attempt
-            self.waiting.remove(seq)
-            seq.swapped = None
-            if seq.request.num_cached_tokens is None:
-                self._record_hits(seq, hits, restore)
-            self.add_running(seq)
-            admitted.append(seq)
-            scheduled[seq] = n
-            budget -= n
-        self._step += 1
-        return SchedulerOutput(list(scheduled.items()), self.kv.take_moves(), preempted, on_disk, admitted)
+            if not self._admit(seq, cached, restore, step):
+                break
+
+    def _admit(self, seq: Sequence, cached: list, restore: "Restore | Lookup | None", step: _Step) -> bool:
+        """Gives seq its cached prefix, what a finished lookup found below hot (promoted into hot, or
+        adopted in place as far blocks when hot cannot hold it) or its swapped blocks, and blocks for its
+        first chunk. Returns False, holding nothing, when it does not fit now."""
+        promoting, far = isinstance(restore, Lookup), False
+        if promoting:  # room for what it found, before taking anything from the tiers
+            fits_hot = self._lookup_fits(seq, cached, restore, step.budget)
+            if fits_hot is None:
+                return False  # the finished lookup stays for the next attempt
+            far = not fits_hot
+            seq.lookup = None
+            restore = self.tiers.finish_lookup(restore, len(cached))  # at most what it found
+        hits = cached
+        if far and restore is not None:
+            hits = cached + self.kv.adopt_far(seq, cached, restore)
+            cached = []
+        n = self._fit_waiting(seq, cached, None if far else restore, step.budget)
+        if n is None:
+            if promoting and not far:  # cannot happen after can_allocate; never leak a taken slot
+                self.tiers.drop_restore(restore)
+            self.kv.free(seq)  # (holds far blocks only if adopt_far ran; then cannot happen either)
+            return False  # a swapped sequence keeps its swap slots for the next attempt
+        self.waiting.remove(seq)
+        seq.swapped = None
+        if seq.request.num_cached_tokens is None:
+            self._record_hits(seq, hits, restore)
+        self.add_running(seq)
+        step.admitted.append(seq)
+        step.add(seq, n)
+        return True
+
+    def _lookup_fits(self, seq: Sequence, cached: list, lookup: Lookup, budget: int) -> bool | None:
+        """Whether the blocks a finished lookup found fit in hot beside seq's first chunk. False: they do
+        not, and stay below hot in place (room was made for the chunk); None: neither fits now."""
+        bs, found = self.kv.block_size, lookup.num_blocks()
+        n = min(seq.num_tokens - (len(cached) + found) * bs, budget)
+        if self.kv.can_allocate(seq, n, cached, found, found * bs):
+            return True
+        return False if self._make_room(seq, 1, cached) > 0 else None
+
+    def _fit_waiting(self, seq: Sequence, cached: list, restore: Restore | None, budget: int) -> int | None:
+        """Allocates seq's first chunk after its prefix; returns its tokens, or None when it does not fit."""
+        done = seq.num_computed_tokens + len(cached) * self.kv.block_size + (restore.num_tokens if restore else 0)
+        n = min(seq.num_tokens - done, budget)
+        if restore is None and not self.kv.can_allocate(seq, n, cached):
+            n = self._make_room(seq, n, cached)
+            if n == 0:
+                return None
+        return n if self.kv.allocate_slots(seq, n, cached, restore) else None
 
     def _prefix_for(self, seq: Sequence) -> tuple[list, "Restore | Lookup | None"]:
         """Hot prefix blocks plus what to restore below them: a swap-in, a finished lookup (its
@@ -179,7 +232,7 @@ class Scheduler:
         """A request's first admission: the prompt tokens each tier served, on the request and the tiers."""
         blocks_by_tier = {"hot": 0}
         for hit in hits:
-            tier = self.kv.hit_tier(hit)
+            tier = self.kv.pool.tier_of(hit)
             blocks_by_tier[tier] = blocks_by_tier.get(tier, 0) + 1
         for name, blocks in (restore.by_tier if restore else {}).items():
             blocks_by_tier[name] = blocks_by_tier.get(name, 0) + blocks
@@ -193,13 +246,13 @@ class Scheduler:
         self.prefix_cache_hits += req.num_cached_tokens
 
     def _make_room(self, seq: Sequence, n: int, cached: list = ()) -> int:
-        """With far blocks: offloads old blocks of the running sequences (with `offload_others` off, only
-        those of seq's own request) until seq's n new tokens fit in the hot pool, or as many as can go;
+        """With far blocks: offloads old blocks of the running sequences (with offload "last", only those
+        of seq's own request) until seq's n new tokens fit in the hot pool, or as many as can go;
         returns the new tokens that fit now (at most n)."""
-        if self.kv.far is None:
+        if self.offload is None:
             return 0
         need = self.kv.num_blocks_needed(seq, n, cached) - self.kv.allocatable(cached)
-        holders = self.running if self.offload_others else [s for s in self.running if s.request is seq.request]
+        holders = self.running if self.offload == "first" else [s for s in self.running if s.request is seq.request]
         self.kv.offload(need, holders if seq in holders else [*holders, seq])
         return min(n, self.kv.max_new_tokens(seq, cached))
 
@@ -210,11 +263,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         slots = None
-        if self.tiers is not None and not any(self.kv.is_far(b) for b in seq.block_table):
+        if self.tiers is not None and not self.kv.num_far_blocks(seq):
             slots = self.tiers.reserve_swap(len(seq.block_table))  # with far blocks: recomputed, from the cache
-        if slots is not None:  # the blocks' data is read out before anything is written into them
-            self.kv.moves.extend(BlockMove(SWAP_OUT, b.block_id, slot) for b, slot in zip(seq.block_table, slots))
-            seq.swapped = Restore(0, seq.num_computed_tokens, swap_slots=slots)
+        if slots is not None:
+            seq.swapped = self.kv.swap_out(seq, slots)
             self.num_swaps += 1
         self.kv.free(seq)
         seq.status = SeqStatus.WAITING
@@ -249,20 +301,17 @@ class _StageBudget:
         self.cap, self.kv, self.step = cap, kv, step
         self.used = 0
 
-    def _far(self, seq: Sequence) -> int:
-        return sum(1 for b in seq.block_table if self.kv.is_far(b))
-
     def order(self, seqs: list[Sequence]) -> list[Sequence]:
         if self.cap is None:
             return seqs
-        return sorted(seqs, key=lambda s: (self._far(s) > 0, s.last_staged_step))  # stable: near ones first
+        return sorted(seqs, key=lambda s: (self.kv.num_far_blocks(s) > 0, s.last_staged_step))  # stable: near ones first
 
     def admits(self, seq: Sequence) -> bool:
-        return self.cap is None or not self.used or self.used + self._far(seq) <= self.cap
+        return self.cap is None or not self.used or self.used + self.kv.num_far_blocks(seq) <= self.cap
 
     def add(self, seq: Sequence) -> None:
         if self.cap is not None:
-            far = self._far(seq)
+            far = self.kv.num_far_blocks(seq)
             self.used += far
             if far:
                 seq.last_staged_step = self.step

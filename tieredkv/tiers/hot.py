@@ -28,7 +28,7 @@ class HotTier(KVTier):
         super().__init__(pool.num_blocks * self.block_bytes)
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[KVBlock]:
-        return self.pool.cached_prefix(keys)
+        return self.pool.cached_prefix(keys, hot_only=True)
 
     def contains_sync(self, keys: Sequence[BlockKey]) -> int:
         return len(self.lookup(keys))
@@ -65,7 +65,7 @@ class HotTier(KVTier):
 
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
         """Writes the blocks into freshly allocated pool blocks, cached and immediately evictable."""
-        have = {k.block_hash for k in keys if k.block_hash in self.pool.cached}
+        have = {k.block_hash for k in keys if k.block_hash in self.pool.cached}  # hot, or far (in use)
         new = [i for i, k in enumerate(keys) if k.block_hash not in have]
         new = new[: self.pool.num_free]
         if new:
@@ -91,7 +91,7 @@ class HotTier(KVTier):
         return self.pool.evict_all_cached()
 
     def export_sync(self, batch: int) -> Iterator[tuple[list[BlockKey], torch.Tensor]]:
-        blocks = list(self.pool.cached.values())
+        blocks = [b for b in self.pool.cached.values() if not self.pool.is_far(b)]
         for i in range(0, len(blocks), batch):
             part = blocks[i : i + batch]
             yield [BlockKey(b.block_hash, b.token_ids) for b in part], self.gather([b.block_id for b in part]).cpu()

@@ -18,7 +18,8 @@ import torch
 from tieredkv.tiers.base import TIER_NAMES, BlockKey, KVTier, SwapSpace, TierStats, Victims
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.lookup import Lookup, finish_lookup, start_lookup
-from tieredkv.tiers.moves import COPY, DEMOTE, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore, runs
+from tieredkv.tiers.moves import (COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore,
+                                  runs)
 
 log = logging.getLogger("tieredkv")
 _BATCH = 256  # blocks per transfer when a whole tier moves
@@ -71,8 +72,13 @@ class TierManager:
         hot, dst = self.hot, [m.dst for m in run]
         if kind == DEMOTE:
             self._demote([m.src for m in run], [m.key for m in run])
-        elif kind == SWAP_OUT:
-            self.swap.write(dst, hot.gather([m.src for m in run]))
+        elif kind == PASS_DOWN:
+            for part in runs(run, lambda m: m.tier):
+                level = self.lower.index(self.tier(part[0].tier)) + 1
+                self._admit(level, [m.key for m in part], torch.stack([m.data for m in part]))
+        elif kind in (SWAP_OUT, OFFLOAD):  # into swap slots, or far blocks' slots
+            slots = dst if kind == SWAP_OUT else [self.hot.pool.slot_of(d) for d in dst]
+            self.swap.write(slots, hot.gather([m.src for m in run]))
             self.swap.count(demotions=len(run))
             self._wait_for_host_copies()
         elif kind == SWAP_IN:
@@ -80,9 +86,12 @@ class TierManager:
             hot.scatter_runs(dst, self.swap.read_runs(slots))
             self._unreleased.append((self.swap, slots))
         elif kind == PROMOTE:
-            for part in runs(run, lambda m: (m.tier, m.src is None)):
+            pool = self.hot.pool
+            for part in runs(run, lambda m: (m.tier, m.src is None, pool.is_far_id(m.dst))):
                 tier, ids = self.tier(part[0].tier), [m.dst for m in part]
-                if part[0].src is None:
+                if pool.is_far_id(ids[0]):  # data read from below, into far blocks' warm slots
+                    self.swap.write([pool.slot_of(i) for i in ids], torch.stack([m.data for m in part]))
+                elif part[0].src is None:
                     hot.scatter(ids, torch.stack([m.data for m in part]))
                 else:
                     slots = [m.src for m in part]
@@ -150,7 +159,7 @@ class TierManager:
         if keys:  # evicted from the bottom tier: gone
             self.lower[-1].note_dropped(k.block_hash for k in keys)
 
-    def pass_down(self, tier: KVTier, victims: Victims) -> None:
+    def _pass_down(self, tier: KVTier, victims: Victims) -> None:
         self._admit(self.lower.index(tier) + 1, *victims)
 
     # -- promotion --------------------------------------------------------------------------------
@@ -179,7 +188,7 @@ class TierManager:
         if self.swap is None or n == 0:
             return None
         slots, victims = self.swap.reserve(n)
-        self.pass_down(self.swap, victims)
+        self._pass_down(self.swap, victims)
         return slots
 
     def drop_swap(self, restore: Restore | None) -> None:

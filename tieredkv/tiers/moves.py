@@ -17,23 +17,26 @@ import torch
 
 from tieredkv.tiers.base import BlockKey
 
-DEMOTE = "demote"  # hot block -> warm, else cold; keeps the block findable below hot
+DEMOTE = "demote"  # evicted hot block -> warm, else cold; keeps the block findable below hot
+PASS_DOWN = "pass_down"  # an entry `tier` evicted (its data carried) -> the tier below it
 SWAP_OUT = "swap_out"  # hot block -> a warm slot lent to a preempted sequence
-PROMOTE = "promote"  # warm or cold data -> a fresh hot block, registered under `key`
+OFFLOAD = "offload"  # hot block of a running sequence -> a far block (block_pool.py), which takes its place
+PROMOTE = "promote"  # warm or cold data -> a fresh block (hot, or far), registered under `key`
 SWAP_IN = "swap_in"  # a lent warm slot -> a fresh hot block; the slot is released
 COPY = "copy"  # hot block -> hot block (copy-on-write)
 
 
 class BlockMove(NamedTuple):
-    """One block's move. `src`/`dst` are hot block ids or swap-space slots, as the kind says; a
-    promotion reads a lent slot of `tier`, or carries its data (a host tensor row) with src None."""
+    """One block's move. `src`/`dst` are block ids (hot or far: where a block lives is a property of its
+    id) or swap-space slots, as the kind says; a promotion reads a lent slot of `tier`, or carries its
+    data (a host tensor row) with src None, as does a pass-down."""
 
     kind: str
     src: int | None
     dst: int | None
     key: BlockKey | None = None  # demote / promote: the block's identity in the tier it goes to
-    data: torch.Tensor | None = None  # promote without a slot: [layers, 2, block_size, kv_heads, head_dim]
-    tier: str | None = None  # promote: the source tier (counters; the slot's owner)
+    data: torch.Tensor | None = None  # promote without a slot, pass-down: [layers, 2, block_size, kv_heads, head_dim]
+    tier: str | None = None  # promote, pass-down: the source tier (counters; the slot's owner)
 
 
 def runs(moves: list[BlockMove], key=lambda m: m.kind) -> list[list[BlockMove]]:
