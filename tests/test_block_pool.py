@@ -2,8 +2,8 @@
 
 import pytest
 
-from tieredkv.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from tieredkv.hashing import BlockHash, encode_token_ids, hash_block, root_hash
+from tieredkv.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from tieredkv.core.hashing import BlockHash, encode_token_ids, hash_block, root_hash
 
 
 def test_free_queue_o1_operations_keep_order():
@@ -57,7 +57,7 @@ def test_hashes_do_not_depend_on_the_process(tmp_path):
     import subprocess
     import sys
 
-    code = "from tieredkv.hashing import *; print(hash_block(root_hash('x'), [1,2,3]).hex())"
+    code = "from tieredkv.core.hashing import *; print(hash_block(root_hash('x'), [1,2,3]).hex())"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
     assert outs == {hash_block(root_hash("x"), [1, 2, 3]).hex() + "\n"}

@@ -95,7 +95,7 @@ async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_a
         return out
 
     monkeypatch.setattr(da, "plan_cascades", counting)
-    from tieredkv.model_runner import ModelRunner
+    from tieredkv.runner.model_runner import ModelRunner
 
     prefill_groups = []
     real_prepare = ModelRunner.prepare

@@ -6,7 +6,7 @@ import torch
 
 from helpers import check_pool_clean, hf_greedy
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
-from tieredkv.compiled_decode import COMPILE_ENV, compile_wanted
+from tieredkv.runner.compiled_decode import COMPILE_ENV, compile_wanted
 from tieredkv.engine_core import EngineCore
 from tieredkv.kernels.decode_attention import decode_attention_dense, decode_attention_ref
 from tieredkv.kernels.store_kv import store_kv_dense, store_kv_ref
@@ -98,7 +98,7 @@ async def test_async_engine_defaults_to_compiled_decode_on_cpu(llama_dir, monkey
 
 def test_a_compiler_failure_leaves_the_eager_forward_serving(llama_dir, monkeypatch, caplog):
     """Where inductor cannot compile (no C++ compiler, say), the engine still starts and serves."""
-    from tieredkv.compiled_decode import CompiledDecode
+    from tieredkv.runner.compiled_decode import CompiledDecode
 
     def refuse(self, gm, example_inputs):
         raise RuntimeError("no compiler")
@@ -118,7 +118,7 @@ def test_layer_runs_are_equal_and_caches_share_memory_not_storage(num_layers, ru
     storage of its own (inputs sharing a storage would be copied whole by the graph)."""
     from types import SimpleNamespace
 
-    from tieredkv.compiled_decode import layer_groups
+    from tieredkv.runner.compiled_decode import layer_groups
 
     kv = torch.zeros(num_layers, 2, 3, 4, 1, 2)
     groups = layer_groups(SimpleNamespace(layers=list(range(num_layers))), kv)
@@ -136,7 +136,7 @@ def test_layer_runs_are_equal_and_caches_share_memory_not_storage(num_layers, ru
 def test_a_stack_in_several_runs_shares_one_graph(llama_dir, monkeypatch):
     """A stack longer than MAX_LAYERS_PER_GRAPH runs as equal runs of layers through one graph, the
     embedding and logits outside it; outputs equal transformers'."""
-    import tieredkv.compiled_decode as cd
+    import tieredkv.runner.compiled_decode as cd
 
     monkeypatch.setattr(cd, "MAX_LAYERS_PER_GRAPH", 1)
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=True))

@@ -4,13 +4,13 @@ and the tier manager carries them out (a fake forward writes the blocks)."""
 import pytest
 import torch
 
-from tieredkv.block_pool import BlockPool
+from tieredkv.core.block_pool import BlockPool
 from tieredkv.config import SamplingParams
-from tieredkv.hashing import root_hash
+from tieredkv.core.hashing import root_hash
 from tieredkv.kernels.dispatch import TORCH_OPS
-from tieredkv.kv_manager import KVCacheManager
-from tieredkv.scheduler import Scheduler
-from tieredkv.sequence import Request, Sequence, SeqStatus
+from tieredkv.core.kv_manager import KVCacheManager
+from tieredkv.core.scheduler import Scheduler
+from tieredkv.core.sequence import Request, Sequence, SeqStatus
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PROMOTE, SWAP_IN, SWAP_OUT

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tieredkv.cli import main
-from tieredkv.plan import parse_bytes, plan, profile_activations
+from tieredkv.tools.plan import parse_bytes, plan, profile_activations
 
 
 def test_parse_bytes():
@@ -94,7 +94,7 @@ def test_chat_cli_reports_cached_tokens_per_turn(llama_dir, monkeypatch, capsys)
 
 
 def test_bench_plots(tmp_path):
-    from tieredkv.cli_tools import plot_results
+    from tieredkv.tools.cli_tools import plot_results
 
     results = {"engine_tok_s": 100.0, "hf_static16_tok_s": 40.0, "hf_single_tok_s": 25.0, "ttft_cold_s": 1.2,
                "ttft_warm_s": 0.09}

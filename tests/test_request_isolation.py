@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from helpers import check_pool_clean
 from tieredkv import (AsyncEngine, EngineClosedError, EngineConfig, RequestError, SamplingError, SamplingParams,
                       TieredKVError, WrongLoopError)
-from tieredkv.sequence import Request
+from tieredkv.core.sequence import Request
 
 PROMPT = list(range(3, 40))
 

@@ -4,8 +4,8 @@ dict-backed tier that only the tests use. No test here knows which tier it runs 
 import pytest
 import torch
 
-from tieredkv.block_pool import BlockPool
-from tieredkv.hashing import hash_block, root_hash
+from tieredkv.core.block_pool import BlockPool
+from tieredkv.core.hashing import hash_block, root_hash
 from tieredkv.kernels.dispatch import TORCH_OPS
 from tieredkv.tiers.base import BlockKey
 from tieredkv.tiers.cold import ColdTier, disk_cost

@@ -11,7 +11,7 @@ import time
 from importlib.resources import files
 
 from tieredkv.config import EngineConfig, SamplingParams
-from tieredkv.cli_tools import add_parsers
+from tieredkv.tools.cli_tools import add_parsers
 from tieredkv.engine import AsyncEngine
 
 DEMO_QUESTIONS = [

@@ -8,26 +8,26 @@ import time
 from typing import Any
 import torch
 
-from tieredkv.compiled_decode import CompiledDecode, compile_wanted
+from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
 from tieredkv.config import EngineConfig
 from tieredkv.detokenizer import IncrementalDetokenizer
 from tieredkv.engine_setup import (build_tiers, eos_token_ids, far_mode, make_kv_cache, max_model_len,
                                    model_fingerprint, num_kv_blocks, warm_blocks,
                                    resolve_device, resolve_dtype, resolve_model_dir)
 from tieredkv.errors import RequestError, StepError, TieredKVError
-from tieredkv.hashing import root_hash
+from tieredkv.core.hashing import root_hash
 from tieredkv.kernels import select_kernels
-from tieredkv.kv_manager import KVCacheManager, cdiv
-from tieredkv.malloc_tuning import tune_glibc_malloc
-from tieredkv.model_runner import ModelRunner
+from tieredkv.core.kv_manager import KVCacheManager, cdiv
+from tieredkv.runner.malloc_tuning import tune_glibc_malloc
+from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
 from tieredkv.outputs import EngineStats, Output, StreamChunk, TokenLogprob, collect_stats, make_chunk
-from tieredkv.pins import PinTable
+from tieredkv.core.pins import PinTable
 from tieredkv.request_factory import RequestFactory
-from tieredkv.sampler import RowState, Sampled, sample
-from tieredkv.scheduler import Scheduler
-from tieredkv.sequence import Request, Sequence
+from tieredkv.runner.sampler import RowState, Sampled, sample
+from tieredkv.core.scheduler import Scheduler
+from tieredkv.core.sequence import Request, Sequence
 from tieredkv.telemetry import Telemetry
 from tieredkv.tokenizer import Tokenizer
 
@@ -255,4 +255,4 @@ class EngineCore:
     # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return collect_stats(self.pool, self.scheduler, self.kv, self.tiers.tiers(), self.pins.num_blocks)
+        return collect_stats(self.pool, self.scheduler, self.kv, self.tiers.stats(), self.pins.num_blocks)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tieredkv.block_pool import BlockPool
+from tieredkv.core.block_pool import BlockPool
 from tieredkv.config import EngineConfig
 from tieredkv.kernels import KernelOps
 from tieredkv.models.checks import check_regular_files, read_json

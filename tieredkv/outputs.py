@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from tieredkv.tiers.base import TIER_NAMES, TierStats
 
 if TYPE_CHECKING:
-    from tieredkv.sequence import Sequence
+    from tieredkv.core.sequence import Sequence
 
 
 Output = tuple[Any, "StreamChunk | BaseException"]  # (a request's sink, a chunk or the request's error)

@@ -7,9 +7,9 @@ from typing import Any
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.errors import RequestError
-from tieredkv.kv_manager import cdiv
+from tieredkv.core.kv_manager import cdiv
 from tieredkv.models.spec import ModelSpec
-from tieredkv.sequence import Request
+from tieredkv.core.sequence import Request
 from tieredkv.tokenizer import PromptType, Tokenizer, check_messages
 
 # A string of more than this many characters per allowed token cannot fit, whatever it tokenizes to: no

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from tieredkv.outputs import StreamChunk
 
-if TYPE_CHECKING:
-    from tieredkv.engine import AsyncEngine
+
+class StreamFront(Protocol):
+    """What a stream needs of the engine that made it (AsyncEngine): starting its request, and
+    forgetting it (aborting it when it has not ended)."""
+
+    def _start(self, channel: "Channel", prompt, params, flags: dict[str, bool]) -> Any: ...
+
+    def _forget(self, channel: "Channel", abort: bool) -> None: ...
 
 
 def merge_chunks(first: StreamChunk, then: StreamChunk) -> StreamChunk:
@@ -77,7 +83,7 @@ class RequestStream:
     stream object being dropped (`async for chunk in engine.stream(...)` followed by `break`).
     """
 
-    def __init__(self, engine: "AsyncEngine", channel: Channel, prompt, params, flags: dict[str, bool]):
+    def __init__(self, engine: StreamFront, channel: Channel, prompt, params, flags: dict[str, bool]):
         self._engine = engine
         self._channel = channel
         self._prompt, self._params, self._flags = prompt, params, flags

@@ -13,7 +13,7 @@ from tieredkv.config import EngineConfig
 from tieredkv.engine_core import EngineCore
 from tieredkv.outputs import Output
 from tieredkv.errors import EngineClosedError
-from tieredkv.sequence import Request
+from tieredkv.core.sequence import Request
 
 log = logging.getLogger("tieredkv")
 

@@ -9,9 +9,12 @@ import re
 import stat
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tieredkv.errors import CheckpointError, UnsupportedModelError
-from tieredkv.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from tieredkv.models.spec import ModelSpec
 
 MAX_JSON_BYTES = 64 << 20  # config, generation config, index, tokenizer files are far smaller
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on its JSON header

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tieredkv.batch import ForwardBatch
+from tieredkv.runner.batch import ForwardBatch
 from tieredkv.kernels import KernelOps
 from tieredkv.models.spec import ModelSpec
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tieredkv.errors import UnsupportedModelError
+from tieredkv.models.checks import read_json
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -97,8 +98,6 @@ class ModelSpec:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelSpec":
-        from tieredkv.models.checks import read_json
-
         path = Path(path)
         try:
             cfg = read_json(path)

@@ -11,7 +11,7 @@ from typing import ClassVar, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from tieredkv.hashing import BlockHash
+from tieredkv.core.hashing import BlockHash
 
 TIER_NAMES = ("hot", "warm", "cold")  # top to bottom
 

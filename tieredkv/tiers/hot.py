@@ -6,7 +6,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from tieredkv.block_pool import BlockPool, KVBlock
+from tieredkv.core.block_pool import BlockPool, KVBlock
 from tieredkv.kernels import KernelOps
 from tieredkv.tiers.base import BlockKey, KVTier
 

@@ -49,7 +49,7 @@ class TierManager:
     def tier(self, name: str) -> KVTier | None:
         return self.hot if name == "hot" else next((t for t in self.lower if t.name == name), None)
 
-    def tiers(self) -> dict[str, TierStats]:
+    def stats(self) -> dict[str, TierStats]:
         """Each present tier's counters, with its current use."""
         return {t.name: t.stats() for t in (self.hot, *self.lower)}
 

@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from tieredkv.hashing import BlockHash
+from tieredkv.core.hashing import BlockHash
 from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, SwapSpace, Victims
 
 
@@ -28,7 +28,7 @@ class WarmTier(KVTier, SwapSpace):
 
     The slab is block-major, [capacity, layers, 2, block_size, kv_heads, head_dim], unless one is given:
     on CPU the engine passes the tail of its cache tensor, layer-major [layers, 2, capacity, ...], so
-    that slot s is block `base + s` of that tensor and attention reads a slot in place (see far_blocks.py).
+    that slot s is block `base + s` of that tensor and attention reads a slot in place (far blocks: see core/block_pool.py).
 
     `entries` maps a block hash to its slot in LRU order (oldest first); `free_slots` holds the rest,
     except the slots lent out by `reserve` (preemption swap space). Putting into a full tier evicts the

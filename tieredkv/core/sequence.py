@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tieredkv.config import SamplingParams
-from tieredkv.hashing import BlockHash
+from tieredkv.core.hashing import BlockHash
 
 if TYPE_CHECKING:
-    from tieredkv.block_pool import KVBlock
+    from tieredkv.core.block_pool import KVBlock
     from tieredkv.detokenizer import IncrementalDetokenizer
-    from tieredkv.tiers.manager import Lookup
+    from tieredkv.tiers.lookup import Lookup
     from tieredkv.tiers.moves import Restore
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
-from tieredkv.hashing import BlockHash
+from tieredkv.core.hashing import BlockHash
 from tieredkv.tiers.base import BlockKey
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tieredkv.batch import AttentionMetadata, ForwardBatch
+from tieredkv.runner.batch import AttentionMetadata, ForwardBatch
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_dense
 from tieredkv.kernels.store_kv import store_kv_dense

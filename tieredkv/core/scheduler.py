@@ -7,8 +7,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tieredkv.kv_manager import KVCacheManager
-from tieredkv.sequence import Sequence, SeqStatus
+from tieredkv.core.kv_manager import KVCacheManager
+from tieredkv.core.sequence import Sequence, SeqStatus
 from tieredkv.tiers.lookup import Lookup, count_lookup
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.moves import BlockMove, Restore

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tieredkv.block_pool import BlockPool, KVBlock
+from tieredkv.core.block_pool import BlockPool, KVBlock
 from tieredkv.errors import RequestError
-from tieredkv.kv_manager import KVCacheManager
+from tieredkv.core.kv_manager import KVCacheManager
 
 
 class PinTable:

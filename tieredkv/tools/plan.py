@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tieredkv.engine_setup import max_model_len, model_fingerprint, resolve_dtype, resolve_model_dir
-from tieredkv.kv_manager import cdiv
+from tieredkv.core.kv_manager import cdiv
 from tieredkv.models.checks import tensor_shapes
 from tieredkv.models.loader import weight_files
 from tieredkv.models.spec import ModelSpec
@@ -123,7 +123,7 @@ def profile_activations(model: str, device: str, dtype: str, max_num_batched_tok
     fresh process: in one that has done other work, the forward's buffers may come from freed memory
     that is still resident, and the high-water mark would not move."""
     if not device.startswith("cuda"):
-        code = ("import sys; from tieredkv.plan import _profile_here; "
+        code = ("import sys; from tieredkv.tools.plan import _profile_here; "
                 "print(_profile_here(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))")
         out = subprocess.run([sys.executable, "-c", code, model, device, dtype, str(max_num_batched_tokens)],
                              check=True, capture_output=True, text=True).stdout

@@ -47,7 +47,7 @@ async def chat(args: argparse.Namespace) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> None:
-    from tieredkv.plan import format_plan, parse_bytes, plan, profile_activations
+    from tieredkv.tools.plan import format_plan, parse_bytes, plan, profile_activations
 
     activation = None
     if args.profile:

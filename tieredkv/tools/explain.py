@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tieredkv.hashing import hash_block, root_hash
+from tieredkv.core.hashing import hash_block, root_hash
 from tieredkv.tiers.base import BlockKey
 
 

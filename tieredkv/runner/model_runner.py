@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from tieredkv.batch import AttentionMetadata, ForwardBatch
-from tieredkv.compiled_decode import CompiledDecode
-from tieredkv.far_stage import StagePlan, plan_stage
+from tieredkv.runner.batch import AttentionMetadata, ForwardBatch
+from tieredkv.runner.compiled_decode import CompiledDecode
+from tieredkv.runner.far_stage import StagePlan, plan_stage
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.cascade import shared_prefixes
 from tieredkv.models.llama import LlamaModel
-from tieredkv.scheduler import SchedulerOutput
-from tieredkv.sequence import Sequence
+from tieredkv.core.scheduler import SchedulerOutput
+from tieredkv.core.sequence import Sequence
 
 
 class ModelRunner:
-    """Owns the KV cache tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Builds each step's batch and runs the forward over the engine's KV cache tensor
+    [num_layers, 2, num_blocks (+ far slots on CPU), block_size, num_kv_heads, head_dim], which the
+    engine allocates and the tiers and the model write into (the runner reads block ids, nothing more)."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops: KernelOps,
                  cascade: bool = True, compiled: CompiledDecode | None = None,
