@@ -56,7 +56,14 @@ print(json.dumps({{"seconds": time.perf_counter() - t0, "graphs": core.runner.co
 
 
 def startup_seconds(cache_dir: str, compiled: bool) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    """A fresh process's EngineCore start-up with `cache_dir` as its cache (the converted default model
+    linked in from the usual cache, so only the compile cache starts empty)."""
+    from tieredkv.cache_dir import default_cache_dir
+
+    models = Path(cache_dir) / "models"
+    if not models.exists():
+        models.symlink_to(default_cache_dir() / "models")
+    env = dict(os.environ, TIEREDKV_CACHE_DIR=cache_dir)
     out = subprocess.run([sys.executable, "-c", STARTUP.format(kv=KV_BYTES, compiled=compiled)], env=env,
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

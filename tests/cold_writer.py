@@ -1,6 +1,12 @@
-"""Subprocess for the cold-tier reliability tests: writes deterministic blocks in batches forever
-(or `count` batches), printing each committed batch number."""
+"""Writer processes for the cold-tier reliability tests: each writes deterministic blocks in batches forever
+(or `count` batches), reporting each committed batch number.
 
+`start_writer` forks them from a fork server that imported torch and the tier once (multiprocessing's
+"forkserver"), so a test that kills twenty writers pays that import once, not twenty times. Each writer
+opens its own LMDB environment after the fork, as a separate process would. Run as a script, it is one
+writer that prints batch numbers (for a plain subprocess)."""
+
+import multiprocessing
 import sys
 
 import torch
@@ -26,13 +32,56 @@ def open_tier(path: str, budget: int = 1 << 30) -> ColdTier:
     return ColdTier(path, budget, FINGERPRINT, SHAPE, torch.float32)
 
 
-if __name__ == "__main__":
-    path, start, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def write(path: str, start: int, count: int, report) -> None:
+    """Writes batches of 50 blocks from `start` (forever when count < 0), calling report(batch) after each."""
     tier = open_tier(path)
     batch = 0
     while count < 0 or batch < count:
         ids = range(start + batch * 50, start + batch * 50 + 50)
         tier.put_sync([key(i) for i in ids], torch.stack([block(i) for i in ids]))
-        print(batch, flush=True)
+        report(batch)
         batch += 1
     tier.close_sync()
+
+
+def _write_to(path: str, start: int, count: int, conn) -> None:
+    write(path, start, count, conn.send)
+
+
+class Writer:
+    """A writer process: `next_batch()` waits for its next committed batch (None once it has ended)."""
+
+    _context = None
+
+    def __init__(self, path, start: int, count: int):
+        if Writer._context is None:
+            Writer._context = multiprocessing.get_context("forkserver")
+            Writer._context.set_forkserver_preload(["torch", "cold_writer"])
+        self._conn, child = Writer._context.Pipe(duplex=False)
+        self.process = Writer._context.Process(target=_write_to, args=(str(path), start, count, child), daemon=True)
+        self.process.start()
+        child.close()
+
+    def next_batch(self, timeout: float = 120) -> int | None:
+        if not self._conn.poll(timeout):
+            raise TimeoutError("the writer reported nothing")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            return None
+
+    def kill(self) -> None:
+        self.process.kill()  # SIGKILL
+        self.process.join()
+
+    def wait(self, timeout: float = 120) -> int | None:
+        self.process.join(timeout)
+        return self.process.exitcode
+
+
+def start_writer(path, start: int, count: int) -> Writer:
+    return Writer(path, start, count)
+
+
+if __name__ == "__main__":
+    write(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), lambda batch: print(batch, flush=True))

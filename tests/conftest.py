@@ -12,11 +12,15 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import make_checkpoint  # noqa: E402
+from tieredkv.config import EngineConfig  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Engines here run the eager forward unless a test asks for the compiled decode path (compile_decode=True):
-# compiling costs seconds per engine. test_compiled_decode.py, the transformers comparisons and the
-# default-model tests run it.
+# Engines here run the eager forward unless a test asks for the compiled decode path (compile_decode=True,
+# or None for the per-device default): compiling costs seconds per engine. test_compiled_decode.py, the
+# transformers comparisons and the default-model tests run it. In this process that is the field's default;
+# the command-line tools the tests start read it from the environment (EngineConfig.from_env).
+EngineConfig.model_fields["compile_decode"].default = False
+EngineConfig.model_rebuild(force=True)
 os.environ.setdefault("TIEREDKV_COMPILE_DECODE", "0")
 # the cold tier's key file lives under XDG_CONFIG_HOME: keep the tests' key out of the user's home
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tieredkv-test-config-")

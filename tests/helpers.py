@@ -129,6 +129,7 @@ def check_far_blocks(core, holders: dict[int, int]) -> None:
     for block_id, b in blocks.items():
         assert b.ref_cnt == holders[block_id], b
     far_cached = {h: b for h, b in pool.cached.items() if pool.is_far(b)}
+    assert pool.num_cached_far == len(far_cached)
     assert all(far_cached[b.block_hash] is b for b in blocks.values() if b.block_hash in far_cached)
     assert all(b.block_id in blocks for b in far_cached.values())
     warm = core.tiers.warm

@@ -3,7 +3,6 @@ disk budget, a failing writer. Never a crash, never a wrong block; a damaged sto
 
 import os
 import random
-import signal
 import stat
 import subprocess
 import sys
@@ -12,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cold_writer import FINGERPRINT, SHAPE, block, key, open_tier
+from cold_writer import FINGERPRINT, SHAPE, block, key, open_tier, start_writer
 from tieredkv.tiers.cold import ColdTier, ColdTierError
 from tieredkv.tiers.lmdb_check import meta_problem
 
-WRITER = [sys.executable, str(Path(__file__).with_name("cold_writer.py"))]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
 # Opens a damaged store in a child and reads every block back: it must exit 0 (no SIGBUS) and print how
 # many blocks came back intact; a wrong block fails it.
@@ -208,13 +206,11 @@ def test_the_file_stays_near_the_budget_under_churn(tmp_path):
 def test_sigkill_at_random_moments_never_leaves_a_wrong_block(tmp_path):
     rng = random.Random(7)
     for trial in range(20):
-        proc = subprocess.Popen(WRITER + [str(tmp_path), str(trial * 10_000), "-1"], stdout=subprocess.PIPE,
-                                text=True, env=ENV)
-        assert proc.stdout.readline().strip() != ""  # it has started writing
+        writer = start_writer(tmp_path, trial * 10_000, -1)
+        assert writer.next_batch() == 0  # it has started writing
         for _ in range(rng.randrange(0, 4)):
-            proc.stdout.readline()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+            writer.next_batch()
+        writer.kill()
     tier = open_tier(tmp_path)
     present = 0
     for trial in range(20):

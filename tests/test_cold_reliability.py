@@ -2,29 +2,22 @@
 between processes."""
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from cold_writer import block, key, open_tier
+from cold_writer import block, key, open_tier, start_writer
 
-WRITER = [sys.executable, str(Path(__file__).with_name("cold_writer.py"))]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
 
 
-def start_writer(path, start, count):
-    return subprocess.Popen(WRITER + [str(path), str(start), str(count)], stdout=subprocess.PIPE, text=True, env=ENV)
-
-
 def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path):
-    proc = start_writer(tmp_path, 0, -1)
+    writer = start_writer(tmp_path, 0, -1)
     for _ in range(5):  # five batches committed, more in flight
-        assert proc.stdout.readline().strip() != ""
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+        assert writer.next_batch() is not None
+    writer.kill()
     tier = open_tier(tmp_path)
     present = 0
     for i in range(0, 50 * 200):

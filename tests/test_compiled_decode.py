@@ -1,12 +1,14 @@
 """The compiled decode path (compiled_decode.py): its ops match the references, it is what runs for a
 step that decodes one sequence, and its graph is compiled once, at start-up."""
 
+import os
+
 import pytest
 import torch
 
 from helpers import check_pool_clean, hf_greedy
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
-from tieredkv.runner.compiled_decode import COMPILE_ENV, compile_wanted
+from tieredkv.runner.compiled_decode import compile_wanted
 from tieredkv.engine_core import EngineCore
 from tieredkv.kernels.decode_attention import decode_attention_dense, decode_attention_ref
 from tieredkv.kernels.store_kv import store_kv_dense, store_kv_ref
@@ -45,15 +47,20 @@ def test_dense_store_matches_reference():
     assert torch.equal(kv, ref)
 
 
-def test_compile_setting_and_environment(monkeypatch):
-    monkeypatch.delenv(COMPILE_ENV, raising=False)
+def test_compile_setting_and_the_command_lines_environment(monkeypatch):
+    """The package reads no environment variable for the setting; the command line maps TIEREDKV_<FIELD>."""
+    import pydantic
+
+    monkeypatch.setenv("TIEREDKV_COMPILE_DECODE", "1")
     assert compile_wanted(None, CPU) and not compile_wanted(None, torch.device("cuda"))
     assert not compile_wanted(False, CPU) and compile_wanted(True, torch.device("cuda"))
-    monkeypatch.setenv(COMPILE_ENV, "0")
-    assert not compile_wanted(None, CPU) and compile_wanted(True, CPU)
-    monkeypatch.setenv(COMPILE_ENV, "yes")
-    with pytest.raises(ValueError, match=COMPILE_ENV):
-        compile_wanted(None, CPU)
+    assert EngineConfig.model_fields["compile_decode"].default is False  # (the tests' default: see conftest)
+    assert EngineConfig(compile_decode=None).compile_decode is None  # the environment is not read here
+    env = {"TIEREDKV_COMPILE_DECODE": "0", "TIEREDKV_WARM_BYTES": "none", "TIEREDKV_MAX_NUM_SEQS": "8"}
+    cfg = EngineConfig.from_env(env, max_num_seqs=4, cold_path=None)
+    assert (cfg.compile_decode, cfg.warm_bytes, cfg.max_num_seqs, cfg.cold_path) == (False, None, 4, None)
+    with pytest.raises(pydantic.ValidationError, match="compile_decode"):
+        EngineConfig.from_env({"TIEREDKV_COMPILE_DECODE": "yes please"})
 
 
 def run_to_end(core: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
@@ -88,9 +95,8 @@ def test_compiled_path_is_what_runs_and_compiles_once(llama_dir):
     check_pool_clean(core)
 
 
-async def test_async_engine_defaults_to_compiled_decode_on_cpu(llama_dir, monkeypatch):
-    monkeypatch.delenv(COMPILE_ENV)
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64)) as engine:
+async def test_async_engine_defaults_to_compiled_decode_on_cpu(llama_dir):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=None)) as engine:
         out = await engine.generate([7, 8, 9, 3], SamplingParams(max_tokens=6, ignore_eos=True))
         assert len(out.outputs[0].token_ids) == 6
         assert engine.core.runner.compiled.steps == 5
@@ -104,9 +110,12 @@ def test_a_compiler_failure_leaves_the_eager_forward_serving(llama_dir, monkeypa
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(CompiledDecode, "_backend", refuse)
+    caplog.set_level("INFO", logger="tieredkv")
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=True))
     compiled = core.runner.compiled
-    assert compiled.disabled and "no compiler" in compiled.disabled and "compiled decode turned off" in caplog.text
+    assert compiled.disabled and "no compiler" in compiled.disabled and "compiled decode is off" in caplog.text
+    assert "trying again" in caplog.text and "compile_decode=False" in caplog.text
+    assert "emptied cache" not in caplog.text  # a compiler that refuses is no broken cache: nothing deleted
     prompt = [5, 6, 7, 8]
     assert run_to_end(core, [prompt], [10]) == hf_greedy(llama_dir, [prompt], 10)
     assert compiled.steps == 0
@@ -145,3 +154,57 @@ def test_a_stack_in_several_runs_shares_one_graph(llama_dir, monkeypatch):
     prompt = list(range(9, 30))
     assert run_to_end(core, [prompt], [20]) == hf_greedy(llama_dir, [prompt], 20)
     assert compiled.steps == 19 and compiled.graphs == 1
+
+
+START = """
+import json, sys
+from tieredkv.config import EngineConfig, SamplingParams
+from tieredkv.engine_core import EngineCore
+
+core = EngineCore(EngineConfig(model=sys.argv[1], cache_dir=sys.argv[2], num_blocks=32, compile_decode=True))
+req = core.factory.make([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+core.add_request(req)
+while core.has_work():
+    core.step()
+compiled = core.runner.compiled
+print(json.dumps({"tokens": req.seqs[0].output_token_ids, "disabled": compiled.disabled, "steps": compiled.steps}))
+"""
+
+
+def _start_engines(llama_dir, cache, home, n):
+    """n processes that each start an engine on `cache` at once, decode, and report; HOME and the XDG cache
+    point into `home`."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / "xdg")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    home.mkdir(parents=True, exist_ok=True)
+    procs = [subprocess.Popen([sys.executable, "-c", START, str(llama_dir), str(cache)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(n)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        assert "compiled decode is off" not in err and "turned off" not in err, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_engines_starting_at_once_on_an_empty_cache_all_serve_compiled(tmp_path):
+    """Three processes on one empty cache directory: one compiles under the lock, the others load its graph;
+    all three answer on the compiled path, and nothing lands in the user's home or XDG cache (inductor keeps
+    its precompiled C++ headers in the system's temporary directory whatever it is told; those are shared
+    by every program on the machine). (A half-written converted model: test_default_model.py.)"""
+    from helpers import make_checkpoint
+
+    llama_dir = make_checkpoint(tmp_path / "model", "llama", num_hidden_layers=1)  # the smallest graph to compile
+    cache, home = tmp_path / "cache", tmp_path / "home"
+    want = hf_greedy(llama_dir, [[5, 6, 7, 8]], 6)[0]
+    results = _start_engines(llama_dir, cache, home, 3)
+    assert all(r["tokens"] == want and r["disabled"] is None and r["steps"] == 5 for r in results), results
+    leaked = [p for p in home.rglob("*") if p.is_file()]
+    assert not leaked, leaked[:10]
+    assert any(p.suffix == ".so" and p.stat().st_size > 0 for p in (cache / "inductor").rglob("*"))
+    assert len(list((cache / "inductor").glob(".compiled-*"))) == 1  # the marker: later starts load at once

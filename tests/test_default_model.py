@@ -19,8 +19,11 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 async def engine():
-    # the compiled decode path, as on CPU by default (the suite turns it off for other engines)
-    engine = await AsyncEngine.start(EngineConfig(model="default", kv_cache_bytes=256 << 20, compile_decode=True))
+    # the compiled decode path, as on CPU by default (the suite turns it off for other engines); one engine,
+    # so one compile of the 30-layer graph, for every test: a hot pool of 40 blocks (640 tokens) holds each
+    # chat, and makes a document of 1,500 tokens offload its older blocks to the warm tier
+    engine = await AsyncEngine.start(EngineConfig(model="default", num_blocks=40, warm_bytes=64 << 20,
+                                                  compile_decode=True))
     yield engine
     await engine.close()
 
@@ -70,25 +73,50 @@ def long_document(num_items: int, seed: int) -> str:
     return "Warehouse inventory.\n" + "\n".join(lines)
 
 
-async def test_a_document_larger_than_the_hot_pool_matches_transformers():
+async def test_a_document_larger_than_the_hot_pool_matches_transformers(engine):
     """More than 1,500 tokens on a pool of 40 blocks (640 tokens): the older blocks are offloaded to the
     warm tier and read in place, through the compiled decode path too."""
     from transformers import AutoModelForCausalLM
 
-    cfg = EngineConfig(model="default", num_blocks=40, warm_bytes=64 << 20, compile_decode=True)
-    async with await AsyncEngine.start(cfg) as engine:
-        messages = [{"role": "user", "content": long_document(70, seed=3) + "\n\nWhere is item 42 stored?"}]
-        ids = engine.tokenizer.apply_chat_template(messages)
-        assert len(ids) > 1500
-        hf = AutoModelForCausalLM.from_pretrained(str(engine.core.model_dir), dtype=torch.float32).eval()
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, min_new_tokens=16,
-                            do_sample=False)
-        steps = engine.core.runner.compiled.steps
-        out = await engine.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True))
-        assert out.outputs[0].token_ids == y[0, len(ids):].tolist()
-        stats = engine.stats()
-        assert stats.blocks_offloaded >= len(ids) // 16 - 40 and stats.num_preemptions == 0
-        assert engine.core.runner.compiled.steps - steps == 15  # every decode, far blocks and all
-        check_pool_clean(engine.core)
+    messages = [{"role": "user", "content": long_document(70, seed=3) + "\n\nWhere is item 42 stored?"}]
+    ids = engine.tokenizer.apply_chat_template(messages)
+    assert len(ids) > 1500
+    hf = AutoModelForCausalLM.from_pretrained(str(engine.core.model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, min_new_tokens=16,
+                        do_sample=False)
+    steps = engine.core.runner.compiled.steps
+    out = await engine.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert out.outputs[0].token_ids == y[0, len(ids):].tolist()
+    stats = engine.stats()
+    assert stats.blocks_offloaded >= len(ids) // 16 - 40 and stats.num_preemptions == 0
+    assert stats.blocks_total == 40
+    assert engine.core.runner.compiled.steps - steps == 15  # every decode, far blocks and all
+    check_pool_clean(engine.core)
+
+
+def test_a_half_written_conversion_is_rebuilt_and_a_whole_one_reused(tmp_path, monkeypatch):
+    """A converted-model directory without its marker, or whose weights file is not the size the marker
+    names, is converted anew (under the lock); a whole one is used as it is."""
+    import json
+
+    from tieredkv.models import gguf_convert
+
+    calls = []
+
+    def fake_convert(gguf_path, out_dir):  # what convert_gguf leaves, without the 25 s of dequantizing
+        calls.append(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "model.safetensors").write_bytes(b"x" * 100)
+        (out_dir / gguf_convert.MARKER).write_text(json.dumps({"converter": 1, "weights_bytes": 100}))
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", fake_convert)
+    out = gguf_convert.default_model_dir(tmp_path)
+    assert calls == [out] and out.parent == tmp_path / "models"
+    assert gguf_convert.default_model_dir(tmp_path) == out and len(calls) == 1  # whole: reused
+    (out / "model.safetensors").write_bytes(b"x" * 40)  # cut short
+    assert gguf_convert.default_model_dir(tmp_path) == out and len(calls) == 2
+    (out / gguf_convert.MARKER).unlink()  # never finished
+    assert gguf_convert.default_model_dir(tmp_path) == out and len(calls) == 3
+    assert not gguf_convert.is_complete(tmp_path / "missing")

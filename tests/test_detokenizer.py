@@ -3,8 +3,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from tieredkv.detokenizer import IncrementalDetokenizer
-from tieredkv.tokenizer import Tokenizer
+from tieredkv.models.detokenizer import IncrementalDetokenizer
+from tieredkv.models.tokenizer import Tokenizer
 
 TEXTS = [
     "Plain ASCII text, with punctuation!",

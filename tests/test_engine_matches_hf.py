@@ -78,17 +78,30 @@ async def test_block_size_8_and_32(case):
         assert got == expected
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "batched"])
-async def test_greedy_matches_transformers_compiled_decode(case, batched):
-    """The same with the compiled decode path, the CPU default (the suite turns it off elsewhere)."""
-    model_dir, prompts, expected = case
-    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+@pytest.fixture(scope="module")
+async def compiled_engine(case):
+    """One engine on the compiled decode path (the CPU default; the suite turns it off elsewhere) per model:
+    one compile serves both tests below."""
+    model_dir = case[0]
     config = EngineConfig(model=str(model_dir), num_blocks=256, max_num_batched_tokens=64, compile_decode=True)
-    async with await AsyncEngine.start(config) as engine:
-        if batched:
-            results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-        else:
-            results = [await engine.generate(p, params) for p in prompts]
-        compiled = engine.core.runner.compiled
-        assert compiled.steps > 0 and compiled.graphs == 1
+    engine = await AsyncEngine.start(config)
+    yield engine
+    await engine.close()
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "batched"])
+async def test_greedy_matches_transformers_compiled_decode(case, compiled_engine, batched):
+    """The same with the compiled decode path."""
+    model_dir, prompts, expected = case
+    engine = compiled_engine
+    await engine.clear_cache("all")  # each variant computes its prompts, as a fresh engine would
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    steps = engine.core.runner.compiled.steps
+    if batched:
+        results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+    else:
+        results = [await engine.generate(p, params) for p in prompts]
+    compiled = engine.core.runner.compiled
+    assert compiled.steps > steps and compiled.graphs == 1
     assert [r.outputs[0].token_ids for r in results] == expected
+    await engine.run_in_worker(check_pool_clean, engine.core)

@@ -207,8 +207,8 @@ def test_block_offsets_past_2_31_elements():
     cheap: untouched pages of a large allocation cost no memory."""
     block_size, kv_heads, head_dim = 16, 1, 16  # 256 elements a block
     num_blocks = (1 << 31) // 256 + 64
-    kc = torch.empty(num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
-    vc = torch.empty(num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
+    kv = torch.empty(2, num_blocks, block_size, kv_heads, head_dim, device=DEVICE)  # views, no copy: untouched
+    kc, vc = kv[0], kv[1]
     top = [num_blocks - 3, num_blocks - 1]
     g = torch.Generator().manual_seed(5)
     for b in top:
@@ -221,7 +221,6 @@ def test_block_offsets_past_2_31_elements():
                                decode_attention_ref(q, kc, vc, tables, ctx, 0.25), atol=ATOL, rtol=0)
     key, value = torch.randn(1, kv_heads, head_dim, device=DEVICE), torch.randn(1, kv_heads, head_dim, device=DEVICE)
     slot = torch.tensor([(num_blocks - 2) * block_size + 5], device=DEVICE)
-    kv = torch.stack((kc, vc))
     triton_ops.store_kv(key, value, kv, slot)
     assert torch.equal(kv[0, num_blocks - 2, 5], key[0]) and torch.equal(kv[1, num_blocks - 2, 5], value[0])
 

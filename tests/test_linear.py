@@ -9,7 +9,6 @@ from tieredkv import EngineConfig
 from tieredkv.engine_core import EngineCore
 from tieredkv.kernels import select_kernels
 from tieredkv.kernels.linear import (
-    FORCE_ENV,
     SWAP_MAX_OUT,
     SWAP_MAX_ROWS,
     _cpu_fp32_linear,
@@ -68,25 +67,22 @@ def test_packed_weights_match_f_linear(rows, out_features, with_bias):
     check_against_f_linear(_cpu_fp32_linear(True), rows, out_features, with_bias, seed=rows, pack=pack_onednn_weight)
 
 
-def test_packing_is_selected_for_cpu_fp32_only(monkeypatch):
-    monkeypatch.delenv(FORCE_ENV, raising=False)
+def test_packing_is_selected_for_cpu_fp32_only():
     want = pack_onednn_weight if onednn_linear_usable() else None
     assert select_weight_packing(CPU, torch.float32) is want
     assert select_kernels("auto", CPU, torch.float32).pack_linear_weight is want
     assert select_weight_packing(CPU, torch.bfloat16) is None
     assert select_weight_packing(torch.device("cuda"), torch.float32) is None
-    monkeypatch.setenv(FORCE_ENV, "torch")
-    assert select_weight_packing(CPU, torch.float32) is None
-    assert select_kernels("auto", CPU, torch.float32).pack_linear_weight is None
+    assert select_weight_packing(CPU, torch.float32, "torch") is None
+    assert select_kernels("auto", CPU, torch.float32, "torch").pack_linear_weight is None
 
 
 @pytest.mark.parametrize("force", ["auto", "torch"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_engine_packs_projections_and_lm_head_and_keeps_the_embedding_plain(llama_dir, monkeypatch, force, compiled):
+def test_engine_packs_projections_and_lm_head_and_keeps_the_embedding_plain(llama_dir, force, compiled):
     """Packed weights serve the eager forward; the compiled decode path reads plain ones, so with it on
     the plain weights stay beside the packed copies, and without it they are dropped."""
-    monkeypatch.setenv(FORCE_ENV, force)
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, compile_decode=compiled))
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, compile_decode=compiled, cpu_linear=force))
     model, ops = core.model, core.runner.ops
     packed = force == "auto" and onednn_linear_usable()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -100,19 +96,20 @@ def test_engine_packs_projections_and_lm_head_and_keeps_the_embedding_plain(llam
         assert not model.lm_head_weight(core.runner.compiled.ops).is_mkldnn
 
 
-def test_cpu_fp32_gets_cpu_linear_and_others_keep_f_linear(monkeypatch):
-    monkeypatch.delenv(FORCE_ENV, raising=False)
+def test_cpu_fp32_gets_cpu_linear_and_others_keep_f_linear():
     cpu_linear = _cpu_fp32_linear(onednn_linear_usable())
     assert select_linear(CPU, torch.float32) is cpu_linear
     assert select_kernels("auto", CPU, torch.float32).linear is cpu_linear
     assert select_linear(CPU, torch.bfloat16) is F.linear
     assert select_linear(torch.device("cuda"), torch.float32) is F.linear
-    monkeypatch.setenv(FORCE_ENV, "torch")
-    assert select_linear(CPU, torch.float32) is F.linear
-    assert select_kernels("auto", CPU, torch.float32).linear is F.linear
+    assert select_linear(CPU, torch.float32, "torch") is F.linear
+    assert select_kernels("auto", CPU, torch.float32, "torch").linear is F.linear
 
 
-def test_bad_force_value_is_refused(monkeypatch):
-    monkeypatch.setenv(FORCE_ENV, "blas")
-    with pytest.raises(ValueError, match=FORCE_ENV):
-        select_linear(CPU, torch.float32)
+def test_bad_cpu_linear_value_is_refused():
+    import pydantic
+
+    with pytest.raises(ValueError, match="cpu_linear"):
+        select_linear(CPU, torch.float32, "blas")
+    with pytest.raises(pydantic.ValidationError, match="cpu_linear"):
+        EngineConfig(cpu_linear="blas")

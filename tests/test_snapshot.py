@@ -83,3 +83,31 @@ async def test_a_damaged_snapshot_imports_nothing_wrong(llama_dir, snapshot, tmp
         assert report["corrupt"] > 0 if damage == "flip" else not report["complete"]
         got, _ = await answers(engine, [s + [7, 8] for s in SYSTEMS])
         assert got == expected  # whatever was imported is exact; the rest is recomputed
+
+
+@pytest.mark.parametrize("damage", ["cut after 5 bytes of header", "length 0xFFFFFFF0", "a list for a header",
+                                    "a number for a shape", "no header at all"])
+async def test_a_damaged_snapshot_header_is_a_snapshot_error(tmp_path, damage):
+    """Header bytes that msgpack cannot read, or reads as the wrong kind, raise SnapshotError (nothing else)."""
+    import struct
+
+    import msgpack
+    import torch
+
+    from tieredkv.tools.snapshot import MAGIC, read_snapshot
+
+    good = msgpack.packb({"fp": "f", "dtype": "torch.float32", "shape": [2, 2]})
+    bad_shape = msgpack.packb({"fp": "f", "dtype": "torch.float32", "shape": 3})
+    body = {
+        "cut after 5 bytes of header": struct.pack("<I", len(good)) + good[:5],
+        "length 0xFFFFFFF0": struct.pack("<I", 0xFFFFFFF0) + good,
+        "a list for a header": struct.pack("<I", len(msgpack.packb([1, 2]))) + msgpack.packb([1, 2]),
+        "a number for a shape": struct.pack("<I", len(bad_shape)) + bad_shape,
+        "no header at all": b"",
+    }[damage]
+    path = tmp_path / "damaged.tkv"
+    path.write_bytes(MAGIC + body)
+    batches, _ = read_snapshot(path, "f", torch.float32, (2, 2))
+    with pytest.raises(SnapshotError):
+        async for _ in batches:
+            pass

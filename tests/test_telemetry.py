@@ -135,7 +135,7 @@ from tieredkv.telemetry import serve_metrics
 
 async def main():
     port = serve_metrics(0)
-    async with await AsyncEngine.start(EngineConfig(model=sys.argv[1], num_blocks=32)) as engine:
+    async with await AsyncEngine.start(EngineConfig(model=sys.argv[1], num_blocks=32, compile_decode=False)) as engine:
         await engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
         await engine.run_in_worker(lambda: None)
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())

@@ -1,5 +1,7 @@
 """Command line (`tieredkv ...` or `python -m tieredkv ...`): demo, generate, chat, serve, plan, explain,
-cache inspect|clear|export|import, bench. Every command has --help."""
+cache inspect|clear|export|import, bench. Every command has --help. Commands that start an engine take
+any EngineConfig field from the environment as TIEREDKV_<FIELD> (EngineConfig.from_env); their own
+arguments win."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ async def _stream_answer(engine: AsyncEngine, messages, params: SamplingParams) 
 
 async def demo(args: argparse.Namespace) -> None:
     system = files("tieredkv").joinpath("data/demo_system_prompt.txt").read_text()
-    config = EngineConfig(model=args.model)
+    config = EngineConfig.from_env(model=args.model)
     print(f"starting tieredkv on model={args.model!r} (on CPU the first start on a machine also compiles "
           "the batch-1 decode graph, about a minute; later starts load it)...", flush=True)
     t0 = time.perf_counter()
@@ -55,7 +57,7 @@ async def demo(args: argparse.Namespace) -> None:
 
 
 async def generate(args: argparse.Namespace) -> None:
-    async with await AsyncEngine.start(EngineConfig(model=args.model)) as engine:
+    async with await AsyncEngine.start(EngineConfig.from_env(model=args.model)) as engine:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         await _stream_answer(engine, prompt, params)
@@ -67,7 +69,7 @@ async def serve(args: argparse.Namespace) -> None:
     except ImportError:
         sys.exit("tieredkv serve needs the serve extra: pip install 'tieredkv[serve]'")
     metrics = install_prometheus()
-    config = EngineConfig(model=args.model, cold_path=args.cold_path, max_num_seqs=args.max_num_seqs)
+    config = EngineConfig.from_env(model=args.model, cold_path=args.cold_path, max_num_seqs=args.max_num_seqs)
     settings = ServerSettings(model_name=args.served_model_name or args.model,
                               api_key=args.api_key or os.environ.get("TIEREDKV_API_KEY"),
                               max_queued=args.max_queued, metrics=metrics)
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or TIEREDKV_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once (default: 64)")
     p.add_argument("--max-queued", type=int, default=256, help="requests waiting beyond that get HTTP 429")
     p.add_argument("--cold-path", default=None, help="directory of the disk tier (off by default)")
     p.set_defaults(func=serve)

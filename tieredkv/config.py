@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
+ENV_PREFIX = "TIEREDKV_"  # EngineConfig.from_env: TIEREDKV_<FIELD> (the command line only)
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: logits / T would overflow long before it mattered
 
@@ -23,6 +25,9 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field("default", min_length=1, description='"default" or a local Hugging Face checkpoint directory')
+    cache_dir: str | None = Field(
+        None, description="where the engine keeps what it builds once (the converted default model, the compiled "
+        "decode graph); None: $TIEREDKV_CACHE_DIR, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv")
     dtype: DType = "auto"
     device: str = Field("auto", description='"auto", "cpu", "cuda" or "cuda:N"')
     block_size: int = Field(16, ge=1, le=1024)
@@ -43,8 +48,10 @@ class EngineConfig(BaseModel):
                                     "per core: measured 2x faster than 1 alone, equal beside busy processes)")
     compile_decode: bool | None = Field(
         None, description="run a step that decodes one sequence through an inductor-compiled graph (compiled at "
-        "start-up, cached on disk); None: the TIEREDKV_COMPILE_DECODE environment variable (0/1) if set, else on "
-        "for CPU")
+        "start-up, cached under cache_dir); None: on for CPU")
+    cpu_linear: Literal["auto", "torch"] = Field(
+        "auto", description='dense layers on CPU in fp32: "auto" packs the weights for oneDNN where its products '
+        'match F.linear; "torch" keeps plain F.linear')
     cpu_malloc_tuning: bool = Field(True, description="on CPU, keep freed step buffers in glibc's heap")
     warm_bytes: int | None = Field(
         None, ge=0, description="host-memory tier budget; 0 turns it off; None: 10% of available RAM, at most 4 GiB"
@@ -61,6 +68,21 @@ class EngineConfig(BaseModel):
         None, description="owner-only file with the key that authenticates cold entries, created on first use; "
         "None: ~/.config/tieredkv/cold.key. Processes sharing a cold_path must share it")
     max_pinned_fraction: float = Field(0.25, ge=0.0, le=0.9, description="share of the hot pool pin() may hold")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> "EngineConfig":
+        """The config of a command-line tool: each field from the environment variable TIEREDKV_<FIELD>
+        when it is set (TIEREDKV_COMPILE_DECODE=0, TIEREDKV_WARM_BYTES=0, ...; "none" for None), then the
+        `given` values that are not None (the command's own arguments) over them. Only the command line
+        calls this: an engine made in Python reads no environment variable for its settings."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            raw = environ.get(ENV_PREFIX + name.upper(), "")
+            if raw != "":
+                values[name] = None if raw.lower() == "none" else raw
+        values.update({k: v for k, v in given.items() if v is not None})
+        return cls.model_validate(values)
 
     @field_validator("device")
     @classmethod

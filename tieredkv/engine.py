@@ -14,7 +14,7 @@ from tieredkv.errors import EngineClosedError, RequestError, WrongLoopError
 from tieredkv.tools.explain import BlockReport, explain
 from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
 from tieredkv.stream import Channel, RequestStream
-from tieredkv.tokenizer import PromptType
+from tieredkv.models.tokenizer import PromptType
 from tieredkv.worker import EngineWorker
 
 __all__ = ["AsyncEngine", "EngineClosedError"]

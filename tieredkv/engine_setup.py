@@ -1,16 +1,34 @@
-"""Set-up facts an engine derives from its config and checkpoint: device, dtype, sizes, fingerprint, tiers."""
+"""Builds an engine's whole object graph from its config and checkpoint (`build_engine`), and the set-up
+facts it derives on the way: device, dtype, sizes, fingerprint, tiers."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tieredkv.core.block_pool import BlockPool
+from tieredkv.cache_dir import default_cache_dir
 from tieredkv.config import EngineConfig
-from tieredkv.kernels import KernelOps
+from tieredkv.core.cache_index import CacheIndex
+from tieredkv.core.hashing import root_hash
+from tieredkv.core.kv_manager import KVCacheManager
+from tieredkv.core.pins import PinTable
+from tieredkv.core.scheduler import Scheduler
+from tieredkv.kernels import KernelOps, select_kernels
+from tieredkv.lifecycle import Lifecycle
+from tieredkv.models.llama import LlamaModel
+from tieredkv.models.loader import load_model
+from tieredkv.models.tokenizer import Tokenizer
+from tieredkv.request_factory import RequestFactory
+from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
+from tieredkv.runner.malloc_tuning import tune_glibc_malloc
+from tieredkv.runner.model_runner import ModelRunner
+from tieredkv.telemetry import Telemetry
 from tieredkv.models.checks import check_regular_files, read_json
 from tieredkv.models.gguf_convert import default_model_dir
 from tieredkv.models.loader import fingerprint_weights, weight_files
@@ -18,6 +36,8 @@ from tieredkv.models.spec import ModelSpec
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.warm import WarmTier
+
+log = logging.getLogger("tieredkv")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_LAYOUT = "L2NBHD"  # kv_cache[layer, k|v, block, slot, kv_head, dim]
@@ -47,9 +67,13 @@ def default_warm_bytes() -> int:
     return min(available // 10, 4 << 30)
 
 
-def resolve_model_dir(model: str) -> Path:
+def resolve_cache_dir(cfg: EngineConfig) -> Path:
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+
+
+def resolve_model_dir(model: str, cache_dir: Path | None = None) -> Path:
     if model == "default":
-        return default_model_dir()
+        return default_model_dir(cache_dir)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r} is neither \"default\" nor a local checkpoint directory")
@@ -153,3 +177,86 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
 
         cold = ColdTier(cfg.cold_path, cfg.cold_bytes, fingerprint, block_shape, kv_cache.dtype, cfg.cold_secret_path)
     return TierManager(hot, warm, cold, cfg.block_size)
+
+
+@dataclass
+class EngineParts:
+    """Everything an EngineCore owns, built once; nothing is set on any of them afterwards."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model_dir: Path
+    spec: ModelSpec
+    max_model_len: int
+    tokenizer: Tokenizer
+    model: LlamaModel
+    num_blocks: int
+    kv_cache: torch.Tensor
+    fingerprint: str
+    factory: RequestFactory
+    tiers: TierManager
+    kv: KVCacheManager
+    index: CacheIndex
+    scheduler: Scheduler
+    runner: ModelRunner
+    pins: PinTable
+    telemetry: Telemetry
+    lifecycle: Lifecycle
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.tiers.hot.pool
+
+
+def build_engine(cfg: EngineConfig) -> EngineParts:
+    """Loads the model and builds the cache, tiers, scheduler, runner and request lifecycle around it;
+    compiles what the first request would otherwise wait for."""
+    device, dtype = _prepare_process(cfg)
+    cache_dir = resolve_cache_dir(cfg)
+    model_dir = resolve_model_dir(cfg.model, cache_dir)
+    spec = ModelSpec.from_file(model_dir / "config.json")
+    limit = max_model_len(spec, cfg.max_model_len)
+    tokenizer = Tokenizer(model_dir)
+    model = load_model(model_dir, spec, dtype, device)
+    num_blocks = num_kv_blocks(cfg, spec, dtype, device)
+    num_warm = warm_blocks(cfg, spec, dtype)
+    mode = far_mode(cfg, device) if num_warm else None
+    num_far = num_warm if mode else 0
+    kv_cache = make_kv_cache(spec, cfg.block_size, num_blocks, num_far if mode == "in place" else 0, dtype, device)
+    factory = RequestFactory(tokenizer, spec, cfg, limit, eos_token_ids(spec, model_dir, tokenizer.eos_token_id),
+                             num_blocks, num_far)
+    fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size)
+    ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear)
+    compiled = compile_wanted(cfg.compile_decode, device)
+    if ops.pack_linear_weight is not None:
+        model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compiled)
+    tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None)
+    kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
+    staged = mode == "staged"  # the staged buffer: this step's hot blocks and at most a pool's worth of far ones
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers,
+                          offload={"in place": "first", "staged": "last"}.get(mode),
+                          stage_cap=num_blocks if staged else None)
+    runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
+                         CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
+                         far=(num_blocks, tiers.warm.slab) if staged else None)
+    runner.compile_now()
+    index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
+    pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
+    lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
+    log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s, packed=%s, "
+             "compiled decode=%s", model_dir.name, dtype, device, num_blocks, cfg.block_size, ops.name,
+             ops.linear.__name__, ops.pack_linear_weight is not None, compiled)
+    return EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
+                       factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle)
+
+
+def _prepare_process(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype, with the thread-level settings they need (this thread's CUDA device)."""
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this (worker) thread's current device: "cuda:N" means N
+    if device.type == "cpu" and cfg.cpu_malloc_tuning:
+        tune_glibc_malloc()
+    return device, resolve_dtype(cfg.dtype, device)

@@ -107,7 +107,7 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int)
         blocks_total=pool.num_blocks,
         blocks_used=pool.num_blocks - pool.num_free,
         blocks_free=pool.num_free,
-        blocks_cached=len(pool.cached),
+        blocks_cached=len(pool.cached) - pool.num_cached_far,
         prefix_cache_queries=scheduler.prefix_cache_queries,
         prefix_cache_hits=scheduler.prefix_cache_hits,
         num_preemptions=scheduler.num_preemptions,

@@ -10,7 +10,7 @@ from tieredkv.errors import RequestError
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.models.spec import ModelSpec
 from tieredkv.core.sequence import Request
-from tieredkv.tokenizer import PromptType, Tokenizer, check_messages
+from tieredkv.models.tokenizer import PromptType, Tokenizer, check_messages
 
 # A string of more than this many characters per allowed token cannot fit, whatever it tokenizes to: no
 # token is longer than the tokenizer's longest vocabulary entry (x2 for normalizers that expand text).

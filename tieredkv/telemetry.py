@@ -86,6 +86,17 @@ class Telemetry:
         else:
             _event(req, "resumed", {"tieredkv.sample": seq.index})
 
+    def on_scheduled(self, out, now: float) -> None:
+        """A schedule() result: its admitted and preempted sequences."""
+        for seq in out.admitted:
+            self.on_admitted(seq, now)
+        for seq in out.preempted:
+            self.on_preempted(seq)
+
+    def on_step(self, out, seconds: float) -> None:
+        self.step_duration.record(seconds)
+        self.step_tokens.record(out.num_tokens)
+
     def on_preempted(self, seq) -> None:
         kind = "swap" if seq.swapped is not None else "recompute"
         self.preemptions.add(1, {"kind": kind})

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
-from tieredkv.core.hashing import BlockHash
-from tieredkv.tiers.base import BlockKey
+from tieredkv.core.hashing import BlockHash, BlockKey
 
 if TYPE_CHECKING:
     from tieredkv.tiers.base import SwapSpace, Victims
@@ -105,6 +104,7 @@ class BlockPool:
         self.num_cached_free = 0  # cached blocks with ref_cnt 0 (kept in step, so stats are O(1))
         self.lender = lender  # the warm tier, when far blocks are on
         self.num_far = 0  # far blocks in use
+        self.num_cached_far = 0  # of which in the hash map
 
     @property
     def num_blocks(self) -> int:
@@ -210,6 +210,7 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            self.num_cached_far -= 1
         self.lender.keep(slot, BlockKey(block.block_hash, block.token_ids))
 
     def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
@@ -219,6 +220,7 @@ class BlockPool:
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached[block_hash] = block
         self.num_cached_free += block.ref_cnt == 0
+        self.num_cached_far += self.is_far(block)
 
     def evict_all_cached(self) -> int:
         """Forget every free cached block (in use ones keep their hash), without demotion."""
@@ -232,3 +234,4 @@ class BlockPool:
         del self.cached[block.block_hash]
         block.block_hash = block.token_ids = None
         self.num_cached_free -= block.ref_cnt == 0
+        self.num_cached_far -= self.is_far(block)

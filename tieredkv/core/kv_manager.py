@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tieredkv.core.block_pool import BlockPool, KVBlock
-from tieredkv.core.hashing import BlockHash, hash_block
+from tieredkv.core.hashing import BlockHash, chain_keys, hash_block
 from tieredkv.core.sequence import Sequence
 from tieredkv.tiers.base import BlockKey, Victims
 from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
@@ -51,11 +51,7 @@ class KVCacheManager:
 
     def chain_keys(self, token_ids: list[int]) -> list[BlockKey]:
         """Keys of every full block of token_ids, hashed from the root."""
-        keys: list[BlockKey] = []
-        for i in range(len(token_ids) // self.block_size):
-            block = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            keys.append(BlockKey(hash_block(keys[-1].block_hash if keys else self.root, block), block))
-        return keys
+        return chain_keys(self.root, token_ids, self.block_size)
 
     # -- prefix cache ----------------------------------------------------------------------------
 

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from tieredkv.core.block_pool import BlockPool, KVBlock
+from tieredkv.core.block_pool import KVBlock
+from tieredkv.core.cache_index import CacheIndex
 from tieredkv.errors import RequestError
-from tieredkv.core.kv_manager import KVCacheManager
 
 
 class PinTable:
     """Token ids of a pinned prefix -> its full hot blocks (each holding one reference), within `budget`
     blocks. O(prefix blocks) per pin or unpin."""
 
-    def __init__(self, kv: KVCacheManager, budget: int):
-        self.kv = kv
-        self.pool: BlockPool = kv.pool
+    def __init__(self, index: CacheIndex, budget: int):
+        self.index = index
+        self.pool = index.pool
         self.budget = budget
         self.pins: dict[tuple[int, ...], list[KVBlock]] = {}
         self.num_blocks = 0
@@ -23,9 +23,9 @@ class PinTable:
         RequestError when they are not all cached or the budget would be exceeded."""
         key = tuple(token_ids)
         if key in self.pins:
-            return len(self.pins[key]) * self.kv.block_size
-        keys = self.kv.chain_keys(list(token_ids))
-        blocks = self.pool.cached_prefix(keys, hot_only=True)
+            return len(self.pins[key]) * self.index.block_size
+        keys = self.index.keys(token_ids)
+        blocks = self.index.hot_prefix(keys)
         if len(blocks) < len(keys):
             raise RequestError("the prefix is not in the hot tier; prefill it first")
         if self.num_blocks + len(blocks) > self.budget:
@@ -34,13 +34,13 @@ class PinTable:
         self.pool.touch(blocks)
         self.pins[key] = blocks
         self.num_blocks += len(blocks)
-        return len(blocks) * self.kv.block_size
+        return len(blocks) * self.index.block_size
 
     def unpin(self, token_ids: list[int]) -> int:
         blocks = self.pins.pop(tuple(token_ids), [])
         self.pool.free(reversed(blocks))
         self.num_blocks -= len(blocks)
-        return len(blocks) * self.kv.block_size
+        return len(blocks) * self.index.block_size
 
     def release_all(self) -> None:
         for key in list(self.pins):

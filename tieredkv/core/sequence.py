@@ -15,7 +15,7 @@ from tieredkv.core.hashing import BlockHash
 
 if TYPE_CHECKING:
     from tieredkv.core.block_pool import KVBlock
-    from tieredkv.detokenizer import IncrementalDetokenizer
+    from tieredkv.models.detokenizer import IncrementalDetokenizer
     from tieredkv.tiers.lookup import Lookup
     from tieredkv.tiers.moves import Restore
 

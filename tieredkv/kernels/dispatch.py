@@ -14,8 +14,6 @@ from tieredkv.kernels.linear import select_linear, select_weight_packing
 from tieredkv.kernels.prefill_attention import prefill_attention_ref
 from tieredkv.kernels.store_kv import store_kv_ref
 
-FORCE_ENV = "TIEREDKV_ATTENTION_BACKEND"
-
 
 TORCH_OPS = KernelOps(
     name="torch",
@@ -29,22 +27,21 @@ TORCH_OPS = KernelOps(
 )
 
 
-def select_kernels(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:
-    """"auto" takes Triton on CUDA and torch elsewhere; the env var TIEREDKV_ATTENTION_BACKEND=torch forces torch.
-    The dense layers get the best `linear` for `dtype` on `device` (kernels/linear.py), whatever the backend."""
+def select_kernels(backend: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                   cpu_linear: str = "auto") -> KernelOps:
+    """"auto" takes Triton on CUDA and torch elsewhere (EngineConfig.attention_backend). The dense layers
+    get the best `linear` for `dtype` on `device` (kernels/linear.py; EngineConfig.cpu_linear), whatever
+    the backend."""
     ops = _attention_kernels(backend, device)
-    linear, pack = select_linear(device, dtype), select_weight_packing(device, dtype)
+    linear, pack = select_linear(device, dtype, cpu_linear), select_weight_packing(device, dtype, cpu_linear)
     if linear is ops.linear and pack is ops.pack_linear_weight:
         return ops
     return replace(ops, linear=linear, pack_linear_weight=pack)
 
 
 def _attention_kernels(backend: str, device: torch.device) -> KernelOps:
-    forced = os.environ.get(FORCE_ENV)
-    if forced:
-        backend = forced
     if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"{FORCE_ENV} must be auto, torch or triton, got {backend!r}")
+        raise ValueError(f"attention_backend must be auto, torch or triton, got {backend!r}")
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TORCH_OPS
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

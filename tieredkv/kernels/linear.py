@@ -20,7 +20,6 @@ or TIEREDKV_CPU_LINEAR=torch.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable
 
 import torch
@@ -28,7 +27,6 @@ import torch.nn.functional as F
 
 LinearFn = Callable[..., torch.Tensor]  # (x [..., K], weight [N, K], bias [N] | None) -> [..., N]
 PackFn = Callable[[torch.Tensor], torch.Tensor]  # weight [N, K] -> the same weight in the layout LinearFn reads best
-FORCE_ENV = "TIEREDKV_CPU_LINEAR"
 SWAP_MAX_ROWS = 256  # up to this many rows the swapped product wins (decode steps, small prefill chunks)
 SWAP_MAX_OUT = 8192  # wider outputs (the LM head) go to oneDNN at any row count
 
@@ -86,24 +84,23 @@ def _cpu_fp32_linear(use_onednn: bool) -> LinearFn:
     return _cpu_linear(onednn_linear if use_onednn else F.linear)
 
 
-def _cpu_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when the CPU fp32 dense layers apply (not turned off by TIEREDKV_CPU_LINEAR=torch)."""
-    forced = os.environ.get(FORCE_ENV, "auto")
-    if forced not in ("auto", "torch"):
-        raise ValueError(f"{FORCE_ENV} must be auto or torch, got {forced!r}")
-    return forced == "auto" and device.type == "cpu" and dtype == torch.float32
+def _cpu_fp32(device: torch.device, dtype: torch.dtype, cpu_linear: str) -> bool:
+    """True when the CPU fp32 dense layers apply (EngineConfig.cpu_linear "auto"; "torch" turns them off)."""
+    if cpu_linear not in ("auto", "torch"):
+        raise ValueError(f"cpu_linear must be auto or torch, got {cpu_linear!r}")
+    return cpu_linear == "auto" and device.type == "cpu" and dtype == torch.float32
 
 
-def select_linear(device: torch.device, dtype: torch.dtype) -> LinearFn:
+def select_linear(device: torch.device, dtype: torch.dtype, cpu_linear: str = "auto") -> LinearFn:
     """The dense-layer function for weights of `dtype` on `device`."""
-    if _cpu_fp32(device, dtype):
+    if _cpu_fp32(device, dtype, cpu_linear):
         return _cpu_fp32_linear(onednn_linear_usable())
     return F.linear
 
 
-def select_weight_packing(device: torch.device, dtype: torch.dtype) -> PackFn | None:
+def select_weight_packing(device: torch.device, dtype: torch.dtype, cpu_linear: str = "auto") -> PackFn | None:
     """How to pack weights of `dtype` on `device` once at load time for select_linear's function;
     None where they are best left as they are."""
-    if _cpu_fp32(device, dtype) and onednn_linear_usable():
+    if _cpu_fp32(device, dtype, cpu_linear) and onednn_linear_usable():
         return pack_onednn_weight
     return None

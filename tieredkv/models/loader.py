@@ -59,8 +59,23 @@ def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
     check_spec_against_weights(spec, tensor_shapes(files))
     with torch.device("meta"):
         model = LlamaModel(spec)
-    expected = {name for name, _ in model.named_parameters()}
-    state: dict[str, torch.Tensor] = {}
+    parts = _read_tensors(files, spec, dtype, device)
+    state = _fuse(parts, [name for name, _ in model.named_parameters()])
+    unused = [k for k in parts if not k.endswith("rotary_emb.inv_freq")]
+    if unused:
+        raise CheckpointError(f"checkpoint has tensors this architecture does not use: {', '.join(sorted(unused)[:5])}")
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint tensors do not match config.json: {e}") from None
+    model.rotary = RotaryEmbedding(spec).to(device)
+    return model.eval()
+
+
+def _read_tensors(files: list[Path], spec: ModelSpec, dtype: torch.dtype,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint (but a tied LM head), named without the "model." prefix, in dtype on
+    device, with a progress bar over the bytes read."""
     parts: dict[str, torch.Tensor] = {}
     with tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="loading weights",
               disable=None) as bar:
@@ -76,6 +91,13 @@ def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
                         bar.update(tensor.numel() * tensor.element_size())
             except SafetensorError as e:
                 raise CheckpointError(f"cannot read {f.name} (truncated or corrupt safetensors file): {e}") from None
+    return parts
+
+
+def _fuse(parts: dict[str, torch.Tensor], expected: list[str]) -> dict[str, torch.Tensor]:
+    """The model's state dict, taking each parameter from `parts` (which keeps what is left over), fused
+    projections concatenated from their pieces."""
+    state: dict[str, torch.Tensor] = {}
     for name in expected:
         if name in parts:
             state[name] = parts.pop(name)
@@ -89,12 +111,4 @@ def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
                 break
         else:
             raise CheckpointError(f"checkpoint lacks tensor {name!r}")
-    unused = [k for k in parts if not k.endswith("rotary_emb.inv_freq")]
-    if unused:
-        raise CheckpointError(f"checkpoint has tensors this architecture does not use: {', '.join(sorted(unused)[:5])}")
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"checkpoint tensors do not match config.json: {e}") from None
-    model.rotary = RotaryEmbedding(spec).to(device)
-    return model.eval()
+    return state

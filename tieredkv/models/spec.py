@@ -46,16 +46,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelSpec":
-        archs = cfg.get("architectures") or []
-        model_type = cfg.get("model_type")
-        known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
-        if known:
-            model_type = known[0]
-        elif archs or model_type not in _MODEL_TYPES:
-            what = ", ".join(archs) if archs else f"model_type={model_type!r}"
-            raise UnsupportedModelError(
-                f"unsupported architecture {what}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
+        model_type = _model_type(cfg)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -82,6 +73,11 @@ class ModelSpec:
             raise UnsupportedModelError(f"config.json lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError, OverflowError) as e:
             raise UnsupportedModelError(f"config.json has a field of the wrong kind: {e}") from None
+        spec._check(cfg)
+        return spec
+
+    def _check(self, cfg: dict[str, Any]) -> None:
+        spec = self
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             if getattr(spec, name) < 1:
@@ -94,7 +90,6 @@ class ModelSpec:
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
-        return spec
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelSpec":
@@ -138,3 +133,18 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
         return None
     return int(window)
+
+
+def _model_type(cfg: dict[str, Any]) -> str:
+    """The family of a config.json (by its architectures, else its model_type), or UnsupportedModelError."""
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if known:
+        return known[0]
+    if archs or model_type not in _MODEL_TYPES:
+        what = ", ".join(archs) if archs else f"model_type={model_type!r}"
+        raise UnsupportedModelError(
+            f"unsupported architecture {what}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    return model_type

@@ -14,7 +14,8 @@ weights and cache come in as inputs. One graph over the stack, rather than one p
 torch.compile's ~0.1 ms wrapper around each call (3 ms a token for 30 layers) and fuses each layer's
 last residual add into the next one's norm.
 The engine compiles it at start-up (`warmup`), so no request waits for a compile, and inductor keeps
-it in its on-disk cache (`configure_cache`), so a restart loads it. Steps with more sequences run the
+it in its on-disk cache under the engine's cache directory, so a restart loads it. Processes that start
+at once on one cache take turns: the first compiles under a file lock, the others then load its graph. Steps with more sequences run the
 eager forward: measured here, a graph dynamic in the batch was no faster at 2 decodes and twice as
 slow at 8 (its attention loops and the plain weights' products lose to the eager grouping and oneDNN's
 packed weights).
@@ -22,14 +23,16 @@ packed weights).
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from tieredkv.cache_dir import artifact_lock
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_dense
@@ -38,36 +41,15 @@ from tieredkv.models.llama import LlamaModel
 
 log = logging.getLogger("tieredkv")
 
-COMPILE_ENV = "TIEREDKV_COMPILE_DECODE"
-CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 MIN_TABLE_WIDTH = 2  # tables are padded to this width: a width of 1 would be a graph of its own
 MAX_LAYERS_PER_GRAPH = 32  # the graph's compile time grows with its layers (the default model's 30: ~50 s, once)
 RECOMPILE_LIMIT = 3  # 1 is expected; past this the path turns itself off rather than compile every step
 
 
 def compile_wanted(setting: bool | None, device: torch.device) -> bool:
-    """EngineConfig.compile_decode: None means the TIEREDKV_COMPILE_DECODE environment variable
-    ("1" or "0") when set, else on for CPU (on CUDA the Triton kernels already fuse the attention)."""
-    if setting is not None:
-        return setting
-    env = os.environ.get(COMPILE_ENV)
-    if env is None:
-        return device.type == "cpu"
-    if env not in ("0", "1"):
-        raise ValueError(f"{COMPILE_ENV} must be 0 or 1, got {env!r}")
-    return env == "1"
-
-
-def configure_cache() -> Path:
-    """Inductor's on-disk cache under the user's cache directory (~/.cache/tieredkv/inductor), unless
-    TORCHINDUCTOR_CACHE_DIR names another; inductor's default lies in /tmp, which a reboot may empty.
-    (Importing inductor writes its default into the variable, so the default counts as unset.)"""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    if os.environ.get(CACHE_ENV) in (None, os.path.abspath(default_cache_dir())):
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        os.environ[CACHE_ENV] = str(base / "tieredkv" / "inductor")
-    return Path(os.environ[CACHE_ENV])
+    """EngineConfig.compile_decode: None means on for CPU (on CUDA the Triton kernels already fuse the
+    attention)."""
+    return setting if setting is not None else device.type == "cpu"
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -93,22 +75,28 @@ def layer_groups(model: LlamaModel, kv_cache: torch.Tensor) -> list[tuple[tuple,
 class CompiledDecode:
     """Runs steps that decode one sequence through the compiled graph."""
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps):
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps, cache_dir: Path):
         self.model = model
         self.kv_cache = kv_cache
         self.ops = replace(ops, name=f"{ops.name}+compiled", linear=F.linear, pack_linear_weight=None, plan_decode=None,
                            decode_attention=decode_attention_dense, store_kv=store_kv_dense)
-        self.cache_dir = configure_cache()
+        self.cache_dir = cache_dir  # inductor's on-disk cache for this engine
         self.graphs = 0  # graphs compiled (or loaded from the cache): 1 after warmup, and no more after
         self.steps = 0  # steps this path ran
         self.disabled: str | None = None  # why the path turned itself off, if it did
         self._groups = layer_groups(model, kv_cache)
+        for _, caches in self._groups:  # one graph for any pool size: the default warm tier (far slots in the
+            for cache in caches:  # cache tensor) follows the memory free at start-up, which differs every time
+                torch._dynamo.mark_dynamic(cache, 1)
+        self._stack = self._compiled()
+
+    def _compiled(self):
         # The layers are not changed after load, so no guard checks their attributes on every call: that
         # would cost more than the layer's fused loops.
         # isolate_recompiles: each engine counts its own graphs (the code object is shared by all engines).
-        self._stack = torch.compile(self._stack_forward, backend=self._backend, fullgraph=True,
-                                    recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True,
-                                    options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        return torch.compile(self._stack_forward, backend=self._backend, fullgraph=True,
+                             recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True,
+                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     def _backend(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -167,17 +155,70 @@ class CompiledDecode:
         try:
             logits = self._forward(self._batch(input_ids, positions, slot_mapping, block_tables, context_lens))
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
-            self.disabled = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-            log.warning("compiled decode turned off, the eager forward serves from now on: %s", self.disabled)
+            self.disabled = f"{type(e).__name__}: {_reason(e)}"
+            if self.steps:  # while serving (warmup reports its own)
+                log.warning("compiled decode turned off, the eager forward serves from now on: %s", self.disabled)
             return None
         self.steps += 1
         return logits
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compiles (or loads from the cache) the graph with a decode over block 0, free at start-up.
-        Where that fails (no C++ compiler, say) the path is off and the eager forward serves."""
+        """Compiles (or loads from the cache) the graph with a decode over block 0, free at start-up, in
+        the engine's inductor cache. The first process to compile a graph does so under the cache's lock,
+        and leaves a marker when it is done; processes that find the marker load the graph at once, side by
+        side, and those that started meanwhile wait for the lock, then load. A compile that fails is tried
+        once more (on an emptied cache when the failure points at a broken file); where it fails again (no
+        C++ compiler, say) the path is off, the eager forward serves, and a warning says why and what to do."""
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        marker = self.cache_dir / f".compiled-{self._graph_key()}"
+        with temporary_cache_dir(str(self.cache_dir)):
+            if not marker.exists():
+                with artifact_lock(self.cache_dir.parent / ".inductor.lock", "compiling the decode graph"):
+                    if not marker.exists():
+                        self._compile_with_retry()
+                        if self.disabled is None:
+                            marker.touch()
+            if self.graphs == 0 and self.disabled is None:
+                self._compile_with_retry()
+        if self.disabled is not None:
+            log.warning("compiled decode is off, the eager forward serves (correct, slower per token): %s. "
+                        "If this persists, delete %s; compile_decode=False skips compiling.",
+                        self.disabled, self.cache_dir)
+        self.steps = 0
+
+    def _compile_with_retry(self) -> None:
+        self._decode_block_zero()
+        if self.disabled is not None:
+            broken = any(sign in self.disabled for sign in _BROKEN_CACHE)
+            log.info("compiling the decode graph failed (%s); trying again%s", self.disabled,
+                     " on an emptied cache" if broken else "")
+            if broken:
+                shutil.rmtree(self.cache_dir, ignore_errors=True)
+            self.disabled, self._stack = None, self._compiled()
+            self._decode_block_zero()
+
+    def _graph_key(self) -> str:
+        """What the graph depends on: the model's shape, the cache's block shape and dtype (any number of
+        blocks: that dimension is dynamic), torch's version, the runs of layers."""
+        block_shape = tuple(self.kv_cache.shape[3:])
+        identity = repr((self.model.spec, block_shape, self.kv_cache.dtype, torch.__version__,
+                         [len(layers) for layers, _ in self._groups]))
+        return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+    def _decode_block_zero(self) -> None:
         zeros = torch.zeros(1, dtype=torch.int64, device=self.kv_cache.device)
         table = torch.zeros(1, MIN_TABLE_WIDTH, dtype=torch.int32, device=zeros.device)
         self.run(zeros, zeros.clone(), zeros.clone(), table, torch.ones(1, dtype=torch.int32, device=zeros.device))
-        self.steps = 0
+
+
+_BROKEN_CACHE = ("ImportError", "EOFError", "UnpicklingError", "file too short", "invalid ELF header")
+
+
+def _reason(e: BaseException) -> str:
+    """An exception's message without torch's advice on logging: its first paragraph on one line, cut at
+    a word boundary after 400 characters."""
+    first = str(e).strip().split("\n\n")[0]
+    text = " ".join(first.split())
+    return text if len(text) <= 400 else text[:400].rsplit(" ", 1)[0] + " ..."

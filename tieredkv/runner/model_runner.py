@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch
@@ -12,6 +14,14 @@ from tieredkv.kernels.cascade import shared_prefixes
 from tieredkv.models.llama import LlamaModel
 from tieredkv.core.scheduler import SchedulerOutput
 from tieredkv.core.sequence import Sequence
+
+
+class _TokenRows(NamedTuple):
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    logits_rows: list[int]
+    sampled: list[Sequence]
 
 
 class ModelRunner:
@@ -54,33 +64,44 @@ class ModelRunner:
         # decodes sorted by context length, so that the torch decode attention's length groups are runs
         decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: sn[0].num_computed_tokens)
         prefills = [(s, n) for s, n in scheduled if n > 1]
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        sampled: list[Sequence] = []
-        for seq, n in decodes + prefills:
-            start = seq.num_computed_tokens
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs].block_id * bs + p % bs for p in range(start, start + n))
+        tokens = self._token_rows(decodes + prefills)
+        ids, stage = self._table_ids([s for s, _ in decodes + prefills])
+        attn = self._attention(decodes, prefills, ids[: len(decodes)], ids[len(decodes) :], with_plan, stage)
+        batch = ForwardBatch(
+            input_ids=self._tensor(tokens.input_ids, torch.int64),
+            positions=self._tensor(tokens.positions, torch.int64),
+            slot_mapping=self._tensor(tokens.slots, torch.int64),
+            logits_indices=self._tensor(tokens.logits_rows, torch.int64),
+            attn=attn,
+        )
+        return batch, tokens.sampled
+
+    def _token_rows(self, scheduled: list[tuple[Sequence, int]]) -> "_TokenRows":
+        """Each scheduled token's id, position and cache slot, in order, and the rows whose logits are sampled."""
+        bs, rows = self.block_size, _TokenRows([], [], [], [], [])
+        for seq, n in scheduled:
+            start, table = seq.num_computed_tokens, seq.block_table
+            rows.input_ids.extend(seq.token_ids[start : start + n])
+            rows.positions.extend(range(start, start + n))
+            rows.slots.extend(table[p // bs].block_id * bs + p % bs for p in range(start, start + n))
             if start + n == seq.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
+                rows.logits_rows.append(len(rows.input_ids) - 1)
+                rows.sampled.append(seq)
+        return rows
+
+    def _attention(self, decodes: list[tuple[Sequence, int]], prefills: list[tuple[Sequence, int]],
+                   decode_ids: list[list[int]], prefill_ids: list[list[int]], with_plan: bool,
+                   stage: StagePlan | None) -> AttentionMetadata:
         query_start = [0]
         for _, n in prefills:
             query_start.append(query_start[-1] + n)
-        ids, stage = self._table_ids([s for s, _ in decodes + prefills])
-        decode_ids, prefill_ids = ids[: len(decodes)], ids[len(decodes) :]
         decode_tables = self._block_tables(decode_ids)
         decode_lens = self._tensor([s.num_computed_tokens + 1 for s, _ in decodes], torch.int32)
         plan = None
         if with_plan and decodes and self.ops.plan_decode is not None:
             prefixes = self._prefixes(decodes, decode_ids) or None
-            plan = self.ops.plan_decode(decode_tables, decode_lens, bs, self.kv_cache.dtype, prefixes)
-        attn = AttentionMetadata(
+            plan = self.ops.plan_decode(decode_tables, decode_lens, self.block_size, self.kv_cache.dtype, prefixes)
+        return AttentionMetadata(
             num_decode_tokens=len(decodes),
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
@@ -93,14 +114,6 @@ class ModelRunner:
             prefill_plan=self._prefixes(prefills, prefill_ids) or None,
             stage=stage,
         )
-        batch = ForwardBatch(
-            input_ids=self._tensor(input_ids, torch.int64),
-            positions=self._tensor(positions, torch.int64),
-            slot_mapping=self._tensor(slots, torch.int64),
-            logits_indices=self._tensor(logits_rows, torch.int64),
-            attn=attn,
-        )
-        return batch, sampled
 
     def compile_now(self) -> None:
         """Compiles what would otherwise compile on the first request: every Triton kernel variant a step

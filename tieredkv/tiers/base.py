@@ -11,16 +11,9 @@ from typing import ClassVar, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from tieredkv.core.hashing import BlockHash
+from tieredkv.core.hashing import BlockHash, BlockKey
 
 TIER_NAMES = ("hot", "warm", "cold")  # top to bottom
-
-
-class BlockKey(NamedTuple):
-    """A full block's chained hash and its token ids (compared on every hit)."""
-
-    block_hash: BlockHash
-    token_ids: tuple[int, ...]
 
 
 @dataclass

@@ -159,6 +159,14 @@ class TierManager:
         if keys:  # evicted from the bottom tier: gone
             self.lower[-1].note_dropped(k.block_hash for k in keys)
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Host copies [n, layers, 2, block_size, kv_heads, head_dim] of blocks by id, hot or far (a far
+        block's data is its warm slot's)."""
+        pool = self.hot.pool
+        out = [self.swap.read([pool.slot_of(i)]) if pool.is_far_id(i) else self.hot.gather([i]).cpu()
+               for i in block_ids]
+        return torch.cat(out) if out else torch.empty(0)
+
     def _pass_down(self, tier: KVTier, victims: Victims) -> None:
         self._admit(self.lower.index(tier) + 1, *victims)
 

@@ -17,7 +17,7 @@ from tieredkv.engine import AsyncEngine
 
 
 def _engine_config(args, **kw) -> EngineConfig:
-    return EngineConfig(model=args.model, cold_path=getattr(args, "cold_path", None), **kw)
+    return EngineConfig.from_env(model=args.model, cold_path=getattr(args, "cold_path", None), **kw)
 
 
 async def chat(args: argparse.Namespace) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tieredkv.core.hashing import hash_block, root_hash
+from tieredkv.core.hashing import chain_keys, root_hash
 from tieredkv.tiers.base import BlockKey
 
 
@@ -21,11 +21,10 @@ class BlockReport:
 def explain(core, token_ids: list[int]) -> list[BlockReport]:
     """One report per block of token_ids (the last one may be partial). Runs on the engine's worker."""
     bs = core.block_size
-    keys = core.kv.chain_keys(token_ids)
+    keys = core.index.keys(token_ids)
     lookup = (len(token_ids) - 1) // bs  # full blocks a lookup may cover: never the last token
     reports, served = [], True
-    for i, key in enumerate(keys):
-        where = _where(core, key)
+    for i, where in enumerate(core.index.where(keys, verify=True)):
         if not core.kv.enable_caching:
             source, reason = None, "prefix caching is off"
         elif i >= lookup:
@@ -44,18 +43,6 @@ def explain(core, token_ids: list[int]) -> list[BlockReport]:
         reports.append(BlockReport(n, n * bs, len(token_ids), None, "a partial block is never cached"))
     return reports
 
-
-def _where(core, key: BlockKey) -> str | None:
-    block = core.pool.get_cached(key.block_hash, key.token_ids)
-    if block is not None:
-        return core.pool.tier_of(block)  # "warm": a far block of a running sequence, in a warm slot
-    for tier in core.tiers.lower:
-        if tier.name == "cold":
-            if tier.inspect_sync(key) == "ok":
-                return "cold"
-        elif tier.contains_sync([key]):
-            return tier.name
-    return None
 
 
 def _why(core, keys: list[BlockKey], i: int) -> str:
@@ -83,9 +70,5 @@ def _chain(core, fingerprint: str, tokens: list[int]) -> BlockKey | None:
         bs = int(fingerprint.split("|bs=")[1].split("|")[0])
     except (IndexError, ValueError):
         return None
-    parent, key = root_hash(fingerprint), None
-    for start in range(0, len(tokens) - len(tokens) % bs, bs):
-        block = tuple(tokens[start : start + bs])
-        parent = hash_block(parent, block)
-        key = BlockKey(parent, block)
-    return key
+    keys = chain_keys(root_hash(fingerprint), tokens, bs)
+    return keys[-1] if keys else None

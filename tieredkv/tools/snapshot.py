@@ -24,6 +24,7 @@ from tieredkv.tiers.base import BlockKey
 
 MAGIC = b"TKVSNAP1"
 VERSION = 1
+MAX_HEADER_BYTES = 1 << 20  # a header names a fingerprint, a dtype and a shape: far less
 BATCH = 64
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
@@ -45,22 +46,17 @@ def blocks_to_export(core, prompts: list[list[int]] | None) -> Iterator[tuple[li
                 if keep:
                     yield [keys[i] for i in keep], data[keep]
         return
-    wanted = [k for p in prompts for k in core.kv.chain_keys(p)]
+    wanted = [k for p in prompts for k in core.index.keys(p)]
     for start in range(0, len(wanted), BATCH):
         keys, rows = [], []
         for key in wanted[start : start + BATCH]:
             if key.block_hash in seen:
                 continue
-            block = core.pool.get_cached(key.block_hash, key.token_ids)
-            data = core.tiers.hot.gather([block.block_id]).cpu() if block is not None else None
-            for tier in core.tiers.lower if data is None else ():
-                data = tier.get_sync([key])
-                if data is not None:
-                    break
+            data = core.index.read(key)
             if data is not None:
                 seen.add(key.block_hash)
                 keys.append(key)
-                rows.append(data[0])
+                rows.append(data)
         if keys:
             yield keys, torch.stack(rows)
 
@@ -88,42 +84,24 @@ async def write_snapshot(path, fingerprint: str, dtype: torch.dtype, shape: tupl
 
 def read_snapshot(path, fingerprint: str, dtype: torch.dtype, shape: tuple):
     """(async iterator of (keys, blocks) batches of the entries that check out, report): iterating raises
-    SnapshotError for another model's snapshot; `report` counts corrupt entries and says whether the
-    file's end was found (False: truncated)."""
+    SnapshotError for another model's snapshot or a damaged header; `report` counts corrupt entries and
+    says whether the file's end was found (False: truncated)."""
     payload_bytes = torch.Size(shape).numel() * dtype.itemsize
     report = {"corrupt": 0, "complete": False}
 
     async def batches():
         async with aiofiles.open(path, "rb") as f:
-            if await f.read(len(MAGIC)) != MAGIC:
-                raise SnapshotError(f"{path} is not a tieredkv cache snapshot")
-            (n,) = _U32.unpack(await f.read(4))
-            header = msgpack.unpackb(await f.read(n))
-            if header.get("fp") != fingerprint or header.get("dtype") != str(dtype) or \
-                    tuple(header.get("shape", ())) != tuple(shape):
-                raise SnapshotError(f"{path} holds blocks of another model, dtype, block size or layout "
-                                    f"({header.get('fp')!r}, {header.get('dtype')}); this engine is {fingerprint!r}")
+            await _check_header(f, path, fingerprint, dtype, shape)
             keys, rows = [], []
             while True:
-                raw = await f.read(4)
-                if len(raw) < 4:
-                    break  # truncated
-                (n,) = _U32.unpack(raw)
-                if n == 0:
-                    report["complete"] = len(await f.read(8)) == 8
+                entry = await _read_entry(f, payload_bytes, report)
+                if entry is None:
                     break
-                try:
-                    meta = msgpack.unpackb(await f.read(n))
-                    payload = await f.read(payload_bytes)
-                    ok = len(payload) == payload_bytes and _digest(payload) == meta["d"]
-                    key = BlockKey(bytes(meta["h"]), tuple(int(t) for t in meta["t"]))
-                except Exception:
-                    break  # the framing itself is damaged: nothing after it can be trusted
-                if not ok:
+                if not entry[2]:
                     report["corrupt"] += 1
                     continue
-                keys.append(key)
-                rows.append(torch.frombuffer(bytearray(payload), dtype=dtype).view(shape))
+                keys.append(entry[0])
+                rows.append(torch.frombuffer(bytearray(entry[1]), dtype=dtype).view(shape))
                 if len(keys) == BATCH:
                     yield keys, torch.stack(rows)
                     keys, rows = [], []
@@ -131,3 +109,43 @@ def read_snapshot(path, fingerprint: str, dtype: torch.dtype, shape: tuple):
                 yield keys, torch.stack(rows)
 
     return batches(), report
+
+
+async def _check_header(f, path, fingerprint: str, dtype: torch.dtype, shape: tuple) -> None:
+    """Reads the magic and the header; SnapshotError unless they are whole and name this engine's blocks."""
+    if await f.read(len(MAGIC)) != MAGIC:
+        raise SnapshotError(f"{path} is not a tieredkv cache snapshot")
+    raw = await f.read(4)
+    n = _U32.unpack(raw)[0] if len(raw) == 4 else 0
+    body = await f.read(n) if 0 < n <= MAX_HEADER_BYTES else b""
+    try:
+        header = msgpack.unpackb(body) if len(body) == n and body else None
+    except Exception:  # msgpack raises several kinds for damaged bytes
+        header = None
+    if not isinstance(header, dict):
+        raise SnapshotError(f"{path}: the snapshot header is damaged (length {n}, {len(body)} bytes read)")
+    stored_shape = header.get("shape")
+    if header.get("fp") != fingerprint or header.get("dtype") != str(dtype) or \
+            not isinstance(stored_shape, list) or tuple(stored_shape) != tuple(shape):
+        raise SnapshotError(f"{path} holds blocks of another model, dtype, block size or layout "
+                            f"({header.get('fp')!r}, {header.get('dtype')}); this engine is {fingerprint!r}")
+
+
+async def _read_entry(f, payload_bytes: int, report: dict) -> tuple[BlockKey, bytes, bool] | None:
+    """The next entry (key, payload, whether its digest checks out), or None at the end: the end marker
+    (report["complete"] then says whether the trailer is whole), a truncation, or damaged framing, after
+    which nothing can be trusted."""
+    raw = await f.read(4)
+    if len(raw) < 4:
+        return None
+    (n,) = _U32.unpack(raw)
+    if n == 0:
+        report["complete"] = len(await f.read(8)) == 8
+        return None
+    try:
+        meta = msgpack.unpackb(await f.read(n))
+        payload = await f.read(payload_bytes)
+        ok = len(payload) == payload_bytes and _digest(payload) == meta["d"]
+        return BlockKey(bytes(meta["h"]), tuple(int(t) for t in meta["t"])), payload, ok
+    except Exception:
+        return None

@@ -1,0 +1,177 @@
+"""The live requests on the engine's worker: how they enter, what happens to them after each forward
+(computed tokens, forks, sampling, stop rules), and how they end. Every outcome is an `Output`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from tieredkv.core.kv_manager import KVCacheManager, cdiv
+from tieredkv.core.pins import PinTable
+from tieredkv.core.scheduler import Scheduler, SchedulerOutput
+from tieredkv.core.sequence import Request, Sequence
+from tieredkv.errors import RequestError, StepError, TieredKVError
+from tieredkv.models.detokenizer import IncrementalDetokenizer
+from tieredkv.models.tokenizer import Tokenizer
+from tieredkv.outputs import Output, StreamChunk, TokenLogprob, make_chunk
+from tieredkv.request_factory import RequestFactory
+from tieredkv.runner.sampler import RowState, Sampled, sample
+from tieredkv.telemetry import Telemetry
+
+
+class Lifecycle:
+    """`requests` maps each live request id to its request; a request leaves it when its last sample
+    finishes, when it is aborted, or when it fails. Not thread-safe: the worker thread owns it."""
+
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, factory: RequestFactory, tokenizer: Tokenizer,
+                 pins: PinTable, telemetry: Telemetry, device: torch.device, max_model_len: int):
+        self.scheduler = scheduler
+        self.kv = kv
+        self.factory = factory
+        self.tokenizer = tokenizer
+        self.pins = pins
+        self.telemetry = telemetry
+        self.device = device
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+
+    # -- entering and ending ------------------------------------------------------------------------
+
+    def add(self, req: Request) -> list[Output]:
+        """Queues the request. One that cannot be served here gets its error as its only output;
+        nothing else is touched."""
+        try:
+            if req.request_id in self.requests:
+                raise RequestError(f"request id {req.request_id!r} is already in use")
+            self.factory.check_fits(len(req.prompt_token_ids), req.params, self.pins.num_blocks)
+            seq = self._new_sequence(req, 0, req.prompt_token_ids)
+        except Exception as e:
+            self.telemetry.on_rejected()
+            return [(req.sink, e if isinstance(e, TieredKVError) else RequestError(f"cannot admit the request: {e}"))]
+        self.telemetry.on_added(req)
+        req.seqs.append(seq)
+        self.requests[req.request_id] = req
+        self.scheduler.add(seq)
+        return []
+
+    def abort(self, request_id: str, sink: Any = None) -> list[Output]:
+        """Finishes every sample of the request with "abort" and frees its blocks; returns final chunks.
+        With `sink`, only the request delivering there is aborted (an id may have been reused since)."""
+        req = self.requests.get(request_id)
+        if req is None or (sink is not None and req.sink is not sink):
+            return []
+        del self.requests[request_id]
+        self.telemetry.on_ended(req, "abort")
+        outputs = []
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                outputs.append((req.sink, make_chunk(seq, [], final=True)))
+        return outputs
+
+    def fail(self, req: Request, error: BaseException) -> list[Output]:
+        """Ends a request with an error (its blocks freed); the error is its last output."""
+        if self.requests.pop(req.request_id, None) is None:
+            return []
+        self.telemetry.on_ended(req, "error")
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "error")
+        return [(req.sink, error)]
+
+    def fail_all(self, error: BaseException) -> list[Output]:
+        return [out for req in list(self.requests.values()) for out in self.fail(req, error)]
+
+    def fail_step(self, out: SchedulerOutput, error: BaseException) -> list[Output]:
+        """A forward failed: every request it computed for ends with a StepError."""
+        failed = {s.request.request_id: s.request for s, _ in out.scheduled}
+        return [o for rid, req in failed.items() for o in self.fail(req, StepError([rid], error))]
+
+    def fail_unschedulable(self, seq: Sequence) -> list[Output]:
+        """Nothing runs and the head of the queue still cannot start: it never will, so it fails."""
+        bs, pool = self.kv.block_size, self.kv.pool
+        return self.fail(seq.request, RequestError(
+            f"request {seq.request.request_id!r} cannot be scheduled: it needs {cdiv(seq.num_tokens, bs)}"
+            f" KV blocks, the pool has {pool.num_blocks} of which {self.pins.num_blocks} are pinned"))
+
+    # -- after the forward ------------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, logits: torch.Tensor, sampled: list[Sequence]) -> list[Output]:
+        """Computed tokens and newly full blocks cached, then for each sampled sequence (a logits row):
+        the prompt's end for prefill-only requests, or forks and one sampled token per sample."""
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
+        outputs, rows, seqs = [], [], []
+        for i, seq in enumerate(sampled):
+            req = seq.request
+            if req.prefill_only:
+                outputs.extend(self._finish_prefill(seq))
+                continue
+            try:
+                family = [seq] + self._fork(seq)
+            except Exception as e:
+                outputs.extend(self.fail(req, RequestError(f"forking the samples failed: {e}")))
+                continue
+            rows.extend([i] * len(family))
+            seqs.extend(family)
+        if rows != list(range(len(sampled))):
+            logits = logits[rows]
+        if seqs:
+            outputs.extend(self._sample(logits, seqs))
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Output]:
+        outputs = []
+        states = [RowState(s.request.params, s.token_ids, s.num_prompt_tokens, s.request.stop_ids) for s in seqs]
+        for seq, got in zip(seqs, sample(logits, states, [s.generator for s in seqs])):
+            if not isinstance(got, Sampled):
+                outputs.extend(self.fail(seq.request, got))
+            elif seq.request.request_id in self.requests:
+                outputs.append((seq.request.sink, self._append(seq, got)))
+        return outputs
+
+    def _finish_prefill(self, seq: Sequence) -> list[Output]:
+        req = seq.request
+        if req.pin:
+            try:
+                self.pins.pin(req.prompt_token_ids)
+            except RequestError as e:
+                return self.fail(req, e)
+        self.scheduler.finish(seq, "prefill")
+        self._finish_request(req)
+        return [(req.sink, make_chunk(seq, [], final=True))]
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(req, index, list(token_ids), req.make_generator(index, self.device))
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+        return seq
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """When sample 0 finishes its prompt, the other n - 1 samples start, sharing its blocks."""
+        req = seq.request
+        if seq.index != 0 or req.pending_forks == 0:
+            return []
+        children = []
+        for i in range(len(req.seqs), req.params.n):
+            child = self._new_sequence(req, i, seq.token_ids)
+            self.kv.fork(seq, child)
+            req.seqs.append(child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def _append(self, seq: Sequence, got: Sampled) -> StreamChunk:
+        self.telemetry.on_token(seq, time.perf_counter())
+        reason = seq.append(got.token, self.max_model_len)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            if seq.request.is_finished:
+                self._finish_request(seq.request)
+        logprobs = None if got.logprob is None else [TokenLogprob(got.token, got.logprob, got.top)]
+        return make_chunk(seq, [got.token], final=reason is not None, logprobs=logprobs)
+
+    def _finish_request(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self.telemetry.on_finished(req)
