@@ -48,17 +48,56 @@ def _write_to(path: str, start: int, count: int, conn) -> None:
     write(path, start, count, conn.send)
 
 
+def read_back(path: str, n: int) -> int:
+    """Opens the store at `path`, reads blocks 0..n-1 (each present one must be right), writes and reads one
+    more; returns how many came back."""
+    tier = open_tier(path)
+    good = 0
+    for i in range(n):
+        got = tier.get_sync([key(i)])
+        if got is not None:
+            assert torch.equal(got[0], block(i)), i
+            good += 1
+    tier.put_sync([key(10**6)], block(10**6)[None])
+    assert torch.equal(tier.get_sync([key(10**6)])[0], block(10**6))
+    tier.close_sync()
+    return good
+
+
+def _call_into(fn, args, conn) -> None:
+    conn.send(fn(*args))
+
+
+def _context():
+    if Writer._context is None:
+        Writer._context = multiprocessing.get_context("forkserver")
+        Writer._context.set_forkserver_preload(["torch", "cold_writer"])
+    return Writer._context
+
+
+def in_child(fn, *args, timeout: float = 120):
+    """fn(*args) in a process forked from the fork server: (exit code, its result or None). A child that
+    dies by a signal (SIGBUS from a damaged memory map, say) has a negative exit code."""
+    parent, child = _context().Pipe(duplex=False)
+    process = _context().Process(target=_call_into, args=(fn, args, child), daemon=True)
+    process.start()
+    child.close()
+    try:
+        result = parent.recv() if parent.poll(timeout) else None
+    except EOFError:  # it died before answering
+        result = None
+    process.join(timeout)
+    return process.exitcode, result
+
+
 class Writer:
     """A writer process: `next_batch()` waits for its next committed batch (None once it has ended)."""
 
     _context = None
 
     def __init__(self, path, start: int, count: int):
-        if Writer._context is None:
-            Writer._context = multiprocessing.get_context("forkserver")
-            Writer._context.set_forkserver_preload(["torch", "cold_writer"])
-        self._conn, child = Writer._context.Pipe(duplex=False)
-        self.process = Writer._context.Process(target=_write_to, args=(str(path), start, count, child), daemon=True)
+        self._conn, child = _context().Pipe(duplex=False)
+        self.process = _context().Process(target=_write_to, args=(str(path), start, count, child), daemon=True)
         self.process.start()
         child.close()
 

@@ -11,28 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cold_writer import FINGERPRINT, SHAPE, block, key, open_tier, start_writer
+import cold_writer
+from cold_writer import FINGERPRINT, SHAPE, block, in_child, key, open_tier, start_writer
 from tieredkv.tiers.cold import ColdTier, ColdTierError
 from tieredkv.tiers.lmdb_check import meta_problem
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
-# Opens a damaged store in a child and reads every block back: it must exit 0 (no SIGBUS) and print how
-# many blocks came back intact; a wrong block fails it.
-READER = """
-import sys, torch
-from cold_writer import *
-t = open_tier(sys.argv[1])
-good = 0
-for i in range(int(sys.argv[2])):
-    got = t.get_sync([key(i)])
-    if got is not None:
-        assert torch.equal(got[0], block(i)), i
-        good += 1
-t.put_sync([key(10**6)], block(10**6)[None])
-assert torch.equal(t.get_sync([key(10**6)])[0], block(10**6))
-t.close_sync()
-print(good)
-"""
 
 
 def filled(path, n=200):
@@ -45,10 +29,11 @@ def filled(path, n=200):
 
 
 def read_back(path, n=200) -> int:
-    done = subprocess.run([sys.executable, "-c", READER, str(path), str(n)], env=ENV, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    return int(done.stdout.strip().splitlines()[-1])
+    """Opens a damaged store in a child and reads every block back: the child must exit 0 (no SIGBUS);
+    returns how many blocks came back intact (a wrong block fails it)."""
+    code, good = in_child(cold_writer.read_back, str(path), n)
+    assert code == 0, code
+    return good
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.01, 0.3, 0.7, 0.99])
