@@ -58,13 +58,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+WARM_CAP = 4 << 30  # the default warm tier's most bytes
+
+
 def default_warm_bytes() -> int:
-    """10% of the memory available now, at most 4 GiB."""
+    """10% of the memory available now, at most WARM_CAP."""
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         available = 8 << 30
-    return min(available // 10, 4 << 30)
+    return min(available // 10, WARM_CAP)
 
 
 def resolve_cache_dir(cfg: EngineConfig) -> Path:
@@ -137,6 +140,14 @@ def warm_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
     return warm_bytes // kv_block_bytes(spec, cfg.block_size, dtype)
 
 
+def far_extent(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Blocks the cache tensor's tail spans where far blocks are read in place: what warm_bytes holds, or
+    with the default budget what its cap holds, so the tensor's shape (and the compiled graph that takes
+    it) does not follow the memory free at start-up. The span beyond the warm tier is address space only:
+    its pages are never touched."""
+    return (WARM_CAP if cfg.warm_bytes is None else cfg.warm_bytes) // kv_block_bytes(spec, cfg.block_size, dtype)
+
+
 def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
     """How attention reaches far blocks (block_pool.py): "in place" on CPU, where the warm slab can be
     the tail of the cache tensor; "staged" on CUDA, where it is pinned host memory (far_stage.py); None
@@ -151,7 +162,8 @@ def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
 def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
     """[layers, 2, num_blocks + num_far, block_size, kv_heads, head_dim]: the hot pool, zeroed, then the
-    warm tier's slab when it serves far blocks (left unwritten: its pages are taken as blocks land)."""
+    far tail when far blocks are read in place (the warm tier's slab, and far_extent's address space beyond
+    it; left unwritten: its pages are taken as blocks land)."""
     shape = (spec.num_layers, 2, num_blocks + num_far, block_size, spec.num_kv_heads, spec.head_dim)
     if not num_far:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -168,7 +180,7 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
     block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
     warm = None
     if num_warm_blocks > 0:
-        tail = kv_cache[:, :, num_blocks:] if kv_cache.shape[2] > num_blocks else None
+        tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks] if kv_cache.shape[2] > num_blocks else None
         warm = WarmTier(num_warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda", slab=tail)
     hot = HotTier(BlockPool(num_blocks, warm if far else None), kv_cache, ops)
     cold = None
@@ -222,7 +234,8 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     num_warm = warm_blocks(cfg, spec, dtype)
     mode = far_mode(cfg, device) if num_warm else None
     num_far = num_warm if mode else 0
-    kv_cache = make_kv_cache(spec, cfg.block_size, num_blocks, num_far if mode == "in place" else 0, dtype, device)
+    extent = far_extent(cfg, spec, dtype) if mode == "in place" else 0
+    kv_cache = make_kv_cache(spec, cfg.block_size, num_blocks, extent, dtype, device)
     factory = RequestFactory(tokenizer, spec, cfg, limit, eos_token_ids(spec, model_dir, tokenizer.eos_token_id),
                              num_blocks, num_far)
     fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size)

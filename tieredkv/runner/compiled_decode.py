@@ -85,9 +85,6 @@ class CompiledDecode:
         self.steps = 0  # steps this path ran
         self.disabled: str | None = None  # why the path turned itself off, if it did
         self._groups = layer_groups(model, kv_cache)
-        for _, caches in self._groups:  # one graph for any pool size: the default warm tier (far slots in the
-            for cache in caches:  # cache tensor) follows the memory free at start-up, which differs every time
-                torch._dynamo.mark_dynamic(cache, 1)
         self._stack = self._compiled()
 
     def _compiled(self):
@@ -200,10 +197,9 @@ class CompiledDecode:
             self._decode_block_zero()
 
     def _graph_key(self) -> str:
-        """What the graph depends on: the model's shape, the cache's block shape and dtype (any number of
-        blocks: that dimension is dynamic), torch's version, the runs of layers."""
-        block_shape = tuple(self.kv_cache.shape[3:])
-        identity = repr((self.model.spec, block_shape, self.kv_cache.dtype, torch.__version__,
+        """What the graph depends on: the model's shape, the cache tensor's shape and dtype (stable across
+        starts: engine_setup.far_extent), torch's version, the runs of layers."""
+        identity = repr((self.model.spec, tuple(self.kv_cache.shape), self.kv_cache.dtype, torch.__version__,
                          [len(layers) for layers, _ in self._groups]))
         return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
