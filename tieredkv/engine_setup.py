@@ -63,11 +63,14 @@ WARM_CAP = 4 << 30  # the default warm tier's most bytes
 
 def default_warm_bytes() -> int:
     """10% of the memory available now, at most WARM_CAP."""
+    return min(_memory("SC_AVPHYS_PAGES") // 10, WARM_CAP)
+
+
+def _memory(pages: str) -> int:
     try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        available = 8 << 30
-    return min(available // 10, WARM_CAP)
+        return 8 << 30
 
 
 def resolve_cache_dir(cfg: EngineConfig) -> Path:
@@ -142,10 +145,11 @@ def warm_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
 
 def far_extent(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
     """Blocks the cache tensor's tail spans where far blocks are read in place: what warm_bytes holds, or
-    with the default budget what its cap holds, so the tensor's shape (and the compiled graph that takes
-    it) does not follow the memory free at start-up. The span beyond the warm tier is address space only:
-    its pages are never touched."""
-    return (WARM_CAP if cfg.warm_bytes is None else cfg.warm_bytes) // kv_block_bytes(spec, cfg.block_size, dtype)
+    with the default budget its bound from the machine's total memory (10% of it, at most WARM_CAP), so
+    the tensor's shape (and the compiled graph that takes it) does not follow the memory free at start-up.
+    The span beyond the warm tier is address space only: its pages are never touched."""
+    budget = min(_memory("SC_PHYS_PAGES") // 10, WARM_CAP) if cfg.warm_bytes is None else cfg.warm_bytes
+    return budget // kv_block_bytes(spec, cfg.block_size, dtype)
 
 
 def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
@@ -246,9 +250,8 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None)
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
     staged = mode == "staged"  # the staged buffer: this step's hot blocks and at most a pool's worth of far ones
-    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers,
-                          offload={"in place": "first", "staged": "last"}.get(mode),
-                          stage_cap=num_blocks if staged else None)
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, offload={
+        "in place": "first", "staged": "last"}.get(mode), stage_cap=num_blocks if staged else None)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if staged else None)
