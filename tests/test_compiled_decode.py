@@ -121,6 +121,23 @@ def test_a_compiler_failure_leaves_the_eager_forward_serving(llama_dir, monkeypa
     assert compiled.steps == 0
 
 
+def test_a_compiler_failure_while_serving_is_reported_and_the_eager_forward_takes_over(llama_dir, monkeypatch, caplog):
+    """The first decode after start-up may hit the compiler (a recompile past the limit, say): the path turns
+    itself off with a warning, and that step and the rest run eager, with the same tokens."""
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=True))
+    compiled = core.runner.compiled
+    assert compiled.disabled is None and compiled.steps == 0
+
+    def refuse(*args, **kwargs):
+        raise torch._dynamo.exc.TorchDynamoException("recompile refused")
+
+    monkeypatch.setattr(compiled, "_stack", refuse)
+    prompt = [5, 6, 7, 8]
+    assert run_to_end(core, [prompt], [6]) == hf_greedy(llama_dir, [prompt], 6)
+    assert compiled.disabled and "recompile refused" in compiled.disabled and compiled.steps == 0
+    assert "compiled decode turned off" in caplog.text
+
+
 @pytest.mark.parametrize("num_layers, run", [(2, 2), (30, 30), (64, 32), (60, 30), (37, 1)])
 def test_layer_runs_are_equal_and_caches_share_memory_not_storage(num_layers, run):
     """One graph serves every run, so runs are equal; each cache is the layer's own memory under a

@@ -83,6 +83,7 @@ class CompiledDecode:
         self.cache_dir = cache_dir  # inductor's on-disk cache for this engine
         self.graphs = 0  # graphs compiled (or loaded from the cache): 1 after warmup, and no more after
         self.steps = 0  # steps this path ran
+        self._warming = False  # warmup reports its own failures
         self.disabled: str | None = None  # why the path turned itself off, if it did
         self._groups = layer_groups(model, kv_cache)
         self._stack = self._compiled()
@@ -153,7 +154,7 @@ class CompiledDecode:
             logits = self._forward(self._batch(input_ids, positions, slot_mapping, block_tables, context_lens))
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
             self.disabled = f"{type(e).__name__}: {_reason(e)}"
-            if self.steps:  # while serving (warmup reports its own)
+            if not self._warming:
                 log.warning("compiled decode turned off, the eager forward serves from now on: %s", self.disabled)
             return None
         self.steps += 1
@@ -169,16 +170,20 @@ class CompiledDecode:
         C++ compiler, say) the path is off, the eager forward serves, and a warning says why and what to do."""
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-        marker = self.cache_dir / f".compiled-{self._graph_key()}"
-        with temporary_cache_dir(str(self.cache_dir)):
-            if not marker.exists():
-                with artifact_lock(self.cache_dir.parent / ".inductor.lock", "compiling the decode graph"):
-                    if not marker.exists():
-                        self._compile_with_retry()
-                        if self.disabled is None:
-                            marker.touch()
-            if self.graphs == 0 and self.disabled is None:
-                self._compile_with_retry()
+        self._warming = True
+        try:
+            marker = self.cache_dir / f".compiled-{self._graph_key()}"
+            with temporary_cache_dir(str(self.cache_dir)):
+                if not marker.exists():
+                    with artifact_lock(self.cache_dir.parent / ".inductor.lock", "compiling the decode graph"):
+                        if not marker.exists():
+                            self._compile_with_retry()
+                            if self.disabled is None:
+                                marker.touch()
+                if self.graphs == 0 and self.disabled is None:
+                    self._compile_with_retry()
+        finally:
+            self._warming = False
         if self.disabled is not None:
             log.warning("compiled decode is off, the eager forward serves (correct, slower per token): %s. "
                         "If this persists, delete %s; compile_decode=False skips compiling.",
