@@ -75,13 +75,19 @@ def _context():
     return Writer._context
 
 
+def _fork(target, args: tuple):
+    """A process forked from the fork server running target(*args, conn): (process, the reading end)."""
+    parent, child = _context().Pipe(duplex=False)
+    process = _context().Process(target=target, args=(*args, child), daemon=True)
+    process.start()
+    child.close()
+    return process, parent
+
+
 def in_child(fn, *args, timeout: float = 120):
     """fn(*args) in a process forked from the fork server: (exit code, its result or None). A child that
     dies by a signal (SIGBUS from a damaged memory map, say) has a negative exit code."""
-    parent, child = _context().Pipe(duplex=False)
-    process = _context().Process(target=_call_into, args=(fn, args, child), daemon=True)
-    process.start()
-    child.close()
+    process, parent = _fork(_call_into, (fn, args))
     try:
         result = parent.recv() if parent.poll(timeout) else None
     except EOFError:  # it died before answering
@@ -96,10 +102,7 @@ class Writer:
     _context = None
 
     def __init__(self, path, start: int, count: int):
-        self._conn, child = _context().Pipe(duplex=False)
-        self.process = _context().Process(target=_write_to, args=(str(path), start, count, child), daemon=True)
-        self.process.start()
-        child.close()
+        self.process, self._conn = _fork(_write_to, (str(path), start, count))
 
     def next_batch(self, timeout: float = 120) -> int | None:
         if not self._conn.poll(timeout):

@@ -63,14 +63,16 @@ WARM_CAP = 4 << 30  # the default warm tier's most bytes
 
 def default_warm_bytes() -> int:
     """10% of the memory available now, at most WARM_CAP."""
-    return min(_memory("SC_AVPHYS_PAGES") // 10, WARM_CAP)
+    return _tenth_of_memory("SC_AVPHYS_PAGES")
 
 
-def _memory(pages: str) -> int:
+def _tenth_of_memory(pages: str) -> int:
+    """10% of the memory sysconf counts in `pages` (available, or physical), at most WARM_CAP."""
     try:
-        return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
+        memory = os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        return 8 << 30
+        memory = 8 << 30
+    return min(memory // 10, WARM_CAP)
 
 
 def resolve_cache_dir(cfg: EngineConfig) -> Path:
@@ -148,7 +150,7 @@ def far_extent(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
     with the default budget its bound from the machine's total memory (10% of it, at most WARM_CAP), so
     the tensor's shape (and the compiled graph that takes it) does not follow the memory free at start-up.
     The span beyond the warm tier is address space only: its pages are never touched."""
-    budget = min(_memory("SC_PHYS_PAGES") // 10, WARM_CAP) if cfg.warm_bytes is None else cfg.warm_bytes
+    budget = _tenth_of_memory("SC_PHYS_PAGES") if cfg.warm_bytes is None else cfg.warm_bytes
     return budget // kv_block_bytes(spec, cfg.block_size, dtype)
 
 

@@ -126,7 +126,7 @@ class BlockPool:
         return self.lender.num_lendable if self.lender is not None else 0
 
     def is_far(self, block: KVBlock) -> bool:
-        return block.block_id >= self.far_base
+        return self.is_far_id(block.block_id)
 
     def is_far_id(self, block_id: int) -> bool:
         return block_id >= self.far_base
