@@ -191,4 +191,7 @@ async def test_without_prefix_caching(llama_dir, expected, small):
         assert [o.token_ids for o in outs[0].outputs] == [expected[0]] * 2
         assert outs[1].outputs[0].token_ids == expected[1]
         assert engine.stats().blocks_offloaded > 0 and not engine.core.tiers.warm.entries
+        # a sequence holding far blocks is never preempted for another's block (it would be recomputed
+        # from scratch, its far blocks thrown away): the one short of room offloads its own old blocks
+        assert engine.stats().num_preemptions == 0
         check_pool_clean(engine.core)

@@ -60,8 +60,8 @@ class Scheduler:
     `offload` says what a dry pool does when far blocks are on (engine_setup.far_mode): "first" (far
     blocks cost nothing to read: old blocks of any running sequence move to far blocks before anyone is
     preempted), "last" (far blocks are staged per step, at most `stage_cap` of them: preemption comes
-    first, and only a sequence that cannot fit beside the others offloads its own request's blocks), or
-    None (off: preempt).
+    first, but a sequence that cannot fit beside the others, or whose victim holds far blocks and so
+    would be recomputed, offloads its own request's old blocks instead), or None (off: preempt).
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -131,7 +131,9 @@ class Scheduler:
                 return n
         while True:
             victim = self._pick_victim(step.scheduled, seq)
-            if victim is seq and self.offload == "last":  # it cannot fit beside the others: its old blocks go
+            if self.offload == "last" and (victim is seq or self.kv.num_far_blocks(victim)):
+                # seq cannot fit beside the others, or the victim would be recomputed (far blocks are not
+                # swapped): seq's own request's old blocks go first
                 fitting = self._make_room(seq, n)
                 if fitting and self.kv.allocate_slots(seq, fitting):
                     return fitting
