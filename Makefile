@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m tieredkv demo
 
+# One pytest worker per core (at most 4): each a process of its own, one compute thread each (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py

@@ -4,7 +4,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one of `make test`'s workers (one per core): one compute thread each, here and in the processes the
+    # tests start, so the workers never oversubscribe the cores (OpenMP threads spin while they wait)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
