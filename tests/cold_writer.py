@@ -28,8 +28,8 @@ def block(i: int) -> torch.Tensor:
     return torch.full(SHAPE, float(i)) + torch.arange(SHAPE[-1], dtype=torch.float32)
 
 
-def open_tier(path: str, budget: int = 1 << 30) -> ColdTier:
-    return ColdTier(path, budget, FINGERPRINT, SHAPE, torch.float32)
+def open_tier(path: str, budget: int = 1 << 30, secret_path=None) -> ColdTier:
+    return ColdTier(path, budget, FINGERPRINT, SHAPE, torch.float32, secret_path)
 
 
 def write(path: str, start: int, count: int, report) -> None:

@@ -84,15 +84,21 @@ def test_a_rewritten_entry_with_a_fresh_checksum_is_refused(tmp_path):
 
 
 def test_entries_written_under_another_key_are_misses(tmp_path):
+    """The start-up check names the key a store was written under; should that record be rewritten too,
+    every entry still fails its MAC under the other key: a counted miss, never a block."""
+    from tieredkv.tiers.cold_format import key_fingerprint, load_secret
+
     tier = open_tier(tmp_path)
     tier.put_sync([key(1)], block(1)[None])
+    with tier.env.begin(write=True, db=tier.db_meta) as txn:
+        txn.put(b"key", key_fingerprint(load_secret(tmp_path.parent / "other.key")))
     tier.close_sync()
     other = ColdTier(tmp_path, 1 << 30, FINGERPRINT, SHAPE, torch.float32, secret_path=tmp_path.parent / "other.key")
     assert other.get_sync([key(1)]) is None and other.stats().failures == 1
     other.close_sync()
 
 
-def test_an_oversized_payload_is_deleted(tmp_path):
+def test_an_oversized_payload_is_set_aside(tmp_path):
     tier = open_tier(tmp_path)
     tier.put_sync([key(2)], block(2)[None])
     k = tier._key(key(2))

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from cold_writer import block, key, open_tier, start_writer
+from tieredkv.errors import ColdTierError
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
 
@@ -45,7 +47,27 @@ def test_corrupt_payload_is_a_counted_miss(tmp_path):
     assert got.shape[0] == 1 and torch.equal(got[0], block(1))  # stops at the corrupt one
     assert tier.stats().failures == 1
     tier.flush_sync()
-    assert tier.contains_sync([key(2)]) == 0  # the bad entry was removed
+    assert tier.contains_sync([key(2)]) == 0  # the bad entry left the blocks ...
+    with tier.env.begin(db=tier.db_aside) as txn:  # ... for the aside database, as it was
+        assert [(bytes(k)[8:], bytes(v)) for k, v in txn.cursor()] == [(k, bytes(value))]
+    assert tier.put_sync([key(2)], block(2)[None]) == 1  # and a good one takes its place
+    assert torch.equal(tier.get_sync([key(2)])[0], block(2))
+    tier.close_sync()
+
+
+def test_a_store_written_under_another_key_is_refused_at_start_and_left_whole(tmp_path):
+    """Two engines with different keys on one cold_path: the second is refused with both key fingerprints
+    named, instead of failing (and once deleting) every entry of the first."""
+    store, other_key = tmp_path / "store", tmp_path / "other.key"
+    tier = open_tier(store)
+    tier.put_sync([key(i) for i in range(20)], torch.stack([block(i) for i in range(20)]))
+    tier.close_sync()
+    with pytest.raises(ColdTierError, match="written under another key") as refused:
+        open_tier(store, secret_path=other_key)
+    assert str(other_key) in str(refused.value)
+    tier = open_tier(store)  # the first key's entries are all there, none failed
+    got = tier.get_sync([key(i) for i in range(20)])
+    assert got.shape[0] == 20 and torch.equal(got[7], block(7)) and tier.stats().failures == 0
     tier.close_sync()
 
 

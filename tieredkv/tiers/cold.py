@@ -1,11 +1,12 @@
 """Cold tier: KV blocks in LMDB on disk, surviving restarts, shared safely between processes.
 
-Layout (one LMDB environment, four named databases):
+Layout (one LMDB environment, five named databases):
   blocks: key -> value, where key = fingerprint digest (8 bytes) || block hash (32 bytes) and the
           value is an authenticated entry (cold_format.py): any mismatch is a miss plus a failure
           count, never an exception and never a wrong block.
   lru:    key -> u64 access sequence number;  order: u64 sequence || key -> b"" (oldest first)
-  meta:   b"used_bytes", b"seq" -> u64
+  meta:   b"used_bytes", b"seq" -> u64; b"key" -> the fingerprint of the key entries are written under
+  aside:  u64 sequence || key -> an entry that failed its checks, kept for inspection (the last 256)
 The store is checked before it is mapped (lmdb_check.py). All writes go through one writer thread that
 batches queued operations into one write transaction; the disk budget counts whole LMDB pages and is
 enforced inside each write transaction by evicting the oldest entries, so it holds across processes
@@ -29,7 +30,7 @@ import torch
 
 from tieredkv.errors import ColdTierError
 from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, Victims
-from tieredkv.tiers.cold_format import ColdFormat, fingerprint_prefix, load_secret
+from tieredkv.tiers.cold_format import ColdFormat, default_secret_path, fingerprint_prefix, key_fingerprint, load_secret
 from tieredkv.tiers.cold_txn import ColdTxnOps, disk_cost
 from tieredkv.tiers.lmdb_env import close_env, open_env
 
@@ -69,6 +70,12 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         self.db_lru = self.env.open_db(b"lru")
         self.db_order = self.env.open_db(b"order")
         self.db_meta = self.env.open_db(b"meta")
+        self.db_aside = self.env.open_db(b"aside")
+        try:
+            self._check_key(secret_path)
+        except ColdTierError:
+            close_env(self.handle)
+            raise
         super().__init__(budget_bytes)
         self._used = 0  # bytes (whole pages) stored, as of the writer's last transaction
         self._queue: queue.Queue = queue.Queue()
@@ -77,6 +84,22 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         self._writer.start()
         self._queue.put(("register", fingerprint, None))
         self._refresh_used()
+
+    def _check_key(self, secret_path) -> None:
+        """Records the key's fingerprint in a new store; refuses a store written under another key, whose
+        every entry would fail here (and be set aside, one by one) while the other engine goes on
+        writing them."""
+        mine = key_fingerprint(self.secret)
+        with self.handle.transaction(write=True, db=self.db_meta) as txn:
+            stored = txn.get(b"key")
+            if stored is None:
+                txn.put(b"key", mine)
+        if stored is not None and bytes(stored) != mine:
+            raise ColdTierError(
+                f"the cold tier at {self.path} was written under another key (key fingerprint "
+                f"{bytes(stored).decode(errors='replace')}; this engine's key, {secret_path or default_secret_path()}, "
+                f"is {mine.decode()}). Engines sharing a cold_path must share cold_secret_path; give this one "
+                "that key, or a cold_path of its own")
 
     def cost(self, value_bytes: int) -> int:
         return disk_cost(value_bytes, self.page_size)

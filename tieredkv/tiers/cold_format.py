@@ -4,7 +4,9 @@ The header holds the format version, the model fingerprint, dtype, shape and the
 The MAC is a keyed blake2b over the entry's database key, the header and the payload, keyed by a
 secret that lives outside the cold folder (see `load_secret`): a block rewritten by someone without
 the secret, checksum and all, is refused. Any mismatch (and a payload of another size than a block's)
-is a miss plus a failure count, and the entry is removed; never an exception, never a wrong block.
+is a miss plus a failure count, and the entry is moved to the `aside` database for inspection; never an
+exception, never a wrong block. The key's fingerprint (not the key) is stored in the `meta` database: a
+store opened under another key is refused at start-up (`check_key`) rather than rewritten entry by entry.
 No pickle anywhere.
 """
 
@@ -61,6 +63,11 @@ def load_secret(path: str | Path | None) -> bytes:
         log.warning("cold tier: %s was readable by others; making it owner-only", path)
         os.chmod(path, 0o600)
     return path.read_bytes()
+
+
+def key_fingerprint(secret: bytes) -> bytes:
+    """Names the key without revealing it: stored beside the entries, compared at start-up."""
+    return hashlib.blake2b(b"tieredkv cold-tier key", key=secret, digest_size=8).hexdigest().encode()
 
 
 class ColdFormat:
@@ -125,13 +132,13 @@ class ColdFormat:
         return payload
 
     def _payload(self, key: BlockKey, value: memoryview) -> memoryview | None:
-        """The entry's authenticated payload, or None (a failure, and the entry is removed) when
+        """The entry's authenticated payload, or None (a failure, and the entry is set aside) when
         anything does not match."""
         try:
             payload = self._verified(key, value)
         except Exception as e:  # any corrupt entry is a miss
             log.warning("cold tier: unusable entry %s: %s", key.block_hash.hex()[:12], e)
             self.count(failures=1)
-            self._queue.put(("remove", [self._key(key)], None))
+            self._queue.put(("set_aside", [self._key(key)], None))
             return None
         return payload

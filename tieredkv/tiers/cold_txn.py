@@ -10,6 +10,7 @@ import msgpack
 from tieredkv.tiers.cold_format import fingerprint_prefix
 
 _U64 = struct.Struct(">Q")  # big-endian, so the order database sorts by sequence number
+ASIDE_MAX = 256  # entries kept in `aside` for inspection
 
 
 def disk_cost(value_bytes: int, page_size: int = mmap.PAGESIZE) -> int:
@@ -21,7 +22,7 @@ def disk_cost(value_bytes: int, page_size: int = mmap.PAGESIZE) -> int:
 
 
 class ColdTxnOps:
-    """Mixed into ColdTier: needs `handle`, `db_blocks`, `db_lru`, `db_order`, `db_meta`, `budget`,
+    """Mixed into ColdTier: needs `handle`, `db_blocks`, `db_lru`, `db_order`, `db_meta`, `db_aside`, `budget`,
     `prefix`, `cost` (bytes an entry takes on disk) and the KVTier counters. Each `_txn_<kind>(txn,
     payload)` applies one queued operation of the writer thread. The byte budget is enforced here, by
     evicting the oldest entries, so it holds across processes."""
@@ -109,6 +110,23 @@ class ColdTxnOps:
 
     def _txn_remove(self, txn, keys) -> int:
         return sum(self._delete(txn, key) for key in keys)
+
+    def _txn_set_aside(self, txn, keys) -> int:
+        """Moves entries that failed their checks out of `blocks` into `aside`, as they are, for
+        inspection; at most ASIDE_MAX are kept (the oldest go first)."""
+        moved = 0
+        for key in keys:
+            value = txn.get(key, db=self.db_blocks)
+            if value is None:
+                continue
+            txn.put(self._next_seq(txn) + key, bytes(value), db=self.db_aside)
+            moved += self._delete(txn, key)
+        with txn.cursor(db=self.db_aside) as cur:
+            extra = txn.stat(self.db_aside)["entries"] - ASIDE_MAX
+            while extra > 0 and cur.first():
+                cur.delete()
+                extra -= 1
+        return moved
 
     def _txn_clear(self, txn, _) -> int:
         with txn.cursor(db=self.db_blocks) as cur:

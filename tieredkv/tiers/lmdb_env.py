@@ -91,7 +91,7 @@ def open_env(path: Path, map_size: int) -> EnvHandle:
             return handle
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         ensure_whole(path)  # never map a damaged file: that is a SIGBUS, not an exception
-        env = lmdb.open(str(path), map_size=map_size, max_dbs=4, readahead=True, max_readers=256)
+        env = lmdb.open(str(path), map_size=map_size, max_dbs=8, readahead=True, max_readers=256)
         handle = _HANDLES[key] = EnvHandle(key, env)
         return handle
 
