@@ -65,22 +65,23 @@ async def generate(args: argparse.Namespace) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     try:
-        from tieredkv.serve import ServerSettings, install_prometheus, start_server
+        from tieredkv.serve import ServerSettings, install_prometheus, serve_until_signal
     except ImportError:
         sys.exit("tieredkv serve needs the serve extra: pip install 'tieredkv[serve]'")
     metrics = install_prometheus()
     config = EngineConfig.from_env(model=args.model, cold_path=args.cold_path, max_num_seqs=args.max_num_seqs)
     settings = ServerSettings(model_name=args.served_model_name or args.model,
                               api_key=args.api_key or os.environ.get("TIEREDKV_API_KEY"),
-                              max_queued=args.max_queued, metrics=metrics)
-    async with await AsyncEngine.start(config) as engine:
-        runner, port = await start_server(engine, settings, args.host, args.port)
+                              max_queued=args.max_queued, metrics=metrics, write_timeout=args.write_timeout,
+                              shutdown_grace=args.shutdown_grace)
+
+    def ready(port: int) -> None:
         print(f"serving {settings.model_name!r} on http://{args.host}:{port}/v1"
               f"{' (metrics on /metrics)' if metrics else ''}", flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
+
+    async with await AsyncEngine.start(config) as engine:
+        await serve_until_signal(engine, settings, args.host, args.port, ready)
+    print("stopped", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,6 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once (default: 64)")
     p.add_argument("--max-queued", type=int, default=256, help="requests waiting beyond that get HTTP 429")
     p.add_argument("--cold-path", default=None, help="directory of the disk tier (off by default)")
+    p.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds a streaming client may read nothing before its request is aborted")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds running requests have to finish before the server stops")
     p.set_defaults(func=serve)
     add_parsers(sub)
     args = parser.parse_args(argv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,10 @@ class AsyncEngine:
         self._streams: dict[str, Channel] = {}  # live streams by request id (loop thread only)
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-tokenize")
         self._closing = False
+        self._draining = False  # close(grace) is waiting for the running streams: new ones are refused
+        self._idle = asyncio.Event()  # set while no stream is open
+        self._idle.set()
+        self._signal_close: asyncio.Task | None = None
         worker.closed.add_done_callback(self._on_closed)
 
     @classmethod
@@ -71,15 +76,44 @@ class AsyncEngine:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def close(self) -> None:
-        """Stops the engine; open streams end with EngineClosedError. Every caller returns once it is closed."""
+    async def close(self, grace: float = 0.0) -> None:
+        """Stops the engine; open streams end with EngineClosedError, and the cached blocks that only the
+        hot and warm tiers hold are written to the cold tier. With `grace` seconds, it drains first: new
+        streams are refused at once (EngineClosedError) while the open ones have up to `grace` seconds to
+        finish. Every caller returns once it is closed."""
         self._check_loop()
+        if grace > 0 and not self._closing:
+            self._draining = True
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace)
+            except asyncio.TimeoutError:
+                pass
         if not self._closing:
             self._closing = True
             self._worker.post(self._worker.stop)
         await asyncio.shield(self._worker.closed)
         self._worker.thread.join(timeout=10)  # it settled `closed` as its last act: this returns at once
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
+
+    def close_on_signals(self, grace: float = 30.0,
+                         signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        """Makes the first of `signals` close the engine as close(grace) does (the handlers are the event
+        loop's, so this runs on the main thread's loop); a second signal acts as it would without this.
+        For applications run by Docker, Kubernetes or systemd, which stop them with SIGTERM. Returns
+        nothing; await `closed()` to wait for the engine to close."""
+        self._check_loop()
+
+        def on_signal() -> None:
+            for sig in signals:
+                self._loop.remove_signal_handler(sig)
+            self._signal_close = self._loop.create_task(self.close(grace))
+
+        for sig in signals:
+            self._loop.add_signal_handler(sig, on_signal)
+
+    async def closed(self) -> None:
+        """Returns once the engine has closed, for whatever reason."""
+        await asyncio.shield(self._worker.closed)
 
     def _on_closed(self, _) -> None:
         """Every stream still open ends, even where the worker could not reach it (a failed core)."""
@@ -112,6 +146,8 @@ class AsyncEngine:
 
     def _open(self, prompt, params, request_id: str | None, flags: dict[str, bool]) -> RequestStream:
         self._check_open()
+        if self._draining:
+            raise EngineClosedError("engine shutting down: it takes no new requests")
         try:
             self.core.factory.precheck(prompt, params)
         except (RequestError, TypeError):
@@ -122,6 +158,7 @@ class AsyncEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         channel = Channel(request_id, params.n)
         self._streams[request_id] = channel
+        self._idle.clear()
         return RequestStream(self, channel, prompt, params, flags)
 
     def _start(self, channel: Channel, prompt, params, flags: dict[str, bool]):
@@ -150,6 +187,8 @@ class AsyncEngine:
         """A stream's consumer is done with it: its id is free again; abort the request if it still runs."""
         if self._streams.get(channel.request_id) is channel:
             del self._streams[channel.request_id]
+            if not self._streams:
+                self._idle.set()
         if abort:
             channel.aborted = True
             self._worker.post(self._worker.abort, channel.request_id, channel)

@@ -10,7 +10,7 @@ from tieredkv.errors import RequestError
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.models.spec import ModelSpec
 from tieredkv.core.sequence import Request
-from tieredkv.models.tokenizer import PromptType, Tokenizer, check_messages
+from tieredkv.models.tokenizer import PromptType, Tokenizer, check_messages, message_chars
 
 # A string of more than this many characters per allowed token cannot fit, whatever it tokenizes to: no
 # token is longer than the tokenizer's longest vocabulary entry (x2 for normalizers that expand text).
@@ -60,14 +60,14 @@ class RequestFactory:
             self._check_ids(prompt)
             self.check_fits(len(prompt), params, 0)
         elif all(isinstance(m, dict) for m in prompt):
+            chars = message_chars(prompt)  # roles and every other field a template renders, too
+            if chars > self.max_chars:
+                raise RequestError(f"messages have {chars:,} characters, more than max_model_len "
+                                   f"({self.max_model_len} tokens) can hold; they were not tokenized")
             try:
                 check_messages(prompt)
             except ValueError as e:
                 raise RequestError(str(e)) from None
-            chars = sum(len(m["content"]) for m in prompt)
-            if chars > self.max_chars:
-                raise RequestError(f"messages have {chars:,} characters, more than max_model_len "
-                                   f"({self.max_model_len} tokens) can hold; they were not tokenized")
         else:
             raise TypeError("prompt must be a str, a list of token ids, or a list of chat messages")
 

@@ -9,18 +9,40 @@ PromptType = str | list[int] | list[dict[str, Any]]
 
 
 def check_messages(messages: list) -> None:
-    """Raises ValueError unless every message is a dict with string 'role' and 'content'."""
+    """Raises ValueError unless every message is a dict with string 'role' and 'content', and every string in
+    it is valid Unicode (a chat template renders roles and names as they are, not only the content)."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i} must be a dict with string 'role' and 'content', got {m!r:.200}")
+        for field, value in m.items():
+            if isinstance(value, str):
+                check_text(value, f"message {i} {field}")
 
 
-def check_text(text: str) -> None:
+def message_chars(messages: list) -> int:
+    """Characters in everything a chat template may render from the messages: every string, at any depth
+    (roles, names and content alike); other values count one each. Never tokenizes, never formats a value."""
+    stack, chars = list(messages), 0
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        else:
+            chars += 1
+    return chars
+
+
+def check_text(text: str, what: str = "text") -> None:
     """Raises ValueError naming the position of a lone surrogate (text that is not valid Unicode)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"text is not valid Unicode: a lone surrogate at position {e.start}") from None
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate at position {e.start}") from None
 
 
 class Tokenizer:
@@ -47,8 +69,6 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         check_messages(messages)
-        for m in messages:
-            check_text(m["content"])
         if getattr(self.hf, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; pass a string or token ids")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

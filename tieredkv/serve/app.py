@@ -17,15 +17,18 @@ import contextlib
 import hmac
 import json
 import logging
+import signal
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from tieredkv.engine import AsyncEngine
+from tieredkv.models.tokenizer import message_chars
 from tieredkv.errors import EngineClosedError, RequestError, TieredKVError
 from tieredkv.serve.protocol import (BadRequest, chat_logprobs, chat_messages, completion_logprobs,
-                                     completion_prompt, envelope, new_id, sampling_params, usage_body)
+                                     completion_prompt, envelope, new_id, sampling_params, stream_flags,
+                                     usage_body)
 
 log = logging.getLogger("tieredkv")
 
@@ -38,17 +41,20 @@ class ServerSettings:
     max_prompt_chars: int = 1 << 20  # checked before tokenizing
     max_queued: int = 256  # requests allowed to wait beyond the engine's max_num_seqs; more get 429
     metrics: bool = False  # GET /metrics (needs the prometheus extra and telemetry.install_prometheus())
+    write_timeout: float = 30.0  # seconds a stream may wait for its client to read; then it is aborted
+    shutdown_grace: float = 30.0  # on SIGTERM/SIGINT: seconds running requests have to finish
 
 
 _ENGINE = web.AppKey("engine", AsyncEngine)
 _SETTINGS = web.AppKey("settings", ServerSettings)
 _ACTIVE = web.AppKey("active", list)
+_DRAINING = web.AppKey("draining", list)
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> web.Application:
     settings = settings or ServerSettings()
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=settings.max_body_bytes)
-    app[_ENGINE], app[_SETTINGS], app[_ACTIVE] = engine, settings, [0]
+    app = web.Application(middlewares=[_errors, _draining, _auth], client_max_size=settings.max_body_bytes)
+    app[_ENGINE], app[_SETTINGS], app[_ACTIVE], app[_DRAINING] = engine, settings, [0], [False]
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/chat/completions", _chat)
@@ -77,6 +83,18 @@ async def _errors(request: web.Request, handler):
     except Exception:
         log.exception("request failed")
         return web.json_response(BadRequest("internal error", status=500, type_="server_error").body(), status=500)
+
+
+@web.middleware
+async def _draining(request: web.Request, handler):
+    """While the server shuts down: /health fails, so a load balancer stops sending, and new requests get
+    503 with Retry-After; the running ones go on."""
+    if request.app[_DRAINING][0]:
+        if request.path == "/health":
+            return web.json_response({"status": "draining"}, status=503)
+        raise BadRequest("the server is shutting down", status=503, type_="server_error",
+                         headers={"Retry-After": "1"})
+    return await handler(request)
 
 
 @web.middleware
@@ -112,7 +130,9 @@ async def _body(request: web.Request) -> dict[str, Any]:
                                             actual_size=request.content_length)
     try:
         body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise BadRequest("the body is nested too deeply") from None
+    except ValueError as e:  # not JSON, not UTF-8, or an integer past Python's digit limit
         raise BadRequest(f"the body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -132,7 +152,7 @@ def _check_size(request: web.Request, chars: int) -> None:
 async def _chat(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     messages = chat_messages(body)
-    _check_size(request, sum(len(m["content"]) for m in messages))
+    _check_size(request, message_chars(messages))  # roles too: the template renders them
     return await _serve(request, body, messages, chat=True)
 
 
@@ -160,13 +180,13 @@ def _admitted(request: web.Request):
 async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool) -> web.StreamResponse:
     engine = request.app[_ENGINE]
     params = sampling_params(body, chat)
+    streaming, include_usage = stream_flags(body)
     rid = new_id("chatcmpl" if chat else "cmpl")
     out = _Output(rid, request.app[_SETTINGS].model_name, chat, params.n, engine)
     with _admitted(request):
         async with engine.stream(prompt, params, request_id=rid) as stream:
             first = await stream.__anext__()  # a request refused once tokenized is still a clean 400
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            if streaming:
                 return await _stream_events(request, stream, first, out, include_usage)
             async for chunk in _chain(first, stream):
                 out.add(chunk)
@@ -182,16 +202,23 @@ async def _chain(first, stream):
 async def _stream_events(request, stream, first, out: "_Output", include_usage: bool) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
+    timeout = request.app[_SETTINGS].write_timeout
     try:
-        async for chunk in _chain(first, stream):
-            await response.write(_event(out.chunk(chunk)))
-    except TieredKVError as e:  # the status line is gone: report the error as an event
-        await response.write(_event(BadRequest(str(e), type_="server_error").body()))
-    if include_usage and out.usages:
-        await response.write(_event({**envelope(out.kind + ".chunk" if out.chat else out.kind, out.rid, out.model),
-                                     "choices": [], "usage": usage_body(out.usages)}))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+        try:
+            async for chunk in _chain(first, stream):
+                await asyncio.wait_for(response.write(_event(out.chunk(chunk))), timeout)
+        except TieredKVError as e:  # the status line is gone: report the error as an event
+            await asyncio.wait_for(response.write(_event(BadRequest(str(e), type_="server_error").body())), timeout)
+        if include_usage and out.usages:
+            usage = {**envelope(out.kind + ".chunk" if out.chat else out.kind, out.rid, out.model),
+                     "choices": [], "usage": usage_body(out.usages)}
+            await asyncio.wait_for(response.write(_event(usage)), timeout)
+        await asyncio.wait_for(response.write(b"data: [DONE]\n\n"), timeout)
+        await asyncio.wait_for(response.write_eof(), timeout)
+    except asyncio.TimeoutError:  # the client stopped reading: drop it, and the request with it
+        log.warning("request %s: the client read nothing for %.0f s; the stream was aborted", out.rid, timeout)
+        if request.transport is not None:
+            request.transport.abort()
     return response
 
 
@@ -253,6 +280,32 @@ class _Output:
             kind = self.kind
         self.offsets[i] += len(chunk.text)
         return {**envelope(kind, self.rid, self.model), "choices": [choice]}
+
+
+async def serve_until_signal(engine: AsyncEngine, settings: ServerSettings, host: str = "127.0.0.1",
+                             port: int = 8000, on_ready=None) -> None:
+    """Serves until SIGTERM or SIGINT, then shuts down gracefully: new requests get 503 and /health fails,
+    the running ones have settings.shutdown_grace seconds to finish, the rest end with a final error
+    event (or a 503), the engine closes (writing its cached blocks to the cold tier) and the server
+    stops. `on_ready(port)` is called once it listens. A second signal acts as it would without this."""
+    loop = asyncio.get_running_loop()
+    runner, port = await start_server(engine, settings, host, port)
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if on_ready is not None:
+            on_ready(port)
+        await stop.wait()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        runner.app[_DRAINING][0] = True
+        log.info("shutting down: %d requests in flight get up to %.0f s", runner.app[_ACTIVE][0],
+                 settings.shutdown_grace)
+        await engine.close(grace=settings.shutdown_grace)
+    finally:
+        await runner.cleanup()
 
 
 async def start_server(engine: AsyncEngine, settings: ServerSettings, host: str = "127.0.0.1",

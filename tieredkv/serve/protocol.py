@@ -70,6 +70,23 @@ def sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
         raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param) from None
 
 
+def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage), checked before anything runs."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("stream must be true or false", "stream")
+    if options is None:
+        return bool(stream), False
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", "stream_options")
+    if not stream:
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise BadRequest("stream_options.include_usage must be true or false", "stream_options")
+    return True, usage
+
+
 def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
