@@ -2,11 +2,6 @@
 library would not send)."""
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import aiohttp
 import openai
@@ -207,33 +202,3 @@ async def test_an_api_key_is_required_when_set(llama_dir):
     finally:
         await runner.cleanup()
         await engine.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_the_cli_serves_with_metrics(llama_dir):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    proc = subprocess.Popen([sys.executable, "-m", "tieredkv", "serve", "--model", str(llama_dir), "--port",
-                             str(port), "--served-model-name", NAME], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        line = proc.stdout.readline()
-        while line and "serving" not in line:
-            line = proc.stdout.readline()
-        assert "serving" in line, line
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        done = client.completions.create(model=NAME, prompt="Paged attention", max_tokens=3)
-        assert done.usage.completion_tokens == 3
-        import urllib.request
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        assert "tieredkv_generated_tokens" in text and "tieredkv_requests" in text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

@@ -11,8 +11,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -230,8 +232,8 @@ def read_sse(conn: http.client.HTTPConnection, body: dict) -> http.client.HTTPRe
     return conn.getresponse()
 
 
-def test_sigterm_drains_streams_writes_the_cold_tier_and_exits_0(llama_dir, tmp_path):
-    """SIGTERM: /health fails and new requests get 503 at once; streams that finish within the grace
+def test_the_cli_serves_and_on_sigterm_drains_writes_the_cold_tier_and_exits_0(llama_dir, tmp_path):
+    """`tieredkv serve` answers the official client and serves /metrics; on SIGTERM: /health fails and new requests get 503 at once; streams that finish within the grace
     period end normally, the one that cannot ends with a final error event and [DONE]; the cold tier
     holds every block the hot pool had cached; the process exits 0."""
     with socket.socket() as s:
@@ -246,7 +248,12 @@ def test_sigterm_drains_streams_writes_the_cold_tier_and_exits_0(llama_dir, tmp_
         line = proc.stdout.readline()
         while line and "serving" not in line:
             line = proc.stdout.readline()
-        assert "serving" in line, line
+        assert "serving" in line and "metrics on /metrics" in line, line
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert client.completions.create(model=NAME, prompt="Paged attention", max_tokens=3).usage.completion_tokens == 3
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert "tieredkv_generated_tokens" in metrics and "tieredkv_requests" in metrics
         prompt = list(range(5, 5 + 64))  # four full blocks, cached in hot as they are computed
         short = {"model": NAME, "prompt": prompt, "max_tokens": 40, "ignore_eos": True, "stream": True}
         conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=60) for _ in range(4)]

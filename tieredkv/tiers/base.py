@@ -7,11 +7,11 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from collections import OrderedDict
-from typing import ClassVar, Iterable, Iterator, NamedTuple, Sequence
+from typing import ClassVar, Iterable, Iterator, Sequence
 
 import torch
 
-from tieredkv.core.hashing import BlockHash, BlockKey
+from tieredkv.core.hashing import BlockKey
 
 TIER_NAMES = ("hot", "warm", "cold")  # top to bottom
 
