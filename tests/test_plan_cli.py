@@ -5,6 +5,7 @@ import json
 import pytest
 
 from tieredkv.cli import main
+from tieredkv.config import EngineConfig
 from tieredkv.tools.plan import parse_bytes, plan, profile_activations
 
 
@@ -20,7 +21,7 @@ def test_parse_bytes():
 def test_plan_arithmetic_by_hand(llama_dir):
     # tiny llama: vocab 448, hidden 64, intermediate 128, 3 layers, 4 heads, 2 KV heads, head_dim 16, untied
     # weights: 2 * 448 * 64 (embedding, head) + 3 * (64*64*2 + 32*64*2 + 128*64*3 + 2*64) + 64 = 168,384 x 4 B
-    p = plan(str(llama_dir), device_memory_bytes=100 << 20, memory_utilization=0.5, dtype="float32",
+    p = plan(str(llama_dir), device="cuda", device_memory_bytes=100 << 20, memory_utilization=0.5, dtype="float32",
              activation_bytes=1 << 20, warm_bytes=10 << 20, cold_bytes=50 << 20, seq_len=100, shared_prompt_len=64)
     assert p.weight_bytes == 673_536
     assert p.kv_bytes_per_token == 2 * 3 * 2 * 16 * 4 == 768 and p.kv_bytes_per_block == 12_288
@@ -30,11 +31,21 @@ def test_plan_arithmetic_by_hand(llama_dir):
     assert p.seqs_before_preemption == 4126 // 7 == 589  # 100 tokens: 7 blocks
     assert p.seqs_with_offload == (4126 + 853) // 7 == 711  # older blocks offloaded to warm
     assert p.longest_sequence == 2048  # max_model_len: hot + warm hold (4126 + 853) * 16 tokens
-    small = plan(str(llama_dir), device_memory_bytes=1 << 20, memory_utilization=1.0, dtype="float32",
+    small = plan(str(llama_dir), device="cuda", device_memory_bytes=1 << 20, memory_utilization=1.0, dtype="float32",
                  activation_bytes=0, warm_bytes=20 * 12_288)
     assert (small.hot_blocks, small.longest_sequence) == (30, (30 + 20) * 16)  # 1 MiB - 673,536 B: 30 blocks
     assert p.shared_prompts == {"hot": 1031, "warm": 213, "cold": 800}  # 64 tokens: 4 blocks
     assert p.tokens == {"hot": 4126 * 16, "warm": 853 * 16, "cold": 3200 * 16}
+
+
+def test_plan_and_the_engine_agree_on_cpu(llama_dir):
+    """One capacity function: what `plan` says for a CPU deployment is what the engine builds."""
+    from tieredkv.engine_core import EngineCore
+
+    p = plan(str(llama_dir), device="cpu", cpu_kv_cache_bytes=3 << 20, warm_bytes=2 << 20)
+    core = EngineCore(EngineConfig(model=str(llama_dir), cpu_kv_cache_bytes=3 << 20, warm_bytes=2 << 20))
+    assert (p.dtype, p.hot_blocks, p.warm_blocks) == ("float32", core.num_blocks, core.tiers.warm.capacity)
+    assert p.hot_blocks == (3 << 20) // 12_288 == 256
 
 
 def test_plan_cli_json_and_a_measured_dry_run(llama_dir, capsys):

@@ -109,18 +109,28 @@ def eos_token_ids(spec: ModelSpec, model_dir: Path, tokenizer_eos: int | None) -
     return frozenset(ids)
 
 
+def kv_pool_bytes(cfg: EngineConfig, device_type: str, total: int = 0, used: int = 0) -> int:
+    """The hot pool's bytes, for the engine and `tieredkv plan` alike: kv_cache_bytes when given; on CUDA
+    gpu_memory_utilization of the device's `total` memory less what is `used` (weights, and what else
+    the engine measured or the plan estimated); elsewhere cpu_kv_cache_bytes."""
+    if cfg.kv_cache_bytes is not None:
+        return cfg.kv_cache_bytes
+    if device_type == "cuda":
+        return int(total * cfg.gpu_memory_utilization) - used
+    return cfg.cpu_kv_cache_bytes
+
+
 def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> int:
-    """num_blocks when given; else what the KV budget (kv_cache_bytes, the free CUDA memory, or
-    cpu_kv_cache_bytes) holds."""
+    """num_blocks when given; else the blocks kv_pool_bytes holds, with the device's memory as measured
+    now (the weights loaded)."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     block_bytes = kv_block_bytes(spec, cfg.block_size, dtype)
-    budget = cfg.kv_cache_bytes
-    if budget is None and device.type == "cuda":
+    total = used = 0
+    if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - total * (1 - cfg.gpu_memory_utilization))
-    elif budget is None:
-        budget = cfg.cpu_kv_cache_bytes
+        used = total - free
+    budget = kv_pool_bytes(cfg, device.type, total, used)
     num = budget // block_bytes
     if num < 2:
         raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {block_bytes} bytes")

@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tieredkv.engine_setup import max_model_len, model_fingerprint, resolve_dtype, resolve_model_dir
+from tieredkv.config import EngineConfig
+from tieredkv.engine_setup import (kv_pool_bytes, max_model_len, model_fingerprint, resolve_dtype,
+                                     resolve_model_dir, warm_blocks)
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.models.checks import tensor_shapes
 from tieredkv.models.loader import weight_files
@@ -56,6 +58,7 @@ class Plan:
     shared_prompt_len: int
     shared_prompts: dict  # tier -> distinct shared prompts of shared_prompt_len tokens it keeps
     measured: bool = False
+    device: str = "cpu"
 
     @property
     def tokens(self) -> dict[str, int]:
@@ -80,11 +83,13 @@ def estimate_activations(spec: ModelSpec, tokens: int, seqs: int, itemsize: int)
     return tokens * per_token + seqs * spec.vocab_size * 4
 
 
-def plan(model: str = "default", device: str = "cpu", device_memory_bytes: int | None = None,
+def plan(model: str = "default", device: str = "auto", device_memory_bytes: int | None = None,
          memory_utilization: float = 0.9, dtype: str = "auto", block_size: int = 16,
-         max_len: int | None = None, warm_bytes: int = 0, cold_bytes: int = 0, seq_len: int = 4096,
+         max_len: int | None = None, warm_bytes: int | None = None, cold_bytes: int = 0, seq_len: int = 4096,
          shared_prompt_len: int = 1024, max_num_batched_tokens: int = 1024, max_num_seqs: int = 64,
-         activation_bytes: int | None = None) -> Plan:
+         activation_bytes: int | None = None, cpu_kv_cache_bytes: int | None = None) -> Plan:
+    if device == "auto":  # as the engine resolves it (engine_setup.resolve_device), without needing the device
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir = resolve_model_dir(model)
     spec = ModelSpec.from_file(model_dir / "config.json")
     torch_dtype = resolve_dtype(dtype, torch.device(device))
@@ -98,12 +103,19 @@ def plan(model: str = "default", device: str = "cpu", device_memory_bytes: int |
     measured = activation_bytes is not None
     if activation_bytes is None:
         activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, item)
-    hot = max(int(memory * memory_utilization) - weights - activation_bytes, 0) // per_block
+    cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size, max_model_len=max_len, warm_bytes=warm_bytes,
+                       gpu_memory_utilization=memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+                       max_num_seqs=max_num_seqs,
+                       **({} if cpu_kv_cache_bytes is None else {"cpu_kv_cache_bytes": cpu_kv_cache_bytes}))
+    # the engine's own arithmetic (engine_setup.kv_pool_bytes): on CUDA the device's memory less the
+    # weights and a step's activations, elsewhere cpu_kv_cache_bytes
+    device_type = torch.device(device).type
+    hot = max(kv_pool_bytes(cfg, device_type, memory, weights + activation_bytes), 0) // per_block
     block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
     fingerprint = model_fingerprint(model_dir, torch_dtype, block_size)
     entry = disk_cost(ColdFormat.entry_bytes(block_shape, torch_dtype, fingerprint, block_size))
     prompt_blocks = max(shared_prompt_len // block_size, 1)
-    tiers = {"hot": hot, "warm": warm_bytes // per_block, "cold": cold_bytes // entry}
+    tiers = {"hot": hot, "warm": warm_blocks(cfg, spec, torch_dtype), "cold": cold_bytes // entry}
     return Plan(
         model=model_dir.name, dtype=str(torch_dtype).removeprefix("torch."), block_size=block_size,
         max_model_len=max_model_len(spec, max_len), weight_bytes=weights, kv_bytes_per_token=per_token,
@@ -113,7 +125,7 @@ def plan(model: str = "default", device: str = "cpu", device_memory_bytes: int |
         seqs_with_offload=min((hot + tiers["warm"]) // cdiv(seq_len, block_size), hot),
         longest_sequence=min(max_model_len(spec, max_len), (hot + tiers["warm"]) * block_size),
         shared_prompt_len=shared_prompt_len, shared_prompts={t: n // prompt_blocks for t, n in tiers.items()},
-        measured=measured)
+        measured=measured, device=device_type)
 
 
 def profile_activations(model: str, device: str, dtype: str, max_num_batched_tokens: int) -> int:
@@ -165,7 +177,8 @@ def format_plan(p: Plan) -> str:
         f"model {p.model}, {p.dtype}, block size {p.block_size}, max_model_len {p.max_model_len:,}",
         f"weights            {p.weight_bytes / gib:10.2f} GiB",
         f"KV per token       {p.kv_bytes_per_token / 1024:10.1f} KiB   per block {p.kv_bytes_per_block / 2**20:.2f} MiB",
-        f"device memory      {p.device_memory / gib:10.2f} GiB x {p.memory_utilization:.2f}",
+        f"device memory      {p.device_memory / gib:10.2f} GiB x {p.memory_utilization:.2f}" if p.device == "cuda"
+        else f"hot pool           {p.hot_blocks * p.kv_bytes_per_block / gib:10.2f} GiB (cpu_kv_cache_bytes)",
         f"activations        {p.activation_bytes / gib:10.2f} GiB ({'measured' if p.measured else 'estimated'})",
         "",
         f"{'tier':<8}{'blocks':>14}{'tokens':>16}{f'prompts of {p.shared_prompt_len}':>20}",
