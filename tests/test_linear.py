@@ -79,17 +79,16 @@ def test_packing_is_selected_for_cpu_fp32_only():
 
 @pytest.mark.parametrize("force", ["auto", "torch"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_engine_packs_projections_and_lm_head_and_keeps_the_embedding_plain(llama_dir, force, compiled):
-    """Packed weights serve the eager forward; the compiled decode path reads plain ones, so with it on
-    the plain weights stay beside the packed copies, and without it they are dropped."""
+def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(llama_dir, force, compiled):
+    """The weights are held once: packed where only the eager forward reads them; plain with the compiled
+    decode path, which reads them plain (and the eager forward then does too)."""
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, compile_decode=compiled, cpu_linear=force))
     model, ops = core.model, core.runner.ops
-    packed = force == "auto" and onednn_linear_usable()
+    packed = force == "auto" and onednn_linear_usable() and not compiled
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 4 * model.spec.num_layers + (model.lm_head is not None)
     assert all(hasattr(m, "packed_weight") == packed for m in linears)
-    assert all(m.packed_weight.is_mkldnn for m in linears if packed)
-    assert all(m.weight.is_mkldnn == (packed and not compiled) for m in linears)
+    assert all(m.weight.is_mkldnn == packed for m in linears)  # the plain copy is gone where packed: held once
     assert model.lm_head_weight(ops).is_mkldnn == packed
     assert not model.embed_tokens.weight.is_mkldnn
     if compiled:

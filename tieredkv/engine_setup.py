@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
+import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -179,13 +181,19 @@ def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: in
                   device: torch.device) -> torch.Tensor:
     """[layers, 2, num_blocks + num_far, block_size, kv_heads, head_dim]: the hot pool, zeroed, then the
     far tail when far blocks are read in place (the warm tier's slab, and far_extent's address space beyond
-    it; left unwritten: its pages are taken as blocks land)."""
+    it). On CPU the tensor lies in an anonymous mapping, whose pages the kernel zero-fills on first
+    touch: memory is taken as blocks are written, not for the whole pool at start-up."""
     shape = (spec.num_layers, 2, num_blocks + num_far, block_size, spec.num_kv_heads, spec.head_dim)
-    if not num_far:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    kv_cache = torch.empty(shape, dtype=dtype, device=device)
-    kv_cache[:, :, :num_blocks].zero_()
-    return kv_cache
+    if device.type == "cpu":
+        return _zero_pages(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages are taken only when written (the tensor keeps the mapping alive)."""
+    count = math.prod(shape)
+    buf = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
 
 def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
@@ -257,8 +265,10 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size)
     ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear)
     compiled = compile_wanted(cfg.compile_decode, device)
-    if ops.pack_linear_weight is not None:
-        model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compiled)
+    if compiled:  # one copy of the weights: the compiled path reads them plain, so the eager one does too
+        ops = replace(ops, pack_linear_weight=None)  # (oneDNN on plain weights: within ~5% of its packed layout)
+    elif ops.pack_linear_weight is not None:
+        model.pack_linear_weights(ops.pack_linear_weight)
     tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None)
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
     staged = mode == "staged"  # the staged buffer: this step's hot blocks and at most a pool's worth of far ones
