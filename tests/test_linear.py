@@ -77,18 +77,19 @@ def test_packing_is_selected_for_cpu_fp32_only():
     assert select_kernels("auto", CPU, torch.float32, "torch").pack_linear_weight is None
 
 
-@pytest.mark.parametrize("force", ["auto", "torch"])
+@pytest.mark.parametrize("force", ["auto", "packed", "torch"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(llama_dir, force, compiled):
-    """The weights are held once: packed where only the eager forward reads them; plain with the compiled
-    decode path, which reads them plain (and the eager forward then does too)."""
+    """"auto" holds the weights once: packed where only the eager forward reads them; plain with the
+    compiled decode path, which reads them plain (and the eager forward then does too). "packed" keeps a
+    packed copy beside the plain weights the compiled path reads."""
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, compile_decode=compiled, cpu_linear=force))
     model, ops = core.model, core.runner.ops
-    packed = force == "auto" and onednn_linear_usable() and not compiled
+    packed = force != "torch" and onednn_linear_usable() and (force == "packed" or not compiled)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 4 * model.spec.num_layers + (model.lm_head is not None)
     assert all(hasattr(m, "packed_weight") == packed for m in linears)
-    assert all(m.weight.is_mkldnn == packed for m in linears)  # the plain copy is gone where packed: held once
+    assert all(m.weight.is_mkldnn == (packed and not compiled) for m in linears)  # plain beside only if compiled
     assert model.lm_head_weight(ops).is_mkldnn == packed
     assert not model.embed_tokens.weight.is_mkldnn
     if compiled:

@@ -1,5 +1,6 @@
-"""The engine's on-disk cache (converted models, the compiled decode graph): where it is, and how one of
-several processes produces an artifact there while the others wait for it."""
+"""The engine's on-disk cache (converted models, the compiled decode graph): where it is, how one of
+several processes produces an artifact there while the others wait for it, and how the long one-time
+work of producing one is shown."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import contextlib
 import fcntl
 import logging
 import os
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -40,3 +43,29 @@ def artifact_lock(path: Path, what: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def long_work(what: str) -> Iterator[None]:
+    """Shows one-time work that takes a while: a log line (INFO) as it starts and one with its time as it
+    ends, and meanwhile, where stderr is a terminal, a line counting the seconds."""
+    log.info("%s ...", what)
+    t0 = time.perf_counter()
+    stop, ticker = threading.Event(), None
+    if sys.stderr.isatty():
+        def tick() -> None:
+            while not stop.wait(1.0):
+                sys.stderr.write(f"\r{what}: {time.perf_counter() - t0:.0f} s")
+                sys.stderr.flush()
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+        ticker = threading.Thread(target=tick, name="tieredkv-progress", daemon=True)
+        ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if ticker is not None:
+            ticker.join()
+        log.info("%s: done in %.1f s", what, time.perf_counter() - t0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import time
@@ -84,7 +85,30 @@ async def serve(args: argparse.Namespace) -> None:
     print("stopped", flush=True)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes each record to whatever sys.stderr is when it comes."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _) -> None:
+        pass
+
+
+def _show_engine_log() -> None:
+    """The engine's INFO lines (start-up, one-time work and its progress, shutdown) on stderr, once."""
+    logger = logging.getLogger("tieredkv")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("tieredkv: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> None:
+    _show_engine_log()
     parser = argparse.ArgumentParser(prog="tieredkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="stream two answers that share a long system prompt")

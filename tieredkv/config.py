@@ -49,9 +49,11 @@ class EngineConfig(BaseModel):
     compile_decode: bool | None = Field(
         None, description="run a step that decodes one sequence through an inductor-compiled graph (compiled at "
         "start-up, cached under cache_dir); None: on for CPU")
-    cpu_linear: Literal["auto", "torch"] = Field(
-        "auto", description='dense layers on CPU in fp32: "auto" packs the weights for oneDNN where its products '
-        'match F.linear; "torch" keeps plain F.linear')
+    cpu_linear: Literal["auto", "packed", "torch"] = Field(
+        "auto", description='dense layers on CPU in fp32, through oneDNN where its products match F.linear: "auto" '
+        'holds the weights once (packed for oneDNN, or plain where the compiled decode path reads them); "packed" '
+        'keeps a packed copy beside the plain weights the compiled path reads (twice the memory, faster batched '
+        'steps); "torch" keeps plain F.linear')
     cpu_malloc_tuning: bool = Field(True, description="on CPU, keep freed step buffers in glibc's heap")
     warm_bytes: int | None = Field(
         None, ge=0, description="host-memory tier budget; 0 turns it off; None: 10% of available RAM, at most 4 GiB"

@@ -265,10 +265,10 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size)
     ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear)
     compiled = compile_wanted(cfg.compile_decode, device)
-    if compiled:  # one copy of the weights: the compiled path reads them plain, so the eager one does too
-        ops = replace(ops, pack_linear_weight=None)  # (oneDNN on plain weights: within ~5% of its packed layout)
+    if compiled and cfg.cpu_linear != "packed":  # one copy of the weights: the compiled path reads them
+        ops = replace(ops, pack_linear_weight=None)  # plain, so the eager one does too (README: CPU dense layers)
     elif ops.pack_linear_weight is not None:
-        model.pack_linear_weights(ops.pack_linear_weight)
+        model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compiled)
     tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None)
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
     staged = mode == "staged"  # the staged buffer: this step's hot blocks and at most a pool's worth of far ones

@@ -85,10 +85,11 @@ def _cpu_fp32_linear(use_onednn: bool) -> LinearFn:
 
 
 def _cpu_fp32(device: torch.device, dtype: torch.dtype, cpu_linear: str) -> bool:
-    """True when the CPU fp32 dense layers apply (EngineConfig.cpu_linear "auto"; "torch" turns them off)."""
-    if cpu_linear not in ("auto", "torch"):
-        raise ValueError(f"cpu_linear must be auto or torch, got {cpu_linear!r}")
-    return cpu_linear == "auto" and device.type == "cpu" and dtype == torch.float32
+    """True when the CPU fp32 dense layers apply (EngineConfig.cpu_linear "auto" or "packed"; "torch" turns
+    them off)."""
+    if cpu_linear not in ("auto", "packed", "torch"):
+        raise ValueError(f"cpu_linear must be auto, packed or torch, got {cpu_linear!r}")
+    return cpu_linear != "torch" and device.type == "cpu" and dtype == torch.float32
 
 
 def select_linear(device: torch.device, dtype: torch.dtype, cpu_linear: str = "auto") -> LinearFn:

@@ -178,14 +178,16 @@ class LlamaModel(nn.Module):
             return self.packed_lm_head
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_linear_weights(self, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def pack_linear_weights(self, pack: Callable[[torch.Tensor], torch.Tensor], keep_plain: bool = False) -> None:
         """Gives every projection, and the LM head, a `packed_weight`: pack(weight), a layout only the
         packing kernel set's `linear` reads (see kernels/linear.py), in place of the plain weight, so the
-        weights are held once (the embedding table stays plain: lookups need it)."""
+        weights are held once; with `keep_plain` the plain weights stay too (twice the memory), for the
+        compiled decode path, which reads them. The embedding table stays plain: lookups need it."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.packed_weight = pack(module.weight)
-                module.weight = nn.Parameter(module.packed_weight, requires_grad=False)
+                if not keep_plain:
+                    module.weight = nn.Parameter(module.packed_weight, requires_grad=False)
         self.packed_lm_head = self.lm_head.packed_weight if self.lm_head is not None else pack(self.embed_tokens.weight)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tieredkv.cache_dir import artifact_lock
+from tieredkv.cache_dir import artifact_lock, long_work
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_dense
@@ -173,7 +173,9 @@ class CompiledDecode:
         self._warming = True
         try:
             marker = self.cache_dir / f".compiled-{self._graph_key()}"
-            with temporary_cache_dir(str(self.cache_dir)):
+            what = ("loading the compiled decode graph" if marker.exists() else
+                    f"compiling the decode graph (once per model and machine, into {self.cache_dir})")
+            with long_work(what), temporary_cache_dir(str(self.cache_dir)):
                 if not marker.exists():
                     with artifact_lock(self.cache_dir.parent / ".inductor.lock", "compiling the decode graph"):
                         if not marker.exists():
