@@ -12,6 +12,7 @@ from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.scheduler import Scheduler
 from tieredkv.core.sequence import Request, Sequence, SeqStatus
 from tieredkv.tiers.hot import HotTier
+from tieredkv.core.cache_index import CacheIndex
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PROMOTE, SWAP_IN, SWAP_OUT
 from tieredkv.tiers.warm import WarmTier
@@ -31,7 +32,9 @@ def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device=
     kv = KVCacheManager(pool, BS, True, root_hash("test"))
     tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, lower, BS)
     offload = ("last" if stage_cap else "first") if far else None
-    return pool, kv, cache, tiers, Scheduler(kv, max_seqs, budget, tiers, offload=offload, stage_cap=stage_cap)
+    index = CacheIndex(pool, tiers, root_hash("test"), BS)
+    return pool, kv, cache, tiers, Scheduler(kv, max_seqs, budget, tiers, index, offload=offload,
+                                             stage_cap=stage_cap)
 
 
 def cache_then_evict(sched, tiers, cache, kv, prompt, other):

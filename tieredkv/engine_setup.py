@@ -272,13 +272,13 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None)
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
     staged = mode == "staged"  # the staged buffer: this step's hot blocks and at most a pool's worth of far ones
-    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, offload={
+    index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index, offload={
         "in place": "first", "staged": "last"}.get(mode), stage_cap=num_blocks if staged else None)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if staged else None)
     runner.compile_now()
-    index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
     log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s, packed=%s, "

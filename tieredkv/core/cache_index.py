@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from tieredkv.core.block_pool import BlockPool, KVBlock
 from tieredkv.core.hashing import BlockHash, BlockKey, chain_keys
 from tieredkv.tiers.base import KVTier
+from tieredkv.tiers.lookup import Lookup
 from tieredkv.tiers.manager import TierManager
 
 
 class CacheIndex:
-    """Answers "which tier holds each block of this chain" for explain, snapshots and pins, the same way
-    the scheduler's lookup finds them: the pool first (hot blocks, and far blocks of running sequences,
-    which live in warm), then each lower tier, top to bottom. Changes nothing: no reference taken, no
-    LRU order touched, nothing promoted. O(blocks) per call, plus one tier query per block not in the pool.
+    """Answers "which tier holds each block of this chain": the pool first (hot blocks, and far blocks of
+    running sequences, which live in warm), then each lower tier, top to bottom. The scheduler's prefix
+    lookup walks it (`pool_prefix`, then `start_lookup` below the pool, read in the background where a
+    tier blocks); explain, snapshots and pins ask it at once (`where`, `hot_prefix`, `read`). Changes
+    nothing: no reference taken, no LRU order touched, nothing promoted. O(blocks) per call, plus one
+    tier query per block not in the pool.
     """
 
     def __init__(self, pool: BlockPool, tiers: TierManager, root: BlockHash, block_size: int):
@@ -41,6 +44,16 @@ class CacheIndex:
             else:
                 out.append(next((t.name for t in self.tiers.lower if _holds(t, key, verify)), None))
         return out
+
+    def pool_prefix(self, keys: Iterable[BlockKey]) -> list[KVBlock]:
+        """The pool's blocks of the leading keys (hot ones, and far blocks in use), stopping at the first
+        key it does not hold."""
+        return self.pool.cached_prefix(keys)
+
+    def start_lookup(self, keys: list[BlockKey], start: int) -> Lookup | None:
+        """Looks keys[start:] up in the tiers below the pool, head first; None when none of them holds
+        keys[start] (tiers/lookup.py)."""
+        return self.tiers.start_lookup(keys, start)
 
     def hot_prefix(self, keys: Sequence[BlockKey]) -> list[KVBlock]:
         """The hot blocks of the leading keys, stopping at the first key not hot."""

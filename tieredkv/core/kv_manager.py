@@ -57,23 +57,9 @@ class KVCacheManager:
 
     def lookup_keys(self, seq: Sequence) -> list[BlockKey]:
         """Keys of the full blocks a prefix lookup may cover (never the last token)."""
-        return list(self._iter_lookup_keys(seq))
-
-    def _iter_lookup_keys(self, seq: Sequence):
         n = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, n)
-        return (BlockKey(seq.block_hashes[i], self._block_tokens(seq, i)) for i in range(n))
-
-    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
-        """Leading full blocks of seq found in the pool, stopping at the first miss: hot blocks, and
-        far blocks in use (by another sequence of the same document). The lower tiers are looked up
-        after this (TierManager.start_lookup).
-
-        Never covers the last token: its logits must be computed. Mutates only seq.block_hashes.
-        """
-        if not self.enable_caching:
-            return []
-        return self.pool.cached_prefix(self._iter_lookup_keys(seq))  # lazy: stops at the first miss
+        return [BlockKey(seq.block_hashes[i], self._block_tokens(seq, i)) for i in range(n)]
 
     def num_far_blocks(self, seq: Sequence) -> int:
         return sum(1 for b in seq.block_table if self.pool.is_far(b))

@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tieredkv.core.cache_index import CacheIndex
 from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.sequence import Sequence, SeqStatus
 from tieredkv.tiers.lookup import Lookup, count_lookup
@@ -64,11 +65,11 @@ class Scheduler:
     would be recomputed, offloads its own request's old blocks instead), or None (off: preempt).
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 tiers: TierManager | None = None, offload: Literal["first", "last"] | None = None,
-                 stage_cap: int | None = None):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, tiers: TierManager,
+                 index: CacheIndex, offload: Literal["first", "last"] | None = None, stage_cap: int | None = None):
         self.kv = kv
         self.tiers = tiers
+        self.index = index  # where a waiting sequence's prefix is: the pool, then the tiers below
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.offload = offload
@@ -216,11 +217,12 @@ class Scheduler:
         promotion), or nothing. Returns _NOT_READY while a blocking tier's read is in flight."""
         if seq.swapped is not None:
             return [], seq.swapped
-        cached = self.kv.find_cached_prefix(seq)
-        if self.tiers is None or not self.kv.enable_caching:
-            return cached, None
+        if not self.kv.enable_caching:
+            return [], None
+        keys = self.kv.lookup_keys(seq)
+        cached = self.index.pool_prefix(keys)
         if seq.lookup is None:
-            seq.lookup = self.tiers.start_lookup(self.kv.lookup_keys(seq), len(cached))
+            seq.lookup = self.index.start_lookup(keys, len(cached))
             if seq.lookup is None:
                 return cached, None
         if not seq.lookup.ready:

@@ -203,18 +203,21 @@ async def _stream_events(request, stream, first, out: "_Output", include_usage: 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     timeout = request.app[_SETTINGS].write_timeout
+
+    async def send(data: bytes | None) -> None:  # None: the end of the body
+        await asyncio.wait_for(response.write_eof() if data is None else response.write(data), timeout)
+
     try:
         try:
             async for chunk in _chain(first, stream):
-                await asyncio.wait_for(response.write(_event(out.chunk(chunk))), timeout)
+                await send(_event(out.chunk(chunk)))
         except TieredKVError as e:  # the status line is gone: report the error as an event
-            await asyncio.wait_for(response.write(_event(BadRequest(str(e), type_="server_error").body())), timeout)
+            await send(_event(BadRequest(str(e), type_="server_error").body()))
         if include_usage and out.usages:
-            usage = {**envelope(out.kind + ".chunk" if out.chat else out.kind, out.rid, out.model),
-                     "choices": [], "usage": usage_body(out.usages)}
-            await asyncio.wait_for(response.write(_event(usage)), timeout)
-        await asyncio.wait_for(response.write(b"data: [DONE]\n\n"), timeout)
-        await asyncio.wait_for(response.write_eof(), timeout)
+            await send(_event({**envelope(out.kind + ".chunk" if out.chat else out.kind, out.rid, out.model),
+                               "choices": [], "usage": usage_body(out.usages)}))
+        await send(b"data: [DONE]\n\n")
+        await send(None)
     except asyncio.TimeoutError:  # the client stopped reading: drop it, and the request with it
         log.warning("request %s: the client read nothing for %.0f s; the stream was aborted", out.rid, timeout)
         if request.transport is not None:
