@@ -13,6 +13,7 @@ from tieredkv.core.scheduler import Scheduler
 from tieredkv.core.sequence import Request, Sequence, SeqStatus
 from tieredkv.tiers.hot import HotTier
 from tieredkv.core.cache_index import CacheIndex
+from tieredkv.runner.far_stage import stage_groups
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PROMOTE, SWAP_IN, SWAP_OUT
 from tieredkv.tiers.warm import WarmTier
@@ -20,7 +21,7 @@ from tieredkv.tiers.warm import WarmTier
 BS, LAYERS, HEADS, DIM = 4, 2, 1, 2
 
 
-def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device="cpu", far=False, stage_cap=None):
+def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device="cpu", far=False, staged=False):
     """A pool, KV manager, cache, tier manager (warm, then `lower` below it) and scheduler. With `far`, the
     warm slab is the cache tensor's tail and the pool lends its slots as far blocks (in place, as on CPU)."""
     cache = torch.zeros(LAYERS, 2, num_blocks + (warm_blocks if far else 0), BS, HEADS, DIM, device=device)
@@ -31,10 +32,9 @@ def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device=
     pool = BlockPool(num_blocks, warm if far else None)
     kv = KVCacheManager(pool, BS, True, root_hash("test"))
     tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, lower, BS)
-    offload = ("last" if stage_cap else "first") if far else None
+    offload = ("last" if staged else "first") if far else None
     index = CacheIndex(pool, tiers, root_hash("test"), BS)
-    return pool, kv, cache, tiers, Scheduler(kv, max_seqs, budget, tiers, index, offload=offload,
-                                             stage_cap=stage_cap)
+    return pool, kv, cache, tiers, Scheduler(kv, max_seqs, budget, tiers, index, offload=offload)
 
 
 def cache_then_evict(sched, tiers, cache, kv, prompt, other):
@@ -325,17 +325,14 @@ def test_a_prefix_too_big_for_hot_is_adopted_as_far_blocks_with_planned_promotio
     assert pool.num_far == 0 and tiers.warm.contains_sync(keys) == 6
 
 
-def test_the_stage_budget_bounds_far_blocks_per_step_and_sequences_take_turns():
-    pool, kv, cache, tiers, sched = make(num_blocks=8, warm_blocks=16, budget=64, far=True, stage_cap=3)
-    a, b = seq(range(10, 23), "a"), seq(range(30, 43), "b")
-    for s in (a, b):
-        sched.add(s)
-        run_step(sched, tiers, cache, kv)
-    for s in (a, b):
-        kv.offload(3, [s])  # each holds 3 far blocks now
-        tiers.execute(kv.take_moves())
-        s.token_ids.append(1)
-    assert kv.num_far_blocks(a) == kv.num_far_blocks(b) == 3
-    first = [x.request.request_id for x, _ in run_step(sched, tiers, cache, kv).scheduled]
-    second = [x.request.request_id for x, _ in run_step(sched, tiers, cache, kv).scheduled]
-    assert len(first) == len(second) == 1 and first != second  # 3 + 3 > cap: one a step, in turns
+def test_a_step_is_staged_in_groups_whose_far_blocks_fit_the_cap():
+    """The runner's staging budget (far_stage.stage_groups): every scheduled sequence runs, in groups whose
+    far blocks fit the cap; near ones ride in the first; one over the cap is a group of its own."""
+    far = {"n1": 0, "a": 3, "b": 3, "n2": 0, "c": 2, "big": 9, "d": 1}
+    step = [(name, 1) for name in far]
+    groups = stage_groups(step, far.get, 5)
+    assert [[name for name, _ in g] for g in groups] == [["n1", "n2", "a"], ["b", "c"], ["big"], ["d"]]
+    assert sorted(name for g in groups for name, _ in g) == sorted(far)  # each once, none left for later
+    assert all(sum(far[name] for name, _ in g) <= 5 for g in groups if len(g) > 1)
+    assert stage_groups([("x", 4), ("y", 1)], {"x": 0, "y": 0}.get, 5) == [[("x", 4), ("y", 1)]]
+    assert stage_groups([], far.get, 5) == []

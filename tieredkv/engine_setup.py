@@ -271,10 +271,10 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
         model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compiled)
     tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None)
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
-    staged = mode == "staged"  # the staged buffer: this step's hot blocks and at most a pool's worth of far ones
+    staged = mode == "staged"
     index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
-    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index, offload={
-        "in place": "first", "staged": "last"}.get(mode), stage_cap=num_blocks if staged else None)
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
+                          offload={"in place": "first", "staged": "last"}.get(mode))
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if staged else None)

@@ -36,7 +36,6 @@ class _Step:
     """What one schedule() call has decided so far."""
 
     budget: int
-    stage: "_StageBudget"
     scheduled: dict[Sequence, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
     on_disk: list[Sequence] = field(default_factory=list)
@@ -45,7 +44,6 @@ class _Step:
     def add(self, seq: Sequence, n: int) -> None:
         self.scheduled[seq] = n
         self.budget -= n
-        self.stage.add(seq)
 
 
 class Scheduler:
@@ -60,20 +58,19 @@ class Scheduler:
 
     `offload` says what a dry pool does when far blocks are on (engine_setup.far_mode): "first" (far
     blocks cost nothing to read: old blocks of any running sequence move to far blocks before anyone is
-    preempted), "last" (far blocks are staged per step, at most `stage_cap` of them: preemption comes
-    first, but a sequence that cannot fit beside the others, or whose victim holds far blocks and so
-    would be recomputed, offloads its own request's old blocks instead), or None (off: preempt).
+    preempted), "last" (far blocks are staged for each step that reads them, by the runner: preemption
+    comes first, but a sequence that cannot fit beside the others, or whose victim holds far blocks and
+    so would be recomputed, offloads its own request's old blocks instead), or None (off: preempt).
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, tiers: TierManager,
-                 index: CacheIndex, offload: Literal["first", "last"] | None = None, stage_cap: int | None = None):
+                 index: CacheIndex, offload: Literal["first", "last"] | None = None):
         self.kv = kv
         self.tiers = tiers
         self.index = index  # where a waiting sequence's prefix is: the pool, then the tiers below
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.offload = offload
-        self.stage_cap = stage_cap  # far blocks staged per step, where attention stages them (CUDA)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admit_counter = itertools.count()
@@ -81,7 +78,6 @@ class Scheduler:
         self.num_swaps = 0  # preemptions whose blocks went to the warm tier instead of being recomputed
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self._step = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -97,11 +93,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """This step's sequences and token counts, and the block moves to carry out before its forward."""
-        step = _Step(self.max_num_batched_tokens, _StageBudget(self.stage_cap, self.kv, self._step))
+        step = _Step(self.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
             self._admit_waiting(step)
-        self._step += 1
         return SchedulerOutput(list(step.scheduled.items()), self.kv.take_moves(), step.preempted, step.on_disk,
                                step.admitted)
 
@@ -111,13 +106,11 @@ class Scheduler:
         """Decodes first, then prefill chunks, each given its blocks (offloading or preempting for them)."""
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in step.stage.order(decoding + prefilling):
+        for seq in decoding + prefilling:
             if step.budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this step
                 continue
-            if not step.stage.admits(seq):
-                continue  # its far blocks wait for a later step (it keeps them)
             n = self._fit_running(seq, min(seq.num_tokens - seq.num_computed_tokens, step.budget), step)
             if n:
                 step.add(seq, n)
@@ -294,28 +287,3 @@ class Scheduler:
         seq.swapped = seq.lookup = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-
-
-class _StageBudget:
-    """Where far blocks are staged for attention (far_stage.py), bounds the far blocks one step stages
-    to `cap` (one sequence always goes, however many it has), so the staging buffer stays bounded.
-    Sequences with far blocks take turns: the one that waited longest goes first."""
-
-    def __init__(self, cap: int | None, kv: KVCacheManager, step: int):
-        self.cap, self.kv, self.step = cap, kv, step
-        self.used = 0
-
-    def order(self, seqs: list[Sequence]) -> list[Sequence]:
-        if self.cap is None:
-            return seqs
-        return sorted(seqs, key=lambda s: (self.kv.num_far_blocks(s) > 0, s.last_staged_step))  # stable: near ones first
-
-    def admits(self, seq: Sequence) -> bool:
-        return self.cap is None or not self.used or self.used + self.kv.num_far_blocks(seq) <= self.cap
-
-    def add(self, seq: Sequence) -> None:
-        if self.cap is not None:
-            far = self.kv.num_far_blocks(seq)
-            self.used += far
-            if far:
-                seq.last_staged_step = self.step

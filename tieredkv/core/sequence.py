@@ -54,7 +54,6 @@ class Sequence:
         self.lookup: Lookup | None = None  # a walk of the lower tiers in progress while waiting
         self.swapped: Restore | None = None  # where a preempted sequence's blocks wait in warm
         self.last_token_time: float | None = None
-        self.last_staged_step = -1  # the last step that staged this sequence's far blocks (scheduler)
 
     @property
     def num_tokens(self) -> int:

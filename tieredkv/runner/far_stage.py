@@ -6,14 +6,19 @@ blocks stages, layer by layer, every block its block tables name into one buffer
 [2, T, block_size, kv_heads, head_dim]: hot blocks by a device gather (after this step's K/V are
 stored), far blocks by a host-to-device copy from the slab. The block tables of such a step index
 that buffer (see `plan_stage`), so the same attention kernels run unchanged. The buffer holds one
-layer of the batch's context at a time: 1/num_layers of its KV.
+layer of the batch's context at a time: 1/num_layers of its KV. A step whose sequences hold more far
+blocks than the runner's cap runs as several forwards, over groups that fit (`stage_groups`), so the
+buffer stays bounded while every scheduled sequence still advances this step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -57,3 +62,21 @@ def plan_stage(tables: list[list[int]], base: int, slab: torch.Tensor,
     plan = StagePlan(len(position), column(hot, 0, device), column(hot, 1, device), column(far, 0, "cpu"),
                      column(far, 1, device), slab)
     return plan, [[position[b] for b in table] for table in tables]
+
+
+def stage_groups(scheduled: list[tuple[T, int]], num_far: Callable[[T], int], cap: int) -> list[list[tuple[T, int]]]:
+    """A step's (sequence, tokens) split into groups whose far blocks together are at most `cap`, in
+    order; the sequences without far blocks go in the first group, and a sequence with more than `cap`
+    far blocks makes a group of its own. One group when everything fits."""
+    groups: list[list[tuple[T, int]]] = [[item for item in scheduled if num_far(item[0]) == 0]]
+    used = 0
+    for item in scheduled:
+        far = num_far(item[0])
+        if far == 0:
+            continue
+        if used and used + far > cap:
+            groups.append([])
+            used = 0
+        groups[-1].append(item)
+        used += far
+    return [g for g in groups if g]

@@ -8,7 +8,7 @@ import torch
 
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch
 from tieredkv.runner.compiled_decode import CompiledDecode
-from tieredkv.runner.far_stage import StagePlan, plan_stage
+from tieredkv.runner.far_stage import StagePlan, plan_stage, stage_groups
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.cascade import shared_prefixes
 from tieredkv.models.llama import LlamaModel
@@ -41,7 +41,8 @@ class ModelRunner:
         self.compiled = compiled  # the compiled path for a step that decodes one sequence, when the engine compiles
         self.warmed_up = False
         # far: where far blocks (ids >= base) are not in the cache tensor, the first far id and the warm slab;
-        # steps that use them stage them (far_stage.py)
+        # steps that use them stage them (far_stage.py), at most a hot pool's worth (base) of far blocks
+        # per forward: a step that holds more runs as several
         self.far_base, self.far_slab = far if far is not None else (None, None)
         self.staged_steps = 0
         self.peak_staged_blocks = 0  # the largest staging buffer a step used, in blocks of one layer
@@ -160,9 +161,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs the forward (block moves were carried out before); returns fp32 logits [S, vocab] and
-        their sequences."""
-        compiled = self.compiled is not None and self.compiled.accepts(out.scheduled)
-        batch, sampled = self.prepare(out.scheduled, with_plan=not compiled)
+        their sequences. Where far blocks are staged, the step runs as one forward per group of sequences
+        whose far blocks fit the staging cap (far_stage.stage_groups)."""
+        if self.far_base is None:
+            return self._forward(out.scheduled)
+        base = self.far_base
+        groups = stage_groups(out.scheduled, lambda s: sum(b.block_id >= base for b in s.block_table), base)
+        if len(groups) == 1:
+            return self._forward(groups[0])
+        parts = [self._forward(group) for group in groups]
+        return torch.cat([logits for logits, _ in parts]), [seq for _, seqs in parts for seq in seqs]
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        compiled = self.compiled is not None and self.compiled.accepts(scheduled)
+        batch, sampled = self.prepare(scheduled, with_plan=not compiled)
         logits = None
         if compiled and batch.attn.stage is None:
             a = batch.attn
