@@ -263,21 +263,16 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     factory = RequestFactory(tokenizer, spec, cfg, limit, eos_token_ids(spec, model_dir, tokenizer.eos_token_id),
                              num_blocks, num_far)
     fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size)
-    ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear)
     compiled = compile_wanted(cfg.compile_decode, device)
-    if compiled and cfg.cpu_linear != "packed":  # one copy of the weights: the compiled path reads them
-        ops = replace(ops, pack_linear_weight=None)  # plain, so the eager one does too (README: CPU dense layers)
-    elif ops.pack_linear_weight is not None:
-        model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compiled)
+    ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
     tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None)
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
-    staged = mode == "staged"
     index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
                           offload={"in place": "first", "staged": "last"}.get(mode))
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
-                         far=(num_blocks, tiers.warm.slab) if staged else None)
+                         far=(num_blocks, tiers.warm.slab) if mode == "staged" else None)
     runner.compile_now()
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
@@ -286,6 +281,19 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
              ops.linear.__name__, ops.pack_linear_weight is not None, compiled)
     return EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
                        factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle)
+
+
+def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,
+                         compiled: bool) -> KernelOps:
+    """The kernel set, with the weights in the layout its dense layers read. They are held once: the
+    compiled decode path reads them plain, so then the eager steps do too (README: CPU dense layers);
+    else packed, where the kernel set packs. cpu_linear="packed" keeps a packed copy beside the plain."""
+    ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear)
+    if compiled and cfg.cpu_linear != "packed":
+        return replace(ops, pack_linear_weight=None)
+    if ops.pack_linear_weight is not None:
+        model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compiled)
+    return ops
 
 
 def _prepare_process(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:

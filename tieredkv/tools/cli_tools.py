@@ -52,10 +52,11 @@ def plan_command(args: argparse.Namespace) -> None:
     activation = None
     if args.profile:
         activation = profile_activations(args.model, args.device, args.dtype, args.max_num_batched_tokens)
+    warm = None if args.warm_bytes is None else parse_bytes(args.warm_bytes)  # None: the engine's default
     result = plan(args.model, args.device, parse_bytes(args.device_memory) if args.device_memory else None,
-                  args.memory_utilization, args.dtype, args.block_size, args.max_model_len,
-                  None if args.warm_bytes is None else parse_bytes(args.warm_bytes), parse_bytes(args.cold_bytes), args.seq_len, args.shared_prompt_len,
-                  args.max_num_batched_tokens, args.max_num_seqs, activation)
+                  args.memory_utilization, args.dtype, args.block_size, args.max_model_len, warm,
+                  parse_bytes(args.cold_bytes), args.seq_len, args.shared_prompt_len, args.max_num_batched_tokens,
+                  args.max_num_seqs, activation)
     print(json.dumps(result.as_dict(), indent=2) if args.json else format_plan(result))
 
 
@@ -149,15 +150,13 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=chat)
     p = sub.add_parser("plan", help="how much KV each tier holds for a model on a machine")
     p.add_argument("--model", default="default")
-    p.add_argument("--device", default="auto", help="cuda or cpu: whose memory to plan for (auto: as the engine "
-                   "picks, CUDA when this machine has it)")
+    p.add_argument("--device", default="auto", help="cuda or cpu: whose memory to plan for (auto: the engine's)")
     p.add_argument("--device-memory", default=None, help="e.g. 80GiB (default: measured)")
     p.add_argument("--memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default="auto", help="as the engine: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--warm-bytes", default=None, help="the warm tier's budget (default: the engine's, 10%% of the "
-                   "memory available now, at most 4 GiB)")
+    p.add_argument("--warm-bytes", default=None, help="the warm tier's budget (default: the engine's)")
     p.add_argument("--cold-bytes", default="0")
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length for 'sequences before preemption'")
     p.add_argument("--shared-prompt-len", type=int, default=1024)

@@ -88,8 +88,7 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
          max_len: int | None = None, warm_bytes: int | None = None, cold_bytes: int = 0, seq_len: int = 4096,
          shared_prompt_len: int = 1024, max_num_batched_tokens: int = 1024, max_num_seqs: int = 64,
          activation_bytes: int | None = None, cpu_kv_cache_bytes: int | None = None) -> Plan:
-    if device == "auto":  # as the engine resolves it (engine_setup.resolve_device), without needing the device
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device  # as the engine
     model_dir = resolve_model_dir(model)
     spec = ModelSpec.from_file(model_dir / "config.json")
     torch_dtype = resolve_dtype(dtype, torch.device(device))
@@ -104,12 +103,9 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
     if activation_bytes is None:
         activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, item)
     cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size, max_model_len=max_len, warm_bytes=warm_bytes,
-                       gpu_memory_utilization=memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
-                       max_num_seqs=max_num_seqs,
-                       **({} if cpu_kv_cache_bytes is None else {"cpu_kv_cache_bytes": cpu_kv_cache_bytes}))
-    # the engine's own arithmetic (engine_setup.kv_pool_bytes): on CUDA the device's memory less the
-    # weights and a step's activations, elsewhere cpu_kv_cache_bytes
-    device_type = torch.device(device).type
+                       gpu_memory_utilization=memory_utilization, **({} if cpu_kv_cache_bytes is None else
+                                                                     {"cpu_kv_cache_bytes": cpu_kv_cache_bytes}))
+    device_type = torch.device(device).type  # the engine's own arithmetic: CUDA memory less weights, activations
     hot = max(kv_pool_bytes(cfg, device_type, memory, weights + activation_bytes), 0) // per_block
     block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
     fingerprint = model_fingerprint(model_dir, torch_dtype, block_size)
