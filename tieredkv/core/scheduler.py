@@ -234,8 +234,7 @@ class Scheduler:
         for name, blocks in (restore.by_tier if restore else {}).items():
             blocks_by_tier[name] = blocks_by_tier.get(name, 0) + blocks
         bs = self.kv.block_size
-        if self.tiers is not None:
-            count_lookup([self.tiers.hot, *self.tiers.lower], blocks_by_tier, seq.num_prompt_tokens, bs)
+        count_lookup([self.tiers.hot, *self.tiers.lower], blocks_by_tier, seq.num_prompt_tokens, bs)
         req = seq.request
         req.cached_tokens_by_tier = {name: blocks * bs for name, blocks in blocks_by_tier.items()}
         req.num_cached_tokens = sum(req.cached_tokens_by_tier.values())
@@ -260,7 +259,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         slots = None
-        if self.tiers is not None and not self.kv.num_far_blocks(seq):
+        if not self.kv.num_far_blocks(seq):
             slots = self.tiers.reserve_swap(len(seq.block_table))  # with far blocks: recomputed, from the cache
         if slots is not None:
             seq.swapped = self.kv.swap_out(seq, slots)
@@ -282,8 +281,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(seq)
-        if self.tiers is not None:
-            self.tiers.drop_swap(seq.swapped)
+        self.tiers.drop_swap(seq.swapped)
         seq.swapped = seq.lookup = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

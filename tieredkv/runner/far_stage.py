@@ -68,10 +68,10 @@ def stage_groups(scheduled: list[tuple[T, int]], num_far: Callable[[T], int], ca
     """A step's (sequence, tokens) split into groups whose far blocks together are at most `cap`, in
     order; the sequences without far blocks go in the first group, and a sequence with more than `cap`
     far blocks makes a group of its own. One group when everything fits."""
-    groups: list[list[tuple[T, int]]] = [[item for item in scheduled if num_far(item[0]) == 0]]
+    counts = [num_far(seq) for seq, _ in scheduled]
+    groups: list[list[tuple[T, int]]] = [[item for item, far in zip(scheduled, counts) if far == 0]]
     used = 0
-    for item in scheduled:
-        far = num_far(item[0])
+    for item, far in zip(scheduled, counts):
         if far == 0:
             continue
         if used and used + far > cap:
