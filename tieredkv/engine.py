@@ -195,7 +195,7 @@ class AsyncEngine:
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None, *,
                        request_id: str | None = None) -> RequestOutput:
-        """The whole result of one request (all n samples)."""
+        """The whole result of one request: all n samples, or with beam search the n best beams, best first."""
         params = params or SamplingParams()
         outputs = [CompletionOutput(i) for i in range(params.n)]
         texts: list[list[str]] = [[] for _ in range(params.n)]
@@ -209,6 +209,7 @@ class AsyncEngine:
                     out.logprobs = (out.logprobs or []) + chunk.logprobs
                 if chunk.finish_reason is not None:
                     out.finish_reason = chunk.finish_reason
+                    out.cumulative_logprob = chunk.cumulative_logprob
                     usage.append(chunk.usage)
         for out, parts in zip(outputs, texts):
             out.text = "".join(parts)

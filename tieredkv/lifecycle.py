@@ -8,15 +8,17 @@ from typing import Any
 
 import torch
 
+from tieredkv.core.beam import BeamSearch
 from tieredkv.core.kv_manager import KVCacheManager, cdiv
 from tieredkv.core.pins import PinTable
 from tieredkv.core.scheduler import Scheduler, SchedulerOutput
 from tieredkv.core.sequence import Request, Sequence
-from tieredkv.errors import RequestError, StepError, TieredKVError
+from tieredkv.errors import RequestError, SamplingError, StepError, TieredKVError
 from tieredkv.models.detokenizer import IncrementalDetokenizer
 from tieredkv.models.tokenizer import Tokenizer
-from tieredkv.outputs import Output, StreamChunk, TokenLogprob, make_chunk
+from tieredkv.outputs import Output, StreamChunk, TokenLogprob, beam_chunk, make_chunk
 from tieredkv.request_factory import RequestFactory
+from tieredkv.runner.logits_processors import apply_processors
 from tieredkv.runner.sampler import RowState, Sampled, sample
 from tieredkv.telemetry import Telemetry
 
@@ -47,6 +49,8 @@ class Lifecycle:
                 raise RequestError(f"request id {req.request_id!r} is already in use")
             self.factory.check_fits(len(req.prompt_token_ids), req.params, self.pins.num_blocks)
             seq = self._new_sequence(req, 0, req.prompt_token_ids)
+            if req.params.beam_search:
+                req.beam = BeamSearch(req.params, req.stop_ids, len(req.prompt_token_ids), self.max_model_len)
         except Exception as e:
             self.telemetry.on_rejected()
             return [(req.sink, e if isinstance(e, TieredKVError) else RequestError(f"cannot admit the request: {e}"))]
@@ -64,6 +68,8 @@ class Lifecycle:
             return []
         del self.requests[request_id]
         self.telemetry.on_ended(req, "abort")
+        if req.beam is not None:
+            return self._end_beams(req, "abort")
         outputs = []
         for seq in req.seqs:
             if not seq.is_finished:
@@ -100,6 +106,8 @@ class Lifecycle:
     def update(self, out: SchedulerOutput, logits: torch.Tensor, sampled: list[Sequence]) -> list[Output]:
         """Computed tokens and newly full blocks cached, then for each sampled sequence (a logits row):
         the prompt's end for prefill-only requests, or forks and one sampled token per sample."""
+        for seq in out.preempted:
+            seq.beam_row = None  # a preempted beam computes its row again
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
@@ -123,7 +131,15 @@ class Lifecycle:
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Output]:
-        outputs = []
+        beams = [i for i, s in enumerate(seqs) if s.request.beam is not None]
+        if beams:
+            outputs = self._beam_rows(logits[beams], [seqs[i] for i in beams])
+            rest = [i for i, s in enumerate(seqs) if s.request.beam is None]
+            logits, seqs = logits[rest], [seqs[i] for i in rest]
+            if not seqs:
+                return outputs
+        else:
+            outputs = []
         states = [RowState(s.request.params, s.token_ids, s.num_prompt_tokens, s.request.stop_ids) for s in seqs]
         for seq, got in zip(seqs, sample(logits, states, [s.generator for s in seqs])):
             if not isinstance(got, Sampled):
@@ -151,7 +167,7 @@ class Lifecycle:
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """When sample 0 finishes its prompt, the other n - 1 samples start, sharing its blocks."""
         req = seq.request
-        if seq.index != 0 or req.pending_forks == 0:
+        if seq.index != 0 or req.pending_forks == 0 or req.beam is not None:
             return []
         children = []
         for i in range(len(req.seqs), req.params.n):
@@ -171,6 +187,76 @@ class Lifecycle:
                 self._finish_request(seq.request)
         logprobs = None if got.logprob is None else [TokenLogprob(got.token, got.logprob, got.top)]
         return make_chunk(seq, [got.token], final=reason is not None, logprobs=logprobs)
+
+    # -- beam search (core/beam.py decides, these carry it out) ----------------------------------
+
+    def _beam_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Output]:
+        """Keeps each beam's processed log-probabilities; a request whose running beams all have theirs
+        takes its step (beams of one request normally run in one forward)."""
+        outputs = []
+        bad = (~logits.amax(-1).isfinite()).tolist()
+        states = [RowState(s.request.params, s.token_ids, s.num_prompt_tokens, s.request.stop_ids) for s in seqs]
+        rows = apply_processors(logits.log_softmax(-1), states)
+        for seq, row, is_bad in zip(seqs, rows, bad):
+            if is_bad:
+                outputs.extend(self.fail(seq.request, SamplingError("the model produced logits that are not finite")))
+            elif seq.request.request_id in self.requests:
+                seq.beam_row = row
+        for req in {s.request.request_id: s.request for s in seqs}.values():
+            if req.request_id in self.requests and all(s.beam_row is not None for s in req.seqs):
+                outputs.extend(self._beam_step(req))
+        return outputs
+
+    def _beam_step(self, req: Request) -> list[Output]:
+        rows = torch.stack([s.beam_row for s in req.seqs])
+        for s in req.seqs:
+            s.beam_row = None
+        survivors = req.beam.step(req.seqs, rows)
+        self.telemetry.on_token(req.seqs[0], time.perf_counter())
+        if req.beam.done:
+            outputs = self._end_beams(req, "length")
+            self._finish_request(req)
+            return outputs
+        try:
+            self._advance_beams(req, survivors)
+        except Exception as e:
+            return self.fail(req, RequestError(f"forking the beams failed: {e}"))
+        return []
+
+    def _advance_beams(self, req: Request, survivors: list) -> None:
+        """The survivors become the running beams, in rank order: a beam chosen more than once forks
+        (sharing its blocks), one never chosen is freed."""
+        taken: set[Sequence] = set()
+        beams = []
+        for i, sv in enumerate(survivors):
+            if sv.parent in taken:
+                beam = self._new_sequence(req, i, sv.parent.token_ids)
+                self.kv.fork(sv.parent, beam)
+                beam.detokenizer = sv.parent.detokenizer.fork()
+                self.scheduler.add_running(beam)
+            else:
+                beam = sv.parent
+                taken.add(beam)
+            beams.append(beam)
+        for sv, beam in zip(survivors, beams):  # after every fork: a parent's tokens are copied unextended
+            beam.token_ids.append(sv.token)
+            beam.beam_logprob = sv.cum_logprob
+            if sv.detokenizer is not None:
+                beam.detokenizer = sv.detokenizer
+            else:
+                beam.detokenizer.add(sv.token, check_stop=False)
+        for seq in req.seqs:
+            if seq not in taken:
+                self.scheduler.finish(seq, "pruned")
+        req.seqs = beams
+
+    def _end_beams(self, req: Request, running_reason: str) -> list[Output]:
+        """The search is over: the n best beams go out, best first; every running beam is freed."""
+        best = req.beam.results(req.seqs, running_reason)
+        for seq in req.seqs:
+            self.scheduler.finish(seq, best[0].finish_reason)
+        req.beam.done = True
+        return [(req.sink, beam_chunk(req, rank, hyp)) for rank, hyp in enumerate(best)]
 
     def _finish_request(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 from tieredkv.tiers.base import TIER_NAMES, TierStats
 
 if TYPE_CHECKING:
-    from tieredkv.core.sequence import Sequence
+    from tieredkv.core.beam import Hypothesis
+    from tieredkv.core.sequence import Request, Sequence
 
 
 Output = tuple[Any, "StreamChunk | BaseException"]  # (a request's sink, a chunk or the request's error)
@@ -43,6 +44,7 @@ class StreamChunk:
     finish_reason: str | None = None  # "stop", "length" or "abort" on the final chunk
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None  # beam search: the beam's summed log-probability
 
 
 @dataclass
@@ -52,6 +54,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None  # beam search: the beam's summed log-probability
 
 
 @dataclass
@@ -89,14 +92,22 @@ def make_chunk(seq: "Sequence", token_ids: list[int], final: bool,
                logprobs: list[TokenLogprob] | None = None) -> StreamChunk:
     """The sequence's new text and tokens; on its final chunk, its finish reason and usage."""
     req = seq.request
-    usage = None
-    if final:
-        by_tier = {name: req.cached_tokens_by_tier.get(name, 0) for name in TIER_NAMES}
-        usage = Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, seq.num_output_tokens, by_tier)
+    usage = _usage(req, seq.num_output_tokens) if final else None
     if logprobs is None and req.params.logprobs is not None:
         logprobs = []
     return StreamChunk(req.request_id, seq.index, seq.detokenizer.take(final), token_ids,
                        seq.finish_reason if final else None, usage, logprobs)
+
+
+def beam_chunk(req: "Request", rank: int, hyp: "Hypothesis") -> StreamChunk:
+    """The whole of one returned beam, as the final chunk of output `rank` (0 is the best)."""
+    return StreamChunk(req.request_id, rank, hyp.detokenizer.take(True), list(hyp.token_ids), hyp.finish_reason,
+                       _usage(req, len(hyp.token_ids)), None, hyp.cum_logprob)
+
+
+def _usage(req: "Request", completion_tokens: int) -> Usage:
+    by_tier = {name: req.cached_tokens_by_tier.get(name, 0) for name in TIER_NAMES}
+    return Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, completion_tokens, by_tier)
 
 
 def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int) -> EngineStats:

@@ -40,8 +40,9 @@ class RequestFactory:
     def precheck(self, prompt: Any, params: Any) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.n > self.max_num_seqs:
-            raise RequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+        if params.num_seqs > self.max_num_seqs:
+            what = f"beam_width={params.beam_width}" if params.beam_search else f"n={params.n}"
+            raise RequestError(f"{what} exceeds max_num_seqs={self.max_num_seqs}")
         outside = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
         if outside:
             raise RequestError(f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
@@ -84,13 +85,13 @@ class RequestFactory:
         in the hot pool and the warm blocks it may offload to; each sample's last block must be hot."""
         total = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
         shared = num_prompt_tokens // self.block_size
-        needed = shared + params.n * (cdiv(total, self.block_size) - shared)
+        needed = shared + params.num_seqs * (cdiv(total, self.block_size) - shared)
         hot = self.num_blocks - pinned_blocks
-        if needed > hot + self.num_far_blocks or (self.num_far_blocks and params.n + 1 > hot):
+        if needed > hot + self.num_far_blocks or (self.num_far_blocks and params.num_seqs + 1 > hot):
             where = f" and {pinned_blocks} of them are pinned" if pinned_blocks else ""
             warm = f" and the warm tier {self.num_far_blocks} more" if self.num_far_blocks else ""
             raise RequestError(f"request needs up to {needed} KV blocks but the pool has {self.num_blocks}{where}"
-                               f"{warm}; lower max_tokens or n, unpin, or give the engine more KV memory")
+                               f"{warm}; lower max_tokens, n or beam_width, unpin, or give the engine more KV memory")
 
     def token_ids(self, prompt: PromptType) -> list[int]:
         """The prompt's token ids, checked; tokenizes strings and applies the chat template to messages."""

@@ -51,8 +51,8 @@ class Scheduler:
 
     Each step: running sequences that decode are served first, then running ones mid-prefill, then
     waiting ones, while the token budget and max_num_seqs allow. When the pool runs dry, the most
-    recently admitted running sequence not yet scheduled this step is preempted and goes back to the
-    front of `waiting`: its blocks are swapped to the warm tier when it has room, else freed and
+    recently admitted running sequence not yet scheduled this step is preempted (with its beams, for a beam
+    search) and goes back to the front of `waiting`: its blocks are swapped to the warm tier when it has room, else freed and
     recomputed later. A waiting sequence whose prefix is being read from the cold tier is passed
     over until the read finishes, so the disk never holds up a step that has work to compute.
 
@@ -97,6 +97,8 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:
             self._admit_waiting(step)
+        if not step.scheduled and not step.preempted and self.waiting and self.running:
+            self._unpark(step)
         return SchedulerOutput(list(step.scheduled.items()), self.kv.take_moves(), step.preempted, step.on_disk,
                                step.admitted)
 
@@ -131,9 +133,10 @@ class Scheduler:
                 fitting = self._make_room(seq, n)
                 if fitting and self.kv.allocate_slots(seq, fitting):
                     return fitting
-            self._preempt(victim)
-            step.preempted.append(victim)
-            if victim is seq:
+            for s in self._group(victim, step):
+                self._preempt(s)
+                step.preempted.append(s)
+            if seq.status is not SeqStatus.RUNNING:  # seq was the victim, or one of its beams
                 return 0
             if self.kv.allocate_slots(seq, n):
                 return n
@@ -256,10 +259,27 @@ class Scheduler:
         candidates = [s for s in self.running if s not in scheduled and s is not current]
         return max(candidates, key=lambda s: s.admit_order) if candidates else current
 
+    def _unpark(self, step: _Step) -> None:
+        """Nothing could run: every running sequence is a beam that waits for a sibling the pool cannot
+        admit beside them. They step back to be recomputed (their blocks stay cached), so the group can
+        be admitted together."""
+        for seq in [s for s in self.running if s.parked]:
+            self._preempt(seq)
+            step.preempted.append(seq)
+
+    def _group(self, victim: Sequence, step: _Step) -> list[Sequence]:
+        """What preempting victim takes: with beam search, its running beams too (a search advances only
+        when all its beams have run), except those this step already scheduled."""
+        if victim.request.beam is None:
+            return [victim]
+        return [victim] + [s for s in victim.request.seqs if s is not victim and s.status is SeqStatus.RUNNING
+                           and s not in step.scheduled]
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         slots = None
-        if not self.kv.num_far_blocks(seq):
+        # a beam waiting for its siblings has nothing left to compute: it is recomputed (from the cache)
+        if not self.kv.num_far_blocks(seq) and not seq.parked:
             slots = self.tiers.reserve_swap(len(seq.block_table))  # with far blocks: recomputed, from the cache
         if slots is not None:
             seq.swapped = self.kv.swap_out(seq, slots)

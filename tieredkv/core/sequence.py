@@ -14,6 +14,7 @@ from tieredkv.config import SamplingParams
 from tieredkv.core.hashing import BlockHash
 
 if TYPE_CHECKING:
+    from tieredkv.core.beam import BeamSearch
     from tieredkv.core.block_pool import KVBlock
     from tieredkv.models.detokenizer import IncrementalDetokenizer
     from tieredkv.tiers.lookup import Lookup
@@ -54,6 +55,8 @@ class Sequence:
         self.lookup: Lookup | None = None  # a walk of the lower tiers in progress while waiting
         self.swapped: Restore | None = None  # where a preempted sequence's blocks wait in warm
         self.last_token_time: float | None = None
+        self.beam_logprob = 0.0  # beam search: summed log-probability of the output so far
+        self.beam_row: torch.Tensor | None = None  # beam search: next-token log-probabilities, until the step
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +73,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def parked(self) -> bool:
+        """A beam whose next token waits for its siblings' rows (a beam search steps all its beams at once)."""
+        return self.request.beam is not None and self.num_computed_tokens == self.num_tokens
 
     def append(self, token: int, max_model_len: int) -> str | None:
         """Adds a sampled token; returns why the sequence ends now ("stop" or "length"), or None."""
@@ -108,6 +116,7 @@ class Request:
     arrival_time: float | None = None  # perf_counter at add; then first admission, first token
     admitted_time: float | None = None
     first_token_time: float | None = None
+    beam: "BeamSearch | None" = None  # with beam_width > 1: the search; seqs are then its running beams
 
     @functools.cached_property
     def stop_ids(self) -> frozenset[int]:
@@ -117,10 +126,15 @@ class Request:
 
     @property
     def pending_forks(self) -> int:
+        """Sequences still to start beside the first: the other samples, or the other beams."""
+        if self.beam is not None:
+            return 0 if self.beam.started else self.params.beam_width - 1
         return self.params.n - len(self.seqs)
 
     @property
     def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return self.pending_forks == 0 and all(s.is_finished for s in self.seqs)
 
     def make_generator(self, index: int, device: torch.device) -> torch.Generator | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 _CONTEXT_TOKENS = 5
@@ -50,6 +51,12 @@ class IncrementalDetokenizer:
             self.text = self.text[:cut]
             return True
         return False
+
+    def fork(self) -> "IncrementalDetokenizer":
+        """An independent copy (a beam that continues two ways)."""
+        twin = copy.copy(self)
+        twin._ids = list(self._ids)
+        return twin
 
     def take(self, final: bool) -> str:
         """New text since the last call; while not final, keeps back what might begin a stop string."""

@@ -45,6 +45,8 @@ def sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
         if body.get(name) is not None:
             kw.setdefault("max_tokens", body[name])
             names.setdefault("max_tokens", name)
+    kw.update(_beam_fields(body))
+    names["beam_width"] = "best_of"
     if body.get("logit_bias") is not None:
         bias = body["logit_bias"]
         if not isinstance(bias, dict):
@@ -68,6 +70,25 @@ def sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
         field = str(err["loc"][0]) if err["loc"] else None
         param = names.get(field, field)
         raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+
+
+def _beam_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """Beam search as vLLM's clients ask for it: use_beam_search with best_of beams (default n), and
+    length_penalty / early_stopping; best_of without beam search (sample and keep the best) is refused."""
+    use, best_of = body.get("use_beam_search"), body.get("best_of")
+    if use is not None and not isinstance(use, bool):
+        raise BadRequest("use_beam_search must be true or false", "use_beam_search")
+    if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool) or best_of < 1):
+        raise BadRequest("best_of must be a positive integer", "best_of")
+    n = body.get("n") if isinstance(body.get("n"), int) else 1
+    if not use:
+        if best_of is not None and best_of > n:
+            raise BadRequest("best_of above n needs use_beam_search: true (sampling best_of and keeping the n most "
+                             "likely is not supported)", "best_of")
+        return {}
+    kw: dict[str, Any] = {"beam_width": best_of or n}
+    kw.update({k: body[k] for k in ("length_penalty", "early_stopping") if body.get(k) is not None})
+    return kw
 
 
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
