@@ -79,6 +79,19 @@ async def test_n_and_seed_are_reproducible(server):
     assert [x.message.content for x in c.choices] != [x.message.content for x in a.choices]
 
 
+async def test_beam_search_as_vllm_clients_ask_for_it(server):
+    """use_beam_search with best_of beams (extra_body, as vLLM takes it): the n best come back, best first,
+    as the engine's own beam search returns them."""
+    engine, client, _ = server
+    got = await client.completions.create(model=NAME, prompt="The quick brown", max_tokens=8, n=2, temperature=0,
+                                          extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5})
+    want = await engine.generate("The quick brown", SamplingParams(max_tokens=8, n=2, beam_width=4,
+                                                                   length_penalty=0.5))
+    assert [c.text for c in got.choices] == [o.text for o in want.outputs]
+    assert [c.index for c in got.choices] == [0, 1]
+    assert got.usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
+
+
 async def test_stop_strings(server):
     engine, client, _ = server
     plain = await client.completions.create(model=NAME, prompt="The quick brown", max_tokens=12, temperature=0)
@@ -130,6 +143,9 @@ async def test_models_and_health(server):
     ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400, "tools"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "best_of": 3}, 400, "best_of"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "use_beam_search": True, "best_of": 99}, 400,
+     "best_of"),
     ({"model": NAME, "messages": [{"role": "user", "content": "x" * 30_000}]}, 400, "prompt"),
     ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
 ])
