@@ -26,6 +26,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # transformers comparisons and the default-model tests run it. In this process that is the field's default;
 # the command-line tools the tests start read it from the environment (EngineConfig.from_env).
 EngineConfig.model_fields["compile_decode"].default = False
+# Where a test compiles, start() waits for the graph, so that the test knows which path serves
+# (test_compiled_decode.py tests the background compile itself).
+EngineConfig.model_fields["compile_in_background"].default = False
 EngineConfig.model_rebuild(force=True)
 os.environ.setdefault("TIEREDKV_COMPILE_DECODE", "0")
 # the cold tier's key file lives under XDG_CONFIG_HOME: keep the tests' key out of the user's home

@@ -1,6 +1,7 @@
 """The compiled decode path (compiled_decode.py): its ops match the references, it is what runs for a
 step that decodes one sequence, and its graph is compiled once, at start-up."""
 
+import asyncio
 import os
 
 import pytest
@@ -102,6 +103,31 @@ async def test_async_engine_defaults_to_compiled_decode_on_cpu(llama_dir):
         assert engine.core.runner.compiled.steps == 5
 
 
+async def test_requests_are_served_while_the_graph_compiles_in_the_background(llama_dir):
+    """With compile_in_background (the default outside the tests), start() returns before the graph is
+    ready: requests are served by the eager forward meanwhile (the background decode writes only the
+    scratch block), and once it is ready, between two steps, the compiled graph serves with the same tokens."""
+    from tieredkv.runner import compiled_decode
+
+    prompt, want = [5, 6, 7, 8], None
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=True, compile_in_background=True)
+    with compiled_decode._ONE_COMPILE:  # holds the background compile back until the first answers are in
+        engine = await AsyncEngine.start(cfg)
+        assert engine.stats().decode_path == "compiling"
+        outs = await asyncio.gather(*(engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, n=n))
+                                      for n in (1, 2)))
+        want = outs[0].outputs[0].token_ids
+        assert [o.token_ids for o in outs[1].outputs] == [want, want]
+        compiled = engine.core.runner.compiled
+        assert compiled.steps == 0 and engine.stats().decode_path == "compiling"
+    async with engine:
+        assert await asyncio.to_thread(compiled.wait_ready, 600)
+        again = await engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert again.outputs[0].token_ids == want == hf_greedy(llama_dir, [prompt], 8)[0]
+        assert compiled.steps == 7 and engine.stats().decode_path == "compiled"
+        await engine.run_in_worker(check_pool_clean, engine.core)
+
+
 def test_a_compiler_failure_leaves_the_eager_forward_serving(llama_dir, monkeypatch, caplog):
     """Where inductor cannot compile (no C++ compiler, say), the engine still starts and serves."""
     from tieredkv.runner.compiled_decode import CompiledDecode
@@ -179,12 +205,23 @@ from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine_core import EngineCore
 
 core = EngineCore(EngineConfig(model=sys.argv[1], cache_dir=sys.argv[2], num_blocks=32, compile_decode=True))
-req = core.factory.make([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
-core.add_request(req)
-while core.has_work():
-    core.step()
+
+
+def answer():
+    req = core.factory.make([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+    core.add_request(req)
+    while core.has_work():
+        core.step()
+    return req.seqs[0].output_token_ids
+
+
+first = answer()  # at once, while the graph compiles (or loads) in the background
 compiled = core.runner.compiled
-print(json.dumps({"tokens": req.seqs[0].output_token_ids, "disabled": compiled.disabled, "steps": compiled.steps}))
+ready = compiled.wait_ready(600)
+steps = compiled.steps
+second = answer()
+print(json.dumps({"tokens": [first, second], "disabled": compiled.disabled, "ready": ready,
+                  "steps": compiled.steps - steps}))
 """
 
 
@@ -210,8 +247,9 @@ def _start_engines(llama_dir, cache, home, n):
 
 
 def test_engines_starting_at_once_on_an_empty_cache_all_serve_compiled(tmp_path):
-    """Three processes on one empty cache directory: one compiles under the lock, the others load its graph;
-    all three answer on the compiled path, and nothing lands in the user's home or XDG cache (inductor keeps
+    """Three processes on one empty cache directory, each compiling in the background (the default) while it
+    answers a first request: one compiles under the lock, the others load its graph; all three answer at
+    once, and then on the compiled path, and nothing lands in the user's home or XDG cache (inductor keeps
     its precompiled C++ headers in the system's temporary directory whatever it is told; those are shared
     by every program on the machine). (A half-written converted model: test_default_model.py.)"""
     from helpers import make_checkpoint
@@ -220,7 +258,8 @@ def test_engines_starting_at_once_on_an_empty_cache_all_serve_compiled(tmp_path)
     cache, home = tmp_path / "cache", tmp_path / "home"
     want = hf_greedy(llama_dir, [[5, 6, 7, 8]], 6)[0]
     results = _start_engines(llama_dir, cache, home, 3)
-    assert all(r["tokens"] == want and r["disabled"] is None and r["steps"] == 5 for r in results), results
+    assert all(r["tokens"] == [want, want] and r["disabled"] is None and r["ready"] and r["steps"] == 5
+               for r in results), results
     leaked = [p for p in home.rglob("*") if p.is_file()]
     assert not leaked, leaked[:10]
     assert any(p.suffix == ".so" and p.stat().st_size > 0 for p in (cache / "inductor").rglob("*"))

@@ -46,13 +46,14 @@ def artifact_lock(path: Path, what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def long_work(what: str) -> Iterator[None]:
+def long_work(what: str, ticker: bool = True) -> Iterator[None]:
     """Shows one-time work that takes a while: a log line (INFO) as it starts and one with its time as it
-    ends, and meanwhile, where stderr is a terminal, a line counting the seconds."""
+    ends, and meanwhile, where stderr is a terminal and `ticker` (not for work in the background, whose
+    line would run into the output), a line counting the seconds."""
     log.info("%s ...", what)
     t0 = time.perf_counter()
-    stop, ticker = threading.Event(), None
-    if sys.stderr.isatty():
+    stop, show, ticker = threading.Event(), ticker, None
+    if show and sys.stderr.isatty():
         def tick() -> None:
             while not stop.wait(1.0):
                 sys.stderr.write(f"\r{what}: {time.perf_counter() - t0:.0f} s")

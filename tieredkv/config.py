@@ -50,6 +50,10 @@ class EngineConfig(BaseModel):
     compile_decode: bool | None = Field(
         None, description="run a step that decodes one sequence through an inductor-compiled graph (compiled at "
         "start-up, cached under cache_dir); None: on for CPU")
+    compile_in_background: bool = Field(
+        True, description="compile the decode graph on a thread of its own while the eager forward serves, "
+        "switching between two steps once it is ready (stats().decode_path says which serves); False: start() "
+        "returns once it is compiled")
     cpu_linear: Literal["auto", "packed", "torch"] = Field(
         "auto", description='dense layers on CPU in fp32, through oneDNN where its products match F.linear: "auto" '
         'holds the weights once (packed for oneDNN, or plain where the compiled decode path reads them); "packed" '

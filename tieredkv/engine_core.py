@@ -100,4 +100,5 @@ class EngineCore:
     # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return collect_stats(self.pool, self.scheduler, self.kv, self.tiers.stats(), self.pins.num_blocks)
+        return collect_stats(self.pool, self.scheduler, self.kv, self.tiers.stats(), self.pins.num_blocks,
+                             self.runner.decode_path)

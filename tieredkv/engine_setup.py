@@ -179,11 +179,13 @@ def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
 
 def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
-    """[layers, 2, num_blocks + num_far, block_size, kv_heads, head_dim]: the hot pool, zeroed, then the
+    """[layers, 2, num_blocks + num_far + 1, block_size, kv_heads, head_dim]: the hot pool, zeroed, then the
     far tail when far blocks are read in place (the warm tier's slab, and far_extent's address space beyond
-    it). On CPU the tensor lies in an anonymous mapping, whose pages the kernel zero-fills on first
-    touch: memory is taken as blocks are written, not for the whole pool at start-up."""
-    shape = (spec.num_layers, 2, num_blocks + num_far, block_size, spec.num_kv_heads, spec.head_dim)
+    it), then one scratch block that no sequence is given: warm-ups and the background compile decode
+    into it while requests are served (scratch_block). On CPU the tensor lies in an anonymous mapping,
+    whose pages the kernel zero-fills on first touch: memory is taken as blocks are written, not for the
+    whole pool at start-up."""
+    shape = (spec.num_layers, 2, num_blocks + num_far + 1, block_size, spec.num_kv_heads, spec.head_dim)
     if device.type == "cpu":
         return _zero_pages(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -204,7 +206,8 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
     block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
     warm = None
     if num_warm_blocks > 0:
-        tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks] if kv_cache.shape[2] > num_blocks else None
+        in_place = kv_cache.shape[2] > num_blocks + 1  # more than the pool and the scratch block
+        tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks] if in_place else None
         warm = WarmTier(num_warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda", slab=tail)
     hot = HotTier(BlockPool(num_blocks, warm if far else None), kv_cache, ops)
     cold = None
@@ -273,12 +276,12 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if mode == "staged" else None)
-    runner.compile_now()
+    runner.compile_now(background=cfg.compile_in_background)
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
     log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s, packed=%s, "
-             "compiled decode=%s", model_dir.name, dtype, device, num_blocks, cfg.block_size, ops.name,
-             ops.linear.__name__, ops.pack_linear_weight is not None, compiled)
+             "decode path=%s", model_dir.name, dtype, device, num_blocks, cfg.block_size, ops.name,
+             ops.linear.__name__, ops.pack_linear_weight is not None, runner.decode_path)
     return EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
                        factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle)
 

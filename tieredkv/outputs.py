@@ -86,6 +86,7 @@ class EngineStats:
     blocks_free: int = 0  # blocks_used + blocks_free == blocks_total in every snapshot
     blocks_far: int = 0  # blocks of running sequences kept in the warm tier now (block_pool.py)
     blocks_offloaded: int = 0  # hot blocks of running sequences moved to the warm tier so far
+    decode_path: str = "eager"  # what runs a one-sequence decode: "compiled", "compiling" (eager meanwhile), "eager"
 
 
 def make_chunk(seq: "Sequence", token_ids: list[int], final: bool,
@@ -110,7 +111,8 @@ def _usage(req: "Request", completion_tokens: int) -> Usage:
     return Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, completion_tokens, by_tier)
 
 
-def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int) -> EngineStats:
+def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
+                  decode_path: str = "eager") -> EngineStats:
     """A snapshot of the engine's counters: every field read at one moment, tier stats copied."""
     return EngineStats(
         num_running=len(scheduler.running),
@@ -129,4 +131,5 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int)
         blocks_pinned=pinned,
         blocks_far=pool.num_far,
         blocks_offloaded=kv.offloaded_blocks,
+        decode_path=decode_path,
     )

@@ -13,8 +13,9 @@ and the logits), which every run of that length calls: a layer reads no per-laye
 weights and cache come in as inputs. One graph over the stack, rather than one per layer, saves
 torch.compile's ~0.1 ms wrapper around each call (3 ms a token for 30 layers) and fuses each layer's
 last residual add into the next one's norm.
-The engine compiles it at start-up (`warmup`), so no request waits for a compile, and inductor keeps
-it in its on-disk cache under the engine's cache directory, so a restart loads it. Processes that start
+The engine compiles it on a thread of its own from start-up (`start_background`) while the eager forward
+serves, and switches to it between two steps once it is ready, so no request waits for a compile; and
+inductor keeps it in its on-disk cache under the engine's cache directory, so a restart loads it. Processes that start
 at once on one cache take turns: the first compiles under a file lock, the others then load its graph. Steps with more sequences run the
 eager forward: measured here, a graph dynamic in the batch was no faster at 2 decodes and twice as
 slow at 8 (its attention loops and the plain weights' products lose to the eager grouping and oneDNN's
@@ -26,6 +27,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from tieredkv.cache_dir import artifact_lock, long_work
-from tieredkv.runner.batch import AttentionMetadata, ForwardBatch
+from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_dense
 from tieredkv.kernels.store_kv import store_kv_dense
@@ -44,6 +48,8 @@ log = logging.getLogger("tieredkv")
 MIN_TABLE_WIDTH = 2  # tables are padded to this width: a width of 1 would be a graph of its own
 MAX_LAYERS_PER_GRAPH = 32  # the graph's compile time grows with its layers (the default model's 30: ~50 s, once)
 RECOMPILE_LIMIT = 3  # 1 is expected; past this the path turns itself off rather than compile every step
+GIL_SWITCH_S = 1e-4  # while compiling in the background (start_background)
+_ONE_COMPILE = threading.Lock()  # engines of one process compile one at a time (inductor's settings are global)
 
 
 def compile_wanted(setting: bool | None, device: torch.device) -> bool:
@@ -85,6 +91,8 @@ class CompiledDecode:
         self.steps = 0  # steps this path ran
         self._warming = False  # warmup reports its own failures
         self.disabled: str | None = None  # why the path turned itself off, if it did
+        self.ready = False  # the graph is compiled (or loaded) and serves: set once, by warmup
+        self._thread: threading.Thread | None = None
         self._groups = layer_groups(model, kv_cache)
         self._stack = self._compiled()
 
@@ -138,8 +146,41 @@ class CompiledDecode:
         return self.model.logits(x, batch, self.ops)
 
     def accepts(self, scheduled: list) -> bool:
-        """True for a step that decodes one sequence (one new token) and nothing else."""
-        return self.disabled is None and len(scheduled) == 1 and scheduled[0][1] == 1
+        """True for a step that decodes one sequence (one new token) and nothing else, once the graph is ready."""
+        return self.ready and self.disabled is None and len(scheduled) == 1 and scheduled[0][1] == 1
+
+    @property
+    def state(self) -> str:
+        """"compiled" (serving), "compiling" (in the background; the eager forward serves), or "eager" (off)."""
+        if self.disabled is not None:
+            return "eager"
+        return "compiled" if self.ready else "compiling"
+
+    def start_background(self) -> None:
+        """Compiles (or loads) the graph on a thread of its own; the engine's steps run the eager forward
+        until `ready` is set, between two of them. The thread ends when the graph is ready (its OpenMP
+        threads with it, so they never compete with the worker's)."""
+        def work() -> None:
+            t0, interval = time.perf_counter(), sys.getswitchinterval()
+            # The compile is Python through and through (tracing, code generation), and the worker's eager
+            # step drops and retakes the GIL around each of its ~1,000 torch calls: at the default 5 ms
+            # before the compile must yield, a first token took 14 s instead of a fraction of one.
+            sys.setswitchinterval(min(interval, GIL_SWITCH_S))
+            try:
+                self.warmup(ticker=False)
+            finally:
+                sys.setswitchinterval(interval)
+            if self.ready:
+                log.info("compiled decode serves from now on (ready %.1f s after start-up)", time.perf_counter() - t0)
+
+        self._thread = threading.Thread(target=work, name="tieredkv-compile", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Waits for a background compile to end; True when the compiled graph serves."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.ready
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
@@ -161,9 +202,10 @@ class CompiledDecode:
         return logits
 
     @torch.inference_mode()
-    def warmup(self) -> None:
-        """Compiles (or loads from the cache) the graph with a decode over block 0, free at start-up, in
-        the engine's inductor cache. The first process to compile a graph does so under the cache's lock,
+    def warmup(self, ticker: bool = True) -> None:
+        """Compiles (or loads from the cache) the graph with a decode over the scratch block, in the
+        engine's inductor cache. One compile at a time in a process (inductor's cache directory is a
+        process-wide setting). The first process to compile a graph does so under the cache's lock,
         and leaves a marker when it is done; processes that find the marker load the graph at once, side by
         side, and those that started meanwhile wait for the lock, then load. A compile that fails is tried
         once more (on an emptied cache when the failure points at a broken file); where it fails again (no
@@ -175,7 +217,7 @@ class CompiledDecode:
             marker = self.cache_dir / f".compiled-{self._graph_key()}"
             what = ("loading the compiled decode graph" if marker.exists() else
                     f"compiling the decode graph (once per model and machine, into {self.cache_dir})")
-            with long_work(what), temporary_cache_dir(str(self.cache_dir)):
+            with _ONE_COMPILE, long_work(what, ticker), temporary_cache_dir(str(self.cache_dir)):
                 if not marker.exists():
                     with artifact_lock(self.cache_dir.parent / ".inductor.lock", "compiling the decode graph"):
                         if not marker.exists():
@@ -191,9 +233,10 @@ class CompiledDecode:
                         "If this persists, delete %s; compile_decode=False skips compiling.",
                         self.disabled, self.cache_dir)
         self.steps = 0
+        self.ready = self.disabled is None
 
     def _compile_with_retry(self) -> None:
-        self._decode_block_zero()
+        self._decode_scratch()
         if self.disabled is not None:
             broken = any(sign in self.disabled for sign in _BROKEN_CACHE)
             log.info("compiling the decode graph failed (%s); trying again%s", self.disabled,
@@ -201,7 +244,7 @@ class CompiledDecode:
             if broken:
                 shutil.rmtree(self.cache_dir, ignore_errors=True)
             self.disabled, self._stack = None, self._compiled()
-            self._decode_block_zero()
+            self._decode_scratch()
 
     def _graph_key(self) -> str:
         """What the graph depends on: the model's shape, the cache tensor's shape and dtype (stable across
@@ -210,10 +253,13 @@ class CompiledDecode:
                          [len(layers) for layers, _ in self._groups]))
         return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
-    def _decode_block_zero(self) -> None:
-        zeros = torch.zeros(1, dtype=torch.int64, device=self.kv_cache.device)
-        table = torch.zeros(1, MIN_TABLE_WIDTH, dtype=torch.int32, device=zeros.device)
-        self.run(zeros, zeros.clone(), zeros.clone(), table, torch.ones(1, dtype=torch.int32, device=zeros.device))
+    def _decode_scratch(self) -> None:
+        """One decode at position 0 into the scratch block, which no sequence holds."""
+        scratch, device = scratch_block(self.kv_cache), self.kv_cache.device
+        zeros = torch.zeros(1, dtype=torch.int64, device=device)
+        table = torch.full((1, MIN_TABLE_WIDTH), scratch, dtype=torch.int32, device=device)
+        slot = torch.full((1,), scratch * self.kv_cache.shape[3], dtype=torch.int64, device=device)
+        self.run(zeros, zeros.clone(), slot, table, torch.ones(1, dtype=torch.int32, device=device))
 
 
 _BROKEN_CACHE = ("ImportError", "EOFError", "UnpicklingError", "file too short", "invalid ELF header")

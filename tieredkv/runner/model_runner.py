@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from tieredkv.runner.batch import AttentionMetadata, ForwardBatch
+from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.runner.compiled_decode import CompiledDecode
 from tieredkv.runner.far_stage import StagePlan, plan_stage, stage_groups
 from tieredkv.kernels import KernelOps
@@ -116,20 +116,31 @@ class ModelRunner:
             stage=stage,
         )
 
-    def compile_now(self) -> None:
+    def compile_now(self, background: bool = False) -> None:
         """Compiles what would otherwise compile on the first request: every Triton kernel variant a step
-        uses, and the compiled decode graph."""
+        uses, and the compiled decode graph (with `background`, on a thread of its own while the eager
+        forward serves: CompiledDecode.start_background)."""
         if self.ops.name == "triton":
             self.warmup()
         if self.compiled is not None:
-            self.compiled.warmup()
+            if background:
+                self.compiled.start_background()
+            else:
+                self.compiled.warmup()
+
+    @property
+    def decode_path(self) -> str:
+        """What runs a step that decodes one sequence: "compiled", "compiling" (the eager forward until the
+        graph is ready) or "eager"."""
+        return "eager" if self.compiled is None else self.compiled.state
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """One forward with a decode and a prefill chunk over block 0 (free at start-up, so nothing is
-        lost), so that every kernel variant a step uses is compiled before the first request."""
+        """One forward with a decode and a prefill chunk over the scratch block (no sequence's), so that
+        every kernel variant a step uses is compiled before the first request."""
         bs, n = self.block_size, min(self.block_size, 4)
-        tables = self._tensor([0], torch.int32).reshape(1, 1)
+        scratch = scratch_block(self.kv_cache)
+        tables = self._tensor([scratch], torch.int32).reshape(1, 1)
         lens = self._tensor([1], torch.int32)
         attn = AttentionMetadata(
             num_decode_tokens=1, decode_block_tables=tables, decode_context_lens=lens, max_decode_context_len=1,
@@ -138,7 +149,7 @@ class ModelRunner:
             decode_plan=self.ops.plan_decode(tables, lens, bs, self.kv_cache.dtype) if self.ops.plan_decode else None)
         batch = ForwardBatch(input_ids=self._tensor([0] * (n + 1), torch.int64),
                              positions=self._tensor([0] + list(range(n)), torch.int64),
-                             slot_mapping=self._tensor([0] + list(range(n)), torch.int64),
+                             slot_mapping=self._tensor([scratch * bs + i for i in [0, *range(n)]], torch.int64),
                              logits_indices=self._tensor([0, n], torch.int64), attn=attn)
         self.model(batch, self.kv_cache, self.ops)
         self.warmed_up = True
