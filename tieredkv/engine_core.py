@@ -50,6 +50,8 @@ class EngineCore:
         self.pins.release_all()
         self.tiers.persist()
         self.tiers.close()
+        if self.runner.compiled is not None:
+            self.runner.compiled.finish()
 
     # -- requests (see lifecycle.py) --------------------------------------------------------------
 

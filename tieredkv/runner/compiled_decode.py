@@ -176,6 +176,15 @@ class CompiledDecode:
         self._thread = threading.Thread(target=work, name="tieredkv-compile", daemon=True)
         self._thread.start()
 
+    def finish(self) -> None:
+        """For the engine's close: waits for a compile still running. A process cannot leave one behind: a
+        thread inside torch at interpreter exit aborts the process, and inductor cannot finish once the
+        interpreter shuts down. Once finished, the graph is cached for later starts."""
+        if self._thread is not None and self._thread.is_alive():
+            log.info("finishing the decode graph's compile before closing (once per model and machine; later "
+                     "starts load it from %s)", self.cache_dir)
+            self._thread.join()
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Waits for a background compile to end; True when the compiled graph serves."""
         if self._thread is not None:
