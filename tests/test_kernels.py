@@ -227,16 +227,17 @@ def test_block_offsets_past_2_31_elements():
 
 def test_one_plan_per_step_shares_split_size_and_scratch_across_layers():
     block_size, head_dim, kv_heads, group = 16, 64, 1, 3
+    num_heads = kv_heads * group
     kc, vc = make_cache(24, block_size, kv_heads, head_dim, seed=6)
     lens = [300, 20]
     tables = make_tables(lens, block_size, 24, seed=6)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     plan = triton_ops.plan_decode(tables, ctx, block_size, torch.float32)
-    ref = decode_attention_ref(torch.ones(2, 3, head_dim, device=DEVICE), kc, vc, tables, ctx, 0.1)
+    ref = decode_attention_ref(torch.ones(2, num_heads, head_dim, device=DEVICE), kc, vc, tables, ctx, 0.1)
     outs, scratch = [], []
     for _ in range(3):  # three "layers"
-        outs.append(triton_ops.decode_attention(torch.ones(2, 3, head_dim, device=DEVICE), kc, vc, tables, ctx, 0.1,
-                                                plan=plan))
+        q = torch.ones(2, num_heads, head_dim, device=DEVICE)
+        outs.append(triton_ops.decode_attention(q, kc, vc, tables, ctx, 0.1, plan=plan))
         scratch.append(plan.scratch[0].data_ptr())
     assert len(set(scratch)) == 1 and plan.tokens_per_split % triton_ops.DECODE_BLOCK_N == 0
     for out in outs:

@@ -52,8 +52,8 @@ class Scheduler:
     Each step: running sequences that decode are served first, then running ones mid-prefill, then
     waiting ones, while the token budget and max_num_seqs allow. When the pool runs dry, the most
     recently admitted running sequence not yet scheduled this step is preempted (with its beams, for a beam
-    search) and goes back to the front of `waiting`: its blocks are swapped to the warm tier when it has room, else freed and
-    recomputed later. A waiting sequence whose prefix is being read from the cold tier is passed
+    search) and goes back to the front of `waiting`: its blocks are swapped to the warm tier when it has
+    room, else freed and recomputed later. A waiting sequence whose prefix is being read from the cold tier is passed
     over until the read finishes, so the disk never holds up a step that has work to compute.
 
     `offload` says what a dry pool does when far blocks are on (engine_setup.far_mode): "first" (far
