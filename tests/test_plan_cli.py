@@ -119,3 +119,13 @@ def test_every_command_has_help(capsys):
             main([command, "--help"])
         assert e.value.code == 0
     assert "plan" in capsys.readouterr().out
+
+
+def test_the_cpu_pool_is_sized_from_max_num_seqs_and_max_model_len(llama_dir):
+    """Without cpu_kv_cache_bytes the CPU pool holds max_num_seqs sequences of max_model_len tokens (below
+    the caps), in the plan and in the engine alike."""
+    from tieredkv.engine_core import EngineCore
+
+    p = plan(str(llama_dir), device="cpu", max_num_seqs=4, max_len=256, warm_bytes=0)
+    core = EngineCore(EngineConfig(model=str(llama_dir), max_num_seqs=4, max_model_len=256, warm_bytes=0))
+    assert p.hot_blocks == core.num_blocks == 4 * 256 // 16

@@ -20,7 +20,7 @@ class EngineConfig(BaseModel):
 
     `num_blocks` wins over `kv_cache_bytes`; with neither, the KV pool takes
     `gpu_memory_utilization` of the device memory left after the weights on CUDA,
-    and `cpu_kv_cache_bytes` on CPU.
+    and `cpu_kv_cache_bytes` (or what max_num_seqs sequences of max_model_len tokens take) on CPU.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -34,7 +34,10 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=1024)
     num_blocks: int | None = Field(None, ge=2)
     kv_cache_bytes: int | None = Field(None, gt=0)
-    cpu_kv_cache_bytes: int = Field(2 << 30, gt=0)
+    cpu_kv_cache_bytes: int | None = Field(
+        None, gt=0, description="the hot pool's bytes on CPU, an upper bound (memory is taken as blocks are "
+        "written); None: room for max_num_seqs sequences of max_model_len tokens, at most 2 GiB and an eighth of "
+        "the machine's memory")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(64, ge=1)

@@ -61,6 +61,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 WARM_CAP = 4 << 30  # the default warm tier's most bytes
+CPU_POOL_CAP = 2 << 30  # the default CPU hot pool's most bytes (and at most an eighth of the memory)
 
 
 def default_warm_bytes() -> int:
@@ -68,13 +69,13 @@ def default_warm_bytes() -> int:
     return _tenth_of_memory("SC_AVPHYS_PAGES")
 
 
-def _tenth_of_memory(pages: str) -> int:
-    """10% of the memory sysconf counts in `pages` (available, or physical), at most WARM_CAP."""
+def _tenth_of_memory(pages: str, part: int = 10) -> int:
+    """1/part (10%) of the memory sysconf counts in `pages` (available, or physical), at most WARM_CAP."""
     try:
         memory = os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         memory = 8 << 30
-    return min(memory // 10, WARM_CAP)
+    return min(memory // part, WARM_CAP)
 
 
 def resolve_cache_dir(cfg: EngineConfig) -> Path:
@@ -111,18 +112,23 @@ def eos_token_ids(spec: ModelSpec, model_dir: Path, tokenizer_eos: int | None) -
     return frozenset(ids)
 
 
-def kv_pool_bytes(cfg: EngineConfig, device_type: str, total: int = 0, used: int = 0) -> int:
+def kv_pool_bytes(cfg: EngineConfig, device_type: str, total: int = 0, used: int = 0, token_bytes: int = 0,
+                  max_len: int = 0) -> int:
     """The hot pool's bytes, for the engine and `tieredkv plan` alike: kv_cache_bytes when given; on CUDA
     gpu_memory_utilization of the device's `total` memory less what is `used` (weights, and what else
-    the engine measured or the plan estimated); elsewhere cpu_kv_cache_bytes."""
+    the engine measured or the plan estimated); elsewhere cpu_kv_cache_bytes, or room for max_num_seqs
+    sequences of `max_len` tokens of `token_bytes` each, at most CPU_POOL_CAP and an eighth of the memory."""
     if cfg.kv_cache_bytes is not None:
         return cfg.kv_cache_bytes
     if device_type == "cuda":
         return int(total * cfg.gpu_memory_utilization) - used
-    return cfg.cpu_kv_cache_bytes
+    if cfg.cpu_kv_cache_bytes is not None:
+        return cfg.cpu_kv_cache_bytes
+    return min(cfg.max_num_seqs * max_len * token_bytes, CPU_POOL_CAP, _tenth_of_memory("SC_PHYS_PAGES", 8))
 
 
-def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> int:
+def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                  max_len: int) -> int:
     """num_blocks when given; else the blocks kv_pool_bytes holds, with the device's memory as measured
     now (the weights loaded)."""
     if cfg.num_blocks is not None:
@@ -132,7 +138,7 @@ def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-    budget = kv_pool_bytes(cfg, device.type, total, used)
+    budget = kv_pool_bytes(cfg, device.type, total, used, spec.kv_elements_per_token * dtype.itemsize, max_len)
     num = budget // block_bytes
     if num < 2:
         raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {block_bytes} bytes")
@@ -257,7 +263,7 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     limit = max_model_len(spec, cfg.max_model_len)
     tokenizer = Tokenizer(model_dir)
     model = load_model(model_dir, spec, dtype, device)
-    num_blocks = num_kv_blocks(cfg, spec, dtype, device)
+    num_blocks = num_kv_blocks(cfg, spec, dtype, device, limit)
     num_warm = warm_blocks(cfg, spec, dtype)
     mode = far_mode(cfg, device) if num_warm else None
     num_far = num_warm if mode else 0
@@ -279,9 +285,12 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     runner.compile_now(background=cfg.compile_in_background)
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
-    log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, kernels=%s, linear=%s, packed=%s, "
-             "decode path=%s", model_dir.name, dtype, device, num_blocks, cfg.block_size, ops.name,
-             ops.linear.__name__, ops.pack_linear_weight is not None, runner.decode_path)
+    block_bytes = kv_block_bytes(spec, cfg.block_size, dtype)
+    log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens (hot %.2f GiB, warm %.2f GiB%s), kernels=%s, "
+             "linear=%s, packed=%s, decode path=%s", model_dir.name, dtype, device, num_blocks, cfg.block_size,
+             num_blocks * block_bytes / 2**30, num_warm * block_bytes / 2**30,
+             "; taken as written" if device.type == "cpu" else "", ops.name, ops.linear.__name__,
+             ops.pack_linear_weight is not None, runner.decode_path)
     return EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
                        factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle)
 

@@ -103,10 +103,11 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
     if activation_bytes is None:
         activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, item)
     cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size, max_model_len=max_len, warm_bytes=warm_bytes,
-                       gpu_memory_utilization=memory_utilization, **({} if cpu_kv_cache_bytes is None else
-                                                                     {"cpu_kv_cache_bytes": cpu_kv_cache_bytes}))
+                       gpu_memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
+                       cpu_kv_cache_bytes=cpu_kv_cache_bytes)
     device_type = torch.device(device).type  # the engine's own arithmetic: CUDA memory less weights, activations
-    hot = max(kv_pool_bytes(cfg, device_type, memory, weights + activation_bytes), 0) // per_block
+    pool = kv_pool_bytes(cfg, device_type, memory, weights + activation_bytes, per_token, max_model_len(spec, max_len))
+    hot = max(pool, 0) // per_block
     block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
     fingerprint = model_fingerprint(model_dir, torch_dtype, block_size)
     entry = disk_cost(ColdFormat.entry_bytes(block_shape, torch_dtype, fingerprint, block_size))
@@ -174,7 +175,8 @@ def format_plan(p: Plan) -> str:
         f"weights            {p.weight_bytes / gib:10.2f} GiB",
         f"KV per token       {p.kv_bytes_per_token / 1024:10.1f} KiB   per block {p.kv_bytes_per_block / 2**20:.2f} MiB",
         f"device memory      {p.device_memory / gib:10.2f} GiB x {p.memory_utilization:.2f}" if p.device == "cuda"
-        else f"hot pool           {p.hot_blocks * p.kv_bytes_per_block / gib:10.2f} GiB (cpu_kv_cache_bytes)",
+        else f"hot pool           {p.hot_blocks * p.kv_bytes_per_block / gib:10.2f} GiB (max_num_seqs x max_model_len, "
+             "at most 2 GiB)",
         f"activations        {p.activation_bytes / gib:10.2f} GiB ({'measured' if p.measured else 'estimated'})",
         "",
         f"{'tier':<8}{'blocks':>14}{'tokens':>16}{f'prompts of {p.shared_prompt_len}':>20}",
