@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from tieredkv.cache_dir import artifact_lock, long_work
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
+from tieredkv.runner.malloc_tuning import release_free_memory
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_dense
 from tieredkv.kernels.store_kv import store_kv_dense
@@ -242,6 +243,7 @@ class CompiledDecode:
                         "If this persists, delete %s; compile_decode=False skips compiling.",
                         self.disabled, self.cache_dir)
         self.steps = 0
+        release_free_memory()  # what tracing and code generation freed (hundreds of MB) leaves the process
         self.ready = self.disabled is None
 
     def _compile_with_retry(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import platform
 
@@ -34,3 +35,17 @@ def tune_glibc_malloc() -> bool:
     if not ok:
         log.debug("mallopt refused the thresholds")
     return bool(ok)
+
+
+def release_free_memory() -> bool:
+    """Hands the heap's free memory back to the OS (glibc's malloc_trim, every arena), after one-time work
+    that freed much of it (the decode graph's compile): with the trim threshold above, it would stay
+    resident. Returns True where it ran."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
