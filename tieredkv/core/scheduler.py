@@ -51,10 +51,11 @@ class Scheduler:
 
     Each step: running sequences that decode are served first, then running ones mid-prefill, then
     waiting ones, while the token budget and max_num_seqs allow. When the pool runs dry, the most
-    recently admitted running sequence not yet scheduled this step is preempted (with its beams, for a beam
-    search) and goes back to the front of `waiting`: its blocks are swapped to the warm tier when it has
-    room, else freed and recomputed later. A waiting sequence whose prefix is being read from the cold tier is passed
-    over until the read finishes, so the disk never holds up a step that has work to compute.
+    recently admitted running sequence not yet scheduled this step is preempted (with its beams, for a
+    beam search) and goes back to the front of `waiting`: its blocks are swapped to the warm tier when it
+    has room, else freed and recomputed later. A waiting sequence whose prefix is being read from the
+    cold tier is passed over until the read finishes, so the disk never holds up a step that has work
+    to compute.
 
     `offload` says what a dry pool does when far blocks are on (engine_setup.far_mode): "first" (far
     blocks cost nothing to read: old blocks of any running sequence move to far blocks before anyone is
@@ -278,9 +279,9 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         slots = None
-        # a beam waiting for its siblings has nothing left to compute: it is recomputed (from the cache)
+        # with far blocks, or a beam waiting for its siblings (nothing left to compute): recomputed, from the cache
         if not self.kv.num_far_blocks(seq) and not seq.parked:
-            slots = self.tiers.reserve_swap(len(seq.block_table))  # with far blocks: recomputed, from the cache
+            slots = self.tiers.reserve_swap(len(seq.block_table))
         if slots is not None:
             seq.swapped = self.kv.swap_out(seq, slots)
             self.num_swaps += 1

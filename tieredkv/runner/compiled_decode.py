@@ -17,9 +17,9 @@ The engine compiles it on a thread of its own from start-up (`start_background`)
 serves, and switches to it between two steps once it is ready, so no request waits for a compile; and
 inductor keeps it in its on-disk cache under the engine's cache directory, so a restart loads it.
 Processes that start at once on one cache take turns: the first compiles under a file lock, the others
-then load its graph. Steps with more sequences run the eager forward: measured here, a graph dynamic in the batch was no faster at 2 decodes and twice as
-slow at 8 (its attention loops and the plain weights' products lose to the eager grouping and oneDNN's
-packed weights).
+then load its graph. Steps with more sequences run the eager forward: measured here, a graph dynamic
+in the batch was no faster at 2 decodes and twice as slow at 8 (its attention loops and the plain
+weights' products lose to the eager grouping and oneDNN's packed weights).
 """
 
 from __future__ import annotations
