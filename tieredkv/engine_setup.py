@@ -66,11 +66,11 @@ CPU_POOL_CAP = 2 << 30  # the default CPU hot pool's most bytes (and at most an 
 
 def default_warm_bytes() -> int:
     """10% of the memory available now, at most WARM_CAP."""
-    return _tenth_of_memory("SC_AVPHYS_PAGES")
+    return _share_of_memory("SC_AVPHYS_PAGES")
 
 
-def _tenth_of_memory(pages: str, part: int = 10) -> int:
-    """1/part (10%) of the memory sysconf counts in `pages` (available, or physical), at most WARM_CAP."""
+def _share_of_memory(pages: str, part: int = 10) -> int:
+    """1/part of the memory sysconf counts in `pages` (available, or physical), at most WARM_CAP."""
     try:
         memory = os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -124,7 +124,7 @@ def kv_pool_bytes(cfg: EngineConfig, device_type: str, total: int = 0, used: int
         return int(total * cfg.gpu_memory_utilization) - used
     if cfg.cpu_kv_cache_bytes is not None:
         return cfg.cpu_kv_cache_bytes
-    return min(cfg.max_num_seqs * max_len * token_bytes, CPU_POOL_CAP, _tenth_of_memory("SC_PHYS_PAGES", 8))
+    return min(cfg.max_num_seqs * max_len * token_bytes, CPU_POOL_CAP, _share_of_memory("SC_PHYS_PAGES", 8))
 
 
 def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
@@ -168,7 +168,7 @@ def far_extent(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
     with the default budget its bound from the machine's total memory (10% of it, at most WARM_CAP), so
     the tensor's shape (and the compiled graph that takes it) does not follow the memory free at start-up.
     The span beyond the warm tier is address space only: its pages are never touched."""
-    budget = _tenth_of_memory("SC_PHYS_PAGES") if cfg.warm_bytes is None else cfg.warm_bytes
+    budget = _share_of_memory("SC_PHYS_PAGES") if cfg.warm_bytes is None else cfg.warm_bytes
     return budget // kv_block_bytes(spec, cfg.block_size, dtype)
 
 

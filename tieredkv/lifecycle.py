@@ -19,7 +19,7 @@ from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.outputs import Output, StreamChunk, TokenLogprob, beam_chunk, make_chunk
 from tieredkv.request_factory import RequestFactory
 from tieredkv.runner.logits_processors import apply_processors
-from tieredkv.runner.sampler import RowState, Sampled, sample
+from tieredkv.runner.sampler import NOT_FINITE, RowState, Sampled, bad_rows, sample
 from tieredkv.telemetry import Telemetry
 
 
@@ -140,8 +140,7 @@ class Lifecycle:
                 return outputs
         else:
             outputs = []
-        states = [RowState(s.request.params, s.token_ids, s.num_prompt_tokens, s.request.stop_ids) for s in seqs]
-        for seq, got in zip(seqs, sample(logits, states, [s.generator for s in seqs])):
+        for seq, got in zip(seqs, sample(logits, _row_states(seqs), [s.generator for s in seqs])):
             if not isinstance(got, Sampled):
                 outputs.extend(self.fail(seq.request, got))
             elif seq.request.request_id in self.requests:
@@ -194,12 +193,10 @@ class Lifecycle:
         """Keeps each beam's processed log-probabilities; a request whose running beams all have theirs
         takes its step (beams of one request normally run in one forward)."""
         outputs = []
-        bad = (~logits.amax(-1).isfinite()).tolist()
-        states = [RowState(s.request.params, s.token_ids, s.num_prompt_tokens, s.request.stop_ids) for s in seqs]
-        rows = apply_processors(logits.log_softmax(-1), states)
-        for seq, row, is_bad in zip(seqs, rows, bad):
+        rows = apply_processors(logits.log_softmax(-1), _row_states(seqs))
+        for seq, row, is_bad in zip(seqs, rows, bad_rows(logits)):
             if is_bad:
-                outputs.extend(self.fail(seq.request, SamplingError("the model produced logits that are not finite")))
+                outputs.extend(self.fail(seq.request, SamplingError(NOT_FINITE)))
             elif seq.request.request_id in self.requests:
                 seq.beam_row = row
         for req in {s.request.request_id: s.request for s in seqs}.values():
@@ -261,3 +258,8 @@ class Lifecycle:
     def _finish_request(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
         self.telemetry.on_finished(req)
+
+
+def _row_states(seqs: list[Sequence]) -> list[RowState]:
+    """What the logits processors read for each sequence's row."""
+    return [RowState(s.request.params, s.token_ids, s.num_prompt_tokens, s.request.stop_ids) for s in seqs]
