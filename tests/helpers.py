@@ -96,6 +96,7 @@ def check_pool_clean(core) -> None:
     assert all(b.ref_cnt == 0 for b in core.pool.blocks)
     assert core.pool.num_free == core.pool.num_blocks
     assert not core.requests
+    assert not core.scheduler._computing  # no prompt block claimed as in flight
     warm = core.tiers.warm
     if warm is not None:  # every slot lent to a preempted sequence or as a far block came back
         assert len(warm.free_slots) + len(warm.entries) == warm.capacity

@@ -160,6 +160,9 @@ def _register_observables(m) -> None:
                               unit="{block}", description="blocks of running sequences kept in the warm tier")
     m.create_observable_counter("tieredkv.kv_cache.offloaded_blocks", [_observe(lambda snap: [
         (snap.blocks_offloaded, {})])], unit="{block}", description="hot blocks moved to the warm tier while in use")
+    m.create_observable_counter("tieredkv.prefix_cache.joined_blocks", [_observe(lambda snap: [
+        (snap.prefix_blocks_joined, {})])], unit="{block}",
+        description="prompt blocks found cached after waiting for the running request that computed them")
     for name, field in (("running", "num_running"), ("waiting", "num_waiting"), ("swapped", "num_swapped")):
         m.create_observable_gauge(f"tieredkv.requests.{name}", [_observe(
             lambda snap, field=field: [(getattr(snap, field), {})])], unit="{sequence}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tieredkv.core.cache_index import CacheIndex
+from tieredkv.core.hashing import BlockHash
 from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.sequence import Sequence, SeqStatus
 from tieredkv.tiers.lookup import Lookup, count_lookup
@@ -29,6 +30,7 @@ class SchedulerOutput:
 
 
 _NOT_READY = object()
+_JOINING = object()
 
 
 @dataclass
@@ -55,7 +57,9 @@ class Scheduler:
     beam search) and goes back to the front of `waiting`: its blocks are swapped to the warm tier when it
     has room, else freed and recomputed later. A waiting sequence whose prefix is being read from the
     cold tier is passed over until the read finishes, so the disk never holds up a step that has work
-    to compute.
+    to compute. So is one whose next prompt block a running sequence is computing now (in-flight prefix
+    sharing): it is admitted once those blocks are cached, so a prefix that several requests bring at
+    once is computed by the first of them only.
 
     `offload` says what a dry pool does when far blocks are on (engine_setup.far_mode): "first" (far
     blocks cost nothing to read: old blocks of any running sequence move to far blocks before anyone is
@@ -79,6 +83,8 @@ class Scheduler:
         self.num_swaps = 0  # preemptions whose blocks went to the warm tier instead of being recomputed
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prefix_blocks_joined = 0  # prompt blocks a sequence took from the cache after waiting for them
+        self._computing: dict[BlockHash, Sequence] = {}  # prompt blocks of running sequences, by hash
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -156,6 +162,10 @@ class Scheduler:
             if restore is _NOT_READY:
                 step.on_disk.append(seq)
                 continue
+            if restore is _JOINING:
+                if seq.joined_from is None:
+                    seq.joined_from = len(cached)
+                continue
             if not self._admit(seq, cached, restore, step):
                 break
 
@@ -185,7 +195,11 @@ class Scheduler:
         seq.swapped = None
         if seq.request.num_cached_tokens is None:
             self._record_hits(seq, hits, restore)
+        if seq.joined_from is not None:
+            self.prefix_blocks_joined += max(len(hits) - seq.joined_from, 0)
+            seq.joined_from = None
         self.add_running(seq)
+        self._claim(seq)
         step.admitted.append(seq)
         step.add(seq, n)
         return True
@@ -219,6 +233,8 @@ class Scheduler:
         keys = self.kv.lookup_keys(seq)
         cached = self.index.pool_prefix(keys)
         if seq.lookup is None:
+            if self._being_computed(seq, len(cached)):
+                return cached, _JOINING
             seq.lookup = self.index.start_lookup(keys, len(cached))
             if seq.lookup is None:
                 return cached, None
@@ -228,6 +244,35 @@ class Scheduler:
             seq.lookup = None
             return self._prefix_for(seq)
         return cached, seq.lookup
+
+    # -- in-flight prefix sharing -----------------------------------------------------------------
+
+    def _claim(self, seq: Sequence) -> None:
+        """Registers the prompt blocks seq will compute (its hashed full blocks past the computed ones),
+        unless another running sequence computes them already."""
+        for i in range(seq.num_computed_tokens // self.kv.block_size, len(seq.block_hashes)):
+            h = seq.block_hashes[i]
+            if not self._computes(self._computing.get(h), i, h):
+                self._computing[h] = seq
+
+    def _computes(self, sharer: Sequence | None, i: int, h: BlockHash) -> bool:
+        """Whether sharer is running and has block i (hashed h) still to compute."""
+        return (sharer is not None and sharer.status is SeqStatus.RUNNING and i < len(sharer.block_hashes)
+                and sharer.block_hashes[i] == h and sharer.num_computed_tokens < (i + 1) * self.kv.block_size)
+
+    def _being_computed(self, seq: Sequence, i: int) -> bool:
+        """Whether seq's prompt block i, the first its cached prefix lacks, is being computed by a running
+        sequence (whose blocks seq will then find cached)."""
+        if self.kv.block_size * (i + 1) > seq.num_prompt_tokens or i >= len(seq.block_hashes):
+            return False
+        h = seq.block_hashes[i]
+        return self._computes(self._computing.get(h), i, h)
+
+    def _release(self, seq: Sequence) -> None:
+        """seq stops running: the blocks it claimed are no longer in flight."""
+        for h in seq.block_hashes:
+            if self._computing.get(h) is seq:
+                del self._computing[h]
 
     def _record_hits(self, seq: Sequence, hits: list, restore: Restore | None) -> None:
         """A request's first admission: the prompt tokens each tier served, on the request and the tiers."""
@@ -278,6 +323,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release(seq)
         slots = None
         # with far blocks, or a beam waiting for its siblings (nothing left to compute): recomputed, from the cache
         if not self.kv.num_far_blocks(seq) and not seq.parked:
@@ -296,6 +342,7 @@ class Scheduler:
             return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self._release(seq)
         else:
             try:
                 self.waiting.remove(seq)

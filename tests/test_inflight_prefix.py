@@ -1,0 +1,114 @@
+"""In-flight prefix sharing: requests that arrive together on a prefix nobody has cached compute it once."""
+
+import random
+
+import pytest
+
+from helpers import check_pool_clean
+from tieredkv import EngineConfig, SamplingParams
+from tieredkv.engine_core import EngineCore
+
+BS = 16
+
+
+def ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+def run(core, prompts, max_tokens=6, abort_after=None):
+    """All prompts added in one tick, stepped to the end: greedy outputs by request id, and the prompt
+    tokens the forwards computed (prefill chunks, counted from what each step scheduled)."""
+    reqs = [core.factory.make(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"r{i}")
+            for i, p in enumerate(prompts)]
+    outputs = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add_request(r)
+    computed, schedule = [0], core.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        computed[0] += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0)) for s, n in out.scheduled)
+        return out
+    core.scheduler.schedule = counting
+    steps = 0
+    while core.has_work():
+        for _, chunk in core.step():
+            outputs[chunk.request_id] += chunk.token_ids
+        steps += 1
+        if steps == abort_after:
+            core.abort("r0")
+    del core.scheduler.schedule
+    return outputs, computed[0]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Each conversation alone, with no prefix cache: what the shared runs must produce."""
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=256, enable_prefix_caching=False,
+                                   compile_decode=False))
+
+    def answer(prompt):
+        return run(core, [prompt])[0]["r0"]
+    yield answer
+    core.close()
+
+
+def make_core(llama_dir, **kw):
+    kw = {"num_blocks": 256, "block_size": BS, "max_num_batched_tokens": 64, "compile_decode": False, **kw}
+    return EngineCore(EngineConfig(model=str(llama_dir), **kw))
+
+
+def test_followers_wait_for_the_chunk_that_computes_their_prefix(llama_dir, reference):
+    """The first prompt's last chunk computes shared blocks 12-14 in the step where budget is left for
+    the others: they wait one step and take those blocks from the cache instead of computing them too."""
+    system, n = ids(240, 1), 4  # 15 full blocks
+    prompts = [system + ids(8, 100 + i) for i in range(n)]  # 248 tokens: chunks of 64, 64, 64 and 56
+    core = make_core(llama_dir)
+    outputs, computed = run(core, prompts)
+    s = core.stats()
+    assert computed == 248 + (n - 1) * 8  # without waiting: + 48, blocks 12-14 computed twice
+    assert s.prefix_cache_queries - s.prefix_cache_hits == computed
+    assert s.prefix_blocks_joined == (n - 1) * 3
+    for i, p in enumerate(prompts):
+        assert outputs[f"r{i}"] == reference(p)
+    check_pool_clean(core)
+    core.close()
+
+
+@pytest.mark.parametrize("budget", [48, 100])
+def test_interleaved_system_prompts_each_computed_once(llama_dir, reference, budget):
+    systems = [ids(100, 2), ids(130, 3), ids(64, 4)]
+    prompts = [systems[i % 3] + ids(10, 200 + i) for i in range(12)]
+    core = make_core(llama_dir, max_num_batched_tokens=budget)
+    outputs, computed = run(core, prompts)
+    necessary = sum(len(x) + 10 for x in systems) + sum(len(p) - (len(p) - 10) // BS * BS for p in prompts[3:])
+    assert computed == necessary
+    for i, p in enumerate(prompts):
+        assert outputs[f"r{i}"] == reference(p)
+    check_pool_clean(core)
+    core.close()
+
+
+def test_sharer_aborted_mid_prefill(llama_dir, reference):
+    """The request computing the shared prefix is aborted half way: the next one takes what was
+    computed and computes the rest (once); all answer as they would alone."""
+    system = ids(256, 5)
+    prompts = [system + ids(12, 300 + i) for i in range(4)]  # 268 tokens
+    core = make_core(llama_dir)
+    outputs, computed = run(core, prompts, abort_after=2)  # r0 computed 2 chunks of 64
+    assert computed == 128 + (268 - 128) + 2 * (268 - 256)
+    for i, p in enumerate(prompts[1:], 1):
+        assert outputs[f"r{i}"] == reference(p)
+    check_pool_clean(core)
+    core.close()
+
+
+def test_without_prefix_caching_nobody_waits(llama_dir):
+    system = ids(100, 6)
+    core = make_core(llama_dir, enable_prefix_caching=False)
+    _, computed = run(core, [system + ids(8, 400 + i) for i in range(3)])
+    assert computed == 3 * 108
+    assert core.stats().prefix_blocks_joined == 0
+    check_pool_clean(core)
+    core.close()
