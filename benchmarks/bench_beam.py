@@ -24,25 +24,10 @@ import torch
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.engine_core import EngineCore
+from tieredkv.runner.cpu_features import cpu_info
 
 CHATS = ["Explain in two sentences why the sky is blue.", "Write a short poem about a lighthouse.",
          "Give three tips for learning a new language.", "What is a prime number? Answer briefly."]
-
-
-def machine() -> str:
-    """The processor's model name and the vector flags that choose CPU paths."""
-    name, flags = "unknown", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and name == "unknown":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{name}; {' '.join(wanted) or 'no AVX2'}; {torch.get_num_threads()} threads"
 
 
 def hf_beams(model, ids: list[int], k: int, new: int) -> list[list[int]]:
@@ -105,7 +90,7 @@ def main() -> None:
     ap.add_argument("--beams", type=int, default=4)
     ap.add_argument("--new", type=int, default=32)
     args = ap.parse_args()
-    print("machine:", machine())
+    print("machine:", cpu_info().describe(torch.get_num_threads()))
     asyncio.run(throughput(args.beams, args.new))
     sharing(8, 1000, 64)
 

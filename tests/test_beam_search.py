@@ -202,3 +202,21 @@ async def test_more_beams_than_max_num_seqs_is_a_request_error(llama_dir):
     async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, max_num_seqs=4)) as engine:
         with pytest.raises(RequestError, match="beam_width=8 exceeds max_num_seqs=4"):
             await engine.generate([5, 6], SamplingParams(beam_width=8))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "shortest_prefill"])
+def test_searches_competing_for_a_small_pool_finish(llama_dir, policy):
+    """Four searches of 4 beams on a 14-block pool, all added in one tick: preempted beams are admitted
+    beside their siblings, never interleaved with another search's (each would hold part of the pool
+    and wait for the rest, for ever)."""
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=14, offload=False, compile_decode=False,
+                                   scheduling_policy=policy))
+    for i, p in enumerate(make_prompts(core.spec.vocab_size)):
+        core.add_request(core.factory.make(p, SamplingParams(max_tokens=MAX_NEW, beam_width=4, n=4), f"r{i}"))
+    steps = 0
+    while core.has_work() and steps < 1000:
+        core.step()
+        steps += 1
+    assert not core.has_work() and core.stats().num_preemptions > 0
+    check_pool_clean(core)
+    core.close()

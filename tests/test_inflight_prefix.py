@@ -18,28 +18,20 @@ def ids(n, seed):
 
 def run(core, prompts, max_tokens=6, abort_after=None):
     """All prompts added in one tick, stepped to the end: greedy outputs by request id, and the prompt
-    tokens the forwards computed (prefill chunks, counted from what each step scheduled)."""
+    tokens the forwards computed."""
     reqs = [core.factory.make(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"r{i}")
             for i, p in enumerate(prompts)]
     outputs = {r.request_id: [] for r in reqs}
     for r in reqs:
         core.add_request(r)
-    computed, schedule = [0], core.scheduler.schedule
-
-    def counting():
-        out = schedule()
-        computed[0] += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0)) for s, n in out.scheduled)
-        return out
-    core.scheduler.schedule = counting
-    steps = 0
+    before, steps = core.stats().prompt_tokens_computed, 0
     while core.has_work():
         for _, chunk in core.step():
             outputs[chunk.request_id] += chunk.token_ids
         steps += 1
         if steps == abort_after:
             core.abort("r0")
-    del core.scheduler.schedule
-    return outputs, computed[0]
+    return outputs, core.stats().prompt_tokens_computed - before
 
 
 @pytest.fixture(scope="module")

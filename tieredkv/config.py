@@ -43,6 +43,11 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(1024, ge=1)
     enable_prefix_caching: bool = True
+    scheduling_policy: Literal["shortest_prefill", "fcfs"] = Field(
+        "shortest_prefill", description='which waiting request starts next: "shortest_prefill": the least prompt '
+        "left to compute after its cached prefix (blocks another request is computing count as cached; a preempted "
+        "one first; one overtaken by 2 x max_num_seqs later arrivals goes first, so none starves); \"fcfs\": "
+        "arrival order")
     cascade_attention: bool = Field(True, description="decode sequences sharing a cached prefix read it once per "
                                     "step (where it pays; see kernels/cascade.py)")
     attention_backend: Literal["auto", "triton", "torch"] = Field(

@@ -278,7 +278,7 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
     index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
-                          offload={"in place": "first", "staged": "last"}.get(mode))
+                          offload={"in place": "first", "staged": "last"}.get(mode), policy=cfg.scheduling_policy)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if mode == "staged" else None)

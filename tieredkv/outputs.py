@@ -86,6 +86,7 @@ class EngineStats:
     blocks_free: int = 0  # blocks_used + blocks_free == blocks_total in every snapshot
     blocks_far: int = 0  # blocks of running sequences kept in the warm tier now (block_pool.py)
     blocks_offloaded: int = 0  # hot blocks of running sequences moved to the warm tier so far
+    prompt_tokens_computed: int = 0  # prompt tokens the forwards computed (after preemption too); the rest hit
     prefix_blocks_joined: int = 0  # prompt blocks found cached after waiting for the request computing them
     decode_path: str = "eager"  # what runs a one-sequence decode: "compiled", "compiling" (eager meanwhile), "eager"
 
@@ -132,6 +133,7 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
         blocks_pinned=pinned,
         blocks_far=pool.num_far,
         blocks_offloaded=kv.offloaded_blocks,
+        prompt_tokens_computed=scheduler.prompt_tokens_computed,
         prefix_blocks_joined=scheduler.prefix_blocks_joined,
         decode_path=decode_path,
     )

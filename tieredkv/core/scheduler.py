@@ -69,13 +69,16 @@ class Scheduler:
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, tiers: TierManager,
-                 index: CacheIndex, offload: Literal["first", "last"] | None = None):
+                 index: CacheIndex, offload: Literal["first", "last"] | None = None,
+                 policy: Literal["shortest_prefill", "fcfs"] = "fcfs"):
         self.kv = kv
         self.tiers = tiers
         self.index = index  # where a waiting sequence's prefix is: the pool, then the tiers below
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.offload = offload
+        self.policy = policy
+        self.admit_window = 2 * max_num_seqs  # waiting sequences the policy orders (the rest follow in arrival order)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admit_counter = itertools.count()
@@ -83,6 +86,7 @@ class Scheduler:
         self.num_swaps = 0  # preemptions whose blocks went to the warm tier instead of being recomputed
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prompt_tokens_computed = 0  # prompt tokens scheduled for a forward (recomputation included)
         self.prefix_blocks_joined = 0  # prompt blocks a sequence took from the cache after waiting for them
         self._computing: dict[BlockHash, Sequence] = {}  # prompt blocks of running sequences, by hash
 
@@ -106,6 +110,8 @@ class Scheduler:
             self._admit_waiting(step)
         if not step.scheduled and not step.preempted and self.waiting and self.running:
             self._unpark(step)
+        self.prompt_tokens_computed += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0))
+                                           for s, n in step.scheduled.items())
         return SchedulerOutput(list(step.scheduled.items()), self.kv.take_moves(), step.preempted, step.on_disk,
                                step.admitted)
 
@@ -152,7 +158,7 @@ class Scheduler:
 
     def _admit_waiting(self, step: _Step) -> None:
         """Admits waiting sequences in order while they fit; one whose cold read is in flight is passed over."""
-        for seq in list(self.waiting):
+        for seq in self._admission_order():
             if step.budget == 0:
                 break
             forks = seq.request.pending_forks if seq.num_computed_tokens == 0 and seq.index == 0 else 0
@@ -168,6 +174,33 @@ class Scheduler:
                 continue
             if not self._admit(seq, cached, restore, step):
                 break
+
+    def _admission_order(self) -> list[Sequence]:
+        """The order admission tries the waiting sequences in. "fcfs": arrival (a preempted sequence is back
+        at the front). "shortest_prefill": within the first admit_window, those that ran before (decoded or
+        swapped out) and those overtaken by admit_window later arrivals first, then the least prompt left to
+        compute, arrival order among equals: requests on a cached prefix start at once, beside a long
+        new prompt rather than behind it. Either way a beam search's waiting beams follow its first one (a
+        search steps when all its beams run: two searches' beams interleaved could each hold half the pool)."""
+        order = list(self.waiting)
+        if self.policy != "fcfs" and len(order) > 1:
+            window = order[: self.admit_window]
+            window.sort(key=lambda s: (0, 0) if s.swapped is not None or s.num_output_tokens
+                        or s.passed_over >= self.admit_window else (1, self._prefill_left(s)))
+            order[: self.admit_window] = window
+        groups: dict[int, list[Sequence]] = {}
+        for seq in order:
+            groups.setdefault(id(seq.request) if seq.request.beam is not None else id(seq), []).append(seq)
+        return order if len(groups) == len(order) else [s for group in groups.values() for s in group]
+
+    def _prefill_left(self, seq: Sequence) -> int:
+        """Tokens seq would compute after its prefix in the pool, counting blocks being computed as cached."""
+        if not self.kv.enable_caching:
+            return seq.num_tokens - seq.num_computed_tokens
+        n = len(self.index.pool_prefix(self.kv.lookup_keys(seq)))
+        while self._being_computed(seq, n):
+            n += 1
+        return seq.num_tokens - n * self.kv.block_size
 
     def _admit(self, seq: Sequence, cached: list, restore: "Restore | Lookup | None", step: _Step) -> bool:
         """Gives seq its cached prefix, what a finished lookup found below hot (promoted into hot, or
@@ -200,6 +233,9 @@ class Scheduler:
             seq.joined_from = None
         self.add_running(seq)
         self._claim(seq)
+        if self.policy != "fcfs":
+            for other in itertools.islice(self.waiting, self.admit_window):
+                other.passed_over += other.seq_id < seq.seq_id
         step.admitted.append(seq)
         step.add(seq, n)
         return True

@@ -54,6 +54,7 @@ class Sequence:
         self.admit_order = 0
         self.lookup: Lookup | None = None  # a walk of the lower tiers in progress while waiting
         self.swapped: Restore | None = None  # where a preempted sequence's blocks wait in warm
+        self.passed_over = 0  # later arrivals admitted before it while it waited
         self.joined_from: int | None = None  # cached prefix blocks when it began waiting for a sharer's blocks
         self.last_token_time: float | None = None
         self.beam_logprob = 0.0  # beam search: summed log-probability of the output so far
