@@ -192,6 +192,7 @@ async def main(args) -> None:
     results = [await run_engine("tieredkv")]
     if args.variants:
         results.append(await run_engine("tieredkv, cascade attention off", cascade_attention=False))
+        results.append(await run_engine("tieredkv, first come first served", scheduling_policy="fcfs"))
     if args.hf:
         results.append(run_hf())
     for gguf in args.gguf:
@@ -208,7 +209,7 @@ async def main(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-hf", dest="hf", action="store_false")
-    parser.add_argument("--variants", action="store_true", help="also the engine with cascade attention off")
+    parser.add_argument("--variants", action="store_true", help="also the engine with cascade attention off, and with fcfs")
     parser.add_argument("--llama-server", help="path to llama.cpp's llama-server")
     parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-server")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -52,7 +52,12 @@ def batch(members_per_group, loners, prefix_blocks, bs=16, kv_heads=2, group=3, 
     ([1], 0, [4]), ([2], 0, [4]), ([16], 0, [8]), ([3, 5], 4, [4, 6]), ([2, 2, 7], 1, [5, 4, 9]),
 ])
 @pytest.mark.parametrize("scattered", [False, True], ids=["one-run", "scattered"])
-def test_cascade_equals_plain_attention(members, loners, prefix_blocks, scattered):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "matmul"])
+def test_cascade_equals_plain_attention(members, loners, prefix_blocks, scattered, fused, monkeypatch):
+    if not fused:  # the version for torch builds without the fused CPU attention
+        monkeypatch.setattr(cascade, "fused_attention_usable", lambda: False)
+    elif not cascade.fused_attention_usable():
+        pytest.skip("this torch build has no fused CPU attention with log-sum-exp")
     q, kc, vc, tables, lens, groups = batch(members, loners, prefix_blocks, seed=len(members) + loners,
                                             scattered=scattered)
     plain = decode_attention_ref(q, kc, vc, tables, lens, 0.2, plan=DecodePlanRef(

@@ -6,6 +6,7 @@ rounding."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,7 @@ class CascadePlan:
     suffix_ids: torch.Tensor  # [M * max_suffix_blocks] each member's remaining blocks
     suffix_mask: torch.Tensor  # [M, 1, 1, max_suffix] additive
     prefix_runs: list[tuple[int, int] | None]  # per group: (first block, blocks) when its prefix is one run
+    prefix_lens: list[int]  # per group: shared tokens
     num_groups: int
     max_members: int
     max_prefix_blocks: int
@@ -100,17 +102,81 @@ def plan_cascades(block_tables: torch.Tensor, context_lens: torch.Tensor, block_
         prefix_ids=torch.tensor(prefix_ids, device=dev),
         prefix_mask=additive(torch.arange(max_blocks * bs, device=dev)[None, :] >= keep[:, None]),
         suffix_ids=tables.reshape(-1), suffix_mask=additive(torch.arange(length, device=dev)[None, :] >= suffix[:, None]),
-        prefix_runs=runs, num_groups=len(prefixes), max_members=max_members, max_prefix_blocks=max_blocks, suffix_blocks=nb,
-        suffix_len=length)
+        prefix_runs=runs, prefix_lens=prefix_keep, num_groups=len(prefixes), max_members=max_members,
+        max_prefix_blocks=max_blocks, suffix_blocks=nb, suffix_len=length)
 
 
 def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, c: CascadePlan,
                       scale: float) -> torch.Tensor:
     """Decode attention [M, Hq, D] for every cascade member (rows c.rows): each group's shared prefix read
-    once for all its queries, each member's suffix apart, both halves in one softmax. Works in the
-    padded group layout [groups, Hkv, members, G, ...]; the prefix products run per (group, KV head) as
-    plain matrix products straight on the gathered blocks (a [P, D] slice with a row stride), which
-    spares copying the prefix into a head-major layout."""
+    once for all its queries, each member's suffix apart, the two merged by their log-sum-exps. The
+    prefix works in the padded group layout [groups, Hkv, members * G, D]: one attention per group over
+    a view of its blocks (no copy when they are one run). With the fused attention (attend_lse), no
+    score matrix is materialised; else the matrix-product version below."""
+    if not fused_attention_usable():
+        return _cascade_attention_matmul(query, key_cache, value_cache, c, scale)
+    hkv, d = key_cache.shape[2], key_cache.shape[3]
+    ng, nm, m = c.num_groups, c.max_members, c.rows.shape[0]
+    group = query.shape[1] // hkv
+    qg = query[c.members].view(ng, nm, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(ng, hkv, nm * group, d)
+    kp, vp = _prefix_kv(key_cache, c), _prefix_kv(value_cache, c)  # per group [P_g, Hkv, D]
+    op, lp = qg.new_empty(ng, hkv, nm * group, d), qg.new_empty(ng, hkv, nm * group)
+    for g in range(ng):
+        op[g], lp[g] = attend_lse(qg[g], kp[g].transpose(0, 1), vp[g].transpose(0, 1), scale, None)
+    op = op.view(ng, hkv, nm, group, d).transpose(1, 2).reshape(ng * nm, hkv, group, d)[c.slots]  # [M, Hkv, G, D]
+    lp = lp.view(ng, hkv, nm, group).transpose(1, 2).reshape(ng * nm, hkv, group)[c.slots]
+    q = query[c.rows].view(m, hkv, group, d)
+    ks = torch.index_select(key_cache, 0, c.suffix_ids).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
+    vs = torch.index_select(value_cache, 0, c.suffix_ids).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
+    os_, ls = attend_lse(q, ks, vs, scale, c.suffix_mask)
+    return merge_lse(op, lp, os_, ls).reshape(m, hkv * group, d)
+
+
+def merge_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets, from each one's output [..., D] and log-sum-exp [...]."""
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top)[..., None], torch.exp(l2 - top)[..., None]
+    return (o1 * w1 + o2 * w2) / (w1 + w2)
+
+
+def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
+    """q [..., M, D], k/v [..., L, D] (3 or 4 dims) -> (out [..., M, D], lse [..., M]); `mask` additive,
+    broadcast to the scores. Through torch's fused CPU attention (one pass, softmax in registers) where
+    fused_attention_usable(), else matrix products."""
+    if q.is_cpu and q.dtype == torch.float32 and fused_attention_usable():
+        squeeze = q.dim() == 3
+        if squeeze:
+            q, k, v = q[None], k[None], v[None]
+            mask = mask if mask is None or mask.dim() == 2 else mask[None]  # the op takes 2-D or 4-D masks
+        out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        return (out[0], lse[0]) if squeeze else (out, lse)
+    return _attend(q, k, v, scale, mask)
+
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+@functools.cache
+def fused_attention_usable() -> bool:
+    """True when this torch build has the fused CPU attention that also returns the log-sum-exp (an
+    internal op, so used only after it agrees with the matrix-product version here)."""
+    if _FLASH is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=gen) for n in (5, 7, 7))
+    mask = torch.zeros(2, 1, 1, 7).masked_fill_(torch.arange(7) >= 5, float("-inf"))
+    try:
+        out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=0.3)
+    except (RuntimeError, NotImplementedError):
+        return False
+    want, want_lse = _attend(q, k, v, 0.3, mask)
+    return torch.allclose(out, want, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
+
+
+def _cascade_attention_matmul(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              c: CascadePlan, scale: float) -> torch.Tensor:
+    """cascade_attention through plain matrix products: the prefix products per (group, KV head) straight
+    on the gathered blocks (a [P, D] slice with a row stride), one softmax over prefix and suffix."""
     hkv, d = key_cache.shape[2], key_cache.shape[3]
     ng, nm, m = c.num_groups, c.max_members, c.rows.shape[0]
     group = query.shape[1] // hkv
@@ -145,7 +211,7 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
 
 
 def _prefix_kv(cache: torch.Tensor, c: CascadePlan) -> list[torch.Tensor]:
-    """Each group's shared K or V as [P, Hkv, D]: a view of the pool where the blocks are one run (no
+    """Each group's shared K or V as [P_g, Hkv, D]: a view of the pool where the blocks are one run (no
     copy at all), else one gather."""
     hkv, d = cache.shape[2], cache.shape[3]
     gathered = None
@@ -156,7 +222,7 @@ def _prefix_kv(cache: torch.Tensor, c: CascadePlan) -> list[torch.Tensor]:
             continue
         if gathered is None:
             gathered = torch.index_select(cache, 0, c.prefix_ids).view(c.num_groups, -1, hkv, d)
-        out.append(gathered[g])
+        out.append(gathered[g, : c.prefix_lens[g]])
     return out
 
 
@@ -174,7 +240,7 @@ def prefill_cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
     chunks = [query[starts[r] : starts[r + 1]] for r in rows]
     group = query.shape[1] // hkv
     qs = torch.cat(chunks).view(-1, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, Tq*G, D]
-    op, lp = _attend(qs, kp, vp, scale, None)
+    op, lp = attend_lse(qs, kp, vp, scale, None)
     op = op.view(hkv, -1, group, d).permute(1, 0, 2, 3)  # [Tq, Hkv, G, D]
     lp = lp.view(hkv, -1, group).permute(1, 0, 2)  # [Tq, Hkv, G]
     out, at = {}, 0
@@ -190,13 +256,10 @@ def prefill_cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
             torch.arange(own, device=q.device)[None, :] > pos, float("-inf"))
         qh = q.view(q_len, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, q_len * group, d)
         mask = mask[:, None, :].expand(q_len, group, own).reshape(q_len * group, own)
-        oo, lo = _attend(qh, k, v, scale, mask)
+        oo, lo = attend_lse(qh, k, v, scale, mask)
         oo = oo.view(hkv, q_len, group, d).permute(1, 0, 2, 3)
         lo = lo.view(hkv, q_len, group).permute(1, 0, 2)
-        po, pl = op[at : at + q_len], lp[at : at + q_len]
-        m = torch.maximum(pl, lo)
-        wp, wo = torch.exp(pl - m)[..., None], torch.exp(lo - m)[..., None]
-        out[r] = ((po * wp + oo * wo) / (wp + wo)).reshape(q_len, hkv * group, d)
+        out[r] = merge_lse(op[at : at + q_len], lp[at : at + q_len], oo, lo).reshape(q_len, hkv * group, d)
         at += q_len
     return out
 
