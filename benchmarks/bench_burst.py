@@ -209,7 +209,7 @@ async def main(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-hf", dest="hf", action="store_false")
-    parser.add_argument("--variants", action="store_true", help="also the engine with cascade attention off, and with fcfs")
+    parser.add_argument("--variants", action="store_true", help="also the engine with cascade attention off, and fcfs")
     parser.add_argument("--llama-server", help="path to llama.cpp's llama-server")
     parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-server")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -101,7 +101,8 @@ def plan_cascades(block_tables: torch.Tensor, context_lens: torch.Tensor, block_
         rows=idx, slots=torch.tensor(slots, device=dev), members=torch.tensor(members, device=dev),
         prefix_ids=torch.tensor(prefix_ids, device=dev),
         prefix_mask=additive(torch.arange(max_blocks * bs, device=dev)[None, :] >= keep[:, None]),
-        suffix_ids=tables.reshape(-1), suffix_mask=additive(torch.arange(length, device=dev)[None, :] >= suffix[:, None]),
+        suffix_ids=tables.reshape(-1),
+        suffix_mask=additive(torch.arange(length, device=dev)[None, :] >= suffix[:, None]),
         prefix_runs=runs, prefix_lens=prefix_keep, num_groups=len(prefixes), max_members=max_members,
         max_prefix_blocks=max_blocks, suffix_blocks=nb, suffix_len=length)
 
