@@ -1,4 +1,5 @@
-"""In-flight prefix sharing: requests that arrive together on a prefix nobody has cached compute it once."""
+"""Bursts on shared prompts: in-flight prefix sharing (a prefix that requests bring at once is computed once)
+and the shortest-prefill admission order."""
 
 import random
 
@@ -102,5 +103,51 @@ def test_without_prefix_caching_nobody_waits(llama_dir):
     _, computed = run(core, [system + ids(8, 400 + i) for i in range(3)])
     assert computed == 3 * 108
     assert core.stats().prefix_blocks_joined == 0
+    check_pool_clean(core)
+    core.close()
+
+
+def first_token_steps(core, prompts, max_tokens=2):
+    """Adds the prompts in order, in one tick; the step at which each request's first token came."""
+    reqs = [core.factory.make(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"q{i}")
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        core.add_request(r)
+    first, step = {}, 0
+    while core.has_work():
+        step += 1
+        for _, chunk in core.step():
+            first.setdefault(chunk.request_id, step)
+    return [first[r.request_id] for r in reqs]
+
+
+@pytest.mark.parametrize("policy", ["shortest_prefill", "fcfs"])
+def test_a_conversation_on_a_cached_prompt_starts_beside_a_long_new_one(llama_dir, policy):
+    system = ids(160, 7)
+    core = make_core(llama_dir, scheduling_policy=policy)
+    run(core, [system + ids(4, 500)])  # the system prompt is cached
+    long_new, follow_up = ids(300, 8), system + ids(12, 501)  # the long one arrives first
+    steps = first_token_steps(core, [long_new, follow_up])
+    if policy == "fcfs":
+        assert steps == [5, 5]  # 300 tokens in chunks of 64; the follow-up is admitted beside the last one
+    else:
+        assert steps == [5, 1]  # its 12 tokens after the cached system prompt go first
+    check_pool_clean(core)
+    core.close()
+
+
+def test_a_long_prompt_is_overtaken_a_bounded_number_of_times(llama_dir):
+    """max_num_seqs 2: the policy orders 4 waiting requests, and a request overtaken by 4 later arrivals
+    goes first from the next step on; short prompts that keep coming never hold a long one back longer."""
+    core = make_core(llama_dir, max_num_seqs=2, max_num_batched_tokens=32)
+    reqs = [core.factory.make(ids(200, 9), SamplingParams(max_tokens=1), "long")]
+    reqs += [core.factory.make(ids(20, 600 + i), SamplingParams(max_tokens=1), f"s{i}") for i in range(10)]
+    for r in reqs:
+        core.add_request(r)
+    while core.has_work():
+        core.step()
+    order = [r.request_id for r in sorted(reqs, key=lambda r: r.seqs[0].admit_order)]
+    # overtaken 4 times by the end of step 3 (s0, s1, s2, s3), and once more in that step (s4): first at step 4
+    assert order == ["s0", "s1", "s2", "s3", "s4", "long", "s5", "s6", "s7", "s8", "s9"]
     check_pool_clean(core)
     core.close()
