@@ -44,9 +44,9 @@ def run(core, prompts, max_tokens):
 
 workload = sys.argv[2]
 if workload == "longdoc":
-    core = EngineCore(EngineConfig(num_blocks=64, warm_bytes=1 << 30))
+    core = EngineCore(EngineConfig(num_blocks=64, warm_bytes=1 << 30, compile_in_background=False))
 else:
-    core = EngineCore(EngineConfig(kv_cache_bytes=1 << 30, warm_bytes=0))
+    core = EngineCore(EngineConfig(kv_cache_bytes=1 << 30, warm_bytes=0, compile_in_background=False))
 vocab = core.spec.vocab_size
 rng = random.Random(0)
 if workload == "mixed":

@@ -42,7 +42,7 @@ def hf_beams(model, ids: list[int], k: int, new: int) -> list[list[int]]:
 async def throughput(k: int, new: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    async with await AsyncEngine.start(EngineConfig(model="default")) as engine:
+    async with await AsyncEngine.start(EngineConfig(compile_in_background=False, model="default")) as engine:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
         params = SamplingParams(max_tokens=new, beam_width=k, n=k)
         await engine.generate(prompts[0], SamplingParams(max_tokens=2, beam_width=k))  # warm-up
@@ -70,7 +70,8 @@ async def throughput(k: int, new: int) -> None:
 
 
 def sharing(k: int, doc_tokens: int, new: int) -> None:
-    core = EngineCore(EngineConfig(model="default", enable_prefix_caching=False, max_num_seqs=k))
+    core = EngineCore(EngineConfig(
+        compile_in_background=False, model="default", enable_prefix_caching=False, max_num_seqs=k))
     text = " ".join(f"Line {i}: the {['red', 'blue', 'green'][i % 3]} box {i * 7 % 13}." for i in range(400))
     ids = core.tokenizer.encode(text)[:doc_tokens]
     core.add_request(core.factory.make(ids, SamplingParams(max_tokens=new, beam_width=k, ignore_eos=True), "doc"))

@@ -29,7 +29,8 @@ def workload(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
 
 
 async def run_engine(cascade: bool) -> dict:
-    cfg = EngineConfig(model="default", max_num_seqs=64, cascade_attention=cascade, warm_bytes=0)
+    cfg = EngineConfig(
+        compile_in_background=False, model="default", max_num_seqs=64, cascade_attention=cascade, warm_bytes=0)
     async with await AsyncEngine.start(cfg) as engine:
         systems, convs = workload(engine.core.spec.vocab_size)
         for s in systems:  # the system prompts are cached, as a chatbot's are

@@ -50,7 +50,8 @@ import json, sys, time
 t0 = time.perf_counter()
 from tieredkv.engine_core import EngineCore
 from tieredkv.config import EngineConfig
-core = EngineCore(EngineConfig(kv_cache_bytes={kv}, warm_bytes=0, compile_decode={compiled}))
+core = EngineCore(EngineConfig(
+    compile_in_background=False, kv_cache_bytes={kv}, warm_bytes=0, compile_decode={compiled}))
 print(json.dumps({{"seconds": time.perf_counter() - t0, "graphs": core.runner.compiled.graphs if core.runner.compiled else 0}}))
 """
 
@@ -146,7 +147,9 @@ def main(args) -> dict:
     variants = {}
     for dtype in ("float32", "bfloat16"):
         for compiled in (True, False):
-            cfg = EngineConfig(dtype=dtype, kv_cache_bytes=KV_BYTES, warm_bytes=0, compile_decode=compiled)
+            cfg = EngineConfig(
+                compile_in_background=False, dtype=dtype, kv_cache_bytes=KV_BYTES, warm_bytes=0,
+                compile_decode=compiled)
             variants[f"{dtype}{'' if compiled else ' eager'}"] = EngineCore(cfg)
     fp32 = variants["float32"]
     vocab = fp32.spec.vocab_size

@@ -89,12 +89,12 @@ def run(label: str, cfg: EngineConfig, prompts: list[list[int]], max_tokens: int
 
 def main(args) -> dict:
     configs = {
-        "offloaded": EngineConfig(num_blocks=64, warm_bytes=1 << 30),
-        "unconstrained": EngineConfig(kv_cache_bytes=1 << 30, warm_bytes=0),
+        "offloaded": EngineConfig(compile_in_background=False, num_blocks=64, warm_bytes=1 << 30),
+        "unconstrained": EngineConfig(compile_in_background=False, kv_cache_bytes=1 << 30, warm_bytes=0),
     }
     if args.staged:
         configs["offloaded, staged"] = configs["offloaded"].model_copy(update={"far_blocks": "staged"})
-    probe = EngineCore(EngineConfig(num_blocks=2, warm_bytes=0, compile_decode=False))
+    probe = EngineCore(EngineConfig(compile_in_background=False, num_blocks=2, warm_bytes=0, compile_decode=False))
     doc = document(probe.tokenizer, args.tokens)
     prompts = [probe.tokenizer.apply_chat_template(chat(doc, q)) for q in QUESTIONS[: args.questions]]
     del probe

@@ -47,7 +47,8 @@ async def measure(work) -> tuple[float, float, int]:
 
 
 async def main() -> None:
-    async with await AsyncEngine.start(EngineConfig(model="default", max_num_seqs=64)) as engine:
+    async with await AsyncEngine.start(EngineConfig(
+        compile_in_background=False, model="default", max_num_seqs=64)) as engine:
         rng = random.Random(0)
         vocab = engine.core.spec.vocab_size
 

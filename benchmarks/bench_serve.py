@@ -63,7 +63,8 @@ async def through_http(client: openai.AsyncOpenAI, requests) -> tuple[float, lis
 
 
 async def main(args) -> None:
-    async with await AsyncEngine.start(EngineConfig(model="default", max_num_seqs=64, warm_bytes=0)) as engine:
+    async with await AsyncEngine.start(EngineConfig(
+        compile_in_background=False, model="default", max_num_seqs=64, warm_bytes=0)) as engine:
         runner, port = await start_server(engine, ServerSettings(max_queued=1024), port=0)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
                                     timeout=3600)

@@ -35,7 +35,8 @@ if sys.argv[1] == "on":
     trace.set_tracer_provider(provider)
 
 async def main():
-    async with await AsyncEngine.start(EngineConfig(model="default", max_num_seqs=64)) as engine:
+    async with await AsyncEngine.start(EngineConfig(
+        compile_in_background=False, model="default", max_num_seqs=64)) as engine:
         requests = make_requests(32, engine.core.spec.vocab_size)
         await engine.generate(requests[0][0], SamplingParams(max_tokens=2))
         await engine.clear_cache("all")

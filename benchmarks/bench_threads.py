@@ -23,7 +23,8 @@ SPIN = "import time\nt = time.time()\nwhile time.time() - t < 600: pass"
 
 
 async def measure(num_threads: int | None) -> tuple[float, float]:
-    cfg = EngineConfig(model="default", num_threads=num_threads, kv_cache_bytes=256 << 20, warm_bytes=0)
+    cfg = EngineConfig(
+        compile_in_background=False, model="default", num_threads=num_threads, kv_cache_bytes=256 << 20, warm_bytes=0)
     async with await AsyncEngine.start(cfg) as engine:
         rng = random.Random(0)
         vocab = engine.core.spec.vocab_size

@@ -54,7 +54,9 @@ async def restore_ttft(trials: int) -> dict[str, float]:
     cold_dir = Path(tempfile.mkdtemp(prefix="tieredkv-bench-cold-"))
     results: dict[str, list[float]] = {"recompute": [], "warm": [], "cold (page cache)": [], "cold (dropped)": []}
     rng = random.Random(0)
-    cfg = EngineConfig(model="default", kv_cache_bytes=1 << 30, warm_bytes=1 << 30, cold_path=str(cold_dir))
+    cfg = EngineConfig(
+        compile_in_background=False, model="default", kv_cache_bytes=1 << 30, warm_bytes=1 << 30,
+        cold_path=str(cold_dir))
     async with await AsyncEngine.start(cfg) as engine:
         vocab = engine.core.spec.vocab_size
         prefixes = [ids(rng, 4096, vocab) for _ in range(trials)]
@@ -70,7 +72,8 @@ async def restore_ttft(trials: int) -> dict[str, float]:
     for label in ("cold (page cache)", "cold (dropped)"):
         if label == "cold (dropped)":
             drop_page_cache(cold_dir)
-        cfg = EngineConfig(model="default", kv_cache_bytes=1 << 30, warm_bytes=0, cold_path=str(cold_dir))
+        cfg = EngineConfig(
+            compile_in_background=False, model="default", kv_cache_bytes=1 << 30, warm_bytes=0, cold_path=str(cold_dir))
         async with await AsyncEngine.start(cfg) as engine:
             for prefix in prefixes:
                 t, tiers = await ttft(engine, prefix + ids(rng, 32, vocab))
@@ -82,8 +85,9 @@ async def restore_ttft(trials: int) -> dict[str, float]:
 async def rotating_chatbot(tiers_on: bool, systems: int, questions: int, concurrency: int) -> dict:
     prompt_blocks = 1024 // BLOCK
     hot_blocks = 4 * prompt_blocks + concurrency * 8  # 4 system prompts plus room for the running requests
-    cfg = EngineConfig(model="default", num_blocks=hot_blocks, warm_bytes=(2 << 30) if tiers_on else 0,
-                       cold_path=None)
+    cfg = EngineConfig(
+        compile_in_background=False, model="default", num_blocks=hot_blocks,
+        warm_bytes=(2 << 30) if tiers_on else 0, cold_path=None)
     async with await AsyncEngine.start(cfg) as engine:
         vocab = engine.core.spec.vocab_size
         rng = random.Random(1)
