@@ -218,3 +218,41 @@ async def test_an_api_key_is_required_when_set(llama_dir):
     finally:
         await runner.cleanup()
         await engine.close()
+
+
+async def test_model_by_id_and_json_errors_on_every_route(server):
+    _, client, url = server
+    assert (await client.models.retrieve(NAME)).id == NAME
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.models.retrieve("gpt-9")
+    assert e.value.body["code"] == "model_not_found"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/v1/nowhere") as r:
+            assert r.status == 404 and r.content_type == "application/json"
+            assert (await r.json())["error"]["code"] == "not_found"
+        async with s.get(url + "/v1/chat/completions") as r:  # a route that only takes POST
+            body = await r.json()
+            assert r.status == 405 and "POST" in r.headers["Allow"] and "GET /v1/chat/completions" in \
+                body["error"]["message"]
+
+
+async def test_one_created_per_stream(server, monkeypatch):
+    """A clock that moves a second at every reading: the chunks still carry one `created`."""
+    import itertools
+    import types
+
+    from tieredkv.serve import app as app_module, protocol
+
+    ticks = itertools.count(1_700_000_000)
+    clock = types.SimpleNamespace(time=lambda: float(next(ticks)))
+    monkeypatch.setattr(protocol, "time", clock)
+    monkeypatch.setattr(app_module, "time", clock, raising=False)
+    _, client, _ = server
+    created = set()
+    stream = await client.chat.completions.create(model=NAME, messages=chat("count slowly"), max_tokens=12,
+                                                  stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        created.add(chunk.created)
+    assert len(created) == 1
+    whole = await client.completions.create(model=NAME, prompt="one two", max_tokens=4)
+    assert whole.created > min(created)  # the clock moved: each response reads it once

@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> w
     app[_ENGINE], app[_SETTINGS], app[_ACTIVE], app[_DRAINING] = engine, settings, [0], [False]
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model}", _model)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     if settings.metrics:
@@ -78,7 +80,16 @@ async def _errors(request: web.Request, handler):
         return web.json_response(BadRequest(str(e)).body(), status=400)
     except EngineClosedError as e:
         return web.json_response(BadRequest(str(e), status=503, type_="server_error").body(), status=503)
-    except (web.HTTPException, asyncio.CancelledError):
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # the router's 404 and 405, and the like: the same JSON error body as every other failure
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        error = BadRequest(f"{request.method} {request.path}: {e.reason}", status=e.status,
+                           type_="invalid_request_error" if e.status < 500 else "server_error",
+                           code="not_found" if e.status == 404 else None)
+        return web.json_response(error.body(), status=e.status, headers=allow)
+    except asyncio.CancelledError:
         raise
     except Exception:
         log.exception("request failed")
@@ -112,10 +123,21 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tieredkv"}
+
+
 async def _models(request: web.Request) -> web.Response:
-    name = request.app[_SETTINGS].model_name
-    return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                                           "owned_by": "tieredkv"}]})
+    return web.json_response({"object": "list", "data": [_model_card(request.app[_SETTINGS].model_name)]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: the served model, or a 404 naming the one that is served."""
+    name, asked = request.app[_SETTINGS].model_name, request.match_info["model"]
+    if asked != name:
+        raise BadRequest(f"model {asked!r} is not served here; this server serves {name!r}", "model",
+                         status=404, code="model_not_found")
+    return web.json_response(_model_card(name))
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -214,7 +236,7 @@ async def _stream_events(request, stream, first, out: "_Output", include_usage: 
         except TieredKVError as e:  # the status line is gone: report the error as an event
             await send(_event(BadRequest(str(e), type_="server_error").body()))
         if include_usage and out.usages:
-            await send(_event({**envelope(out.kind + ".chunk" if out.chat else out.kind, out.rid, out.model),
+            await send(_event({**out.envelope(out.kind + ".chunk" if out.chat else out.kind),
                                "choices": [], "usage": usage_body(out.usages)}))
         await send(b"data: [DONE]\n\n")
         await send(None)
@@ -234,6 +256,7 @@ class _Output:
 
     def __init__(self, rid: str, model: str, chat: bool, n: int, engine: AsyncEngine):
         self.rid, self.model, self.chat = rid, model, chat
+        self.created = int(time.time())  # one value for the whole response, every stream chunk included
         self.kind = "chat.completion" if chat else "text_completion"
         self.texts = [[] for _ in range(n)]
         self.logprobs: list[list | None] = [None] * n
@@ -265,7 +288,10 @@ class _Output:
             choice = {"index": i, "logprobs": self._logprobs(self.logprobs[i], i), "finish_reason": self.finish[i]}
             choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
             choices.append(choice)
-        return {**envelope(self.kind, self.rid, self.model), "choices": choices, "usage": usage_body(self.usages)}
+        return {**self.envelope(self.kind), "choices": choices, "usage": usage_body(self.usages)}
+
+    def envelope(self, kind: str) -> dict[str, Any]:
+        return envelope(kind, self.rid, self.model, self.created)
 
     def chunk(self, chunk) -> dict[str, Any]:
         i = chunk.index
@@ -282,7 +308,7 @@ class _Output:
             choice["text"] = chunk.text
             kind = self.kind
         self.offsets[i] += len(chunk.text)
-        return {**envelope(kind, self.rid, self.model), "choices": [choice]}
+        return {**self.envelope(kind), "choices": [choice]}
 
 
 async def serve_until_signal(engine: AsyncEngine, settings: ServerSettings, host: str = "127.0.0.1",

@@ -176,5 +176,5 @@ def completion_logprobs(logprobs: list[TokenLogprob] | None, decode, offset: int
             "top_logprobs": [{decode(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
 
 
-def envelope(kind: str, rid: str, model: str) -> dict[str, Any]:
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+def envelope(kind: str, rid: str, model: str, created: int | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": kind, "created": int(time.time()) if created is None else created, "model": model}
