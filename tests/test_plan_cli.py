@@ -81,12 +81,28 @@ def test_cache_cli_export_import_inspect_clear(llama_dir, tmp_path, capsys):
     main(["cache", "inspect", "--cold-path", cold, "--model", str(llama_dir)])
     assert "fingerprints stored here: 1" in capsys.readouterr().out
     snap = str(tmp_path / "snap.tkv")
-    main(["cache", "export", snap, "--cold-path", cold, "--model", str(llama_dir)])
+    main(["cache", "export", "--cold-path", cold, "--model", str(llama_dir), snap])  # options before FILE
     assert "exported 4 blocks" in capsys.readouterr().out
-    main(["cache", "clear", "--cold-path", cold, "--model", str(llama_dir)])
+    main(["cache", "--cold-path", cold, "--model", str(llama_dir), "clear"])  # or before the action
     assert "removed 4 blocks" in capsys.readouterr().out
     main(["cache", "import", snap, "--cold-path", cold, "--model", str(llama_dir)])
     assert "imported 4 blocks (0 damaged skipped)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("action", ["inspect", "clear", "export"])
+def test_cache_cli_on_a_missing_folder_says_so_and_creates_nothing(tmp_path, action):
+    missing = tmp_path / "no-such-folder"
+    argv = ["cache", action, "--cold-path", str(missing)] + ([str(tmp_path / "out.tkv")] if action == "export" else [])
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert str(e.value) == f"cache {action}: there is no cold folder at {missing}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cache_cli_without_a_cold_path(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["cache", "inspect"])
+    assert str(e.value) == "cache inspect: --cold-path is required"
 
 
 def test_chat_cli_reports_cached_tokens_per_turn(llama_dir, monkeypatch, capsys):

@@ -71,8 +71,18 @@ async def explain_command(args: argparse.Namespace) -> None:
     print(f"{served} of {reports[-1].end if reports else 0} prompt tokens would be served from the cache")
 
 
+def _cache_options(p: argparse.ArgumentParser, cold_default, model_default) -> None:
+    p.add_argument("--cold-path", default=cold_default, help="the cold folder (required)")
+    p.add_argument("--model", default=model_default, help="whose blocks (the model decides the fingerprint)")
+
+
 async def cache_command(args: argparse.Namespace) -> None:
-    """inspect | clear | export FILE | import FILE on a cold folder (the model decides the fingerprint)."""
+    """inspect | clear | export FILE | import FILE on a cold folder (the model decides the fingerprint).
+    Only import may create the folder: the others on a folder that does not exist say so and stop."""
+    if args.cold_path is None:
+        sys.exit(f"cache {args.action}: --cold-path is required")
+    if args.action != "import" and not Path(args.cold_path).is_dir():
+        sys.exit(f"cache {args.action}: there is no cold folder at {args.cold_path}")
     async with await AsyncEngine.start(_engine_config(args, warm_bytes=0, num_blocks=64)) as engine:
         cold = engine.core.tiers.cold
         if args.action == "inspect":
@@ -86,8 +96,6 @@ async def cache_command(args: argparse.Namespace) -> None:
         elif args.action == "clear":
             print(f"removed {await engine.clear_cache('cold')} blocks of this model")
         elif args.action in ("export", "import"):
-            if not args.file:
-                sys.exit(f"cache {args.action} needs a FILE")
             with tqdm(unit="block", desc=args.action) as bar:
                 if args.action == "export":
                     n = await engine.export_cache(args.file, progress=bar.update)
@@ -172,11 +180,16 @@ def add_parsers(sub) -> None:
     p.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
     p.set_defaults(func=explain_command)
     p = sub.add_parser("cache", help="inspect, clear, export or import a cold folder")
-    p.add_argument("action", choices=["inspect", "clear", "export", "import"])
-    p.add_argument("file", nargs="?", help="the snapshot file, for export and import")
-    p.add_argument("--cold-path", required=True)
-    p.add_argument("--model", default="default")
-    p.set_defaults(func=cache_command)
+    _cache_options(p, None, "default")
+    actions = p.add_subparsers(dest="action", required=True, metavar="{inspect,clear,export,import}")
+    for name, text in (("inspect", "what the folder holds, by model"), ("clear", "remove this model's blocks"),
+                       ("export", "write this model's blocks to a snapshot FILE"),
+                       ("import", "read a snapshot FILE into the folder")):
+        a = actions.add_parser(name, help=text)
+        if name in ("export", "import"):
+            a.add_argument("file", help="the snapshot file")
+        _cache_options(a, argparse.SUPPRESS, argparse.SUPPRESS)  # also after the action; never overriding
+        a.set_defaults(func=cache_command)
     p = sub.add_parser("bench", help="run the engine benchmark; JSON and PNG plots")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="benchmarks/results")
