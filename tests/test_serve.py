@@ -2,6 +2,7 @@
 library would not send)."""
 
 import asyncio
+import logging
 
 import aiohttp
 import openai
@@ -239,12 +240,13 @@ async def test_model_by_id_and_json_errors_on_every_route(server):
 async def test_one_created_per_stream(server, monkeypatch):
     """A clock that moves a second at every reading: the chunks still carry one `created`."""
     import itertools
+    import time
     import types
 
     from tieredkv.serve import app as app_module, protocol
 
     ticks = itertools.count(1_700_000_000)
-    clock = types.SimpleNamespace(time=lambda: float(next(ticks)))
+    clock = types.SimpleNamespace(time=lambda: float(next(ticks)), perf_counter=time.perf_counter)
     monkeypatch.setattr(protocol, "time", clock)
     monkeypatch.setattr(app_module, "time", clock, raising=False)
     _, client, _ = server
@@ -256,3 +258,17 @@ async def test_one_created_per_stream(server, monkeypatch):
     assert len(created) == 1
     whole = await client.completions.create(model=NAME, prompt="one two", max_tokens=4)
     assert whole.created > min(created)  # the clock moved: each response reads it once
+
+
+async def test_one_access_log_line_per_request(server, caplog):
+    engine, client, url = server
+    caplog.set_level(logging.DEBUG, logger="tieredkv.access")
+    out = await client.chat.completions.create(model=NAME, messages=chat("log me"), max_tokens=3)
+    async with aiohttp.ClientSession() as s, s.get(url + "/v1/nowhere") as r:
+        assert r.status == 404
+    lines = [r for r in caplog.records if r.name == "tieredkv.access"]
+    assert len(lines) == 2
+    assert lines[0].levelno == logging.INFO and lines[0].getMessage().startswith(
+        f"POST /v1/chat/completions 200 {out.id} prompt={out.usage.prompt_tokens} "
+        f"cached={out.usage.prompt_tokens_details.cached_tokens} output={out.usage.completion_tokens} ttft=")
+    assert lines[1].getMessage().startswith("GET /v1/nowhere 404 ")

@@ -32,6 +32,7 @@ from tieredkv.serve.protocol import (BadRequest, chat_logprobs, chat_messages, c
                                      usage_body)
 
 log = logging.getLogger("tieredkv")
+access_log = logging.getLogger("tieredkv.access")  # one line per request (INFO; /health and /metrics at DEBUG)
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,12 @@ _ENGINE = web.AppKey("engine", AsyncEngine)
 _SETTINGS = web.AppKey("settings", ServerSettings)
 _ACTIVE = web.AppKey("active", list)
 _DRAINING = web.AppKey("draining", list)
+_SERVED = web.RequestKey("output", object)  # the request's _Output, for the access log
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> web.Application:
     settings = settings or ServerSettings()
-    app = web.Application(middlewares=[_errors, _draining, _auth], client_max_size=settings.max_body_bytes)
+    app = web.Application(middlewares=[_access, _errors, _draining, _auth], client_max_size=settings.max_body_bytes)
     app[_ENGINE], app[_SETTINGS], app[_ACTIVE], app[_DRAINING] = engine, settings, [0], [False]
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
@@ -64,6 +66,29 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> w
     if settings.metrics:
         app.router.add_get("/metrics", _metrics)
     return app
+
+
+@web.middleware
+async def _access(request: web.Request, handler):
+    """The access log: method, path, status, then for a completion its prompt, cached and output tokens
+    and time to first token, and the duration. 499: the client went away first."""
+    t0, status = time.perf_counter(), 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    finally:
+        out: _Output | None = request.get(_SERVED)
+        tokens = "" if out is None else out.log_fields(t0)
+        level = logging.DEBUG if request.path in ("/health", "/metrics") else logging.INFO
+        access_log.log(level, "%s %s %d%s %.3fs", request.method, request.path, status, tokens,
+                       time.perf_counter() - t0)
 
 
 @web.middleware
@@ -205,6 +230,7 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool)
     streaming, include_usage = stream_flags(body)
     rid = new_id("chatcmpl" if chat else "cmpl")
     out = _Output(rid, request.app[_SETTINGS].model_name, chat, params.n, engine)
+    request[_SERVED] = out
     with _admitted(request):
         async with engine.stream(prompt, params, request_id=rid) as stream:
             first = await stream.__anext__()  # a request refused once tokenized is still a clean 400
@@ -257,6 +283,7 @@ class _Output:
     def __init__(self, rid: str, model: str, chat: bool, n: int, engine: AsyncEngine):
         self.rid, self.model, self.chat = rid, model, chat
         self.created = int(time.time())  # one value for the whole response, every stream chunk included
+        self.first_token_at: float | None = None  # perf_counter
         self.kind = "chat.completion" if chat else "text_completion"
         self.texts = [[] for _ in range(n)]
         self.logprobs: list[list | None] = [None] * n
@@ -267,7 +294,21 @@ class _Output:
         tokenizer = engine.tokenizer
         self.decode = lambda t: tokenizer.decode([t], skip_special_tokens=False)
 
+    def log_fields(self, t0: float) -> str:
+        """The access log's token counts and TTFT (from t0) for this response, as far as it went."""
+        ttft = "-" if self.first_token_at is None else f"{self.first_token_at - t0:.3f}s"
+        if not self.usages:
+            return f" {self.rid} ttft={ttft}"
+        u = usage_body(self.usages)
+        return (f" {self.rid} prompt={u['prompt_tokens']} cached={u['prompt_tokens_details']['cached_tokens']} "
+                f"output={u['completion_tokens']} ttft={ttft}")
+
+    def _seen(self, chunk) -> None:
+        if self.first_token_at is None and chunk.token_ids:
+            self.first_token_at = time.perf_counter()
+
     def add(self, chunk) -> None:
+        self._seen(chunk)
         i = chunk.index
         self.texts[i].append(chunk.text)
         if chunk.logprobs is not None:
@@ -294,6 +335,7 @@ class _Output:
         return envelope(kind, self.rid, self.model, self.created)
 
     def chunk(self, chunk) -> dict[str, Any]:
+        self._seen(chunk)
         i = chunk.index
         if chunk.finish_reason is not None:
             self.usages.append(chunk.usage)
