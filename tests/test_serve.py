@@ -272,3 +272,19 @@ async def test_one_access_log_line_per_request(server, caplog):
         f"POST /v1/chat/completions 200 {out.id} prompt={out.usage.prompt_tokens} "
         f"cached={out.usage.prompt_tokens_details.cached_tokens} output={out.usage.completion_tokens} ttft=")
     assert lines[1].getMessage().startswith("GET /v1/nowhere 404 ")
+
+
+async def test_tokenize_and_detokenize_as_vllm_has_them(server):
+    engine, _, url = server
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/tokenize", json={"prompt": "the quick brown fox"}) as r:
+            body = await r.json()
+        ids = engine.tokenizer.to_token_ids("the quick brown fox")
+        assert r.status == 200
+        assert body == {"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len}
+        async with s.post(url + "/tokenize", json={"messages": chat("hi")}) as r:
+            assert (await r.json())["tokens"] == engine.tokenizer.to_token_ids(chat("hi"))
+        async with s.post(url + "/detokenize", json={"tokens": ids}) as r:
+            assert (await r.json())["prompt"] == engine.tokenizer.decode(ids, False)
+        async with s.post(url + "/detokenize", json={"tokens": [10**9]}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "tokens"

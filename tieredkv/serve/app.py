@@ -63,6 +63,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> w
     app.router.add_get("/v1/models/{model}", _model)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
     if settings.metrics:
         app.router.add_get("/metrics", _metrics)
     return app
@@ -188,6 +190,28 @@ async def _body(request: web.Request) -> dict[str, Any]:
         raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {name!r}", "model",
                          status=404, code="model_not_found")
     return body
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: {"prompt": str} or {"messages": [...]} (chat template applied) -> the token ids, their
+    count and max_model_len. Tokenized off the event loop."""
+    body = await _body(request)
+    prompt = chat_messages(body) if "messages" in body else completion_prompt(body)
+    _check_size(request, message_chars(prompt) if "messages" in body else len(prompt))
+    engine = request.app[_ENGINE]
+    ids = await asyncio.to_thread(engine.tokenizer.to_token_ids, prompt)
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len})
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}; ids outside the vocabulary are a 400."""
+    body = await _body(request)
+    ids, vocab = body.get("tokens"), request.app[_ENGINE].core.spec.vocab_size
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                            for t in ids):
+        raise BadRequest(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+    text = await asyncio.to_thread(request.app[_ENGINE].tokenizer.decode, ids, False)
+    return web.json_response({"prompt": text})
 
 
 def _check_size(request: web.Request, chars: int) -> None:
