@@ -288,3 +288,18 @@ async def test_tokenize_and_detokenize_as_vllm_has_them(server):
             assert (await r.json())["prompt"] == engine.tokenizer.decode(ids, False)
         async with s.post(url + "/detokenize", json={"tokens": [10**9]}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_max_tokens_beyond_the_context_is_a_400_naming_the_numbers(server, field):
+    engine, client, _ = server
+    limit = engine.core.max_model_len
+    prompt = chat("how long can you go on?")
+    n = len(engine.tokenizer.to_token_ids(prompt))
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=NAME, messages=prompt, **{field: limit - n + 1})
+    assert e.value.body["param"] == field
+    assert f"holds {limit} tokens and the prompt takes {n}, so at most {limit - n} can be generated" in \
+        e.value.body["message"]
+    out = await client.chat.completions.create(model=NAME, messages=prompt, **{field: 2})  # what fits still runs
+    assert out.usage.prompt_tokens == n and out.usage.completion_tokens == 2

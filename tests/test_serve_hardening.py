@@ -258,7 +258,8 @@ def test_the_cli_serves_and_on_sigterm_drains_writes_the_cold_tier_and_exits_0(l
         short = {"model": NAME, "prompt": prompt, "max_tokens": 40, "ignore_eos": True, "stream": True}
         conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=60) for _ in range(4)]
         streams = [read_sse(c, {**short, "prompt": prompt[:-1] + [400 + i]}) for i, c in enumerate(conns[:3])]
-        endless = read_sse(conns[3], {**short, "max_tokens": 100_000})  # cannot finish within the grace period
+        # the rest of the 2,048-token context: cannot finish within the grace period
+        endless = read_sse(conns[3], {**short, "max_tokens": 2048 - len(prompt)})
         for r in streams + [endless]:
             assert r.readline().startswith(b"data: {")  # every stream is running
         t0 = time.monotonic()

@@ -235,11 +235,18 @@ class AsyncEngine:
         usage = await self._prefill(prompt, pin=True)
         return usage.prompt_tokens // self.core.block_size * self.core.block_size
 
+    async def tokenize(self, prompt: PromptType, check: bool = True) -> list[int]:
+        """The prompt's token ids (messages through the chat template), on the engine's tokenizer thread.
+        With `check`, checked as a request's are (RequestError when longer than max_model_len allows or
+        outside the vocabulary); without, any text is tokenized (ValueError when the template fails)."""
+        self._check_open()
+        fn = self.core.factory.token_ids if check else self.tokenizer.to_token_ids
+        return await self._loop.run_in_executor(self._tokenizer, fn, prompt)
+
     async def explain(self, prompt: PromptType) -> list[BlockReport]:
         """For each block of the prompt: where a request would take it from (hot, warm, cold), or why it
         would be computed. Changes nothing in the cache."""
-        self._check_open()
-        ids = await self._loop.run_in_executor(self._tokenizer, self.core.factory.token_ids, prompt)
+        ids = await self.tokenize(prompt)
         return await self._submit(explain, self._worker.core, ids)
 
     async def export_cache(self, path, prompts: list[PromptType] | None = None, progress=None) -> int:
@@ -275,8 +282,7 @@ class AsyncEngine:
         return {"imported": imported, **report}
 
     async def unpin(self, prompt: PromptType) -> int:
-        self._check_open()
-        ids = await self._loop.run_in_executor(self._tokenizer, self.core.factory.token_ids, prompt)
+        ids = await self.tokenize(prompt)
         return await self._submit(self._worker.core.pins.unpin, ids)
 
     async def clear_cache(self, tier: str = "all", demote: bool = False) -> int:

@@ -194,12 +194,15 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 async def _tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: {"prompt": str} or {"messages": [...]} (chat template applied) -> the token ids, their
-    count and max_model_len. Tokenized off the event loop."""
+    count and max_model_len. Tokenized on the engine's tokenizer thread."""
     body = await _body(request)
     prompt = chat_messages(body) if "messages" in body else completion_prompt(body)
     _check_size(request, message_chars(prompt) if "messages" in body else len(prompt))
     engine = request.app[_ENGINE]
-    ids = await asyncio.to_thread(engine.tokenizer.to_token_ids, prompt)
+    try:
+        ids = await engine.tokenize(prompt, check=False)
+    except (ValueError, UnicodeError) as e:
+        raise BadRequest(f"cannot tokenize the prompt: {e}", "messages" if "messages" in body else "prompt") from None
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len})
 
 
@@ -234,6 +237,17 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, body, prompt, chat=False)
 
 
+def _check_room(engine: AsyncEngine, num_prompt_tokens: int, params, body: dict[str, Any]) -> None:
+    """A max_tokens (or max_completion_tokens) the request set that the context cannot hold is a 400
+    naming the numbers, as vLLM answers; left unset, generation stops at the context's end."""
+    field = next((f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None), None)
+    limit = engine.core.max_model_len
+    if field is not None and num_prompt_tokens + params.max_tokens > limit:
+        raise BadRequest(f"this model's context holds {limit} tokens and the prompt takes {num_prompt_tokens}, so "
+                         f"at most {limit - num_prompt_tokens} can be generated; {field} asks for "
+                         f"{params.max_tokens}", field)
+
+
 @contextlib.contextmanager
 def _admitted(request: web.Request):
     """Counts the requests being served; beyond what runs plus max_queued, a 429 with Retry-After."""
@@ -256,7 +270,10 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool)
     out = _Output(rid, request.app[_SETTINGS].model_name, chat, params.n, engine)
     request[_SERVED] = out
     with _admitted(request):
-        async with engine.stream(prompt, params, request_id=rid) as stream:
+        engine.core.factory.precheck(prompt, params)  # before tokenizing: what a prompt's size alone rules out
+        ids = await engine.tokenize(prompt)
+        _check_room(engine, len(ids), params, body)
+        async with engine.stream(ids, params, request_id=rid) as stream:
             first = await stream.__anext__()  # a request refused once tokenized is still a clean 400
             if streaming:
                 return await _stream_events(request, stream, first, out, include_usage)
