@@ -243,11 +243,10 @@ async def test_one_created_per_stream(server, monkeypatch):
     import time
     import types
 
-    from tieredkv.serve import app as app_module, protocol
+    from tieredkv.serve import app as app_module
 
     ticks = itertools.count(1_700_000_000)
     clock = types.SimpleNamespace(time=lambda: float(next(ticks)), perf_counter=time.perf_counter)
-    monkeypatch.setattr(protocol, "time", clock)
     monkeypatch.setattr(app_module, "time", clock, raising=False)
     _, client, _ = server
     created = set()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
@@ -176,5 +175,5 @@ def completion_logprobs(logprobs: list[TokenLogprob] | None, decode, offset: int
             "top_logprobs": [{decode(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
 
 
-def envelope(kind: str, rid: str, model: str, created: int | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": kind, "created": int(time.time()) if created is None else created, "model": model}
+def envelope(kind: str, rid: str, model: str, created: int) -> dict[str, Any]:
+    return {"id": rid, "object": kind, "created": created, "model": model}
