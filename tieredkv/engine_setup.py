@@ -24,7 +24,8 @@ from tieredkv.core.scheduler import Scheduler
 from tieredkv.kernels import KernelOps, select_kernels
 from tieredkv.lifecycle import Lifecycle
 from tieredkv.models.llama import LlamaModel
-from tieredkv.models.loader import load_model
+from tieredkv.kernels.quant import use_cpu_kernels
+from tieredkv.models.loader import QuantSettings, load_model
 from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.request_factory import RequestFactory
 from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
@@ -32,7 +33,7 @@ from tieredkv.runner.malloc_tuning import tune_glibc_malloc
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.telemetry import Telemetry
 from tieredkv.models.checks import check_regular_files, read_json
-from tieredkv.models.gguf_convert import default_model_dir
+from tieredkv.models.gguf_convert import default_gguf_path, default_model_dir
 from tieredkv.models.loader import fingerprint_weights, weight_files
 from tieredkv.models.spec import ModelSpec
 from tieredkv.tiers.hot import HotTier
@@ -145,11 +146,34 @@ def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device
     return num
 
 
-def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int) -> str:
-    """Everything that changes the meaning of a block's bytes: model, dtype, block size, layout."""
+def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int, quant: QuantSettings | None = None) -> str:
+    """Everything that changes the meaning of a block's bytes: model, dtype, block size, layout, and the
+    weights' quantization (quantized weights compute other keys and values)."""
     config_bytes = (model_dir / "config.json").read_bytes()
     identity = hashlib.sha256(config_bytes + fingerprint_weights(weight_files(model_dir)).encode())
-    return f"{identity.hexdigest()}|{dtype}|bs={block_size}|{KV_LAYOUT}"
+    weights = "" if quant is None else f"|w={quant.label}"
+    return f"{identity.hexdigest()}|{dtype}|bs={block_size}|{KV_LAYOUT}{weights}"
+
+
+def quant_settings(cfg: EngineConfig, model_dir: Path) -> QuantSettings | None:
+    """EngineConfig's quantization, with the GGUF file it reads for "gguf": the default model's own file, or
+    the one *.gguf in the model directory."""
+    if cfg.quantization is None:
+        return None
+    gguf = None
+    if cfg.quantization == "gguf":
+        found = [default_gguf_path()] if cfg.model == "default" else sorted(model_dir.glob("*.gguf"))
+        if len(found) != 1:
+            raise FileNotFoundError(f'quantization="gguf" reads the one *.gguf file in {model_dir}; found '
+                                    f"{len(found)}{': ' + ', '.join(f.name for f in found) if found else ''}")
+        gguf = found[0]
+    return QuantSettings(cfg.quantization, cfg.quantization_group_size, cfg.quantization_symmetric, gguf)
+
+
+def weights_label(model: LlamaModel, dtype: torch.dtype) -> str:
+    """The weights' format for stats() and the start-up line: "float32", or "int4 (float32 activations)"."""
+    dt = str(dtype).removeprefix("torch.")
+    return dt if model.quantization is None else f"{model.quantization} ({dt} activations)"
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -247,6 +271,7 @@ class EngineParts:
     pins: PinTable
     telemetry: Telemetry
     lifecycle: Lifecycle
+    weights: str = "float32"  # weights_label()
 
     @property
     def pool(self) -> BlockPool:
@@ -262,7 +287,10 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     spec = ModelSpec.from_file(model_dir / "config.json")
     limit = max_model_len(spec, cfg.max_model_len)
     tokenizer = Tokenizer(model_dir)
-    model = load_model(model_dir, spec, dtype, device)
+    quant = quant_settings(cfg, model_dir)
+    model = load_model(model_dir, spec, dtype, device, quant)
+    if quant is not None and device.type == "cpu":
+        use_cpu_kernels(cache_dir)
     num_blocks = num_kv_blocks(cfg, spec, dtype, device, limit)
     num_warm = warm_blocks(cfg, spec, dtype)
     mode = far_mode(cfg, device) if num_warm else None
@@ -271,7 +299,7 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     kv_cache = make_kv_cache(spec, cfg.block_size, num_blocks, extent, dtype, device)
     factory = RequestFactory(tokenizer, spec, cfg, limit, eos_token_ids(spec, model_dir, tokenizer.eos_token_id),
                              num_blocks, num_far)
-    fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size)
+    fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size, quant)
     compiled = compile_wanted(cfg.compile_decode, device)
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
     tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None)
@@ -286,13 +314,15 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
     block_bytes = kv_block_bytes(spec, cfg.block_size, dtype)
-    log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens (hot %.2f GiB, warm %.2f GiB%s), kernels=%s, "
-             "linear=%s, packed=%s, decode path=%s", model_dir.name, dtype, device, num_blocks, cfg.block_size,
+    log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens (hot %.2f GiB, warm %.2f GiB%s), "
+             "kernels=%s, linear=%s, packed=%s, decode path=%s", model_dir.name, weights_label(model, dtype),
+             model.weight_bytes() / 2**30, device, num_blocks, cfg.block_size,
              num_blocks * block_bytes / 2**30, num_warm * block_bytes / 2**30,
              "; taken as written" if device.type == "cpu" else "", ops.name, ops.linear.__name__,
              ops.pack_linear_weight is not None, runner.decode_path)
     return EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
-                       factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle)
+                       factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle,
+                       weights_label(model, dtype))
 
 
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,

@@ -89,6 +89,8 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt tokens the forwards computed (after preemption too); the rest hit
     prefix_blocks_joined: int = 0  # prompt blocks found cached after waiting for the request computing them
     decode_path: str = "eager"  # what runs a one-sequence decode: "compiled", "compiling" (eager meanwhile), "eager"
+    weights: str = "float32"  # the weights' format: the dtype, or the quantization ("int4 (float32 activations)")
+    weight_bytes: int = 0  # what the weights take in that format
 
 
 def make_chunk(seq: "Sequence", token_ids: list[int], final: bool,
@@ -114,7 +116,7 @@ def _usage(req: "Request", completion_tokens: int) -> Usage:
 
 
 def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
-                  decode_path: str = "eager") -> EngineStats:
+                  decode_path: str = "eager", weights: str = "float32", weight_bytes: int = 0) -> EngineStats:
     """A snapshot of the engine's counters: every field read at one moment, tier stats copied."""
     return EngineStats(
         num_running=len(scheduler.running),
@@ -136,4 +138,6 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
         prompt_tokens_computed=scheduler.prompt_tokens_computed,
         prefix_blocks_joined=scheduler.prefix_blocks_joined,
         decode_path=decode_path,
+        weights=weights,
+        weight_bytes=weight_bytes,
     )

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from tieredkv.cache_dir import artifact_lock, default_cache_dir
 
@@ -96,29 +97,63 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     _write_checkpoint(gguf_path, out_dir, tensors, _hf_config(reader, arch, tensors))
 
 
+def _hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, short = base.split(".", 2)
+        return f"model.layers.{layer}.{_LAYER_NAMES[short]}.{suffix}"
+    return f"{_TOP_NAMES[base]}.{suffix}"
+
+
+def _rotary_heads(reader, arch: str, gguf_name: str) -> int | None:
+    """The head count whose rotary row order llama.cpp changed in this tensor (attn_q, attn_k), else None."""
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    if gguf_name.endswith("attn_q.weight"):
+        return n_head
+    if gguf_name.endswith("attn_k.weight"):
+        return int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    return None
+
+
 def _dequantized(reader, arch: str) -> dict[str, np.ndarray]:
     """Every tensor in fp32 under its Hugging Face name, q/k rows back in Hugging Face's rotary order."""
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     tensors: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="dequantizing default model", unit="tensor", disable=None):
-        base, _, suffix = t.name.rpartition(".")
-        if base.startswith("blk."):
-            _, layer, short = base.split(".", 2)
-            name = f"model.layers.{layer}.{_LAYER_NAMES[short]}.{suffix}"
-        else:
-            name = f"{_TOP_NAMES[base]}.{suffix}"
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-        if base.endswith("attn_q"):
-            w = _unpermute(w, n_head)
-        elif base.endswith("attn_k"):
-            w = _unpermute(w, n_kv)
-        tensors[name] = np.ascontiguousarray(w)
+        heads = _rotary_heads(reader, arch, t.name)
+        tensors[_hf_name(t.name)] = np.ascontiguousarray(w if heads is None else _unpermute(w, heads))
     return tensors
+
+
+def read_gguf_weights(gguf_path: Path) -> dict:
+    """Every tensor of a llama GGUF file under its Hugging Face name (without "model."): Q8_0 / Q4_0 / Q4_1
+    tensors as QuantizedWeight holding the file's own codes and scales (rows reordered for q/k, nothing
+    dequantized), float tensors as tensors. An unsupported tensor type is a CheckpointError naming it."""
+    from gguf import GGUFReader
+
+    from tieredkv.kernels.quant import load_gguf_tensor
+
+    reader = GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported (llama only)")
+    out = {}
+    for t in reader.tensors:
+        dims = tuple(int(d) for d in reversed(t.shape.tolist()))
+        rows, cols = (dims[0], dims[1]) if len(dims) == 2 else (1, dims[0])
+        value = load_gguf_tensor(t.data, t.tensor_type.name, (rows, cols), t.name)
+        if len(dims) == 1:
+            value = value.view(-1)
+        heads = _rotary_heads(reader, arch, t.name)
+        if heads is not None:  # rows are independent in every format: reorder them
+            order = torch.from_numpy(_unpermute(np.arange(rows), heads).copy())
+            value = value[order] if isinstance(value, torch.Tensor) else value.take_rows(order)
+        out[_hf_name(t.name).removeprefix("model.")] = value
+    return out
 
 
 def _hf_config(reader, arch: str, tensors: dict[str, np.ndarray]) -> dict:

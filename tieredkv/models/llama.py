@@ -11,6 +11,7 @@ from torch import nn
 
 from tieredkv.runner.batch import ForwardBatch
 from tieredkv.kernels import KernelOps
+from tieredkv.kernels.quant import QuantizedWeight, quant_embedding, quant_linear
 from tieredkv.models.spec import ModelSpec
 
 
@@ -52,7 +53,11 @@ class RotaryEmbedding(nn.Module):
 
 def dense(ops: KernelOps, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """layer(x) through the kernel set's dense function, reading the weight in the layout that function
-    takes: the packed copy (LlamaModel.pack_linear_weights) when the kernel set packs, else the plain one."""
+    takes: the packed copy (LlamaModel.pack_linear_weights) when the kernel set packs, else the plain one;
+    a quantized weight (LlamaModel.quantize_weights) through the quantized op."""
+    qweight = getattr(layer, "qweight", None)
+    if qweight is not None:
+        return quant_linear(x, qweight, layer.bias)
     weight = layer.weight if ops.pack_linear_weight is None else layer.packed_weight
     return ops.linear(x, weight, layer.bias)
 
@@ -172,6 +177,35 @@ class LlamaModel(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec)
         self.packed_lm_head: torch.Tensor | None = None
+        self.quantized_head: QuantizedWeight | None = None  # the LM head, when quantized (the table too, if tied)
+
+    @property
+    def quantization(self) -> str | None:
+        """The scheme of the projections' weights ("int8", "int4", "gguf:Q4_1", ...), None when not quantized."""
+        q = getattr(self.layers[0].self_attn.qkv_proj, "qweight", None)
+        return None if q is None else q.scheme
+
+    def weight_bytes(self) -> int:
+        """The bytes the weights take, in their own formats (quantized ones included), the LM head counted once."""
+        return sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
+
+    def quantize_weights(self, quantize: Callable[[torch.Tensor], QuantizedWeight],
+                         head: Callable[[torch.Tensor], QuantizedWeight]) -> None:
+        """Replaces every projection's weight by quantize(weight), and the LM head's by head(weight) (when the
+        head is the embedding table, the table is held once, quantized, and lookups dequantize its rows). Each
+        full-precision weight is dropped as soon as its quantized form exists."""
+        for module in self.layers.modules():
+            if isinstance(module, nn.Linear):
+                module.qweight = quantize(module.weight)
+                module.weight = None
+        self.set_quantized_head(head(self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight))
+
+    def set_quantized_head(self, qw: QuantizedWeight) -> None:
+        self.quantized_head = qw
+        if self.lm_head is None:
+            self.embed_tokens.weight = None
+        else:
+            self.lm_head.weight = None
 
     def lm_head_weight(self, ops: KernelOps) -> torch.Tensor:
         if ops.pack_linear_weight is not None:
@@ -184,11 +218,13 @@ class LlamaModel(nn.Module):
         weights are held once; with `keep_plain` the plain weights stay too (twice the memory), for the
         compiled decode path, which reads them. The embedding table stays plain: lookups need it."""
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear) and module.weight is not None:
                 module.packed_weight = pack(module.weight)
                 if not keep_plain:
                     module.weight = nn.Parameter(module.packed_weight, requires_grad=False)
-        self.packed_lm_head = self.lm_head.packed_weight if self.lm_head is not None else pack(self.embed_tokens.weight)
+        if self.quantized_head is None:
+            self.packed_lm_head = (self.lm_head.packed_weight if self.lm_head is not None
+                                   else pack(self.embed_tokens.weight))
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices."""
@@ -199,9 +235,15 @@ class LlamaModel(nn.Module):
 
     def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The first hidden states [T, hidden] and the rotary cos/sin of the batch's positions."""
-        x = self.embed_tokens(batch.input_ids)
+        if self.embed_tokens.weight is None:  # the table is the quantized LM head
+            x = quant_embedding(self.quantized_head, batch.input_ids, self.norm.weight.dtype)
+        else:
+            x = self.embed_tokens(batch.input_ids)
         return x, self.rotary(batch.positions, x.dtype)
 
     def logits(self, x: torch.Tensor, batch: ForwardBatch, ops: KernelOps) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows batch.logits_indices of the last hidden states."""
-        return ops.linear(self.norm(x[batch.logits_indices]), self.lm_head_weight(ops)).float()
+        h = self.norm(x[batch.logits_indices])
+        if self.quantized_head is not None:
+            return quant_linear(h, self.quantized_head).float()
+        return ops.linear(h, self.lm_head_weight(ops)).float()

@@ -3,16 +3,37 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
+from torch import nn
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from tieredkv.errors import CheckpointError, UnsupportedModelError
+from tieredkv.kernels.quant import QuantizedWeight, cat_rows, quantize_int4, quantize_int8
+from tieredkv.models.gguf_convert import read_gguf_weights
 from tieredkv.models.checks import check_spec_against_weights, read_json, tensor_shapes
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
 from tieredkv.models.spec import ModelSpec
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """EngineConfig's quantization settings, resolved: the scheme, int4's groups, the GGUF file to read."""
+    scheme: str  # "int8" | "int4" | "gguf"
+    group_size: int = 32
+    symmetric: bool = False
+    gguf_path: Path | None = None
+
+    @property
+    def label(self) -> str:
+        """What the weights are, for the fingerprint of the KV they produce and the start-up line."""
+        if self.scheme == "int4":
+            return f"int4-g{self.group_size}-{'sym' if self.symmetric else 'asym'}"
+        return self.scheme if self.gguf_path is None else f"gguf:{self.gguf_path.name}"
+
 
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -52,9 +73,24 @@ def fingerprint_weights(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    """Checks the config against the weights' headers, builds the model without
-    initialising it, then fills every parameter from the checkpoint."""
+def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+               quant: QuantSettings | None = None) -> LlamaModel:
+    """Checks the config against the weights' headers, builds the model without initialising it, then fills
+    every parameter from the checkpoint; with `quant`, the projections and the LM head are quantized as each
+    is loaded ("int8", "int4"), or read quantized as they are from a GGUF file ("gguf")."""
+    if quant is not None and quant.scheme == "gguf":
+        return _load_gguf(quant.gguf_path, spec, dtype, device)
+    model = _load_full(model_dir, spec, dtype, device)
+    if quant is not None:
+        if quant.scheme == "int8":
+            model.quantize_weights(quantize_int8, head=quantize_int8)
+        else:
+            model.quantize_weights(partial(quantize_int4, group_size=quant.group_size, symmetric=quant.symmetric),
+                                   head=quantize_int8)
+    return model
+
+
+def _load_full(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     files = weight_files(model_dir)
     check_spec_against_weights(spec, tensor_shapes(files))
     with torch.device("meta"):
@@ -70,6 +106,49 @@ def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
         raise CheckpointError(f"checkpoint tensors do not match config.json: {e}") from None
     model.rotary = RotaryEmbedding(spec).to(device)
     return model.eval()
+
+
+def _load_gguf(gguf_path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """The model with its weights as the GGUF file stores them: quantized projections and LM head keep their
+    blocks (QuantizedWeight), float tensors are cast to `dtype`. An embedding table that is quantized but
+    not tied to the head is dequantized once (lookups read it as a table)."""
+    parts = read_gguf_weights(gguf_path)
+    check_spec_against_weights(spec, {k: _shape(v) for k, v in parts.items()})
+    with torch.device("meta"):
+        model = LlamaModel(spec)
+    for name in [n for n, _ in model.named_parameters()]:
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        fused = next((f for f in _FUSED if owner.endswith(f)), None)
+        if fused is not None:
+            pieces = [parts.pop(f"{owner.replace(fused, p)}.{attr}", None) for p in _FUSED[fused]]
+            if any(p is None for p in pieces):
+                raise CheckpointError(f"{gguf_path.name} lacks a piece of {name}")
+            value = cat_rows(pieces, name)
+        elif name in parts:
+            value = parts.pop(name)
+        else:
+            raise CheckpointError(f"{gguf_path.name} lacks tensor {name}")
+        head = name == ("embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight")
+        if isinstance(value, QuantizedWeight) and head:
+            model.set_quantized_head(value.to(device))
+        elif isinstance(value, QuantizedWeight) and name == "embed_tokens.weight":
+            module.weight = nn.Parameter(value.dequantize().to(device=device, dtype=dtype), requires_grad=False)
+        elif isinstance(value, QuantizedWeight):
+            module.qweight, module.weight = value.to(device), None
+        else:
+            setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))
+    unused = sorted(k for k in parts if not (k == "lm_head.weight" and spec.tie_word_embeddings))
+    if unused:
+        raise CheckpointError(f"{gguf_path.name} has tensors this architecture does not use: {', '.join(unused[:5])}")
+    model.rotary = RotaryEmbedding(spec).to(device)
+    return model.eval()
+
+
+def _shape(value) -> tuple[int, ...]:
+    if isinstance(value, QuantizedWeight):
+        return (value.out_features, value.in_features)
+    return tuple(value.shape)
 
 
 def _read_tensors(files: list[Path], spec: ModelSpec, dtype: torch.dtype,

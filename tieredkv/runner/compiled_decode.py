@@ -259,9 +259,9 @@ class CompiledDecode:
 
     def _graph_key(self) -> str:
         """What the graph depends on: the model's shape, the cache tensor's shape and dtype (stable across
-        starts: engine_setup.far_extent), torch's version, the runs of layers."""
+        starts: engine_setup.far_extent), torch's version, the runs of layers, the weights' quantization."""
         identity = repr((self.model.spec, tuple(self.kv_cache.shape), self.kv_cache.dtype, torch.__version__,
-                         [len(layers) for layers, _ in self._groups]))
+                         [len(layers) for layers, _ in self._groups], self.model.quantization))
         return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
     def _decode_scratch(self) -> None:

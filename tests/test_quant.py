@@ -1,0 +1,174 @@
+"""Quantized weights: the CPU kernels against the dequantized reference (on this processor's build and on a
+build without AVX2), the quantizers' error bounds, GGUF's blocks read as they are, the engine end to end."""
+
+import platform
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import check_pool_clean, make_checkpoint
+from tieredkv import EngineConfig, SamplingParams
+from tieredkv.engine_core import EngineCore
+from tieredkv.errors import CheckpointError
+from tieredkv.kernels import quant
+from tieredkv.kernels.quant_cpu import NATIVE, library_path, load
+
+BUILDS = {"native": NATIVE}
+if platform.machine() in ("x86_64", "AMD64"):
+    BUILDS["no-avx2"] = ("-march=x86-64",)  # the plain-C branch every other processor runs
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def lib(request, tmp_path_factory):
+    """quant._LIB set to one build of quant_cpu.c for the test."""
+    cache = tmp_path_factory.mktemp("kernels")
+    built = load(cache, BUILDS[request.param])
+    assert built is not None and library_path(cache, BUILDS[request.param]).exists()
+    before, quant._LIB = quant._LIB, built
+    yield request.param
+    quant._LIB = before
+
+
+def weights(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    w[0, :3] = 0.4  # an outlier row segment, as real weights have
+    return {"int8": lambda: quant.quantize_int8(w), "int4-g32": lambda: quant.quantize_int4(w, 32),
+            "int4-g128": lambda: quant.quantize_int4(w, 128), "int4-sym": lambda: quant.quantize_int4(w, 64, True),
+            "q8-g32": lambda: quant.QuantizedWeight("q8", *_q8_groups(w, 32), None, 32, k, "test")}[fmt]()
+
+
+def _q8_groups(w, g):
+    d = (w.view(w.shape[0], -1, g).abs().amax(-1) / 127).half()
+    q = torch.round(w.view(w.shape[0], -1, g) / d.float()[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(w.shape), d
+
+
+FORMATS = ["int8", "int4-g32", "int4-g128", "int4-sym", "q8-g32"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, quant.GEMV_MAX_ROWS + 3])
+def test_kernel_matches_dequantized_reference(lib, fmt, rows):
+    n, k = 37, 256  # 37 output rows: a block of 4 with a ragged tail
+    qw = weights(fmt, n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)) * 3
+    x[:, 5] = 40.0  # an outlier activation channel
+    bias = torch.randn(n)
+    w = qw.dequantize()
+    want = F.linear(x, w, bias)
+    got = quant.quant_linear(x, qw, bias)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    # the kernels quantize each activation row to int16: error <= half a step times sum |w|, per output
+    step = x.abs().amax(dim=1, keepdim=True) / 32767
+    bound = 0.5 * step * w.abs().sum(dim=1)[None, :] + 1e-4 * want.abs() + 1e-5
+    assert bool(((got - want).abs() <= bound).all()), float((got - want).abs().max())
+    # leading dimensions and bf16 activations come back in their own shape and dtype
+    got3 = quant.quant_linear(x.view(1, rows, k).bfloat16(), qw)
+    assert got3.shape == (1, rows, n) and got3.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_dequantize_like_the_reference(lib, fmt):
+    qw = weights(fmt, 21, 128)
+    ids = torch.tensor([20, 0, 7, 7])
+    assert torch.equal(quant.quant_embedding(qw, ids, torch.float32), qw.dequantize()[ids])
+
+
+def test_quantizers_error_bounds():
+    w = torch.randn(64, 256) * 0.1
+    q8 = quant.quantize_int8(w)
+    d8 = q8.scales.float()
+    assert bool(((q8.dequantize() - w).abs() <= 0.5 * d8 + 1e-7).all())
+    for g, sym in ((32, False), (128, False), (64, True)):
+        q4 = quant.quantize_int4(w, g, sym)
+        wg = w.view(64, -1, g)
+        err = (q4.dequantize() - w).view(64, -1, g).abs()
+        d = q4.scales.float()[..., None]
+        slack = 2**-10 * wg.abs().amax(-1, keepdim=True)  # d and m are rounded to fp16 before the codes
+        limit = (1.0 if sym else 0.5) * d + slack  # symmetric: the code range is -8..7 around 8, one step coarser
+        assert bool((err <= limit).all()), (g, sym, float((err - limit).max()))
+        assert q4.codes.dtype == torch.uint8 and q4.codes.shape == (64, 128) and q4.nbytes < w.numel() * 4 / 6
+
+
+def test_group_size_errors(llama_dir):
+    with pytest.raises(ValueError, match="quantization_group_size must be one of"):
+        EngineConfig(quantization="int4", quantization_group_size=48)
+    with pytest.raises(CheckpointError, match="does not divide the input dimension 64"):  # hidden_size 64
+        EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", quantization_group_size=128,
+                                num_blocks=16, warm_bytes=0))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_read_as_they_are(type_name):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[type_name]
+    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    raw = quantize(w, qtype)
+    qw = quant.load_gguf_tensor(raw, type_name, (6, 96), "blk.0.attn_q.weight")
+    assert isinstance(qw, quant.QuantizedWeight) and qw.group_size == 32
+    assert torch.equal(qw.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
+    # the file's bytes, nothing widened; Q4_0 also holds its implied offset (-8 d) as an fp16 per block
+    assert qw.nbytes == raw.nbytes + (2 * 6 * 96 // 32 if type_name == "Q4_0" else 0)
+
+
+def test_gguf_unsupported_type_is_named():
+    with pytest.raises(CheckpointError, match=r"blk\.3\.ffn_down\.weight has type Q5_K.*supported types: F32, F16, "
+                                              r"BF16, Q8_0, Q4_0, Q4_1"):
+        quant.load_gguf_tensor(np.zeros((2, 176), np.uint8), "Q5_K", (2, 256), "blk.3.ffn_down.weight")
+
+
+def _dequantized_checkpoint(src: Path, out: Path, scheme: str) -> Path:
+    """src with every projection and the LM head replaced by what the engine's quantization of it holds."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, w in tensors.items():
+        if name.endswith("proj.weight"):
+            qw = quant.quantize_int8(w) if scheme == "int8" else quant.quantize_int4(w, 32)
+        elif name == "lm_head.weight":
+            qw = quant.quantize_int8(w)
+        else:
+            continue
+        tensors[name] = qw.dequantize().contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_engine_matches_transformers_on_the_dequantized_weights(scheme, llama_dir, tmp_path):
+    """Quantized at load, the engine's greedy output is transformers' on the weights it holds, dequantized."""
+    from helpers import hf_greedy
+
+    ref_dir = _dequantized_checkpoint(llama_dir, tmp_path / "ref", scheme)
+    prompts = [[5, 9, 33, 2, 71] * 3, list(range(3, 40)), [200, 17]]
+    want = hf_greedy(ref_dir, prompts, 16)
+    core = EngineCore(EngineConfig(model=str(llama_dir), quantization=scheme, num_blocks=32, warm_bytes=0))
+    try:
+        reqs = [core.factory.make(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
+        for r in reqs:
+            core.add_request(r)
+        while core.has_work():
+            core.step()
+        assert [r.seqs[0].output_token_ids for r in reqs] == want
+        stats = core.stats()
+        assert stats.weights == f"{scheme} (float32 activations)"
+        full = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=0))
+        mats = [m.weight.shape for m in full.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+        head = full.model.lm_head.weight.shape
+        per = (lambda n, k: n * k + 2 * n) if scheme == "int8" else (lambda n, k: n * k // 2 + 4 * n * k // 32)
+        expected = (full.stats().weight_bytes - 4 * sum(n * k for n, k in [*mats, head])
+                    + sum(per(n, k) for n, k in mats) + head[0] * head[1] + 2 * head[0])
+        assert stats.weight_bytes == expected
+        assert full.fingerprint != core.fingerprint  # KV computed by other weights is never shared through a tier
+        full.close()
+        check_pool_clean(core)
+    finally:
+        core.close()

@@ -1,0 +1,281 @@
+"""Weight-only quantized dense layers: the formats, the quantizers, GGUF's blocks as they are, and the op.
+
+Two storage formats serve every scheme (the codes row-major by output row, one fp16 scale per group of
+`group_size` inputs):
+  - "q8": int8 codes [N, K], w = q * d. `quantization="int8"` quantizes each output row symmetrically (one
+    group per row); GGUF's Q8_0 is groups of 32.
+  - "q4": 4-bit codes packed two to a byte [N, K/2], and an fp16 offset per group: w = q * d + m, q in 0..15.
+    Byte j of a group holds input j (low nibble) and input j + g/2 (high nibble), GGUF's order.
+    `quantization="int4"` is asymmetric (m = the group's minimum) or symmetric (m = -8 d); GGUF's Q4_1 and
+    Q4_0 are those two with groups of 32, read without a detour through fp32.
+
+`quant_linear` is a torch custom op, so the compiled decode graph calls it like any library product. On CPU
+it runs quant_cpu.c's kernels for up to GEMV_MAX_ROWS rows (decode steps), and above that dequantizes the
+weight into fp32 and runs the fp32 product (prefill, where the product's arithmetic dominates). Elsewhere
+(CUDA, or no C compiler) it runs the reference: dequantize, then F.linear.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tieredkv.errors import CheckpointError
+
+SCHEMES = ("int8", "int4", "gguf")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # what load_gguf_tensor reads
+
+_LIB: ctypes.CDLL | None = None  # quant_cpu.c's library, once use_cpu_kernels found it
+
+
+def use_cpu_kernels(cache_dir: Path) -> bool:
+    """Builds (once per processor) and loads the CPU kernels; False when the torch reference must serve."""
+    global _LIB
+    from tieredkv.kernels.quant_cpu import load
+
+    _LIB = load(cache_dir) or _LIB
+    return _LIB is not None
+
+
+class QuantizedWeight(nn.Module):
+    """A dense layer's weight [out_features, in_features] in the "q8" or "q4" format (module docstring)."""
+
+    def __init__(self, fmt: str, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 group_size: int, in_features: int, scheme: str):
+        super().__init__()
+        self.fmt, self.group_size, self.in_features, self.scheme = fmt, group_size, in_features, scheme
+        self.out_features = codes.shape[0]
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("offsets", offsets)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight (or its `rows`) in fp32, by the format's definition: the reference every kernel matches."""
+        return dequantize(self.codes, self.scales, self.offsets, self.group_size, rows)
+
+    def take_rows(self, rows: torch.Tensor) -> "QuantizedWeight":
+        """The same weight with its output rows in the order `rows` (rows are independent in both formats)."""
+        offsets = None if self.offsets is None else self.offsets[rows]
+        return QuantizedWeight(self.fmt, self.codes[rows], self.scales[rows], offsets, self.group_size,
+                               self.in_features, self.scheme)
+
+    def extra_repr(self) -> str:
+        return f"{self.scheme} ({self.fmt}, groups of {self.group_size}), {self.out_features}x{self.in_features}"
+
+
+def cat_rows(parts: list, what: str) -> "QuantizedWeight | torch.Tensor":
+    """Weights stacked along their output rows (q, k and v into one projection): all quantized alike, or
+    all plain tensors."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts, dim=0)
+    first = parts[0]
+    same = all(isinstance(p, QuantizedWeight) and (p.fmt, p.group_size, p.in_features, p.scheme) ==
+               (first.fmt, first.group_size, first.in_features, first.scheme) for p in parts)
+    if not same:
+        kinds = ", ".join(p.scheme if isinstance(p, QuantizedWeight) else str(p.dtype) for p in parts)
+        raise CheckpointError(f"{what}: its pieces are stored in different formats ({kinds}); they are served "
+                              "fused, so they must share one")
+    offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
+    return QuantizedWeight(first.fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                           offsets, first.group_size, first.in_features, first.scheme)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+    if rows is not None:
+        codes, scales = codes[rows], scales[rows]
+        offsets = None if offsets is None else offsets[rows]
+    n, g = codes.shape[0], group_size
+    d = scales.float()[..., None]
+    if offsets is None:
+        return (codes.float().view(n, -1, g) * d).view(n, -1)
+    c = codes.view(n, -1, g // 2)
+    q = torch.cat([c & 15, c >> 4], dim=-1).float()
+    return (q * d + offsets.float()[..., None]).view(n, -1)
+
+
+# ---- quantizing a full-precision weight at load time ------------------------------------------------------
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Per output row, symmetric: d = max|w| / 127 (in fp16), q = round(w / d)."""
+    w = w.detach().float()
+    d = (w.abs().amax(dim=1, keepdim=True) / 127).half()
+    q = torch.round(w / _nonzero(d.float())).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight("q8", q, d, None, w.shape[1], w.shape[1], "int8")
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = False) -> QuantizedWeight:
+    """Per group of `group_size` inputs: asymmetric (d = (max - min) / 15, m = min) or symmetric (d = max|w| / 7,
+    m = -8 d); q = round((w - m) / d) in 0..15, with d and m rounded to fp16 first."""
+    n, k = w.shape
+    check_group_size(group_size, k)
+    wg = w.detach().float().view(n, k // group_size, group_size)
+    if symmetric:
+        d = (wg.abs().amax(-1) / 7).half()
+        m = (-8 * d.float()).half()
+    else:
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        d, m = ((hi - lo) / 15).half(), lo.half()
+    q = torch.round((wg - m.float()[..., None]) / _nonzero(d.float())[..., None]).clamp_(0, 15).to(torch.uint8)
+    return QuantizedWeight("q4", pack_nibbles(q.view(n, k), group_size), d, m, group_size, k,
+                           "int4-sym" if symmetric else "int4")
+
+
+def check_group_size(group_size: int, in_features: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        raise CheckpointError(f"int4 group size {group_size} does not divide the input dimension {in_features} of "
+                              f"a dense layer; choose one of {[g for g in INT4_GROUP_SIZES if in_features % g == 0]}")
+
+
+def pack_nibbles(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Codes 0..15 [N, K] -> bytes [N, K/2]: in each group, input j low, input j + g/2 high."""
+    n, k = q.shape
+    halves = q.view(n, k // group_size, 2, group_size // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def _nonzero(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.ones_like(d), d)
+
+
+# ---- GGUF's quantized blocks, as they are -------------------------------------------------------------------
+
+def load_gguf_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, int], name: str
+                     ) -> QuantizedWeight | torch.Tensor:
+    """One GGUF tensor [rows, cols]: Q8_0 / Q4_0 / Q4_1 blocks become a QuantizedWeight with the same codes and
+    scales (nothing goes through fp32); F32 / F16 / BF16 come back as a tensor. Another type is an error that
+    names it and lists what is read."""
+    rows, cols = shape
+    if type_name in ("F32", "F16", "BF16"):
+        dtype = {"F32": np.float32, "F16": np.float16}.get(type_name)
+        if dtype is None:  # numpy has no bfloat16: reinterpret the 16-bit words
+            return torch.from_numpy(np.ascontiguousarray(raw).view(np.int16).copy()).view(torch.bfloat16).view(rows,
+                                                                                                                cols)
+        return torch.from_numpy(np.ascontiguousarray(raw).view(dtype).reshape(rows, cols).copy())
+    layouts = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 inputs
+    if type_name not in layouts:
+        raise CheckpointError(f"GGUF tensor {name} has type {type_name}, which is not supported; supported types: "
+                              f"{', '.join(GGUF_TYPES)} (re-quantize the file to one of them with llama-quantize)")
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, layouts[type_name])
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(rows, -1))
+    if type_name == "Q8_0":
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows, cols))
+        return QuantizedWeight("q8", q, d, None, 32, cols, "gguf:Q8_0")
+    if type_name == "Q4_0":  # w = (q - 8) d: an offset of -8 d, exact in fp16
+        m, qs = (-8 * d.float()).half(), blocks[..., 2:]
+    else:
+        m, qs = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(rows, -1)), blocks[..., 4:]
+    q = torch.from_numpy(qs.copy().reshape(rows, cols // 2))
+    return QuantizedWeight("q4", q, d, m, 32, cols, f"gguf:{type_name}")
+
+
+# ---- the op -------------------------------------------------------------------------------------------------
+
+def _kernel_fits(codes: torch.Tensor, offsets: torch.Tensor | None, group_size: int) -> bool:
+    return _LIB is not None and not codes.is_cuda and group_size % (16 if offsets is None else 32) == 0
+
+
+# Defined through torch.library's Library rather than custom_op: a call costs ~6 us instead of ~24 (a decode
+# step of the default model makes 121 of them).
+_OPS = torch.library.Library("tieredkv", "DEF")
+_OPS.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group_size, Tensor? bias) "
+            "-> Tensor")
+_OPS.define("quant_rows(Tensor codes, Tensor scales, Tensor? offsets, int group_size, Tensor ids) -> Tensor")
+
+
+def _quant_linear(x, codes, scales, offsets, group_size, bias):
+    k, n = x.shape[-1], codes.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    m = x2.shape[0]
+    if m <= GEMV_MAX_ROWS and _kernel_fits(codes, offsets, group_size):
+        out = torch.empty(m, n)
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.float().contiguous()
+        b = None if bias is None else bias.data_ptr()
+        if offsets is None:
+            status = _LIB.tkv_q8_linear(x2.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), group_size, n, b,
+                                        out.data_ptr())
+        else:
+            status = _LIB.tkv_q4_linear(x2.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                                        group_size, n, b, out.data_ptr())
+        if status != 0:
+            raise MemoryError("quantized linear: no memory for the activations' int16 copy")
+    else:
+        out = _fp32_linear(x2, _dequantize_fast(codes, scales, offsets, group_size, None), bias)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def _quant_rows(codes, scales, offsets, group_size, ids):
+    return _dequantize_fast(codes, scales, offsets, group_size, ids)
+
+
+for _key in ("CPU", "CUDA"):
+    _OPS.impl("quant_linear", _quant_linear, _key)
+    _OPS.impl("quant_rows", _quant_rows, _key)
+
+
+_LINEAR_OP, _ROWS_OP = torch.ops.tieredkv.quant_linear.default, torch.ops.tieredkv.quant_rows.default
+
+
+@torch.library.register_fake("tieredkv::quant_linear")
+def _(x, codes, scales, offsets, group_size, bias):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+@torch.library.register_fake("tieredkv::quant_rows")
+def _(codes, scales, offsets, group_size, ids):
+    k = codes.shape[1] * (1 if offsets is None else 2)
+    return codes.new_empty((ids.shape[0], k), dtype=torch.float32)
+
+
+def _dequantize_fast(codes, scales, offsets, group_size, ids) -> torch.Tensor:
+    """dequantize(), through the C kernel where it fits."""
+    if not _kernel_fits(codes, offsets, group_size):
+        return dequantize(codes, scales, offsets, group_size, ids)
+    k = codes.shape[1] * (1 if offsets is None else 2)
+    count = codes.shape[0] if ids is None else ids.shape[0]
+    out = torch.empty(count, k, dtype=torch.float32)
+    idx = None if ids is None else ids.to(torch.int64).contiguous()
+    ptr = None if idx is None else idx.data_ptr()
+    if offsets is None:
+        _LIB.tkv_q8_rows(codes.data_ptr(), scales.data_ptr(), group_size, k, ptr, 0, count, out.data_ptr())
+    else:
+        _LIB.tkv_q4_rows(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), group_size, k, ptr, 0, count,
+                         out.data_ptr())
+    return out
+
+
+def _fp32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from tieredkv.kernels.linear import onednn_linear, onednn_linear_usable
+
+    b = None if bias is None else bias.float()
+    if x.device.type == "cpu" and onednn_linear_usable():
+        return onednn_linear(x, w, b)
+    return F.linear(x, w.to(x.device), b)
+
+
+def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) for a quantized W, in x's dtype."""
+    return _LINEAR_OP(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias)
+
+
+def quant_embedding(qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows `ids` of a quantized embedding table, in `dtype`."""
+    return _ROWS_OP(qw.codes, qw.scales, qw.offsets, qw.group_size, ids).to(dtype)

@@ -1,0 +1,273 @@
+/* Weight-only quantized dense layers on CPU: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W stored as
+ *   q8: int8 codes [N, K] and one fp16 scale per group of g inputs, w = q * d
+ *   q4: 4-bit codes [N, K/2] and an fp16 scale and offset per group, w = q * d + m (q in 0..15);
+ *       byte j of a group holds input j in its low nibble and input j + g/2 in its high nibble
+ *       (GGUF's Q4_0/Q4_1 order, which this generalizes to any group size).
+ * Built at run time for the processor at hand (-march=native) by kernels/quant_cpu.py.
+ *
+ * The activations are quantized per row to int16 (scale = max|x| / 32767, so the error is at most
+ * 2^-16 of the row's largest value, finer than bf16), which lets the inner loop multiply 16 weights by
+ * 16 activations and add pairs in one instruction (vpmaddwd); the sums are exact in int32 and each
+ * group's sum is scaled in fp32. The q4 offsets multiply the group's sum of the fp32 activations.
+ * On a processor without AVX2 the same arithmetic runs in plain C. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TKV_AVX2 1
+#endif
+
+#define RB 4        /* weight rows per block: each activation load serves all of them */
+#define SPAN 2048   /* int32 sums are moved to fp32 at least this often: 2048/16 * 2*127*32767 < 2^31 */
+
+static float h2f(uint16_t h) {
+#ifdef TKV_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (e == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            e = 113;
+            while (!(man & 0x400u)) { man <<= 1; e--; }
+            bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((e + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Each row of x as int16 codes and one fp32 scale; for q4 also each group's sum of x. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t g, int16_t *xq, float *sx, float *xsum) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
+        float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
+        sx[m] = s;
+        for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int16_t)lrintf(xr[k] * inv);
+        if (xsum) {
+            for (int64_t b = 0; b < K / g; b++) {
+                float t = 0.f;
+                for (int64_t j = 0; j < g; j++) t += xr[b * g + j];
+                xsum[m * (K / g) + b] = t;
+            }
+        }
+    }
+}
+
+#ifdef TKV_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* Rows [n, n + rows) of the output for activation rows [m, m + mt), mt 1 or 2 (inlined with a constant mt, so
+ * the one-row case does half the multiplies). */
+static inline __attribute__((always_inline)) void q8_block(const int16_t *xq, const float *sx, int64_t m, int mt, int64_t K, const int8_t *q,
+                     const uint16_t *d, int64_t g, int64_t N, int64_t n, int rows, const float *bias, float *out) {
+    const int8_t *qr[RB];
+    const uint16_t *dr[RB];
+    for (int r = 0; r < RB; r++) {
+        int64_t row = n + (r < rows ? r : 0);
+        qr[r] = q + row * K;
+        dr[r] = d + row * (K / g);
+    }
+    float res[2][RB];
+#ifdef TKV_AVX2
+    __m256 facc[2][RB];
+    for (int i = 0; i < 2; i++) for (int r = 0; r < RB; r++) facc[i][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / g; b++) {
+        for (int64_t s0 = b * g; s0 < (b + 1) * g; s0 += SPAN) {
+            int64_t s1 = s0 + SPAN < (b + 1) * g ? s0 + SPAN : (b + 1) * g;
+            __m256i acc[2][RB];
+            for (int i = 0; i < 2; i++) for (int r = 0; r < RB; r++) acc[i][r] = _mm256_setzero_si256();
+            for (int64_t k = s0; k < s1; k += 16) {
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + m * K + k));
+                __m256i x1 = mt > 1 ? _mm256_loadu_si256((const __m256i *)(xq + (m + 1) * K + k)) : x0;
+                for (int r = 0; r < RB; r++) {
+                    __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr[r] + k)));
+                    acc[0][r] = _mm256_add_epi32(acc[0][r], _mm256_madd_epi16(w, x0));
+                    if (mt > 1) acc[1][r] = _mm256_add_epi32(acc[1][r], _mm256_madd_epi16(w, x1));
+                }
+            }
+            for (int r = 0; r < RB; r++) {
+                __m256 s = _mm256_set1_ps(h2f(dr[r][b]));
+                for (int i = 0; i < mt; i++) facc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), s, facc[i][r]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) for (int r = 0; r < RB; r++) res[i][r] = hsum(facc[i][r]);
+#else
+    for (int i = 0; i < mt; i++) {
+        for (int r = 0; r < RB; r++) {
+            float total = 0.f;
+            for (int64_t b = 0; b < K / g; b++) {
+                for (int64_t s0 = b * g; s0 < (b + 1) * g; s0 += SPAN) {
+                    int64_t s1 = s0 + SPAN < (b + 1) * g ? s0 + SPAN : (b + 1) * g;
+                    int32_t acc = 0;
+                    for (int64_t k = s0; k < s1; k++) acc += (int32_t)qr[r][k] * xq[(m + i) * K + k];
+                    total += (float)acc * h2f(dr[r][b]);
+                }
+            }
+            res[i][r] = total;
+        }
+    }
+#endif
+    for (int i = 0; i < mt; i++)
+        for (int r = 0; r < rows; r++)
+            out[(m + i) * N + n + r] = res[i][r] * sx[m + i] + (bias ? bias[n + r] : 0.f);
+}
+
+static inline __attribute__((always_inline)) void q4_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
+                     const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, int64_t n,
+                     int rows, const float *bias, float *out) {
+    const int64_t G = K / g, h = g / 2;
+    const uint8_t *qr[RB];
+    const uint16_t *dr[RB], *mr[RB];
+    for (int r = 0; r < RB; r++) {
+        int64_t row = n + (r < rows ? r : 0);
+        qr[r] = q + row * (K / 2);
+        dr[r] = d + row * G;
+        mr[r] = mn + row * G;
+    }
+    float res[2][RB], zsum[2][RB];
+    for (int i = 0; i < 2; i++) for (int r = 0; r < RB; r++) zsum[i][r] = 0.f;
+#ifdef TKV_AVX2
+    const __m128i low = _mm_set1_epi8(15);
+    __m256 facc[2][RB];
+    for (int i = 0; i < 2; i++) for (int r = 0; r < RB; r++) facc[i][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < G; b++) {
+        __m256i acc[2][RB];
+        for (int i = 0; i < 2; i++) for (int r = 0; r < RB; r++) acc[i][r] = _mm256_setzero_si256();
+        for (int64_t j = 0; j < h; j += 16) {
+            const int16_t *xa = xq + m * K + b * g + j;
+            __m256i xl0 = _mm256_loadu_si256((const __m256i *)xa), xh0 = _mm256_loadu_si256((const __m256i *)(xa + h));
+            __m256i xl1 = xl0, xh1 = xh0;
+            if (mt > 1) {
+                xl1 = _mm256_loadu_si256((const __m256i *)(xa + K));
+                xh1 = _mm256_loadu_si256((const __m256i *)(xa + K + h));
+            }
+            for (int r = 0; r < RB; r++) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(qr[r] + b * h + j));
+                __m256i wl = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
+                __m256i wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+                acc[0][r] = _mm256_add_epi32(acc[0][r], _mm256_add_epi32(_mm256_madd_epi16(wl, xl0), _mm256_madd_epi16(wh, xh0)));
+                if (mt > 1)
+                    acc[1][r] = _mm256_add_epi32(acc[1][r], _mm256_add_epi32(_mm256_madd_epi16(wl, xl1), _mm256_madd_epi16(wh, xh1)));
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            float z = h2f(mr[r][b]);
+            __m256 s = _mm256_set1_ps(h2f(dr[r][b]));
+            for (int i = 0; i < mt; i++) {
+                facc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), s, facc[i][r]);
+                zsum[i][r] += z * xsum[(m + i) * G + b];
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) for (int r = 0; r < RB; r++) res[i][r] = hsum(facc[i][r]);
+#else
+    for (int i = 0; i < mt; i++) {
+        for (int r = 0; r < RB; r++) {
+            float total = 0.f;
+            for (int64_t b = 0; b < G; b++) {
+                int32_t acc = 0;
+                const int16_t *xa = xq + (m + i) * K + b * g;
+                for (int64_t j = 0; j < h; j++) {
+                    uint8_t v = qr[r][b * h + j];
+                    acc += (int32_t)(v & 15) * xa[j] + (int32_t)(v >> 4) * xa[j + h];
+                }
+                total += (float)acc * h2f(dr[r][b]);
+                zsum[i][r] += h2f(mr[r][b]) * xsum[(m + i) * G + b];
+            }
+            res[i][r] = total;
+        }
+    }
+#endif
+    for (int i = 0; i < mt; i++)
+        for (int r = 0; r < rows; r++)
+            out[(m + i) * N + n + r] = res[i][r] * sx[m + i] + zsum[i][r] + (bias ? bias[n + r] : 0.f);
+}
+
+/* Returns 0, or -1 when scratch memory could not be had. */
+int tkv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const uint16_t *d, int64_t g, int64_t N,
+                  const float *bias, float *out) {
+    int16_t *xq = malloc((size_t)(M * K) * sizeof(int16_t));
+    float *sx = malloc((size_t)M * sizeof(float));
+    if (!xq || !sx) { free(xq); free(sx); return -1; }
+    quantize_rows(x, M, K, g, xq, sx, NULL);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n += RB) {
+        int rows = N - n < RB ? (int)(N - n) : RB;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) q8_block(xq, sx, m, 2, K, q, d, g, N, n, rows, bias, out);
+        if (m < M) q8_block(xq, sx, m, 1, K, q, d, g, N, n, rows, bias, out);
+    }
+    free(xq);
+    free(sx);
+    return 0;
+}
+
+int tkv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
+                  int64_t g, int64_t N, const float *bias, float *out) {
+    int16_t *xq = malloc((size_t)(M * K) * sizeof(int16_t));
+    float *sx = malloc((size_t)M * sizeof(float)), *xsum = malloc((size_t)(M * (K / g)) * sizeof(float));
+    if (!xq || !sx || !xsum) { free(xq); free(sx); free(xsum); return -1; }
+    quantize_rows(x, M, K, g, xq, sx, xsum);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n += RB) {
+        int rows = N - n < RB ? (int)(N - n) : RB;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) q4_block(xq, sx, xsum, m, 2, K, q, d, mn, g, N, n, rows, bias, out);
+        if (m < M) q4_block(xq, sx, xsum, m, 1, K, q, d, mn, g, N, n, rows, bias, out);
+    }
+    free(xq);
+    free(sx);
+    free(xsum);
+    return 0;
+}
+
+/* Rows ids[0..count) of the weight (ids NULL: rows first..first+count) dequantized to fp32 [count, K]. */
+void tkv_q8_rows(const int8_t *q, const uint16_t *d, int64_t g, int64_t K, const int64_t *ids, int64_t first,
+                 int64_t count, float *out) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count; i++) {
+        int64_t row = ids ? ids[i] : first + i;
+        for (int64_t b = 0; b < K / g; b++) {
+            float s = h2f(d[row * (K / g) + b]);
+            for (int64_t j = 0; j < g; j++) out[i * K + b * g + j] = (float)q[row * K + b * g + j] * s;
+        }
+    }
+}
+
+void tkv_q4_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K, const int64_t *ids,
+                 int64_t first, int64_t count, float *out) {
+    const int64_t h = g / 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count; i++) {
+        int64_t row = ids ? ids[i] : first + i;
+        for (int64_t b = 0; b < K / g; b++) {
+            float s = h2f(d[row * (K / g) + b]), z = h2f(mn[row * (K / g) + b]);
+            const uint8_t *qb = q + row * (K / 2) + b * h;
+            float *o = out + i * K + b * g;
+            for (int64_t j = 0; j < h; j++) {
+                o[j] = (float)(qb[j] & 15) * s + z;
+                o[j + h] = (float)(qb[j] >> 4) * s + z;
+            }
+        }
+    }
+}
