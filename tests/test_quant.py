@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import check_pool_clean, make_checkpoint
+from helpers import check_pool_clean
 from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine_core import EngineCore
 from tieredkv.errors import CheckpointError

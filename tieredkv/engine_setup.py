@@ -314,8 +314,9 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
     block_bytes = kv_block_bytes(spec, cfg.block_size, dtype)
-    log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens (hot %.2f GiB, warm %.2f GiB%s), "
-             "kernels=%s, linear=%s, packed=%s, decode path=%s", model_dir.name, weights_label(model, dtype),
+    log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens (hot %.2f GiB, "
+             "warm %.2f GiB%s), kernels=%s, linear=%s, packed=%s, decode path=%s", model_dir.name,
+             weights_label(model, dtype),
              model.weight_bytes() / 2**30, device, num_blocks, cfg.block_size,
              num_blocks * block_bytes / 2**30, num_warm * block_bytes / 2**30,
              "; taken as written" if device.type == "cpu" else "", ops.name, ops.linear.__name__,

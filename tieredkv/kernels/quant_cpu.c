@@ -21,6 +21,7 @@
 #endif
 
 #define RB 4        /* weight rows per block: each activation load serves all of them */
+#define INLINE static inline __attribute__((always_inline))
 #define SPAN 2048   /* int32 sums are moved to fp32 at least this often: 2048/16 * 2*127*32767 < 2^31 */
 
 static float h2f(uint16_t h) {
@@ -77,7 +78,7 @@ static inline float hsum(__m256 v) {
 
 /* Rows [n, n + rows) of the output for activation rows [m, m + mt), mt 1 or 2 (inlined with a constant mt, so
  * the one-row case does half the multiplies). */
-static inline __attribute__((always_inline)) void q8_block(const int16_t *xq, const float *sx, int64_t m, int mt, int64_t K, const int8_t *q,
+INLINE void q8_block(const int16_t *xq, const float *sx, int64_t m, int mt, int64_t K, const int8_t *q,
                      const uint16_t *d, int64_t g, int64_t N, int64_t n, int rows, const float *bias, float *out) {
     const int8_t *qr[RB];
     const uint16_t *dr[RB];
@@ -106,7 +107,8 @@ static inline __attribute__((always_inline)) void q8_block(const int16_t *xq, co
             }
             for (int r = 0; r < RB; r++) {
                 __m256 s = _mm256_set1_ps(h2f(dr[r][b]));
-                for (int i = 0; i < mt; i++) facc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), s, facc[i][r]);
+                for (int i = 0; i < mt; i++)
+                    facc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), s, facc[i][r]);
             }
         }
     }
@@ -132,7 +134,7 @@ static inline __attribute__((always_inline)) void q8_block(const int16_t *xq, co
             out[(m + i) * N + n + r] = res[i][r] * sx[m + i] + (bias ? bias[n + r] : 0.f);
 }
 
-static inline __attribute__((always_inline)) void q4_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
+INLINE void q4_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
                      const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, int64_t n,
                      int rows, const float *bias, float *out) {
     const int64_t G = K / g, h = g / 2;
@@ -155,7 +157,8 @@ static inline __attribute__((always_inline)) void q4_block(const int16_t *xq, co
         for (int i = 0; i < 2; i++) for (int r = 0; r < RB; r++) acc[i][r] = _mm256_setzero_si256();
         for (int64_t j = 0; j < h; j += 16) {
             const int16_t *xa = xq + m * K + b * g + j;
-            __m256i xl0 = _mm256_loadu_si256((const __m256i *)xa), xh0 = _mm256_loadu_si256((const __m256i *)(xa + h));
+            __m256i xl0 = _mm256_loadu_si256((const __m256i *)xa);
+            __m256i xh0 = _mm256_loadu_si256((const __m256i *)(xa + h));
             __m256i xl1 = xl0, xh1 = xh0;
             if (mt > 1) {
                 xl1 = _mm256_loadu_si256((const __m256i *)(xa + K));
@@ -165,9 +168,11 @@ static inline __attribute__((always_inline)) void q4_block(const int16_t *xq, co
                 __m128i v = _mm_loadu_si128((const __m128i *)(qr[r] + b * h + j));
                 __m256i wl = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
                 __m256i wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
-                acc[0][r] = _mm256_add_epi32(acc[0][r], _mm256_add_epi32(_mm256_madd_epi16(wl, xl0), _mm256_madd_epi16(wh, xh0)));
+                acc[0][r] = _mm256_add_epi32(acc[0][r],
+                                             _mm256_add_epi32(_mm256_madd_epi16(wl, xl0), _mm256_madd_epi16(wh, xh0)));
                 if (mt > 1)
-                    acc[1][r] = _mm256_add_epi32(acc[1][r], _mm256_add_epi32(_mm256_madd_epi16(wl, xl1), _mm256_madd_epi16(wh, xh1)));
+                    acc[1][r] = _mm256_add_epi32(
+                        acc[1][r], _mm256_add_epi32(_mm256_madd_epi16(wl, xl1), _mm256_madd_epi16(wh, xh1)));
             }
         }
         for (int r = 0; r < RB; r++) {
