@@ -172,3 +172,17 @@ def test_engine_matches_transformers_on_the_dequantized_weights(scheme, llama_di
         check_pool_clean(core)
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_plan_counts_the_weights_in_their_format(scheme, llama_dir):
+    from tieredkv.tools.plan import plan
+
+    p = plan(str(llama_dir), device="cpu", quantization=scheme)
+    core = EngineCore(EngineConfig(model=str(llama_dir), quantization=scheme, num_blocks=8, warm_bytes=0))
+    try:
+        assert p.weight_bytes == core.stats().weight_bytes and p.weights == ("int8" if scheme == "int8" else
+                                                                              "int4-g32-asym")
+    finally:
+        core.close()
+    assert plan(str(llama_dir), device="cpu").weight_bytes > 2.5 * p.weight_bytes

@@ -14,7 +14,7 @@ import time
 from importlib.resources import files
 
 from tieredkv.config import EngineConfig, SamplingParams
-from tieredkv.tools.cli_tools import add_parsers
+from tieredkv.tools.cli_tools import add_parsers, add_weight_options, weight_options
 from tieredkv.engine import AsyncEngine
 
 DEMO_QUESTIONS = [
@@ -39,7 +39,7 @@ async def _stream_answer(engine: AsyncEngine, messages, params: SamplingParams) 
 
 async def demo(args: argparse.Namespace) -> None:
     system = files("tieredkv").joinpath("data/demo_system_prompt.txt").read_text()
-    config = EngineConfig.from_env(model=args.model)
+    config = EngineConfig.from_env(model=args.model, **weight_options(args))
     print(f"starting tieredkv on model={args.model!r} (on CPU the first start on a machine also compiles "
           "the batch-1 decode graph, about a minute; later starts load it)...", flush=True)
     t0 = time.perf_counter()
@@ -58,7 +58,7 @@ async def demo(args: argparse.Namespace) -> None:
 
 
 async def generate(args: argparse.Namespace) -> None:
-    async with await AsyncEngine.start(EngineConfig.from_env(model=args.model)) as engine:
+    async with await AsyncEngine.start(EngineConfig.from_env(model=args.model, **weight_options(args))) as engine:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         await _stream_answer(engine, prompt, params)
@@ -70,7 +70,8 @@ async def serve(args: argparse.Namespace) -> None:
     except ImportError:
         sys.exit("tieredkv serve needs the serve extra: pip install 'tieredkv[serve]'")
     metrics = install_prometheus()
-    config = EngineConfig.from_env(model=args.model, cold_path=args.cold_path, max_num_seqs=args.max_num_seqs)
+    config = EngineConfig.from_env(model=args.model, cold_path=args.cold_path, max_num_seqs=args.max_num_seqs,
+                                   **weight_options(args))
     settings = ServerSettings(model_name=args.served_model_name or args.model,
                               api_key=args.api_key or os.environ.get("TIEREDKV_API_KEY"),
                               max_queued=args.max_queued, metrics=metrics, write_timeout=args.write_timeout,
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("demo", help="stream two answers that share a long system prompt")
     p.add_argument("--model", default="default")
     p.add_argument("--max-tokens", type=int, default=96)
+    add_weight_options(p)
     p.set_defaults(func=demo)
     p = sub.add_parser("generate", help="stream one answer")
     p.add_argument("prompt")
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
+    add_weight_options(p)
     p.set_defaults(func=generate)
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
     p.add_argument("--model", default="default")
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds a streaming client may read nothing before its request is aborted")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests have to finish before the server stops")
+    add_weight_options(p)
     p.set_defaults(func=serve)
     add_parsers(sub)
     args = parser.parse_args(argv)

@@ -132,6 +132,14 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = False
                            "int4-sym" if symmetric else "int4")
 
 
+def quantized_bytes(scheme: str, out_features: int, in_features: int, group_size: int = 32) -> int:
+    """What quantize_int8 / quantize_int4 make of an [out_features, in_features] weight takes."""
+    n, k = out_features, in_features
+    if scheme == "int8":
+        return n * k + 2 * n
+    return n * k // 2 + 4 * n * (k // group_size)
+
+
 def check_group_size(group_size: int, in_features: int) -> None:
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")

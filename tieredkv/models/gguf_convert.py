@@ -129,6 +129,23 @@ def _dequantized(reader, arch: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+def gguf_weight_bytes(gguf_path: Path, itemsize: int, tied: bool) -> int:
+    """What read_gguf_weights' tensors take once loaded (float tensors in a dtype of `itemsize` bytes), from
+    the file's header alone."""
+    from gguf import GGUFReader
+
+    total = 0
+    for t in GGUFReader(str(gguf_path)).tensors:
+        kind, count = t.tensor_type.name, int(np.prod([int(d) for d in t.shape.tolist()]))
+        if tied and t.name == "output.weight":
+            continue
+        if kind in ("F32", "F16", "BF16"):
+            total += count * itemsize
+        else:  # the blocks as stored; Q4_0 also holds its implied offsets (kernels/quant.py)
+            total += int(t.data.nbytes) + (2 * count // 32 if kind == "Q4_0" else 0)
+    return total
+
+
 def read_gguf_weights(gguf_path: Path) -> dict:
     """Every tensor of a llama GGUF file under its Hugging Face name (without "model."): Q8_0 / Q4_0 / Q4_1
     tensors as QuantizedWeight holding the file's own codes and scales (rows reordered for q/k, nothing

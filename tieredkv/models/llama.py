@@ -187,7 +187,8 @@ class LlamaModel(nn.Module):
 
     def weight_bytes(self) -> int:
         """The bytes the weights take, in their own formats (quantized ones included), the LM head counted once."""
-        return sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
+        quantized = sum(m.nbytes for m in self.modules() if isinstance(m, QuantizedWeight))
+        return quantized + sum(t.numel() * t.element_size() for t in self.parameters())
 
     def quantize_weights(self, quantize: Callable[[torch.Tensor], QuantizedWeight],
                          head: Callable[[torch.Tensor], QuantizedWeight]) -> None:

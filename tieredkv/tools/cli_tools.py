@@ -16,8 +16,23 @@ from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine import AsyncEngine
 
 
+def add_weight_options(p: argparse.ArgumentParser) -> None:
+    """--quantization and --quantization-group-size (EngineConfig's fields; unset: the environment's, else the
+    field's default)."""
+    p.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
+                   help="weight-only quantization: int8, int4 (quantized at load), or gguf (the GGUF file's own "
+                   "Q8_0/Q4_0/Q4_1 blocks: the default model's Q4_1 file); default: the weights in --dtype")
+    p.add_argument("--quantization-group-size", type=int, default=None, help="int4: inputs per scale (default 32)")
+
+
+def weight_options(args: argparse.Namespace) -> dict:
+    return {"quantization": getattr(args, "quantization", None),
+            "quantization_group_size": getattr(args, "quantization_group_size", None)}
+
+
 def _engine_config(args, **kw) -> EngineConfig:
-    return EngineConfig.from_env(model=args.model, cold_path=getattr(args, "cold_path", None), **kw)
+    return EngineConfig.from_env(model=args.model, cold_path=getattr(args, "cold_path", None), **weight_options(args),
+                                 **kw)
 
 
 async def chat(args: argparse.Namespace) -> None:
@@ -56,7 +71,8 @@ def plan_command(args: argparse.Namespace) -> None:
     result = plan(args.model, args.device, parse_bytes(args.device_memory) if args.device_memory else None,
                   args.memory_utilization, args.dtype, args.block_size, args.max_model_len, warm,
                   parse_bytes(args.cold_bytes), args.seq_len, args.shared_prompt_len, args.max_num_batched_tokens,
-                  args.max_num_seqs, activation)
+                  args.max_num_seqs, activation, quantization=args.quantization,
+                  quantization_group_size=args.quantization_group_size or 32)
     print(json.dumps(result.as_dict(), indent=2) if args.json else format_plan(result))
 
 
@@ -155,6 +171,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--system", default=None, help="a system prompt")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--cold-path", default=None)
+    add_weight_options(p)
     p.set_defaults(func=chat)
     p = sub.add_parser("plan", help="how much KV each tier holds for a model on a machine")
     p.add_argument("--model", default="default")
@@ -172,6 +189,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="measure one forward instead of estimating")
     p.add_argument("--json", action="store_true")
+    add_weight_options(p)
     p.set_defaults(func=plan_command)
     p = sub.add_parser("explain", help="where each block of a prompt would come from, or why it is computed")
     p.add_argument("prompt")

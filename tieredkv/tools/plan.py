@@ -13,11 +13,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine_setup import (kv_pool_bytes, max_model_len, model_fingerprint, resolve_dtype,
+from tieredkv.engine_setup import (kv_pool_bytes, max_model_len, model_fingerprint, quant_settings, resolve_dtype,
                                      resolve_model_dir, warm_blocks)
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.models.checks import tensor_shapes
-from tieredkv.models.loader import weight_files
+from tieredkv.kernels.quant import quantized_bytes
+from tieredkv.models.gguf_convert import gguf_weight_bytes
+from tieredkv.models.loader import QuantSettings, weight_files
 from tieredkv.models.spec import ModelSpec
 from tieredkv.tiers.cold_format import ColdFormat
 from tieredkv.tiers.cold_txn import disk_cost
@@ -40,6 +42,7 @@ def parse_bytes(text: str | int) -> int:
 class Plan:
     model: str
     dtype: str
+    weights: str  # the weights' format: the dtype, or the quantization
     block_size: int
     max_model_len: int
     weight_bytes: int
@@ -76,6 +79,24 @@ def device_memory(device: str) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def weight_bytes(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], itemsize: int,
+                 quant: QuantSettings | None) -> int:
+    """The weights' bytes in the format the engine would hold them: quantized projections and LM head (int8
+    for int4's head too, as the loader does), everything else at `itemsize`; the GGUF file's own blocks."""
+    if quant is not None and quant.scheme == "gguf":
+        return gguf_weight_bytes(quant.gguf_path, itemsize, spec.tie_word_embeddings)
+    head = "embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    total = 0
+    for name, shape in shapes.items():
+        if spec.tie_word_embeddings and name.startswith("lm_head."):
+            continue
+        if quant is not None and len(shape) == 2 and (name.endswith("proj.weight") or name == head):
+            total += quantized_bytes("int8" if name == head else quant.scheme, *shape, quant.group_size)
+        else:
+            total += torch.Size(shape).numel() * itemsize
+    return total
+
+
 def estimate_activations(spec: ModelSpec, tokens: int, seqs: int, itemsize: int) -> int:
     """A step's peak activations: one layer's widest tensors for `tokens` tokens, plus fp32 logits."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -87,34 +108,36 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
          memory_utilization: float = 0.9, dtype: str = "auto", block_size: int = 16,
          max_len: int | None = None, warm_bytes: int | None = None, cold_bytes: int = 0, seq_len: int = 4096,
          shared_prompt_len: int = 1024, max_num_batched_tokens: int = 1024, max_num_seqs: int = 64,
-         activation_bytes: int | None = None, cpu_kv_cache_bytes: int | None = None) -> Plan:
+         activation_bytes: int | None = None, cpu_kv_cache_bytes: int | None = None,
+         quantization: str | None = None, quantization_group_size: int = 32) -> Plan:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device  # as the engine
     model_dir = resolve_model_dir(model)
     spec = ModelSpec.from_file(model_dir / "config.json")
     torch_dtype = resolve_dtype(dtype, torch.device(device))
     item = torch_dtype.itemsize
-    shapes = tensor_shapes(weight_files(model_dir))
-    weights = sum(torch.Size(s).numel() for name, s in shapes.items()
-                  if not (spec.tie_word_embeddings and name.startswith("lm_head."))) * item
+    cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size, max_model_len=max_len, warm_bytes=warm_bytes,
+                       gpu_memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
+                       cpu_kv_cache_bytes=cpu_kv_cache_bytes, quantization=quantization,
+                       quantization_group_size=quantization_group_size)
+    quant = quant_settings(cfg, model_dir)
+    weights = weight_bytes(spec, tensor_shapes(weight_files(model_dir)), item, quant)
     per_token = spec.kv_elements_per_token * item
     per_block = per_token * block_size
     memory = device_memory_bytes if device_memory_bytes is not None else device_memory(device)
     measured = activation_bytes is not None
     if activation_bytes is None:
         activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, item)
-    cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size, max_model_len=max_len, warm_bytes=warm_bytes,
-                       gpu_memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
-                       cpu_kv_cache_bytes=cpu_kv_cache_bytes)
     device_type = torch.device(device).type  # the engine's own arithmetic: CUDA memory less weights, activations
     pool = kv_pool_bytes(cfg, device_type, memory, weights + activation_bytes, per_token, max_model_len(spec, max_len))
     hot = max(pool, 0) // per_block
     block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
-    fingerprint = model_fingerprint(model_dir, torch_dtype, block_size)
+    fingerprint = model_fingerprint(model_dir, torch_dtype, block_size, quant)
     entry = disk_cost(ColdFormat.entry_bytes(block_shape, torch_dtype, fingerprint, block_size))
     prompt_blocks = max(shared_prompt_len // block_size, 1)
     tiers = {"hot": hot, "warm": warm_blocks(cfg, spec, torch_dtype), "cold": cold_bytes // entry}
     return Plan(
-        model=model_dir.name, dtype=str(torch_dtype).removeprefix("torch."), block_size=block_size,
+        model=model_dir.name, dtype=str(torch_dtype).removeprefix("torch."),
+        weights=str(torch_dtype).removeprefix("torch.") if quant is None else quant.label, block_size=block_size,
         max_model_len=max_model_len(spec, max_len), weight_bytes=weights, kv_bytes_per_token=per_token,
         kv_bytes_per_block=per_block, device_memory=memory, memory_utilization=memory_utilization,
         activation_bytes=activation_bytes, hot_blocks=hot, warm_blocks=tiers["warm"], cold_blocks=tiers["cold"],
@@ -172,7 +195,7 @@ def format_plan(p: Plan) -> str:
     gib = 2**30
     lines = [
         f"model {p.model}, {p.dtype}, block size {p.block_size}, max_model_len {p.max_model_len:,}",
-        f"weights            {p.weight_bytes / gib:10.2f} GiB",
+        f"weights            {p.weight_bytes / gib:10.2f} GiB ({p.weights})",
         f"KV per token       {p.kv_bytes_per_token / 1024:10.1f} KiB   per block {p.kv_bytes_per_block / 2**20:.2f} MiB",
         f"device memory      {p.device_memory / gib:10.2f} GiB x {p.memory_utilization:.2f}" if p.device == "cuda"
         else f"hot pool           {p.hot_blocks * p.kv_bytes_per_block / gib:10.2f} GiB (max_num_seqs x max_model_len, "
