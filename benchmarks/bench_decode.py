@@ -7,11 +7,14 @@ Measures, on the default model:
   1. start-up: a fresh process builds the engine with an empty compile cache, then again with the cache it
      left (the compiled decode path), and once with compile_decode=False;
   2. batch-1 decode ms/token (128-token prompt, greedy, EOS ignored) for tieredkv fp32 and bf16, each with
-     the compiled decode path and with the eager forward, and for transformers fp32, interleaved;
+     the compiled decode path and with the eager forward, int8, int4 and the default model's own Q4_1 file
+     (quantization="gguf") on the compiled path, and transformers fp32, interleaved; each row with its weight
+     bytes, its floor (those bytes over the measured read bandwidth of a 1 GiB tensor) and the time its engine
+     took to build in this run; with --llama-bench, llama.cpp's llama-bench on the GGUF files given, same run;
   3. the engine's own cost per decode step outside the forward (scheduler, block moves, sampling, stop rules)
      and the batch preparation inside it;
   4. bf16 against fp32: greedy agreement over a set of prompts and the largest next-token logit difference;
-  5. mixed 32-request throughput (bench_engine.py's workload) with and without the compiled path.
+  5. mixed 32-request throughput (bench_engine.py's workload) with and without the compiled path, and int4.
 Prints llama.cpp's F32 figure measured on these machines (FACTS) for reference. Ratios are what to
 compare: these machines are noisy.
 
@@ -41,8 +44,6 @@ from tieredkv.engine_core import EngineCore
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import hf_decode_ms, load_hf, make_requests  # noqa: E402
 
-LLAMA_CPP_F32_MS = 20.8  # llama-bench, same weights in F32, 2 threads (FACTS.md)
-FLOOR_MS = 21.0  # 538 MB of fp32 weights per token at ~25 GB/s
 KV_BYTES = 96 << 20
 
 STARTUP = """
@@ -134,8 +135,36 @@ def next_token_logits(core: EngineCore, prompts: list[list[int]]) -> list[torch.
     return captured
 
 
+def read_bandwidth() -> float:
+    """Bytes per second of a plain read of a 1 GiB fp32 tensor (a sum), best of five."""
+    big = torch.ones(256 << 20)
+    best = min(_timed(big.sum) for _ in range(5))
+    del big
+    return (1 << 30) / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def llama_bench(binary: str, gguf: str) -> float:
+    """llama.cpp's batch-1 decode ms/token: llama-bench -t 2 -p 0 -n 128."""
+    out = subprocess.run([binary, "-m", gguf, "-t", "2", "-p", "0", "-n", "128", "-o", "json"], check=True,
+                         capture_output=True, text=True).stdout
+    return 1000.0 / json.loads(out)[0]["avg_ts"]
+
+
+QUANTIZED = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+             "gguf Q4_1": {"quantization": "gguf"}}
+
+
 def main(args) -> dict:
-    results: dict = {}
+    from tieredkv.runner.cpu_features import cpu_info
+
+    results: dict = {"machine": cpu_info().describe(torch.get_num_threads())}
+    print(f"machine: {results['machine']}", flush=True)
     with tempfile.TemporaryDirectory() as cache:
         first, second = startup_seconds(cache, True), startup_seconds(cache, True)
         eager = startup_seconds(cache, False)
@@ -144,13 +173,17 @@ def main(args) -> dict:
     print(f"start-up: compiled first {first['seconds']:.1f}s ({first['graphs']} graphs compiled), second "
           f"{second['seconds']:.1f}s (from the cache), eager {eager['seconds']:.1f}s", flush=True)
 
-    variants = {}
-    for dtype in ("float32", "bfloat16"):
-        for compiled in (True, False):
-            cfg = EngineConfig(
-                compile_in_background=False, dtype=dtype, kv_cache_bytes=KV_BYTES, warm_bytes=0,
-                compile_decode=compiled)
-            variants[f"{dtype}{'' if compiled else ' eager'}"] = EngineCore(cfg)
+    variants, built = {}, {}
+    configs = {f"{dtype}{'' if compiled else ' eager'}": {"dtype": dtype, "compile_decode": compiled}
+               for dtype in ("float32", "bfloat16") for compiled in (True, False)}
+    configs.update(QUANTIZED)
+    for name, overrides in configs.items():
+        t0 = time.perf_counter()
+        variants[name] = EngineCore(EngineConfig(compile_in_background=False, kv_cache_bytes=KV_BYTES, warm_bytes=0,
+                                                 **overrides))
+        built[name] = time.perf_counter() - t0
+    bandwidth = read_bandwidth()
+    results["read_bandwidth_gb_s"] = bandwidth / 1e9
     fp32 = variants["float32"]
     vocab = fp32.spec.vocab_size
     hf = load_hf(fp32.model_dir)
@@ -164,17 +197,26 @@ def main(args) -> dict:
             ms[name].append(decode_ms(core, prompt, args.tokens))
         ms["transformers"].append(hf_decode_ms(hf, prompt, args.tokens))
     results["decode_ms"] = {name: statistics.median(v) for name, v in ms.items()}
+    for binary, gguf in ((args.llama_bench, g) for g in args.gguf):
+        results["decode_ms"][f"llama.cpp {Path(gguf).name}"] = llama_bench(binary, gguf)
+        results.setdefault("llama_gguf_bytes", {})[f"llama.cpp {Path(gguf).name}"] = Path(gguf).stat().st_size
+    results["weight_bytes"] = {name: core.stats().weight_bytes for name, core in variants.items()}
+    results["weight_bytes"].update(results.get("llama_gguf_bytes", {}))
+    results["built_s"] = built
     for name, clock in clocks.items():
         outside = [s - e for s, e in zip(clock.step, clock.execute)]
         results.setdefault("per_step_ms", {})[name] = {
             "step": statistics.median(clock.step) * 1e3, "outside_forward": statistics.median(outside) * 1e3,
             "prepare": statistics.median(clock.prepare) * 1e3}
-    print("\n| batch-1 decode | ms/token | vs tieredkv fp32 eager | vs floor (21 ms) |\n|---|---|---|---|")
-    base = results["decode_ms"]["float32 eager"]
+    print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB tensor, best of 5)")
+    print("\n| batch-1 decode | ms/token | vs tieredkv fp32 (compiled) | weights MB | vs its floor | built in (s) |"
+          "\n|---|---|---|---|---|---|")
+    base = results["decode_ms"]["float32"]
     for name, value in results["decode_ms"].items():
-        print(f"| {name} | {value:.1f} | {base / value:.2f}x faster | {value / FLOOR_MS:.2f}x |")
-    print(f"| llama.cpp F32 (FACTS, not run here) | {LLAMA_CPP_F32_MS} | {base / LLAMA_CPP_F32_MS:.2f}x | "
-          f"{LLAMA_CPP_F32_MS / FLOOR_MS:.2f}x |")
+        nbytes = results["weight_bytes"].get(name, results["weight_bytes"]["float32"])
+        floor = nbytes / bandwidth * 1e3
+        built_s = f"{built[name]:.1f}" if name in built else "-"
+        print(f"| {name} | {value:.1f} | {value / base:.2f}x | {nbytes / 1e6:.0f} | {value / floor:.2f}x | {built_s} |")
     print("\n| per decode step (ms, median) | step | outside the forward | batch preparation |\n|---|---|---|---|")
     for name, row in results["per_step_ms"].items():
         print(f"| {name} | {row['step']:.2f} | {row['outside_forward']:.2f} | {row['prepare']:.2f} |")
@@ -201,7 +243,7 @@ def main(args) -> dict:
     if not args.quick:  # the mixed workload (bench_engine.py's), both ways, A-B-A-B
         requests = make_requests(32, vocab)
         out_tokens = sum(n for _, n in requests)
-        runs: dict[str, list[float]] = {"float32": [], "float32 eager": []}
+        runs: dict[str, list[float]] = {"float32": [], "float32 eager": [], "int4": []}
         for _ in range(2):
             for name in runs:
                 variants[name].tiers.clear("all")  # from an empty cache each time
@@ -211,7 +253,9 @@ def main(args) -> dict:
         results["mixed32_tok_s"] = {name: statistics.mean(v) for name, v in runs.items()}
         ratio = results["mixed32_tok_s"]["float32"] / results["mixed32_tok_s"]["float32 eager"]
         print(f"mixed 32 requests: compiled {results['mixed32_tok_s']['float32']:.1f} tok/s, eager "
-              f"{results['mixed32_tok_s']['float32 eager']:.1f} tok/s ({ratio:.2f}x)", flush=True)
+              f"{results['mixed32_tok_s']['float32 eager']:.1f} tok/s ({ratio:.2f}x), int4 "
+              f"{results['mixed32_tok_s']['int4']:.1f} tok/s "
+              f"({results['mixed32_tok_s']['int4'] / results['mixed32_tok_s']['float32']:.2f}x fp32)", flush=True)
     for core in variants.values():
         core.close()
     return results
@@ -221,6 +265,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--llama-bench", help="path to llama.cpp's llama-bench, run on each --gguf")
+    parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-bench")
     ns = parser.parse_args()
     ns.tokens, ns.repeats, ns.prompts = (32, 2, 8) if ns.quick else (128, 3, 16)
     res = main(ns)

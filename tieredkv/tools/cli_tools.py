@@ -19,7 +19,7 @@ from tieredkv.engine import AsyncEngine
 def add_weight_options(p: argparse.ArgumentParser) -> None:
     """--quantization and --quantization-group-size (EngineConfig's fields; unset: the environment's, else the
     field's default)."""
-    p.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
+    p.add_argument("--quantization", "--weights", choices=["int8", "int4", "gguf"], default=None,
                    help="weight-only quantization: int8, int4 (quantized at load), or gguf (the GGUF file's own "
                    "Q8_0/Q4_0/Q4_1 blocks: the default model's Q4_1 file); default: the weights in --dtype")
     p.add_argument("--quantization-group-size", type=int, default=None, help="int4: inputs per scale (default 32)")

