@@ -156,7 +156,7 @@ async def test_default_model_served_from_its_own_q4_1_blocks(engine):
     checkpoint is those blocks dequantized, so greedy chats agree with the fp32 engine token for token."""
     from tieredkv.models.gguf_convert import default_gguf_path
 
-    params = SamplingParams(max_tokens=MAX_NEW)
+    params = SamplingParams(max_tokens=12)
     async with await AsyncEngine.start(EngineConfig(model="default", quantization="gguf", num_blocks=48,
                                                     warm_bytes=0, compile_decode=False)) as q:
         for messages in CHATS:
