@@ -19,6 +19,7 @@ from tieredkv.models.checks import check_spec_against_weights, read_json, tensor
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
 from tieredkv.models.spec import ModelSpec
 
+
 @dataclass(frozen=True)
 class QuantSettings:
     """EngineConfig's quantization settings, resolved: the scheme, int4's groups, the GGUF file to read."""
@@ -116,19 +117,9 @@ def _load_gguf(gguf_path: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
     check_spec_against_weights(spec, {k: _shape(v) for k, v in parts.items()})
     with torch.device("meta"):
         model = LlamaModel(spec)
-    for name in [n for n, _ in model.named_parameters()]:
+    for name, value in _fuse(parts, [n for n, _ in model.named_parameters()]).items():
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
-        fused = next((f for f in _FUSED if owner.endswith(f)), None)
-        if fused is not None:
-            pieces = [parts.pop(f"{owner.replace(fused, p)}.{attr}", None) for p in _FUSED[fused]]
-            if any(p is None for p in pieces):
-                raise CheckpointError(f"{gguf_path.name} lacks a piece of {name}")
-            value = cat_rows(pieces, name)
-        elif name in parts:
-            value = parts.pop(name)
-        else:
-            raise CheckpointError(f"{gguf_path.name} lacks tensor {name}")
         head = name == ("embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight")
         if isinstance(value, QuantizedWeight) and head:
             model.set_quantized_head(value.to(device))
@@ -173,10 +164,10 @@ def _read_tensors(files: list[Path], spec: ModelSpec, dtype: torch.dtype,
     return parts
 
 
-def _fuse(parts: dict[str, torch.Tensor], expected: list[str]) -> dict[str, torch.Tensor]:
+def _fuse(parts: dict, expected: list[str]) -> dict:
     """The model's state dict, taking each parameter from `parts` (which keeps what is left over), fused
-    projections concatenated from their pieces."""
-    state: dict[str, torch.Tensor] = {}
+    projections concatenated from their pieces (tensors, or QuantizedWeight read from a GGUF file)."""
+    state: dict = {}
     for name in expected:
         if name in parts:
             state[name] = parts.pop(name)
@@ -184,7 +175,7 @@ def _fuse(parts: dict[str, torch.Tensor], expected: list[str]) -> dict[str, torc
         for fused, pieces in _FUSED.items():
             if fused in name:
                 try:
-                    state[name] = torch.cat([parts.pop(name.replace(fused, p)) for p in pieces], dim=0)
+                    state[name] = cat_rows([parts.pop(name.replace(fused, p)) for p in pieces], name)
                 except KeyError as e:
                     raise CheckpointError(f"checkpoint lacks tensor {e.args[0]!r}") from None
                 break
