@@ -130,8 +130,8 @@ def _dequantized(reader, arch: str) -> dict[str, np.ndarray]:
 
 
 def gguf_weight_bytes(gguf_path: Path, itemsize: int, tied: bool) -> int:
-    """What read_gguf_weights' tensors take once loaded (float tensors in a dtype of `itemsize` bytes), from
-    the file's header alone."""
+    """What the loader holds of a GGUF file's tensors (float tensors, and an embedding table not tied to the
+    head, in a dtype of `itemsize` bytes; quantized ones as stored), from the file's header alone."""
     from gguf import GGUFReader
 
     total = 0
@@ -139,8 +139,8 @@ def gguf_weight_bytes(gguf_path: Path, itemsize: int, tied: bool) -> int:
         kind, count = t.tensor_type.name, int(np.prod([int(d) for d in t.shape.tolist()]))
         if tied and t.name == "output.weight":
             continue
-        if kind in ("F32", "F16", "BF16"):
-            total += count * itemsize
+        if kind in ("F32", "F16", "BF16") or (not tied and t.name == "token_embd.weight"):
+            total += count * itemsize  # (an untied table is dequantized at load: lookups read it whole)
         else:  # the blocks as stored; Q4_0 also holds its implied offsets (kernels/quant.py)
             total += int(t.data.nbytes) + (2 * count // 32 if kind == "Q4_0" else 0)
     return total
