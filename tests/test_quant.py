@@ -222,3 +222,36 @@ def test_compiled_decode_serves_quantized_weights(llama_dir):
     finally:
         for core in cores:
             core.close()
+
+
+def test_gguf_header_index_is_cached_and_reads_the_same(tmp_path):
+    """The GGUF header is parsed once per file (gguf's reader takes seconds on a real vocabulary); later reads
+    take the cached index and give the same tensors: q rows back in Hugging Face's order, blocks as stored."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    from tieredkv.models.gguf_convert import _unpermute, gguf_index, read_gguf_weights
+
+    rng = np.random.default_rng(1)
+    q_w, norm = rng.standard_normal((8, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.attention.head_count", 2)
+    writer.add_uint32("llama.attention.head_count_kv", 1)
+    raw = quantize(q_w, GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.attn_norm.weight", norm)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cache = tmp_path / "cache"
+    first = read_gguf_weights(path, cache)
+    assert len(list((cache / "gguf-index").glob("tiny-*.json"))) == 1
+    assert gguf_index(path, cache)["head_count"] == 2
+    second = read_gguf_weights(path, cache)
+    q = first["layers.0.self_attn.q_proj.weight"]
+    want = _unpermute(dequantize(raw, GGMLQuantizationType.Q4_1).reshape(8, 64), 2)
+    assert q.scheme == "gguf:Q4_1" and torch.equal(q.dequantize(), torch.from_numpy(np.ascontiguousarray(want)))
+    assert torch.equal(second["layers.0.self_attn.q_proj.weight"].codes, q.codes)
+    assert torch.equal(first["layers.0.input_layernorm.weight"], torch.from_numpy(norm))

@@ -167,7 +167,8 @@ def quant_settings(cfg: EngineConfig, model_dir: Path) -> QuantSettings | None:
             raise FileNotFoundError(f'quantization="gguf" reads the one *.gguf file in {model_dir}; found '
                                     f"{len(found)}{': ' + ', '.join(f.name for f in found) if found else ''}")
         gguf = found[0]
-    return QuantSettings(cfg.quantization, cfg.quantization_group_size, cfg.quantization_symmetric, gguf)
+    return QuantSettings(cfg.quantization, cfg.quantization_group_size, cfg.quantization_symmetric, gguf,
+                         resolve_cache_dir(cfg))
 
 
 def weights_label(model: LlamaModel, dtype: torch.dtype) -> str:

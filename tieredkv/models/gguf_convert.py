@@ -105,14 +105,11 @@ def _hf_name(gguf_name: str) -> str:
     return f"{_TOP_NAMES[base]}.{suffix}"
 
 
-def _rotary_heads(reader, arch: str, gguf_name: str) -> int | None:
+def _rotary_heads(gguf_name: str, n_head: int, n_kv: int) -> int | None:
     """The head count whose rotary row order llama.cpp changed in this tensor (attn_q, attn_k), else None."""
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
     if gguf_name.endswith("attn_q.weight"):
         return n_head
-    if gguf_name.endswith("attn_k.weight"):
-        return int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    return None
+    return n_kv if gguf_name.endswith("attn_k.weight") else None
 
 
 def _dequantized(reader, arch: str) -> dict[str, np.ndarray]:
@@ -120,56 +117,91 @@ def _dequantized(reader, arch: str) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     tensors: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="dequantizing default model", unit="tensor", disable=None):
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-        heads = _rotary_heads(reader, arch, t.name)
+        heads = _rotary_heads(t.name, n_head, n_kv)
         tensors[_hf_name(t.name)] = np.ascontiguousarray(w if heads is None else _unpermute(w, heads))
     return tensors
 
 
-def gguf_weight_bytes(gguf_path: Path, itemsize: int, tied: bool) -> int:
-    """What the loader holds of a GGUF file's tensors (float tensors, and an embedding table not tied to the
-    head, in a dtype of `itemsize` bytes; quantized ones as stored), from the file's header alone."""
+_INDEX_VERSION = 1
+
+
+def gguf_index(gguf_path: Path, cache_dir: Path | None = None) -> dict:
+    """What the engine reads of a GGUF file's header: its architecture, head counts and each tensor's name,
+    type, shape (rows first) and byte range. gguf's reader parses the whole header, the tokenizer's tens of
+    thousands of strings included (~5 s for the default model), so the index is kept as JSON under
+    `cache_dir` (keyed by the file's size and first MiB, written atomically) and later starts read that."""
+    stat = gguf_path.stat()
+    with open(gguf_path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf_path.name}:{stat.st_size}:{head}:{_INDEX_VERSION}".encode()).hexdigest()[:16]
+    cached = (cache_dir or default_cache_dir()) / "gguf-index" / f"{gguf_path.stem}-{key}.json"
+    try:
+        return json.loads(cached.read_text())
+    except (OSError, ValueError):
+        pass
     from gguf import GGUFReader
-
-    total = 0
-    for t in GGUFReader(str(gguf_path)).tensors:
-        kind, count = t.tensor_type.name, int(np.prod([int(d) for d in t.shape.tolist()]))
-        if tied and t.name == "output.weight":
-            continue
-        if kind in ("F32", "F16", "BF16") or (not tied and t.name == "token_embd.weight"):
-            total += count * itemsize  # (an untied table is dequantized at load: lookups read it whole)
-        else:  # the blocks as stored; Q4_0 also holds its implied offsets (kernels/quant.py)
-            total += int(t.data.nbytes) + (2 * count // 32 if kind == "Q4_0" else 0)
-    return total
-
-
-def read_gguf_weights(gguf_path: Path) -> dict:
-    """Every tensor of a llama GGUF file under its Hugging Face name (without "model."): Q8_0 / Q4_0 / Q4_1
-    tensors as QuantizedWeight holding the file's own codes and scales (rows reordered for q/k, nothing
-    dequantized), float tensors as tensors. An unsupported tensor type is a CheckpointError naming it."""
-    from gguf import GGUFReader
-
-    from tieredkv.kernels.quant import load_gguf_tensor
 
     reader = GGUFReader(str(gguf_path))
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported (llama only)")
+    n_head = _field(reader, f"{arch}.attention.head_count")
+    index = {"architecture": arch, "head_count": None if n_head is None else int(n_head),
+             "head_count_kv": int(_field(reader, f"{arch}.attention.head_count_kv", n_head or 0)),
+             "tensors": [{"name": t.name, "type": t.tensor_type.name,
+                          "shape": [int(d) for d in reversed(t.shape.tolist())],
+                          "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors]}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(index, f)
+    os.replace(tmp, cached)
+    return index
+
+
+def gguf_weight_bytes(gguf_path: Path, itemsize: int, tied: bool, cache_dir: Path | None = None) -> int:
+    """What the loader holds of a GGUF file's tensors (float tensors, and an embedding table not tied to the
+    head, in a dtype of `itemsize` bytes; quantized ones as stored), from the file's header alone."""
+    total = 0
+    for t in gguf_index(gguf_path, cache_dir)["tensors"]:
+        count = int(np.prod(t["shape"]))
+        if tied and t["name"] == "output.weight":
+            continue
+        if t["type"] in ("F32", "F16", "BF16") or (not tied and t["name"] == "token_embd.weight"):
+            total += count * itemsize  # (an untied table is dequantized at load: lookups read it whole)
+        else:  # the blocks as stored; Q4_0 also holds its implied offsets (kernels/quant.py)
+            total += t["nbytes"] + (2 * count // 32 if t["type"] == "Q4_0" else 0)
+    return total
+
+
+def read_gguf_weights(gguf_path: Path, cache_dir: Path | None = None) -> dict:
+    """Every tensor of a llama GGUF file under its Hugging Face name (without "model."): Q8_0 / Q4_0 / Q4_1
+    tensors as QuantizedWeight holding the file's own codes and scales (rows reordered for q/k, nothing
+    dequantized), float tensors as tensors. An unsupported tensor type is a CheckpointError naming it."""
+    from tieredkv.kernels.quant import load_gguf_tensor
+
+    index = gguf_index(gguf_path, cache_dir)
+    if index["architecture"] != "llama":
+        raise ValueError(f"{gguf_path.name}: GGUF architecture {index['architecture']!r} is not supported "
+                         "(llama only)")
+    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     out = {}
-    for t in reader.tensors:
-        dims = tuple(int(d) for d in reversed(t.shape.tolist()))
+    for t in index["tensors"]:
+        dims = t["shape"]
         rows, cols = (dims[0], dims[1]) if len(dims) == 2 else (1, dims[0])
-        value = load_gguf_tensor(t.data, t.tensor_type.name, (rows, cols), t.name)
+        raw = data[t["offset"]:t["offset"] + t["nbytes"]].reshape(rows, -1)
+        value = load_gguf_tensor(raw, t["type"], (rows, cols), t["name"])
         if len(dims) == 1:
             value = value.view(-1)
-        heads = _rotary_heads(reader, arch, t.name)
-        if heads is not None:  # rows are independent in every format: reorder them
+        heads = _rotary_heads(t["name"], index["head_count"], index["head_count_kv"])
+        if heads is not None:  # llama.cpp's rotary row order; rows are independent in every format
             order = torch.from_numpy(_unpermute(np.arange(rows), heads).copy())
             value = value[order] if isinstance(value, torch.Tensor) else value.take_rows(order)
-        out[_hf_name(t.name).removeprefix("model.")] = value
+        out[_hf_name(t["name"]).removeprefix("model.")] = value
     return out
 
 

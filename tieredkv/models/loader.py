@@ -27,6 +27,7 @@ class QuantSettings:
     group_size: int = 32
     symmetric: bool = False
     gguf_path: Path | None = None
+    cache_dir: Path | None = None  # where the GGUF file's header index is kept (gguf_convert.gguf_index)
 
     @property
     def label(self) -> str:
@@ -80,7 +81,7 @@ def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
     every parameter from the checkpoint; with `quant`, the projections and the LM head are quantized as each
     is loaded ("int8", "int4"), or read quantized as they are from a GGUF file ("gguf")."""
     if quant is not None and quant.scheme == "gguf":
-        return _load_gguf(quant.gguf_path, spec, dtype, device)
+        return _load_gguf(quant.gguf_path, spec, dtype, device, quant.cache_dir)
     model = _load_full(model_dir, spec, dtype, device)
     if quant is not None:
         if quant.scheme == "int8":
@@ -109,11 +110,12 @@ def _load_full(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
     return model.eval()
 
 
-def _load_gguf(gguf_path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def _load_gguf(gguf_path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+               cache_dir: Path | None) -> LlamaModel:
     """The model with its weights as the GGUF file stores them: quantized projections and LM head keep their
     blocks (QuantizedWeight), float tensors are cast to `dtype`. An embedding table that is quantized but
     not tied to the head is dequantized once (lookups read it as a table)."""
-    parts = read_gguf_weights(gguf_path)
+    parts = read_gguf_weights(gguf_path, cache_dir)
     check_spec_against_weights(spec, {k: _shape(v) for k, v in parts.items()})
     with torch.device("meta"):
         model = LlamaModel(spec)

@@ -84,7 +84,7 @@ def weight_bytes(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], itemsize: 
     """The weights' bytes in the format the engine would hold them: quantized projections and LM head (int8
     for int4's head too, as the loader does), everything else at `itemsize`; the GGUF file's own blocks."""
     if quant is not None and quant.scheme == "gguf":
-        return gguf_weight_bytes(quant.gguf_path, itemsize, spec.tie_word_embeddings)
+        return gguf_weight_bytes(quant.gguf_path, itemsize, spec.tie_word_embeddings, quant.cache_dir)
     head = "embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     total = 0
     for name, shape in shapes.items():
