@@ -91,16 +91,9 @@ def test_quantizers_error_bounds():
         inside = (inside >= 0) & (inside <= 15)  # values the chosen range did not clip (d < 0 for some sym groups)
         slack = 2**-10 * wg.abs().amax(-1, keepdim=True)  # d and m are rounded to fp16 before the codes
         assert bool(((deq - wg).abs() <= 0.5 * d.abs() + slack)[inside].all()), (g, sym)
-        # the searched range never does worse than the full one, group by group
-        if sym:
-            lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-            d0 = (torch.where(hi.abs() > lo.abs(), hi, lo) / -8).half().float()
-            full = ((torch.round(wg / d0 + 8).clamp(0, 15) - 8) * d0 - wg) ** 2
-        else:
-            lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-            d0, m0 = ((hi - lo) / 15).half().float(), lo.half().float()
-            full = (torch.round((wg - m0) / d0).clamp(0, 15) * d0 + m0 - wg) ** 2
-        assert bool((((deq - wg) ** 2).sum(-1) <= full.sum(-1) * (1 + 1e-5) + 1e-12).all()), (g, sym)
+        assert bool(((deq - wg).abs() <= d.abs() + slack).all()), (g, sym)  # symmetric clips at most one step
+        if not sym:  # the asymmetric range is the group's own: nothing is clipped beyond fp16 rounding
+            assert bool(((deq - wg).abs() <= 0.5 * d + slack).all()), g
         assert q4.codes.dtype == torch.uint8 and q4.codes.shape == (64, 128) and q4.nbytes < w.numel() * 4 / 6
 
 

@@ -29,7 +29,6 @@ from tieredkv.errors import CheckpointError
 
 SCHEMES = ("int8", "int4", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
-CLIP_STEPS, CLIP_MIN = 16, 0.6  # int4's search over each group's range (quantize_int4)
 GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # what load_gguf_tensor reads
 
@@ -117,35 +116,22 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = False) -> QuantizedWeight:
-    """Per group of `group_size` inputs: asymmetric (w = q d + m, q in 0..15) or symmetric (w = (q - 8) d, the
-    group's value of largest magnitude at code 0, as in GGUF's Q4_0).
-    The group's range is searched: each candidate shrinks it (clipping the extremes, CLIP_STEPS candidates down
-    to CLIP_MIN of it) and the one with the least squared error wins, group by group; d and m are rounded to
-    fp16 before the codes are chosen, so the codes fit the stored scales."""
+    """Per group of `group_size` inputs: asymmetric (w = q d + m, q in 0..15, the group's range exactly) or
+    symmetric (w = (q - 8) d, the group's value of largest magnitude at code 0, as in GGUF's Q4_0). d and m
+    are rounded to fp16 before the codes are chosen, so the codes fit the stored scales. (A search over
+    clipped ranges for the least squared error was measured on the default model: 2.6% lower perplexity in
+    groups of 64, 2.4% higher symmetric, and 8x the load time; not kept.)"""
     n, k = w.shape
     check_group_size(group_size, k)
     wg = w.detach().float().view(n, k // group_size, group_size)
     lo, hi = wg.amin(-1), wg.amax(-1)
-    # symmetric: the value of largest magnitude maps to code 0 (-8 d, d of either sign), as GGUF's Q4_0 does
-    signed = torch.where(hi.abs() > lo.abs(), hi, lo)
-    best = None
-    for shrink in torch.linspace(1.0, CLIP_MIN, CLIP_STEPS).tolist():
-        if symmetric:
-            d = (signed * shrink / -8).half()
-            m = (-8 * d.float()).half()
-        else:
-            d, m = ((hi - lo) * shrink / 15).half(), (lo * shrink).half()
-        q = torch.round((wg - m.float()[..., None]) / _nonzero(d.float())[..., None]).clamp_(0, 15)
-        err = ((q * d.float()[..., None] + m.float()[..., None] - wg) ** 2).sum(-1)
-        if best is None:
-            best = [err, d, m, q]
-            continue
-        better = err < best[0]
-        best[0] = torch.where(better, err, best[0])
-        best[1], best[2] = torch.where(better, d, best[1]), torch.where(better, m, best[2])
-        best[3] = torch.where(better[..., None], q, best[3])
-    _, d, m, q = best
-    return QuantizedWeight("q4", pack_nibbles(q.to(torch.uint8).view(n, k), group_size), d, m, group_size, k,
+    if symmetric:
+        d = (torch.where(hi.abs() > lo.abs(), hi, lo) / -8).half()
+        m = (-8 * d.float()).half()
+    else:
+        d, m = ((hi - lo) / 15).half(), lo.half()
+    q = torch.round((wg - m.float()[..., None]) / _nonzero(d.float())[..., None]).clamp_(0, 15).to(torch.uint8)
+    return QuantizedWeight("q4", pack_nibbles(q.view(n, k), group_size), d, m, group_size, k,
                            "int4-sym" if symmetric else "int4")
 
 
