@@ -9,10 +9,10 @@ Two storage formats serve every scheme (the codes row-major by output row, one f
     `quantization="int4"` is asymmetric (m = the group's minimum) or symmetric (m = -8 d); GGUF's Q4_1 and
     Q4_0 are those two with groups of 32, read without a detour through fp32.
 
-`quant_linear` is a torch custom op, so the compiled decode graph calls it like any library product. On CPU
-it runs quant_cpu.c's kernels for up to GEMV_MAX_ROWS rows (decode steps), and above that dequantizes the
-weight into fp32 and runs the fp32 product (prefill, where the product's arithmetic dominates). Elsewhere
-(CUDA, or no C compiler) it runs the reference: dequantize, then F.linear.
+`quant_linear` calls a torch library op (tieredkv::quant_linear), so the compiled decode graph calls it like
+any library product. On CPU it runs quant_cpu.c's kernels for up to GEMV_MAX_ROWS rows (decode steps), and
+above that dequantizes the weight into fp32 and runs the fp32 product (prefill, where the product's
+arithmetic dominates). Elsewhere (CUDA, or no C compiler) it runs the reference: dequantize, then F.linear.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from torch import nn
 
 from tieredkv.errors import CheckpointError
 
-SCHEMES = ("int8", "int4", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # what load_gguf_tensor reads
