@@ -248,3 +248,11 @@ def test_gguf_header_index_is_cached_and_reads_the_same(tmp_path):
     assert q.scheme == "gguf:Q4_1" and torch.equal(q.dequantize(), torch.from_numpy(np.ascontiguousarray(want)))
     assert torch.equal(second["layers.0.self_attn.q_proj.weight"].codes, q.codes)
     assert torch.equal(first["layers.0.input_layernorm.weight"], torch.from_numpy(norm))
+
+
+@pytest.mark.parametrize("type_name, dtype", [("F32", torch.float32), ("F16", torch.float16),
+                                              ("BF16", torch.bfloat16)])
+def test_gguf_float_tensors_read_as_stored(type_name, dtype):
+    t = torch.randn(3, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = quant.load_gguf_tensor(t.view(torch.uint8).numpy(), type_name, (3, 8), "blk.0.attn_norm.weight")
+    assert got.dtype == dtype and torch.equal(got, t)

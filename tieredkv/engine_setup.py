@@ -314,17 +314,15 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     runner.compile_now(background=cfg.compile_in_background)
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
-    block_bytes = kv_block_bytes(spec, cfg.block_size, dtype)
+    block_bytes, weights = kv_block_bytes(spec, cfg.block_size, dtype), weights_label(model, dtype)
     log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens (hot %.2f GiB, "
-             "warm %.2f GiB%s), kernels=%s, linear=%s, packed=%s, decode path=%s", model_dir.name,
-             weights_label(model, dtype),
+             "warm %.2f GiB%s), kernels=%s, linear=%s, packed=%s, decode path=%s", model_dir.name, weights,
              model.weight_bytes() / 2**30, device, num_blocks, cfg.block_size,
              num_blocks * block_bytes / 2**30, num_warm * block_bytes / 2**30,
              "; taken as written" if device.type == "cpu" else "", ops.name, ops.linear.__name__,
              ops.pack_linear_weight is not None, runner.decode_path)
     return EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
-                       factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle,
-                       weights_label(model, dtype))
+                       factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights)
 
 
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,

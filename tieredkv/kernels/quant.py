@@ -170,11 +170,10 @@ def load_gguf_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, int], na
     names it and lists what is read."""
     rows, cols = shape
     if type_name in ("F32", "F16", "BF16"):
-        dtype = {"F32": np.float32, "F16": np.float16}.get(type_name)
-        if dtype is None:  # numpy has no bfloat16: reinterpret the 16-bit words
-            return torch.from_numpy(np.ascontiguousarray(raw).view(np.int16).copy()).view(torch.bfloat16).view(rows,
-                                                                                                                cols)
-        return torch.from_numpy(np.ascontiguousarray(raw).view(dtype).reshape(rows, cols).copy())
+        # numpy has no bfloat16: its 16-bit words are read as int16, then reinterpreted
+        words = np.ascontiguousarray(raw).view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[type_name])
+        t = torch.from_numpy(words.reshape(rows, cols).copy())
+        return t.view(torch.bfloat16) if type_name == "BF16" else t
     layouts = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 inputs
     if type_name not in layouts:
         raise CheckpointError(f"GGUF tensor {name} has type {type_name}, which is not supported; supported types: "
@@ -265,9 +264,9 @@ def _dequantize_fast(codes, scales, offsets, group_size, ids) -> torch.Tensor:
     idx = None if ids is None else ids.to(torch.int64).contiguous()
     ptr = None if idx is None else idx.data_ptr()
     if offsets is None:
-        _LIB.tkv_q8_rows(codes.data_ptr(), scales.data_ptr(), group_size, k, ptr, 0, count, out.data_ptr())
+        _LIB.tkv_q8_rows(codes.data_ptr(), scales.data_ptr(), group_size, k, ptr, count, out.data_ptr())
     else:
-        _LIB.tkv_q4_rows(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), group_size, k, ptr, 0, count,
+        _LIB.tkv_q4_rows(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), group_size, k, ptr, count,
                          out.data_ptr())
     return out
 

@@ -246,12 +246,12 @@ int tkv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     return 0;
 }
 
-/* Rows ids[0..count) of the weight (ids NULL: rows first..first+count) dequantized to fp32 [count, K]. */
-void tkv_q8_rows(const int8_t *q, const uint16_t *d, int64_t g, int64_t K, const int64_t *ids, int64_t first,
+/* Rows ids[0..count) of the weight (ids NULL: rows 0..count) dequantized to fp32 [count, K]. */
+void tkv_q8_rows(const int8_t *q, const uint16_t *d, int64_t g, int64_t K, const int64_t *ids,
                  int64_t count, float *out) {
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < count; i++) {
-        int64_t row = ids ? ids[i] : first + i;
+        int64_t row = ids ? ids[i] : i;
         for (int64_t b = 0; b < K / g; b++) {
             float s = h2f(d[row * (K / g) + b]);
             for (int64_t j = 0; j < g; j++) out[i * K + b * g + j] = (float)q[row * K + b * g + j] * s;
@@ -260,11 +260,11 @@ void tkv_q8_rows(const int8_t *q, const uint16_t *d, int64_t g, int64_t K, const
 }
 
 void tkv_q4_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K, const int64_t *ids,
-                 int64_t first, int64_t count, float *out) {
+                 int64_t count, float *out) {
     const int64_t h = g / 2;
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < count; i++) {
-        int64_t row = ids ? ids[i] : first + i;
+        int64_t row = ids ? ids[i] : i;
         for (int64_t b = 0; b < K / g; b++) {
             float s = h2f(d[row * (K / g) + b]), z = h2f(mn[row * (K / g) + b]);
             const uint8_t *qb = q + row * (K / 2) + b * h;
