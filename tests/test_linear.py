@@ -1,6 +1,8 @@
 """The dense-layer function: on CPU in fp32 oneDNN (with weights packed at load time) or the swapped
 MKL product, F.linear elsewhere."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,6 +96,10 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
     assert not model.embed_tokens.weight.is_mkldnn
     if compiled:
         assert not model.lm_head_weight(core.runner.compiled.ops).is_mkldnn
+    # nothing is left on the checkpoint's mapping: its pages would stay resident beside the model's copies
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert str(core.model_dir) not in maps.read_text()
 
 
 def test_cpu_fp32_gets_cpu_linear_and_others_keep_f_linear():

@@ -125,3 +125,18 @@ def test_the_decode_plan_is_made_once_per_step_and_carried_in_the_batch(llama_di
         plans_per_step.append(len(made))
     assert max(plans_per_step) == 1  # one plan per step, shared by all 3 layers (not one per layer)
     assert sum(plans_per_step) >= 3
+
+
+async def test_the_worker_hands_freed_heap_back_once_idle(llama_dir, monkeypatch):
+    """While requests run, freed step buffers stay in the heap for reuse (malloc_tuning.py); each time the
+    engine runs out of work, the worker hands them back to the OS, once, without a garbage collection."""
+    import tieredkv.worker as worker
+
+    calls = []
+    monkeypatch.setattr(worker, "release_free_memory", lambda collect=True: calls.append(collect))
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32)) as engine:
+        assert calls == []  # nothing ran yet
+        for expected in ([False], [False, False]):
+            await asyncio.gather(*(engine.generate([5, 6, 7, 8 + i], SamplingParams(max_tokens=6)) for i in range(3)))
+            await engine.run_in_worker(lambda: None)  # the worker is back at its idle wait
+            assert calls == expected

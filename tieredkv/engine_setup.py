@@ -29,7 +29,7 @@ from tieredkv.models.loader import QuantSettings, load_model
 from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.request_factory import RequestFactory
 from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
-from tieredkv.runner.malloc_tuning import tune_glibc_malloc
+from tieredkv.runner.malloc_tuning import release_free_memory, tune_glibc_malloc
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.telemetry import Telemetry
 from tieredkv.models.checks import check_regular_files, read_json
@@ -311,6 +311,8 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if mode == "staged" else None)
+    if device.type == "cpu":
+        release_free_memory()  # the copies that loading, fusing and packing the weights freed
     runner.compile_now(background=cfg.compile_in_background)
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)

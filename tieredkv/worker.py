@@ -12,6 +12,7 @@ from typing import Any, Callable
 from tieredkv.config import EngineConfig
 from tieredkv.engine_core import EngineCore
 from tieredkv.outputs import Output
+from tieredkv.runner.malloc_tuning import release_free_memory
 from tieredkv.errors import EngineClosedError
 from tieredkv.core.sequence import Request
 
@@ -116,10 +117,16 @@ class EngineWorker:
             self.call_loop(_settle, self.closed, True, None)
             return
         self.call_loop(_settle, self.started, True, None)
-        error = None
+        error, stepped = None, False
         try:
             while self._running:
-                self._run_commands(block=not self.core.has_work())
+                busy = self.core.has_work()
+                if stepped and not busy and self.config.cpu_malloc_tuning and self.core.device.type == "cpu":
+                    # idle after work: the heap keeps the steps' freed buffers for reuse (malloc_tuning.py)
+                    # while requests run; once none does, they go back to the OS
+                    release_free_memory(collect=False)
+                stepped = busy
+                self._run_commands(block=not busy)
                 if self._running and self.core.has_work():
                     self._step()
         except BaseException as e:  # a bug in the engine itself: end cleanly rather than hang callers

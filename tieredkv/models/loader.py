@@ -159,7 +159,9 @@ def _read_tensors(files: list[Path], spec: ModelSpec, dtype: torch.dtype,
                         if name.startswith("lm_head.") and spec.tie_word_embeddings:
                             continue
                         tensor = st.get_tensor(key)
-                        parts[name] = tensor.to(device=device, dtype=dtype)
+                        # a copy of its own: a tensor on the file's mapping would keep every page of the file
+                        # read at load resident beside the model's (fused, packed or quantized) copies
+                        parts[name] = tensor.to(device=device, dtype=dtype, copy=True)
                         bar.update(tensor.numel() * tensor.element_size())
             except SafetensorError as e:
                 raise CheckpointError(f"cannot read {f.name} (truncated or corrupt safetensors file): {e}") from None

@@ -37,13 +37,15 @@ def tune_glibc_malloc() -> bool:
     return bool(ok)
 
 
-def release_free_memory() -> bool:
-    """Hands the heap's free memory back to the OS (glibc's malloc_trim, every arena), after one-time work
-    that freed much of it (the decode graph's compile): with the trim threshold above, it would stay
-    resident. Returns True where it ran."""
+def release_free_memory(collect: bool = True) -> bool:
+    """Hands the heap's free memory back to the OS (glibc's malloc_trim, every arena), after work that
+    freed much of it (loading the weights, the decode graph's compile, a burst of requests once the engine
+    is idle): with the trim threshold above, it would stay resident. `collect` runs Python's garbage
+    collector first. Returns True where it ran."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    gc.collect()
+    if collect:
+        gc.collect()
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
