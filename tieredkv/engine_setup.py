@@ -312,7 +312,7 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
                          CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if mode == "staged" else None)
     if device.type == "cpu":
-        release_free_memory()  # the copies that loading, fusing and packing the weights freed
+        release_free_memory(collect=False)  # the copies that loading, fusing and packing the weights freed
     runner.compile_now(background=cfg.compile_in_background)
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)

@@ -45,12 +45,28 @@ def check_text(text: str, what: str = "text") -> None:
         raise ValueError(f"{what} is not valid Unicode: a lone surrogate at position {e.start}") from None
 
 
+def _plain_config(model_dir: Path):
+    """config.json as transformers' generic config (model_type and all), or None to let AutoTokenizer read it.
+    AutoTokenizer reads only names from the config; loading it through the architecture's own config class
+    imports a good part of transformers' modelling code (Llama's: ~640 modules, 1-2 s and ~40 MB a process)."""
+    import json
+
+    from transformers import PretrainedConfig
+
+    try:
+        config = PretrainedConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    config._name_or_path = str(model_dir)
+    return config
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path):
         from transformers import AutoTokenizer
 
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+            self.hf = AutoTokenizer.from_pretrained(str(model_dir), config=_plain_config(model_dir))
         except Exception as e:  # transformers raises several types for a missing or broken tokenizer
             raise ValueError(f"cannot load a tokenizer from {model_dir}: {e}") from e
 
