@@ -1,7 +1,7 @@
 """Command line (`tieredkv ...` or `python -m tieredkv ...`): demo, generate, chat, serve, plan, explain,
 cache inspect|clear|export|import, bench. Every command has --help. Commands that start an engine take
-any EngineConfig field from the environment as TIEREDKV_<FIELD> (EngineConfig.from_env); their own
-arguments win."""
+every EngineConfig field as an option (`--block-size 32`, `--warm-bytes 2GiB`, `--no-offload`: generated
+from the pydantic model, tools/config_flags.py), or from the environment as TIEREDKV_<FIELD>; options win."""
 
 from __future__ import annotations
 
@@ -13,8 +13,12 @@ import sys
 import time
 from importlib.resources import files
 
-from tieredkv.config import EngineConfig, SamplingParams
-from tieredkv.tools.cli_tools import add_parsers, add_weight_options, weight_options
+from pydantic import ValidationError
+
+from tieredkv.config import SamplingParams
+from tieredkv.errors import TieredKVError
+from tieredkv.tools.cli_tools import add_parsers
+from tieredkv.tools.config_flags import add_engine_options, engine_config, flag
 from tieredkv.engine import AsyncEngine
 
 DEMO_QUESTIONS = [
@@ -39,8 +43,8 @@ async def _stream_answer(engine: AsyncEngine, messages, params: SamplingParams) 
 
 async def demo(args: argparse.Namespace) -> None:
     system = files("tieredkv").joinpath("data/demo_system_prompt.txt").read_text()
-    config = EngineConfig.from_env(model=args.model, **weight_options(args))
-    print(f"starting tieredkv on model={args.model!r} (on CPU the first start on a machine also compiles "
+    config = engine_config(args)
+    print(f"starting tieredkv on model={config.model!r} (on CPU the first start on a machine also compiles "
           "the batch-1 decode graph, about a minute; later starts load it)...", flush=True)
     t0 = time.perf_counter()
     async with await AsyncEngine.start(config) as engine:
@@ -58,7 +62,7 @@ async def demo(args: argparse.Namespace) -> None:
 
 
 async def generate(args: argparse.Namespace) -> None:
-    async with await AsyncEngine.start(EngineConfig.from_env(model=args.model, **weight_options(args))) as engine:
+    async with await AsyncEngine.start(engine_config(args)) as engine:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         await _stream_answer(engine, prompt, params)
@@ -70,9 +74,8 @@ async def serve(args: argparse.Namespace) -> None:
     except ImportError:
         sys.exit("tieredkv serve needs the serve extra: pip install 'tieredkv[serve]'")
     metrics = install_prometheus()
-    config = EngineConfig.from_env(model=args.model, cold_path=args.cold_path, max_num_seqs=args.max_num_seqs,
-                                   **weight_options(args))
-    settings = ServerSettings(model_name=args.served_model_name or args.model,
+    config = engine_config(args)
+    settings = ServerSettings(model_name=args.served_model_name or config.model,
                               api_key=args.api_key or os.environ.get("TIEREDKV_API_KEY"),
                               max_queued=args.max_queued, metrics=metrics, write_timeout=args.write_timeout,
                               shutdown_grace=args.shutdown_grace)
@@ -108,44 +111,51 @@ def _show_engine_log() -> None:
         logger.setLevel(logging.INFO)
 
 
-def main(argv: list[str] | None = None) -> None:
-    _show_engine_log()
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tieredkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="stream two answers that share a long system prompt")
-    p.add_argument("--model", default="default")
     p.add_argument("--max-tokens", type=int, default=96)
-    add_weight_options(p)
+    add_engine_options(p)
     p.set_defaults(func=demo)
     p = sub.add_parser("generate", help="stream one answer")
     p.add_argument("prompt")
-    p.add_argument("--model", default="default")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
-    add_weight_options(p)
+    add_engine_options(p)
     p.set_defaults(func=generate)
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
-    p.add_argument("--model", default="default")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on; 0.0.0.0 for every interface (in a container, say)")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on (default: 8000; 0: any free one)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or TIEREDKV_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once (default: 64)")
-    p.add_argument("--max-queued", type=int, default=256, help="requests waiting beyond that get HTTP 429")
-    p.add_argument("--cold-path", default=None, help="directory of the disk tier (off by default)")
+    p.add_argument("--max-queued", type=int, default=256, help="requests waiting beyond that get HTTP 429 (default: 256)")
     p.add_argument("--write-timeout", type=float, default=30.0,
-                   help="seconds a streaming client may read nothing before its request is aborted")
+                   help="seconds a streaming client may read nothing before its request is aborted "
+                   "(default: 30)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: seconds running requests have to finish before the server stops")
-    add_weight_options(p)
+                   help="on SIGTERM/SIGINT: seconds running requests have to finish before the server stops "
+                   "(default: 30)")
+    add_engine_options(p)
     p.set_defaults(func=serve)
     add_parsers(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    _show_engine_log()
+    args = build_parser().parse_args(argv)
     try:
         result = args.func(args)
         if asyncio.iscoroutine(result):
             asyncio.run(result)
     except KeyboardInterrupt:
         sys.exit(130)
+    except ValidationError as e:  # a bad option or TIEREDKV_<FIELD> value: one line per field, no traceback
+        sys.exit("\n".join(f"tieredkv {args.command}: {flag(str(err['loc'][0])) if err['loc'] else 'config'}: "
+                           f"{err['msg']}" for err in e.errors()))
+    except (TieredKVError, FileNotFoundError) as e:  # the engine could not start (model, checkpoint, files)
+        sys.exit(f"tieredkv {args.command}: {e}")

@@ -29,7 +29,7 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = Field(
         None, description="where the engine keeps what it builds once (the converted default model, the compiled "
         "decode graph); None: $TIEREDKV_CACHE_DIR, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv")
-    dtype: DType = "auto"
+    dtype: DType = Field("auto", description='weights and KV: "auto" is bfloat16 on CUDA, float32 on CPU')
     quantization: Literal["int8", "int4", "gguf"] | None = Field(
         None, description='weight-only quantization of the dense layers and the LM head: "int8" (per output row, '
         'symmetric), "int4" (groups of quantization_group_size inputs; the LM head in int8), both quantized at load '
@@ -39,18 +39,22 @@ class EngineConfig(BaseModel):
     quantization_symmetric: bool = Field(False, description="int4: a scale per group and codes centred on 8 (else "
                                          "a scale and an offset per group)")
     device: str = Field("auto", description='"auto", "cpu", "cuda" or "cuda:N"')
-    block_size: int = Field(16, ge=1, le=1024)
-    num_blocks: int | None = Field(None, ge=2)
-    kv_cache_bytes: int | None = Field(None, gt=0)
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    num_blocks: int | None = Field(None, ge=2, description="KV blocks in the hot pool (wins over every byte budget)")
+    kv_cache_bytes: int | None = Field(None, gt=0, description="the hot pool's bytes on any device (wins over "
+                                       "gpu_memory_utilization and cpu_kv_cache_bytes)")
     cpu_kv_cache_bytes: int | None = Field(
         None, gt=0, description="the hot pool's bytes on CPU, an upper bound (memory is taken as blocks are "
         "written); None: room for max_num_seqs sequences of max_model_len tokens, at most 2 GiB and an eighth of "
         "the machine's memory")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    max_model_len: int | None = Field(None, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(1024, ge=1)
-    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="CUDA: share of the device memory "
+                                          "for weights, activations and the hot pool")
+    max_model_len: int | None = Field(None, ge=1, description="longest sequence, prompt and output (None: the "
+                                      "model's max_position_embeddings)")
+    max_num_seqs: int = Field(64, ge=1, description="sequences running at once")
+    max_num_batched_tokens: int = Field(1024, ge=1, description="tokens one step computes (prompt chunks and "
+                                        "decodes)")
+    enable_prefix_caching: bool = Field(True, description="serve prompt blocks computed before from the cache")
     scheduling_policy: Literal["shortest_prefill", "fcfs"] = Field(
         "shortest_prefill", description='which waiting request starts next: "shortest_prefill": the least prompt '
         "left to compute after its cached prefix (blocks another request is computing count as cached; a preempted "

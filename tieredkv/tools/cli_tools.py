@@ -14,31 +14,13 @@ from tqdm.auto import tqdm
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine import AsyncEngine
-
-
-def add_weight_options(p: argparse.ArgumentParser) -> None:
-    """--quantization and --quantization-group-size (EngineConfig's fields; unset: the environment's, else the
-    field's default)."""
-    p.add_argument("--quantization", "--weights", choices=["int8", "int4", "gguf"], default=None,
-                   help="weight-only quantization: int8, int4 (quantized at load), or gguf (the GGUF file's own "
-                   "Q8_0/Q4_0/Q4_1 blocks: the default model's Q4_1 file); default: the weights in --dtype")
-    p.add_argument("--quantization-group-size", type=int, default=None, help="int4: inputs per scale (default 32)")
-
-
-def weight_options(args: argparse.Namespace) -> dict:
-    return {"quantization": getattr(args, "quantization", None),
-            "quantization_group_size": getattr(args, "quantization_group_size", None)}
-
-
-def _engine_config(args, **kw) -> EngineConfig:
-    return EngineConfig.from_env(model=args.model, cold_path=getattr(args, "cold_path", None), **weight_options(args),
-                                 **kw)
+from tieredkv.tools.config_flags import add_engine_options, engine_config
 
 
 async def chat(args: argparse.Namespace) -> None:
     """An interactive conversation, streamed; after each answer, where its prompt came from and the TTFT."""
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    async with await AsyncEngine.start(_engine_config(args)) as engine:
+    async with await AsyncEngine.start(engine_config(args)) as engine:
         print("type a message (an empty line or Ctrl-D ends)", flush=True)
         while True:
             try:
@@ -77,7 +59,7 @@ def plan_command(args: argparse.Namespace) -> None:
 
 
 async def explain_command(args: argparse.Namespace) -> None:
-    async with await AsyncEngine.start(_engine_config(args, warm_bytes=0)) as engine:
+    async with await AsyncEngine.start(engine_config(args, warm_bytes=0)) as engine:
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         reports = await engine.explain(prompt)
     print(f"{'block':>5}  {'tokens':>13}  {'from':<6}  why computed")
@@ -99,7 +81,7 @@ async def cache_command(args: argparse.Namespace) -> None:
         sys.exit(f"cache {args.action}: --cold-path is required")
     if args.action != "import" and not Path(args.cold_path).is_dir():
         sys.exit(f"cache {args.action}: there is no cold folder at {args.cold_path}")
-    async with await AsyncEngine.start(_engine_config(args, warm_bytes=0, num_blocks=64)) as engine:
+    async with await AsyncEngine.start(engine_config(args, warm_bytes=0, num_blocks=64)) as engine:
         cold = engine.core.tiers.cold
         if args.action == "inspect":
             s = cold.stats()
@@ -167,11 +149,9 @@ def plot_results(results: dict, out: Path) -> list[Path]:
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("chat", help="an interactive conversation, streamed")
-    p.add_argument("--model", default="default")
     p.add_argument("--system", default=None, help="a system prompt")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--cold-path", default=None)
-    add_weight_options(p)
+    add_engine_options(p)
     p.set_defaults(func=chat)
     p = sub.add_parser("plan", help="how much KV each tier holds for a model on a machine")
     p.add_argument("--model", default="default")
@@ -189,13 +169,14 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="measure one forward instead of estimating")
     p.add_argument("--json", action="store_true")
-    add_weight_options(p)
+    p.add_argument("--quantization", "--weights", choices=["int8", "int4", "gguf"], default=None,
+                   help="as the engine's --quantization: the weights' bytes in that format")
+    p.add_argument("--quantization-group-size", type=int, default=None, help="int4: inputs per scale (default 32)")
     p.set_defaults(func=plan_command)
     p = sub.add_parser("explain", help="where each block of a prompt would come from, or why it is computed")
     p.add_argument("prompt")
-    p.add_argument("--model", default="default")
-    p.add_argument("--cold-path", default=None, help="the cold folder to look in (hot and warm start empty)")
     p.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
+    add_engine_options(p)  # --cold-path: the cold folder to look in (hot and warm start empty)
     p.set_defaults(func=explain_command)
     p = sub.add_parser("cache", help="inspect, clear, export or import a cold folder")
     _cache_options(p, None, "default")

@@ -23,20 +23,7 @@ from tieredkv.models.loader import QuantSettings, weight_files
 from tieredkv.models.spec import ModelSpec
 from tieredkv.tiers.cold_format import ColdFormat
 from tieredkv.tiers.cold_txn import disk_cost
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'80GiB', '16 GB', '512MiB', '1e9' or an int -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 80GiB, 512MiB, 16GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
+from tieredkv.tools.config_flags import parse_bytes  # noqa: F401 (the command line's sizes, also for plan's callers)
 
 @dataclass(frozen=True)
 class Plan:
