@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="the port to listen on (default: 8000; 0: any free one)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or TIEREDKV_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    p.add_argument("--max-queued", type=int, default=256, help="requests waiting beyond that get HTTP 429 (default: 256)")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="requests waiting beyond that get HTTP 429 (default: 256)")
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a streaming client may read nothing before its request is aborted "
                    "(default: 30)")

@@ -5,7 +5,6 @@ the checkpoint's config and tensor headers (no weights are read); `profile` meas
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
