@@ -25,7 +25,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field("default", min_length=1, description='"default" or a local Hugging Face checkpoint directory')
+    model: str = Field("default", min_length=1, description='"default", a local Hugging Face checkpoint directory, '
+                       'or a Hugging Face repo id ("org/name", "org/name@revision"), from the local Hugging Face '
+                       "cache or downloaded")
     cache_dir: str | None = Field(
         None, description="where the engine keeps what it builds once (the converted default model, the compiled "
         "decode graph); None: $TIEREDKV_CACHE_DIR, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv")

@@ -20,6 +20,7 @@ from tieredkv.core.cache_index import CacheIndex
 from tieredkv.core.hashing import root_hash
 from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.pins import PinTable
+from tieredkv.errors import ModelNotFoundError
 from tieredkv.core.scheduler import Scheduler
 from tieredkv.kernels import KernelOps, select_kernels
 from tieredkv.lifecycle import Lifecycle
@@ -84,11 +85,17 @@ def resolve_cache_dir(cfg: EngineConfig) -> Path:
 
 
 def resolve_model_dir(model: str, cache_dir: Path | None = None) -> Path:
+    """"default" (the converted default model under cache_dir), a local checkpoint directory, or a Hugging Face
+    repo id (models/hub.py). A name that starts like a path (/, ., ~) is never looked up on the hub."""
     if model == "default":
         return default_model_dir(cache_dir)
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"model {model!r} is neither \"default\" nor a local checkpoint directory")
+        if model.startswith(("/", ".", "~")):
+            raise ModelNotFoundError(f"model {model!r}: there is no such directory")
+        from tieredkv.models.hub import resolve_hub_model
+
+        path = resolve_hub_model(model)
     check_regular_files(path)
     return path
 

@@ -47,3 +47,8 @@ class ColdTierError(TieredKVError, RuntimeError):
 
 class SnapshotError(TieredKVError, ValueError):
     """The file is not a cache snapshot, or was written for another model, dtype, block size or layout."""
+
+
+class ModelNotFoundError(TieredKVError, FileNotFoundError):
+    """`model` is not "default", a local checkpoint directory, or a Hugging Face repo id found in the local
+    cache or on the hub; the message says what was tried."""
