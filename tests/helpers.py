@@ -68,6 +68,18 @@ def make_checkpoint(out_dir: Path, kind: str = "llama", seed: int = 0, **overrid
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif kind == "qwen3":  # q/k norms; a head_dim that is not hidden_size / heads, as Qwen3's own configs have
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 32, **common}))
+        with torch.no_grad():  # norms that are not all ones, so that a missing one shows
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1, 0.3)
+    elif kind == "phi3":  # q/k/v and gate/up stored fused
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        model = Phi3ForCausalLM(Phi3Config(**{"pad_token_id": tok.eos_token_id, **common}))
     else:
         raise ValueError(kind)
     model.save_pretrained(str(out_dir), safe_serialization=True)
@@ -142,3 +154,16 @@ def check_far_blocks(core, holders: dict[int, int]) -> None:
     assert lent == len(blocks) + swapped
     slots = {pool.slot_of(bid) for bid in blocks}
     assert not slots & set(warm.free_slots) and not slots & {s for s, _ in warm.entries.values()}
+
+
+def run_to_end(core, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Adds one greedy request per prompt (EOS ignored) to an EngineCore and steps until all are done."""
+    from tieredkv import SamplingParams
+
+    reqs = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}")
+            for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+    for r in reqs:
+        assert core.add_request(r) == []
+    while core.has_work():
+        core.step()
+    return [r.seqs[0].output_token_ids for r in reqs]

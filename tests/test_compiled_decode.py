@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from helpers import check_pool_clean, hf_greedy
+from helpers import check_pool_clean, hf_greedy, run_to_end
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.runner.compiled_decode import compile_wanted
 from tieredkv.engine_core import EngineCore
@@ -62,16 +62,6 @@ def test_compile_setting_and_the_command_lines_environment(monkeypatch):
     assert (cfg.compile_decode, cfg.warm_bytes, cfg.max_num_seqs, cfg.cold_path) == (False, None, 4, None)
     with pytest.raises(pydantic.ValidationError, match="compile_decode"):
         EngineConfig.from_env({"TIEREDKV_COMPILE_DECODE": "yes please"})
-
-
-def run_to_end(core: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    reqs = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}")
-            for i, (p, n) in enumerate(zip(prompts, max_tokens))]
-    for r in reqs:
-        assert core.add_request(r) == []
-    while core.has_work():
-        core.step()
-    return [r.seqs[0].output_token_ids for r in reqs]
 
 
 def test_compiled_path_is_what_runs_and_compiles_once(llama_dir):

@@ -87,3 +87,6 @@ def check_spec_against_weights(spec: ModelSpec, shapes: dict[str, tuple[int, ...
     expect("layers.0.self_attn.q_proj.weight", (spec.num_heads * d, h), "num_attention_heads, head_dim")
     expect("layers.0.self_attn.k_proj.weight", (spec.num_kv_heads * d, h), "num_key_value_heads, head_dim")
     expect("layers.0.mlp.gate_proj.weight", (spec.intermediate_size, h), "intermediate_size")
+    expect("layers.0.self_attn.qkv_proj.weight", ((spec.num_heads + 2 * spec.num_kv_heads) * d, h),
+           "num_attention_heads, num_key_value_heads, head_dim")  # stored fused (Phi-3)
+    expect("layers.0.mlp.gate_up_proj.weight", (2 * spec.intermediate_size, h), "intermediate_size")

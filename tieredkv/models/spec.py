@@ -13,13 +13,15 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # q and k normalised per head (q_norm, k_norm)
+    "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up stored fused, as here
 }
 _MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and SmolLM share it."""
+    """A Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norms), Phi-3 and SmolLM share it."""
 
     model_type: str
     vocab_size: int
@@ -37,6 +39,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before the rotary embedding (Qwen3)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -67,6 +70,7 @@ class ModelSpec:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
                 sliding_window=_sliding_window(cfg, model_type),
+                qk_norm=model_type == "qwen3",
                 raw=cfg,
             )
         except KeyError as e:
@@ -88,6 +92,8 @@ class ModelSpec:
             raise UnsupportedModelError(
                 f"num_attention_heads ({spec.num_heads}) is not a multiple of num_key_value_heads ({spec.num_kv_heads})"
             )
+        if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise UnsupportedModelError(f"unsupported partial_rotary_factor {cfg['partial_rotary_factor']}; only 1.0")
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
 
@@ -130,7 +136,7 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     window = cfg.get("sliding_window")
     if window is None:
         return None
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         return None
     return int(window)
 

@@ -1,0 +1,32 @@
+"""Families beside Llama/Mistral/Qwen2: Qwen3 (q/k norms per head, head_dim apart from hidden_size / heads)
+and Phi-3 (q/k/v and gate/up stored fused), token-identical to transformers on tiny random checkpoints built
+from transformers' own config classes: one at a time, batched with prefix caching, through the Triton kernels
+(interpreted here), and through the compiled decode path."""
+
+import pytest
+
+from helpers import hf_greedy, make_checkpoint, run_to_end
+from tieredkv import EngineConfig
+from tieredkv.engine_core import EngineCore
+
+PROMPTS = [list(range(5, 25)), list(range(5, 21)) + [7, 9, 11], [3, 4, 5, 6]]  # the first block shared
+NEW = 12
+
+
+@pytest.fixture(scope="module", params=["qwen3", "phi3"])
+def family(request, tmp_path_factory):
+    kind = request.param
+    path = make_checkpoint(tmp_path_factory.mktemp(kind), kind, num_hidden_layers=2)
+    return kind, path, hf_greedy(path, PROMPTS, NEW)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(attention_backend="triton"), dict(compile_decode=True)])
+def test_greedy_matches_transformers(family, variant):
+    kind, path, expected = family
+    core = EngineCore(EngineConfig(model=str(path), num_blocks=32, **variant))
+    assert core.spec.model_type == kind and core.spec.qk_norm == (kind == "qwen3")
+    if variant.get("compile_decode"):  # one at a time: every decode through the graph
+        assert [run_to_end(core, [p], [NEW])[0] for p in PROMPTS] == expected
+        assert core.runner.compiled.steps == len(PROMPTS) * (NEW - 1)
+    else:  # all at once, the shared prefix from the cache
+        assert run_to_end(core, PROMPTS, [NEW] * len(PROMPTS)) == expected
