@@ -160,6 +160,10 @@ class SamplingParams(BaseModel):
                             "(transformers' num_beams); the n best beams come back, best first")
     length_penalty: float = Field(1.0, description="beam search: a finished beam scores its summed log-probability "
                                   "/ (output tokens ** length_penalty); above 0 favours longer outputs")
+    json_schema: dict[str, Any] | None = Field(
+        None, description="structured output: only tokens that keep the output a prefix of a JSON document valid "
+        "under this JSON schema are sampled ({\"type\": \"object\"}: any JSON object); the output ends once the "
+        "document is complete (needs llguidance: the structured extra)")
     early_stopping: bool | Literal["never"] = Field(
         False, description="beam search (transformers' meaning): True stops once beam_width beams finished; False "
         "stops when no running beam can score better by the current length; \"never\" by the longest allowed")
@@ -190,6 +194,8 @@ class SamplingParams(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
         if self.beam_width > 1:
             self._check_beams()
+            if self.json_schema is not None:
+                raise ValueError("json_schema is not applied to beam search")
         if self.seed is not None and self.seed + self.n - 1 >= SEED_LIMIT:
             raise ValueError(f"seed + n - 1 must be below 2**64 (sample i uses seed + i); got seed={self.seed}, "
                              f"n={self.n}")

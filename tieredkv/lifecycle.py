@@ -140,12 +140,31 @@ class Lifecycle:
                 return outputs
         else:
             outputs = []
+        guided = [i for i, s in enumerate(seqs) if s.request.params.json_schema is not None]
+        if guided:
+            self._mask_by_grammar(logits, [seqs[i] for i in guided], guided)
         for seq, got in zip(seqs, sample(logits, _row_states(seqs), [s.generator for s in seqs])):
             if not isinstance(got, Sampled):
                 outputs.extend(self.fail(seq.request, got))
-            elif seq.request.request_id in self.requests:
-                outputs.append((seq.request.sink, self._append(seq, got)))
+            elif seq.request.request_id not in self.requests:
+                continue
+            elif seq.matcher is not None and not seq.matcher.consume_token(got.token):
+                outputs.extend(self.fail(seq.request, RequestError(
+                    f"the output can no longer follow json_schema: {seq.matcher.get_error()}")))
+            else:
+                done = seq.matcher is not None and seq.matcher.is_stopped()  # the JSON document is complete
+                outputs.append((seq.request.sink, self._append(seq, got, "stop" if done else None)))
         return outputs
+
+    def _mask_by_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        """Structured output (runner/grammar.py): each of these rows keeps only the tokens its grammar allows."""
+        from tieredkv.runner.grammar import grammars_of
+
+        grammars = grammars_of(self.tokenizer, logits.shape[1])
+        for seq in seqs:
+            if seq.matcher is None:  # its first sampled token (samples forked from one prompt each get one)
+                seq.matcher = grammars.matcher(seq.request.params.json_schema)
+        grammars.mask(logits, rows, [seq.matcher for seq in seqs])
 
     def _finish_prefill(self, seq: Sequence) -> list[Output]:
         req = seq.request
@@ -177,9 +196,10 @@ class Lifecycle:
             children.append(child)
         return children
 
-    def _append(self, seq: Sequence, got: Sampled) -> StreamChunk:
+    def _append(self, seq: Sequence, got: Sampled, done: str | None = None) -> StreamChunk:
+        """Adds the sampled token; the sequence ends when the token ends it, or with reason `done`."""
         self.telemetry.on_token(seq, time.perf_counter())
-        reason = seq.append(got.token, self.max_model_len)
+        reason = seq.append(got.token, self.max_model_len) or done
         if reason is not None:
             self.scheduler.finish(seq, reason)
             if seq.request.is_finished:

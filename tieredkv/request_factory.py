@@ -108,6 +108,10 @@ class RequestFactory:
         thread (the async engine prechecks in stream())."""
         if not prechecked:
             self.precheck(prompt, params)
+        if params.json_schema is not None:  # a schema the grammar engine refuses fails here, before anything
+            from tieredkv.runner.grammar import grammars_of
+
+            grammars_of(self.tokenizer, self.vocab_size).grammar(params.json_schema)
         if isinstance(prompt, (list, tuple)) and isinstance(prompt[0], int):
             ids = list(prompt)  # token ids: precheck() has checked them and the request's size
         else:

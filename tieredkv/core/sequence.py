@@ -51,6 +51,7 @@ class Sequence:
         self.generator = generator
         self.detokenizer: IncrementalDetokenizer | None = None
         self.finish_reason: str | None = None
+        self.matcher = None  # structured output: the grammar's state over this sequence's output (runner/grammar.py)
         self.admit_order = 0
         self.lookup: Lookup | None = None  # a walk of the lower tiers in progress while waiting
         self.swapped: Restore | None = None  # where a preempted sequence's blocks wait in warm

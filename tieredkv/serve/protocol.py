@@ -36,10 +36,13 @@ def sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
             raise BadRequest(f"{name} is not supported by this server", name)
     if body.get("echo"):
         raise BadRequest("echo is not supported by this server", "echo")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise BadRequest("only response_format {\"type\": \"text\"} is supported", "response_format")
     kw: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
-    names = {}  # SamplingParams field -> the request's name for it, for error messages
+    schema = _response_schema(body.get("response_format"))
+    if schema is not None:
+        kw["json_schema"] = schema
+        names = {"json_schema": "response_format"}
+    else:
+        names = {}  # SamplingParams field -> the request's name for it, for error messages
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
             kw.setdefault("max_tokens", body[name])
@@ -69,6 +72,23 @@ def sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
         field = str(err["loc"][0]) if err["loc"] else None
         param = names.get(field, field)
         raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+
+
+def _response_schema(fmt: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format as a JSON schema: {"type": "json_object"} is any JSON object;
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} is that schema; "text" is none."""
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format json_schema needs json_schema.schema, an object", "response_format")
+        return schema
+    raise BadRequest('response_format type must be "text", "json_object" or "json_schema"', "response_format")
 
 
 def _beam_fields(body: dict[str, Any]) -> dict[str, Any]:

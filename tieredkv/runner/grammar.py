@@ -1,0 +1,101 @@
+"""Structured output: a request with `SamplingParams(json_schema=...)` samples only tokens that keep its
+output a prefix of a JSON document valid under the schema, through llguidance (a maintained grammar engine,
+also behind vLLM's and SGLang's "guidance" backends).
+
+Why llguidance: it builds each step's token mask lazily from a lexer over the tokenizer's trie, so a schema
+needs no ahead-of-time compile over the vocabulary (xgrammar's compile is per schema and vocabulary, and
+outlines-core's index grows with the schema's regular expressions); it takes a Hugging Face tokenizer as it
+is, and computes the masks of a batch in one call, on threads of its own without the GIL.
+
+How: each schema is turned into a grammar once and cached (by its canonical JSON); each sequence has a
+matcher (`LLMatcher`) made at its first sampled token and fed every token it samples. Per step, the masks
+of all constrained rows are computed in one call into a bitmask [rows, vocab / 32], and applied to the
+logits in one batched operation. A sequence ends with finish reason "stop" once its document is complete
+(the grammar accepts nothing more); a sequence whose grammar fails (a resource limit, say) ends with the
+request failing with a RequestError that names the grammar's error."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from tieredkv.errors import RequestError
+
+CACHED_GRAMMARS = 256
+# The document's layout: json.dumps's separators and no other whitespace. With free whitespace, a model could
+# spend its whole output on it between two tokens (a small model does); a schema may still ask otherwise.
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+class Grammars:
+    """The grammar engine of one tokenizer: schema -> grammar (cached), matchers, and batched masks."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int):
+        import llguidance
+        import llguidance.hf  # (not llguidance.torch: it imports torch's compiler at import, seconds)
+
+        self._ll = llguidance
+        n_vocab = vocab_size if vocab_size >= len(hf_tokenizer) else None  # model rows past the tokenizer: no bytes
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab)
+        self.vocab_size = vocab_size  # the logits' width
+        self._grammars: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()  # requests are made on callers' threads, matchers on the worker's
+        self._executor = llguidance.LLExecutor()
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def grammar(self, schema: dict[str, Any]) -> str:
+        """The grammar of a JSON schema, made once per schema; a RequestError when the schema is refused."""
+        key = json.dumps(schema, sort_keys=True)
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                return grammar
+        try:
+            grammar = self._ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # ValueError/RuntimeError for what it cannot compile; a Rust panic too
+            raise RequestError(f"json_schema cannot be used: {e}") from None
+        is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise RequestError(f"json_schema cannot be used: {messages[0] if messages else 'invalid'}")
+        with self._lock:
+            self._grammars[key] = grammar
+            if len(self._grammars) > CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    def matcher(self, schema: dict[str, Any]):
+        return self._ll.LLMatcher(self.tokenizer, self.grammar(schema), log_level=0)
+
+    @torch.inference_mode()
+    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+        """Sets to -inf, in place, every logit of rows[i] that matchers[i] does not allow next."""
+        words = (self.tokenizer.vocab_size + 31) // 32
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        # every row's mask at once, on llguidance's threads (the GIL released): 32 tokens per int32, row by row
+        self._executor.unsafe_compute_mask_ptr(list(zip(matchers, range(len(rows)))), bitmask.data_ptr(), words * 4,
+                                               len(rows))
+        allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).view(len(rows), words * 32)[:, : logits.shape[1]]
+        if allowed.shape[1] < logits.shape[1]:  # logits wider than the tokenizer: the rest never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(allowed.to(logits.device) == 0, float("-inf"))
+
+
+def grammars_of(tokenizer, vocab_size: int) -> Grammars:
+    """The Grammars of an engine's tokenizer wrapper (made at first use: llguidance is imported only then)."""
+    grammars = getattr(tokenizer, "_grammars", None)
+    if grammars is None:
+        import importlib.util
+
+        if importlib.util.find_spec("llguidance") is None:
+            raise RequestError("json_schema needs llguidance: pip install 'tieredkv[structured]'")
+        grammars = Grammars(tokenizer.hf, vocab_size)
+        tokenizer._grammars = grammars
+    return grammars
