@@ -137,6 +137,50 @@ def test_a_compiler_failure_leaves_the_eager_forward_serving(llama_dir, monkeypa
     assert compiled.steps == 0
 
 
+def test_the_eager_forward_never_goes_through_module_call(llama_dir, monkeypatch):
+    """While the decode graph compiles in the background, torch.fx's tracers replace nn.Module.__call__
+    process-wide with a wrapper that fails for any module outside the traced one; the eager forward serving
+    meanwhile must not go through it (llama.py, FORWARD_ONLY). Prefill chunks, batched decodes and a
+    shared prefix, with __call__ refusing."""
+    prompts = [list(range(5, 60)), list(range(5, 60)) + [9, 8], [4, 5, 6]]
+    want = hf_greedy(llama_dir, prompts, 8)
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, max_num_batched_tokens=32))
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"{type(self).__name__}.__call__ during a step")
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", refuse)
+    assert run_to_end(core, prompts, [8] * 3) == want
+
+
+def test_a_broken_compile_cache_is_emptied_and_the_graph_rebuilt(llama_dir, tmp_path, monkeypatch, caplog):
+    """A compiled module that cannot be loaded (a 0-byte .so left by a killed compile: "file too short") is a
+    broken cache: it is emptied, the graph compiled again, and the compiled path serves."""
+    from tieredkv.runner.compiled_decode import CompiledDecode
+
+    calls = []
+
+    def first_load_fails(self, gm, example_inputs):  # then the traced graph as it is (no inductor: seconds less)
+        calls.append(1)
+        if len(calls) == 1:
+            raise ImportError(f"{self.cache_dir}/xy/cxy.main.so: file too short")
+        self.graphs += 1
+        return gm.forward
+
+    monkeypatch.setattr(CompiledDecode, "_backend", first_load_fails)
+    caplog.set_level("INFO", logger="tieredkv")
+    leftover = tmp_path / "inductor" / "xy" / "cxy.main.so"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"")
+    core = EngineCore(EngineConfig(model=str(llama_dir), cache_dir=str(tmp_path), num_blocks=64, compile_decode=True))
+    compiled = core.runner.compiled
+    assert "on an emptied cache" in caplog.text and not leftover.exists()
+    assert compiled.ready and compiled.disabled is None and len(calls) == 2
+    prompt = [5, 6, 7, 8]
+    assert run_to_end(core, [prompt], [6]) == hf_greedy(llama_dir, [prompt], 6)
+    assert compiled.steps == 5
+
+
 def test_a_compiler_failure_while_serving_is_reported_and_the_eager_forward_takes_over(llama_dir, monkeypatch, caplog):
     """The first decode after start-up may hit the compiler (a recompile past the limit, say): the path turns
     itself off with a warning, and that step and the rest run eager, with the same tokens."""

@@ -45,7 +45,8 @@ async def demo(args: argparse.Namespace) -> None:
     system = files("tieredkv").joinpath("data/demo_system_prompt.txt").read_text()
     config = engine_config(args)
     print(f"starting tieredkv on model={config.model!r} (on CPU the first start on a machine also compiles "
-          "the batch-1 decode graph, about a minute; later starts load it)...", flush=True)
+          "the batch-1 decode graph, in the background: about two minutes, while answers stream at about half "
+          "speed; later starts load it)...", flush=True)
     t0 = time.perf_counter()
     async with await AsyncEngine.start(config) as engine:
         core = engine.core

@@ -71,6 +71,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+# FORWARD_ONLY: the forward pass calls its submodules' `forward` methods, never `Module.__call__`. While the
+# decode graph compiles on a thread of its own (compiled_decode.py), torch.fx's tracers replace
+# `torch.nn.Module.__call__` process-wide with a wrapper that fails for modules outside the traced one
+# ("module is not installed as a submodule"), and the eager forward serves meanwhile on the worker thread.
+# (No hooks are registered on these modules, so `__call__` would add nothing.)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -116,7 +123,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         ops.store_kv(k, v, layer_cache, batch.slot_mapping)
         meta = batch.attn
@@ -166,9 +173,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, batch, rotary, layer_cache, ops):
         """Reads no per-layer Python value (the layer's cache comes in), so that one compiled graph serves
-        every layer (compiled_decode.py)."""
-        x = x + self.self_attn(self.input_layernorm(x), batch, rotary, layer_cache, ops)
-        return x + self.mlp(self.post_attention_layernorm(x), ops)
+        every layer (compiled_decode.py). Submodules are called through `forward` (FORWARD_ONLY)."""
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), batch, rotary, layer_cache, ops)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x), ops)
 
 
 class LlamaModel(nn.Module):
@@ -237,7 +244,7 @@ class LlamaModel(nn.Module):
         """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices."""
         x, rotary = self.embed(batch)
         for layer in self.layers:
-            x = layer(x, batch, rotary, kv_cache[layer.self_attn.layer_id], ops)
+            x = layer.forward(x, batch, rotary, kv_cache[layer.self_attn.layer_id], ops)
         return self.logits(x, batch, ops)
 
     def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -245,12 +252,12 @@ class LlamaModel(nn.Module):
         if self.embed_tokens.weight is None:  # the table is the quantized LM head
             x = quant_embedding(self.quantized_head, batch.input_ids, self.norm.weight.dtype)
         else:
-            x = self.embed_tokens(batch.input_ids)
-        return x, self.rotary(batch.positions, x.dtype)
+            x = self.embed_tokens.forward(batch.input_ids)
+        return x, self.rotary.forward(batch.positions, x.dtype)
 
     def logits(self, x: torch.Tensor, batch: ForwardBatch, ops: KernelOps) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows batch.logits_indices of the last hidden states."""
-        h = self.norm(x[batch.logits_indices])
+        h = self.norm.forward(x[batch.logits_indices])
         if self.quantized_head is not None:
             return quant_linear(h, self.quantized_head).float()
         return ops.linear(h, self.lm_head_weight(ops)).float()

@@ -120,7 +120,7 @@ class CompiledDecode:
         if input_ids is not None:
             x, (cos, sin) = self.model.embed(batch)
         for layer, cache in zip(layers, layer_caches):
-            x = layer(x, batch, (cos, sin), cache, self.ops)
+            x = layer.forward(x, batch, (cos, sin), cache, self.ops)
         return x if input_ids is None else self.model.logits(x, batch, self.ops)
 
     @staticmethod

@@ -2,10 +2,12 @@
 output a prefix of a JSON document valid under the schema, through llguidance (a maintained grammar engine,
 also behind vLLM's and SGLang's "guidance" backends).
 
-Why llguidance: it builds each step's token mask lazily from a lexer over the tokenizer's trie, so a schema
-needs no ahead-of-time compile over the vocabulary (xgrammar's compile is per schema and vocabulary, and
-outlines-core's index grows with the schema's regular expressions); it takes a Hugging Face tokenizer as it
-is, and computes the masks of a batch in one call, on threads of its own without the GIL.
+Why llguidance: it builds each step's token mask from a lexer over the tokenizer's trie, so a schema needs no
+ahead-of-time pass over the vocabulary; it takes a Hugging Face tokenizer as it is; it computes the masks
+of a whole batch in one call, on threads of its own without the GIL; and it is one small wheel with no
+dependencies. Measured here (AMD EPYC, AVX2, the default model's 49,152-token vocabulary): ~0.8 ms a row
+per step for the mask, a decode step of two constrained rows 92-94 ms against 87-96 ms unconstrained.
+xgrammar and outlines-core were not measured.
 
 How: each schema is turned into a grammar once and cached (by its canonical JSON); each sequence has a
 matcher (`LLMatcher`) made at its first sampled token and fed every token it samples. Per step, the masks

@@ -151,7 +151,7 @@ class ModelRunner:
                              positions=self._tensor([0] + list(range(n)), torch.int64),
                              slot_mapping=self._tensor([scratch * bs + i for i in [0, *range(n)]], torch.int64),
                              logits_indices=self._tensor([0, n], torch.int64), attn=attn)
-        self.model(batch, self.kv_cache, self.ops)
+        self.model.forward(batch, self.kv_cache, self.ops)  # not __call__: llama.py, FORWARD_ONLY
         self.warmed_up = True
 
     def _prefixes(self, scheduled: list[tuple[Sequence, int]], ids: list[list[int]]) -> list[tuple[list[int], int]]:
@@ -192,5 +192,5 @@ class ModelRunner:
             logits = self.compiled.run(batch.input_ids, batch.positions, batch.slot_mapping, a.decode_block_tables,
                                        a.decode_context_lens)
         if logits is None:
-            logits = self.model(batch, self.kv_cache, self.ops)
+            logits = self.model.forward(batch, self.kv_cache, self.ops)  # not __call__: llama.py, FORWARD_ONLY
         return logits, sampled
