@@ -2,8 +2,9 @@
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine import AsyncEngine
-from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, RequestError, SamplingError,
-                             SnapshotError, StepError, TieredKVError, UnsupportedModelError, WrongLoopError)
+from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RequestError,
+                             SamplingError, SnapshotError, StepError, TieredKVError, UnsupportedModelError,
+                             WrongLoopError)
 from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "EngineClosedError",
     "EngineConfig",
     "EngineStats",
+    "ModelNotFoundError",
     "RequestError",
     "RequestOutput",
     "SamplingParams",

@@ -212,10 +212,12 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
+        """True when sampling takes the most likely token (temperature below MIN_TEMPERATURE)."""
         return self.temperature < MIN_TEMPERATURE
 
     @property
     def beam_search(self) -> bool:
+        """True when the request runs a beam search (beam_width above 1)."""
         return self.beam_width > 1
 
     @property

@@ -68,6 +68,7 @@ class AsyncEngine:
 
     @property
     def tokenizer(self):
+        """The model's tokenizer (encode, decode, apply_chat_template), as the engine uses it."""
         return self._worker.core.tokenizer
 
     async def __aenter__(self) -> "AsyncEngine":
@@ -282,6 +283,8 @@ class AsyncEngine:
         return {"imported": imported, **report}
 
     async def unpin(self, prompt: PromptType) -> int:
+        """Releases what pin(prompt) pinned, so that its blocks can be evicted again. Returns the number of
+        tokens released (0 when the prompt was not pinned)."""
         ids = await self.tokenize(prompt)
         return await self._submit(self._worker.core.pins.unpin, ids)
 

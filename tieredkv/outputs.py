@@ -65,6 +65,7 @@ class RequestOutput:
 
     @property
     def text(self) -> str:
+        """The first output's text (the only one unless n > 1)."""
         return self.outputs[0].text
 
 
