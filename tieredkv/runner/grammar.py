@@ -13,8 +13,8 @@ How: each schema is turned into a grammar once and cached (by its canonical JSON
 matcher (`LLMatcher`) made at its first sampled token and fed every token it samples. Per step, the masks
 of all constrained rows are computed in one call into a bitmask [rows, vocab / 32], and applied to the
 logits in one batched operation. A sequence ends with finish reason "stop" once its document is complete
-(the grammar accepts nothing more); a sequence whose grammar fails (a resource limit, say) ends with the
-request failing with a RequestError that names the grammar's error."""
+(the grammar accepts nothing more); a sampled token the matcher refuses fails the request with a
+RequestError that names the grammar's error."""
 
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ class Grammars:
         self._ll = llguidance
         n_vocab = vocab_size if vocab_size >= len(hf_tokenizer) else None  # model rows past the tokenizer: no bytes
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab)
-        self.vocab_size = vocab_size  # the logits' width
         self._grammars: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()  # requests are made on callers' threads, matchers on the worker's
         self._executor = llguidance.LLExecutor()
@@ -83,9 +82,8 @@ class Grammars:
         # every row's mask at once, on llguidance's threads (the GIL released): 32 tokens per int32, row by row
         self._executor.unsafe_compute_mask_ptr(list(zip(matchers, range(len(rows)))), bitmask.data_ptr(), words * 4,
                                                len(rows))
+        # (the mask is at least as wide as the logits: n_vocab is their width unless the tokenizer is wider)
         allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).view(len(rows), words * 32)[:, : logits.shape[1]]
-        if allowed.shape[1] < logits.shape[1]:  # logits wider than the tokenizer: the rest never allowed
-            allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))
         index = torch.tensor(rows, device=logits.device)
         logits[index] = logits[index].masked_fill(allowed.to(logits.device) == 0, float("-inf"))
 
