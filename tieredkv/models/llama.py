@@ -16,9 +16,11 @@ from tieredkv.models.spec import ModelSpec
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], fp32, with linear or llama3 scaling applied."""
+    """Inverse frequencies [head_dim / 2], fp32, with linear or llama3 scaling applied. Computed on the CPU
+    whatever the default device: under the loader's meta device these ops would run torch's Python
+    references, whose first use imports torch._dynamo (seconds a start)."""
     dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = spec.rope_scaling
     if scaling is None:
         return inv_freq
@@ -184,7 +186,10 @@ class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # given its (uninitialised) weight, the table skips nn.Embedding's random init: under the loader's meta
+        # device that init imports torch._dynamo (2.5-5 s a start where nothing compiles)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
