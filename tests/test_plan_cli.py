@@ -145,3 +145,24 @@ def test_the_cpu_pool_is_sized_from_max_num_seqs_and_max_model_len(llama_dir):
     p = plan(str(llama_dir), device="cpu", max_num_seqs=4, max_len=256, warm_bytes=0)
     core = EngineCore(EngineConfig(model=str(llama_dir), max_num_seqs=4, max_model_len=256, warm_bytes=0))
     assert p.hot_blocks == core.num_blocks == 4 * 256 // 16
+
+
+def test_explain_and_the_cache_commands_never_compile_a_decode_graph(llama_dir, tmp_path, monkeypatch, capsys):
+    """They never decode: a first start would otherwise compile the graph (minutes) only to close."""
+    from tieredkv import AsyncEngine
+
+    monkeypatch.setenv("TIEREDKV_COMPILE_DECODE", "1")  # as a user's environment may ask for every engine
+    started = []
+    real_start = AsyncEngine.start.__func__
+
+    async def recording(cls, config=None, **kwargs):
+        started.append(config.compile_decode)
+        return await real_start(cls, config, **kwargs)
+
+    monkeypatch.setattr(AsyncEngine, "start", classmethod(recording))
+    cold = str(tmp_path / "cold")
+    (tmp_path / "cold").mkdir()
+    main(["cache", "inspect", "--cold-path", cold, "--model", str(llama_dir)])
+    main(["explain", "--model", str(llama_dir), "--raw", "hello there"])
+    assert started == [False, False]
+    assert "prompt tokens would be served from the cache" in capsys.readouterr().out

@@ -59,7 +59,8 @@ def plan_command(args: argparse.Namespace) -> None:
 
 
 async def explain_command(args: argparse.Namespace) -> None:
-    async with await AsyncEngine.start(engine_config(args, warm_bytes=0)) as engine:
+    # explain and the cache commands never decode: no decode graph to compile or load (minutes on a first start)
+    async with await AsyncEngine.start(engine_config(args, warm_bytes=0, compile_decode=False)) as engine:
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         reports = await engine.explain(prompt)
     print(f"{'block':>5}  {'tokens':>13}  {'from':<6}  why computed")
@@ -81,7 +82,8 @@ async def cache_command(args: argparse.Namespace) -> None:
         sys.exit(f"cache {args.action}: --cold-path is required")
     if args.action != "import" and not Path(args.cold_path).is_dir():
         sys.exit(f"cache {args.action}: there is no cold folder at {args.cold_path}")
-    async with await AsyncEngine.start(engine_config(args, warm_bytes=0, num_blocks=64)) as engine:
+    config = engine_config(args, warm_bytes=0, num_blocks=64, compile_decode=False)
+    async with await AsyncEngine.start(config) as engine:
         cold = engine.core.tiers.cold
         if args.action == "inspect":
             s = cold.stats()
