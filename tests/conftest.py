@@ -43,3 +43,10 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama2_dir(tmp_path_factory) -> Path:
+    """Two layers, for the engine tests that run the Triton kernels under the interpreter (seconds a layer):
+    every layer runs the same kernels, and a second one still checks each reads its own layer's cache."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-llama-2"), "llama", num_hidden_layers=2)

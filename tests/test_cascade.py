@@ -143,7 +143,7 @@ def test_triton_cascade_equals_the_reference(members, loners, prefix_blocks, spl
     torch.testing.assert_close(again, want, atol=1e-5, rtol=0)  # a second layer reuses the plan's scratch
 
 
-async def test_engine_cascades_through_triton_match_the_torch_path(llama_dir):
+async def test_engine_cascades_through_triton_match_the_torch_path(llama2_dir):
     pytest.importorskip("tieredkv.kernels.triton_ops")
     from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 
@@ -153,7 +153,7 @@ async def test_engine_cascades_through_triton_match_the_torch_path(llama_dir):
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        cfg = EngineConfig(model=str(llama_dir), num_blocks=64, attention_backend=backend, max_num_seqs=8)
+        cfg = EngineConfig(model=str(llama2_dir), num_blocks=64, attention_backend=backend, max_num_seqs=8)
         async with await AsyncEngine.start(cfg) as engine:
             runner, cascades = engine.core.runner, []
             real = runner.ops.plan_decode

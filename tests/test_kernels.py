@@ -126,7 +126,7 @@ def test_block_copy_kernels_match_reference(block_size, head_dim):
     assert torch.equal(kv_tri, kv_ref)
 
 
-async def test_engine_through_triton_kernels_matches_reference_kernels(llama_dir):
+async def test_engine_through_triton_kernels_matches_reference_kernels(llama2_dir):
     """The whole engine, prefill chunks, prefix hits and decodes, through Triton (interpreted on CPU)."""
     from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 
@@ -134,7 +134,7 @@ async def test_engine_through_triton_kernels_matches_reference_kernels(llama_dir
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        cfg = EngineConfig(model=str(llama_dir), num_blocks=32, block_size=8, attention_backend=backend,
+        cfg = EngineConfig(model=str(llama2_dir), num_blocks=32, block_size=8, attention_backend=backend,
                            device=DEVICE, max_num_batched_tokens=16)
         async with await AsyncEngine.start(cfg) as engine:
             assert engine.core.runner.ops.name == backend
@@ -144,7 +144,7 @@ async def test_engine_through_triton_kernels_matches_reference_kernels(llama_dir
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-BF16_ATOL = 2e-2  # bf16 inputs, fp32 accumulation: documented in the README
+BF16_ATOL = 2e-2  # bf16 inputs, fp32 accumulation: documented in docs/architecture.md
 
 
 @gpu

@@ -158,16 +158,16 @@ def test_pool_consistent_while_offloaded(llama_dir, small):
     check_pool_clean(core)
 
 
-async def test_the_triton_kernels_read_far_blocks(llama_dir, far_mode, small):
+async def test_the_triton_kernels_read_far_blocks(llama2_dir, far_mode, small):
     """The Triton attention kernels (under the interpreter here) over far blocks: in place, by their ids
     in the extended cache tensor, or staged into the per-layer buffer."""
-    cfg = EngineConfig(model=str(llama_dir), attention_backend="triton", **{**small, "num_blocks": 4})
+    cfg = EngineConfig(model=str(llama2_dir), attention_backend="triton", **{**small, "num_blocks": 4})
     prompt = DOC_A[:80]  # 5 blocks on a hot pool of 4: the first ones are read as far blocks
     async with await AsyncEngine.start(cfg) as engine:
         out = await generate(engine, prompt, max_tokens=4)
         assert engine.core.runner.ops.name == "triton" and engine.stats().blocks_offloaded > 0
         check_pool_clean(engine.core)
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64)) as engine:
+    async with await AsyncEngine.start(EngineConfig(model=str(llama2_dir), num_blocks=64)) as engine:
         assert out.outputs[0].token_ids == (await generate(engine, prompt, max_tokens=4)).outputs[0].token_ids
 
 

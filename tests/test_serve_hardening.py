@@ -208,7 +208,7 @@ def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(roomy_serve
             time.sleep(0.05)
         assert engine.stats().num_running == 0, "the stalled stream was never aborted"
         server.pool_clean()
-        sock.settimeout(10)
+        sock.settimeout(2)  # the request was aborted: whatever was sent is buffered already
         received = b""
         try:
             while chunk := sock.recv(1 << 16):
