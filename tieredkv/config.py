@@ -136,15 +136,23 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
+    max_tokens: int = Field(256, ge=1, description="the most tokens to generate per sample (the context may end "
+                            "the output earlier: finish reason \"length\")")
+    temperature: float = Field(0.0, ge=0.0, description="divides the logits before sampling; below 1e-5 (0 "
+                               "included) is greedy")
     top_k: int = Field(0, ge=0, description="0 disables top-k")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=256)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="sample from the fewest most likely tokens whose "
+                         "probabilities sum to at least this; 1 is off")
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="the request's own random generator (sample "
+                             "i draws from seed + i): the same seed gives the same output whatever else is "
+                             "batched; None: unseeded")
+    stop: list[str] = Field(default_factory=list, description="strings that end the output (not included in it; "
+                            "never split across chunks)")
+    stop_token_ids: list[int] = Field(default_factory=list, description="tokens that end the output, besides "
+                                      "the model's EOS (included in the token ids)")
+    ignore_eos: bool = Field(False, description="go on past EOS until max_tokens or a stop rule")
+    n: int = Field(1, ge=1, le=256, description="parallel samples; they share the prompt's KV blocks (for beam "
+                   "search: how many of the best beams come back)")
     logprobs: int | None = Field(None, ge=0, le=20, description="return each sampled token's log-probability "
                                  "and this many top alternatives' (raw model distribution)")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once from every token already "

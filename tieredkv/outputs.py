@@ -17,6 +17,15 @@ Output = tuple[Any, "StreamChunk | BaseException"]  # (a request's sink, a chunk
 
 @dataclass(frozen=True)
 class Usage:
+    """Token counts of one sample, on its final chunk and in `RequestOutput.usage`.
+
+    Attributes:
+        prompt_tokens: tokens of the prompt (after the chat template).
+        cached_prompt_tokens: of which served from the cache instead of computed.
+        completion_tokens: tokens generated.
+        cached_tokens_by_tier: `cached_prompt_tokens` by the tier they came from: "hot", "warm", "cold".
+    """
+
     prompt_tokens: int
     cached_prompt_tokens: int  # the sum of cached_tokens_by_tier
     completion_tokens: int
@@ -25,7 +34,13 @@ class Usage:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A sampled token's log-probability and the top alternatives' (token id, log-probability)."""
+    """A sampled token's log-probability and the top alternatives', from the model's raw distribution.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its log-probability.
+        top: the `SamplingParams.logprobs` most likely tokens as (token id, log-probability), most likely first.
+    """
 
     token_id: int
     logprob: float
@@ -34,8 +49,19 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """New output of one sample. `usage` is set on that sample's final chunk only; `logprobs` (one per
-    token in `token_ids`) when the request asked for them."""
+    """New output of one sample of a request, as `AsyncEngine.stream` yields it.
+
+    Attributes:
+        request_id: the request's id (`stream(..., request_id=...)` or one made up).
+        index: which of the request's `n` samples (or, for beam search, which returned beam, 0 the best).
+        text: the text that is new since the sample's previous chunk (never a stop string, never half a
+            character).
+        token_ids: the tokens that are new since the previous chunk.
+        finish_reason: None until the sample's final chunk; then "stop", "length" or "abort".
+        usage: on the final chunk only: the request's token counts.
+        logprobs: one `TokenLogprob` per token in `token_ids`, when the request asked for them.
+        cumulative_logprob: beam search: the beam's summed log-probability.
+    """
 
     request_id: str
     index: int
@@ -49,6 +75,17 @@ class StreamChunk:
 
 @dataclass
 class CompletionOutput:
+    """One sample's whole output, in `RequestOutput.outputs`.
+
+    Attributes:
+        index: which of the request's samples (for beam search: the rank, 0 the best beam).
+        text: the output's text, stop strings excluded.
+        token_ids: the output's tokens.
+        finish_reason: "stop", "length" or "abort".
+        logprobs: one `TokenLogprob` per output token, when the request asked for them.
+        cumulative_logprob: beam search: the beam's summed log-probability.
+    """
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -59,6 +96,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """What `AsyncEngine.generate` returns: every sample of one request, whole.
+
+    Attributes:
+        request_id: the request's id.
+        outputs: one `CompletionOutput` per sample (`n`), or the `n` best beams, best first.
+        usage: the request's token counts.
+    """
+
     request_id: str
     outputs: list[CompletionOutput]
     usage: Usage
@@ -71,6 +116,32 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """A snapshot of the engine's state, published after every step (`AsyncEngine.stats()`).
+
+    Attributes:
+        num_running: sequences running (decoding or prefilling).
+        num_waiting: sequences waiting to start or to resume.
+        blocks_total: blocks in the hot pool.
+        blocks_used: blocks held by a sequence or a pin; the others are free (cached ones included).
+        blocks_cached: hot blocks that hold a cached prefix block (free or in use).
+        prefix_cache_queries: prompt tokens looked up in the cache, at first admission.
+        prefix_cache_hits: of which served from the cache.
+        num_preemptions: sequences preempted so far (swapped or to be recomputed).
+        cow_copies: partial blocks copied on write so far (shared by `n > 1` samples or beams).
+        num_swaps: preemptions swapped to the warm tier (the rest are recomputed).
+        num_swapped: waiting sequences whose blocks wait in warm swap slots now.
+        tiers: per tier ("hot", "warm", "cold"): capacity, use, hits, misses and moves (`TierStats`).
+        blocks_pinned: hot blocks held by `pin()`.
+        blocks_free: `blocks_total - blocks_used`.
+        blocks_far: blocks of running sequences kept in the warm tier now (long documents).
+        blocks_offloaded: hot blocks of running sequences moved to the warm tier so far.
+        prompt_tokens_computed: prompt tokens the forwards computed (after preemption too); the rest hit.
+        prefix_blocks_joined: prompt blocks found cached after waiting for the request computing them.
+        decode_path: what runs a one-sequence decode: "compiled", "compiling" (eager meanwhile) or "eager".
+        weights: the weights' format: the dtype, or the quantization ("int4 (float32 activations)").
+        weight_bytes: what the weights take in that format.
+    """
+
     num_running: int
     num_waiting: int
     blocks_total: int

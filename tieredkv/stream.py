@@ -94,6 +94,7 @@ class RequestStream:
 
     @property
     def request_id(self) -> str:
+        """The request's id: what `AsyncEngine.abort` takes."""
         return self._channel.request_id
 
     def __aiter__(self) -> "RequestStream":

@@ -37,6 +37,21 @@ access_log = logging.getLogger("tieredkv.access")  # one line per request (INFO;
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """The server's own settings (the engine's are its `EngineConfig`); `tieredkv serve` sets each from an option.
+
+    Attributes:
+        model_name: the name `/v1/models` lists and requests' `model` must give (`--served-model-name`).
+        api_key: when set, every request needs `Authorization: Bearer <key>` (401 without it).
+        max_body_bytes: the largest request body (413 beyond it).
+        max_prompt_chars: characters over every field a prompt or the chat template renders, checked before
+            tokenizing (400 beyond it).
+        max_queued: requests allowed to wait beyond the engine's `max_num_seqs`; more get 429 with
+            `Retry-After: 1`.
+        metrics: serve `GET /metrics` (the prometheus extra, after `telemetry.install_prometheus()`).
+        write_timeout: seconds a stream may wait for its client to read; then it is aborted and its blocks freed.
+        shutdown_grace: on SIGTERM or SIGINT, seconds running requests have to finish.
+    """
+
     model_name: str = "default"
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
@@ -55,6 +70,9 @@ _SERVED = web.RequestKey("output", object)  # the request's _Output, for the acc
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> web.Application:
+    """The aiohttp application that serves `engine` with OpenAI's API: chat and text completions, models,
+    health, vLLM's tokenize and detokenize, and `/metrics` when `settings.metrics`. Run it with
+    `start_server` or `serve_until_signal`, or mount it in an aiohttp program of your own."""
     settings = settings or ServerSettings()
     app = web.Application(middlewares=[_access, _errors, _draining, _auth], client_max_size=settings.max_body_bytes)
     app[_ENGINE], app[_SETTINGS], app[_ACTIVE], app[_DRAINING] = engine, settings, [0], [False]

@@ -18,7 +18,21 @@ TIER_NAMES = ("hot", "warm", "cold")  # top to bottom
 
 @dataclass
 class TierStats:
-    """Counters of one tier. hits and misses count tokens; the rest count blocks."""
+    """Counters of one tier: `hits` and `misses` count prompt tokens, the moves count blocks.
+
+    Attributes:
+        name: "hot", "warm" or "cold".
+        capacity_bytes: the tier's budget.
+        used_bytes: what its entries take now.
+        hits: prompt tokens served from this tier.
+        misses: prompt tokens looked up here and not found (the lookup went on below, or computed them).
+        promotions: blocks brought up from this tier (into the hot pool, or into warm slots a long document
+            reads in place).
+        demotions: blocks written into this tier from the tier above.
+        evictions: blocks this tier dropped to make room (passed on below when there is a tier below).
+        failures: reads that failed: read errors, failed authentication or header mismatches, each served
+            as a miss.
+    """
 
     name: str
     capacity_bytes: int
@@ -68,15 +82,18 @@ class KVTier(ABC):
                 self._dropped.popitem(last=False)
 
     def dropped(self, block_hash: bytes) -> bool:
+        """Whether this tier let the block go for good, among the last DROPPED_LOG it dropped."""
         with self._counter_lock:
             return block_hash in self._dropped
 
     def count(self, **deltas: int) -> None:
+        """Adds to the counters, thread-safely: `count(hits=16, promotions=1)`."""
         with self._counter_lock:
             for name, n in deltas.items():
                 setattr(self._counters, name, getattr(self._counters, name) + n)
 
     def stats(self) -> TierStats:
+        """A copy of the counters, with the current use filled in."""
         with self._counter_lock:
             return replace(self._counters, used_bytes=self._used_bytes())
 
@@ -126,24 +143,31 @@ class KVTier(ABC):
     # -- the async interface ---------------------------------------------------------------------
 
     async def contains(self, keys: Sequence[BlockKey]) -> int:
+        """`contains_sync`, off the event loop when the tier blocks."""
         return await self._call(self.contains_sync, keys)
 
     async def get(self, keys: Sequence[BlockKey]) -> torch.Tensor | None:
+        """`get_sync`, off the event loop when the tier blocks."""
         return await self._call(self.get_sync, keys)
 
     async def put(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
+        """`put_sync`, off the event loop when the tier blocks."""
         return await self._call(self.put_sync, keys, blocks)
 
     async def remove(self, keys: Sequence[BlockKey]) -> int:
+        """`remove_sync`, off the event loop when the tier blocks."""
         return await self._call(self.remove_sync, keys)
 
     async def clear(self) -> int:
+        """`clear_sync`, off the event loop when the tier blocks."""
         return await self._call(self.clear_sync)
 
     async def flush(self) -> None:
+        """`flush_sync`, off the event loop when the tier blocks."""
         await self._call(self.flush_sync)
 
     async def close(self) -> None:
+        """`close_sync`, off the event loop when the tier blocks."""
         await self._call(self.close_sync)
 
     async def _call(self, fn, *args):
@@ -173,4 +197,5 @@ class SwapSpace(ABC):
         """The slots' blocks as (offset in `slots`, view) per run of consecutive slots: no copy."""
 
     @abstractmethod
-    def release(self, slots: list[int]) -> None: ...
+    def release(self, slots: list[int]) -> None:
+        """Gives lent slots back to the tier as free slots (their data is not cached)."""

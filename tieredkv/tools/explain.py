@@ -11,6 +11,16 @@ from tieredkv.tiers.base import BlockKey
 
 @dataclass(frozen=True)
 class BlockReport:
+    """One block of a prompt, as `AsyncEngine.explain` reports it.
+
+    Attributes:
+        index: the block's position in the prompt (0 first).
+        start: its first token position.
+        end: one past its last token position.
+        source: where a request would take it from ("hot", "warm" or "cold"); None: it would be computed.
+        reason: why it would be computed (never computed here, evicted, another fingerprint, ...).
+    """
+
     index: int
     start: int  # token positions [start, end)
     end: int

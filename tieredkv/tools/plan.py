@@ -26,6 +26,34 @@ from tieredkv.tools.config_flags import parse_bytes  # noqa: F401 (the command l
 
 @dataclass(frozen=True)
 class Plan:
+    """What `plan` computed: the weights, the KV per token and per block, and what each tier holds.
+
+    Attributes:
+        model: the checkpoint directory's name.
+        dtype: the dtype of activations and KV.
+        weights: the weights' format: the dtype, or the quantization.
+        block_size: tokens per KV block.
+        max_model_len: the longest sequence the engine would accept.
+        weight_bytes: the weights' bytes in that format.
+        kv_bytes_per_token: K and V of one token over every layer.
+        kv_bytes_per_block: the same for one block.
+        device_memory: the memory the plan divides (the device's, or the machine's on CPU).
+        memory_utilization: CUDA: the share of `device_memory` for weights, activations and the hot pool.
+        activation_bytes: reserved for one step's activations (estimated, or measured with `--profile`).
+        hot_blocks: blocks of the hot pool, as `AsyncEngine.start` would size it.
+        warm_blocks: blocks the warm tier holds.
+        cold_blocks: blocks the cold tier's byte budget holds, LMDB pages and headers counted.
+        seq_len: the sequence length the next two figures are for.
+        seqs_before_preemption: sequences of `seq_len` tokens that fit the hot pool at once.
+        seqs_with_offload: the same when their older blocks move to the warm tier (`offload=True`).
+        longest_sequence: the most tokens one sequence can hold: `max_model_len`, or hot and warm together if
+            fewer.
+        shared_prompt_len: the shared-prompt length the next figure is for.
+        shared_prompts: per tier, the distinct shared prompts of `shared_prompt_len` tokens it keeps.
+        measured: whether `activation_bytes` was measured by a forward rather than estimated.
+        device: the device type planned for ("cpu" or "cuda").
+    """
+
     model: str
     dtype: str
     weights: str  # the weights' format: the dtype, or the quantization
@@ -51,10 +79,12 @@ class Plan:
 
     @property
     def tokens(self) -> dict[str, int]:
+        """Tokens each tier holds ("hot", "warm", "cold")."""
         return {t: n * self.block_size for t, n in
                 (("hot", self.hot_blocks), ("warm", self.warm_blocks), ("cold", self.cold_blocks))}
 
     def as_dict(self) -> dict:
+        """Every field and `tokens`, as `tieredkv plan --json` prints them."""
         return {**asdict(self), "tokens": self.tokens}
 
 
@@ -96,6 +126,34 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
          shared_prompt_len: int = 1024, max_num_batched_tokens: int = 1024, max_num_seqs: int = 64,
          activation_bytes: int | None = None, cpu_kv_cache_bytes: int | None = None,
          quantization: str | None = None, quantization_group_size: int = 32) -> Plan:
+    """Plans a deployment from the checkpoint's config.json and tensor headers, without loading weights.
+
+    The hot pool is sized by the engine's own function (`engine_setup.kv_pool_bytes`) with the engine's
+    defaults, so on a machine the plan's `hot_blocks` is what `AsyncEngine.start` builds there.
+
+    Args:
+        model: as `EngineConfig.model`: "default", a checkpoint directory or a Hugging Face repo id.
+        device: "auto" (CUDA when available, as the engine), "cpu", "cuda" or "cuda:N".
+        device_memory_bytes: the memory to plan for (another card than this machine's, say); None: this
+            machine's device memory, or its RAM on CPU.
+        memory_utilization: as `EngineConfig.gpu_memory_utilization`.
+        dtype: as `EngineConfig.dtype`.
+        block_size: as `EngineConfig.block_size`.
+        max_len: as `EngineConfig.max_model_len`.
+        warm_bytes: as `EngineConfig.warm_bytes` (None: the engine's default budget).
+        cold_bytes: the cold tier's disk budget (0: no cold tier).
+        seq_len: the sequence length to count concurrent sequences for.
+        shared_prompt_len: the shared-prompt length to count distinct cached prompts for.
+        max_num_batched_tokens: as `EngineConfig.max_num_batched_tokens` (sizes the activations).
+        max_num_seqs: as `EngineConfig.max_num_seqs`.
+        activation_bytes: one step's activations, measured (`profile_activations`); None: estimated.
+        cpu_kv_cache_bytes: as `EngineConfig.cpu_kv_cache_bytes`.
+        quantization: as `EngineConfig.quantization`.
+        quantization_group_size: as `EngineConfig.quantization_group_size`.
+
+    Raises:
+        ModelNotFoundError: the model cannot be found.
+    """
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device  # as the engine
     model_dir = resolve_model_dir(model)
     spec = ModelSpec.from_file(model_dir / "config.json")
@@ -178,6 +236,7 @@ def _status_kib(field: str) -> int:
 
 
 def format_plan(p: Plan) -> str:
+    """The plan as `tieredkv plan` prints it: a table of tiers, then the sequences that fit."""
     gib = 2**30
     lines = [
         f"model {p.model}, {p.dtype}, block size {p.block_size}, max_model_len {p.max_model_len:,}",
