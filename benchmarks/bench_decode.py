@@ -20,7 +20,7 @@ compare: these machines are noisy.
 
 Every engine core and transformers run on the main thread, one at a time: engines on worker threads
 of their own would each bring an OpenMP thread pool, and once the pools' threads outnumber the cores
-libgomp stops spin-waiting and every variant slows (see README, "One worker thread for torch").
+libgomp stops spin-waiting and every variant slows (see docs/architecture.md, "One worker thread for torch").
 """
 
 from __future__ import annotations

@@ -337,7 +337,7 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,
                          compiled: bool) -> KernelOps:
     """The kernel set, with the weights in the layout its dense layers read. They are held once: the
-    compiled decode path reads them plain, so then the eager steps do too (README: CPU dense layers);
+    compiled decode path reads them plain, so then the eager steps do too (docs/architecture.md: Kernels);
     else packed, where the kernel set packs. cpu_linear="packed" keeps a packed copy beside the plain."""
     ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear)
     if compiled and cfg.cpu_linear != "packed":

@@ -3,8 +3,8 @@ unless the application installs SDK providers (opentelemetry-sdk) with an export
 `prometheus` extra and `tieredkv.serve.install_prometheus` give a scrapeable /metrics).
 
 Names follow OpenTelemetry's semantic conventions for generative AI servers where one exists
-(`gen_ai.server.*`); the rest are `tieredkv.*`. The README's "Metrics" table lists them all with the
-vLLM metric each corresponds to. Histogram buckets fit what they measure (seconds from milliseconds up,
+(`gen_ai.server.*`); the rest are `tieredkv.*`. The "Metrics" table in docs/guide/observability.md lists them
+all with the vLLM metric each corresponds to. Histogram buckets fit what they measure (seconds from milliseconds up,
 tokens from 1 to 8192), not the SDK's defaults.
 """
 

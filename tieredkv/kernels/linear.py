@@ -13,7 +13,7 @@ oneDNN ships inside every x86 and aarch64 build of torch, but its linear entry p
 (`torch.ops.mkldnn._linear_pointwise`, `_reorder_linear_weight`) are internal, so they are used only
 after a self-check on this very torch build. Measured on the engine benchmark's workload: plain
 oneDNN/swapped products take about 15% off the engine's time against `F.linear`, and packed weights
-another 11% (the numbers are in the README). `F.linear` serves everywhere else: CUDA, other dtypes,
+another 11% (the numbers are in docs/architecture.md). `F.linear` serves everywhere else: CUDA, other dtypes,
 or TIEREDKV_CPU_LINEAR=torch.
 """
 
