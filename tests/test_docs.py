@@ -75,7 +75,7 @@ def test_every_exported_name_is_in_the_api_reference():
     names = {getattr(obj, "__qualname__", None) for obj in referenced.values()}
     modules = [obj for obj in referenced.values() if inspect.ismodule(obj)]
     in_modules = {n for m in modules for n in vars(m) if not n.startswith("_")}
-    exported = {n for n in tieredkv.__all__} | {n for n in tieredkv.serve.__all__}
+    exported = set(tieredkv.__all__) | set(tieredkv.serve.__all__)
     assert sorted(exported - names - in_modules) == []
 
 

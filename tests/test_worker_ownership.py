@@ -102,6 +102,20 @@ def test_optional_imports_stay_unloaded_without_their_tier():
     assert out.stdout.strip() == "[]"
 
 
+def test_loading_a_model_does_not_import_the_compiler(llama_dir):
+    """Built on the meta device, nn.Embedding's random init and the rotary frequencies ran torch's Python
+    references, whose first use imports torch._dynamo: seconds of every start where nothing compiles."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from pathlib import Path; from tieredkv.models.loader import load_model; "
+            "from tieredkv.models.spec import ModelSpec; d = Path(sys.argv[1]); "
+            "load_model(d, ModelSpec.from_file(d / 'config.json'), torch.float32, torch.device('cpu')); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(llama_dir)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_the_decode_plan_is_made_once_per_step_and_carried_in_the_batch(llama_dir):
     from dataclasses import replace
 
