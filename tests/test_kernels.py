@@ -253,3 +253,17 @@ def test_split_choice_fills_the_device_and_skips_the_merge_when_one_split_does()
         kc, vc = make_cache(4, 16, 1, 64)
         triton_ops.decode_attention(torch.randn(1, 1, 64), kc, vc, torch.zeros(1, 4, dtype=torch.int32),
                                     torch.tensor([30], dtype=torch.int32), 0.1, tokens_per_split=100)
+
+
+@pytest.mark.parametrize("capability, want", [((7, 0), torch.float16), ((7, 5), torch.float16),
+                                              ((8, 0), torch.bfloat16), ((8, 6), torch.bfloat16),
+                                              ((9, 0), torch.bfloat16)])
+def test_auto_dtype_is_float16_below_ampere(capability, want):
+    """V100 (7.0) and T4 (7.5) have no native bf16 (it would be emulated); from Ampere (8.0) on, bf16."""
+    from tieredkv.engine_setup import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cuda"), capability) == want
+    assert resolve_dtype("auto", torch.device("cpu"), capability) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cuda"), capability) == torch.bfloat16  # asked for: as asked
+    if not torch.cuda.is_available():  # planning for a card this machine lacks: as Ampere and later
+        assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16

@@ -31,7 +31,8 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = Field(
         None, description="where the engine keeps what it builds once (the converted default model, the compiled "
         "decode graph); None: $TIEREDKV_CACHE_DIR, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv")
-    dtype: DType = Field("auto", description='weights and KV: "auto" is bfloat16 on CUDA, float32 on CPU')
+    dtype: DType = Field("auto", description='weights and KV: "auto" is float32 on CPU; on CUDA bfloat16 from '
+                         "compute capability 8.0, float16 below it (no native bfloat16 there)")
     quantization: Literal["int8", "int4", "gguf"] | None = Field(
         None, description='weight-only quantization of the dense layers and the LM head: "int8" (per output row, '
         'symmetric), "int4" (groups of quantization_group_size inputs; the LM head in int8), both quantized at load '

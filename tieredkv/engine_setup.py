@@ -56,10 +56,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+BF16_CAPABILITY = (8, 0)  # Ampere: the first compute capability with native bf16 tensor cores
+
+
+def resolve_dtype(name: str, device: torch.device, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """The dtype "auto" means: float32 on CPU; on CUDA bfloat16 from compute capability 8.0, float16 below it
+    (T4, V100 emulate bf16). `capability` defaults to the device's own, or to 8.0 where no CUDA device is
+    present (planning for a card this machine does not have)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else BF16_CAPABILITY
+    return torch.bfloat16 if tuple(capability) >= BF16_CAPABILITY else torch.float16
 
 
 WARM_CAP = 4 << 30  # the default warm tier's most bytes
@@ -356,4 +366,8 @@ def _prepare_process(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
         torch.cuda.set_device(device)  # this (worker) thread's current device: "cuda:N" means N
     if device.type == "cpu" and cfg.cpu_malloc_tuning:
         tune_glibc_malloc()
-    return device, resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.dtype == "auto" and dtype == torch.float16:
+        log.info("dtype auto: float16 on %s (compute capability %d.%d has no native bfloat16)",
+                 torch.cuda.get_device_name(device), *torch.cuda.get_device_capability(device))
+    return device, dtype
