@@ -94,8 +94,8 @@ async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_a
     formed = []
     real = da.plan_cascades
 
-    def counting(*args):
-        out = real(*args)
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
         formed.append(out.num_groups if out is not None else 0)
         return out
 
@@ -158,8 +158,8 @@ async def test_engine_cascades_through_triton_match_the_torch_path(llama2_dir):
             runner, cascades = engine.core.runner, []
             real = runner.ops.plan_decode
 
-            def recording(*args):
-                plan = real(*args)
+            def recording(*args, **kwargs):
+                plan = real(*args, **kwargs)
                 cascades.append(getattr(plan, "cascade", getattr(plan, "cascades", None)) is not None)
                 return plan
 
@@ -196,3 +196,31 @@ def test_prefill_chunks_after_one_cached_prefix_equal_plain_prefill():
     assert found == [([0, 1, 2, 3], 6)]
     got = prefill_attention_ref(q, kc, vc, tables, qsl, ctx, 0.2, plan=found)
     torch.testing.assert_close(got, plain, atol=2e-6, rtol=0)
+
+
+def test_decode_plans_made_from_host_lists_equal_those_read_back_from_the_tensors():
+    """The runner hands each plan the lengths and block ids it already holds as lists, so that on CUDA nothing
+    is read back from the device to plan a step; the plans must be the ones the tensors alone give."""
+    pytest.importorskip("tieredkv.kernels.triton_ops")
+    from tieredkv.kernels import triton_ops
+    from tieredkv.kernels.decode_attention import plan_decode as plan_ref
+
+    ids = [[3, 4, 5, 9], [3, 4, 5, 11, 12], [3, 4, 7], [20, 21]]
+    lens = [60, 75, 40, 30]
+    tables = torch.tensor([t + [0] * (5 - len(t)) for t in ids], dtype=torch.int32)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    prefixes = [([0, 1], 3)]
+    for prefix in (None, prefixes):
+        a = triton_ops.plan_decode(tables, ctx, 16, torch.float32, prefix)
+        b = triton_ops.plan_decode(tables, ctx, 16, torch.float32, prefix, host_lens=lens, host_tables=ids)
+        assert a.max_context_len == b.max_context_len == 75
+        assert (a.cascade is None) == (b.cascade is None)
+        if a.cascade is not None:
+            assert all(torch.equal(x, y) for x, y in zip(a.cascade[:4], b.cascade[:4]))
+            assert a.cascade.max_prefix_len == b.cascade.max_prefix_len
+        ra = plan_ref(tables, ctx, 16, torch.float32, prefix)
+        rb = plan_ref(tables, ctx, 16, torch.float32, prefix, host_lens=lens, host_tables=ids)
+        assert repr(ra.groups) == repr(rb.groups)
+        if prefix:
+            for x, y in zip(vars(ra.cascades).values(), vars(rb.cascades).values()):
+                assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y

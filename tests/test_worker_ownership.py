@@ -125,8 +125,8 @@ def test_the_decode_plan_is_made_once_per_step_and_carried_in_the_batch(llama_di
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=32, warm_bytes=0))
     made = []
 
-    def counting(*args):
-        made.append(plan_decode(*args))
+    def counting(*args, **kwargs):
+        made.append(plan_decode(*args, **kwargs))
         return made[-1]
 
     core.runner.ops = replace(core.runner.ops, plan_decode=counting)

@@ -64,14 +64,17 @@ class DecodePlanRef:
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype,
-                prefixes: list[tuple[list[int], int]] | None = None) -> DecodePlanRef:
+                prefixes: list[tuple[list[int], int]] | None = None, host_lens: list[int] | None = None,
+                host_tables: list[list[int]] | None = None) -> DecodePlanRef:
     """The groups, gather ids and masks of one step's decode batch, made once (ModelRunner.prepare puts it
     in the batch) and shared by its layers. Masks are additive in the query's dtype: SDPA would
     otherwise convert a boolean mask in every layer. `prefixes` (cascade.shared_prefixes) are attended
-    as cascades; the other rows by length group."""
-    cascades = plan_cascades(block_tables, context_lens, block_size, dtype, prefixes) if prefixes else None
+    as cascades; the other rows by length group. `host_lens` / `host_tables`: the same as host lists, when
+    the caller has them (nothing is then read back from the device)."""
+    cascades = plan_cascades(block_tables, context_lens, block_size, dtype, prefixes, host_lens,
+                             host_tables) if prefixes else None
     in_cascade = {r for rows, _ in prefixes or () for r in rows}
-    lens = context_lens.tolist()
+    lens = context_lens.tolist() if host_lens is None else list(host_lens)
     alone = [i for i in range(len(lens)) if i not in in_cascade]
     plan = []
     for members in length_groups(tuple(lens[i] for i in alone), block_size) if alone else ():

@@ -97,17 +97,19 @@ class ModelRunner:
         for _, n in prefills:
             query_start.append(query_start[-1] + n)
         decode_tables = self._block_tables(decode_ids)
-        decode_lens = self._tensor([s.num_computed_tokens + 1 for s, _ in decodes], torch.int32)
+        host_lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+        decode_lens = self._tensor(host_lens, torch.int32)
         plan = None
         if with_plan and decodes and self.ops.plan_decode is not None:
             prefixes = self._prefixes(decodes, decode_ids) or None
-            plan = self.ops.plan_decode(decode_tables, decode_lens, self.block_size, self.kv_cache.dtype, prefixes)
+            plan = self.ops.plan_decode(decode_tables, decode_lens, self.block_size, self.kv_cache.dtype, prefixes,
+                                        host_lens=host_lens, host_tables=decode_ids)
         return AttentionMetadata(
             num_decode_tokens=len(decodes),
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
             decode_plan=plan,
-            max_decode_context_len=max((s.num_computed_tokens + 1 for s, _ in decodes), default=0),
+            max_decode_context_len=max(host_lens, default=0),
             prefill_block_tables=self._block_tables(prefill_ids),
             prefill_query_start_loc=self._tensor(query_start, torch.int32),
             prefill_context_lens=self._tensor([s.num_computed_tokens + n for s, n in prefills], torch.int32),

@@ -11,7 +11,7 @@ from tieredkv.config import SamplingParams
 from tieredkv.errors import SamplingError
 from tieredkv.runner.logits_processors import RowState, apply_min_p, apply_processors
 
-__all__ = ["RowState", "Sampled", "apply_top_k_top_p", "bad_rows", "sample", "sample_row"]
+__all__ = ["RowState", "Sampled", "apply_top_k_top_p", "bad_mask", "bad_rows", "sample", "sample_row"]
 
 NOT_FINITE = "the model produced logits that are not finite numbers"
 
@@ -46,20 +46,27 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
+def bad_mask(logits: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] -> [S] bool, on the logits' device: whether each row cannot be used. A row's max is not
+    finite exactly when the row has a NaN (amax propagates it), a +inf, or nothing but -inf."""
+    return ~logits.amax(-1).isfinite()
+
+
 def bad_rows(logits: torch.Tensor) -> list[bool]:
-    """logits [S, V] -> for each row, whether it cannot be used: a row's max is not finite exactly when the
-    row has a NaN (amax propagates it), a +inf, or nothing but -inf."""
-    return (~logits.amax(-1).isfinite()).tolist()
+    """bad_mask, as a list on the host."""
+    return bad_mask(logits).tolist()
 
 
 def sample(logits: torch.Tensor, rows: list[RowState],
            generators: list[torch.Generator | None]) -> list[Sampled | SamplingError]:
     """logits [S, V] fp32 -> S sampled tokens, or a SamplingError for each row that cannot be sampled
-    (NaN or +inf logits, nothing finite left): a bad row fails its own sequence, never the batch."""
-    bad = bad_rows(logits)
-    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None and not bad[i]]
+    (NaN or +inf logits, nothing finite left): a bad row fails its own sequence, never the batch. The greedy
+    tokens and the bad-row mask reach the host in one transfer (one device sync a step on CUDA)."""
+    bad_t = bad_mask(logits)
+    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     raw = logits[asked].log_softmax(-1) if asked else None  # before any processor changes the logits
-    tokens = apply_processors(logits, rows).argmax(-1).tolist()
+    tokens_t = apply_processors(logits, rows).argmax(-1)
+    tokens, bad = torch.stack((tokens_t, bad_t.to(tokens_t.dtype))).tolist()
     out: list[Sampled | SamplingError] = [
         SamplingError(NOT_FINITE) if bad[i] else Sampled(t)
         for i, t in enumerate(tokens)]
