@@ -23,19 +23,11 @@ BEAM_NEW = 10
 @pytest.fixture(scope="module")
 async def engine():
     # the compiled decode path, as on CPU by default (the suite turns it off for other engines); one engine,
-    # so one compile for every test, of a graph over 6 layers that serves the 30 as 5 runs (the whole stack
-    # in one graph, as served by default, is the tiny models' case in test_compiled_decode.py; here it would
-    # take ~2 minutes to compile on an empty cache, and ~20 s to load, against ~40 s and ~10 s); a hot pool
-    # of 24 blocks (384 tokens) holds each chat, and makes a document of 486 tokens offload its older blocks
-    # to the warm tier
-    import tieredkv.runner.compiled_decode as cd
-
-    whole, cd.MAX_LAYERS_PER_GRAPH = cd.MAX_LAYERS_PER_GRAPH, 6
-    try:
-        engine = await AsyncEngine.start(EngineConfig(model="default", num_blocks=24, warm_bytes=64 << 20,
-                                                      compile_decode=True))
-    finally:
-        cd.MAX_LAYERS_PER_GRAPH = whole
+    # so one compile for every test: the default graph over 6 layers serving the 30 as 5 runs (the whole
+    # stack in one graph is the tiny models' case in test_compiled_decode.py); a hot pool of 24 blocks (384
+    # tokens) holds each chat, and makes a document of 486 tokens offload its older blocks to the warm tier
+    engine = await AsyncEngine.start(EngineConfig(model="default", num_blocks=24, warm_bytes=64 << 20,
+                                                  compile_decode=True))
     assert len(engine.core.runner.compiled._groups) == 5
     yield engine
     await engine.close()

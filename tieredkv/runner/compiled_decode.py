@@ -47,7 +47,11 @@ from tieredkv.models.llama import LlamaModel
 log = logging.getLogger("tieredkv")
 
 MIN_TABLE_WIDTH = 2  # tables are padded to this width: a width of 1 would be a graph of its own
-MAX_LAYERS_PER_GRAPH = 32  # the graph's compile time grows with its layers (the default model's 30: ~50 s, once)
+# The graph's trace and compile time grow with its layers, and the trace is paid at every start (the caches
+# skip only what follows it): the default model's 30 layers as one graph took 25-31 s to load at each start
+# and ~2 min to compile once, as 5 runs of 6 layers 13 s, at the same decode speed (72.6-77.5 against
+# 76.3-79.2 ms/token, AMD EPYC, AVX2)
+MAX_LAYERS_PER_GRAPH = 8
 RECOMPILE_LIMIT = 3  # 1 is expected; past this the path turns itself off rather than compile every step
 GIL_SWITCH_S = 1e-4  # while compiling in the background (start_background)
 _ONE_COMPILE = threading.Lock()  # engines of one process compile one at a time (inductor's settings are global)
