@@ -8,11 +8,12 @@ embedding, residual adds, the K/V store and the attention's gather and softmax i
 C++ loops, and keeps the dense layers as library calls on the plain weights (for one row MKL's
 product reads them faster than oneDNN's packed layout, which wins from four rows on: kernels/linear.py).
 
-What: one graph for a run of layers (the whole stack, for the default model's 30, with the embedding
-and the logits), which every run of that length calls: a layer reads no per-layer Python value, its
-weights and cache come in as inputs. One graph over the stack, rather than one per layer, saves
-torch.compile's ~0.1 ms wrapper around each call (3 ms a token for 30 layers) and fuses each layer's
-last residual add into the next one's norm.
+What: one graph for a run of layers (the whole stack, with the embedding and the logits, up to
+MAX_LAYERS_PER_GRAPH layers; the default model's 30 as 5 runs of 6), which every run of that length calls: a
+layer reads no per-layer Python value, its weights and cache come in as inputs. Runs of layers, rather than
+one graph per layer, save torch.compile's ~0.1 ms wrapper around each call (3 ms a token for 30 single-layer
+graphs) and fuse each layer's last residual add into the next one's norm; runs rather than the whole stack
+keep the trace, paid at every start, short.
 The engine compiles it on a thread of its own from start-up (`start_background`) while the eager forward
 serves, and switches to it between two steps once it is ready, so no request waits for a compile; and
 inductor keeps it in its on-disk cache under the engine's cache directory, so a restart loads it.
