@@ -76,9 +76,11 @@ def plan_cascades(block_tables: torch.Tensor, context_lens: torch.Tensor, block_
     dev, bs = block_tables.device, block_size
     max_members = max(len(rows) for rows, _ in prefixes)
     max_blocks = max(n for _, n in prefixes)
+    host_tables = block_tables.tolist() if host_tables is None else host_tables
+    host_lens = context_lens.tolist() if host_lens is None else host_lens
     rows, slots, members, prefix_ids, prefix_keep, suffix_starts, runs = [], [], [], [], [], [], []
     for g, (group_rows, n) in enumerate(prefixes):
-        ids = block_tables[group_rows[0], :n].tolist() if host_tables is None else list(host_tables[group_rows[0]][:n])
+        ids = list(host_tables[group_rows[0]][:n])
         runs.append((ids[0], n) if ids == list(range(ids[0], ids[0] + n)) else None)
         rows += group_rows
         slots += [g * max_members + i for i in range(len(group_rows))]
@@ -89,10 +91,7 @@ def plan_cascades(block_tables: torch.Tensor, context_lens: torch.Tensor, block_
     idx = torch.tensor(rows, device=dev)
     starts = torch.tensor(suffix_starts, device=dev)
     suffix = context_lens[idx] - starts * bs
-    if host_lens is None:
-        length = int(suffix.max())
-    else:
-        length = max(host_lens[r] - s * bs for r, s in zip(rows, suffix_starts))
+    length = max(host_lens[r] - s * bs for r, s in zip(rows, suffix_starts))
     nb = -(-length // bs)
     cols = starts[:, None] + torch.arange(nb, device=dev)[None, :]
     tables = torch.gather(block_tables[idx], 1, cols.clamp(max=block_tables.shape[1] - 1).to(torch.int64))

@@ -256,10 +256,7 @@ def plan_decode(block_tables, context_lens, block_size, dtype, prefixes=None, ho
                 host_tables=None) -> DecodePlan:
     """The step's split layout and cascades. `host_lens` / `host_tables` are the same lengths and block ids as
     host lists (the runner has them): given, nothing is read back from the device (no sync per step)."""
-    if host_lens is not None:
-        max_len = max(host_lens, default=0)
-    else:
-        max_len = int(context_lens.max()) if context_lens.numel() else 0
+    max_len = max(context_lens.tolist() if host_lens is None else host_lens, default=0)
     if not prefixes:
         return DecodePlan(max_len)
     width = max(len(rows) for rows, _ in prefixes)
@@ -267,10 +264,10 @@ def plan_decode(block_tables, context_lens, block_size, dtype, prefixes=None, ho
     members = torch.full((len(prefixes), width), -1, dtype=torch.int32)
     tables = torch.zeros(len(prefixes), blocks, dtype=torch.int32)
     first = torch.zeros(block_tables.shape[0], dtype=torch.int32)
-    host = block_tables.cpu() if host_tables is None else None
+    ids = block_tables.tolist() if host_tables is None else host_tables
     for g, (rows, n) in enumerate(prefixes):
         members[g, : len(rows)] = torch.tensor(rows, dtype=torch.int32)
-        tables[g, :n] = host[rows[0], :n] if host is not None else torch.tensor(host_tables[rows[0]][:n])
+        tables[g, :n] = torch.tensor(ids[rows[0]][:n], dtype=torch.int32)
         first[rows] = n * block_size
     dev = block_tables.device
     lens = torch.tensor([n * block_size for _, n in prefixes], dtype=torch.int32)
