@@ -50,3 +50,43 @@ def llama2_dir(tmp_path_factory) -> Path:
     """Two layers, for the engine tests that run the Triton kernels under the interpreter (seconds a layer):
     every layer runs the same kernels, and a second one still checks each reads its own layer's cache."""
     return make_checkpoint(tmp_path_factory.mktemp("tiny-llama-2"), "llama", num_hidden_layers=2)
+
+
+@pytest.fixture(scope="session")
+def valkey_server(tmp_path_factory):
+    """One Valkey server for the session's remote-tier tests (each uses a namespace of its own: another
+    model fingerprint). 64 MiB, least recently used keys evicted when full, as a cache server runs."""
+    from tieredkv.tools.local_valkey import LocalValkey
+
+    server = LocalValkey(tmp_path_factory.mktemp("valkey"), maxmemory="64mb",
+                         maxmemory_policy="allkeys-lru").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory):
+    """A one-node Valkey cluster (every hash slot on one node): the cluster client's path, on one machine."""
+    import time
+
+    import valkey
+
+    from tieredkv.tools.local_valkey import LocalValkey
+
+    folder = tmp_path_factory.mktemp("valkey-cluster")
+    server = LocalValkey(folder, cluster_enabled="yes", cluster_config_file=folder / "nodes.conf", maxmemory="64mb",
+                         maxmemory_policy="allkeys-lru").start()
+    with valkey.Valkey.from_url(server.url) as client:
+        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        deadline = time.monotonic() + 30
+        while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline, "the one-node cluster did not come up"
+            time.sleep(0.05)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet_key(tmp_path_factory):
+    """The secret every engine of the session's remote-tier tests shares, as a fleet's replicas do."""
+    return tmp_path_factory.mktemp("fleet") / "fleet.key"

@@ -33,8 +33,10 @@ def test_every_field_is_an_option_with_its_description_and_default(command, caps
 def test_options_are_parsed_into_the_fields_types():
     args = parse("serve", "--block-size", "32", "--warm-bytes", "1.5GiB", "--cold-bytes", "512MiB",
                  "--no-enable-prefix-caching", "--compile-decode", "--scheduling-policy", "fcfs",
-                 "--gpu-memory-utilization", "0.5", "--weights", "int8", "--cold-path", "/tmp/x", "--model", "m")
+                 "--gpu-memory-utilization", "0.5", "--weights", "int8", "--cold-path", "/tmp/x", "--model", "m",
+                 "--remote", "redis://10.0.0.5:6379/2", "--remote-ttl-s", "none")
     cfg = engine_config(args)
+    assert cfg.remote_url == "redis://10.0.0.5:6379/2" and cfg.remote_ttl_s is None
     assert (cfg.block_size, cfg.warm_bytes, cfg.cold_bytes) == (32, 3 << 29, 512 << 20)
     assert cfg.enable_prefix_caching is False and cfg.compile_decode is True and cfg.scheduling_policy == "fcfs"
     assert cfg.gpu_memory_utilization == 0.5 and cfg.quantization == "int8"

@@ -102,4 +102,4 @@ async def test_freed_chain_is_evicted_tail_first(llama_dir):
         assert engine.stats().tiers["hot"].evictions == 2
         again = await engine.generate(prompt, SamplingParams(max_tokens=1))
         assert again.usage.cached_prompt_tokens == 64  # 2 tail blocks of 6 were evicted, the head kept
-        assert again.usage.cached_tokens_by_tier == {"hot": 64, "warm": 0, "cold": 0}
+        assert again.usage.cached_tokens_by_tier == {"hot": 64, "warm": 0, "remote": 0, "cold": 0}

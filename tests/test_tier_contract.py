@@ -1,5 +1,5 @@
-"""One contract for every storage tier: hot (the block pool), warm (host slab), cold (LMDB), and a
-dict-backed tier that only the tests use. No test here knows which tier it runs against."""
+"""One contract for every storage tier: hot (the block pool), warm (host slab), cold (LMDB), remote (a
+real Valkey server, and a one-node Valkey cluster), and a dict-backed tier that only the tests use. No test here knows which tier it runs against."""
 
 import pytest
 import torch
@@ -31,19 +31,36 @@ def make_blocks(n, seed=0):
     return torch.randn((n, *SHAPE), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(params=["hot", "warm", "cold", "memory"])
-async def tier(request, tmp_path):
-    if request.param == "hot":
+def make_tier(kind, tmp_path, request):
+    if kind == "hot":
         pool = BlockPool(CAPACITY)
         kv = torch.zeros(SHAPE[0], 2, CAPACITY, *SHAPE[2:])
-        t = HotTier(pool, kv, TORCH_OPS)
-    elif request.param == "warm":
-        t = WarmTier(CAPACITY, SHAPE, torch.float32, pin=False)
-    elif request.param == "memory":
-        t = MemoryTier(CAPACITY, make_blocks(1)[0].numel() * 4)
-    else:
-        entry = disk_cost(ColdTier.entry_bytes(SHAPE, torch.float32, "fp-test", num_tokens=4))
-        t = ColdTier(tmp_path / "cold", CAPACITY * entry, "fp-test", SHAPE, torch.float32)
+        return HotTier(pool, kv, TORCH_OPS)
+    if kind == "warm":
+        return WarmTier(CAPACITY, SHAPE, torch.float32, pin=False)
+    if kind == "memory":
+        return MemoryTier(CAPACITY, make_blocks(1)[0].numel() * 4)
+    if kind.startswith("remote"):  # a real server (or cluster); a namespace (model fingerprint) per test
+        from tieredkv.tiers.remote import RemoteTier
+
+        server = request.getfixturevalue("valkey_cluster" if kind == "remote-cluster" else "valkey_server")
+        return RemoteTier(server.url, f"fp-{request.node.name}", SHAPE, torch.float32, tmp_path / "key")
+    entry = disk_cost(ColdTier.entry_bytes(SHAPE, torch.float32, "fp-test", num_tokens=4))
+    return ColdTier(tmp_path / "cold", CAPACITY * entry, "fp-test", SHAPE, torch.float32)
+
+
+@pytest.fixture(params=["hot", "warm", "cold", "memory", "remote", "remote-cluster"])
+async def tier(request, tmp_path):
+    t = make_tier(request.param, tmp_path, request)
+    yield t
+    await t.close()
+
+
+@pytest.fixture(params=["hot", "warm", "cold", "memory"])
+async def budgeted_tier(request, tmp_path):
+    """The tiers that keep their own byte budget. The remote tier's is the server's (maxmemory and its
+    policy): test_remote_tier.py tests a full server."""
+    t = make_tier(request.param, tmp_path, request)
     yield t
     await t.close()
 
@@ -83,7 +100,8 @@ async def test_put_is_idempotent_and_remove_drops(tier):
     assert await tier.contains(keys[2:]) == 1
 
 
-async def test_a_full_tier_evicts_least_recently_used_first(tier):
+async def test_a_full_tier_evicts_least_recently_used_first(budgeted_tier):
+    tier = budgeted_tier
     keys, blocks = make_keys(CAPACITY + 3), make_blocks(CAPACITY + 3)
     for i in range(CAPACITY):
         await tier.put(keys[i:i + 1], blocks[i:i + 1])

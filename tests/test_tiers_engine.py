@@ -77,7 +77,7 @@ async def test_demoted_down_to_cold_and_promoted_back(llama_dir, tmp_path):
         await engine.clear_cache("warm", demote=True)
         await asyncio.to_thread(engine.core.tiers.cold.flush_sync)
         again = await engine.generate(SYSTEMS[1] + [4, 5], PARAMS)
-        assert again.usage.cached_tokens_by_tier == {"hot": 0, "warm": 0, "cold": 160}
+        assert again.usage.cached_tokens_by_tier == {"hot": 0, "warm": 0, "remote": 0, "cold": 160}
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
@@ -111,7 +111,7 @@ async def test_prefill_clear_cache_and_pin(llama_dir):
         assert out.usage.cached_prompt_tokens == 0  # cleared, not demoted
         assert await engine.clear_cache("hot", demote=True) == 10
         out = await engine.generate(system + [5, 6, 9], PARAMS)
-        assert out.usage.cached_tokens_by_tier == {"hot": 0, "warm": 160, "cold": 0}
+        assert out.usage.cached_tokens_by_tier == {"hot": 0, "warm": 160, "remote": 0, "cold": 0}
         await engine.clear_cache("all")
 
         assert await engine.pin(system) == 160

@@ -2,8 +2,8 @@
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine import AsyncEngine
-from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RequestError,
-                             SamplingError, SnapshotError, StepError, TieredKVError, UnsupportedModelError,
+from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RemoteTierError,
+                             RequestError, SamplingError, SnapshotError, StepError, TieredKVError, UnsupportedModelError,
                              WrongLoopError)
 from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 
@@ -16,6 +16,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "ModelNotFoundError",
+    "RemoteTierError",
     "RequestError",
     "RequestOutput",
     "SamplingParams",

@@ -97,13 +97,23 @@ class EngineConfig(BaseModel):
     cold_secret_path: str | None = Field(
         None, description="owner-only file with the key that authenticates cold entries, created on first use; "
         "None: ~/.config/tieredkv/cold.key. Processes sharing a cold_path must share it")
+    remote_url: str | None = Field(
+        None, description="Valkey or Redis server whose KV tier engines share (redis://host:port/db, rediss://, "
+        "valkey://, unix:///path.sock; a cluster: any node's URL); None turns it off. The MAC key is "
+        "cold_secret_path's: engines sharing a server must share it. Needs the remote extra")
+    remote_timeout_s: float = Field(0.5, gt=0, description="limit of each call to the remote server; a call over "
+                                    "it is a miss and opens the circuit breaker")
+    remote_retry_s: float = Field(10.0, gt=0, description="after a failed call, the remote tier makes no call for "
+                                  "this long: lookups are misses, writes are dropped")
+    remote_ttl_s: int | None = Field(86400, gt=0, description="lifetime of a remote entry, renewed by every read; "
+                                     "None: none (the server's maxmemory policy alone bounds the tier)")
     max_pinned_fraction: float = Field(0.25, ge=0.0, le=0.9, description="share of the hot pool pin() may hold")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> "EngineConfig":
         """The config of a command-line tool: each field from the environment variable TIEREDKV_<FIELD>
         when it is set (TIEREDKV_COMPILE_DECODE=0, TIEREDKV_WARM_BYTES=0, ...; "none" for None), then the
-        `given` values that are not None (the command's own arguments) over them. Only the command line
+        `given` values that are not None (the command's own arguments; "none" for None here too) over them. Only the command line
         calls this: an engine made in Python reads no environment variable for its settings."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -111,7 +121,8 @@ class EngineConfig(BaseModel):
             raw = environ.get(ENV_PREFIX + name.upper(), "")
             if raw != "":
                 values[name] = None if raw.lower() == "none" else raw
-        values.update({k: v for k, v in given.items() if v is not None})
+        values.update({k: None if isinstance(v, str) and v.lower() == "none" else v
+                       for k, v in given.items() if v is not None})
         return cls.model_validate(values)
 
     @field_validator("quantization_group_size")

@@ -245,7 +245,7 @@ class AsyncEngine:
         return await self._loop.run_in_executor(self._tokenizer, fn, prompt)
 
     async def explain(self, prompt: PromptType) -> list[BlockReport]:
-        """For each block of the prompt: where a request would take it from (hot, warm, cold), or why it
+        """For each block of the prompt: where a request would take it from (hot, warm, remote, cold), or why it
         would be computed. Changes nothing in the cache."""
         ids = await self.tokenize(prompt)
         return await self._submit(explain, self._worker.core, ids)
@@ -289,7 +289,7 @@ class AsyncEngine:
         return await self._submit(self._worker.core.pins.unpin, ids)
 
     async def clear_cache(self, tier: str = "all", demote: bool = False) -> int:
-        """Empties a tier ("hot", "warm", "cold" or "all"); returns how many entries left it. With
+        """Empties a tier ("hot", "warm", "remote", "cold" or "all"); returns how many entries left it. With
         demote=True, a hot or warm tier's entries move down to the next tier instead of being dropped."""
         return await self._submit(self._worker.core.tiers.clear, tier, demote)
 

@@ -89,8 +89,17 @@ class EngineCore:
             log.exception("engine step failed")
             return self.lifecycle.fail_step(out, e)
         outputs = self.lifecycle.update(out, logits, sampled)
+        self._publish()
         self.telemetry.on_step(out, time.perf_counter() - t0)
         return outputs
+
+    def _publish(self) -> None:
+        """Blocks that became full this step go to the shared tier (when there is one), while their data
+        is surely still theirs."""
+        new = self.pool.new_cached
+        if new:
+            self.tiers.publish([b for b in new if b.block_hash is not None])
+            new.clear()
 
     def _idle(self, out) -> list[Output]:
         """A step that computes nothing: wait briefly for a cold read, or fail a request that never fits."""

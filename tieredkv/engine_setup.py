@@ -250,7 +250,7 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
                 fingerprint: str, num_warm_blocks: int, far: bool) -> TierManager:
     """The block pool (lending warm slots as far blocks when `far`) and hot over it; warm when its budget
     holds a block (the tail of kv_cache when that has room beyond the pool); cold (LMDB, imported only
-    then) with a path."""
+    then) with a path; remote (Valkey/Redis, imported only then) with a URL."""
     block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
     warm = None
     if num_warm_blocks > 0:
@@ -263,7 +263,14 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
         from tieredkv.tiers.cold import ColdTier
 
         cold = ColdTier(cfg.cold_path, cfg.cold_bytes, fingerprint, block_shape, kv_cache.dtype, cfg.cold_secret_path)
-    return TierManager(hot, warm, cold, cfg.block_size)
+    remote = None
+    if cfg.remote_url is not None:
+        from tieredkv.tiers.remote import RemoteTier
+
+        remote = RemoteTier(cfg.remote_url, fingerprint, block_shape, kv_cache.dtype, cfg.cold_secret_path,
+                            cfg.remote_timeout_s, cfg.remote_retry_s, cfg.remote_ttl_s)
+        hot.pool.new_cached = []  # new full blocks are written to the remote tier as they are computed
+    return TierManager(hot, warm, cold, cfg.block_size, remote)
 
 
 @dataclass

@@ -45,6 +45,11 @@ class ColdTierError(TieredKVError, RuntimeError):
     """The cold folder cannot be opened, or the cold tier's writer thread has stopped."""
 
 
+class RemoteTierError(TieredKVError, ValueError):
+    """`remote_url` cannot be used: the `valkey` client is not installed (the `remote` extra), or the URL is
+    not one it takes. A server that is down or slow is not an error: its lookups are misses."""
+
+
 class SnapshotError(TieredKVError, ValueError):
     """The file is not a cache snapshot, or was written for another model, dtype, block size or layout."""
 

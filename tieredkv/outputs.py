@@ -23,7 +23,8 @@ class Usage:
         prompt_tokens: tokens of the prompt (after the chat template).
         cached_prompt_tokens: of which served from the cache instead of computed.
         completion_tokens: tokens generated.
-        cached_tokens_by_tier: `cached_prompt_tokens` by the tier they came from: "hot", "warm", "cold".
+        cached_tokens_by_tier: `cached_prompt_tokens` by the tier they came from: "hot", "warm", "remote",
+            "cold".
     """
 
     prompt_tokens: int
@@ -130,7 +131,8 @@ class EngineStats:
         cow_copies: partial blocks copied on write so far (shared by `n > 1` samples or beams).
         num_swaps: preemptions swapped to the warm tier (the rest are recomputed).
         num_swapped: waiting sequences whose blocks wait in warm swap slots now.
-        tiers: per tier ("hot", "warm", "cold"): capacity, use, hits, misses and moves (`TierStats`).
+        tiers: per tier present ("hot", "warm", "remote", "cold"): capacity, use, hits, misses and moves
+            (`TierStats`).
         blocks_pinned: hot blocks held by `pin()`.
         blocks_free: `blocks_total - blocks_used`.
         blocks_far: blocks of running sequences kept in the warm tier now (long documents).

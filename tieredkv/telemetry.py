@@ -22,7 +22,8 @@ _SCOPE = "tieredkv"
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0]
 TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]
 TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-TIER_COUNTERS = ("promotions", "demotions", "evictions", "failures")
+TIER_COUNTERS = {"promotions": "{block}", "demotions": "{block}", "evictions": "{block}", "failures": "{failure}",
+                 "bytes_read": "By", "bytes_written": "By", "round_trips": "{round_trip}"}
 
 # Observable instruments exist once per process (creating one again returns the first, with its
 # callbacks), so their callbacks report every live engine, each under its own `engine` attribute.
@@ -45,7 +46,7 @@ class Telemetry:
                                                      "error, rejected)")
         self.prompt_tokens = m.create_counter("tieredkv.prompt_tokens", unit="{token}",
                                               description="prompt tokens of finished requests, by source "
-                                                          "(computed, hot, warm, cold)")
+                                                          "(computed, hot, warm, remote, cold)")
         self.cached_prompt_tokens = m.create_counter("tieredkv.cached_prompt_tokens", unit="{token}",
                                                      description="prompt tokens served from the KV cache")
         self.generated_tokens = m.create_counter("tieredkv.generated_tokens", unit="{token}")
@@ -148,9 +149,9 @@ def _event(req, name: str, attributes: dict) -> None:
 
 
 def _register_observables(m) -> None:
-    for name in TIER_COUNTERS:
+    for name, unit in TIER_COUNTERS.items():
         m.create_observable_counter(f"tieredkv.tier.{name}", [_observe(lambda snap, name=name: [
-            (getattr(st, name), {"tier": t}) for t, st in snap.tiers.items()])], unit="{block}")
+            (getattr(st, name), {"tier": t}) for t, st in snap.tiers.items()])], unit=unit)
     m.create_observable_gauge("tieredkv.kv_cache.usage", [_observe(lambda snap: [
         (st.used_bytes / st.capacity_bytes if st.capacity_bytes else 0.0, {"tier": t})
         for t, st in snap.tiers.items()])], unit="1", description="share of each tier's capacity holding KV data")

@@ -105,6 +105,7 @@ class BlockPool:
         self.lender = lender  # the warm tier, when far blocks are on
         self.num_far = 0  # far blocks in use
         self.num_cached_far = 0  # of which in the hash map
+        self.new_cached: list[KVBlock] | None = None  # a list: `cache` records each block it registers there
 
     @property
     def num_blocks(self) -> int:
@@ -221,6 +222,8 @@ class BlockPool:
         self.cached[block_hash] = block
         self.num_cached_free += block.ref_cnt == 0
         self.num_cached_far += self.is_far(block)
+        if self.new_cached is not None:
+            self.new_cached.append(block)
 
     def evict_all_cached(self) -> int:
         """Forget every free cached block (in use ones keep their hash), without demotion."""

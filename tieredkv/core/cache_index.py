@@ -33,7 +33,7 @@ class CacheIndex:
         return chain_keys(self.root, token_ids, self.block_size)
 
     def where(self, keys: Sequence[BlockKey], verify: bool = False) -> list[str | None]:
-        """Per key, the highest tier holding its block ("hot", "warm", "cold"), or None. With `verify`, a
+        """Per key, the highest tier holding its block ("hot", "warm", "remote", "cold"), or None. With `verify`, a
         tier that checks entries when reading them (the cold tier's MAC) checks this one too: an entry
         that would fail counts as absent."""
         out: list[str | None] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
@@ -13,7 +14,7 @@ import torch
 
 from tieredkv.core.hashing import BlockKey
 
-TIER_NAMES = ("hot", "warm", "cold")  # top to bottom
+TIER_NAMES = ("hot", "warm", "remote", "cold")  # top to bottom (remote, when shared, is written beside cold)
 
 
 @dataclass
@@ -21,7 +22,7 @@ class TierStats:
     """Counters of one tier: `hits` and `misses` count prompt tokens, the moves count blocks.
 
     Attributes:
-        name: "hot", "warm" or "cold".
+        name: "hot", "warm", "remote" or "cold".
         capacity_bytes: the tier's budget.
         used_bytes: what its entries take now.
         hits: prompt tokens served from this tier.
@@ -31,7 +32,10 @@ class TierStats:
         demotions: blocks written into this tier from the tier above.
         evictions: blocks this tier dropped to make room (passed on below when there is a tier below).
         failures: reads that failed: read errors, failed authentication or header mismatches, each served
-            as a miss.
+            as a miss; for the remote tier also failed or dropped writes (server down, slow or full).
+        bytes_read: bytes a tier that moves data over a network (remote) received.
+        bytes_written: bytes such a tier sent.
+        round_trips: its requests to the server (a pipelined batch is one).
     """
 
     name: str
@@ -43,6 +47,25 @@ class TierStats:
     demotions: int = 0
     evictions: int = 0
     failures: int = 0  # read errors, failed authentication or header mismatches: each served as a miss
+    bytes_read: int = 0
+    bytes_written: int = 0
+    round_trips: int = 0
+
+
+def next_batch(ops: "queue.Queue", first, limit: int) -> list:
+    """`first` and the operations queued behind it, up to `limit`, for a writer thread to apply as one
+    batch. The stop marker (None) is left in the queue, for the writer's next get."""
+    batch = [first]
+    while len(batch) < limit:
+        try:
+            op = ops.get_nowait()
+        except queue.Empty:
+            break
+        if op is None:
+            ops.put(None)
+            break
+        batch.append(op)
+    return batch
 
 
 Victims = tuple[list[BlockKey], "torch.Tensor | None"]  # entries a tier evicted: keys, blocks (a copy)
@@ -64,6 +87,9 @@ class KVTier(ABC):
     name: ClassVar[str]
     blocking: ClassVar[bool] = False
     durable: ClassVar[bool] = False  # outlives the process: the tier manager persists into it at close
+    # shared with other engines (remote): written as blocks are computed (`wanted` says which it lacks),
+    # what it admits goes on to the tier below as well, and neither persist nor a snapshot copies it
+    shared: ClassVar[bool] = False
 
     DROPPED_LOG = 1 << 16  # how many dropped block hashes a tier remembers, for explain()
 
@@ -121,6 +147,11 @@ class KVTier(ABC):
         (`flush_sync` waits), and it returns the entries it evicted for the tier below. `blocks` must
         not change afterwards."""
         return self.put_sync(keys, blocks), NO_VICTIMS
+
+    def wanted(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Indices of the keys a shared tier would store if offered (it may skip those it knows it holds);
+        cheap, no I/O."""
+        return list(range(len(keys)))
 
     @abstractmethod
     def remove_sync(self, keys: Sequence[BlockKey]) -> int:

@@ -29,8 +29,8 @@ import lmdb
 import torch
 
 from tieredkv.errors import ColdTierError
-from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, Victims
-from tieredkv.tiers.cold_format import ColdFormat, default_secret_path, fingerprint_prefix, key_fingerprint, load_secret
+from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, Victims, next_batch
+from tieredkv.tiers.cold_format import ColdFormat, default_secret_path, key_fingerprint
 from tieredkv.tiers.cold_txn import ColdTxnOps, disk_cost
 from tieredkv.tiers.lmdb_env import close_env, open_env
 
@@ -53,12 +53,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
                  dtype: torch.dtype, secret_path: str | Path | None = None):
         self.path = Path(path)
         self.budget = budget_bytes
-        self.fingerprint = fingerprint
-        self.prefix = fingerprint_prefix(fingerprint)
-        self.block_shape = tuple(block_shape)
-        self.dtype = dtype
-        self.dtype_name = str(dtype).removeprefix("torch.")
-        self.secret = load_secret(secret_path)
+        self._init_format(fingerprint, block_shape, dtype, secret_path)
         self.map_limit = budget_bytes + max(budget_bytes // 4, _MIN_MAP)  # the file never grows past this
         try:
             self.handle = open_env(self.path, map_size=min(max(_MIN_MAP, budget_bytes // 4), self.map_limit))
@@ -101,6 +96,9 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
                 f"is {mine.decode()}). Engines sharing a cold_path must share cold_secret_path; give this one "
                 "that key, or a cold_path of its own")
 
+    def _set_aside(self, key: BlockKey) -> None:
+        self._queue.put(("set_aside", [self._key(key)], None))
+
     def cost(self, value_bytes: int) -> int:
         return disk_cost(value_bytes, self.page_size)
 
@@ -142,7 +140,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         if not found:
             return None
         self._queue.put(("touch", [self._key(k) for k in keys[:found]], None))
-        return torch.frombuffer(data, dtype=self.dtype).view(found, *self.block_shape)
+        return self._blocks(data, found)
 
     def export_sync(self, batch: int) -> Iterator[tuple[list[BlockKey], torch.Tensor]]:
         """Every usable entry of this fingerprint, read in short transactions of up to `batch` entries."""
@@ -168,7 +166,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
                         data += payload  # copied out before the read transaction ends
                     found = cur.next()
             if keys:
-                yield keys, torch.frombuffer(data, dtype=self.dtype).view(len(keys), *self.block_shape)
+                yield keys, self._blocks(data, len(keys))
 
     # -- writes (through the writer thread) --------------------------------------------------------
 
@@ -218,16 +216,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
             op = self._queue.get()
             if op is None:
                 return
-            batch = [op]
-            while len(batch) < _MAX_BATCH:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                batch.append(nxt)
+            batch = next_batch(self._queue, op, _MAX_BATCH)
             try:
                 results = self._apply(self._encoded(batch))
             except Exception:  # never die: count, answer every waiter, take the next batch

@@ -71,8 +71,16 @@ def key_fingerprint(secret: bytes) -> bytes:
 
 
 class ColdFormat:
-    """Mixed into ColdTier: needs `prefix`, `fingerprint`, `dtype`, `dtype_name`, `block_shape`,
-    `secret`, `_queue` (to remove a bad entry) and the KVTier counters."""
+    """Mixed into ColdTier and RemoteTier, which call `_init_format` and may override `_key` and
+    `_set_aside` (what becomes of a bad entry); the KVTier counters count failures."""
+
+    def _init_format(self, fingerprint: str, block_shape: tuple[int, ...], dtype: torch.dtype, secret_path) -> None:
+        self.fingerprint = fingerprint
+        self.prefix = fingerprint_prefix(fingerprint)
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.dtype_name = str(dtype).removeprefix("torch.")
+        self.secret = load_secret(secret_path)
 
     @staticmethod
     def entry_bytes(block_shape: tuple[int, ...], dtype: torch.dtype, fingerprint: str, num_tokens: int) -> int:
@@ -82,6 +90,10 @@ class ColdFormat:
         payload = torch.Size(block_shape).numel() * dtype.itemsize
         return len(_MAGIC) + _U32.size + len(header) + MAC_BYTES + payload
 
+    def _blocks(self, data: bytearray, n: int) -> torch.Tensor:
+        """n payloads laid end to end, as blocks [n, *block_shape] (no copy)."""
+        return torch.frombuffer(data, dtype=self.dtype).view(n, *self.block_shape)
+
     @property
     def payload_bytes(self) -> int:
         return torch.Size(self.block_shape).numel() * self.dtype.itemsize
@@ -89,7 +101,11 @@ class ColdFormat:
     # -- keys and values ---------------------------------------------------------------------------
 
     def _key(self, key: BlockKey) -> bytes:
+        """The entry's key in the store (the MAC covers it: an entry copied under another key fails)."""
         return self.prefix + key.block_hash
+
+    def _set_aside(self, key: BlockKey) -> None:
+        """Called after an entry failed its checks (counted, logged)."""
 
     def _mac(self, db_key: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
         h = hashlib.blake2b(key=self.secret, digest_size=MAC_BYTES)
@@ -137,8 +153,8 @@ class ColdFormat:
         try:
             payload = self._verified(key, value)
         except Exception as e:  # any corrupt entry is a miss
-            log.warning("cold tier: unusable entry %s: %s", key.block_hash.hex()[:12], e)
+            log.warning("%s tier: unusable entry %s: %s", self.name, key.block_hash.hex()[:12], e)
             self.count(failures=1)
-            self._queue.put(("set_aside", [self._key(key)], None))
+            self._set_aside(key)
             return None
         return payload

@@ -26,9 +26,11 @@ _BATCH = 256  # blocks per transfer when a whole tier moves
 
 
 class TierManager:
-    def __init__(self, hot: HotTier, warm: KVTier | None, cold: KVTier | None, block_size: int):
+    def __init__(self, hot: HotTier, warm: KVTier | None, cold: KVTier | None, block_size: int,
+                 remote: KVTier | None = None):
         self.hot = hot
-        self.lower: list[KVTier] = [t for t in (warm, cold) if t is not None]  # top to bottom
+        self.lower: list[KVTier] = [t for t in (warm, remote, cold) if t is not None]  # top to bottom
+        self.shared = [t for t in self.lower if t.shared]
         self.block_size = block_size
         self.swap: SwapSpace | None = next((t for t in self.lower if isinstance(t, SwapSpace)), None)
         blocking = [t for t in self.lower if t.blocking]
@@ -149,23 +151,43 @@ class TierManager:
         while level < len(self.lower) and keys:
             tier = self.lower[level]
             try:
-                stored, (keys, blocks) = tier.admit(keys, blocks)
+                stored, victims = tier.admit(keys, blocks)
                 tier.count(demotions=stored)
             except Exception:
                 log.exception("demotion to %s failed", tier.name)
                 tier.count(failures=1)
-                return
+                if not tier.shared:
+                    return
+            else:
+                if not tier.shared:  # a shared tier stands beside the next: it gets the blocks too
+                    keys, blocks = victims
             level += 1
         if keys:  # evicted from the bottom tier: gone
             self.lower[-1].note_dropped(k.block_hash for k in keys)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Host copies [n, layers, 2, block_size, kv_heads, head_dim] of blocks by id, hot or far (a far
-        block's data is its warm slot's)."""
+        block's data is its warm slot's); each run of hot ids is one gather."""
         pool = self.hot.pool
-        out = [self.swap.read([pool.slot_of(i)]) if pool.is_far_id(i) else self.hot.gather([i]).cpu()
-               for i in block_ids]
+        out = [self.swap.read([pool.slot_of(part[0])]) if pool.is_far_id(part[0]) else self.hot.gather(part).cpu()
+               for part in runs(block_ids, lambda i: i if pool.is_far_id(i) else -1)]
         return torch.cat(out) if out else torch.empty(0)
+
+    def publish(self, blocks: list) -> None:
+        """Offers blocks that just became full of computed tokens (KVBlocks of the pool) to the shared
+        tiers, which queue the ones they lack (write-behind): other engines find them from now on."""
+        for tier in self.shared:
+            keys = [BlockKey(b.block_hash, b.token_ids) for b in blocks]
+            want = tier.wanted(keys)
+            if not want:
+                continue
+            try:
+                data = self.read_blocks([blocks[i].block_id for i in want])
+                stored, _ = tier.admit([keys[i] for i in want], data)
+                tier.count(demotions=stored)
+            except Exception:  # a block not shared loses cache, never correctness
+                log.exception("writing new blocks to %s failed", tier.name)
+                tier.count(failures=1)
 
     def _pass_down(self, tier: KVTier, victims: Victims) -> None:
         self._admit(self.lower.index(tier) + 1, *victims)
@@ -214,10 +236,11 @@ class TierManager:
     # -- management -------------------------------------------------------------------------------
 
     def clear(self, tier: str, demote: bool = False) -> int:
-        """Empties "hot" (cached free blocks), "warm", "cold" or "all"; returns the entries removed.
-        demote=True moves hot or warm entries to the next tier down instead (not with "all")."""
+        """Empties "hot" (cached free blocks), "warm", "remote" (this model's entries on the shared
+        server, for every engine using it), "cold" or "all"; returns the entries removed. demote=True
+        moves a tier's entries to the next tier down instead (not with "all")."""
         if tier not in (*TIER_NAMES, "all"):
-            raise ValueError(f"tier must be one of hot, warm, cold, all; got {tier!r}")
+            raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}, all; got {tier!r}")
         if demote and tier == "all":
             raise ValueError('demote=True needs a single tier, not "all"')
         self._settle()
@@ -248,7 +271,7 @@ class TierManager:
         if durable is None:
             return 0
         n = 0
-        for tier in (self.hot, *self.lower[: self.lower.index(durable)]):
+        for tier in (self.hot, *(t for t in self.lower[: self.lower.index(durable)] if not t.shared)):
             for keys, data in tier.export_sync(_BATCH):
                 durable.admit(keys, data)
                 n += len(keys)

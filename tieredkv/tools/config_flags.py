@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal
 
 from tieredkv.config import ENV_PREFIX, EngineConfig
 
-ALIASES = {"quantization": ("--weights",)}
+ALIASES = {"quantization": ("--weights",), "remote_url": ("--remote",)}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -47,13 +47,20 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
-def _parser(name: str, base: Any) -> tuple[Callable[[str], Any], list | None]:
-    """How one option's text becomes the field's value, and its choices (Literal fields)."""
+def _parser(name: str, base: Any, optional: bool) -> tuple[Callable[[str], Any], list | None]:
+    """How one option's text becomes the field's value, and its choices (Literal fields). An optional
+    field also takes "none" (EngineConfig.from_env makes it None)."""
     if typing.get_origin(base) is Literal:
         return str, list(typing.get_args(base))
-    if name.endswith("_bytes"):
-        return _size, None
-    return (base if base in (int, float) else str), None
+    parse = _size if name.endswith("_bytes") else base if base in (int, float) else str
+    if not optional or parse is str:
+        return parse, None
+
+    def or_none(text: str):
+        return "none" if text.strip().lower() == "none" else parse(text)
+
+    or_none.__name__ = parse.__name__  # argparse names it in "invalid int value"
+    return or_none, None
 
 
 def _help(name: str, field) -> str:
@@ -76,7 +83,7 @@ def add_engine_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
             group.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=_help(name, field))
             continue
-        parse, choices = _parser(name, base)
+        parse, choices = _parser(name, base, type(None) in typing.get_args(field.annotation))
         metavar = name.upper() if choices is None else "{" + ",".join(choices) + "}"
         group.add_argument(flag(name), *ALIASES.get(name, ()), dest=name, type=parse, choices=choices, default=None,
                            metavar=metavar, help=_help(name, field))

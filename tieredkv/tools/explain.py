@@ -17,14 +17,14 @@ class BlockReport:
         index: the block's position in the prompt (0 first).
         start: its first token position.
         end: one past its last token position.
-        source: where a request would take it from ("hot", "warm" or "cold"); None: it would be computed.
+        source: where a request would take it from ("hot", "warm", "remote" or "cold"); None: it would be computed.
         reason: why it would be computed (never computed here, evicted, another fingerprint, ...).
     """
 
     index: int
     start: int  # token positions [start, end)
     end: int
-    source: str | None  # "hot", "warm" or "cold": where a request would take it from; None: computed
+    source: str | None  # "hot", "warm", "remote" or "cold": where a request would take it from; None: computed
     reason: str | None = None  # why it would be computed
 
 

@@ -34,10 +34,11 @@ def _digest(payload: bytes) -> bytes:
 
 
 def blocks_to_export(core, prompts: list[list[int]] | None) -> Iterator[tuple[list[BlockKey], torch.Tensor]]:
-    """Batches of (keys, blocks on the host): every cached block, or the full blocks of `prompts`; each
-    block once, from the highest tier that has it. Advance it on the engine's worker only."""
+    """Batches of (keys, blocks on the host): every block this engine's tiers cache (the shared remote
+    tier's are the fleet's, not copied), or the full blocks of `prompts` from any tier; each block once,
+    from the highest tier that has it. Advance it on the engine's worker only."""
     seen: set[bytes] = set()
-    tiers = [core.tiers.hot, *core.tiers.lower]
+    tiers = [core.tiers.hot, *(t for t in core.tiers.lower if not t.shared)]  # this engine's own cache
     if prompts is None:
         for tier in tiers:
             for keys, data in tier.export_sync(BATCH):
