@@ -129,7 +129,8 @@ async def test_a_repeat_from_cold_after_a_restart_is_placed_in_warm(llama_dir, e
         again = await generate(engine, DOC_A)
         assert again.outputs[0].token_ids == expected[0]
         # 62 blocks read from disk: more than hot holds, so they went to warm slots as far blocks
-        assert again.usage.cached_tokens_by_tier == {"hot": 0, "warm": 0, "remote": 0, "cold": (len(DOC_A) - 1) // BS * BS}
+        assert again.usage.cached_tokens_by_tier == {"hot": 0, "warm": 0, "remote": 0,
+                                                     "cold": (len(DOC_A) - 1) // BS * BS}
         assert engine.stats().tiers["hot"].promotions == 0
         check_pool_clean(engine.core)
 

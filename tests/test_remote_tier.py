@@ -76,6 +76,8 @@ async def test_a_second_engine_computes_none_of_the_prefix_the_first_computed(ll
         assert published.demotions == (len(prompts[0]) + PARAMS.max_tokens - 1) // BS  # each full block computed
         assert published.bytes_written > published.demotions * torch.Size(SHAPE).numel()
         async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as second:
+            report = await second.explain(prompts[1])
+            assert [b.source for b in report[: FULL // BS]] == ["remote"] * (FULL // BS)
             got2, usage2 = await answers(second, prompts)
             stats = remote(second).stats()
             check_pool_clean(second.core)

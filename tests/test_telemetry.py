@@ -178,3 +178,21 @@ async def test_offloaded_blocks_are_metrics(otel, llama_dir):
         sums = metric_sums(reader)
     assert stats.blocks_offloaded > 0 and sums["tieredkv.kv_cache.far_blocks"] == stats.blocks_far == 0
     assert sums["tieredkv.kv_cache.offloaded_blocks"] - before == stats.blocks_offloaded
+
+
+async def test_the_remote_tiers_bytes_and_round_trips_are_metrics(otel, llama_dir, valkey_server, fleet_key):
+    import asyncio
+
+    _, reader = otel
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, remote_url=valkey_server.url,
+                       cold_secret_path=str(fleet_key), remote_ttl_s=600)
+    async with await AsyncEngine.start(cfg) as engine:
+        remote = engine.core.tiers.tier("remote")
+        await engine.generate([(11 * i) % 400 + 3 for i in range(70)], SamplingParams(max_tokens=1))
+        await asyncio.to_thread(remote.flush_sync)
+        await engine.generate([5, 6, 7], SamplingParams(max_tokens=1))  # a step: the stats the metrics read
+        live = remote.stats()
+        pts = points(reader)
+    assert live.demotions == 4 and live.bytes_written > 4 * 3 * 2 * 16 * 2 * 16 * 4 and live.round_trips >= 2
+    for name in ("bytes_written", "round_trips", "demotions", "failures"):
+        assert by_attr(pts[f"tieredkv.tier.{name}"], "tier")["remote"] == getattr(live, name)

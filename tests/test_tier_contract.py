@@ -1,5 +1,6 @@
 """One contract for every storage tier: hot (the block pool), warm (host slab), cold (LMDB), remote (a
-real Valkey server, and a one-node Valkey cluster), and a dict-backed tier that only the tests use. No test here knows which tier it runs against."""
+real Valkey server, and a one-node Valkey cluster), and a dict-backed tier that only the tests use. No
+test here knows which tier it runs against."""
 
 import pytest
 import torch

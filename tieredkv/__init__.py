@@ -3,8 +3,8 @@
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine import AsyncEngine
 from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RemoteTierError,
-                             RequestError, SamplingError, SnapshotError, StepError, TieredKVError, UnsupportedModelError,
-                             WrongLoopError)
+                             RequestError, SamplingError, SnapshotError, StepError, TieredKVError,
+                             UnsupportedModelError, WrongLoopError)
 from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 
 __all__ = [

@@ -113,8 +113,9 @@ class EngineConfig(BaseModel):
     def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> "EngineConfig":
         """The config of a command-line tool: each field from the environment variable TIEREDKV_<FIELD>
         when it is set (TIEREDKV_COMPILE_DECODE=0, TIEREDKV_WARM_BYTES=0, ...; "none" for None), then the
-        `given` values that are not None (the command's own arguments; "none" for None here too) over them. Only the command line
-        calls this: an engine made in Python reads no environment variable for its settings."""
+        `given` values that are not None (the command's own arguments; "none" for None here too) over them.
+        Only the command line calls this: an engine made in Python reads no environment variable for its
+        settings."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for name in cls.model_fields:
