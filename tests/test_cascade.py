@@ -125,14 +125,18 @@ async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_a
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
 
 
-@pytest.mark.parametrize("members, loners, prefix_blocks, split", [
-    ([2], 0, [4], 64), ([5], 2, [6], 32), ([3, 4], 1, [4, 9], 64), ([2, 2, 7], 0, [5, 4, 3], 16),
+@pytest.mark.parametrize("members, loners, prefix_blocks, split, heads", [
+    ([2], 0, [4], 64, (2, 3)), ([5], 2, [6], 32, (2, 3)), ([3, 4], 1, [4, 9], 64, (2, 3)),
+    ([2, 2, 7], 0, [5, 4, 3], 16, (2, 3)),
+    ([22, 3], 1, [2, 3], 32, (1, 3)), ([64], 0, [2], 64, (1, 2)),  # 66 and 128 query rows: 2 row tiles of 64
 ])
-def test_triton_cascade_equals_the_reference(members, loners, prefix_blocks, split):
+def test_triton_cascade_equals_the_reference(members, loners, prefix_blocks, split, heads):
     """The prefix kernel over each group's stacked queries, the split-K kernel over the suffixes, merged:
-    equal to plain attention (Triton under its interpreter on CPU)."""
+    equal to plain attention (Triton under its interpreter on CPU), for 2 to 64 members."""
     triton_ops = pytest.importorskip("tieredkv.kernels.triton_ops")
-    q, kc, vc, tables, lens, groups = batch(members, loners, prefix_blocks, seed=11 + loners, scattered=True)
+    kv_heads, group = heads
+    q, kc, vc, tables, lens, groups = batch(members, loners, prefix_blocks, kv_heads=kv_heads, group=group,
+                                            seed=11 + loners, scattered=True)
     want = decode_attention_ref(q, kc, vc, tables, lens, 0.2)
     prefixes = [(rows, prefix_blocks[i]) for i, rows in enumerate(groups)]
     plan = triton_ops.plan_decode(tables, lens, 16, torch.float32, prefixes)

@@ -6,19 +6,84 @@ On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set befor
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+import functools
+from typing import Callable, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from tieredkv.kernels.kernel_ops import KernelOps
 
 DECODE_BLOCK_N = 64  # keys per inner iteration of the decode kernel
 DECODE_TOKENS_PER_SPLIT = 512  # split-K: one program per (sequence, kv head, 512 keys)
+MERGE_SLOT_TILE = 16  # partial results the merge reads at a time
+PREFIX_ROWS = 64  # queries (member x query head) per cascade prefix program
 PREFILL_BLOCK_M = 16
 PREFILL_BLOCK_N = 32
 COPY_BLOCK = 1024
+
+
+# -- launches, and the variants they compile ------------------------------------------------------------
+
+_hooks: list[Callable] = []  # each sees every launch as (kernel, grid, args, constexprs); False: skip it
+
+
+def launch(kernel, grid, *args, **constexprs) -> None:
+    """Every kernel launch goes through here: the hooks see it first (variant_key, the tests), then it
+    runs unless a hook said not to (a dry run that records which variants a workload asks for)."""
+    run = True
+    for hook in _hooks:
+        run = hook(kernel, grid, args, constexprs) is not False and run
+    if run:
+        kernel[grid](*args, **constexprs)
+
+
+@contextlib.contextmanager
+def recording(dry_run: bool = False):
+    """Collects the variant (variant_key) of every launch inside the block into the set it yields; with
+    `dry_run`, no kernel runs (outputs are left as allocated)."""
+    seen: set = set()
+
+    def hook(kernel, grid, args, constexprs):
+        seen.add(variant_key(kernel, args, constexprs))
+        return not dry_run
+
+    _hooks.append(hook)
+    try:
+        yield seen
+    finally:
+        _hooks.remove(hook)
+
+
+def jit_function(kernel) -> JITFunction:
+    """The kernel as a JITFunction, also when TRITON_INTERPRET made it an InterpretedFunction."""
+    if isinstance(kernel, JITFunction):
+        return kernel
+    options = {k: v for k, v in kernel.kwargs.items() if k.startswith("do_not_specialize") and v}
+    return JITFunction(kernel.fn, **options)
+
+
+@functools.lru_cache(maxsize=None)
+def _binder(kernel):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = jit_function(kernel)
+    return fn, create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 80, 32)))
+
+
+def variant_key(kernel, args: tuple, constexprs: dict) -> tuple:
+    """What Triton compiles one binary per: the kernel, each argument's type and specialisation (pointer
+    alignment, integer "== 1" and "divisible by 16" classes, except the arguments a kernel does not
+    specialise on) and the constexpr values; computed by Triton's own binder, so it is the key its cache
+    uses (without a device: the classes do not depend on the target)."""
+    fn, binder = _binder(kernel)
+    _, specialization, _ = binder(*args, **constexprs)
+    return (fn.fn.__name__, tuple(specialization))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -65,14 +130,13 @@ def store_kv(key, value, kv_cache, slot_mapping) -> None:
     assert slot_mapping.shape == (num_tokens,) and not slot_mapping.is_floating_point()
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        BLOCK_SIZE=key_cache.shape[1], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        HD_PAD=triton.next_power_of_2(num_heads * head_dim),
-    )
+    launch(_store_kv_kernel, (num_tokens,),
+           key, value, key_cache, value_cache, slot_mapping,
+           key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+           key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+           value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+           BLOCK_SIZE=key_cache.shape[1], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+           HD_PAD=triton.next_power_of_2(num_heads * head_dim))
 
 
 # -- shared by both attention kernels ----------------------------------------------------------------
@@ -130,15 +194,20 @@ def _attend_range(q, key_cache_ptr, value_cache_ptr, table_ptr, start, end, kv_h
 # -- 2. decode attention, split-K with a log-sum-exp merge ------------------------------------------
 
 
-@triton.jit
+# Arguments whose values change with the batch, the context lengths or the cascades: passed at run time
+# and never specialised on (Triton would otherwise compile a variant per "== 1" / "divisible by 16"
+# class of each), so that a kernel's variants are fixed per model and device (see warm_up).
+_SPLIT_RUNTIME = ["stride_bt", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh", "tokens_per_split"]
+
+
+@triton.jit(do_not_specialize=_SPLIT_RUNTIME)
 def _decode_split_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, first_key_ptr, part_out_ptr,
     part_lse_ptr, out_ptr, scale,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, tokens_per_split,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-    DIRECT: tl.constexpr,
+    GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """Program (b, kv head, split) attends its split of the context; with DIRECT (one split) it writes
     the output itself and no merge runs."""
@@ -146,9 +215,9 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
-    start = tl.load(first_key_ptr + b) + split * TOKENS_PER_SPLIT  # cascade members start after the prefix
+    start = tl.load(first_key_ptr + b) + split * tokens_per_split  # cascade members start after the prefix
     if start < ctx:
-        end = tl.minimum(start + TOKENS_PER_SPLIT, ctx)
+        end = tl.minimum(start + tokens_per_split, ctx)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HD_PAD)
         d_ok = d < HEAD_DIM
@@ -169,51 +238,64 @@ def _decode_split_kernel(
             tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh", "slots"])
 def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, slots,
+    HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, SLOT_TILE: tl.constexpr,
 ):
-    """Merges every partial result of (b, h) by log-sum-exp; a slot no program wrote holds lse -inf."""
+    """Merges the `slots` partial results of (b, h) by log-sum-exp, SLOT_TILE at a time: the largest
+    log-sum-exp first, then the weighted sum. A slot no program wrote holds lse -inf and weighs nothing."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, SLOTS_PAD)
     d = tl.arange(0, HD_PAD)
     d_ok = d < HEAD_DIM
-    live = s < SLOTS
-    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + s, mask=live, other=float("-inf"))
-    live = live & (lse > float("-inf"))
-    weight = tl.exp(lse - tl.max(lse, 0))
-    weight = tl.where(live, weight, 0.0)
-    parts = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                    mask=live[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    lse_row = part_lse_ptr + b * stride_lb + h * stride_lh
+    top = tl.full([SLOT_TILE], float("-inf"), tl.float32)
+    for s0 in range(0, slots, SLOT_TILE):
+        s = s0 + tl.arange(0, SLOT_TILE)
+        top = tl.maximum(top, tl.load(lse_row + s, mask=s < slots, other=float("-inf")))
+    top_lse = tl.max(top, 0)
+    acc = tl.zeros([HD_PAD], tl.float32)
+    total = tl.zeros([SLOT_TILE], tl.float32)
+    for s0 in range(0, slots, SLOT_TILE):
+        s = s0 + tl.arange(0, SLOT_TILE)
+        lse = tl.load(lse_row + s, mask=s < slots, other=float("-inf"))
+        live = lse > float("-inf")
+        weight = tl.where(live, tl.exp(lse - top_lse), 0.0)
+        parts = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                        mask=live[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(parts * weight[:, None], 0)
+        total += weight
+    out = acc / tl.sum(total, 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "stride_mg", "stride_pb", "stride_ph", "stride_ps", "stride_lb",
+                                "stride_lh", "first_slot", "width", "row_tiles", "tokens_per_split"])
 def _prefix_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, prefix_tables_ptr, prefix_lens_ptr, members_ptr, part_out_ptr,
     part_lse_ptr, scale,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_pt, stride_mg,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, first_slot,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, first_slot, width, row_tiles, tokens_per_split,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, GROUP: tl.constexpr,
-    ROWS: tl.constexpr, MEMBERS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Program (cascade group, kv head, split) attends every query of the group's members (rows = member x
-    query head of this KV head) to its split of the shared prefix, whose K/V it reads once for all."""
-    grp = tl.program_id(0)
+    """Program (cascade group x row tile, kv head, split) attends ROWS of the group's queries (rows = member
+    x query head of this KV head, `width` members at most) to its split of the shared prefix, whose K/V it
+    reads once for all of them. However many members, the tile is ROWS: one variant, bounded resources."""
+    grp = tl.program_id(0) // row_tiles
+    tile = tl.program_id(0) % row_tiles
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     plen = tl.load(prefix_lens_ptr + grp)
-    start = split * TOKENS_PER_SPLIT
+    start = split * tokens_per_split
     if start < plen:
-        end = tl.minimum(start + TOKENS_PER_SPLIT, plen)
-        r = tl.arange(0, ROWS)
-        member = tl.load(members_ptr + grp * stride_mg + r // GROUP, mask=r < MEMBERS_PAD * GROUP, other=-1)
-        ok = (member >= 0) & (r < MEMBERS_PAD * GROUP)
+        end = tl.minimum(start + tokens_per_split, plen)
+        r = tile * ROWS + tl.arange(0, ROWS)
+        inside = r < width * GROUP
+        member = tl.load(members_ptr + grp * stride_mg + r // GROUP, mask=inside, other=-1)
+        ok = (member >= 0) & inside
         head = kv_head * GROUP + r % GROUP
         d = tl.arange(0, HD_PAD)
         d_ok = d < HEAD_DIM
@@ -303,25 +385,23 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
     if not direct:
         part_lse.fill_(float("-inf"))  # slots no program writes (past a short context) weigh nothing
     meta = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=triton.next_power_of_2(head_dim), GROUP=group,
-                BLOCK_N=min(DECODE_BLOCK_N, max(16, tokens_per_split)), TOKENS_PER_SPLIT=tokens_per_split,
-                PRECISION=_dot_precision(query.dtype))
+                BLOCK_N=DECODE_BLOCK_N, PRECISION=_dot_precision(query.dtype))
     first_key = cascade.first_key if cascade is not None else plan.no_offsets
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, context_lens, first_key, part_out, part_lse, out, scale,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), GROUP_PAD=max(16, triton.next_power_of_2(group)), DIRECT=direct, **meta)
+    launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
+           query, key_cache, value_cache, block_tables, context_lens, first_key, part_out, part_lse, out, scale,
+           query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+           value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+           part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+           out.stride(0), out.stride(1), tokens_per_split, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+           DIRECT=direct, **meta)
     if cascade is not None:
         _launch_prefix(query, key_cache, value_cache, cascade, part_out, part_lse, scale, num_splits, prefix_splits,
-                       meta)
+                       tokens_per_split, meta)
     if not direct:
-        _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, out,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HD_PAD=meta["HD_PAD"], SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
-        )
+        launch(_decode_merge_kernel, (batch, num_heads),
+               part_out, part_lse, out,
+               part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+               out.stride(0), out.stride(1), slots, HEAD_DIM=head_dim, HD_PAD=meta["HD_PAD"], SLOT_TILE=MERGE_SLOT_TILE)
     return out
 
 
@@ -351,24 +431,24 @@ def _scratch(plan: DecodePlan, shape: tuple, device: torch.device) -> tuple[torc
 
 
 def _launch_prefix(query, key_cache, value_cache, cascade, part_out, part_lse, scale, num_splits: int,
-                   prefix_splits: int, meta: dict) -> None:
+                   prefix_splits: int, tokens_per_split: int, meta: dict) -> None:
     """The cascade's shared-prefix partials, into the slots after each member's own splits."""
     width, num_kv_heads = cascade.members.shape[1], key_cache.shape[2]
-    _prefix_kernel[(cascade.members.shape[0], num_kv_heads, prefix_splits)](
-        query, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, cascade.members,
-        part_out, part_lse, scale,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), cascade.prefix_tables.stride(0),
-        cascade.members.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), num_splits,
-        ROWS=max(16, triton.next_power_of_2(width * meta["GROUP"])), MEMBERS_PAD=width, **meta,
-    )
+    row_tiles = triton.cdiv(width * meta["GROUP"], PREFIX_ROWS)
+    launch(_prefix_kernel, (cascade.members.shape[0] * row_tiles, num_kv_heads, prefix_splits),
+           query, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, cascade.members,
+           part_out, part_lse, scale,
+           query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+           value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), cascade.prefix_tables.stride(0),
+           cascade.members.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+           part_lse.stride(0), part_lse.stride(1), num_splits, width, row_tiles, tokens_per_split,
+           ROWS=PREFIX_ROWS, **meta)
 
 
 # -- 3. prefill attention over the cached prefix and the chunk itself -------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr, out_ptr,
     scale,
@@ -423,15 +503,14 @@ def prefill_attention(query, key_cache, value_cache, block_tables, query_start_l
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     out = torch.empty_like(query)
-    _prefill_kernel[(batch, num_heads, triton.cdiv(max_query_len, PREFILL_BLOCK_M))](
-        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out, scale,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=triton.next_power_of_2(head_dim),
-        GROUP=num_heads // num_kv_heads, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-        PRECISION=_dot_precision(query.dtype),
-    )
+    launch(_prefill_kernel, (batch, num_heads, triton.cdiv(max_query_len, PREFILL_BLOCK_M)),
+           query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out, scale,
+           query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+           value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+           out.stride(0), out.stride(1),
+           BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=triton.next_power_of_2(head_dim),
+           GROUP=num_heads // num_kv_heads, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+           PRECISION=_dot_precision(query.dtype))
     return out
 
 
@@ -467,10 +546,9 @@ def _copy(src, dst, src_idx, dst_idx, src_strides, dst_strides, chunk: int, num_
     n = src_idx.shape[0]
     if n == 0:
         return
-    _copy_chunks_kernel[(n, num_chunks)](
-        src, dst, src_idx, dst_idx, src_strides[0], src_strides[1], dst_strides[0], dst_strides[1],
-        CHUNK=chunk, BLOCK=min(COPY_BLOCK, triton.next_power_of_2(chunk)),
-    )
+    launch(_copy_chunks_kernel, (n, num_chunks),
+           src, dst, src_idx, dst_idx, src_strides[0], src_strides[1], dst_strides[0], dst_strides[1],
+           CHUNK=chunk, BLOCK=min(COPY_BLOCK, triton.next_power_of_2(chunk)))
 
 
 def copy_blocks(kv_cache, src, dst) -> None:

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
+from tieredkv.core.block_pool import KVBlock
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.runner.compiled_decode import CompiledDecode
 from tieredkv.runner.far_stage import StagePlan, plan_stage, stage_groups
 from tieredkv.kernels import KernelOps
-from tieredkv.kernels.cascade import shared_prefixes
+from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS, shared_prefixes
 from tieredkv.models.llama import LlamaModel
 from tieredkv.core.scheduler import SchedulerOutput
 from tieredkv.core.sequence import Sequence
+
+
+def warmup_steps(block_size: int) -> tuple:
+    """The warm-up's steps as (decode context lengths, prefill chunks as (tokens, context)): a decode of
+    one split beside a prefill chunk; two decodes over shared full blocks, enough to be a cascade (the
+    prefix kernel, split-K and the merge)."""
+    n, shared = min(block_size, 4), -(-MIN_PREFIX_TOKENS // block_size) * block_size
+    return (([1], [(n, n)]), ([shared + 1] * 2, []))
 
 
 class _TokenRows(NamedTuple):
@@ -138,23 +148,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """One forward with a decode and a prefill chunk over the scratch block (no sequence's), so that
-        every kernel variant a step uses is compiled before the first request."""
-        bs, n = self.block_size, min(self.block_size, 4)
-        scratch = scratch_block(self.kv_cache)
-        tables = self._tensor([scratch], torch.int32).reshape(1, 1)
-        lens = self._tensor([1], torch.int32)
-        attn = AttentionMetadata(
-            num_decode_tokens=1, decode_block_tables=tables, decode_context_lens=lens, max_decode_context_len=1,
-            prefill_block_tables=tables, prefill_query_start_loc=self._tensor([0, n], torch.int32),
-            prefill_context_lens=self._tensor([n], torch.int32), max_prefill_query_len=n,
-            decode_plan=self.ops.plan_decode(tables, lens, bs, self.kv_cache.dtype) if self.ops.plan_decode else None)
-        batch = ForwardBatch(input_ids=self._tensor([0] * (n + 1), torch.int64),
-                             positions=self._tensor([0] + list(range(n)), torch.int64),
-                             slot_mapping=self._tensor([scratch * bs + i for i in [0, *range(n)]], torch.int64),
-                             logits_indices=self._tensor([0, n], torch.int64), attn=attn)
-        self.model.forward(batch, self.kv_cache, self.ops)  # not __call__: llama.py, FORWARD_ONLY
+        """Runs every kernel variant a step can ask for, so that all are compiled before the first request:
+        the Triton kernels' compile-time parameters are fixed per model and device (triton_ops.py), so two
+        forwards over the scratch block (warmup_steps) and the block copies cover them.
+        tests/test_kernel_variants.py checks that no workload asks for another."""
+        for decode_lens, prefills in warmup_steps(self.block_size):
+            batch = self.synthetic_step(decode_lens, prefills)
+            self.model.forward(batch, self.kv_cache, self.ops)  # not __call__: llama.py, FORWARD_ONLY
+        kv, ids = self.kv_cache, torch.tensor([scratch_block(self.kv_cache)], device=self.device)
+        out = torch.empty((1, kv.shape[0], 2, *kv.shape[3:]), dtype=kv.dtype, device=kv.device)
+        self.ops.gather_blocks(kv, ids, out)  # as HotTier calls them
+        self.ops.scatter_blocks(kv, ids, out)
+        self.ops.copy_blocks(kv, ids, ids)
         self.warmed_up = True
+
+    def synthetic_step(self, decode_lens: list[int], prefills: list[tuple[int, int]] = ()) -> ForwardBatch:
+        """A batch shaped like a step with these decodes (context lengths, >= 1) and prefill chunks (tokens,
+        context after the chunk), built by the same code as a real step's, every block in it the scratch
+        block (no sequence's; its contents are garbage, and so is what the forward computes from it)."""
+        bs, scratch = self.block_size, scratch_block(self.kv_cache)
+        block = KVBlock(scratch)
+
+        def seq(num_computed: int, n: int):
+            total = num_computed + n
+            return SimpleNamespace(num_computed_tokens=num_computed, num_tokens=total, token_ids=[0] * total,
+                                   block_table=[block] * -(-total // bs))
+
+        decodes = [(seq(n - 1, 1), 1) for n in sorted(decode_lens)]
+        chunks = [(seq(ctx - n, n), n) for n, ctx in prefills]
+        tokens = self._token_rows(decodes + chunks)
+        ids = [[scratch] * len(s.block_table) for s, _ in decodes + chunks]
+        attn = self._attention(decodes, chunks, ids[: len(decodes)], ids[len(decodes) :], True, None)
+        return ForwardBatch(input_ids=self._tensor(tokens.input_ids, torch.int64),
+                            positions=self._tensor(tokens.positions, torch.int64),
+                            slot_mapping=self._tensor(tokens.slots, torch.int64),
+                            logits_indices=self._tensor(tokens.logits_rows, torch.int64), attn=attn)
 
     def _prefixes(self, scheduled: list[tuple[Sequence, int]], ids: list[list[int]]) -> list[tuple[list[int], int]]:
         """Rows (of `scheduled`; `ids` their tables) that share leading cached blocks, for cascade
