@@ -17,10 +17,50 @@ from triton.runtime.jit import JITFunction
 
 from tieredkv.kernels.kernel_ops import KernelOps
 
-DECODE_BLOCK_N = 64  # keys per inner iteration of the decode kernel
+DECODE_BLOCK_N = 64  # keys per inner iteration of the decode kernel (from Ampere on: see Tiles)
 DECODE_TOKENS_PER_SPLIT = 512  # split-K: one program per (sequence, kv head, 512 keys)
 MERGE_SLOT_TILE = 16  # partial results the merge reads at a time
-PREFIX_ROWS = 64  # queries (member x query head) per cascade prefix program
+
+
+class Tiles(NamedTuple):
+    """Tile sizes of the decode and cascade kernels on one GPU generation, chosen so that every variant
+    fits its registers (no spills) and shared memory, as kernels/resources.py measures offline: on
+    Turing (sm_75), 64-key tiles spill 700-800 bytes per thread in the decode kernel and 32-row cascade
+    tiles ~1.7 KB at head_dim 128; from Ampere on, 64-key tiles and 32-row cascade tiles fit."""
+
+    decode_block_n: int  # keys per inner iteration (decode, cascade prefix)
+    prefix_rows: int  # queries (member x query head) per cascade prefix program
+
+
+def tiles_for(cc: int) -> Tiles:
+    """The tiles for compute capability `cc` (75 for sm_75, ...)."""
+    return Tiles(DECODE_BLOCK_N, 32) if cc >= 80 else Tiles(32, 16)
+
+
+_target_cc: list[int] = []  # set by for_target: the offline checks lay kernels out for another device
+
+
+@contextlib.contextmanager
+def for_target(cc: int):
+    """Within the block, kernels are laid out for compute capability `cc` whatever the tensors' device."""
+    _target_cc.append(cc)
+    try:
+        yield
+    finally:
+        _target_cc.pop()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_cc(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def device_tiles(device: torch.device) -> Tiles:
+    """The tiles for `device` (on CPU, where the interpreter runs them, Ampere's)."""
+    if _target_cc:
+        return tiles_for(_target_cc[-1])
+    return tiles_for(_device_cc(device) if device.type == "cuda" else 80)
 PREFILL_BLOCK_M = 16
 PREFILL_BLOCK_N = 32
 COPY_BLOCK = 1024
@@ -361,8 +401,9 @@ def choose_split(programs: int, max_context_len: int, device: torch.device) -> i
     """Tokens per split so that the grid has about two programs per multiprocessor (one split when the
     batch alone fills the device), a multiple of the kernel's tile."""
     cores = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    splits = max(1, min(triton.cdiv(2 * cores, max(programs, 1)), triton.cdiv(max_context_len, DECODE_BLOCK_N)))
-    return triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    tile = device_tiles(device).decode_block_n
+    splits = max(1, min(triton.cdiv(2 * cores, max(programs, 1)), triton.cdiv(max_context_len, tile)))
+    return triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), tile) * tile
 
 
 def decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
@@ -373,8 +414,10 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
     plan = plan or DecodePlan(max_context_len if max_context_len is not None else int(context_lens.max()))
     if tokens_per_split is None:
         tokens_per_split = _split_size(plan, batch * num_kv_heads, query.device)
-    assert tokens_per_split > 0 and (tokens_per_split % DECODE_BLOCK_N == 0 or tokens_per_split < DECODE_BLOCK_N), \
-        f"tokens_per_split must be a multiple of {DECODE_BLOCK_N} (or below it), got {tokens_per_split}"
+    tiles = device_tiles(query.device)
+    tile = tiles.decode_block_n
+    assert tokens_per_split > 0 and (tokens_per_split % tile == 0 or tokens_per_split < tile), \
+        f"tokens_per_split must be a multiple of {tile} (or below it), got {tokens_per_split}"
     group, cascade = num_heads // num_kv_heads, plan.cascade
     num_splits = max(triton.cdiv(plan.max_context_len, tokens_per_split), 1)
     prefix_splits = triton.cdiv(cascade.max_prefix_len, tokens_per_split) if cascade is not None else 0
@@ -385,7 +428,7 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
     if not direct:
         part_lse.fill_(float("-inf"))  # slots no program writes (past a short context) weigh nothing
     meta = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=triton.next_power_of_2(head_dim), GROUP=group,
-                BLOCK_N=DECODE_BLOCK_N, PRECISION=_dot_precision(query.dtype))
+                BLOCK_N=tile, PRECISION=_dot_precision(query.dtype))
     first_key = cascade.first_key if cascade is not None else plan.no_offsets
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
            query, key_cache, value_cache, block_tables, context_lens, first_key, part_out, part_lse, out, scale,
@@ -396,7 +439,7 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
            DIRECT=direct, **meta)
     if cascade is not None:
         _launch_prefix(query, key_cache, value_cache, cascade, part_out, part_lse, scale, num_splits, prefix_splits,
-                       tokens_per_split, meta)
+                       tokens_per_split, tiles.prefix_rows, meta)
     if not direct:
         launch(_decode_merge_kernel, (batch, num_heads),
                part_out, part_lse, out,
@@ -431,10 +474,10 @@ def _scratch(plan: DecodePlan, shape: tuple, device: torch.device) -> tuple[torc
 
 
 def _launch_prefix(query, key_cache, value_cache, cascade, part_out, part_lse, scale, num_splits: int,
-                   prefix_splits: int, tokens_per_split: int, meta: dict) -> None:
+                   prefix_splits: int, tokens_per_split: int, rows: int, meta: dict) -> None:
     """The cascade's shared-prefix partials, into the slots after each member's own splits."""
     width, num_kv_heads = cascade.members.shape[1], key_cache.shape[2]
-    row_tiles = triton.cdiv(width * meta["GROUP"], PREFIX_ROWS)
+    row_tiles = triton.cdiv(width * meta["GROUP"], rows)
     launch(_prefix_kernel, (cascade.members.shape[0] * row_tiles, num_kv_heads, prefix_splits),
            query, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, cascade.members,
            part_out, part_lse, scale,
@@ -442,7 +485,7 @@ def _launch_prefix(query, key_cache, value_cache, cascade, part_out, part_lse, s
            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), cascade.prefix_tables.stride(0),
            cascade.members.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
            part_lse.stride(0), part_lse.stride(1), num_splits, width, row_tiles, tokens_per_split,
-           ROWS=PREFIX_ROWS, **meta)
+           ROWS=rows, **meta)
 
 
 # -- 3. prefill attention over the cached prefix and the chunk itself -------------------------------

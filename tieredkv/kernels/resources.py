@@ -1,0 +1,161 @@
+"""What each Triton kernel variant needs on each GPU generation, found without a GPU.
+
+Triton's compiler targets any NVIDIA architecture from the CPU, and its wheel ships `ptxas`: every variant
+the engine compiles for a model (the warm-up set, triton_ops.py) is compiled here for sm_75 (T4), sm_80
+(A100), sm_86 (A10, RTX 3090), sm_89 (L4, L40S, RTX 4090) and sm_90 (H100, H200), and `ptxas -v` reports
+registers and spills; shared memory is the compiler's own figure. A variant over 255 registers, with more
+than a few spilled bytes, or over a target's shared memory per block would fail (OutOfResources) or crawl
+on that card. tests/test_kernel_resources.py asserts the limits; `python -m tieredkv.kernels.resources`
+prints the table in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tieredkv.kernels import triton_ops as T
+from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS
+
+# shared memory a block may use (the opt-in maximum), by compute capability
+SHARED_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10}
+MAX_REGISTERS = 255
+MAX_SPILL_BYTES = 0  # spills to local memory: none allowed
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """One variant compiled for one target.
+
+    Attributes:
+        kernel: the Triton kernel's name.
+        constexprs: its compile-time parameters, as text.
+        cc: the target's compute capability (75 for sm_75, ...).
+        registers: registers per thread (ptxas).
+        spill_bytes: bytes spilled to local memory, stores and loads (ptxas).
+        shared_bytes: shared memory per block (Triton's metadata).
+        num_warps: warps per block.
+    """
+
+    kernel: str
+    constexprs: str
+    cc: int
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    num_warps: int
+
+    @property
+    def fits(self) -> bool:
+        return (self.registers <= MAX_REGISTERS and self.spill_bytes <= MAX_SPILL_BYTES
+                and self.shared_bytes <= SHARED_LIMIT[self.cc])
+
+
+def model_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                   cc: int) -> set:
+    """The variant keys (triton_ops.variant_key) of a model with this attention shape on sm_<cc>: its
+    warm-up's kernels, launched in a dry run over small tensors laid out as the model's forward lays them
+    out (q and k fresh after the rotary embedding, v a view of the fused q/k/v output), with the tiles
+    chosen for that target."""
+    tokens, blocks = 6, 16
+    qkv = torch.zeros(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = torch.zeros(tokens, num_heads, head_dim, dtype=dtype)
+    k = torch.zeros(tokens, num_kv_heads, head_dim, dtype=dtype)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
+    kv_cache = torch.zeros(1, 2, blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    key_cache, value_cache = kv_cache[0, 0], kv_cache[0, 1]
+    shared = -(-MIN_PREFIX_TOKENS // block_size)
+    tables = torch.zeros(2, shared + 1, dtype=torch.int32)
+    lens = torch.tensor([shared * block_size + 1] * 2, dtype=torch.int32)
+    with T.for_target(cc), T.recording(dry_run=True) as seen:
+        T.store_kv(k, v, kv_cache[0], torch.zeros(tokens, dtype=torch.int64))
+        first = torch.ones(1, dtype=torch.int32)  # one key: one split, which writes the output itself
+        T.decode_attention(q[:1], key_cache, value_cache, tables[:1], first, 0.1,
+                           plan=T.plan_decode(tables[:1], first, block_size, dtype))
+        cascade = T.plan_decode(tables, lens, block_size, dtype, [([0, 1], shared)])
+        T.decode_attention(q[:2], key_cache, value_cache, tables, lens, 0.1, plan=cascade)
+        T.prefill_attention(q[2:], key_cache, value_cache, tables[:1], torch.tensor([0, 4], dtype=torch.int32),
+                            torch.tensor([4], dtype=torch.int32), 0.1, 4)
+        ids = torch.tensor([1])
+        out = torch.empty((1, 1, 2, block_size, num_kv_heads, head_dim), dtype=dtype)
+        T.gather_blocks(kv_cache, ids, out)
+        T.copy_blocks(kv_cache, ids, ids)
+    return seen
+
+
+def compile_variant(key: tuple, cc: int) -> KernelResources:
+    """Compiles one variant (a variant_key) for sm_<cc> with Triton, offline, and reads its resources."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource, make_backend
+
+    name, spec = key
+    fn = T.jit_function(getattr(T, name))
+    target = GPUTarget("cuda", cc, 32)
+    backend = make_backend(target)
+    signature = {p.name: s[0] for p, s in zip(fn.params, spec)}
+    constexprs = {(i,): s[1] for i, s in enumerate(spec) if s[0] == "constexpr"}
+    attrs = {(i,): backend.parse_attr(s[1]) for i, s in enumerate(spec) if s[0] != "constexpr" and isinstance(s[1], str)}
+    options = backend.parse_options({})
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    ptxas = get_ptxas(cc)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        arch = f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
+        report = subprocess.run([getattr(ptxas, "path", ptxas), "-v", f"--gpu-name={arch}", str(ptx), "-o",
+                                 str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    registers = max(int(n) for n in re.findall(r"Used (\d+) registers", report))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    shown = ", ".join(f"{fn.params[i].name}={s[1]}" for i, s in enumerate(spec) if s[0] == "constexpr")
+    return KernelResources(name, shown, cc, registers, spills, int(kernel.metadata.shared),
+                           int(kernel.metadata.num_warps))
+
+
+# Attention shapes the table covers: heads, KV heads, head dim (the default model; Llama-3 8B and 70B)
+SHAPES = {"SmolLM2-135M (9/3 heads, d=64)": (9, 3, 64), "Llama-3-8B (32/8, d=128)": (32, 8, 128),
+          "Llama-3-70B (64/8, d=128)": (64, 8, 128)}
+
+
+def auto_dtype(cc: int) -> torch.dtype:
+    """What dtype "auto" picks on such a card (engine_setup.resolve_dtype)."""
+    return torch.bfloat16 if cc >= 80 else torch.float16
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import dataclasses
+    import json
+    import os
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", action="append", choices=list(SHAPES), help="(repeatable; default: all)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("run without TRITON_INTERPRET=1: the interpreter's language functions cannot be compiled")
+    rows = []
+    for label in args.shape or SHAPES:
+        heads, kv_heads, head_dim = SHAPES[label]
+        for cc in SHARED_LIMIT:
+            for key in sorted(model_variants(heads, kv_heads, head_dim, 16, auto_dtype(cc), cc), key=str):
+                rows.append((label, compile_variant(key, cc)))
+    if args.json:
+        Path(args.json).write_text(json.dumps([dict(model=label, fits=r.fits, limit=SHARED_LIMIT[r.cc],
+                                                    **dataclasses.asdict(r)) for label, r in rows], indent=1))
+    print("| model | kernel | sm | dtype | registers | spilled bytes | shared memory | limit | fits |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, r in rows:
+        dtype = str(auto_dtype(r.cc)).removeprefix("torch.")
+        print(f"| {label} | {r.kernel.strip('_')} | {r.cc} | {dtype} | {r.registers} | {r.spill_bytes} | "
+              f"{r.shared_bytes / 1024:.1f} KiB | {SHARED_LIMIT[r.cc] >> 10} KiB | {'yes' if r.fits else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
