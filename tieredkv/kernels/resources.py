@@ -11,6 +11,8 @@ prints the table in docs/architecture.md.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import subprocess
 import tempfile
@@ -91,8 +93,8 @@ def model_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size:
 def compile_variant(key: tuple, cc: int) -> KernelResources:
     """Compiles one variant (a variant_key) for sm_<cc> with Triton, offline, and reads its resources."""
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource, make_backend
 
     name, spec = key
@@ -103,19 +105,35 @@ def compile_variant(key: tuple, cc: int) -> KernelResources:
     constexprs = {(i,): s[1] for i, s in enumerate(spec) if s[0] == "constexpr"}
     attrs = {(i,): backend.parse_attr(s[1]) for i, s in enumerate(spec) if s[0] != "constexpr" and isinstance(s[1], str)}
     options = backend.parse_options({})
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-    ptxas = get_ptxas(cc)
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        arch = f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
-        report = subprocess.run([getattr(ptxas, "path", ptxas), "-v", f"--gpu-name={arch}", str(ptx), "-o",
-                                 str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    log, dump = io.StringIO(), knobs.nvidia.dump_ptxas_log
+    knobs.nvidia.dump_ptxas_log = True  # Triton runs ptxas -v itself, with its own flags; it prints the report
+    try:
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)
+    finally:
+        knobs.nvidia.dump_ptxas_log = dump
+    report = log.getvalue()
+    if "registers" not in report:  # from Triton's cache: ptxas did not run this time
+        report = _ptxas_report(kernel.asm["ptx"], cc)
     registers = max(int(n) for n in re.findall(r"Used (\d+) registers", report))
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
     shown = ", ".join(f"{fn.params[i].name}={s[1]}" for i, s in enumerate(spec) if s[0] == "constexpr")
     return KernelResources(name, shown, cc, registers, spills, int(kernel.metadata.shared),
                            int(kernel.metadata.num_warps))
+
+
+def _ptxas_report(ptx: str, cc: int) -> str:
+    """`ptxas -v`'s report on the PTX (Triton's own ptxas, as Triton runs it, less its extra flags)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(cc)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        arch = f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
+        return subprocess.run([getattr(ptxas, "path", ptxas), "-v", f"--gpu-name={arch}", str(src), "-o",
+                               str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True).stderr
 
 
 # Attention shapes the table covers: heads, KV heads, head dim (the default model; Llama-3 8B and 70B)
