@@ -268,3 +268,15 @@ async def test_a_url_the_client_cannot_take_stops_the_start_with_one_clear_error
         await AsyncEngine.start(EngineConfig(model=str(llama_dir), remote_url=url,
                                              cold_secret_path=str(tmp_path / "k")))
     assert "hunter2" not in str(info.value)
+
+
+async def test_remote_at_the_bottom_keeps_what_it_admits(llama_dir, valkey_server, fleet_key):
+    """With no cold tier, remote is the bottom: what it admits stays findable (nothing is noted as dropped)."""
+    async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as engine:
+        prompt = SYSTEM + QUESTIONS[2]
+        await engine.generate(prompt, PARAMS)
+        await engine.clear_cache("hot", demote=True)
+        await flushed(engine)
+        keys = engine.core.index.keys(SYSTEM)
+        assert not any(remote(engine).dropped(k.block_hash) for k in keys)
+        assert [b.source for b in (await engine.explain(prompt))[: len(keys)]] == ["remote"] * len(keys)

@@ -162,7 +162,7 @@ class TierManager:
                 if not tier.shared:  # a shared tier stands beside the next: it gets the blocks too
                     keys, blocks = victims
             level += 1
-        if keys:  # evicted from the bottom tier: gone
+        if keys and not self.lower[-1].shared:  # evicted from the bottom tier: gone (a shared one holds them)
             self.lower[-1].note_dropped(k.block_hash for k in keys)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
