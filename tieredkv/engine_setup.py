@@ -130,25 +130,37 @@ def eos_token_ids(spec: ModelSpec, model_dir: Path, tokenizer_eos: int | None) -
     return frozenset(ids)
 
 
+STAGE_RESERVE = 3  # staging far blocks takes up to this many layers' worth of the hot pool (far_stage.py)
+
+
 def kv_pool_bytes(cfg: EngineConfig, device_type: str, total: int = 0, used: int = 0, token_bytes: int = 0,
-                  max_len: int = 0) -> int:
+                  max_len: int = 0, staged_layers: int = 0) -> int:
     """The hot pool's bytes, for the engine and `tieredkv plan` alike: kv_cache_bytes when given; on CUDA
     gpu_memory_utilization of the device's `total` memory less what is `used` (weights, and what else
-    the engine measured or the plan estimated); elsewhere cpu_kv_cache_bytes, or room for max_num_seqs
-    sequences of `max_len` tokens of `token_bytes` each, at most CPU_POOL_CAP and an eighth of the memory."""
+    the engine measured or the plan estimated), less the staging buffers when far blocks are staged
+    (`staged_layers`: the model's layers; 0 when they are not); elsewhere cpu_kv_cache_bytes, or room for
+    max_num_seqs sequences of `max_len` tokens of `token_bytes` each, at most CPU_POOL_CAP and an eighth
+    of the memory.
+
+    Staging (far_stage.py) holds one layer of a forward's blocks at a time: at most a pool's worth of hot
+    blocks and as many far ones, and the far blocks' device copy, so STAGE_RESERVE layers of the pool
+    in all. The pool takes what leaves room for them: budget * layers / (layers + STAGE_RESERVE)."""
     if cfg.kv_cache_bytes is not None:
         return cfg.kv_cache_bytes
     if device_type == "cuda":
-        return int(total * cfg.gpu_memory_utilization) - used
+        budget = int(total * cfg.gpu_memory_utilization) - used
+        if staged_layers and budget > 0:
+            return budget * staged_layers // (staged_layers + STAGE_RESERVE)
+        return budget
     if cfg.cpu_kv_cache_bytes is not None:
         return cfg.cpu_kv_cache_bytes
     return min(cfg.max_num_seqs * max_len * token_bytes, CPU_POOL_CAP, _share_of_memory("SC_PHYS_PAGES", 8))
 
 
 def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                  max_len: int) -> int:
+                  max_len: int, staged: bool = False) -> int:
     """num_blocks when given; else the blocks kv_pool_bytes holds, with the device's memory as measured
-    now (the weights loaded)."""
+    now (the weights loaded), and room for staging far blocks when they are `staged`."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     block_bytes = kv_block_bytes(spec, cfg.block_size, dtype)
@@ -156,7 +168,8 @@ def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-    budget = kv_pool_bytes(cfg, device.type, total, used, spec.kv_elements_per_token * dtype.itemsize, max_len)
+    budget = kv_pool_bytes(cfg, device.type, total, used, spec.kv_elements_per_token * dtype.itemsize, max_len,
+                           spec.num_layers if staged else 0)
     num = budget // block_bytes
     if num < 2:
         raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {block_bytes} bytes")
@@ -316,9 +329,9 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     model = load_model(model_dir, spec, dtype, device, quant)
     if quant is not None and device.type == "cpu":
         use_cpu_kernels(cache_dir)
-    num_blocks = num_kv_blocks(cfg, spec, dtype, device, limit)
     num_warm = warm_blocks(cfg, spec, dtype)
     mode = far_mode(cfg, device) if num_warm else None
+    num_blocks = num_kv_blocks(cfg, spec, dtype, device, limit, staged=mode == "staged")
     num_far = num_warm if mode else 0
     extent = far_extent(cfg, spec, dtype) if mode == "in place" else 0
     kv_cache = make_kv_cache(spec, cfg.block_size, num_blocks, extent, dtype, device)

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine_setup import (kv_pool_bytes, max_model_len, model_fingerprint, quant_settings, resolve_dtype,
-                                     resolve_model_dir, warm_blocks)
+from tieredkv.engine_setup import (STAGE_RESERVE, kv_pool_bytes, max_model_len, model_fingerprint, quant_settings,
+                                   resolve_dtype, resolve_model_dir, warm_blocks)
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.models.checks import tensor_shapes
 from tieredkv.kernels.quant import quantized_bytes
@@ -52,6 +52,8 @@ class Plan:
         shared_prompts: per tier, the distinct shared prompts of `shared_prompt_len` tokens it keeps.
         measured: whether `activation_bytes` was measured by a forward rather than estimated.
         device: the device type planned for ("cpu" or "cuda").
+        staging_bytes: CUDA with far blocks (offload and a warm tier): device memory left beside the hot pool
+            for staging them, a layer at a time (`engine_setup.kv_pool_bytes`).
     """
 
     model: str
@@ -76,6 +78,7 @@ class Plan:
     shared_prompts: dict  # tier -> distinct shared prompts of shared_prompt_len tokens it keeps
     measured: bool = False
     device: str = "cpu"
+    staging_bytes: int = 0
 
     @property
     def tokens(self) -> dict[str, int]:
@@ -172,13 +175,16 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
     if activation_bytes is None:
         activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, item)
     device_type = torch.device(device).type  # the engine's own arithmetic: CUDA memory less weights, activations
-    pool = kv_pool_bytes(cfg, device_type, memory, weights + activation_bytes, per_token, max_model_len(spec, max_len))
+    warm = warm_blocks(cfg, spec, torch_dtype)
+    staged = spec.num_layers if device_type == "cuda" and cfg.offload and warm else 0  # far_mode's "staged"
+    pool = kv_pool_bytes(cfg, device_type, memory, weights + activation_bytes, per_token, max_model_len(spec, max_len),
+                         staged)
     hot = max(pool, 0) // per_block
     block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
     fingerprint = model_fingerprint(model_dir, torch_dtype, block_size, quant)
     entry = disk_cost(ColdFormat.entry_bytes(block_shape, torch_dtype, fingerprint, block_size))
     prompt_blocks = max(shared_prompt_len // block_size, 1)
-    tiers = {"hot": hot, "warm": warm_blocks(cfg, spec, torch_dtype), "cold": cold_bytes // entry}
+    tiers = {"hot": hot, "warm": warm, "cold": cold_bytes // entry}
     return Plan(
         model=model_dir.name, dtype=str(torch_dtype).removeprefix("torch."),
         weights=str(torch_dtype).removeprefix("torch.") if quant is None else quant.label, block_size=block_size,
@@ -189,7 +195,8 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
         seqs_with_offload=min((hot + tiers["warm"]) // cdiv(seq_len, block_size), hot),
         longest_sequence=min(max_model_len(spec, max_len), (hot + tiers["warm"]) * block_size),
         shared_prompt_len=shared_prompt_len, shared_prompts={t: n // prompt_blocks for t, n in tiers.items()},
-        measured=measured, device=device_type)
+        measured=measured, device=device_type,
+        staging_bytes=STAGE_RESERVE * hot * per_block // spec.num_layers if staged else 0)
 
 
 def profile_activations(model: str, device: str, dtype: str, max_num_batched_tokens: int) -> int:
@@ -246,6 +253,8 @@ def format_plan(p: Plan) -> str:
         else f"hot pool           {p.hot_blocks * p.kv_bytes_per_block / gib:10.2f} GiB (max_num_seqs x max_model_len, "
              "at most 2 GiB)",
         f"activations        {p.activation_bytes / gib:10.2f} GiB ({'measured' if p.measured else 'estimated'})",
+        *([f"far-block staging  {p.staging_bytes / gib:10.2f} GiB (a layer at a time, beside the hot pool)"]
+          if p.staging_bytes else []),
         "",
         f"{'tier':<8}{'blocks':>14}{'tokens':>16}{f'prompts of {p.shared_prompt_len}':>20}",
     ]
