@@ -12,6 +12,9 @@ from tieredkv.kernels import cascade
 from tieredkv.kernels.decode_attention import DecodePlanRef, decode_attention_ref, plan_decode
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def batch(members_per_group, loners, prefix_blocks, bs=16, kv_heads=2, group=3, d=32, seed=0, scattered=False):
     """Block tables where each group's rows start with the same blocks, then their own; loners alone."""
     rng = random.Random(seed)
@@ -137,6 +140,7 @@ def test_triton_cascade_equals_the_reference(members, loners, prefix_blocks, spl
     kv_heads, group = heads
     q, kc, vc, tables, lens, groups = batch(members, loners, prefix_blocks, kv_heads=kv_heads, group=group,
                                             seed=11 + loners, scattered=True)
+    q, kc, vc, tables, lens = (t.to(DEVICE) for t in (q, kc, vc, tables, lens))  # on a GPU, run there
     want = decode_attention_ref(q, kc, vc, tables, lens, 0.2)
     prefixes = [(rows, prefix_blocks[i]) for i, rows in enumerate(groups)]
     plan = triton_ops.plan_decode(tables, lens, 16, torch.float32, prefixes)
@@ -145,6 +149,21 @@ def test_triton_cascade_equals_the_reference(members, loners, prefix_blocks, spl
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     again = triton_ops.decode_attention(q, kc, vc, tables, lens, 0.2, plan=plan, tokens_per_split=split)
     torch.testing.assert_close(again, want, atol=1e-5, rtol=0)  # a second layer reuses the plan's scratch
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("members", [[2], [9, 3], [64]])
+def test_triton_cascade_in_bf16_on_the_gpu(members):
+    """The cascade kernels on a GPU in bf16 (head_dim 128, 4 query heads per KV head), against the fp32
+    reference, within the bf16 tolerance of the other kernels (2e-2)."""
+    triton_ops = pytest.importorskip("tieredkv.kernels.triton_ops")
+    q, kc, vc, tables, lens, groups = batch(members, 2, [5] * len(members), kv_heads=2, group=4, d=128, seed=3)
+    q, kc, vc, tables, lens = (t.to("cuda") for t in (q, kc, vc, tables, lens))
+    want = decode_attention_ref(q, kc, vc, tables, lens, 128**-0.5)
+    plan = triton_ops.plan_decode(tables, lens, 16, torch.bfloat16, [(rows, 5) for rows in groups])
+    got = triton_ops.decode_attention(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), tables, lens, 128**-0.5, plan=plan)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=0)
 
 
 async def test_engine_cascades_through_triton_match_the_torch_path(llama2_dir):
