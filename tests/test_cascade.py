@@ -129,8 +129,8 @@ async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_a
 
 
 @pytest.mark.parametrize("members, loners, prefix_blocks, split, heads", [
-    ([2], 0, [4], 64, (2, 3)), ([5], 2, [6], 32, (2, 3)), ([3, 4], 1, [4, 9], 64, (2, 3)),
-    ([2, 2, 7], 0, [5, 4, 3], 16, (2, 3)),
+    ([2], 0, [4], 64, (2, 3)), ([5], 2, [6], 32, (1, 3)), ([3, 4], 1, [4, 9], 64, (2, 3)),
+    ([2, 2, 7], 0, [5, 4, 3], 16, (1, 3)),
     ([22, 3], 1, [2, 3], 32, (1, 3)), ([64], 0, [2], 64, (1, 2)),  # 66 and 128 query rows: several row tiles
 ])
 def test_triton_cascade_equals_the_reference(members, loners, prefix_blocks, split, heads):
