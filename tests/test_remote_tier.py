@@ -280,3 +280,29 @@ async def test_remote_at_the_bottom_keeps_what_it_admits(llama_dir, valkey_serve
         keys = engine.core.index.keys(SYSTEM)
         assert not any(remote(engine).dropped(k.block_hash) for k in keys)
         assert [b.source for b in (await engine.explain(prompt))[: len(keys)]] == ["remote"] * len(keys)
+
+
+def test_a_connect_that_hangs_never_holds_up_the_engine_thread(tmp_path):
+    """A server that accepts connections and never answers: the reader thread's reconnect waits out its
+    timeout, while admit (what the engine's thread calls after each step) returns at once."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    tier = RemoteTier(url, "fp", SHAPE, torch.float32, tmp_path / "k", timeout_s=1.0, retry_s=0.05)
+    try:
+        assert not tier.available  # the first connect timed out
+        time.sleep(0.1)  # the breaker closes: the next call connects again
+        reader = threading.Thread(target=tier.get_sync, args=(make_keys(2),))
+        reader.start()
+        time.sleep(0.2)  # the reader is inside its connect, which hangs for timeout_s
+        t0 = time.monotonic()
+        tier.admit(make_keys(3, seed=1), make_blocks(3, seed=1))
+        assert time.monotonic() - t0 < 0.3
+        reader.join()
+    finally:
+        tier.close_sync()
+        listener.close()

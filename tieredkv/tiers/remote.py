@@ -20,7 +20,6 @@ every lookup is a miss and every write is dropped (counted) without touching the
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -118,7 +117,8 @@ class RemoteTier(ColdFormat, KVTier):
         super().__init__(0)
         self._used = 0
         self._down_until = 0.0  # the circuit breaker: no call before this (monotonic) time
-        self._state_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # held for dict updates only: the worker thread takes it
+        self._connect_lock = threading.Lock()  # held while connecting (network calls): never by the worker
         self._known: OrderedDict[bytes, float] = OrderedDict()  # block hash -> when seen on the server
         self._pending = 0  # bytes queued for the writer
         self._queue: queue.Queue = queue.Queue()
@@ -145,22 +145,22 @@ class RemoteTier(ColdFormat, KVTier):
             return True
         if not self.available:
             return False
-        with self._state_lock:
+        with self._connect_lock:
             if self.client is not None:
                 return True
             try:
                 client = connect(self._url, self._timeout_s)
                 self._check_key(client)
             except Exception as e:  # refused, timed out, a cluster that cannot be mapped, a bad URL
-                self._trip(e, locked=True)
+                self._trip(e)
                 return False
             self.client = client
         return True
 
-    def _trip(self, error: BaseException, locked: bool = False) -> None:
+    def _trip(self, error: BaseException) -> None:
         """The server is down or slow: no calls for retry_s; what this engine knew it held is forgotten
         (a restarted server comes back empty)."""
-        with contextlib.nullcontext() if locked else self._state_lock:
+        with self._state_lock:
             was_up = time.monotonic() >= self._down_until
             self._down_until = time.monotonic() + self.retry_s
             self._known.clear()
