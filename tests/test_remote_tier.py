@@ -306,3 +306,15 @@ def test_a_connect_that_hangs_never_holds_up_the_engine_thread(tmp_path):
     finally:
         tier.close_sync()
         listener.close()
+
+
+async def test_clearing_all_leaves_the_shared_tier_alone(llama_dir, valkey_server, fleet_key):
+    async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as engine:
+        prompt = SYSTEM + QUESTIONS[3]
+        await engine.generate(prompt, PARAMS)
+        await flushed(engine)
+        keys = engine.core.index.keys(SYSTEM)
+        await engine.clear_cache()  # "all": this engine's tiers
+        assert await remote(engine).contains(keys) == len(keys)
+        assert await engine.clear_cache("remote") >= len(keys)  # named: gone for every engine
+        assert await remote(engine).contains(keys) == 0

@@ -289,8 +289,9 @@ class AsyncEngine:
         return await self._submit(self._worker.core.pins.unpin, ids)
 
     async def clear_cache(self, tier: str = "all", demote: bool = False) -> int:
-        """Empties a tier ("hot", "warm", "remote", "cold" or "all"); returns how many entries left it. With
-        demote=True, a hot or warm tier's entries move down to the next tier instead of being dropped."""
+        """Empties a tier ("hot", "warm", "remote", "cold" or "all"); returns how many entries left it. "all"
+        is this engine's own tiers: the remote tier, which other engines share, is emptied only when named.
+        With demote=True, a tier's entries move down to the next tier instead of being dropped."""
         return await self._submit(self._worker.core.tiers.clear, tier, demote)
 
     async def run_in_worker(self, fn, *args):

@@ -237,14 +237,16 @@ class TierManager:
 
     def clear(self, tier: str, demote: bool = False) -> int:
         """Empties "hot" (cached free blocks), "warm", "remote" (this model's entries on the shared
-        server, for every engine using it), "cold" or "all"; returns the entries removed. demote=True
-        moves a tier's entries to the next tier down instead (not with "all")."""
+        server, for every engine using it), "cold" or "all" (this engine's own tiers: a shared one only
+        when named); returns the entries removed. demote=True moves a tier's entries to the next tier
+        down instead (not with "all")."""
         if tier not in (*TIER_NAMES, "all"):
             raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}, all; got {tier!r}")
         if demote and tier == "all":
             raise ValueError('demote=True needs a single tier, not "all"')
         self._settle()
-        return sum(self._clear(t, demote) for t in (TIER_NAMES if tier == "all" else (tier,)))
+        names = [t for t in TIER_NAMES if not getattr(self.tier(t), "shared", False)] if tier == "all" else [tier]
+        return sum(self._clear(t, demote) for t in names)
 
     def _clear(self, name: str, demote: bool) -> int:
         tier = self.tier(name)
