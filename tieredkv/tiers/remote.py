@@ -148,6 +148,8 @@ class RemoteTier(ColdFormat, KVTier):
         with self._connect_lock:
             if self.client is not None:
                 return True
+            if not self.available:  # another thread's attempt failed while this one waited
+                return False
             try:
                 client = connect(self._url, self._timeout_s)
                 self._check_key(client)
