@@ -38,10 +38,12 @@ class StagePlan:
         out = layer_cache.new_empty((2, self.num_blocks, *layer_cache.shape[2:]))
         out[:, self.hot_dst] = layer_cache[:, self.hot_src]
         if self.far_slots.numel():
-            far = self.slab[self.far_slots, layer_id].transpose(0, 1)  # [2, n, ...] on the host
-            if out.is_cuda:
-                far = far.pin_memory()
-            out[:, self.far_dst] = far.to(out.device, non_blocking=True)
+            layer = self.slab[:, layer_id]  # [capacity, 2, block_size, kv_heads, head_dim], a view
+            # one host gather, straight into pinned memory on CUDA (reused by torch's pinned-memory cache once
+            # the asynchronous copy out of it is done), then one host-to-device copy
+            far = torch.empty((self.far_slots.numel(), *layer.shape[1:]), dtype=layer.dtype, pin_memory=out.is_cuda)
+            torch.index_select(layer, 0, self.far_slots, out=far)
+            out[:, self.far_dst] = far.to(out.device, non_blocking=True).transpose(0, 1)
         return out
 
 
