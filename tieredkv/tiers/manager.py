@@ -167,10 +167,10 @@ class TierManager:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Host copies [n, layers, 2, block_size, kv_heads, head_dim] of blocks by id, hot or far (a far
-        block's data is its warm slot's); each run of hot ids is one gather."""
+        block's data is its warm slot's); each run of hot ids is one gather, each run of far ids one read."""
         pool = self.hot.pool
-        out = [self.swap.read([pool.slot_of(part[0])]) if pool.is_far_id(part[0]) else self.hot.gather(part).cpu()
-               for part in runs(block_ids, lambda i: i if pool.is_far_id(i) else -1)]
+        out = [self.swap.read([pool.slot_of(i) for i in part]) if pool.is_far_id(part[0])
+               else self.hot.gather(part).cpu() for part in runs(block_ids, pool.is_far_id)]
         return torch.cat(out) if out else torch.empty(0)
 
     def publish(self, blocks: list) -> None:
