@@ -217,10 +217,10 @@ async def test_a_tampered_entry_is_computed_and_written_over(llama_dir, valkey_s
 
 @pytest.mark.parametrize("policy", ["noeviction", "allkeys-lru"])
 async def test_a_full_server_costs_cache_never_a_request(llama_dir, fleet_key, tmp_path, policy, reference):
-    with LocalValkey(tmp_path / "valkey", maxmemory="2mb", maxmemory_policy=policy) as server:
+    with LocalValkey(tmp_path / "valkey", maxmemory="4mb", maxmemory_policy=policy) as server:
         cfg = config(llama_dir, server.url, fleet_key)
         async with await AsyncEngine.start(cfg) as engine:
-            prompts = [rand_ids(600, seed=50 + i) for i in range(8)]  # 300 blocks of 12 KiB: 3.6 MiB
+            prompts = [rand_ids(600, seed=50 + i) for i in range(16)]  # 600 blocks of 12 KiB: 7.3 MiB
             await answers(engine, prompts)
             await flushed(engine)
             await asyncio.to_thread(remote(engine)._refresh)
@@ -230,7 +230,7 @@ async def test_a_full_server_costs_cache_never_a_request(llama_dir, fleet_key, t
         info = raw.info()
         raw.close()
     assert got == reference
-    assert stats.capacity_bytes == 2 << 20 and stats.used_bytes <= stats.capacity_bytes * 1.1
+    assert stats.capacity_bytes == 4 << 20 and stats.used_bytes <= stats.capacity_bytes * 1.1
     if policy == "noeviction":  # the server refused writes: failures, nothing raised
         assert stats.failures > 0 and info["evicted_keys"] == 0
     else:  # the server made room
