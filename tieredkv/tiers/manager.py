@@ -176,8 +176,8 @@ class TierManager:
     def publish(self, blocks: list) -> None:
         """Offers blocks that just became full of computed tokens (KVBlocks of the pool) to the shared
         tiers, which queue the ones they lack (write-behind): other engines find them from now on."""
+        keys = [BlockKey(b.block_hash, b.token_ids) for b in blocks]
         for tier in self.shared:
-            keys = [BlockKey(b.block_hash, b.token_ids) for b in blocks]
             want = tier.wanted(keys)
             if not want:
                 continue

@@ -306,7 +306,7 @@ class RemoteTier(ColdFormat, KVTier):
                 try:
                     tokens = self._header(None, memoryview(value))[0]["tokens"]
                     key = BlockKey(bytes.fromhex(name[len(self._namespace):].decode()), tuple(tokens))
-                except Exception:  # not an entry of this format: _payload counts a failure for readable keys
+                except Exception:  # not an entry of this format (its header does not parse): a failure
                     self.count(failures=1)
                     continue
                 payload = self._payload(key, memoryview(value))
@@ -377,19 +377,19 @@ class RemoteTier(ColdFormat, KVTier):
 
     def remove_sync(self, keys: Sequence[BlockKey]) -> int:
         self._forget(keys)
-        n = 0
-        for start in range(0, len(keys), _CHUNK):
-            replies = self._pipeline([("UNLINK", self._key(k)) for k in keys[start : start + _CHUNK]]) or []
-            n += sum(r for r in replies if isinstance(r, int))
-        return n
+        return self._unlink([self._key(k) for k in keys])
 
     def clear_sync(self) -> int:
         """Drops every entry of this model's fingerprint on the server (every engine sharing it loses them)."""
         with self._state_lock:
             self._known.clear()
-        names, n = self._scan(), 0
-        for start in range(0, len(names), 1000):
-            replies = self._pipeline([("UNLINK", name) for name in names[start : start + 1000]]) or []
+        return self._unlink(self._scan())
+
+    def _unlink(self, names: list[bytes]) -> int:
+        """Deletes the keys in pipelined chunks; returns how many existed."""
+        n = 0
+        for start in range(0, len(names), _CHUNK):
+            replies = self._pipeline([("UNLINK", name) for name in names[start : start + _CHUNK]]) or []
             n += sum(r for r in replies if isinstance(r, int))
         return n
 
