@@ -108,6 +108,23 @@ class EngineConfig(BaseModel):
     remote_ttl_s: int | None = Field(86400, gt=0, description="lifetime of a remote entry, renewed by every read; "
                                      "None: none (the server's maxmemory policy alone bounds the tier)")
     max_pinned_fraction: float = Field(0.25, ge=0.0, le=0.9, description="share of the hot pool pin() may hold")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="processes the model is split across (Megatron-style: heads, MLP columns and "
+        "vocabulary rows), one per device: cuda:0..N-1 (from the device's index), or N CPU processes over gloo; "
+        "rank 0 is this process and schedules. Far blocks (offload) and the compiled decode path are off above 1")
+
+    @model_validator(mode="after")
+    def _check_parallel(self) -> "EngineConfig":
+        if self.tensor_parallel_size == 1:
+            return self
+        if self.compile_decode:
+            raise ValueError("compile_decode is not supported with tensor_parallel_size > 1")
+        if self.far_blocks != "auto":
+            raise ValueError("far blocks (far_blocks) are not supported with tensor_parallel_size > 1")
+        if self.quantization == "gguf":
+            raise ValueError('quantization "gguf" is not supported with tensor_parallel_size > 1 (its blocks are '
+                             'not split across ranks): use "int8" or "int4" on the safetensors checkpoint')
+        return self
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> "EngineConfig":

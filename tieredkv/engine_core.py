@@ -10,6 +10,7 @@ from typing import Any
 from tieredkv.config import EngineConfig
 from tieredkv.core.sequence import Request
 from tieredkv.engine_setup import build_engine
+from tieredkv.errors import EngineClosedError
 from tieredkv.outputs import EngineStats, Output, collect_stats
 
 log = logging.getLogger("tieredkv")
@@ -44,15 +45,22 @@ class EngineCore:
         self.telemetry = parts.telemetry
         self.lifecycle = parts.lifecycle
         self.weights = parts.weights
+        self.tp = parts.tp
+        self.memory = parts.memory  # RankMemory, or one per rank under tensor parallelism
         self.requests = parts.lifecycle.requests  # live requests by id
 
     def close(self) -> None:
-        """Persists cached blocks to the cold tier (when there is one) and closes the tiers."""
-        self.pins.release_all()
-        self.tiers.persist()
-        self.tiers.close()
-        if self.runner.compiled is not None:
-            self.runner.compiled.finish()
+        """Persists cached blocks to the cold tier (when there is one) and closes the tiers; under tensor
+        parallelism then ends the other ranks (also when persisting failed because one is gone)."""
+        try:
+            self.pins.release_all()
+            self.tiers.persist()
+            self.tiers.close()
+            if self.runner.compiled is not None:
+                self.runner.compiled.finish()
+        finally:
+            if self.tp.world > 1:
+                self.tp.close()
 
     # -- requests (see lifecycle.py) --------------------------------------------------------------
 
@@ -85,6 +93,8 @@ class EngineCore:
             return self._idle(out)
         try:
             logits, sampled = self.runner.execute(out)
+        except EngineClosedError:  # a tensor-parallel rank is gone: the engine cannot go on
+            raise
         except Exception as e:
             log.exception("engine step failed")
             return self.lifecycle.fail_step(out, e)

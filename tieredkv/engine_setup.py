@@ -8,7 +8,7 @@ import logging
 import math
 import mmap
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -37,7 +37,9 @@ from tieredkv.models.checks import check_regular_files, read_json
 from tieredkv.models.gguf_convert import default_gguf_path, default_model_dir
 from tieredkv.models.loader import fingerprint_weights, weight_files
 from tieredkv.models.spec import ModelSpec
-from tieredkv.tiers.hot import HotTier
+from tieredkv.parallel.group import TPGroup
+from tieredkv.parallel.shard import check_shardable
+from tieredkv.tiers.hot import HotTier, ShardedHotTier
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.warm import WarmTier
 
@@ -231,7 +233,7 @@ def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
     """How attention reaches far blocks (block_pool.py): "in place" on CPU, where the warm slab can be
     the tail of the cache tensor; "staged" on CUDA, where it is pinned host memory (far_stage.py); None
     with offloading off. `far_blocks="staged"` stages on CPU too (it runs the CUDA path's logic)."""
-    if not cfg.offload:
+    if not cfg.offload or cfg.tensor_parallel_size > 1:
         return None
     if device.type != "cpu" or cfg.far_blocks == "staged":
         return "staged"
@@ -260,7 +262,7 @@ def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
-                fingerprint: str, num_warm_blocks: int, far: bool) -> TierManager:
+                fingerprint: str, num_warm_blocks: int, far: bool, tp: TPGroup | None = None) -> TierManager:
     """The block pool (lending warm slots as far blocks when `far`) and hot over it; warm when its budget
     holds a block (the tail of kv_cache when that has room beyond the pool); cold (LMDB, imported only
     then) with a path; remote (Valkey/Redis, imported only then) with a URL."""
@@ -270,7 +272,11 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
         in_place = kv_cache.shape[2] > num_blocks + 1  # more than the pool and the scratch block
         tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks] if in_place else None
         warm = WarmTier(num_warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda", slab=tail)
-    hot = HotTier(BlockPool(num_blocks, warm if far else None), kv_cache, ops)
+    pool = BlockPool(num_blocks, warm if far else None)
+    if tp is not None and tp.world > 1:  # whole blocks below hot: every rank's heads (tiers/hot.py)
+        hot = ShardedHotTier(pool, kv_cache, ops, tp, tp.shard.sizes(spec.num_kv_heads))
+    else:
+        hot = HotTier(pool, kv_cache, ops)
     cold = None
     if cfg.cold_path is not None:
         from tieredkv.tiers.cold import ColdTier
@@ -310,6 +316,8 @@ class EngineParts:
     telemetry: Telemetry
     lifecycle: Lifecycle
     weights: str = "float32"  # weights_label()
+    tp: TPGroup = field(default_factory=TPGroup)  # rank 0's group under tensor parallelism (parallel/ranks.py)
+    memory: "RankMemory | list[RankMemory] | None" = None  # what loading the weights took, per rank under TP
 
     @property
     def pool(self) -> BlockPool:
@@ -318,36 +326,69 @@ class EngineParts:
 
 def build_engine(cfg: EngineConfig) -> EngineParts:
     """Loads the model and builds the cache, tiers, scheduler, runner and request lifecycle around it;
-    compiles what the first request would otherwise wait for."""
+    compiles what the first request would otherwise wait for. With tensor_parallel_size N > 1, first starts
+    ranks 1..N-1 (parallel/ranks.py), which load their shares while this process loads its own."""
     device, dtype = _prepare_process(cfg)
     cache_dir = resolve_cache_dir(cfg)
     model_dir = resolve_model_dir(cfg.model, cache_dir)
     spec = ModelSpec.from_file(model_dir / "config.json")
     limit = max_model_len(spec, cfg.max_model_len)
     tokenizer = Tokenizer(model_dir)
+    tp = _start_ranks(cfg, spec, model_dir, device)
+    try:
+        return _build(cfg, device, dtype, cache_dir, model_dir, spec, limit, tokenizer, tp)
+    except BaseException:
+        if tp.world > 1:
+            tp.abort()
+        raise
+
+
+def _start_ranks(cfg: EngineConfig, spec: ModelSpec, model_dir: Path, device: torch.device) -> TPGroup:
+    if cfg.tensor_parallel_size == 1:
+        return TPGroup()
+    from tieredkv.parallel.ranks import start_ranks
+
+    check_shardable(spec, cfg.tensor_parallel_size)
+    return start_ranks(cfg, model_dir, device)
+
+
+def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_dir: Path, model_dir: Path,
+           spec: ModelSpec, limit: int, tokenizer: Tokenizer, tp: TPGroup) -> EngineParts:
     quant = quant_settings(cfg, model_dir)
-    model = load_model(model_dir, spec, dtype, device, quant)
-    if quant is not None and device.type == "cpu":
-        use_cpu_kernels(cache_dir)
+    compiled = compile_wanted(cfg.compile_decode, device) and tp.world == 1
+    error, (model, ops, memory) = None, (None, None, None)
+    try:
+        model, ops, memory = load_rank_model(cfg, model_dir, device, tp, compiled)
+    except Exception as e:
+        if tp.world == 1:
+            raise
+        error = e
+    leader = tp if tp.world > 1 else None
+    if leader is not None:
+        memory = leader.join_loads(error, memory)
     num_warm = warm_blocks(cfg, spec, dtype)
     mode = far_mode(cfg, device) if num_warm else None
-    num_blocks = num_kv_blocks(cfg, spec, dtype, device, limit, staged=mode == "staged")
+    # on CPU every rank's share is in the one machine's memory: the budget counts whole blocks
+    num_blocks = num_kv_blocks(cfg, spec if device.type == "cpu" else tp.shard.local_spec(spec), dtype, device,
+                               limit, staged=mode == "staged")
     num_far = num_warm if mode else 0
     extent = far_extent(cfg, spec, dtype) if mode == "in place" else 0
-    kv_cache = make_kv_cache(spec, cfg.block_size, num_blocks, extent, dtype, device)
+    if leader is not None:
+        leader.broadcast(num_blocks)
+    kv_cache = make_kv_cache(tp.shard.local_spec(spec), cfg.block_size, num_blocks, extent, dtype, device)
     factory = RequestFactory(tokenizer, spec, cfg, limit, eos_token_ids(spec, model_dir, tokenizer.eos_token_id),
                              num_blocks, num_far)
     fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size, quant)
-    compiled = compile_wanted(cfg.compile_decode, device)
-    ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
-    tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None)
+    tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None, tp=tp)
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
     index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
                           offload={"in place": "first", "staged": "last"}.get(mode), policy=cfg.scheduling_policy)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
-                         far=(num_blocks, tiers.warm.slab) if mode == "staged" else None)
+                         far=(num_blocks, tiers.warm.slab) if mode == "staged" else None, leader=leader)
+    if leader is not None:
+        leader.gather_objects(None)  # every rank has its cache and runner
     if device.type == "cpu":
         release_free_memory(collect=False)  # the copies that loading, fusing and packing the weights freed
     runner.compile_now(background=cfg.compile_in_background)
@@ -355,13 +396,58 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
     block_bytes, weights = kv_block_bytes(spec, cfg.block_size, dtype), weights_label(model, dtype)
     log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens (hot %.2f GiB, "
-             "warm %.2f GiB%s), kernels=%s, linear=%s, packed=%s, decode path=%s", model_dir.name, weights,
+             "warm %.2f GiB%s), kernels=%s, linear=%s, packed=%s, decode path=%s%s", model_dir.name, weights,
              model.weight_bytes() / 2**30, device, num_blocks, cfg.block_size,
              num_blocks * block_bytes / 2**30, num_warm * block_bytes / 2**30,
              "; taken as written" if device.type == "cpu" else "", ops.name, ops.linear.__name__,
-             ops.pack_linear_weight is not None, runner.decode_path)
+             ops.pack_linear_weight is not None, runner.decode_path,
+             f", tensor parallel over {tp.world} ranks" if tp.world > 1 else "")
     return EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
-                       factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights)
+                       factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights, tp, memory)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What loading the weights took on one rank: their bytes in their own formats, and the growth of the
+    process's anonymous resident memory from before the load to after it (packing included)."""
+
+    weight_bytes: int
+    resident_growth: int
+
+
+def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp: TPGroup,
+                    compiled: bool = False) -> tuple[LlamaModel, KernelOps, RankMemory]:
+    """This rank's share of the weights (all of them at one rank), in the layout the kernel set reads."""
+    spec = ModelSpec.from_file(model_dir / "config.json")
+    dtype = resolve_dtype(cfg.dtype, device)
+    quant = quant_settings(cfg, model_dir)
+    before = anon_resident_bytes()
+    model = load_model(model_dir, spec, dtype, device, quant, tp)
+    if quant is not None and device.type == "cpu":
+        use_cpu_kernels(resolve_cache_dir(cfg))
+    ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
+    return model, ops, RankMemory(model.weight_bytes(), anon_resident_bytes() - before)
+
+
+def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, num_blocks: int, device: torch.device,
+                tp: TPGroup) -> ModelRunner:
+    """The model runner of a tensor-parallel rank other than 0: its heads of every block id, no far blocks."""
+    kv_cache = make_kv_cache(tp.shard.local_spec(model.spec), cfg.block_size, num_blocks, 0,
+                             resolve_dtype(cfg.dtype, device), device)
+    return ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention)
+
+
+def anon_resident_bytes() -> int:
+    """The process's anonymous resident memory (RssAnon; file pages such as a mapped checkpoint's are not in
+    it), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,

@@ -159,6 +159,8 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             outputs = self.core.step()
+        except EngineClosedError:  # the engine cannot go on (a tensor-parallel rank is gone): the worker ends
+            raise
         except Exception as e:  # a bug below the engine: fail what is in flight, keep serving
             log.exception("engine step raised; failing every request in flight")
             outputs = self.core.fail_all(e)

@@ -13,6 +13,7 @@ from tieredkv.runner.batch import ForwardBatch
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.quant import QuantizedWeight, quant_embedding, quant_linear
 from tieredkv.models.spec import ModelSpec
+from tieredkv.parallel.group import TPGroup
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -94,9 +95,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_id: int):
+    """`spec` is this rank's (Shard.local_spec): its heads only; o_proj's partial sums are all-reduced."""
+
+    def __init__(self, spec: ModelSpec, layer_id: int, tp: TPGroup):
         super().__init__()
         self.layer_id = layer_id
+        self.tp = tp
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -150,28 +154,29 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return dense(ops, self.o_proj, out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(dense(ops, self.o_proj, out.reshape(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TPGroup):
         super().__init__()
+        self.tp = tp
         self.intermediate = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         gate, up = dense(ops, self.gate_up_proj, x).split(self.intermediate, dim=-1)
-        return dense(ops, self.down_proj, F.silu(gate) * up)
+        return self.tp.all_reduce(dense(ops, self.down_proj, F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_id: int):
+    def __init__(self, spec: ModelSpec, layer_id: int, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer_id)
+        self.self_attn = Attention(spec, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, tp)
 
     def forward(self, x, batch, rotary, layer_cache, ops):
         """Reads no per-layer Python value (the layer's cache comes in), so that one compiled graph serves
@@ -181,18 +186,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Weights use Hugging Face names, except that q/k/v and gate/up are stored fused (see loader)."""
+    """Weights use Hugging Face names, except that q/k/v and gate/up are stored fused (see loader).
 
-    def __init__(self, spec: ModelSpec):
+    Under tensor parallelism (`tp` of more than one rank) the same definition holds one rank's share
+    (parallel/shard.py): its heads and MLP columns, whose outputs are all-reduced, and its rows of the
+    vocabulary, whose embeddings are all-reduced and whose logits are gathered on rank 0."""
+
+    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None):
         super().__init__()
         self.spec = spec
+        self.tp = tp = tp or TPGroup()
+        local = tp.shard.local_spec(spec)
+        self.vocab_start = tp.shard.split(spec.vocab_size)[0]
         # given its (uninitialised) weight, the table skips nn.Embedding's random init: under the loader's meta
         # device that init imports torch._dynamo (2.5-5 s a start where nothing compiles)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
-                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.embed_tokens = nn.Embedding(local.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(local.vocab_size, spec.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(local, i, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, local.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec)
         self.packed_lm_head: torch.Tensor | None = None
         self.quantized_head: QuantizedWeight | None = None  # the LM head, when quantized (the table too, if tied)
@@ -245,8 +257,9 @@ class LlamaModel(nn.Module):
             self.packed_lm_head = (self.lm_head.packed_weight if self.lm_head is not None
                                    else pack(self.embed_tokens.weight))
 
-    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices."""
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor | None:
+        """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices (None on
+        a tensor-parallel rank other than 0)."""
         x, rotary = self.embed(batch)
         for layer in self.layers:
             x = layer.forward(x, batch, rotary, kv_cache[layer.self_attn.layer_id], ops)
@@ -254,15 +267,30 @@ class LlamaModel(nn.Module):
 
     def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The first hidden states [T, hidden] and the rotary cos/sin of the batch's positions."""
+        ids, outside = batch.input_ids, None
+        if self.tp.world > 1:  # this rank's rows of the vocabulary; the others' tokens are zeros here
+            ids = ids - self.vocab_start
+            outside = (ids < 0) | (ids >= self.local_vocab)
+            ids = ids.masked_fill(outside, 0)
         if self.embed_tokens.weight is None:  # the table is the quantized LM head
-            x = quant_embedding(self.quantized_head, batch.input_ids, self.norm.weight.dtype)
+            x = quant_embedding(self.quantized_head, ids, self.norm.weight.dtype)
         else:
-            x = self.embed_tokens.forward(batch.input_ids)
+            x = self.embed_tokens.forward(ids)
+        if outside is not None:
+            x = self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
         return x, self.rotary.forward(batch.positions, x.dtype)
 
-    def logits(self, x: torch.Tensor, batch: ForwardBatch, ops: KernelOps) -> torch.Tensor:
-        """fp32 logits [S, vocab] of the rows batch.logits_indices of the last hidden states."""
+    @property
+    def local_vocab(self) -> int:
+        """The vocabulary rows this rank holds (all of them outside tensor parallelism)."""
+        return self.tp.shard.split(self.spec.vocab_size)[1] - self.vocab_start
+
+    def logits(self, x: torch.Tensor, batch: ForwardBatch, ops: KernelOps) -> torch.Tensor | None:
+        """fp32 logits [S, vocab] of the rows batch.logits_indices of the last hidden states; under tensor
+        parallelism each rank computes its vocabulary rows and rank 0 gathers them (others: None)."""
         h = self.norm.forward(x[batch.logits_indices])
         if self.quantized_head is not None:
-            return quant_linear(h, self.quantized_head).float()
-        return ops.linear(h, self.lm_head_weight(ops)).float()
+            logits = quant_linear(h, self.quantized_head).float()
+        else:
+            logits = ops.linear(h, self.lm_head_weight(ops)).float()
+        return self.tp.gather_last(logits, self.tp.shard.sizes(self.spec.vocab_size))

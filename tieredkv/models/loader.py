@@ -18,6 +18,8 @@ from tieredkv.models.gguf_convert import read_gguf_weights
 from tieredkv.models.checks import check_spec_against_weights, read_json, tensor_shapes
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
 from tieredkv.models.spec import ModelSpec
+from tieredkv.parallel.group import TPGroup
+from tieredkv.parallel.shard import Ranges, Shard
 
 
 @dataclass(frozen=True)
@@ -76,13 +78,18 @@ def fingerprint_weights(files: list[Path]) -> str:
 
 
 def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-               quant: QuantSettings | None = None) -> LlamaModel:
+               quant: QuantSettings | None = None, tp: TPGroup | None = None) -> LlamaModel:
     """Checks the config against the weights' headers, builds the model without initialising it, then fills
     every parameter from the checkpoint; with `quant`, the projections and the LM head are quantized as each
-    is loaded ("int8", "int4"), or read quantized as they are from a GGUF file ("gguf")."""
+    is loaded ("int8", "int4"), or read quantized as they are from a GGUF file ("gguf"). Under tensor
+    parallelism (`tp`) only this rank's slices are read (parallel/shard.py)."""
+    tp = tp or TPGroup()
     if quant is not None and quant.scheme == "gguf":
+        if tp.world > 1:
+            raise CheckpointError("GGUF weights are not split across tensor-parallel ranks; use the safetensors "
+                                  "checkpoint (with quantization int8 or int4) or tensor_parallel_size 1")
         return _load_gguf(quant.gguf_path, spec, dtype, device, quant.cache_dir)
-    model = _load_full(model_dir, spec, dtype, device)
+    model = _load_full(model_dir, spec, dtype, device, tp)
     if quant is not None:
         if quant.scheme == "int8":
             model.quantize_weights(quantize_int8, head=quantize_int8)
@@ -92,12 +99,13 @@ def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
     return model
 
 
-def _load_full(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def _load_full(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+               tp: TPGroup) -> LlamaModel:
     files = weight_files(model_dir)
     check_spec_against_weights(spec, tensor_shapes(files))
     with torch.device("meta"):
-        model = LlamaModel(spec)
-    parts = _read_tensors(files, spec, dtype, device)
+        model = LlamaModel(spec, tp)
+    parts = _read_tensors(files, spec, dtype, device, tp.shard)
     state = _fuse(parts, [name for name, _ in model.named_parameters()])
     unused = [k for k in parts if not k.endswith("rotary_emb.inv_freq")]
     if unused:
@@ -144,10 +152,10 @@ def _shape(value) -> tuple[int, ...]:
     return tuple(value.shape)
 
 
-def _read_tensors(files: list[Path], spec: ModelSpec, dtype: torch.dtype,
-                  device: torch.device) -> dict[str, torch.Tensor]:
+def _read_tensors(files: list[Path], spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                  shard: Shard = Shard()) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint (but a tied LM head), named without the "model." prefix, in dtype on
-    device, with a progress bar over the bytes read."""
+    device, with a progress bar over the bytes read; of a tensor split across ranks, only `shard`'s slices."""
     parts: dict[str, torch.Tensor] = {}
     with tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="loading weights",
               disable=None) as bar:
@@ -158,7 +166,8 @@ def _read_tensors(files: list[Path], spec: ModelSpec, dtype: torch.dtype,
                         name = key.removeprefix("model.")
                         if name.startswith("lm_head.") and spec.tie_word_embeddings:
                             continue
-                        tensor = st.get_tensor(key)
+                        where = shard.ranges(name, spec)
+                        tensor = st.get_tensor(key) if where is None else _read_slices(st.get_slice(key), *where)
                         # a copy of its own: a tensor on the file's mapping would keep every page of the file
                         # read at load resident beside the model's (fused, packed or quantized) copies
                         parts[name] = tensor.to(device=device, dtype=dtype, copy=True)
@@ -166,6 +175,13 @@ def _read_tensors(files: list[Path], spec: ModelSpec, dtype: torch.dtype,
             except SafetensorError as e:
                 raise CheckpointError(f"cannot read {f.name} (truncated or corrupt safetensors file): {e}") from None
     return parts
+
+
+def _read_slices(part, dim: int, runs: Ranges) -> torch.Tensor:
+    """The runs of dimension `dim` of a safetensors slice, concatenated: only those bytes are read."""
+    index = (lambda a, b: part[a:b]) if dim == 0 else (lambda a, b: part[:, a:b])
+    pieces = [index(a, b) for a, b in runs]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def _fuse(parts: dict, expected: list[str]) -> dict:

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
-from tieredkv.core.block_pool import KVBlock
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.runner.compiled_decode import CompiledDecode
 from tieredkv.runner.far_stage import StagePlan, plan_stage, stage_groups
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS, shared_prefixes
 from tieredkv.models.llama import LlamaModel
+from tieredkv.parallel.plan import describe, stand_in
 from tieredkv.core.scheduler import SchedulerOutput
 from tieredkv.core.sequence import Sequence
 
@@ -41,8 +40,11 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops: KernelOps,
                  cascade: bool = True, compiled: CompiledDecode | None = None,
-                 far: tuple[int, torch.Tensor] | None = None):
+                 far: tuple[int, torch.Tensor] | None = None, leader=None):
         self.model = model
+        # rank 0 of a tensor-parallel group (parallel/ranks.py LeaderGroup): each forward's plan and the warm-up
+        # are sent to the other ranks, which run them on their shares in lockstep
+        self.leader = leader
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.ops = ops
@@ -133,6 +135,8 @@ class ModelRunner:
         uses, and the compiled decode graph (with `background`, on a thread of its own while the eager
         forward serves: CompiledDecode.start_background)."""
         if self.ops.name == "triton":
+            if self.leader is not None:
+                self.leader.command("warmup")
             self.warmup()
         if self.compiled is not None:
             if background:
@@ -167,12 +171,10 @@ class ModelRunner:
         context after the chunk), built by the same code as a real step's, every block in it the scratch
         block (no sequence's; its contents are garbage, and so is what the forward computes from it)."""
         bs, scratch = self.block_size, scratch_block(self.kv_cache)
-        block = KVBlock(scratch)
 
         def seq(num_computed: int, n: int):
             total = num_computed + n
-            return SimpleNamespace(num_computed_tokens=num_computed, num_tokens=total, token_ids=[0] * total,
-                                   block_table=[block] * -(-total // bs))
+            return stand_in(num_computed, total, [0] * total, [scratch] * -(-total // bs))
 
         decodes = [(seq(n - 1, 1), 1) for n in sorted(decode_lens)]
         chunks = [(seq(ctx - n, n), n) for n, ctx in prefills]
@@ -205,15 +207,20 @@ class ModelRunner:
         their sequences. Where far blocks are staged, the step runs as one forward per group of sequences
         whose far blocks fit the staging cap (far_stage.stage_groups)."""
         if self.far_base is None:
-            return self._forward(out.scheduled)
+            return self.forward_rows(out.scheduled)
         base = self.far_base
         groups = stage_groups(out.scheduled, lambda s: sum(b.block_id >= base for b in s.block_table), base)
         if len(groups) == 1:
-            return self._forward(groups[0])
-        parts = [self._forward(group) for group in groups]
+            return self.forward_rows(groups[0])
+        parts = [self.forward_rows(group) for group in groups]
         return torch.cat([logits for logits, _ in parts]), [seq for _, seqs in parts for seq in seqs]
 
-    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+    @torch.inference_mode()
+    def forward_rows(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """One forward over these (sequence, tokens this step) rows (on a tensor-parallel rank other than 0:
+        stand-ins rebuilt from rank 0's plan, and no logits come back)."""
+        if self.leader is not None:
+            self.leader.command("step", describe(scheduled))
         compiled = self.compiled is not None and self.compiled.accepts(scheduled)
         batch, sampled = self.prepare(scheduled, with_plan=not compiled)
         logits = None

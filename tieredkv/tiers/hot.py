@@ -43,15 +43,10 @@ class HotTier(KVTier):
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         """[n, layers, 2, block_size, kv_heads, head_dim] on the pool's device."""
-        kv = self.kv_cache
-        out = torch.empty((len(block_ids), kv.shape[0], 2, *kv.shape[3:]), dtype=kv.dtype, device=kv.device)
-        self.ops.gather_blocks(kv, torch.tensor(block_ids, device=kv.device), out)
-        return out
+        return gather_blocks(self.kv_cache, self.ops, block_ids)
 
     def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        kv = self.kv_cache
-        src = blocks.to(kv.device, kv.dtype, non_blocking=True).contiguous()
-        self.ops.scatter_blocks(kv, torch.tensor(block_ids, device=kv.device), src)
+        scatter_blocks(self.kv_cache, self.ops, block_ids, blocks)
 
     def scatter_runs(self, block_ids: list[int], runs: list[tuple[int, torch.Tensor]]) -> None:
         """Writes host views (SwapSpace.read_runs: (offset in block_ids, [n, ...] view)) into the blocks;
@@ -60,8 +55,7 @@ class HotTier(KVTier):
             self.scatter(block_ids[offset : offset + view.shape[0]], view)
 
     def copy(self, src_ids: list[int], dst_ids: list[int]) -> None:
-        kv = self.kv_cache
-        self.ops.copy_blocks(kv, torch.tensor(src_ids, device=kv.device), torch.tensor(dst_ids, device=kv.device))
+        copy_blocks(self.kv_cache, self.ops, src_ids, dst_ids)
 
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
         """Writes the blocks into freshly allocated pool blocks, cached and immediately evictable."""
@@ -100,3 +94,48 @@ class HotTier(KVTier):
         """Blocks holding data, in use by a sequence or cached for reuse."""
         pool = self.pool
         return (pool.num_blocks - pool.num_free + pool.num_cached_free) * self.block_bytes
+
+
+class ShardedHotTier(HotTier):
+    """Rank 0's hot tier under tensor parallelism: every rank holds its heads of each block id
+    (parallel/ranks.py); a gather brings whole blocks to rank 0, a scatter sends each rank its heads, a copy
+    runs on every rank. So the tiers below hold whole blocks, as with one process."""
+
+    def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, ops: KernelOps, leader, kv_heads: list[int]):
+        self.leader, self.kv_heads = leader, kv_heads
+        super().__init__(pool, kv_cache, ops)
+        self.block_bytes = self.block_bytes * sum(kv_heads) // kv_heads[0]  # whole blocks, every rank's heads
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        self.leader.command("gather", block_ids)
+        return self.leader.gather_heads(super().gather(block_ids), self.kv_heads)
+
+    def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        self.leader.command("scatter", block_ids)
+        mine = self.leader.scatter_heads(blocks, self.kv_heads, block_buffer(self.kv_cache, len(block_ids)))
+        super().scatter(block_ids, mine)
+
+    def copy(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        self.leader.command("copy", src_ids, dst_ids)
+        super().copy(src_ids, dst_ids)
+
+
+def block_buffer(kv: torch.Tensor, n: int) -> torch.Tensor:
+    """An uninitialised [n, layers, 2, block_size, kv_heads, head_dim] of kv's dtype and device."""
+    return torch.empty((n, kv.shape[0], 2, *kv.shape[3:]), dtype=kv.dtype, device=kv.device)
+
+
+def gather_blocks(kv: torch.Tensor, ops: KernelOps, block_ids: list[int]) -> torch.Tensor:
+    """The blocks' data [n, layers, 2, block_size, kv_heads, head_dim], on kv's device."""
+    out = block_buffer(kv, len(block_ids))
+    ops.gather_blocks(kv, torch.tensor(block_ids, device=kv.device), out)
+    return out
+
+
+def scatter_blocks(kv: torch.Tensor, ops: KernelOps, block_ids: list[int], blocks: torch.Tensor) -> None:
+    src = blocks.to(kv.device, kv.dtype, non_blocking=True).contiguous()
+    ops.scatter_blocks(kv, torch.tensor(block_ids, device=kv.device), src)
+
+
+def copy_blocks(kv: torch.Tensor, ops: KernelOps, src_ids: list[int], dst_ids: list[int]) -> None:
+    ops.copy_blocks(kv, torch.tensor(src_ids, device=kv.device), torch.tensor(dst_ids, device=kv.device))

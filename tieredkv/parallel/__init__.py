@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model split across processes (torch.distributed), rank 0 scheduling."""

@@ -1,0 +1,234 @@
+"""Tensor-parallel ranks: rank 0 is the engine's own process (it schedules, samples and holds the tiers); ranks
+1..N-1 are processes it starts (torch.multiprocessing, spawn) that hold their share of the weights and of every
+KV block, and carry out what rank 0 broadcasts, in lockstep with it:
+
+- ("step", plan): one forward over the sequences rank 0 scheduled (`describe`: each one's chunk of tokens, its
+  computed length and its block table, the same block ids on every rank);
+- ("gather", ids) / ("scatter", ids) / ("copy", src, dst): the hot tier's block reads and writes, each rank's
+  heads of whole blocks gathered to or scattered from rank 0 (tiers/hot.py ShardedHotTier), so the tiers below
+  hot hold whole blocks, in the format of one process, and serve any tensor-parallel size;
+- ("warmup",): the kernel warm-up's forwards; ("close",): the end.
+
+A rank that dies makes rank 0's next collective fail: the engine closes (RankLostError, an EngineClosedError)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tieredkv.config import EngineConfig
+from tieredkv.errors import TieredKVError
+from tieredkv.parallel.group import TPGroup
+from tieredkv.parallel.plan import rebuild
+from tieredkv.parallel.shard import Shard
+
+log = logging.getLogger("tieredkv")
+START_TIMEOUT_S = 120.0  # a rank that has not started by then (imported torch, opened its device) is an error
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a collective longer than this fails (a hung rank, not a dead one)
+
+
+class RankStartError(TieredKVError, RuntimeError):
+    """A tensor-parallel rank could not start: its process died, its device cannot be used, the process group
+    could not form (the port was taken), or its share of the model did not load; the message says which."""
+
+
+class LeaderGroup(TPGroup):
+    """Rank 0's group: the collectives, plus the commands it sends and the processes it started."""
+
+    def __init__(self, shard: Shard, device: torch.device, procs: list):
+        super().__init__(shard, device)
+        self.procs = procs
+
+    def command(self, name: str, *args) -> None:
+        self.broadcast((name, *args))
+
+    def join_loads(self, error: BaseException | None, memory):
+        """Every rank's load result, rank order; raises the first rank's error (this one's first)."""
+        results = self.gather_objects((None if error is None else f"{type(error).__name__}: {error}", memory))
+        if error is not None:
+            raise error
+        for rank, (failed, _) in enumerate(results):
+            if failed is not None:
+                raise RankStartError(f"tensor-parallel rank {rank} could not load its share of the model: {failed}")
+        return [m for _, m in results]
+
+    def abort(self) -> None:
+        """Ends every rank at once (start-up failed: they may be waiting in any collective)."""
+        self.broken = self.broken or RankStartError("aborted")
+        for p in self.procs:
+            p.kill()
+            p.join(timeout=5)
+        _leave_group()
+
+    def close(self) -> None:
+        """Ends every rank: a close command while they answer, then a join, and a kill for one that lingers."""
+        try:
+            if self.broken is None:
+                self.command("close")
+        except TieredKVError:
+            pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        _leave_group()
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group whose peers are gone may fail to tear down; the process goes on
+            log.debug("destroying the process group failed", exc_info=True)
+
+
+def rank_device(cfg: EngineConfig, rank: int, device: torch.device) -> torch.device:
+    """Rank r's device: cuda:(i + r) where rank 0 runs on cuda:i; the CPU for every rank on CPU."""
+    if device.type != "cuda":
+        return device
+    index = (device.index or 0) + rank
+    if index >= torch.cuda.device_count():
+        raise RankStartError(f"tensor_parallel_size {cfg.tensor_parallel_size} from {device} needs cuda:{index}, "
+                             f"but {torch.cuda.device_count()} CUDA device(s) are visible")
+    return torch.device("cuda", index)
+
+
+def start_ranks(cfg: EngineConfig, model_dir: Path, device: torch.device) -> LeaderGroup:
+    """Starts ranks 1..N-1 and joins them in a process group with this process as rank 0."""
+    world = cfg.tensor_parallel_size
+    if dist.is_initialized():
+        raise RankStartError("a process runs one tensor-parallel engine at a time (this one already has a "
+                             "torch.distributed process group)")
+    for r in range(1, world):
+        rank_device(cfg, r, device)  # a clear error before anything starts
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    hello = ctx.Queue()
+    settings = cfg.model_copy(update={"model": str(model_dir)}).model_dump()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, settings, str(device), hello), daemon=True,
+                         name=f"tieredkv-rank-{r}") for r in range(1, world)]
+    for p in procs:
+        p.start()
+    try:
+        _wait_for_hellos(procs, hello)
+        dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
+                                timeout=GROUP_TIMEOUT)
+    except BaseException as e:
+        for p in procs:
+            p.kill()
+        if isinstance(e, RankStartError):
+            raise
+        raise RankStartError(f"the tensor-parallel process group did not form on port {port}: {e}") from e
+    return LeaderGroup(Shard(0, world), device, procs)
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_hellos(procs: list, hello) -> None:
+    """Each rank says it started (or why it could not) before the group forms; one that dies first is an error."""
+    pending, deadline = {int(p.name.rsplit("-", 1)[1]) for p in procs}, time.monotonic() + START_TIMEOUT_S
+    while pending:
+        try:
+            rank, error = hello.get(timeout=0.2)
+        except queue.Empty:
+            dead = [p for p in procs if not p.is_alive()]
+            if dead:
+                raise RankStartError(
+                    f"tensor-parallel rank process {dead[0].name} exited with code {dead[0].exitcode} while starting "
+                    "(its error is on stderr; a script that starts the engine at import needs an `if __name__ == "
+                    '"__main__":` guard, as every program using multiprocessing\'s spawn does)') from None
+            if time.monotonic() > deadline:
+                raise RankStartError(f"tensor-parallel ranks {sorted(pending)} did not start within "
+                                     f"{START_TIMEOUT_S:.0f} s") from None
+            continue
+        if error is not None:
+            raise RankStartError(f"tensor-parallel rank {rank} could not start: {error}")
+        pending.discard(rank)
+
+
+def rank_main(rank: int, world: int, port: int, settings: dict, leader_device: str, hello) -> None:
+    """A rank process: start, join the group, load its share, then carry out rank 0's commands until close."""
+    try:
+        cfg = EngineConfig.model_validate(settings)
+        device = rank_device(cfg, rank, torch.device(leader_device))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    except BaseException as e:
+        hello.put((rank, f"{type(e).__name__}: {e}"))
+        return
+    hello.put((rank, None))
+    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=GROUP_TIMEOUT)
+    try:
+        Follower(cfg, TPGroup(Shard(rank, world), device), device).serve()
+    except TieredKVError:  # rank 0 is gone, or told us to stop after a failure there
+        pass
+    finally:
+        _leave_group()
+
+
+class Follower:
+    """Ranks 1..N-1: the same model runner over this rank's share, driven by rank 0's commands."""
+
+    def __init__(self, cfg: EngineConfig, tp: TPGroup, device: torch.device):
+        from tieredkv.engine_setup import load_rank_model, rank_runner
+
+        self.tp, self.cfg = tp, cfg
+        error, info = None, None
+        try:
+            self.model, self.ops, info = load_rank_model(cfg, Path(cfg.model), device, tp)
+        except Exception as e:  # told to rank 0, which raises it
+            error = f"{type(e).__name__}: {e}"
+        tp.gather_objects((error, info))
+        if error is not None:
+            raise RankStartError(error)
+        num_blocks = tp.broadcast()
+        self.runner = rank_runner(cfg, self.model, self.ops, num_blocks, device, tp)
+        self.kv_heads = tp.shard.sizes(self.model.spec.num_kv_heads)
+        tp.gather_objects(None)  # ready
+
+    def serve(self) -> None:
+        while True:
+            name, *args = self.tp.broadcast()
+            if name == "close":
+                return
+            getattr(self, "do_" + name)(*args)
+
+    def do_step(self, plan: list[tuple]) -> None:
+        self.runner.forward_rows(rebuild(plan))
+
+    def do_warmup(self) -> None:
+        self.runner.warmup()
+
+    def do_gather(self, ids: list[int]) -> None:
+        from tieredkv.tiers.hot import gather_blocks
+
+        self.tp.gather_heads(gather_blocks(self.runner.kv_cache, self.ops, ids), self.kv_heads)
+
+    def do_scatter(self, ids: list[int]) -> None:
+        from tieredkv.tiers.hot import block_buffer, scatter_blocks
+
+        kv = self.runner.kv_cache
+        scatter_blocks(kv, self.ops, ids, self.tp.scatter_heads(None, self.kv_heads, block_buffer(kv, len(ids))))
+
+    def do_copy(self, src: list[int], dst: list[int]) -> None:
+        from tieredkv.tiers.hot import copy_blocks
+
+        copy_blocks(self.runner.kv_cache, self.ops, src, dst)
