@@ -389,8 +389,6 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
                          far=(num_blocks, tiers.warm.slab) if mode == "staged" else None, leader=leader)
     if leader is not None:
         leader.gather_objects(None)  # every rank has its cache and runner
-    if device.type == "cpu":
-        release_free_memory(collect=False)  # the copies that loading, fusing and packing the weights freed
     runner.compile_now(background=cfg.compile_in_background)
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
@@ -409,7 +407,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
 @dataclass(frozen=True)
 class RankMemory:
     """What loading the weights took on one rank: their bytes in their own formats, and the growth of the
-    process's anonymous resident memory from before the load to after it (packing included)."""
+    process's anonymous resident memory from before the load to after it (packing included, the heap's freed
+    memory handed back)."""
 
     weight_bytes: int
     resident_growth: int
@@ -426,6 +425,8 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
     if quant is not None and device.type == "cpu":
         use_cpu_kernels(resolve_cache_dir(cfg))
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
+    if device.type == "cpu":
+        release_free_memory(collect=False)  # the copies that loading, fusing and packing the weights freed
     return model, ops, RankMemory(model.weight_bytes(), anon_resident_bytes() - before)
 
 

@@ -77,6 +77,15 @@ class Shard:
         return None
 
 
+    def shape(self, name: str, shape: tuple[int, ...], spec: ModelSpec) -> tuple[int, ...]:
+        """The shape of this rank's part of checkpoint tensor `name` (whole: `shape`)."""
+        where = self.ranges(name, spec)
+        if where is None:
+            return tuple(shape)
+        dim, runs = where
+        return tuple(sum(b - a for a, b in runs) if i == dim else n for i, n in enumerate(shape))
+
+
 def _shift(r: tuple[int, int], by: int) -> tuple[int, int]:
     return r[0] + by, r[1] + by
 

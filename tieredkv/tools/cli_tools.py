@@ -54,7 +54,8 @@ def plan_command(args: argparse.Namespace) -> None:
                   args.memory_utilization, args.dtype, args.block_size, args.max_model_len, warm,
                   parse_bytes(args.cold_bytes), args.seq_len, args.shared_prompt_len, args.max_num_batched_tokens,
                   args.max_num_seqs, activation, quantization=args.quantization,
-                  quantization_group_size=args.quantization_group_size or 32)
+                  quantization_group_size=args.quantization_group_size or 32,
+                  tensor_parallel_size=args.tensor_parallel_size)
     print(json.dumps(result.as_dict(), indent=2) if args.json else format_plan(result))
 
 
@@ -174,6 +175,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--quantization", "--weights", choices=["int8", "int4", "gguf"], default=None,
                    help="as the engine's --quantization: the weights' bytes in that format")
     p.add_argument("--quantization-group-size", type=int, default=None, help="int4: inputs per scale (default 32)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="as the engine's: the weights and KV heads each of N ranks holds")
     p.set_defaults(func=plan_command)
     p = sub.add_parser("explain", help="where each block of a prompt would come from, or why it is computed")
     p.add_argument("prompt")

@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine_setup import (STAGE_RESERVE, kv_pool_bytes, max_model_len, model_fingerprint, quant_settings,
+from tieredkv.engine_setup import (STAGE_RESERVE, far_mode, kv_pool_bytes, max_model_len, model_fingerprint, quant_settings,
                                    resolve_dtype, resolve_model_dir, warm_blocks)
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.models.checks import tensor_shapes
@@ -20,6 +20,7 @@ from tieredkv.kernels.quant import quantized_bytes
 from tieredkv.models.gguf_convert import gguf_weight_bytes
 from tieredkv.models.loader import QuantSettings, weight_files
 from tieredkv.models.spec import ModelSpec
+from tieredkv.parallel.shard import Shard, check_shardable
 from tieredkv.tiers.cold_format import ColdFormat
 from tieredkv.tiers.cold_txn import disk_cost
 from tieredkv.tools.config_flags import parse_bytes  # noqa: F401 (the command line's sizes, also for plan's callers)
@@ -54,6 +55,9 @@ class Plan:
         device: the device type planned for ("cpu" or "cuda").
         staging_bytes: CUDA with far blocks (offload and a warm tier): device memory left beside the hot pool
             for staging them, a layer at a time (`engine_setup.kv_pool_bytes`).
+        tensor_parallel_size: the processes the model is split across.
+        rank_weight_bytes: each rank's share of `weight_bytes`, rank order (one entry without tensor parallelism).
+        rank_kv_bytes_per_block: each rank's share of a KV block (its KV heads), rank order.
     """
 
     model: str
@@ -79,6 +83,9 @@ class Plan:
     measured: bool = False
     device: str = "cpu"
     staging_bytes: int = 0
+    tensor_parallel_size: int = 1
+    rank_weight_bytes: list = field(default_factory=list)
+    rank_kv_bytes_per_block: list = field(default_factory=list)
 
     @property
     def tokens(self) -> dict[str, int]:
@@ -99,9 +106,10 @@ def device_memory(device: str) -> int:
 
 
 def weight_bytes(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], itemsize: int,
-                 quant: QuantSettings | None) -> int:
+                 quant: QuantSettings | None, shard: Shard = Shard()) -> int:
     """The weights' bytes in the format the engine would hold them: quantized projections and LM head (int8
-    for int4's head too, as the loader does), everything else at `itemsize`; the GGUF file's own blocks."""
+    for int4's head too, as the loader does), everything else at `itemsize`; the GGUF file's own blocks.
+    With `shard`, that tensor-parallel rank's part (parallel/shard.py)."""
     if quant is not None and quant.scheme == "gguf":
         return gguf_weight_bytes(quant.gguf_path, itemsize, spec.tie_word_embeddings, quant.cache_dir)
     head = "embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
@@ -109,6 +117,7 @@ def weight_bytes(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], itemsize: 
     for name, shape in shapes.items():
         if spec.tie_word_embeddings and name.startswith("lm_head."):
             continue
+        shape = shard.shape(name, shape, spec)
         if quant is not None and len(shape) == 2 and (name.endswith("proj.weight") or name == head):
             total += quantized_bytes("int8" if name == head else quant.scheme, *shape, quant.group_size)
         else:
@@ -128,7 +137,7 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
          max_len: int | None = None, warm_bytes: int | None = None, cold_bytes: int = 0, seq_len: int = 4096,
          shared_prompt_len: int = 1024, max_num_batched_tokens: int = 1024, max_num_seqs: int = 64,
          activation_bytes: int | None = None, cpu_kv_cache_bytes: int | None = None,
-         quantization: str | None = None, quantization_group_size: int = 32) -> Plan:
+         quantization: str | None = None, quantization_group_size: int = 32, tensor_parallel_size: int = 1) -> Plan:
     """Plans a deployment from the checkpoint's config.json and tensor headers, without loading weights.
 
     The hot pool is sized by the engine's own function (`engine_setup.kv_pool_bytes`) with the engine's
@@ -153,6 +162,8 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
         cpu_kv_cache_bytes: as `EngineConfig.cpu_kv_cache_bytes`.
         quantization: as `EngineConfig.quantization`.
         quantization_group_size: as `EngineConfig.quantization_group_size`.
+        tensor_parallel_size: as `EngineConfig.tensor_parallel_size`: each rank's weights and KV heads; on
+            CUDA the pool is sized on the device of rank 0, which holds the largest share.
 
     Raises:
         ModelNotFoundError: the model cannot be found.
@@ -165,21 +176,32 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
     cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size, max_model_len=max_len, warm_bytes=warm_bytes,
                        gpu_memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
                        cpu_kv_cache_bytes=cpu_kv_cache_bytes, quantization=quantization,
-                       quantization_group_size=quantization_group_size)
+                       quantization_group_size=quantization_group_size, tensor_parallel_size=tensor_parallel_size)
     quant = quant_settings(cfg, model_dir)
-    weights = weight_bytes(spec, tensor_shapes(weight_files(model_dir)), item, quant)
+    shapes = tensor_shapes(weight_files(model_dir))
+    weights = weight_bytes(spec, shapes, item, quant)
+    shards = [Shard(r, tensor_parallel_size) for r in range(tensor_parallel_size)]
+    if tensor_parallel_size > 1:
+        check_shardable(spec, tensor_parallel_size)
+    rank_weights = [weight_bytes(spec, shapes, item, quant, s) for s in shards] if len(shards) > 1 else [weights]
     per_token = spec.kv_elements_per_token * item
     per_block = per_token * block_size
+    rank_blocks = [per_block * n // spec.num_kv_heads for n in shards[0].sizes(spec.num_kv_heads)]
     memory = device_memory_bytes if device_memory_bytes is not None else device_memory(device)
     measured = activation_bytes is not None
     if activation_bytes is None:
         activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, item)
     device_type = torch.device(device).type  # the engine's own arithmetic: CUDA memory less weights, activations
     warm = warm_blocks(cfg, spec, torch_dtype)
-    staged = spec.num_layers if device_type == "cuda" and cfg.offload and warm else 0  # far_mode's "staged"
-    pool = kv_pool_bytes(cfg, device_type, memory, weights + activation_bytes, per_token, max_model_len(spec, max_len),
-                         staged)
-    hot = max(pool, 0) // per_block
+    staged = spec.num_layers if device_type == "cuda" and far_mode(cfg, torch.device(device)) and warm else 0
+    if device_type == "cuda":  # rank 0's device: its weights, its share of each block (engine_setup._build)
+        pool = kv_pool_bytes(cfg, device_type, memory, rank_weights[0] + activation_bytes,
+                             per_token * rank_blocks[0] // per_block, max_model_len(spec, max_len), staged)
+        hot = max(pool, 0) // rank_blocks[0]
+    else:  # one machine's memory for every rank: whole blocks
+        pool = kv_pool_bytes(cfg, device_type, memory, weights + activation_bytes, per_token,
+                             max_model_len(spec, max_len), staged)
+        hot = max(pool, 0) // per_block
     block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
     fingerprint = model_fingerprint(model_dir, torch_dtype, block_size, quant)
     entry = disk_cost(ColdFormat.entry_bytes(block_shape, torch_dtype, fingerprint, block_size))
@@ -196,7 +218,8 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
         longest_sequence=min(max_model_len(spec, max_len), (hot + tiers["warm"]) * block_size),
         shared_prompt_len=shared_prompt_len, shared_prompts={t: n // prompt_blocks for t, n in tiers.items()},
         measured=measured, device=device_type,
-        staging_bytes=STAGE_RESERVE * hot * per_block // spec.num_layers if staged else 0)
+        staging_bytes=STAGE_RESERVE * hot * per_block // spec.num_layers if staged else 0,
+        tensor_parallel_size=tensor_parallel_size, rank_weight_bytes=rank_weights, rank_kv_bytes_per_block=rank_blocks)
 
 
 def profile_activations(model: str, device: str, dtype: str, max_num_batched_tokens: int) -> int:
@@ -255,6 +278,9 @@ def format_plan(p: Plan) -> str:
         f"activations        {p.activation_bytes / gib:10.2f} GiB ({'measured' if p.measured else 'estimated'})",
         *([f"far-block staging  {p.staging_bytes / gib:10.2f} GiB (a layer at a time, beside the hot pool)"]
           if p.staging_bytes else []),
+        *[f"rank {r:<2} weights   {w / gib:10.2f} GiB   KV per block {b / 2**20:.2f} MiB"
+          for r, (w, b) in enumerate(zip(p.rank_weight_bytes, p.rank_kv_bytes_per_block))
+          if p.tensor_parallel_size > 1],
         "",
         f"{'tier':<8}{'blocks':>14}{'tokens':>16}{f'prompts of {p.shared_prompt_len}':>20}",
     ]
