@@ -2,9 +2,9 @@
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine import AsyncEngine
-from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RemoteTierError,
-                             RequestError, SamplingError, SnapshotError, StepError, TieredKVError,
-                             UnsupportedModelError, WrongLoopError)
+from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RankLostError,
+                             RankStartError, RemoteTierError, RequestError, SamplingError, SnapshotError, StepError,
+                             TieredKVError, UnsupportedModelError, WrongLoopError)
 from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 
 __all__ = [
@@ -16,6 +16,8 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "ModelNotFoundError",
+    "RankLostError",
+    "RankStartError",
     "RemoteTierError",
     "RequestError",
     "RequestOutput",

@@ -466,15 +466,24 @@ def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.dev
 
 def _prepare_process(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
     """The device and dtype, with the thread-level settings they need (this thread's CUDA device)."""
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # this (worker) thread's current device: "cuda:N" means N
-    if device.type == "cpu" and cfg.cpu_malloc_tuning:
-        tune_glibc_malloc()
+    prepare_rank(cfg, device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.dtype == "auto" and dtype == torch.float16:
         log.info("dtype auto: float16 on %s (compute capability %d.%d has no native bfloat16)",
                  torch.cuda.get_device_name(device), *torch.cuda.get_device_capability(device))
     return device, dtype
+
+
+def prepare_rank(cfg: EngineConfig, device: torch.device) -> None:
+    """This process's (or thread's) settings for serving on `device`: torch's threads (under tensor
+    parallelism on CPU, by default the cores shared out among the ranks), the current CUDA device, malloc."""
+    threads = cfg.num_threads
+    if threads is None and cfg.tensor_parallel_size > 1 and device.type == "cpu":
+        threads = max(1, torch.get_num_threads() // cfg.tensor_parallel_size)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this (worker) thread's current device: "cuda:N" means N
+    if device.type == "cpu" and cfg.cpu_malloc_tuning:
+        tune_glibc_malloc()

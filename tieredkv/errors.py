@@ -25,6 +25,16 @@ class EngineClosedError(TieredKVError, RuntimeError):
     """The engine was closed (or its worker died) while the call was pending or running."""
 
 
+class RankLostError(EngineClosedError):
+    """A tensor-parallel rank stopped answering (its process died, or the process group failed): the engine
+    closes, and every request in flight ends with this error."""
+
+
+class RankStartError(TieredKVError, RuntimeError):
+    """A tensor-parallel rank could not start: its process died, its device cannot be used, the process group
+    could not form, or its share of the model did not load; the message says which."""
+
+
 class WrongLoopError(TieredKVError, RuntimeError):
     """An engine method was called from another event loop or thread than the one that started it."""
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tieredkv.config import EngineConfig
-from tieredkv.errors import TieredKVError
+from tieredkv.errors import RankStartError, TieredKVError
 from tieredkv.parallel.group import TPGroup
 from tieredkv.parallel.plan import rebuild
 from tieredkv.parallel.shard import Shard
@@ -33,11 +33,6 @@ from tieredkv.parallel.shard import Shard
 log = logging.getLogger("tieredkv")
 START_TIMEOUT_S = 120.0  # a rank that has not started by then (imported torch, opened its device) is an error
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a collective longer than this fails (a hung rank, not a dead one)
-
-
-class RankStartError(TieredKVError, RuntimeError):
-    """A tensor-parallel rank could not start: its process died, its device cannot be used, the process group
-    could not form (the port was taken), or its share of the model did not load; the message says which."""
 
 
 class LeaderGroup(TPGroup):
@@ -166,10 +161,11 @@ def _wait_for_hellos(procs: list, hello) -> None:
 def rank_main(rank: int, world: int, port: int, settings: dict, leader_device: str, hello) -> None:
     """A rank process: start, join the group, load its share, then carry out rank 0's commands until close."""
     try:
+        from tieredkv.engine_setup import prepare_rank
+
         cfg = EngineConfig.model_validate(settings)
         device = rank_device(cfg, rank, torch.device(leader_device))
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        prepare_rank(cfg, device)
     except BaseException as e:
         hello.put((rank, f"{type(e).__name__}: {e}"))
         return

@@ -1,0 +1,121 @@
+"""Tensor parallelism: the same workload at tensor_parallel_size 1 and N (default 2), in one run: batch-1 decode
+ms/token, batched throughput, each rank's weight bytes and resident growth over the load, and the all-reduce
+time per step (rank 0's wall time inside the collectives, which on CPU includes waiting for the slower rank).
+
+    .venv/bin/python benchmarks/bench_tp.py                       # CPU, gloo: N=1 and N=2
+    .venv/bin/python benchmarks/bench_tp.py --device cuda --dtype bfloat16   # a machine with 2 GPUs: NCCL
+
+On a CPU every rank shares the same cores: on 2 cores, N=2 runs one thread per rank against 2 threads at N=1, so
+it is not expected to be faster; what it shows is the per-rank memory and the cost of the all-reduces (two per
+layer, one for the embedding) on this machine. On GPUs each rank has a device of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tieredkv import EngineConfig, SamplingParams
+from tieredkv.engine_core import EngineCore
+from tieredkv.runner.cpu_features import cpu_info
+
+
+def run(core: EngineCore, prompts: list[list[int]], new: int) -> tuple[float, int]:
+    """Seconds to serve the prompts at once (greedy, EOS ignored) and the steps taken."""
+    reqs = [core.factory.make(p, SamplingParams(max_tokens=new, ignore_eos=True), f"r{i}")
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        core.add_request(r)
+    t0, steps = time.perf_counter(), 0
+    while core.has_work():
+        core.step()
+        steps += 1
+    return time.perf_counter() - t0, steps
+
+
+def measure(world: int, args) -> dict:
+    threads = args.threads if args.threads else max(1, (os.cpu_count() or 1) // world)
+    cfg = EngineConfig(model=args.model, tensor_parallel_size=world, device=args.device, dtype=args.dtype,
+                       num_threads=threads, compile_decode=False, warm_bytes=0, num_blocks=args.num_blocks)
+    t0 = time.perf_counter()
+    core = EngineCore(cfg)
+    start_s = time.perf_counter() - t0
+    try:
+        vocab = core.spec.vocab_size
+        prompts = [[(i * 7919 + j * 104729) % (vocab - 10) + 5 for j in range(args.prompt_len)]
+                   for i in range(args.batch)]
+        run(core, prompts[:1], 4)  # warm-up: first-use allocations, oneDNN's primitive caches
+        tp = core.tp
+        one_s, one_steps = run(core, prompts[:1], args.new)
+        r0, n0 = tp.reduce_s, tp.reduces
+        batch_s, batch_steps = run(core, prompts, args.new)
+        memory = core.memory if isinstance(core.memory, list) else [core.memory]
+        return {
+            "tensor_parallel_size": world, "threads_per_rank": threads, "start_s": round(start_s, 2),
+            "decode_ms_per_token": round(1000 * one_s / one_steps, 2),
+            "batch_output_tok_s": round(args.batch * args.new / batch_s, 1),
+            "batch_steps": batch_steps,
+            "allreduce_ms_per_step": round(1000 * (tp.reduce_s - r0) / batch_steps, 2),
+            "allreduces_per_step": round((tp.reduces - n0) / batch_steps, 1),
+            "rank_weight_bytes": [m.weight_bytes for m in memory],
+            "rank_resident_growth_bytes": [m.resident_growth for m in memory],
+        }
+    finally:
+        core.close()
+
+
+def measure_fresh(world: int) -> dict:
+    """measure(world) in a process of its own, so that the resident-memory growth starts from a clean heap."""
+    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", str(world)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(args) -> dict:
+    cpu = cpu_info()
+    rows = [measure_fresh(1), measure_fresh(args.tp)]
+    one, many = rows
+    report = {
+        "machine": cpu.describe(), "device": args.device, "model": args.model,
+        "workload": f"batch-1 decode of {args.new} tokens; {args.batch} prompts of {args.prompt_len} tokens, "
+                    f"{args.new} new tokens each, at once",
+        "rows": rows,
+        "ratios": {
+            "decode_ms_N_over_1": round(many["decode_ms_per_token"] / one["decode_ms_per_token"], 2),
+            "throughput_N_over_1": round(many["batch_output_tok_s"] / one["batch_output_tok_s"], 2),
+            "rank_weights_over_1": [round(w / one["rank_weight_bytes"][0], 3) for w in many["rank_weight_bytes"]],
+            "rank_resident_over_1": [round(w / one["rank_resident_growth_bytes"][0], 3)
+                                     for w in many["rank_resident_growth_bytes"]],
+        },
+    }
+    return report
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--tp", type=int, default=2, help="the tensor-parallel size compared with 1")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="per rank (default: the cores / N)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--out", default=None, help="also write the report here (JSON)")
+    p.add_argument("--only", type=int, default=None, help=argparse.SUPPRESS)  # one row, in this process
+    args = p.parse_args()
+    if args.only is not None:
+        print(json.dumps(measure(args.only, args)))
+        sys.exit(0)
+    result = main(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    sys.exit(0)
