@@ -46,7 +46,8 @@ def test_shards_cover_every_tensor_once(llama_dir):
     assert [Shard(r, 2).q_heads(uneven) for r in range(2)] == [(0, 6), (6, 9)]
     d, q, kv = 8, 9 * 8, 3 * 8
     fused = [Shard(r, 2).ranges("layers.0.self_attn.qkv_proj.weight", uneven)[1] for r in range(2)]
-    assert fused == [[(0, 48), (q, q + 16), (q + kv, q + kv + 16)], [(48, q), (q + 16, q + kv), (q + kv + 16, q + 2 * kv)]]
+    assert fused == [[(0, 48), (q, q + 16), (q + kv, q + kv + 16)],
+                     [(48, q), (q + 16, q + kv), (q + kv + 16, q + 2 * kv)]]
     assert Shard(1, 2).ranges("layers.3.self_attn.o_proj.weight", uneven) == (1, [(6 * d, 9 * d)])
     assert Shard(1, 2).ranges("layers.0.self_attn.q_proj.bias", uneven) == (0, [(6 * d, 9 * d)])
     assert Shard(1, 2).ranges("layers.0.input_layernorm.weight", uneven) is None
@@ -87,7 +88,7 @@ def test_plan_splits_weights_and_kv(llama_dir):
 
 
 def test_bad_settings_are_refused(llama_dir):
-    for bad in (dict(compile_decode=True), dict(far_blocks="staged"), dict(quantization="gguf")):
+    for bad in (dict(compile_decode=True), dict(quantization="gguf")):
         with pytest.raises(ValueError, match="tensor_parallel_size"):
             EngineConfig(model=str(llama_dir), tensor_parallel_size=2, **bad)
 
@@ -117,7 +118,7 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(kind, llama_di
     ranks persisted at close, one process reads, and its output is still transformers'."""
     path, cold = (llama_dir if kind == "llama" else qwen2_dir), str(tmp_path / "cold")
     expected = hf_greedy(path, PROMPTS, 24)
-    core = EngineCore(tp_config(path, num_blocks=7, warm_bytes=1 << 20, cold_path=cold))
+    core = EngineCore(tp_config(path, num_blocks=7, warm_bytes=1 << 20, cold_path=cold, offload=False))
     try:
         assert core.tp.world == 2 and core.kv_cache.shape[-2] == 1  # one of the two KV heads here
         warm, full = core.tiers.warm, len(PROMPTS[0]) // core.block_size
@@ -139,6 +140,31 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(kind, llama_di
         assert one.tiers.cold.stats().promotions == full
     finally:
         one.close()
+
+
+@pytest.mark.parametrize("far_mode", ["in_place", "staged"])
+def test_a_document_larger_than_the_hot_pool(llama_dir, far_mode):
+    """A 1,000-token document on a hot pool of 8 blocks: its older blocks go to warm as far blocks, each rank
+    keeping its heads of them in its own slab (the tail of its cache tensor, read in place; or a slab its
+    runner stages from), and two ranks still give transformers' output."""
+    import random
+
+    rng = random.Random(1)
+    doc = [rng.randrange(3, 440) for _ in range(1000)]
+    block = 3 * 2 * 16 * 2 * 16 * 4  # a whole block of the tiny llama in fp32
+    core = EngineCore(tp_config(llama_dir, num_blocks=8, warm_bytes=200 * block, max_num_batched_tokens=256,
+                                far_blocks=far_mode))
+    try:
+        staged = core.runner.far_base is not None
+        assert staged == (far_mode == "staged") and core.kv_cache.shape[2] == 8 + (0 if staged else 200) + 1
+        assert core.tiers.warm.slab.shape[-2] == 1  # rank 0's KV head of every slot
+        assert run_to_end(core, [doc], [32]) == hf_greedy(llama_dir, [doc], 32)
+        stats = core.stats()
+        assert stats.blocks_offloaded >= 65 - 8 and stats.num_preemptions == 0
+        assert core.runner.staged_steps > 0 if staged else core.runner.staged_steps == 0
+        check_pool_clean(core)
+    finally:
+        core.close()
 
 
 # -- a rank that dies ----------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="processes the model is split across (Megatron-style: heads, MLP columns and "
         "vocabulary rows), one per device: cuda:0..N-1 (from the device's index), or N CPU processes over gloo; "
-        "rank 0 is this process and schedules. Far blocks (offload) and the compiled decode path are off above 1")
+        "rank 0 is this process and schedules. The compiled decode path is off above 1")
 
     @model_validator(mode="after")
     def _check_parallel(self) -> "EngineConfig":
@@ -119,8 +119,6 @@ class EngineConfig(BaseModel):
             return self
         if self.compile_decode:
             raise ValueError("compile_decode is not supported with tensor_parallel_size > 1")
-        if self.far_blocks != "auto":
-            raise ValueError("far blocks (far_blocks) are not supported with tensor_parallel_size > 1")
         if self.quantization == "gguf":
             raise ValueError('quantization "gguf" is not supported with tensor_parallel_size > 1 (its blocks are '
                              'not split across ranks): use "int8" or "int4" on the safetensors checkpoint')

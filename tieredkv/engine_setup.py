@@ -30,7 +30,7 @@ from tieredkv.models.loader import QuantSettings, load_model
 from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.request_factory import RequestFactory
 from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
-from tieredkv.runner.malloc_tuning import release_free_memory, tune_glibc_malloc
+from tieredkv.runner.malloc_tuning import process_status_bytes, release_free_memory, tune_glibc_malloc
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.telemetry import Telemetry
 from tieredkv.models.checks import check_regular_files, read_json
@@ -41,7 +41,7 @@ from tieredkv.parallel.group import TPGroup
 from tieredkv.parallel.shard import check_shardable
 from tieredkv.tiers.hot import HotTier, ShardedHotTier
 from tieredkv.tiers.manager import TierManager
-from tieredkv.tiers.warm import WarmTier
+from tieredkv.tiers.warm import ShardedWarmTier, WarmTier
 
 log = logging.getLogger("tieredkv")
 
@@ -233,7 +233,7 @@ def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
     """How attention reaches far blocks (block_pool.py): "in place" on CPU, where the warm slab can be
     the tail of the cache tensor; "staged" on CUDA, where it is pinned host memory (far_stage.py); None
     with offloading off. `far_blocks="staged"` stages on CPU too (it runs the CUDA path's logic)."""
-    if not cfg.offload or cfg.tensor_parallel_size > 1:
+    if not cfg.offload:
         return None
     if device.type != "cpu" or cfg.far_blocks == "staged":
         return "staged"
@@ -267,13 +267,13 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
     holds a block (the tail of kv_cache when that has room beyond the pool); cold (LMDB, imported only
     then) with a path; remote (Valkey/Redis, imported only then) with a URL."""
     block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
-    warm = None
-    if num_warm_blocks > 0:
-        in_place = kv_cache.shape[2] > num_blocks + 1  # more than the pool and the scratch block
-        tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks] if in_place else None
-        warm = WarmTier(num_warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda", slab=tail)
+    sharded = tp is not None and tp.world > 1
+    warm = local_warm(num_warm_blocks, kv_cache, num_blocks)
+    if warm is not None and sharded:  # this rank's heads in its slab, whole blocks in and out (tiers/warm.py)
+        warm = ShardedWarmTier(num_warm_blocks, block_shape, warm.slab, warm.layer_major, tp,
+                               tp.shard.sizes(spec.num_kv_heads))
     pool = BlockPool(num_blocks, warm if far else None)
-    if tp is not None and tp.world > 1:  # whole blocks below hot: every rank's heads (tiers/hot.py)
+    if sharded:  # whole blocks below hot: every rank's heads (tiers/hot.py)
         hot = ShardedHotTier(pool, kv_cache, ops, tp, tp.shard.sizes(spec.num_kv_heads))
     else:
         hot = HotTier(pool, kv_cache, ops)
@@ -290,6 +290,17 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
                             cfg.remote_timeout_s, cfg.remote_retry_s, cfg.remote_ttl_s)
         hot.pool.new_cached = []  # new full blocks are written to the remote tier as they are computed
     return TierManager(hot, warm, cold, cfg.block_size, remote)
+
+
+def local_warm(num_warm_blocks: int, kv_cache: torch.Tensor, num_blocks: int) -> WarmTier | None:
+    """The warm tier over this process's cache tensor: its slab is the tensor's tail when that has room beyond
+    the pool (far blocks read in place), else a slab of its own (pinned on CUDA); None without a budget."""
+    if num_warm_blocks <= 0:
+        return None
+    in_place = kv_cache.shape[2] > num_blocks + 1  # more than the pool and the scratch block
+    tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks] if in_place else None
+    block_shape = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
+    return WarmTier(num_warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda", slab=tail)
 
 
 @dataclass
@@ -356,7 +367,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
            spec: ModelSpec, limit: int, tokenizer: Tokenizer, tp: TPGroup) -> EngineParts:
     quant = quant_settings(cfg, model_dir)
     compiled = compile_wanted(cfg.compile_decode, device) and tp.world == 1
-    error, (model, ops, memory) = None, (None, None, None)
+    model = ops = memory = error = None
     try:
         model, ops, memory = load_rank_model(cfg, model_dir, device, tp, compiled)
     except Exception as e:
@@ -374,7 +385,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     num_far = num_warm if mode else 0
     extent = far_extent(cfg, spec, dtype) if mode == "in place" else 0
     if leader is not None:
-        leader.broadcast(num_blocks)
+        leader.broadcast((num_blocks, extent, num_warm, mode))
     kv_cache = make_kv_cache(tp.shard.local_spec(spec), cfg.block_size, num_blocks, extent, dtype, device)
     factory = RequestFactory(tokenizer, spec, cfg, limit, eos_token_ids(spec, model_dir, tokenizer.eos_token_id),
                              num_blocks, num_far)
@@ -420,35 +431,28 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
     spec = ModelSpec.from_file(model_dir / "config.json")
     dtype = resolve_dtype(cfg.dtype, device)
     quant = quant_settings(cfg, model_dir)
-    before = anon_resident_bytes()
+    before = process_status_bytes("RssAnon")
     model = load_model(model_dir, spec, dtype, device, quant, tp)
     if quant is not None and device.type == "cpu":
         use_cpu_kernels(resolve_cache_dir(cfg))
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
     if device.type == "cpu":
         release_free_memory(collect=False)  # the copies that loading, fusing and packing the weights freed
-    return model, ops, RankMemory(model.weight_bytes(), anon_resident_bytes() - before)
+    return model, ops, RankMemory(model.weight_bytes(), process_status_bytes("RssAnon") - before)
 
 
-def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, num_blocks: int, device: torch.device,
-                tp: TPGroup) -> ModelRunner:
-    """The model runner of a tensor-parallel rank other than 0: its heads of every block id, no far blocks."""
-    kv_cache = make_kv_cache(tp.shard.local_spec(model.spec), cfg.block_size, num_blocks, 0,
+def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tuple, device: torch.device,
+                tp: TPGroup) -> tuple[ModelRunner, WarmTier | None]:
+    """The model runner of a tensor-parallel rank other than 0, over its heads of every block id, and the
+    warm tier whose slab holds its heads of every warm slot (only its slab is used: rank 0 keeps the index).
+    `setup`: rank 0's (num_blocks, far extent, warm blocks, far mode)."""
+    num_blocks, extent, num_warm, mode = setup
+    kv_cache = make_kv_cache(tp.shard.local_spec(model.spec), cfg.block_size, num_blocks, extent,
                              resolve_dtype(cfg.dtype, device), device)
-    return ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention)
-
-
-def anon_resident_bytes() -> int:
-    """The process's anonymous resident memory (RssAnon; file pages such as a mapped checkpoint's are not in
-    it), 0 where /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    warm = local_warm(num_warm, kv_cache, num_blocks)
+    runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
+                         far=(num_blocks, warm.slab) if mode == "staged" else None)
+    return runner, warm
 
 
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,

@@ -195,8 +195,7 @@ class Follower:
         tp.gather_objects((error, info))
         if error is not None:
             raise RankStartError(error)
-        num_blocks = tp.broadcast()
-        self.runner = rank_runner(cfg, self.model, self.ops, num_blocks, device, tp)
+        self.runner, self.warm = rank_runner(cfg, self.model, self.ops, tp.broadcast(), device, tp)
         self.kv_heads = tp.shard.sizes(self.model.spec.num_kv_heads)
         tp.gather_objects(None)  # ready
 
@@ -228,3 +227,28 @@ class Follower:
         from tieredkv.tiers.hot import copy_blocks
 
         copy_blocks(self.runner.kv_cache, self.ops, src, dst)
+
+    # the warm slab: this rank's heads of each slot (tiers/warm.py ShardedWarmTier)
+
+    def do_slab_write(self, slots: list[int]) -> None:
+        like = torch.empty((len(slots), *self._block_shape), dtype=self.warm.slab.dtype)
+        self.warm.write(slots, self.tp.scatter_heads(None, self.kv_heads, like))
+
+    def do_slab_read(self, slots: list[int]) -> None:
+        self.tp.gather_heads(self.warm.read(slots), self.kv_heads)
+
+    def do_hot_to_slab(self, block_ids: list[int], slots: list[int]) -> None:
+        from tieredkv.tiers.hot import gather_blocks
+
+        self.warm.write(slots, gather_blocks(self.runner.kv_cache, self.ops, block_ids))
+
+    def do_slab_to_hot(self, block_ids: list[int], slots: list[int]) -> None:
+        from tieredkv.tiers.hot import scatter_blocks
+
+        for offset, view in self.warm.read_runs(slots):
+            scatter_blocks(self.runner.kv_cache, self.ops, block_ids[offset : offset + view.shape[0]], view)
+
+    @property
+    def _block_shape(self) -> tuple[int, ...]:
+        kv = self.runner.kv_cache
+        return (kv.shape[0], 2, *kv.shape[3:])

@@ -51,3 +51,16 @@ def release_free_memory(collect: bool = True) -> bool:
     except (OSError, AttributeError):
         return False
     return True
+
+
+def process_status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status ("VmRSS", "VmHWM", "RssAnon", ...) in bytes; 0 where it is not
+    there (no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -230,3 +230,11 @@ class SwapSpace(ABC):
     @abstractmethod
     def release(self, slots: list[int]) -> None:
         """Gives lent slots back to the tier as free slots (their data is not cached)."""
+
+    def from_hot(self, hot, block_ids: list[int], slots: list[int]) -> None:
+        """Copies hot blocks (HotTier) into lent slots: a swap-out, an offload."""
+        self.write(slots, hot.gather(block_ids))
+
+    def to_hot(self, hot, block_ids: list[int], slots: list[int]) -> None:
+        """Copies slots into hot blocks, from views of the slots (no host copy): a swap-in, a promotion."""
+        hot.scatter_runs(block_ids, self.read_runs(slots))

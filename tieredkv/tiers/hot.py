@@ -119,6 +119,14 @@ class ShardedHotTier(HotTier):
         self.leader.command("copy", src_ids, dst_ids)
         super().copy(src_ids, dst_ids)
 
+    def local_gather(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's heads of the blocks (the other ranks do the same on a command of their own)."""
+        return HotTier.gather(self, block_ids)
+
+    def local_scatter_runs(self, block_ids: list[int], runs: list[tuple[int, torch.Tensor]]) -> None:
+        for offset, view in runs:
+            HotTier.scatter(self, block_ids[offset : offset + view.shape[0]], view)
+
 
 def block_buffer(kv: torch.Tensor, n: int) -> torch.Tensor:
     """An uninitialised [n, layers, 2, block_size, kv_heads, head_dim] of kv's dtype and device."""

@@ -80,12 +80,12 @@ class TierManager:
                 self._admit(level, [m.key for m in part], torch.stack([m.data for m in part]))
         elif kind in (SWAP_OUT, OFFLOAD):  # into swap slots, or far blocks' slots
             slots = dst if kind == SWAP_OUT else [self.hot.pool.slot_of(d) for d in dst]
-            self.swap.write(slots, hot.gather([m.src for m in run]))
+            self.swap.from_hot(hot, [m.src for m in run], slots)
             self.swap.count(demotions=len(run))
             self._wait_for_host_copies()
         elif kind == SWAP_IN:
             slots = [m.src for m in run]
-            hot.scatter_runs(dst, self.swap.read_runs(slots))
+            self.swap.to_hot(hot, dst, slots)
             self._unreleased.append((self.swap, slots))
         elif kind == PROMOTE:
             pool = self.hot.pool
@@ -97,7 +97,7 @@ class TierManager:
                     hot.scatter(ids, torch.stack([m.data for m in part]))
                 else:
                     slots = [m.src for m in part]
-                    hot.scatter_runs(ids, tier.read_runs(slots))
+                    tier.to_hot(hot, ids, slots)
                     self._unreleased.append((tier, slots))
                 tier.count(promotions=len(part))
         elif kind == COPY:

@@ -41,9 +41,9 @@ class WarmTier(KVTier, SwapSpace):
     name = "warm"
 
     def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
-                 slab: torch.Tensor | None = None):
+                 slab: torch.Tensor | None = None, layer_major: bool | None = None):
         self.capacity = capacity_blocks
-        self.layer_major = slab is not None
+        self.layer_major = slab is not None if layer_major is None else layer_major
         if slab is None:
             slab = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin)
         assert slab.shape[2 if self.layer_major else 0] == capacity_blocks, slab.shape
@@ -196,3 +196,39 @@ class WarmTier(KVTier, SwapSpace):
 
     def release(self, slots: list[int]) -> None:
         self.free_slots.extend(sorted(slots, reverse=True))
+
+
+class ShardedWarmTier(WarmTier):
+    """Rank 0's warm tier under tensor parallelism: the index (entries, LRU, lent slots) is rank 0's alone,
+    and every rank holds its heads of each slot in a slab of its own (parallel/ranks.py), so far blocks are
+    read in place or staged by each rank from its own memory. Reads and writes take and give whole blocks
+    (`block_shape` is the whole model's), gathered from and scattered to the ranks; moves between a rank's
+    hot pool and its slab stay on the rank (`from_hot`, `to_hot`)."""
+
+    def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], slab: torch.Tensor, layer_major: bool,
+                 leader, kv_heads: list[int]):
+        self.leader, self.kv_heads = leader, kv_heads
+        super().__init__(capacity_blocks, block_shape, slab.dtype, pin=False, slab=slab, layer_major=layer_major)
+        self._local_shape = (*block_shape[:-2], kv_heads[0], block_shape[-1])
+
+    def write(self, slots: list[int], blocks: torch.Tensor) -> None:
+        self.leader.command("slab_write", slots)
+        like = torch.empty((len(slots), *self._local_shape), dtype=self.slab.dtype)
+        super().write(slots, self.leader.scatter_heads(blocks, self.kv_heads, like))
+
+    def read(self, slots: list[int]) -> torch.Tensor:
+        self.leader.command("slab_read", slots)
+        return self.leader.gather_heads(super().read(slots), self.kv_heads)
+
+    def read_runs(self, slots: list[int]) -> list[tuple[int, torch.Tensor]]:
+        return [(0, self.read(slots))]
+
+    def from_hot(self, hot, block_ids: list[int], slots: list[int]) -> None:
+        """Each rank copies its heads of hot blocks into its slab slots (a swap-out, an offload)."""
+        self.leader.command("hot_to_slab", block_ids, slots)
+        super().write(slots, hot.local_gather(block_ids))
+
+    def to_hot(self, hot, block_ids: list[int], slots: list[int]) -> None:
+        """Each rank copies its heads of slab slots into hot blocks (a swap-in, a promotion from warm)."""
+        self.leader.command("slab_to_hot", block_ids, slots)
+        hot.local_scatter_runs(block_ids, super().read_runs(slots))

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine_setup import (STAGE_RESERVE, far_mode, kv_pool_bytes, max_model_len, model_fingerprint, quant_settings,
-                                   resolve_dtype, resolve_model_dir, warm_blocks)
+from tieredkv.engine_setup import (STAGE_RESERVE, far_mode, kv_pool_bytes, max_model_len, model_fingerprint,
+                                   quant_settings, resolve_dtype, resolve_model_dir, warm_blocks)
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.models.checks import tensor_shapes
 from tieredkv.kernels.quant import quantized_bytes
@@ -21,6 +21,7 @@ from tieredkv.models.gguf_convert import gguf_weight_bytes
 from tieredkv.models.loader import QuantSettings, weight_files
 from tieredkv.models.spec import ModelSpec
 from tieredkv.parallel.shard import Shard, check_shardable
+from tieredkv.runner.malloc_tuning import process_status_bytes
 from tieredkv.tiers.cold_format import ColdFormat
 from tieredkv.tiers.cold_txn import disk_cost
 from tieredkv.tools.config_flags import parse_bytes  # noqa: F401 (the command line's sizes, also for plan's callers)
@@ -255,14 +256,9 @@ def _profile_here(model: str, device: str, dtype: str, max_num_batched_tokens: i
         return torch.cuda.max_memory_allocated(core.device) - base
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident set
-    base = _status_kib("VmRSS")
+    base = process_status_bytes("VmRSS")
     core.step()
-    return max(_status_kib("VmHWM") - base, 0) * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    return max(process_status_bytes("VmHWM") - base, 0)
 
 
 def format_plan(p: Plan) -> str:
