@@ -127,6 +127,57 @@ async def test_a_document_larger_than_the_hot_pool_matches_transformers(engine, 
     check_pool_clean(engine.core)
 
 
+async def test_two_tensor_parallel_ranks_match_one_and_transformers(engine, hf):
+    """The default model split over two ranks (gloo; 9 query heads over 3 KV heads: 2 + 1) gives the tokens of
+    this module's one-process engine and of transformers: two chats on a shared system prompt (the second
+    served from the prefix cache, to the block), the document of the test above in chunks of 128 tokens (here
+    on a pool that holds it), and two samples of one chat sharing its blocks. Each rank holds at most 0.55x
+    the weights of one process, counted and by the growth of its resident memory over the load (rank 1's
+    process is a fresh one; rank 0's is this one, whose freed heap the load may reuse)."""
+    from helpers import run_to_end
+    from tieredkv.engine_core import EngineCore
+
+    tok, new = engine.tokenizer, 6
+    system = "You are a patient assistant who answers questions about rivers, mountains and cities. " * 3
+    chats = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
+             for q in ("Where is the Nile?", "How high is Mont Blanc?")]
+    doc = tok.apply_chat_template([{"role": "user", "content": long_document(18, seed=3) + "\n\nWhere is item 17?"}])
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    one = [(await engine.generate(ids, params)).outputs[0].token_ids for ids in chats + [doc]]
+    with torch.no_grad():
+        for ids, got in zip(chats, one):
+            x = torch.tensor([ids])
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                            do_sample=False)
+            assert got == y[0, len(ids):].tolist()
+    shared = next(i for i, (a, b) in enumerate(zip(*chats)) if a != b) // 16 * 16
+
+    def two_ranks():
+        # plain F.linear (no oneDNN packing, whose first use adds its own code and caches to the resident memory
+        # of each process), so that each rank's growth over the load is its weights
+        core = EngineCore(EngineConfig(num_blocks=96, warm_bytes=0, num_threads=1, max_num_batched_tokens=128,
+                                       tensor_parallel_size=2, cpu_linear="torch"))
+        try:
+            outs = run_to_end(core, chats[:1], [new])
+            hits = core.stats().prefix_cache_hits
+            outs += run_to_end(core, [chats[1], doc], [new, new])
+            hits = core.stats().prefix_cache_hits - hits
+            pair = core.factory.make(chats[0], SamplingParams(max_tokens=new, n=2, ignore_eos=True), "pair")
+            core.add_request(pair)
+            while core.has_work():
+                core.step()
+            return outs, hits, [s.output_token_ids for s in pair.seqs], core.memory
+        finally:
+            core.close()
+
+    two, hits, pair, memory = await asyncio.to_thread(two_ranks)
+    assert two == one and pair == [one[0], one[0]]
+    assert hits == shared > 0
+    whole = engine.core.memory.weight_bytes
+    for rank in memory:
+        assert rank.weight_bytes <= 0.55 * whole and rank.resident_growth <= 0.55 * whole
+
+
 def test_a_half_written_conversion_is_rebuilt_and_a_whole_one_reused(tmp_path, monkeypatch):
     """A converted-model directory without its marker, or whose weights file is not the size the marker
     names, is converted anew (under the lock); a whole one is used as it is."""
