@@ -120,6 +120,7 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(llama_dir, tmp
     core = EngineCore(tp_config(llama_dir, num_blocks=7, warm_bytes=1 << 20, cold_path=cold, offload=False))
     try:
         assert core.tp.world == 2 and core.kv_cache.shape[-2] == 1  # one of the two KV heads here
+        assert core.stats().weight_bytes == sum(m.weight_bytes for m in core.memory)  # both ranks' weights
         warm, full = core.tiers.warm, len(PROMPTS[0]) // core.block_size
         assert warm.block_shape[-2] == 2 and warm.slab.shape[-2] == 1  # whole blocks in and out, a rank's heads kept
         assert run_to_end(core, PROMPTS, [24] * len(PROMPTS)) == expected

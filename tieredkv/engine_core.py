@@ -9,7 +9,7 @@ from typing import Any
 
 from tieredkv.config import EngineConfig
 from tieredkv.core.sequence import Request
-from tieredkv.engine_setup import build_engine
+from tieredkv.engine_setup import build_engine, total_weight_bytes
 from tieredkv.errors import EngineClosedError
 from tieredkv.outputs import EngineStats, Output, collect_stats
 
@@ -123,4 +123,5 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return collect_stats(self.pool, self.scheduler, self.kv, self.tiers.stats(), self.pins.num_blocks,
-                             self.runner.decode_path, self.weights, self.model.weight_bytes())
+                             self.runner.decode_path, self.weights,
+                             total_weight_bytes(self.model, self.memory))

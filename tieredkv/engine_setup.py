@@ -404,13 +404,14 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
     block_bytes, weights = kv_block_bytes(spec, cfg.block_size, dtype), weights_label(model, dtype)
+    rank_gib = " / ".join(f"{m.weight_bytes / 2**30:.2f}" for m in memory) if tp.world > 1 else ""
     log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens (hot %.2f GiB, "
              "warm %.2f GiB%s), kernels=%s, linear=%s, packed=%s, decode path=%s%s", model_dir.name, weights,
-             model.weight_bytes() / 2**30, device, num_blocks, cfg.block_size,
+             total_weight_bytes(model, memory) / 2**30, device, num_blocks, cfg.block_size,
              num_blocks * block_bytes / 2**30, num_warm * block_bytes / 2**30,
              "; taken as written" if device.type == "cpu" else "", ops.name, ops.linear.__name__,
              ops.pack_linear_weight is not None, runner.decode_path,
-             f", tensor parallel over {tp.world} ranks" if tp.world > 1 else "")
+             f", tensor parallel over {tp.world} ranks ({rank_gib} GiB of the weights each)" if tp.world > 1 else "")
     return EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
                        factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights, tp, memory)
 
@@ -423,6 +424,11 @@ class RankMemory:
 
     weight_bytes: int
     resident_growth: int
+
+
+def total_weight_bytes(model: LlamaModel, memory) -> int:
+    """The weights' bytes over every rank (the model's own outside tensor parallelism)."""
+    return sum(m.weight_bytes for m in memory) if isinstance(memory, list) else model.weight_bytes()
 
 
 def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp: TPGroup,

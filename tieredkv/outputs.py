@@ -141,7 +141,7 @@ class EngineStats:
         prefix_blocks_joined: prompt blocks found cached after waiting for the request computing them.
         decode_path: what runs a one-sequence decode: "compiled", "compiling" (eager meanwhile) or "eager".
         weights: the weights' format: the dtype, or the quantization ("int4 (float32 activations)").
-        weight_bytes: what the weights take in that format.
+        weight_bytes: what the weights take in that format (over every rank under tensor parallelism).
     """
 
     num_running: int

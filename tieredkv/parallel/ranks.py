@@ -115,6 +115,8 @@ def start_ranks(cfg: EngineConfig, model_dir: Path, device: torch.device) -> Lea
         p.start()
     try:
         _wait_for_hellos(procs, hello)
+        hello.close()
+        hello.join_thread()
         dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
                                 timeout=GROUP_TIMEOUT)
     except BaseException as e:
