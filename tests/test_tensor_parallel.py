@@ -126,6 +126,8 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(llama_dir, tmp
         assert run_to_end(core, PROMPTS, [24] * len(PROMPTS)) == expected
         stats = core.stats()
         assert stats.num_preemptions > 0 and stats.num_swaps > 0
+        sent = core.tp.commands  # swaps and evictions to warm stayed on each rank: no block crossed processes
+        assert sent["hot_to_slab"] > 0 and sent["slab_to_hot"] > 0 and sent["gather"] == sent["scatter"] == 0
         check_pool_clean(core)
         core.tiers.clear("warm")
         assert core.tiers.clear("hot", demote=True) >= full

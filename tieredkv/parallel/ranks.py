@@ -17,6 +17,7 @@ import datetime
 import logging
 import queue
 import socket
+from collections import Counter
 import time
 from pathlib import Path
 
@@ -41,9 +42,11 @@ class LeaderGroup(TPGroup):
     def __init__(self, shard: Shard, device: torch.device, procs: list):
         super().__init__(shard, device)
         self.procs = procs
+        self.commands: Counter[str] = Counter()  # sent, by name: which moves crossed processes and which stayed
 
     def command(self, name: str, *args) -> None:
         self.broadcast((name, *args))
+        self.commands[name] += 1
 
     def join_loads(self, error: BaseException | None, memory):
         """Every rank's load result, rank order; raises the first rank's error (this one's first)."""

@@ -139,8 +139,13 @@ class TierManager:
             self.hot.note_dropped(k.block_hash for k in keys)
             return
         try:
-            data = self.hot.gather(block_ids)
-            self._admit(0, keys, data if self.lower[0] is self.swap else data.cpu())
+            top = self.lower[0]
+            if top is self.swap:  # warm: from the pool straight into its slots (on every rank, under TP)
+                stored, victims = top.admit_from_hot(self.hot, block_ids, keys)
+                top.count(demotions=stored)
+                self._admit(1, *victims)
+            else:
+                self._admit(0, keys, self.hot.gather(block_ids).cpu())
             self._wait_for_host_copies()
         except Exception:  # a failed demotion loses cache, never correctness
             log.exception("demotion from hot failed")

@@ -28,7 +28,8 @@ class WarmTier(KVTier, SwapSpace):
 
     The slab is block-major, [capacity, layers, 2, block_size, kv_heads, head_dim], unless one is given:
     on CPU the engine passes the tail of its cache tensor, layer-major [layers, 2, capacity, ...], so
-    that slot s is block `base + s` of that tensor and attention reads a slot in place (far blocks: see core/block_pool.py).
+    that slot s is block `base + s` of that tensor and attention reads a slot in place (far blocks: see
+    core/block_pool.py).
 
     `entries` maps a block hash to its slot in LRU order (oldest first); `free_slots` holds the rest,
     except the slots lent out by `reserve` (preemption swap space). Putting into a full tier evicts the
@@ -94,21 +95,41 @@ class WarmTier(KVTier, SwapSpace):
         """put_sync that returns what does not stay: the entries evicted to make room, and the blocks
         of this batch that find no slot (the earliest ones, when the batch outgrows the tier)."""
         assert blocks.shape[0] == len(keys) and blocks.shape[1:] == self.block_shape, blocks.shape
+        present, new, slots, overflow, victims = self._place(keys)
+        if new:
+            self.write(slots, blocks if len(new) == len(keys) else blocks[torch.tensor(new, device=blocks.device)])
+        picked = blocks[torch.tensor(overflow, device=blocks.device)] if overflow else None
+        return self._record(keys, present, new, slots, victims, overflow, picked)
+
+    def admit_from_hot(self, hot, block_ids: list[int], keys: Sequence[BlockKey]) -> tuple[int, Victims]:
+        """admit() of hot blocks (HotTier) by id: those that find a slot are copied from the pool straight
+        into it (`from_hot`: under tensor parallelism each rank copies its own heads)."""
+        present, new, slots, overflow, victims = self._place(keys)
+        if new:
+            self.from_hot(hot, [block_ids[i] for i in new], slots)
+        picked = hot.gather([block_ids[i] for i in overflow]) if overflow else None
+        return self._record(keys, present, new, slots, victims, overflow, picked)
+
+    def _place(self, keys: Sequence[BlockKey]) -> tuple[int, list[int], list[int], list[int], Victims]:
+        """Where admitting keys puts them: (how many are present already, the indices of new keys that get a
+        slot, their slots, the indices of new keys that find none, the entries evicted to make room, read
+        before any slot is written)."""
         new = [i for i, k in enumerate(keys) if k.block_hash not in self.entries]
-        stored = len(keys) - len(new)
-        victim_keys, victim_data = self._make_room(min(len(new), self.capacity))
+        victims = self._make_room(min(len(new), self.capacity))
         cut = max(len(new) - len(self.free_slots), 0)  # slots lent to swap space cannot be taken back
         overflow, new = new[:cut], new[cut:]
+        return len(keys) - len(new) - len(overflow), new, [self.free_slots.pop() for _ in new], overflow, victims
+
+    def _record(self, keys: Sequence[BlockKey], present: int, new: list[int], slots: list[int], victims: Victims,
+                overflow: list[int], picked: torch.Tensor | None) -> tuple[int, Victims]:
+        for i, slot in zip(new, slots):
+            self.entries[keys[i].block_hash] = (slot, keys[i].token_ids)
+        victim_keys, victim_data = victims
         if overflow:
-            picked = blocks[torch.tensor(overflow, device=blocks.device)].to("cpu", self.slab.dtype)
+            picked = picked.to("cpu", self.slab.dtype)
             victim_keys = victim_keys + [keys[i] for i in overflow]
             victim_data = picked if victim_data is None else torch.cat([victim_data, picked])
-        if new:
-            slots = [self.free_slots.pop() for _ in new]
-            self.write(slots, blocks if len(new) == len(keys) else blocks[torch.tensor(new, device=blocks.device)])
-            for i, slot in zip(new, slots):
-                self.entries[keys[i].block_hash] = (slot, keys[i].token_ids)
-        return stored + len(new), (victim_keys, victim_data)
+        return present + len(new), (victim_keys, victim_data)
 
     def write(self, slots: list[int], blocks: torch.Tensor) -> None:
         """Copies blocks [len(slots), ...] from any device straight into the slab, run by run (from
