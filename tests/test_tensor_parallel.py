@@ -14,7 +14,7 @@ import torch
 from helpers import check_pool_clean, hf_greedy, run_to_end
 from tieredkv import AsyncEngine, EngineClosedError, EngineConfig, SamplingParams
 from tieredkv.engine_core import EngineCore
-from tieredkv.errors import RankStartError, UnsupportedModelError
+from tieredkv.errors import RankLostError, RankStartError, UnsupportedModelError
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
 from tieredkv.parallel.group import TPGroup
@@ -168,7 +168,8 @@ def check_far(core, staged: bool) -> None:
 def test_qwen2_biases_and_a_document_larger_than_the_hot_pool_staged(qwen2_dir):
     """q/k/v biases split with their rows: the prompts batched with a shared prefix, then a 1,000-token
     document on a hot pool of 8 blocks, its older blocks staged per layer from each rank's slab, equal
-    transformers."""
+    transformers. Then a forward that fails on rank 0 mid-step ends the engine (RankLostError) rather than
+    leave rank 1 waiting in that step's collectives, and close() returns at once."""
     doc = long_doc()
     expected = hf_greedy(qwen2_dir, PROMPTS + [doc], 24)
     core = EngineCore(tp_config(qwen2_dir, far_blocks="staged", **FAR))
@@ -177,6 +178,10 @@ def test_qwen2_biases_and_a_document_larger_than_the_hot_pool_staged(qwen2_dir):
         assert run_to_end(core, [doc], [24]) == expected[3:]
         check_far(core, staged=True)
         check_pool_clean(core)
+        # rank 0's forward failing while rank 1 runs the step: the ranks are out of step, the engine ends
+        core.runner.model.forward = lambda *args: 1 / 0
+        with pytest.raises(RankLostError, match="out of step"):
+            run_to_end(core, PROMPTS[:1], [4])
     finally:
         core.close()
 

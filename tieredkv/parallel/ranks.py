@@ -67,14 +67,15 @@ class LeaderGroup(TPGroup):
         _leave_group()
 
     def close(self) -> None:
-        """Ends every rank: a close command while they answer, then a join, and a kill for one that lingers."""
+        """Ends every rank: a close command while they answer, then a join and a kill for one that lingers;
+        with the group broken (a rank gone, or the ranks out of step) the others are killed at once."""
         try:
             if self.broken is None:
                 self.command("close")
         except TieredKVError:
             pass
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=0 if self.broken is not None else 10)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

@@ -9,6 +9,7 @@ import torch
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.runner.compiled_decode import CompiledDecode
 from tieredkv.runner.far_stage import StagePlan, plan_stage, stage_groups
+from tieredkv.errors import EngineClosedError, RankLostError
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS, shared_prefixes
 from tieredkv.models.llama import LlamaModel
@@ -218,9 +219,22 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_rows(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
         """One forward over these (sequence, tokens this step) rows (on a tensor-parallel rank other than 0:
-        stand-ins rebuilt from rank 0's plan, and no logits come back)."""
-        if self.leader is not None:
-            self.leader.command("step", describe(scheduled))
+        stand-ins rebuilt from rank 0's plan, and no logits come back). On rank 0, a forward that fails once
+        the other ranks run the step leaves them inside its collectives: the group is then broken
+        (RankLostError), the engine closes rather than send them the next command out of step."""
+        if self.leader is None:
+            return self._forward_rows(scheduled)
+        self.leader.command("step", describe(scheduled))
+        try:
+            return self._forward_rows(scheduled)
+        except EngineClosedError:
+            raise
+        except Exception as e:
+            self.leader.broken = e
+            raise RankLostError(f"rank 0's forward failed while the other ranks ran it ({e!r}): the "
+                                "tensor-parallel ranks are out of step") from e
+
+    def _forward_rows(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
         compiled = self.compiled is not None and self.compiled.accepts(scheduled)
         batch, sampled = self.prepare(scheduled, with_plan=not compiled)
         logits = None
