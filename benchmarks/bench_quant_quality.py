@@ -128,7 +128,7 @@ def main(args) -> dict:
     results: dict = {"machine": cpu_info().describe(torch.get_num_threads()), "variants": {}}
     print(f"machine: {results['machine']}", flush=True)
     ref_logp = ref_greedy = pos = nxt = None
-    variants = dict(VARIANTS)
+    variants = {k: v for k, v in VARIANTS.items() if not args.only or k in args.only or k == "fp32"}
     links = tempfile.TemporaryDirectory()
     for gguf in args.gguf:  # the engine on the same files llama-perplexity reads (where it supports their types)
         if "f32" not in Path(gguf).name.lower():
@@ -193,6 +193,7 @@ if __name__ == "__main__":
     parser.add_argument("--llama-perplexity", help="path to llama.cpp's llama-perplexity")
     parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-perplexity (F32 first)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--only", nargs="*", default=[], help="run these variants (and fp32, the reference) only")
     ns = parser.parse_args()
     res = main(ns)
     if ns.json:

@@ -37,7 +37,31 @@ def weights(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
     w[0, :3] = 0.4  # an outlier row segment, as real weights have
     return {"int8": lambda: quant.quantize_int8(w), "int4-g32": lambda: quant.quantize_int4(w, 32),
             "int4-g128": lambda: quant.quantize_int4(w, 128), "int4-sym": lambda: quant.quantize_int4(w, 64, True),
-            "q8-g32": lambda: quant.QuantizedWeight("q8", *_q8_groups(w, 32), None, 32, k, "test")}[fmt]()
+            "q8-g32": lambda: quant.QuantizedWeight("q8", *_q8_groups(w, 32), None, 32, k, "test"),
+            "gguf-Q4_K": lambda: gguf_tensor("Q4_K", n, k, seed), "gguf-Q6_K": lambda: gguf_tensor("Q6_K", n, k, seed),
+            "gguf-Q5_0": lambda: gguf_tensor("Q5_0", n, k, seed)}[fmt]()
+
+
+K_BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q5_0": (32, 22)}  # inputs, bytes per block
+
+
+def k_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of a GGUF type (gguf's Python package dequantizes these types but does not quantize
+    the K-quants): every code and 6-bit scale random, the fp16 block scales set to plausible sizes."""
+    per, nbytes = K_BLOCKS[type_name]
+    raw = np.random.default_rng(seed).integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
+    half = lambda v: np.array([v], np.float16).view(np.uint8)  # noqa: E731
+    if type_name == "Q4_K":
+        raw[..., 0:2], raw[..., 2:4] = half(0.002), half(0.0007)
+    elif type_name == "Q6_K":
+        raw[..., 208:210] = half(0.0005)
+    else:
+        raw[..., 0:2] = half(0.004)
+    return raw.reshape(n, -1)
+
+
+def gguf_tensor(type_name: str, n: int, k: int, seed: int = 0):
+    return quant.load_gguf_tensor(k_blocks(type_name, n, k, seed), type_name, (n, k), "blk.0.ffn_down.weight")
 
 
 def _q8_groups(w, g):
@@ -46,7 +70,7 @@ def _q8_groups(w, g):
     return q.view(w.shape), d
 
 
-FORMATS = ["int8", "int4-g32", "int4-g128", "int4-sym", "q8-g32"]
+FORMATS = ["int8", "int4-g32", "int4-g128", "int4-sym", "q8-g32", "gguf-Q4_K", "gguf-Q6_K", "gguf-Q5_0"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -72,7 +96,7 @@ def test_kernel_matches_dequantized_reference(lib, fmt, rows):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rows_dequantize_like_the_reference(lib, fmt):
-    qw = weights(fmt, 21, 128)
+    qw = weights(fmt, 21, 256)  # 256: a whole K-quant block
     ids = torch.tensor([20, 0, 7, 7])
     assert torch.equal(quant.quant_embedding(qw, ids, torch.float32), qw.dequantize()[ids])
 
@@ -120,9 +144,54 @@ def test_gguf_blocks_read_as_they_are(type_name):
     assert qw.nbytes == raw.nbytes + (2 * 6 * 96 // 32 if type_name == "Q4_0" else 0)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
+def test_gguf_k_quants_and_q5_0_keep_every_code(type_name):
+    """Q5_0 held as q8 gives the very weights gguf dequantizes; Q4_K (as q4 in groups of 32) and Q6_K (as q8 in
+    groups of 16) keep every code, and their per-group scales rounded to fp16 are the only difference:
+    at most 2^-11 of each group's scale per code step, and of its offset."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 6, 512
+    raw = k_blocks(type_name, n, k)
+    qw = quant.load_gguf_tensor(raw, type_name, (n, k), "blk.0.ffn_down.weight")
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).copy())
+    got = qw.dequantize()
+    assert qw.scheme == f"gguf:{type_name}" and got.shape == want.shape == (n, k)
+    if type_name == "Q5_0":
+        assert qw.fmt == "q8" and torch.equal(got, want)
+        return
+    assert (qw.fmt, qw.group_size) == (("q4", 32) if type_name == "Q4_K" else ("q8", 16))
+    g = qw.group_size
+    codes = qw.dequantize().view(n, -1, g) - (0 if qw.offsets is None else qw.offsets.float()[..., None])
+    step = qw.scales.float().abs()[..., None]
+    offset = 0 if qw.offsets is None else qw.offsets.float().abs()[..., None]
+    bound = 2**-11 * (codes.abs() + step + offset) + 1e-7  # the scale's rounding times the code, the offset's
+    assert bool(((got - want).view(n, -1, g).abs() <= bound).all()), float((got - want).abs().max())
+
+
+def test_fused_pieces_in_different_formats_are_served_side_by_side(lib):
+    """q/k/v stored as Q4_K, Q4_K and Q6_K (as Q4_K_M files store them) cannot share one layout: they are
+    kept apart (QuantizedParts) and their products concatenated, equal to the dequantized reference."""
+    parts = [gguf_tensor("Q4_K", 8, 256, 1), gguf_tensor("Q4_K", 4, 256, 2), gguf_tensor("Q6_K", 4, 256, 3)]
+    fused = quant.cat_rows(parts, "layers.0.self_attn.qkv_proj.weight")
+    assert isinstance(fused, quant.QuantizedParts) and fused.scheme == "gguf:Q4_K+Q6_K"
+    assert fused.out_features == 16 and fused.nbytes == sum(p.nbytes for p in parts)
+    w = fused.dequantize()
+    assert torch.equal(w, torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(16)
+    want, got = F.linear(x, w, bias), quant.quant_linear(x, fused, bias)
+    step = x.abs().amax(dim=1, keepdim=True) / 32767
+    assert bool(((got - want).abs() <= 0.5 * step * w.abs().sum(dim=1)[None, :] + 1e-4 * want.abs() + 1e-5).all())
+    mixed = [parts[0], torch.zeros(4, 256)]
+    with pytest.raises(CheckpointError, match="some quantized, some not"):
+        quant.cat_rows(mixed, "layers.0.self_attn.qkv_proj.weight")
+
+
 def test_gguf_unsupported_type_is_named():
     with pytest.raises(CheckpointError, match=r"blk\.3\.ffn_down\.weight has type Q5_K.*supported types: F32, F16, "
-                                              r"BF16, Q8_0, Q4_0, Q4_1"):
+                                              r"BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K"):
         quant.load_gguf_tensor(np.zeros((2, 176), np.uint8), "Q5_K", (2, 256), "blk.3.ffn_down.weight")
 
 

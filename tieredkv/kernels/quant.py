@@ -29,7 +29,10 @@ from tieredkv.errors import CheckpointError
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # what load_gguf_tensor reads
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")  # what load_gguf_tensor reads
+# bytes per 32 weights as held: Q8_0 / Q4_1 as stored, Q4_0 with its implied offsets, Q5_0 and Q6_K as q8 codes
+# (groups of 32 and 16), Q4_K as q4 groups of 32 (load_gguf_tensor)
+GGUF_HELD_BYTES = {"Q8_0": 34, "Q4_0": 20, "Q4_1": 20, "Q5_0": 34, "Q4_K": 20, "Q6_K": 36}
 
 _LIB: ctypes.CDLL | None = None  # quant_cpu.c's library, once use_cpu_kernels found it
 
@@ -74,20 +77,48 @@ class QuantizedWeight(nn.Module):
 
 
 def cat_rows(parts: list, what: str) -> "QuantizedWeight | torch.Tensor":
-    """Weights stacked along their output rows (q, k and v into one projection): all quantized alike, or
-    all plain tensors."""
+    """Weights stacked along their output rows (q, k and v into one projection): all quantized in one format
+    (their schemes may differ: a GGUF file's Q5_0 and Q8_0 are both held as q8 in groups of 32; the fused
+    weight's scheme names each, "gguf:Q5_0+Q8_0"), or all plain tensors."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts, dim=0)
     first = parts[0]
-    same = all(isinstance(p, QuantizedWeight) and (p.fmt, p.group_size, p.in_features, p.scheme) ==
-               (first.fmt, first.group_size, first.in_features, first.scheme) for p in parts)
+    same = all(isinstance(p, QuantizedWeight) and (p.fmt, p.group_size, p.in_features) ==
+               (first.fmt, first.group_size, first.in_features) for p in parts)
     if not same:
+        if all(isinstance(p, QuantizedWeight) for p in parts):
+            return QuantizedParts(parts)
         kinds = ", ".join(p.scheme if isinstance(p, QuantizedWeight) else str(p.dtype) for p in parts)
-        raise CheckpointError(f"{what}: its pieces are stored in different formats ({kinds}); they are served "
-                              "fused, so they must share one")
+        raise CheckpointError(f"{what}: its pieces are stored some quantized, some not ({kinds}); they are "
+                              "served fused, so they must all be quantized or all be plain")
     offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
+    schemes = list(dict.fromkeys(p.scheme for p in parts))  # in order, each once
+    scheme = schemes[0] if len(schemes) == 1 else "gguf:" + "+".join(s.removeprefix("gguf:") for s in schemes)
     return QuantizedWeight(first.fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                           offsets, first.group_size, first.in_features, first.scheme)
+                           offsets, first.group_size, first.in_features, scheme)
+
+
+class QuantizedParts(nn.Module):
+    """A fused weight (q/k/v, gate/up) whose pieces a GGUF file stores in formats that do not share a layout
+    (Q4_K beside Q6_K, as Q4_K_M files have): each piece kept in its own format, their products side by side
+    (quant_linear runs one per piece and concatenates the outputs)."""
+
+    def __init__(self, parts: list[QuantizedWeight]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.fmt, self.in_features = "parts", parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.scheme = "gguf:" + "+".join(dict.fromkeys(p.scheme.removeprefix("gguf:") for p in parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def extra_repr(self) -> str:
+        return f"{self.scheme}, {self.out_features}x{self.in_features} in {len(self.parts)} parts"
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int,
@@ -165,30 +196,81 @@ def _nonzero(d: torch.Tensor) -> torch.Tensor:
 
 def load_gguf_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, int], name: str
                      ) -> QuantizedWeight | torch.Tensor:
-    """One GGUF tensor [rows, cols]: Q8_0 / Q4_0 / Q4_1 blocks become a QuantizedWeight with the same codes and
-    scales (nothing goes through fp32); F32 / F16 / BF16 come back as a tensor. Another type is an error that
-    names it and lists what is read."""
+    """One GGUF tensor [rows, cols]: quantized blocks become a QuantizedWeight without going through fp32;
+    F32 / F16 / BF16 come back as a tensor. Q8_0 / Q4_0 / Q4_1 keep the file's codes and scales as they are.
+    The types the format does not hold as stored keep every code and are held in the nearest format:
+    Q5_0 (5-bit codes q, w = (q - 16) d) as q8 codes q - 16 with the block's own scale, exactly the same
+    weights in 34 bytes per 32 instead of 22; Q6_K (16 groups of 16 per block of 256, w = d s_j (q - 32)) as
+    q8 codes q - 32 in groups of 16; Q4_K (8 groups of 32 per block, w = d s_j q - dmin m_j, with 6-bit s_j,
+    m_j) as q4 in groups of 32. For the last two, each group's scale d s_j (and offset dmin m_j) is rounded
+    to fp16 (relative error at most 2^-11 of that group's scale). Another type is an error that names it and
+    lists what is read."""
     rows, cols = shape
     if type_name in ("F32", "F16", "BF16"):
         # numpy has no bfloat16: its 16-bit words are read as int16, then reinterpreted
         words = np.ascontiguousarray(raw).view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[type_name])
         t = torch.from_numpy(words.reshape(rows, cols).copy())
         return t.view(torch.bfloat16) if type_name == "BF16" else t
-    layouts = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 inputs
+    layouts = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q4_K": (256, 144),
+               "Q6_K": (256, 210)}  # (inputs, bytes) per block
     if type_name not in layouts:
         raise CheckpointError(f"GGUF tensor {name} has type {type_name}, which is not supported; supported types: "
                               f"{', '.join(GGUF_TYPES)} (re-quantize the file to one of them with llama-quantize)")
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, layouts[type_name])
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(rows, -1))
+    per_block, nbytes = layouts[type_name]
+    if cols % per_block or raw.size != rows * cols // per_block * nbytes:
+        raise CheckpointError(f"GGUF tensor {name} ({type_name}, {rows}x{cols}) is not whole blocks of {per_block} "
+                              f"inputs ({raw.size} bytes)")
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // per_block, nbytes)
+    if type_name in ("Q4_K", "Q6_K"):
+        return _k_quant(blocks, type_name, rows, cols)
+    d = _f16(blocks[..., 0:2], rows)
     if type_name == "Q8_0":
         q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows, cols))
         return QuantizedWeight("q8", q, d, None, 32, cols, "gguf:Q8_0")
+    if type_name == "Q5_0":  # low nibbles as Q4_0's (input j low, j + 16 high); bit j of qh is input j's fifth bit
+        high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [rows, blocks, 32]
+        low = np.concatenate([blocks[..., 6:] & 15, blocks[..., 6:] >> 4], axis=-1)
+        q = (low | (high << 4)).astype(np.int8) - 16
+        return QuantizedWeight("q8", torch.from_numpy(q.reshape(rows, cols)), d, None, 32, cols, "gguf:Q5_0")
     if type_name == "Q4_0":  # w = (q - 8) d: an offset of -8 d, exact in fp16
         m, qs = (-8 * d.float()).half(), blocks[..., 2:]
     else:
-        m, qs = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(rows, -1)), blocks[..., 4:]
+        m, qs = _f16(blocks[..., 2:4], rows), blocks[..., 4:]
     q = torch.from_numpy(qs.copy().reshape(rows, cols // 2))
     return QuantizedWeight("q4", q, d, m, 32, cols, f"gguf:{type_name}")
+
+
+def _f16(words: np.ndarray, rows: int) -> torch.Tensor:
+    """[rows, n, 2] bytes -> [rows, n] fp16."""
+    return torch.from_numpy(words.copy().view(np.float16).reshape(rows, -1))
+
+
+def _k_quant(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedWeight:
+    """Q4_K or Q6_K blocks [rows, n, bytes] as q4 groups of 32 or q8 groups of 16 (load_gguf_tensor)."""
+    if type_name == "Q6_K":
+        ql, qh = blocks[..., :128], blocks[..., 128:192]
+        sc = blocks[..., 192:208].view(np.int8).astype(np.float32)  # 16 groups of 16
+        d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+        q = np.empty((*blocks.shape[:2], 256), np.int8)
+        for half in range(2):  # 128 inputs each: 64 bytes of low nibbles, 32 of high bit pairs
+            lo, hi = ql[..., 64 * half : 64 * half + 64], qh[..., 32 * half : 32 * half + 32]
+            for k, (nib, shift) in enumerate(((lo[..., :32] & 15, 0), (lo[..., 32:] & 15, 2), (lo[..., :32] >> 4, 4),
+                                             (lo[..., 32:] >> 4, 6))):
+                start = 128 * half + 32 * k
+                q[..., start : start + 32] = (nib | (((hi >> shift) & 3) << 4)).astype(np.int8) - 32
+        scales = torch.from_numpy((d * sc).astype(np.float16).reshape(rows, -1))
+        return QuantizedWeight("q8", torch.from_numpy(q.reshape(rows, cols)), scales, None, 16, cols, "gguf:Q6_K")
+    d, dmin = (blocks[..., i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+    s = blocks[..., 4:16].astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)  # 4 pairs of groups: low nibbles, then high
+    values = np.stack([qs & 15, qs >> 4], axis=3).reshape(*blocks.shape[:2], 8, 32)  # the 8 groups of 32
+    codes = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8)  # this format: input j with j + 16
+    scales = torch.from_numpy((d * sc).astype(np.float16).reshape(rows, -1))
+    offsets = torch.from_numpy((-dmin * mn).astype(np.float16).reshape(rows, -1))
+    return QuantizedWeight("q4", torch.from_numpy(codes.reshape(rows, cols // 2)), scales, offsets, 32, cols,
+                           "gguf:Q4_K")
 
 
 # ---- the op -------------------------------------------------------------------------------------------------
@@ -282,6 +364,9 @@ def _fp32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
 
 def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) for a quantized W, in x's dtype."""
+    if isinstance(qw, QuantizedParts):
+        out = torch.cat([_LINEAR_OP(x, p.codes, p.scales, p.offsets, p.group_size, None) for p in qw.parts], -1)
+        return out if bias is None else out + bias
     return _LINEAR_OP(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias)
 
 

@@ -165,7 +165,9 @@ def gguf_index(gguf_path: Path, cache_dir: Path | None = None) -> dict:
 
 def gguf_weight_bytes(gguf_path: Path, itemsize: int, tied: bool, cache_dir: Path | None = None) -> int:
     """What the loader holds of a GGUF file's tensors (float tensors, and an embedding table not tied to the
-    head, in a dtype of `itemsize` bytes; quantized ones as stored), from the file's header alone."""
+    head, in a dtype of `itemsize` bytes; quantized ones as held), from the file's header alone."""
+    from tieredkv.kernels.quant import GGUF_HELD_BYTES
+
     total = 0
     for t in gguf_index(gguf_path, cache_dir)["tensors"]:
         count = int(np.prod(t["shape"]))
@@ -173,15 +175,15 @@ def gguf_weight_bytes(gguf_path: Path, itemsize: int, tied: bool, cache_dir: Pat
             continue
         if t["type"] in ("F32", "F16", "BF16") or (not tied and t["name"] == "token_embd.weight"):
             total += count * itemsize  # (an untied table is dequantized at load: lookups read it whole)
-        else:  # the blocks as stored; Q4_0 also holds its implied offsets (kernels/quant.py)
-            total += t["nbytes"] + (2 * count // 32 if t["type"] == "Q4_0" else 0)
+        else:  # the blocks as held (kernels/quant.py GGUF_HELD_BYTES: as stored, or widened to q8 / q4)
+            total += count // 32 * GGUF_HELD_BYTES[t["type"]] if t["type"] in GGUF_HELD_BYTES else t["nbytes"]
     return total
 
 
 def read_gguf_weights(gguf_path: Path, cache_dir: Path | None = None) -> dict:
-    """Every tensor of a llama GGUF file under its Hugging Face name (without "model."): Q8_0 / Q4_0 / Q4_1
-    tensors as QuantizedWeight holding the file's own codes and scales (rows reordered for q/k, nothing
-    dequantized), float tensors as tensors. An unsupported tensor type is a CheckpointError naming it."""
+    """Every tensor of a llama GGUF file under its Hugging Face name (without "model."): quantized tensors as
+    QuantizedWeight holding the file's own codes (kernels/quant.py load_gguf_tensor: rows reordered for q/k,
+    nothing dequantized), float tensors as tensors. An unsupported tensor type is a CheckpointError naming it."""
     from tieredkv.kernels.quant import load_gguf_tensor
 
     index = gguf_index(gguf_path, cache_dir)

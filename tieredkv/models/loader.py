@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from tieredkv.errors import CheckpointError, UnsupportedModelError
-from tieredkv.kernels.quant import QuantizedWeight, cat_rows, quantize_int4, quantize_int8
+from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight, cat_rows, quantize_int4, quantize_int8
 from tieredkv.models.gguf_convert import read_gguf_weights
 from tieredkv.models.checks import check_spec_against_weights, read_json, tensor_shapes
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
@@ -135,7 +135,7 @@ def _load_gguf(gguf_path: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
             model.set_quantized_head(value.to(device))
         elif isinstance(value, QuantizedWeight) and name == "embed_tokens.weight":
             module.weight = nn.Parameter(value.dequantize().to(device=device, dtype=dtype), requires_grad=False)
-        elif isinstance(value, QuantizedWeight):
+        elif isinstance(value, (QuantizedWeight, QuantizedParts)):
             module.qweight, module.weight = value.to(device), None
         else:
             setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))
