@@ -211,9 +211,13 @@ class LlamaModel(nn.Module):
 
     @property
     def quantization(self) -> str | None:
-        """The scheme of the projections' weights ("int8", "int4", "gguf:Q4_1", ...), None when not quantized."""
-        q = getattr(self.layers[0].self_attn.qkv_proj, "qweight", None)
-        return None if q is None else q.scheme
+        """The scheme of the projections' weights ("int8", "int4", "gguf:Q4_1", ...; a GGUF file's types in
+        the order met, "gguf:Q5_0+Q8_0+Q4_K+Q6_K", where they differ), None when not quantized."""
+        schemes = [m.qweight.scheme for m in self.layers.modules() if getattr(m, "qweight", None) is not None]
+        if not schemes:
+            return None
+        kinds = list(dict.fromkeys(t for s in schemes for t in s.removeprefix("gguf:").split("+")))
+        return schemes[0] if len(kinds) == 1 else "gguf:" + "+".join(kinds)
 
     def weight_bytes(self) -> int:
         """The bytes the weights take, in their own formats (quantized ones included), the LM head counted once."""
