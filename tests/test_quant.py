@@ -325,3 +325,63 @@ def test_gguf_float_tensors_read_as_stored(type_name, dtype):
     t = torch.randn(3, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
     got = quant.load_gguf_tensor(t.view(torch.uint8).numpy(), type_name, (3, 8), "blk.0.attn_norm.weight")
     assert got.dtype == dtype and torch.equal(got, t)
+
+
+def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weights(tmp_path):
+    """A GGUF file of a tiny Llama whose projections are Q4_K, Q6_K and Q5_0 as a Q4_K_M file mixes them (q and k
+    Q4_K with v Q6_K, gate Q4_K with up Q5_0: fused pieces in two formats), the LM head Q8_0: the engine's
+    greedy output is transformers' on the weights gguf itself dequantizes from that file (q/k rows back in
+    Hugging Face's rotary order), and the weights stay quantized (none in fp32)."""
+    import shutil
+
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file, save_file
+
+    from helpers import hf_greedy, make_checkpoint, run_to_end
+    from tieredkv.models.gguf_convert import _LAYER_NAMES, _TOP_NAMES, _unpermute
+
+    src = make_checkpoint(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2)
+    tensors = load_file(str(src / "model.safetensors"))
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
+             "ffn_up": "Q5_0", "ffn_down": "Q6_K", "output": "Q8_0"}
+    gguf_names = {f"model.layers.{i}.{hf}.weight": f"blk.{i}.{short}.weight"
+                  for i in range(2) for short, hf in _LAYER_NAMES.items()}
+    gguf_names.update({f"{hf}.weight": f"{short}.weight" for short, hf in _TOP_NAMES.items()})
+    model_dir = tmp_path / "gguf-model"
+    shutil.copytree(src, model_dir)
+    writer = GGUFWriter(str(model_dir / "tiny.gguf"), "llama")
+    writer.add_uint32("llama.attention.head_count", 4)
+    writer.add_uint32("llama.attention.head_count_kv", 2)
+    for seed, (name, w) in enumerate(sorted(tensors.items())):
+        gname = gguf_names[name]
+        kind = types.get(gname.split(".")[-2])
+        if kind is None:  # norms and the embedding table: float, as stored
+            writer.add_tensor(gname, w.numpy())
+            continue
+        n, k = w.shape
+        raw = quantize(w.numpy(), GGMLQuantizationType.Q8_0) if kind == "Q8_0" else k_blocks(kind, n, k, seed)
+        writer.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[kind])
+        value = dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
+        heads = {"attn_q": 4, "attn_k": 2}.get(gname.split(".")[-2])
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(_unpermute(value, heads) if heads else value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ref = tmp_path / "reference"
+    shutil.copytree(src, ref)
+    save_file(tensors, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    prompts = [list(range(5, 40)), [3, 4, 5, 6]]
+    expected = hf_greedy(ref, prompts, 12)
+    core = EngineCore(EngineConfig(model=str(model_dir), quantization="gguf", num_blocks=32, warm_bytes=0))
+    try:
+        attn, mlp = core.model.layers[0].self_attn, core.model.layers[0].mlp
+        assert isinstance(attn.qkv_proj.qweight, quant.QuantizedParts) and attn.qkv_proj.weight is None
+        assert attn.qkv_proj.qweight.scheme == "gguf:Q4_K+Q6_K" and mlp.gate_up_proj.qweight.scheme == "gguf:Q4_K+Q5_0"
+        assert core.model.quantization == "gguf:Q4_K+Q6_K+Q5_0"
+        assert run_to_end(core, prompts, [12, 12]) == expected
+        check_pool_clean(core)
+    finally:
+        core.close()
