@@ -130,14 +130,15 @@ async def test_a_document_larger_than_the_hot_pool_matches_transformers(engine, 
 async def test_two_tensor_parallel_ranks_match_one_and_transformers(engine, hf):
     """The default model split over two ranks (gloo; 9 query heads over 3 KV heads: 2 + 1) gives the tokens of
     this module's one-process engine and of transformers: two chats on a shared system prompt (the second
-    served from the prefix cache, to the block), the document of the test above in chunks of 128 tokens (here
-    on a pool that holds it), and two samples of one chat sharing its blocks. Each rank holds at most 0.55x
-    the weights of one process, counted and by the growth of its resident memory over the load (rank 1's
-    process is a fresh one; rank 0's is this one, whose freed heap the load may reuse)."""
+    served from the prefix cache, to the block), the document of the test above in chunks of 256 tokens (here
+    on a pool that holds it), and two samples of one chat sharing its blocks, the last three in one batch.
+    Each rank holds at most 0.55x the weights of one process, counted and by the growth of its resident
+    memory over the load (rank 1's process is a fresh one; rank 0's is this one, whose freed heap the load
+    may reuse)."""
     from helpers import run_to_end
     from tieredkv.engine_core import EngineCore
 
-    tok, new = engine.tokenizer, 6
+    tok, new = engine.tokenizer, 5
     system = "You are a patient assistant who answers questions about rivers, mountains and cities. " * 3
     chats = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
              for q in ("Where is the Nile?", "How high is Mont Blanc?")]
@@ -155,18 +156,19 @@ async def test_two_tensor_parallel_ranks_match_one_and_transformers(engine, hf):
     def two_ranks():
         # plain F.linear (no oneDNN packing, whose first use adds its own code and caches to the resident memory
         # of each process), so that each rank's growth over the load is its weights
-        core = EngineCore(EngineConfig(num_blocks=96, warm_bytes=0, num_threads=1, max_num_batched_tokens=128,
+        core = EngineCore(EngineConfig(num_blocks=96, warm_bytes=0, num_threads=1, max_num_batched_tokens=256,
                                        tensor_parallel_size=2, cpu_linear="torch"))
         try:
             outs = run_to_end(core, chats[:1], [new])
-            hits = core.stats().prefix_cache_hits
-            outs += run_to_end(core, [chats[1], doc], [new, new])
-            hits = core.stats().prefix_cache_hits - hits
-            pair = core.factory.make(chats[0], SamplingParams(max_tokens=new, n=2, ignore_eos=True), "pair")
-            core.add_request(pair)
+            params = SamplingParams(max_tokens=new, ignore_eos=True)
+            reqs = [core.factory.make(ids, params, f"t{i}") for i, ids in enumerate(chats[1:] + [doc])]
+            reqs.append(core.factory.make(chats[0], SamplingParams(max_tokens=new, n=2, ignore_eos=True), "pair"))
+            for r in reqs:
+                core.add_request(r)
             while core.has_work():
                 core.step()
-            return outs, hits, [s.output_token_ids for s in pair.seqs], core.memory
+            outs += [r.seqs[0].output_token_ids for r in reqs[:2]]
+            return outs, reqs[0].num_cached_tokens, [s.output_token_ids for s in reqs[2].seqs], core.memory
         finally:
             core.close()
 
