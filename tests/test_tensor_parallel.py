@@ -78,6 +78,31 @@ def test_each_rank_reads_its_slices(kind, llama_dir, qwen2_dir):
         assert part.weight_bytes() < 0.6 * whole.weight_bytes()
 
 
+def test_int4_shards_are_the_whole_models_codes(llama_dir):
+    """int4's groups lie within each rank's slice: a rank's codes, scales and offsets are the slices of one
+    process's (so its weights are the same at any rank count). int8 has one scale per output row: a
+    row-parallel slice gets a scale of its own, never coarser than the whole row's."""
+    from tieredkv.models.loader import QuantSettings
+
+    spec = ModelSpec.from_file(llama_dir / "config.json")
+    cpu = torch.device("cpu")
+    for scheme in ("int4", "int8"):
+        whole = load_model(llama_dir, spec, torch.float32, cpu, QuantSettings(scheme)).layers[1]
+        for rank in range(2):
+            part = load_model(llama_dir, spec, torch.float32, cpu, QuantSettings(scheme),
+                              tp=TPGroup(Shard(rank, 2))).layers[1]
+            (q0, q1), d = Shard(rank, 2).q_heads(spec), spec.head_dim
+            a, b = whole.self_attn.o_proj.qweight, part.self_attn.o_proj.qweight  # row-parallel: input columns
+            if scheme == "int4":
+                cols = slice(q0 * d // 2, q1 * d // 2)  # two codes a byte
+                groups = slice(q0 * d // 32, q1 * d // 32)
+                assert torch.equal(b.codes, a.codes[:, cols]) and torch.equal(b.scales, a.scales[:, groups])
+                assert torch.equal(b.offsets, a.offsets[:, groups])
+            else:
+                assert bool((b.scales.float() <= a.scales.float()).all())
+                assert torch.allclose(b.dequantize(), a.dequantize()[:, q0 * d : q1 * d], atol=float(a.scales.max()))
+
+
 def test_plan_splits_weights_and_kv(llama_dir):
     one, two = plan(str(llama_dir), device="cpu"), plan(str(llama_dir), device="cpu", tensor_parallel_size=2)
     spec = ModelSpec.from_file(llama_dir / "config.json")
