@@ -79,30 +79,33 @@ class TPGroup:
         return self._gather(x, sizes, -2)
 
     def _gather(self, x: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor | None:
+        """The result on x's device; the collective on the group's (the host's blocks of a warm slab go through
+        the GPU under NCCL, which takes device tensors only)."""
         if self.world == 1:
             return x
-        x = _pad(x, max(sizes), dim)  # the collectives take equal shapes
+        home = x.device
+        x = _pad(x.to(self._comm_device), max(sizes), dim)  # the collectives take equal shapes
         if self.rank != 0:
             self._call(dist.gather, x, dst=0)
             return None
         parts = [torch.empty_like(x) for _ in sizes]
         self._call(dist.gather, x, parts, dst=0)
-        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim).to(home)
 
     def scatter_heads(self, blocks: torch.Tensor | None, sizes: list[int], like: torch.Tensor) -> torch.Tensor:
-        """This rank's heads of whole KV blocks that rank 0 holds (`blocks`; None elsewhere); `like`: a tensor
-        of this rank's block shape with n blocks (its dtype and device)."""
+        """This rank's heads of whole KV blocks that rank 0 holds (`blocks`; None elsewhere), on `like`'s
+        device and in its dtype; `like`: a tensor of this rank's block shape with n blocks."""
         if self.world == 1:
             return blocks
         top = max(sizes)
-        out = _pad(torch.empty_like(like), top, -2)
+        out = _pad(torch.empty_like(like, device=self._comm_device), top, -2)
         if self.rank != 0:
             self._call(dist.scatter, out, src=0)
         else:
-            blocks = blocks.to(like.device, like.dtype)
+            blocks = blocks.to(self._comm_device, like.dtype)
             parts = [_pad(p, top, -2).contiguous() for p in blocks.split(sizes, dim=-2)]
             self._call(dist.scatter, out, parts, src=0)
-        return out.narrow(-2, 0, sizes[self.rank])
+        return out.narrow(-2, 0, sizes[self.rank]).to(like.device)
 
     def broadcast(self, obj=None):
         """Rank 0's `obj`, on every rank (pickled)."""
@@ -118,6 +121,11 @@ class TPGroup:
 
     def _object_device(self):
         return self.device if self.device is not None and self.device.type == "cuda" else None
+
+    @property
+    def _comm_device(self) -> torch.device:
+        """Where the group's tensors must be: the rank's GPU under NCCL, the host under gloo."""
+        return self._object_device() or torch.device("cpu")
 
 
 def _pad(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from tieredkv.errors import RankStartError, TieredKVError
 from tieredkv.parallel.group import TPGroup
 from tieredkv.parallel.plan import rebuild
 from tieredkv.parallel.shard import Shard
+from tieredkv.tiers.hot import block_buffer, copy_blocks, gather_blocks, scatter_block_runs, scatter_blocks
 
 log = logging.getLogger("tieredkv")
 START_TIMEOUT_S = 120.0  # a rank that has not started by then (imported torch, opened its device) is an error
@@ -219,42 +220,26 @@ class Follower:
         self.runner.warmup()
 
     def do_gather(self, ids: list[int]) -> None:
-        from tieredkv.tiers.hot import gather_blocks
-
         self.tp.gather_heads(gather_blocks(self.runner.kv_cache, self.ops, ids), self.kv_heads)
 
     def do_scatter(self, ids: list[int]) -> None:
-        from tieredkv.tiers.hot import block_buffer, scatter_blocks
-
         kv = self.runner.kv_cache
         scatter_blocks(kv, self.ops, ids, self.tp.scatter_heads(None, self.kv_heads, block_buffer(kv, len(ids))))
 
     def do_copy(self, src: list[int], dst: list[int]) -> None:
-        from tieredkv.tiers.hot import copy_blocks
-
         copy_blocks(self.runner.kv_cache, self.ops, src, dst)
 
     # the warm slab: this rank's heads of each slot (tiers/warm.py ShardedWarmTier)
 
     def do_slab_write(self, slots: list[int]) -> None:
-        like = torch.empty((len(slots), *self._block_shape), dtype=self.warm.slab.dtype)
+        like = block_buffer(self.runner.kv_cache, len(slots))
         self.warm.write(slots, self.tp.scatter_heads(None, self.kv_heads, like))
 
     def do_slab_read(self, slots: list[int]) -> None:
         self.tp.gather_heads(self.warm.read(slots), self.kv_heads)
 
     def do_hot_to_slab(self, block_ids: list[int], slots: list[int]) -> None:
-        from tieredkv.tiers.hot import gather_blocks
-
         self.warm.write(slots, gather_blocks(self.runner.kv_cache, self.ops, block_ids))
 
     def do_slab_to_hot(self, block_ids: list[int], slots: list[int]) -> None:
-        from tieredkv.tiers.hot import scatter_blocks
-
-        for offset, view in self.warm.read_runs(slots):
-            scatter_blocks(self.runner.kv_cache, self.ops, block_ids[offset : offset + view.shape[0]], view)
-
-    @property
-    def _block_shape(self) -> tuple[int, ...]:
-        kv = self.runner.kv_cache
-        return (kv.shape[0], 2, *kv.shape[3:])
+        scatter_block_runs(self.runner.kv_cache, self.ops, block_ids, self.warm.read_runs(slots))

@@ -124,8 +124,7 @@ class ShardedHotTier(HotTier):
         return HotTier.gather(self, block_ids)
 
     def local_scatter_runs(self, block_ids: list[int], runs: list[tuple[int, torch.Tensor]]) -> None:
-        for offset, view in runs:
-            HotTier.scatter(self, block_ids[offset : offset + view.shape[0]], view)
+        scatter_block_runs(self.kv_cache, self.ops, block_ids, runs)
 
 
 def block_buffer(kv: torch.Tensor, n: int) -> torch.Tensor:
@@ -143,6 +142,13 @@ def gather_blocks(kv: torch.Tensor, ops: KernelOps, block_ids: list[int]) -> tor
 def scatter_blocks(kv: torch.Tensor, ops: KernelOps, block_ids: list[int], blocks: torch.Tensor) -> None:
     src = blocks.to(kv.device, kv.dtype, non_blocking=True).contiguous()
     ops.scatter_blocks(kv, torch.tensor(block_ids, device=kv.device), src)
+
+
+def scatter_block_runs(kv: torch.Tensor, ops: KernelOps, block_ids: list[int],
+                       runs: list[tuple[int, torch.Tensor]]) -> None:
+    """scatter_blocks of each (offset in block_ids, [n, ...] view) run (SwapSpace.read_runs)."""
+    for offset, view in runs:
+        scatter_blocks(kv, ops, block_ids[offset : offset + view.shape[0]], view)
 
 
 def copy_blocks(kv: torch.Tensor, ops: KernelOps, src_ids: list[int], dst_ids: list[int]) -> None:
