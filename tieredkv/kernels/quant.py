@@ -298,12 +298,14 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias):
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
         b = None if bias is None else bias.data_ptr()
+        xp, qp, sp, op = x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr()
         if offsets is None:
-            status = _LIB.tkv_q8_linear(x2.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), group_size, n, b,
-                                        out.data_ptr())
+            status = (_LIB.tkv_q8_gemv(xp, k, qp, sp, group_size, n, b, op) if m == 1 else
+                      _LIB.tkv_q8_linear(xp, m, k, qp, sp, group_size, n, b, op))
         else:
-            status = _LIB.tkv_q4_linear(x2.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                                        group_size, n, b, out.data_ptr())
+            zp = offsets.data_ptr()
+            status = (_LIB.tkv_q4_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
+                      _LIB.tkv_q4_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         if status != 0:
             raise MemoryError("quantized linear: no memory for the activations' int16 copy")
     else:

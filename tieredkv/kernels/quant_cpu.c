@@ -246,6 +246,96 @@ int tkv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     return 0;
 }
 
+/* One activation row (a batch-1 decode step): each thread reads its weight rows one after another, one
+ * stream the hardware prefetcher follows, where the blocks above interleave four rows to share activation
+ * loads. At batch 1 the weights come from memory, not cache (a model's layers do not stay cached between
+ * tokens), and the single stream wins. Measured on an AMD EPYC (Zen 1, AVX2, 2 threads) over 30 distinct
+ * layers of the default model's shapes: int8 per-row 12.2 -> 7.7 ms, Q8_0 groups 13.9 -> 11.0, int4 groups of
+ * 32 12.9 -> 11.9; its 49152 x 576 int8 LM head 3.0 -> 1.55 ms. Returns 0, or -1 without scratch memory. */
+int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, int64_t g, int64_t N,
+                const float *bias, float *out) {
+    int16_t *xq = malloc((size_t)K * sizeof(int16_t));
+    float sx;
+    if (!xq) return -1;
+    quantize_rows(x, 1, K, g, xq, &sx, NULL);
+    const int64_t G = K / g;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *qr = q + n * K;
+        float total = 0.f;
+        for (int64_t b = 0; b < G; b++) {
+            for (int64_t s0 = b * g; s0 < (b + 1) * g; s0 += SPAN) {
+                int64_t s1 = s0 + SPAN < (b + 1) * g ? s0 + SPAN : (b + 1) * g;
+#ifdef TKV_AVX2
+                __m256i acc = _mm256_setzero_si256();
+                for (int64_t k = s0; k < s1; k += 16) {
+                    __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr + k)));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)(xq + k))));
+                }
+                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+                int32_t sum = _mm_cvtsi128_si32(h);
+#else
+                int32_t sum = 0;
+                for (int64_t k = s0; k < s1; k++) sum += (int32_t)qr[k] * xq[k];
+#endif
+                total += (float)sum * h2f(d[n * G + b]);
+            }
+        }
+        out[n] = total * sx + (bias ? bias[n] : 0.f);
+    }
+    free(xq);
+    return 0;
+}
+
+int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
+                int64_t N, const float *bias, float *out) {
+    const int64_t G = K / g, h = g / 2;
+    int16_t *xq = malloc((size_t)K * sizeof(int16_t));
+    float sx, *xsum = malloc((size_t)G * sizeof(float));
+    if (!xq || !xsum) { free(xq); free(xsum); return -1; }
+    quantize_rows(x, 1, K, g, xq, &sx, xsum);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qr = q + n * (K / 2);
+        float total = 0.f, z = 0.f;
+#ifdef TKV_AVX2
+        const __m128i low = _mm_set1_epi8(15);
+        __m256 facc = _mm256_setzero_ps();
+#endif
+        for (int64_t b = 0; b < G; b++) {
+#ifdef TKV_AVX2
+            __m256i acc = _mm256_setzero_si256();
+            for (int64_t j = 0; j < h; j += 16) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(qr + b * h + j));
+                __m256i wl = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
+                __m256i wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+                acc = _mm256_add_epi32(acc, _mm256_add_epi32(
+                    _mm256_madd_epi16(wl, _mm256_loadu_si256((const __m256i *)(xq + b * g + j))),
+                    _mm256_madd_epi16(wh, _mm256_loadu_si256((const __m256i *)(xq + b * g + h + j)))));
+            }
+            facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(h2f(d[n * G + b])), facc);
+#else
+            int32_t sum = 0;
+            for (int64_t j = 0; j < h; j++) {
+                uint8_t v = qr[b * h + j];
+                sum += (int32_t)(v & 15) * xq[b * g + j] + (int32_t)(v >> 4) * xq[b * g + j + h];
+            }
+            total += (float)sum * h2f(d[n * G + b]);
+#endif
+            z += h2f(mn[n * G + b]) * xsum[b];
+        }
+#ifdef TKV_AVX2
+        total = hsum(facc);
+#endif
+        out[n] = total * sx + z + (bias ? bias[n] : 0.f);
+    }
+    free(xq);
+    free(xsum);
+    return 0;
+}
+
 /* Rows ids[0..count) of the weight (ids NULL: rows 0..count) dequantized to fp32 [count, K]. */
 void tkv_q8_rows(const int8_t *q, const uint16_t *d, int64_t g, int64_t K, const int64_t *ids,
                  int64_t count, float *out) {
