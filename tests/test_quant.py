@@ -73,12 +73,10 @@ def _q8_groups(w, g):
 FORMATS = ["int8", "int4-g32", "int4-g128", "int4-sym", "q8-g32", "gguf-Q4_K", "gguf-Q6_K", "gguf-Q5_0"]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, quant.GEMV_MAX_ROWS + 3])
-def test_kernel_matches_dequantized_reference(lib, fmt, rows):
-    n, k = 37, 256  # 37 output rows: a block of 4 with a ragged tail
-    qw = weights(fmt, n, k)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)) * 3
+def check_against_reference(qw, rows: int, seed: int = 1) -> None:
+    """quant_linear on `rows` activation rows (one outlier channel) against F.linear on the dequantized weight."""
+    n, k = qw.codes.shape[0], qw.in_features
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * 3
     x[:, 5] = 40.0  # an outlier activation channel
     bias = torch.randn(n)
     w = qw.dequantize()
@@ -89,9 +87,28 @@ def test_kernel_matches_dequantized_reference(lib, fmt, rows):
     step = x.abs().amax(dim=1, keepdim=True) / 32767
     bound = 0.5 * step * w.abs().sum(dim=1)[None, :] + 1e-4 * want.abs() + 1e-5
     assert bool(((got - want).abs() <= bound).all()), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, quant.GEMV_MAX_ROWS + 3])
+def test_kernel_matches_dequantized_reference(lib, fmt, rows):
+    n, k = 37, 256  # 37 output rows: a block of 4 with a ragged tail
+    qw = weights(fmt, n, k)
+    check_against_reference(qw, rows)
     # leading dimensions and bf16 activations come back in their own shape and dtype
-    got3 = quant.quant_linear(x.view(1, rows, k).bfloat16(), qw)
+    got3 = quant.quant_linear(torch.randn(1, rows, k).bfloat16(), qw)
     assert got3.shape == (1, rows, n) and got3.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-sym", "q8-g32"])
+@pytest.mark.parametrize("k", [320, 4160])
+def test_batch_one_kernel_over_chunks_tails_and_long_rows(lib, fmt, k):
+    """One activation row runs the row-streaming kernels, which take groups eight at a time: 320 inputs are one
+    chunk and a tail of two groups of 32 (or five of 64); 4160 make int8's one-scale row longer than the 2048
+    inputs an int32 sum may take (summed in pieces)."""
+    qw = weights(fmt, 19, k)
+    check_against_reference(qw, 1)
+    check_against_reference(qw, 2)  # the blocks of four rows, on the same weight
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -327,11 +344,15 @@ def test_gguf_float_tensors_read_as_stored(type_name, dtype):
     assert got.dtype == dtype and torch.equal(got, t)
 
 
-def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weights(tmp_path):
+def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weights(tmp_path, monkeypatch):
     """A GGUF file of a tiny Llama whose projections are Q4_K, Q6_K and Q5_0 as a Q4_K_M file mixes them (q and k
-    Q4_K with v Q6_K, gate Q4_K with up Q5_0: fused pieces in two formats), the LM head Q8_0: the engine's
-    greedy output is transformers' on the weights gguf itself dequantizes from that file (q/k rows back in
-    Hugging Face's rotary order), and the weights stay quantized (none in fp32)."""
+    Q4_K with v Q6_K, gate Q4_K with up Q5_0: fused pieces in two formats; one layer's down projection Q6_K,
+    the other's Q5_0), the LM head Q8_0: the engine's greedy output is transformers' on the weights read from
+    that file (q/k rows back in Hugging Face's rotary order), and the weights stay quantized (none in fp32).
+    The compiled decode path serves it, one graph per kind of layer (a graph traced on one layer and run on
+    the other failed at start)."""
+    from tieredkv.runner import compiled_decode
+
     import shutil
 
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -356,14 +377,19 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
     writer.add_uint32("llama.attention.head_count_kv", 2)
     for seed, (name, w) in enumerate(sorted(tensors.items())):
         gname = gguf_names[name]
-        kind = types.get(gname.split(".")[-2])
+        kind = "Q5_0" if gname == "blk.1.ffn_down.weight" else types.get(gname.split(".")[-2])
         if kind is None:  # norms and the embedding table: float, as stored
             writer.add_tensor(gname, w.numpy())
             continue
         n, k = w.shape
         raw = quantize(w.numpy(), GGMLQuantizationType.Q8_0) if kind == "Q8_0" else k_blocks(kind, n, k, seed)
         writer.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[kind])
-        value = dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
+        # the weights as the engine holds them: gguf's dequantization with the K types' scales rounded to fp16
+        # (within 2^-11, test_gguf_k_quants_and_q5_0_keep_every_code); with these random blocks' large weights
+        # that rounding alone moves a logit by a few hundredths, past a near tie in transformers' own output
+        value = quant.load_gguf_tensor(raw, kind, (n, k), gname).dequantize().numpy()
+        exact = dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
+        assert np.abs(value - exact).max() <= 2**-11 * np.abs(exact).max()
         heads = {"attn_q": 4, "attn_k": 2}.get(gname.split(".")[-2])
         tensors[name] = torch.from_numpy(np.ascontiguousarray(_unpermute(value, heads) if heads else value))
     writer.write_header_to_file()
@@ -375,13 +401,18 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
     save_file(tensors, str(ref / "model.safetensors"), metadata={"format": "pt"})
     prompts = [list(range(5, 40)), [3, 4, 5, 6]]
     expected = hf_greedy(ref, prompts, 12)
-    core = EngineCore(EngineConfig(model=str(model_dir), quantization="gguf", num_blocks=32, warm_bytes=0))
+    monkeypatch.setattr(compiled_decode, "MAX_LAYERS_PER_GRAPH", 1)  # a run per layer: runs of two kinds
+    core = EngineCore(EngineConfig(model=str(model_dir), quantization="gguf", num_blocks=32, warm_bytes=0,
+                                   compile_decode=True, compile_in_background=False))
     try:
         attn, mlp = core.model.layers[0].self_attn, core.model.layers[0].mlp
         assert isinstance(attn.qkv_proj.qweight, quant.QuantizedParts) and attn.qkv_proj.weight is None
         assert attn.qkv_proj.qweight.scheme == "gguf:Q4_K+Q6_K" and mlp.gate_up_proj.qweight.scheme == "gguf:Q4_K+Q5_0"
         assert core.model.quantization == "gguf:Q4_K+Q6_K+Q5_0"
+        assert core.runner.compiled.graphs == 2 and core.stats().decode_path == "compiled"
         assert run_to_end(core, prompts, [12, 12]) == expected
         check_pool_clean(core)
+        assert [run_to_end(core, [p], [12]) for p in prompts] == [[e] for e in expected]  # one at a time: compiled
+        assert core.runner.compiled.steps == 2 * 11
     finally:
         core.close()

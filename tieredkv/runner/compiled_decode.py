@@ -10,7 +10,8 @@ product reads them faster than oneDNN's packed layout, which wins from four rows
 
 What: one graph for a run of layers (the whole stack, with the embedding and the logits, up to
 MAX_LAYERS_PER_GRAPH layers; the default model's 30 as 5 runs of 6), which every run of that length calls: a
-layer reads no per-layer Python value, its weights and cache come in as inputs. Runs of layers, rather than
+layer reads no per-layer Python value, its weights and cache come in as inputs. Where layers differ (a GGUF
+file that mixes block types), each distinct run of layers gets a graph of its own. Runs of layers, rather than
 one graph per layer, save torch.compile's ~0.1 ms wrapper around each call (3 ms a token for 30 single-layer
 graphs) and fuse each layer's last residual add into the next one's norm; runs rather than the whole stack
 keep the trace, paid at every start, short.
@@ -69,8 +70,18 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(t.view(torch.uint8).numpy()).view(t.dtype).view(t.shape)
 
 
+def layer_signature(layer: torch.nn.Module) -> tuple:
+    """What a graph traced on one layer takes for granted of another it runs: each module's kind and settings,
+    each weight's shape and dtype. Layers of one model differ where a GGUF file mixes block types (a Q4_K_M
+    file keeps some layers' value and down projections in Q6_K)."""
+    return (tuple((type(m).__name__, m.extra_repr()) for m in layer.modules()),
+            tuple((name, tuple(t.shape), t.dtype) for name, t in [*layer.named_parameters(), *layer.named_buffers()]
+                  if t is not None))
+
+
 def layer_groups(model: LlamaModel, kv_cache: torch.Tensor) -> list[tuple[tuple, tuple]]:
-    """The layers in equal runs, each with its layers' caches, for one graph to serve every run.
+    """The layers in equal runs, each with its layers' caches, for one graph to serve every run whose layers
+    have the same signatures (one graph per distinct run: `CompiledDecode._stack_for`).
 
     A run is the whole stack when it has at most MAX_LAYERS_PER_GRAPH layers, else the longest run up to
     that which divides it. Each layer's cache is given a storage object of its own: a graph whose inputs
@@ -93,14 +104,23 @@ class CompiledDecode:
         self.ops = replace(ops, name=f"{ops.name}+compiled", linear=F.linear, pack_linear_weight=None, plan_decode=None,
                            decode_attention=decode_attention_dense, store_kv=store_kv_dense)
         self.cache_dir = cache_dir  # inductor's on-disk cache for this engine
-        self.graphs = 0  # graphs compiled (or loaded from the cache): 1 after warmup, and no more after
+        self.graphs = 0  # graphs compiled (or loaded from the cache): one per kind of run after warmup
         self.steps = 0  # steps this path ran
         self._warming = False  # warmup reports its own failures
         self.disabled: str | None = None  # why the path turned itself off, if it did
         self.ready = False  # the graph is compiled (or loaded) and serves: set once, by warmup
         self._thread: threading.Thread | None = None
         self._groups = layer_groups(model, kv_cache)
-        self._stack = self._compiled()
+        kinds: dict[tuple, int] = {}
+        # each run's kind: runs of one kind share a graph (every run, unless the layers differ)
+        self._kinds = [kinds.setdefault(tuple(map(layer_signature, layers)), len(kinds)) for layers, _ in self._groups]
+        self._stacks: dict[int, object] = {}
+
+    def _stack_for(self, kind: int):
+        """The compiled function for runs of one kind: its own graph, its own guards and recompile count."""
+        if kind not in self._stacks:
+            self._stacks[kind] = self._compiled()
+        return self._stacks[kind]
 
     def _compiled(self):
         # The layers are not changed after load, so no guard checks their attributes on every call: that
@@ -143,11 +163,11 @@ class CompiledDecode:
         a = batch.attn
         if len(self._groups) == 1:
             layers, caches = self._groups[0]
-            return self._stack(layers, None, None, None, caches, batch.positions, batch.slot_mapping,
+            return self._stack_for(0)(layers, None, None, None, caches, batch.positions, batch.slot_mapping,
                                a.decode_block_tables, a.decode_context_lens, batch.input_ids)
         x, (cos, sin) = self.model.embed(batch)
-        for layers, caches in self._groups:
-            x = self._stack(layers, x, cos, sin, caches, batch.positions, batch.slot_mapping,
+        for (layers, caches), kind in zip(self._groups, self._kinds):
+            x = self._stack_for(kind)(layers, x, cos, sin, caches, batch.positions, batch.slot_mapping,
                             a.decode_block_tables, a.decode_context_lens)
         return self.model.logits(x, batch, self.ops)
 
@@ -259,14 +279,15 @@ class CompiledDecode:
                      " on an emptied cache" if broken else "")
             if broken:
                 shutil.rmtree(self.cache_dir, ignore_errors=True)
-            self.disabled, self._stack = None, self._compiled()
+            self.disabled, self._stacks = None, {}
             self._decode_scratch()
 
     def _graph_key(self) -> str:
         """What the graph depends on: the model's shape, the cache tensor's shape and dtype (stable across
-        starts: engine_setup.far_extent), torch's version, the runs of layers, the weights' quantization."""
+        starts: engine_setup.far_extent), torch's version, the runs of layers and their kinds, the weights'
+        quantization."""
         identity = repr((self.model.spec, tuple(self.kv_cache.shape), self.kv_cache.dtype, torch.__version__,
-                         [len(layers) for layers, _ in self._groups], self.model.quantization))
+                         [len(layers) for layers, _ in self._groups], self._kinds, self.model.quantization))
         return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
     def _decode_scratch(self) -> None:
