@@ -191,7 +191,7 @@ def test_a_compiler_failure_while_serving_is_reported_and_the_eager_forward_take
     def refuse(*args, **kwargs):
         raise torch._dynamo.exc.TorchDynamoException("recompile refused")
 
-    monkeypatch.setattr(compiled, "_stack", refuse)
+    monkeypatch.setattr(compiled, "_stack_for", lambda kind: refuse)
     prompt = [5, 6, 7, 8]
     assert run_to_end(core, [prompt], [6]) == hf_greedy(llama_dir, [prompt], 6)
     assert compiled.disabled and "recompile refused" in compiled.disabled and compiled.steps == 0
