@@ -164,9 +164,13 @@ def decode_attention_dense(
     ids = block_tables.reshape(-1).to(torch.int64)
     k = torch.index_select(key_cache, 0, ids).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
     v = torch.index_select(value_cache, 0, ids).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
-    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,bnhd->bhgn", q.float(), k.float()) * scale
+    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    # both products as broadcast multiplies and sums rather than einsum's batched matmuls: inductor fuses them
+    # with the gather above into its own loops, where each bmm was a library call costing more than its few
+    # thousand multiply-adds (AMD EPYC, default model, compiled decode: fp32 56.9 -> 53.0 ms/token at 128
+    # tokens of context, 80.7 -> 73.1 at 2,000; int4 20.8 -> 19.2)
+    scores = (q[:, :, :, None, :] * k.float().permute(0, 2, 1, 3)[:, :, None]).sum(-1) * scale  # [B, Hkv, G, N]
     past = torch.arange(num_blocks * block_size, device=query.device)[None, :] >= context_lens[:, None]
     scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgn,bnhd->bhgd", scores.softmax(dim=-1), v.float())
+    out = (scores.softmax(dim=-1)[..., None] * v.float().permute(0, 2, 1, 3)[:, :, None]).sum(-2)  # [B, Hkv, G, D]
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
