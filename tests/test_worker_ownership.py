@@ -31,11 +31,12 @@ async def test_stats_in_a_tight_loop_beside_32_streams(llama_dir):
                 await asyncio.sleep(0.001)
 
         poller = asyncio.create_task(poll())
-        outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=12, ignore_eos=True))
+        # 40 tokens each: long enough for well over 100 reads on a fast machine (at 12, a run read 86 times)
+        outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=40, ignore_eos=True))
                                       for p in prompts))
         done.set()
         await poller
-        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+        assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
         assert snapshots > 100
         await engine.run_in_worker(check_pool_clean, engine.core)
         final = engine.stats()
