@@ -164,11 +164,11 @@ class CompiledDecode:
         if len(self._groups) == 1:
             layers, caches = self._groups[0]
             return self._stack_for(0)(layers, None, None, None, caches, batch.positions, batch.slot_mapping,
-                               a.decode_block_tables, a.decode_context_lens, batch.input_ids)
+                                      a.decode_block_tables, a.decode_context_lens, batch.input_ids)
         x, (cos, sin) = self.model.embed(batch)
         for (layers, caches), kind in zip(self._groups, self._kinds):
             x = self._stack_for(kind)(layers, x, cos, sin, caches, batch.positions, batch.slot_mapping,
-                            a.decode_block_tables, a.decode_context_lens)
+                                      a.decode_block_tables, a.decode_context_lens)
         return self.model.logits(x, batch, self.ops)
 
     def accepts(self, scheduled: list) -> bool:
