@@ -351,8 +351,6 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
     that file (q/k rows back in Hugging Face's rotary order), and the weights stay quantized (none in fp32).
     The compiled decode path serves it, one graph per kind of layer (a graph traced on one layer and run on
     the other failed at start)."""
-    from tieredkv.runner import compiled_decode
-
     import shutil
 
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -361,6 +359,7 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
 
     from helpers import hf_greedy, make_checkpoint, run_to_end
     from tieredkv.models.gguf_convert import _LAYER_NAMES, _TOP_NAMES, _unpermute
+    from tieredkv.runner import compiled_decode
 
     src = make_checkpoint(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2)

@@ -392,11 +392,13 @@ int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, 
             for (; b + 8 <= G; b += 8) q4_chunk(qr, xq, xsum, dr, mr, b, 32, &f0, &f1, &zacc);
         else
             for (; b + 8 <= G; b += 8) q4_chunk(qr, xq, xsum, dr, mr, b, g, &f0, &f1, &zacc);
-        for (; b < G; b++)
+        float ztail = 0.f;
+        for (; b < G; b++) {  /* the groups past the chunks */
             f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b, g)), _mm256_set1_ps(h2f(dr[b])), f0);
+            ztail += h2f(mr[b]) * xsum[b];
+        }
         total = hsum(_mm256_add_ps(f0, f1));
-        z = hsum(zacc);
-        for (int64_t r = G - G % 8; r < G; r++) z += h2f(mr[r]) * xsum[r];  /* the offsets past the chunks */
+        z = hsum(zacc) + ztail;
 #else
         total = q4_row_c(qr, xq, dr, mr, xsum, K, g, &z);
 #endif
