@@ -1,6 +1,9 @@
-"""The dense-layer function: on CPU in fp32 oneDNN (with weights packed at load time) or the swapped
-MKL product, F.linear elsewhere."""
+"""The dense-layer function: on CPU in fp32 (and bf16 where the processor has bf16 units) oneDNN (with weights
+packed at load time) or the swapped MKL product, F.linear elsewhere; the compiled graph's reading of packed
+weights through handles, and the measured choice of layout."""
 
+import gc
+import json
 from pathlib import Path
 
 import pytest
@@ -9,14 +12,19 @@ import torch.nn.functional as F
 
 from tieredkv import EngineConfig
 from tieredkv.engine_core import EngineCore
+from helpers import hf_greedy, run_to_end
 from tieredkv.kernels import select_kernels
+from tieredkv.kernels import linear
 from tieredkv.kernels.linear import (
     SWAP_MAX_OUT,
     SWAP_MAX_ROWS,
-    _cpu_fp32_linear,
+    _cpu_onednn_linear,
+    dense_by_handle,
+    graph_reads_packed,
     onednn_linear,
     onednn_linear_usable,
     pack_onednn_weight,
+    packed_handle,
     select_linear,
     select_weight_packing,
 )
@@ -51,7 +59,7 @@ CASES = [(1, 160), (3, 160), (SWAP_MAX_ROWS, 160), (SWAP_MAX_ROWS + 1, 160), (5,
 def test_cpu_linear_matches_f_linear(rows, out_features, with_bias, use_onednn):
     if use_onednn and not onednn_linear_usable():
         pytest.skip("this torch build has no usable oneDNN linear")
-    check_against_f_linear(_cpu_fp32_linear(use_onednn), rows, out_features, with_bias, seed=rows)
+    check_against_f_linear(_cpu_onednn_linear(use_onednn), rows, out_features, with_bias, seed=rows)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -66,50 +74,136 @@ def test_onednn_linear_matches_f_linear():
 def test_packed_weights_match_f_linear(rows, out_features, with_bias):
     packed = pack_onednn_weight(torch.randn(out_features, 96))
     assert packed.is_mkldnn and packed.shape == (out_features, 96)
-    check_against_f_linear(_cpu_fp32_linear(True), rows, out_features, with_bias, seed=rows, pack=pack_onednn_weight)
+    check_against_f_linear(_cpu_onednn_linear(True), rows, out_features, with_bias, seed=rows, pack=pack_onednn_weight)
 
 
-def test_packing_is_selected_for_cpu_fp32_only():
+@pytest.mark.parametrize("bf16_units", [False, True], ids=["avx2", "avx512_bf16"])
+def test_packing_is_selected_for_cpu_fp32_and_for_bf16_where_the_processor_has_bf16_units(monkeypatch, bf16_units):
+    monkeypatch.setattr(linear, "bf16_units", lambda: bf16_units)
     want = pack_onednn_weight if onednn_linear_usable() else None
     assert select_weight_packing(CPU, torch.float32) is want
     assert select_kernels("auto", CPU, torch.float32).pack_linear_weight is want
-    assert select_weight_packing(CPU, torch.bfloat16) is None
+    want_bf16 = want if bf16_units and onednn_linear_usable(torch.bfloat16) else None
+    assert select_weight_packing(CPU, torch.bfloat16) is want_bf16
+    assert select_weight_packing(CPU, torch.float16) is None
     assert select_weight_packing(torch.device("cuda"), torch.float32) is None
     assert select_weight_packing(CPU, torch.float32, "torch") is None
+    assert select_weight_packing(CPU, torch.bfloat16, "torch") is None
     assert select_kernels("auto", CPU, torch.float32, "torch").pack_linear_weight is None
 
 
+@pytest.mark.skipif(not onednn_linear_usable(torch.bfloat16), reason="this torch build has no usable oneDNN bf16")
+@pytest.mark.parametrize("rows", [1, 5, SWAP_MAX_ROWS + 1])
+def test_packed_bf16_weights_match_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((rows, 96), (160, 96), (160,)))
+    got = _cpu_onednn_linear(True)(x, pack_onednn_weight(w), b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=5e-2)
+
+
+def test_a_packed_weights_handle_serves_in_and_out_of_a_compiled_graph():
+    """dense_by_handle reads the packed weight its handle stands for, eager and inside an inductor graph
+    (where the packed tensor itself cannot go), and the handle's entry goes when the handle does."""
+    g = torch.Generator().manual_seed(3)
+    ws = [torch.randn(160, 96, generator=g), torch.randn(40, 160, generator=g)]
+    handles = [packed_handle(pack_onednn_weight(w)) for w in ws]
+    assert [tuple(h.shape) for h in handles] == [(160, 1), (40, 1)]
+    b = torch.randn(40, generator=g)
+
+    def two_layers(x, h1, h2, bias):
+        return dense_by_handle(torch.relu(dense_by_handle(x, h1)), h2, bias) * 2
+
+    want = lambda x: F.linear(torch.relu(F.linear(x, ws[0])), ws[1], b) * 2  # noqa: E731
+    graph = torch.compile(two_layers, fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        for rows in (1, 3, 7):
+            x = torch.randn(rows, 96, generator=g)
+            torch.testing.assert_close(two_layers(x, *handles, b), want(x), rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(graph(x, *handles, b), want(x), rtol=1e-5, atol=1e-4)
+    keys = [h.data_ptr() for h in handles]
+    assert all(k in linear._HANDLES for k in keys)
+    del handles, graph
+    gc.collect()
+    assert not any(k in linear._HANDLES for k in keys)
+
+
+def test_the_graphs_layout_is_measured_once_per_processor_and_kept(tmp_path, monkeypatch):
+    calls = []
+
+    def measure(dtype, shapes):
+        calls.append((dtype, shapes))
+        return {"plain_ms": 2.0, "packed_ms": 1.0 if dtype == torch.bfloat16 else 3.0}
+
+    monkeypatch.setattr(linear, "_measure_layouts", measure)
+    shapes = [(160, 96), (96, 160)]
+    assert graph_reads_packed(torch.bfloat16, shapes, tmp_path) is True
+    assert graph_reads_packed(torch.float32, shapes, tmp_path) is False
+    assert graph_reads_packed(torch.bfloat16, shapes, tmp_path) is True
+    assert graph_reads_packed(torch.float32, shapes[::-1], tmp_path) is False
+    assert len(calls) == 2  # the second asks of each were answered from kernels/linear-layout.json
+    assert len(json.loads((tmp_path / "kernels" / "linear-layout.json").read_text())) == 2
+    (tmp_path / "kernels" / "linear-layout.json").write_text("{not json")
+    assert graph_reads_packed(torch.float32, shapes, tmp_path) is False and len(calls) == 3  # measured again
+
+
+def test_the_measurement_times_both_layouts_on_weights_past_the_cache():
+    got = linear._measure_layouts(torch.float32, [(64, 32), (32, 64)])
+    assert set(got) == {"plain_ms", "packed_ms"} and all(v > 0 for v in got.values())
+
+
 @pytest.mark.parametrize("force", ["auto", "packed", "torch"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(llama_dir, force, compiled):
-    """"auto" holds the weights once: packed where only the eager forward reads them; plain with the
-    compiled decode path, which reads them plain (and the eager forward then does too). "packed" keeps a
-    packed copy beside the plain weights the compiled path reads."""
+@pytest.mark.parametrize("compiled, graph_packed", [(False, None), (True, False), (True, True)],
+                         ids=["eager", "compiled-plain", "compiled-packed"])
+def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(llama_dir, monkeypatch, force,
+                                                                                 compiled, graph_packed):
+    """"auto" holds the weights once: packed where only the eager forward reads them; with the compiled decode
+    path plain where its one-row products read plain weights faster on this processor (the eager forward then
+    reads them plain too), else packed, the graph reading them through handles. "packed" keeps a packed copy
+    beside the plain weights a plain-reading compiled path reads."""
+    import tieredkv.engine_setup as setup
+
+    monkeypatch.setattr(setup, "graph_reads_packed", lambda dtype, shapes, cache_dir: graph_packed)
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, compile_decode=compiled, cpu_linear=force))
     model, ops = core.model, core.runner.ops
-    packed = force != "torch" and onednn_linear_usable() and (force == "packed" or not compiled)
+    usable = force != "torch" and onednn_linear_usable()
+    packed = usable and (force == "packed" or not compiled or graph_packed)
+    plain_beside = packed and compiled and not graph_packed
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 4 * model.spec.num_layers + (model.lm_head is not None)
     assert all(hasattr(m, "packed_weight") == packed for m in linears)
-    assert all(m.weight.is_mkldnn == (packed and not compiled) for m in linears)  # plain beside only if compiled
+    assert all(m.weight.is_mkldnn == (packed and not plain_beside) for m in linears)
+    assert all(hasattr(m, "packed_handle") == (usable and bool(graph_packed)) for m in linears)
     assert model.lm_head_weight(ops).is_mkldnn == packed
     assert not model.embed_tokens.weight.is_mkldnn
     if compiled:
-        assert not model.lm_head_weight(core.runner.compiled.ops).is_mkldnn
+        graph_ops = core.runner.compiled.ops
+        head = model.lm_head_weight(graph_ops)
+        assert not head.is_mkldnn
+        assert (graph_ops.linear is dense_by_handle) == (usable and bool(graph_packed))
+        if graph_ops.linear is dense_by_handle:
+            assert head.shape == (model.spec.vocab_size, 1) and head.dtype == torch.uint8
+            prompt = list(range(5, 14))
+            assert run_to_end(core, [prompt], [8]) == hf_greedy(llama_dir, [prompt], 8)
+            assert core.runner.compiled.steps == 7
     # nothing is left on the checkpoint's mapping: its pages would stay resident beside the model's copies
     maps = Path("/proc/self/maps")
     if maps.exists():
         assert str(core.model_dir) not in maps.read_text()
 
 
-def test_cpu_fp32_gets_cpu_linear_and_others_keep_f_linear():
-    cpu_linear = _cpu_fp32_linear(onednn_linear_usable())
+def test_cpu_fp32_gets_cpu_linear_and_others_keep_f_linear(monkeypatch):
+    monkeypatch.setattr(linear, "bf16_units", lambda: False)
+    cpu_linear = _cpu_onednn_linear(onednn_linear_usable())
     assert select_linear(CPU, torch.float32) is cpu_linear
     assert select_kernels("auto", CPU, torch.float32).linear is cpu_linear
     assert select_linear(CPU, torch.bfloat16) is F.linear
     assert select_linear(torch.device("cuda"), torch.float32) is F.linear
     assert select_linear(CPU, torch.float32, "torch") is F.linear
     assert select_kernels("auto", CPU, torch.float32, "torch").linear is F.linear
+    monkeypatch.setattr(linear, "bf16_units", lambda: True)
+    if onednn_linear_usable(torch.bfloat16):
+        assert select_linear(CPU, torch.bfloat16) is cpu_linear
 
 
 def test_bad_cpu_linear_value_is_refused():

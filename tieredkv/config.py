@@ -78,10 +78,11 @@ class EngineConfig(BaseModel):
         "switching between two steps once it is ready (stats().decode_path says which serves); False: start() "
         "returns once it is compiled")
     cpu_linear: Literal["auto", "packed", "torch"] = Field(
-        "auto", description='dense layers on CPU in fp32, through oneDNN where its products match F.linear: "auto" '
-        'holds the weights once (packed for oneDNN, or plain where the compiled decode path reads them); "packed" '
-        'keeps a packed copy beside the plain weights the compiled path reads (twice the memory, faster batched '
-        'steps); "torch" keeps plain F.linear')
+        "auto", description='dense layers on CPU in fp32 (and bf16 with AVX512_BF16 or AMX), through oneDNN where '
+        'its products match F.linear: "auto" holds the weights once (packed for oneDNN, or plain where the compiled '
+        'decode path reads plain weights faster on this processor, measured once); "packed" keeps a packed copy '
+        'beside plain weights the compiled path reads (twice the memory, faster batched steps); "torch" keeps '
+        'plain F.linear')
     cpu_malloc_tuning: bool = Field(True, description="on CPU, keep freed step buffers in glibc's heap")
     warm_bytes: int | None = Field(
         None, ge=0, description="host-memory tier budget; 0 turns it off; None: 10% of available RAM, at most 4 GiB"

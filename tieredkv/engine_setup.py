@@ -23,6 +23,7 @@ from tieredkv.core.pins import PinTable
 from tieredkv.errors import ModelNotFoundError
 from tieredkv.core.scheduler import Scheduler
 from tieredkv.kernels import KernelOps, select_kernels
+from tieredkv.kernels.linear import graph_reads_packed
 from tieredkv.lifecycle import Lifecycle
 from tieredkv.models.llama import LlamaModel
 from tieredkv.kernels.quant import use_cpu_kernels
@@ -463,14 +464,22 @@ def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tup
 
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,
                          compiled: bool) -> KernelOps:
-    """The kernel set, with the weights in the layout its dense layers read. They are held once: the
-    compiled decode path reads them plain, so then the eager steps do too (docs/architecture.md: Kernels);
-    else packed, where the kernel set packs. cpu_linear="packed" keeps a packed copy beside the plain."""
+    """The kernel set, with the weights in the layout its dense layers read, held once (docs/architecture.md:
+    Kernels): packed where the kernel set packs; with the compiled decode path, packed too where its one-row
+    products read the packed layout faster on this processor (measured once, kernels/linear.py:
+    graph_reads_packed), else plain, for it and for the eager steps. cpu_linear="packed" keeps a packed copy
+    beside plain weights."""
     ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear)
-    if compiled and cfg.cpu_linear != "packed":
+    if ops.pack_linear_weight is None:
+        return ops
+    if not compiled:
+        model.pack_linear_weights(ops.pack_linear_weight)
+        return ops
+    shapes = model.linear_shapes()  # none where the projections are quantized
+    graph_packed = bool(shapes) and graph_reads_packed(dtype, shapes, resolve_cache_dir(cfg))
+    if not graph_packed and cfg.cpu_linear != "packed":
         return replace(ops, pack_linear_weight=None)
-    if ops.pack_linear_weight is not None:
-        model.pack_linear_weights(ops.pack_linear_weight, keep_plain=compiled)
+    model.pack_linear_weights(ops.pack_linear_weight, keep_plain=not graph_packed, handles=graph_packed)
     return ops
 
 

@@ -20,10 +20,18 @@ or TIEREDKV_CPU_LINEAR=torch.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
+import time
+import weakref
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from tieredkv.runner.cpu_features import cpu_info
 
 LinearFn = Callable[..., torch.Tensor]  # (x [..., K], weight [N, K], bias [N] | None) -> [..., N]
 PackFn = Callable[[torch.Tensor], torch.Tensor]  # weight [N, K] -> the same weight in the layout LinearFn reads best
@@ -59,14 +67,15 @@ def _cpu_linear(large: LinearFn) -> LinearFn:
 
 
 @functools.cache
-def onednn_linear_usable() -> bool:
-    """True when this torch build has the oneDNN linear op and it agrees with F.linear."""
+def onednn_linear_usable(dtype: torch.dtype = torch.float32) -> bool:
+    """True when this torch build has the oneDNN linear op and it agrees with F.linear in `dtype`."""
     if not torch.backends.mkldnn.is_available():
         return False
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 48, generator=gen)
-    w = torch.randn(40, 48, generator=gen)
-    b = torch.randn(40, generator=gen)
+    x = torch.randn(2, 5, 48, generator=gen).to(dtype)
+    w = torch.randn(40, 48, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     try:
         with torch.inference_mode():
             packed = pack_onednn_weight(w)
@@ -76,32 +85,134 @@ def onednn_linear_usable() -> bool:
                       (onednn_linear(x[1], packed), F.linear(x[1], w))]
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
-    return all(got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in checks)
+    return all(got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+               for got, want in checks)
+
+
+def bf16_units() -> bool:
+    """True where the processor multiplies bf16 natively (AVX512_BF16 or AMX): there oneDNN's bf16 products
+    read half the bytes of fp32 at fp32's arithmetic rate; elsewhere each one converts to fp32 first."""
+    info = cpu_info()
+    return info.has("avx512_bf16") or info.has("amx_bf16")
 
 
 @functools.cache
-def _cpu_fp32_linear(use_onednn: bool) -> LinearFn:
+def _cpu_onednn_linear(use_onednn: bool) -> LinearFn:
     return _cpu_linear(onednn_linear if use_onednn else F.linear)
 
 
-def _cpu_fp32(device: torch.device, dtype: torch.dtype, cpu_linear: str) -> bool:
-    """True when the CPU fp32 dense layers apply (EngineConfig.cpu_linear "auto" or "packed"; "torch" turns
-    them off)."""
+def _cpu_onednn(device: torch.device, dtype: torch.dtype, cpu_linear: str) -> bool:
+    """True when the CPU oneDNN dense layers apply (EngineConfig.cpu_linear "auto" or "packed"; "torch" turns
+    them off): fp32 everywhere, bf16 on processors with bf16 units."""
     if cpu_linear not in ("auto", "packed", "torch"):
         raise ValueError(f"cpu_linear must be auto, packed or torch, got {cpu_linear!r}")
-    return cpu_linear != "torch" and device.type == "cpu" and dtype == torch.float32
+    if cpu_linear == "torch" or device.type != "cpu":
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_units() and onednn_linear_usable(dtype))
 
 
 def select_linear(device: torch.device, dtype: torch.dtype, cpu_linear: str = "auto") -> LinearFn:
     """The dense-layer function for weights of `dtype` on `device`."""
-    if _cpu_fp32(device, dtype, cpu_linear):
-        return _cpu_fp32_linear(onednn_linear_usable())
+    if _cpu_onednn(device, dtype, cpu_linear):
+        return _cpu_onednn_linear(onednn_linear_usable())
     return F.linear
 
 
 def select_weight_packing(device: torch.device, dtype: torch.dtype, cpu_linear: str = "auto") -> PackFn | None:
     """How to pack weights of `dtype` on `device` once at load time for select_linear's function;
     None where they are best left as they are."""
-    if _cpu_fp32(device, dtype, cpu_linear) and onednn_linear_usable():
+    if _cpu_onednn(device, dtype, cpu_linear) and onednn_linear_usable():
         return pack_onednn_weight
     return None
+
+
+# The compiled decode graph cannot take oneDNN's packed tensors (opaque, without storage) as inputs, so it
+# reads each packed weight through a handle: a small plain tensor [out_features, 1] whose storage address
+# names the packed weight, passed to the op below, which inductor calls as an opaque library function.
+_HANDLES: dict[int, torch.Tensor] = {}
+
+
+def packed_handle(packed: torch.Tensor) -> torch.Tensor:
+    """A plain tensor that stands for `packed` in a compiled graph (dense_by_handle reads it); the packed
+    weight is held while the handle lives."""
+    handle = torch.zeros(packed.size(0), 1, dtype=torch.uint8)
+    key = handle.data_ptr()
+    _HANDLES[key] = packed
+    weakref.finalize(handle, _HANDLES.pop, key, None)
+    return handle
+
+
+_OPS = torch.library.Library("tieredkv", "FRAGMENT")
+_OPS.define("dense_packed(Tensor x, Tensor handle, Tensor? bias) -> Tensor")
+_OPS.impl("dense_packed", lambda x, handle, bias: onednn_linear(x, _HANDLES[handle.data_ptr()], bias), "CPU")
+
+
+@torch.library.register_fake("tieredkv::dense_packed")
+def _(x, handle, bias):
+    return x.new_empty((*x.shape[:-1], handle.shape[0]))
+
+
+def dense_by_handle(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """onednn_linear(x, the packed weight `handle` stands for, bias): one op call, in or out of a graph."""
+    return torch.ops.tieredkv.dense_packed.default(x, handle, bias)
+
+
+STREAM_BYTES = 96 << 20  # the measurement's weights: more than a processor's last-level cache, as a decode reads
+
+
+def graph_reads_packed(dtype: torch.dtype, shapes: list[tuple[int, int]], cache_dir: Path | None = None) -> bool:
+    """Whether the compiled decode graph's one-row products should read oneDNN's packed weights (through
+    handles) rather than the plain ones (a library call on the plain weight, MKL's sgemv in fp32). Which is
+    faster depends on the processor: on the AVX2 machines this was first measured on, MKL's single row read
+    the plain weights fastest; on an AMD EPYC with AVX-512 (Zen 5), oneDNN's packed product was twice as fast.
+    So it is measured, once per processor, torch build, dtype and layer shapes: one row through copies of
+    the layer's projections that do not fit in cache, best of five passes each way. The answer is kept in
+    `cache_dir`'s kernels/linear-layout.json."""
+    info = cpu_info()
+    key = repr((info.model_name, sorted(info.flags), torch.__version__, str(dtype), sorted(shapes),
+                torch.get_num_threads()))
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = None if cache_dir is None else Path(cache_dir) / "kernels" / "linear-layout.json"
+    known = _read_json(path)
+    if key not in known:
+        known[key] = _measure_layouts(dtype, shapes)
+        if path is not None:
+            _write_json(path, {**_read_json(path), key: known[key]})
+    return known[key]["packed_ms"] < known[key]["plain_ms"]
+
+
+def _measure_layouts(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> dict:
+    layer_bytes = sum(n * k for n, k in shapes) * torch.tensor([], dtype=dtype).element_size()
+    copies = max(1, -(-STREAM_BYTES // max(layer_bytes, 1)))
+    plain = [torch.full((n, k), 0.01, dtype=dtype) for _ in range(copies) for n, k in shapes]
+    packed = [pack_onednn_weight(w) for w in plain]
+    xs = {k: torch.full((1, k), 0.5, dtype=dtype) for _, k in shapes}
+
+    def passes(run, weights) -> float:
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for w in weights:
+                run(xs[w.size(1)], w)
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e3
+
+    with torch.inference_mode():
+        return {"plain_ms": passes(F.linear, plain), "packed_ms": passes(onednn_linear, packed)}
+
+
+def _read_json(path: Path | None) -> dict:
+    try:
+        return json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # measured again next time

@@ -11,6 +11,7 @@ from torch import nn
 
 from tieredkv.runner.batch import ForwardBatch
 from tieredkv.kernels import KernelOps
+from tieredkv.kernels.linear import packed_handle
 from tieredkv.kernels.quant import QuantizedWeight, quant_embedding, quant_linear
 from tieredkv.models.spec import ModelSpec
 from tieredkv.parallel.group import TPGroup
@@ -61,7 +62,7 @@ def dense(ops: KernelOps, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     qweight = getattr(layer, "qweight", None)
     if qweight is not None:
         return quant_linear(x, qweight, layer.bias)
-    weight = layer.weight if ops.pack_linear_weight is None else layer.packed_weight
+    weight = layer.weight if ops.pack_linear_weight is None else getattr(layer, ops.packed_attr)
     return ops.linear(x, weight, layer.bias)
 
 
@@ -207,6 +208,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, local.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec)
         self.packed_lm_head: torch.Tensor | None = None
+        self.packed_handles = False  # pack_linear_weights gave the packed weights handles
         self.quantized_head: QuantizedWeight | None = None  # the LM head, when quantized (the table too, if tied)
 
     @property
@@ -244,22 +246,36 @@ class LlamaModel(nn.Module):
 
     def lm_head_weight(self, ops: KernelOps) -> torch.Tensor:
         if ops.pack_linear_weight is not None:
-            return self.packed_lm_head
+            return self.packed_lm_head if ops.packed_attr == "packed_weight" else self.packed_lm_head_handle
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_linear_weights(self, pack: Callable[[torch.Tensor], torch.Tensor], keep_plain: bool = False) -> None:
+    def pack_linear_weights(self, pack: Callable[[torch.Tensor], torch.Tensor], keep_plain: bool = False,
+                            handles: bool = False) -> None:
         """Gives every projection, and the LM head, a `packed_weight`: pack(weight), a layout only the
         packing kernel set's `linear` reads (see kernels/linear.py), in place of the plain weight, so the
         weights are held once; with `keep_plain` the plain weights stay too (twice the memory), for the
-        compiled decode path, which reads them. The embedding table stays plain: lookups need it."""
+        compiled decode path where it reads them. With `handles` each also gets a `packed_handle` buffer
+        (and the model a `packed_lm_head_handle`): the plain tensor through which a compiled graph reads
+        the packed weight (kernels/linear.py: dense_by_handle). The embedding table stays plain: lookups
+        need it."""
+        self.packed_handles = handles
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.weight is not None:
                 module.packed_weight = pack(module.weight)
                 if not keep_plain:
                     module.weight = nn.Parameter(module.packed_weight, requires_grad=False)
+                if handles:
+                    module.register_buffer("packed_handle", packed_handle(module.packed_weight), persistent=False)
         if self.quantized_head is None:
             self.packed_lm_head = (self.lm_head.packed_weight if self.lm_head is not None
                                    else pack(self.embed_tokens.weight))
+            if handles:
+                self.register_buffer("packed_lm_head_handle", packed_handle(self.packed_lm_head), persistent=False)
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """The distinct [out, in] shapes of one layer's projections (plain weights: before packing)."""
+        return sorted({tuple(m.weight.shape) for m in self.layers[0].modules()
+                       if isinstance(m, nn.Linear) and m.weight is not None})
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor | None:
         """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices (None on

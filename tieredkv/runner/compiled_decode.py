@@ -43,6 +43,7 @@ from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.runner.malloc_tuning import release_free_memory
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_dense
+from tieredkv.kernels.linear import dense_by_handle
 from tieredkv.kernels.store_kv import store_kv_dense
 from tieredkv.models.llama import LlamaModel
 
@@ -101,8 +102,13 @@ class CompiledDecode:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps, cache_dir: Path):
         self.model = model
         self.kv_cache = kv_cache
-        self.ops = replace(ops, name=f"{ops.name}+compiled", linear=F.linear, pack_linear_weight=None, plan_decode=None,
-                           decode_attention=decode_attention_dense, store_kv=store_kv_dense)
+        # the dense layers: through the packed weights' handles where the weights were packed for this path
+        # (engine_setup._kernels_and_weights), else F.linear on the plain weights
+        handles = ops.pack_linear_weight is not None and model.packed_handles
+        linear = dict(linear=dense_by_handle, packed_attr="packed_handle") if handles else \
+            dict(linear=F.linear, pack_linear_weight=None)
+        self.ops = replace(ops, name=f"{ops.name}+compiled", plan_decode=None, decode_attention=decode_attention_dense,
+                           store_kv=store_kv_dense, **linear)
         self.cache_dir = cache_dir  # inductor's on-disk cache for this engine
         self.graphs = 0  # graphs compiled (or loaded from the cache): one per kind of run after warmup
         self.steps = 0  # steps this path ran
