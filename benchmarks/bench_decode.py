@@ -165,6 +165,9 @@ def main(args) -> dict:
 
     results: dict = {"machine": cpu_info().describe(torch.get_num_threads())}
     print(f"machine: {results['machine']}", flush=True)
+    from tieredkv.models.gguf_convert import default_model_dir
+
+    default_model_dir()  # converted before the start-ups link it in (on a fresh machine it is not there yet)
     with tempfile.TemporaryDirectory() as cache:
         first, second = startup_seconds(cache, True), startup_seconds(cache, True)
         eager = startup_seconds(cache, False)
