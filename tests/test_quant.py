@@ -1,5 +1,5 @@
-"""Quantized weights: the CPU kernels against the dequantized reference (on this processor's build, on an AVX2
-build where this processor has AVX-512 VNNI, and on a build without AVX2), the quantizers' error bounds, GGUF's blocks read as they are, the engine end to end."""
+"""Quantized weights: the CPU kernels against the dequantized reference (on this processor's build and on a
+build without AVX2), the quantizers' error bounds, GGUF's blocks read as they are, the engine end to end."""
 
 import platform
 from pathlib import Path
@@ -15,12 +15,9 @@ from tieredkv.engine_core import EngineCore
 from tieredkv.errors import CheckpointError
 from tieredkv.kernels import quant
 from tieredkv.kernels.quant_cpu import NATIVE, library_path, load
-from tieredkv.runner.cpu_features import cpu_info
 
 BUILDS = {"native": NATIVE}
 if platform.machine() in ("x86_64", "AMD64"):
-    if cpu_info().has("avx512_vnni"):  # native runs the AVX-512 VNNI one-row kernels: test the AVX2 ones too
-        BUILDS["avx2"] = ("-march=haswell",)
     BUILDS["no-avx2"] = ("-march=x86-64",)  # the plain-C branch every other processor runs
 
 

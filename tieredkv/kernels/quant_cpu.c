@@ -18,9 +18,6 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TKV_AVX2 1
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define TKV_VNNI 1  /* the one-row kernels take 32 inputs per instruction (vpdpwssd: multiply, add pairs, accumulate) */
-#endif
 #endif
 
 #define RB 4        /* weight rows per block: each activation load serves all of them */
@@ -310,47 +307,6 @@ INLINE void q8_chunk(const int8_t *qr, const int16_t *xq, const uint16_t *dr, in
 }
 #endif
 
-#ifdef TKV_VNNI
-/* The same with AVX-512 VNNI, for spans and groups that are multiples of 32 inputs: 16 lanes of int32 sums
- * (each lane gets 2 products per 32 inputs, 128 over SPAN: within int32 as above) */
-INLINE __m512i q8_span512(const int8_t *qr, const int16_t *xq, int64_t s0, int64_t s1) {
-    __m512i acc = _mm512_setzero_si512();
-    for (int64_t k = s0; k < s1; k += 32)
-        acc = _mm512_dpwssd_epi32(acc, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qr + k))),
-                                  _mm512_loadu_si512((const void *)(xq + k)));
-    return acc;
-}
-
-INLINE void q8_chunk512(const int8_t *qr, const int16_t *xq, const uint16_t *dr, int64_t b, int64_t g, __m512 *f0,
-                        __m512 *f1) {
-    float ds[8];
-    _mm256_storeu_ps(ds, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
-    for (int i = 0; i < 8; i += 2) {
-        *f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_span512(qr, xq, (b + i) * g, (b + i + 1) * g)),
-                              _mm512_set1_ps(ds[i]), *f0);
-        *f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_span512(qr, xq, (b + i + 1) * g, (b + i + 2) * g)),
-                              _mm512_set1_ps(ds[i + 1]), *f1);
-    }
-}
-
-/* One q8 row (groups of a multiple of 32 inputs) */
-static float q8_row512(const int8_t *qr, const int16_t *xq, const uint16_t *dr, int64_t K, int64_t g) {
-    const int64_t G = K / g;
-    int64_t b = 0;
-    __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
-    if (g == 32)
-        for (; b + 8 <= G; b += 8) q8_chunk512(qr, xq, dr, b, 32, &f0, &f1);
-    else if (g <= SPAN)
-        for (; b + 8 <= G; b += 8) q8_chunk512(qr, xq, dr, b, g, &f0, &f1);
-    for (; b < G; b++)
-        for (int64_t s0 = b * g; s0 < (b + 1) * g; s0 += SPAN) {
-            __m512i acc = q8_span512(qr, xq, s0, s0 + SPAN < (b + 1) * g ? s0 + SPAN : (b + 1) * g);
-            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(h2f(dr[b])), f0);
-        }
-    return _mm512_reduce_add_ps(_mm512_add_ps(f0, f1));
-}
-#endif
-
 int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, int64_t g, int64_t N,
                 const float *bias, float *out) {
     int16_t *xq = malloc((size_t)K * sizeof(int16_t));
@@ -362,12 +318,6 @@ int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, i
     for (int64_t n = 0; n < N; n++) {
         const int8_t *qr = q + n * K;
         const uint16_t *dr = d + n * G;
-#ifdef TKV_VNNI
-        if (g % 32 == 0) {
-            out[n] = q8_row512(qr, xq, dr, K, g) * sx + (bias ? bias[n] : 0.f);
-            continue;
-        }
-#endif
 #ifdef TKV_AVX2
         int64_t b = 0;
         __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
@@ -423,59 +373,6 @@ INLINE void q4_chunk(const uint8_t *qr, const int16_t *xq, const float *xsum, co
 }
 #endif
 
-#ifdef TKV_VNNI
-/* Group b of a q4 row (g a multiple of 32) with AVX-512 VNNI: 16 bytes of codes give 16 low and 16 high
- * nibbles, one 32-lane int16 vector against the activations they pair with (contiguous for g = 32) */
-INLINE __m512i q4_group512(const uint8_t *qr, const int16_t *xq, int64_t b, int64_t g) {
-    const __m128i low = _mm_set1_epi8(15);
-    const int64_t h = g / 2;
-    __m512i acc = _mm512_setzero_si512();
-    for (int64_t j = 0; j < h; j += 16) {
-        __m128i v = _mm_loadu_si128((const __m128i *)(qr + b * h + j));
-        __m256i nib = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, low)),
-                                              _mm_and_si128(_mm_srli_epi16(v, 4), low), 1);
-        const int16_t *xa = xq + b * g + j;
-        __m512i x = g == 32 ? _mm512_loadu_si512((const void *)xa)
-                            : _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xa)),
-                                                 _mm256_loadu_si256((const __m256i *)(xa + h)), 1);
-        acc = _mm512_dpwssd_epi32(acc, _mm512_cvtepu8_epi16(nib), x);
-    }
-    return acc;
-}
-
-INLINE void q4_chunk512(const uint8_t *qr, const int16_t *xq, const float *xsum, const uint16_t *dr,
-                        const uint16_t *mr, int64_t b, int64_t g, __m512 *f0, __m512 *f1, __m256 *zacc) {
-    float ds[8];
-    _mm256_storeu_ps(ds, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
-    *zacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + b))), _mm256_loadu_ps(xsum + b),
-                            *zacc);
-    for (int i = 0; i < 8; i += 2) {
-        *f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_group512(qr, xq, b + i, g)), _mm512_set1_ps(ds[i]), *f0);
-        *f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_group512(qr, xq, b + i + 1, g)), _mm512_set1_ps(ds[i + 1]), *f1);
-    }
-}
-
-/* One q4 row (groups of a multiple of 32 inputs); *z gets the offsets' part */
-static float q4_row512(const uint8_t *qr, const int16_t *xq, const float *xsum, const uint16_t *dr,
-                       const uint16_t *mr, int64_t K, int64_t g, float *z) {
-    const int64_t G = K / g;
-    int64_t b = 0;
-    __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
-    __m256 zacc = _mm256_setzero_ps();
-    if (g == 32)
-        for (; b + 8 <= G; b += 8) q4_chunk512(qr, xq, xsum, dr, mr, b, 32, &f0, &f1, &zacc);
-    else
-        for (; b + 8 <= G; b += 8) q4_chunk512(qr, xq, xsum, dr, mr, b, g, &f0, &f1, &zacc);
-    float ztail = 0.f;
-    for (; b < G; b++) {
-        f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_group512(qr, xq, b, g)), _mm512_set1_ps(h2f(dr[b])), f0);
-        ztail += h2f(mr[b]) * xsum[b];
-    }
-    *z = hsum(zacc) + ztail;
-    return _mm512_reduce_add_ps(_mm512_add_ps(f0, f1));
-}
-#endif
-
 int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
                 int64_t N, const float *bias, float *out) {
     const int64_t G = K / g;
@@ -488,13 +385,6 @@ int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, 
         const uint8_t *qr = q + n * (K / 2);
         const uint16_t *dr = d + n * G, *mr = mn + n * G;
         float total, z;
-#ifdef TKV_VNNI
-        if (g % 32 == 0) {
-            total = q4_row512(qr, xq, xsum, dr, mr, K, g, &z);
-            out[n] = total * sx + z + (bias ? bias[n] : 0.f);
-            continue;
-        }
-#endif
 #ifdef TKV_AVX2
         int64_t b = 0;
         __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps(), zacc = _mm256_setzero_ps();
