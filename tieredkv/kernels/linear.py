@@ -158,6 +158,7 @@ def dense_by_handle(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | 
 
 
 STREAM_BYTES = 96 << 20  # the measurement's weights: more than a processor's last-level cache, as a decode reads
+MAX_COPIES = 32  # of a layer's projections (a small model's layers fit in cache anyway: its calls' cost decides)
 
 
 def graph_reads_packed(dtype: torch.dtype, shapes: list[tuple[int, int]], cache_dir: Path | None = None) -> bool:
@@ -183,7 +184,7 @@ def graph_reads_packed(dtype: torch.dtype, shapes: list[tuple[int, int]], cache_
 
 def _measure_layouts(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> dict:
     layer_bytes = sum(n * k for n, k in shapes) * torch.tensor([], dtype=dtype).element_size()
-    copies = max(1, -(-STREAM_BYTES // max(layer_bytes, 1)))
+    copies = min(MAX_COPIES, max(1, -(-STREAM_BYTES // max(layer_bytes, 1))))
     plain = [torch.full((n, k), 0.01, dtype=dtype) for _ in range(copies) for n, k in shapes]
     packed = [pack_onednn_weight(w) for w in plain]
     xs = {k: torch.full((1, k), 0.5, dtype=dtype) for _, k in shapes}
