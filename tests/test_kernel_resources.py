@@ -22,11 +22,12 @@ def test_every_kernel_variant_fits_every_target(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
     kernels = {"_store_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel", "_prefix_kernel",
-               "_prefill_kernel", "_copy_chunks_kernel"}
+               "_prefill_kernel", "_copy_chunks_kernel", "_quant_matmul_kernel"}
     assert {r["cc"] for r in rows} == set(SHARED_LIMIT)
     for cc in SHARED_LIMIT:
         assert {r["kernel"] for r in rows if r["cc"] == cc} == kernels
-    assert len(rows) == 7 * len(SHARED_LIMIT)  # the split kernel twice: with and without its own output
+    # the split kernel twice (with and without its own output), the quantized product twice (q8, q4)
+    assert len(rows) == 9 * len(SHARED_LIMIT)
     too_big = [r for r in rows if not r["fits"]]
     assert too_big == [], too_big
     for r in rows:

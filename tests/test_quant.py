@@ -415,3 +415,38 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
         assert core.runner.compiled.steps == 2 * 11
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_triton_kernel_matches_dequantized_reference(fmt, rows):
+    """The CUDA kernel (here through Triton's interpreter) against F.linear on the dequantized weight, every
+    format (q8 groups of 16 and 32 and whole rows, q4 groups of 32 to 128, symmetric, K-quant blocks): 70
+    output rows are a tile of 64 and a ragged one, 20 activation rows a tile of 16 and a ragged one."""
+    triton_ops = pytest.importorskip("tieredkv.kernels.triton_ops")
+    qw = weights(fmt, 70, 256)
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 256, generator=g) * 3, torch.randn(70, generator=g)
+    want = F.linear(x, qw.dequantize(), bias)
+    got = triton_ops.quant_linear(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    x3 = x.view(1, rows, 256)  # leading dimensions, no bias
+    torch.testing.assert_close(triton_ops.quant_linear(x3, qw.codes, qw.scales, qw.offsets, qw.group_size),
+                               F.linear(x3, qw.dequantize()), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_quantized_op_on_cuda_runs_the_triton_kernel_within_bf16_tolerance(fmt, rows):
+    """On CUDA the op (the engine's path) runs the Triton kernel: bf16 activations against the fp32 product on
+    the dequantized weight, within bf16's rounding of the operands (fp32 accumulation)."""
+    qw = weights(fmt, 70, 256).to("cuda")
+    x = torch.randn(rows, 256, device="cuda")
+    want = F.linear(x, qw.dequantize().float())
+    got = quant.quant_linear(x.bfloat16(), qw)
+    assert got.dtype == torch.bfloat16 and got.device.type == "cuda"
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    torch.testing.assert_close(quant.quant_linear(x, qw), want, rtol=1e-4, atol=1e-3)  # fp32: ieee products

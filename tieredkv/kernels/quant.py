@@ -12,12 +12,15 @@ Two storage formats serve every scheme (the codes row-major by output row, one f
 `quant_linear` calls a torch library op (tieredkv::quant_linear), so the compiled decode graph calls it like
 any library product. On CPU it runs quant_cpu.c's kernels for up to GEMV_MAX_ROWS rows (decode steps), and
 above that dequantizes the weight into fp32 and runs the fp32 product (prefill, where the product's
-arithmetic dominates). Elsewhere (CUDA, or no C compiler) it runs the reference: dequantize, then F.linear.
+arithmetic dominates). On CUDA it runs triton_ops.quant_linear (the weight dequantized tile by tile in
+registers, the product on the tensor cores in the activations' dtype). Without a C compiler, or without
+Triton on CUDA, it runs the reference: dequantize, then F.linear.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -287,7 +290,19 @@ _OPS.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets
 _OPS.define("quant_rows(Tensor codes, Tensor scales, Tensor? offsets, int group_size, Tensor ids) -> Tensor")
 
 
+@functools.cache
+def _triton_quant_linear():
+    """triton_ops.quant_linear, or None where Triton cannot be imported."""
+    try:
+        from tieredkv.kernels.triton_ops import quant_linear
+    except ImportError:
+        return None
+    return quant_linear
+
+
 def _quant_linear(x, codes, scales, offsets, group_size, bias):
+    if codes.is_cuda and _triton_quant_linear() is not None:
+        return _triton_quant_linear()(x, codes, scales, offsets, group_size, bias)
     k, n = x.shape[-1], codes.shape[0]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # a decode step's [1, K] as it is (a reshape costs ~2.5 us)
     if x2.dtype != torch.float32 or not x2.is_contiguous():

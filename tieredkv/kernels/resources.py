@@ -63,7 +63,7 @@ def model_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size:
     """The variant keys (triton_ops.variant_key) of a model with this attention shape on sm_<cc>: its
     warm-up's kernels, launched in a dry run over small tensors laid out as the model's forward lays them
     out (q and k fresh after the rotary embedding, v a view of the fused q/k/v output), with the tiles
-    chosen for that target."""
+    chosen for that target; and the quantized dense layers' kernel in both formats."""
     tokens, blocks = 6, 16
     qkv = torch.zeros(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
     q = torch.zeros(tokens, num_heads, head_dim, dtype=dtype)
@@ -87,6 +87,12 @@ def model_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size:
         out = torch.empty((1, 1, 2, block_size, num_kv_heads, head_dim), dtype=dtype)
         T.gather_blocks(kv_cache, ids, out)
         T.copy_blocks(kv_cache, ids, ids)
+        # the quantized dense layers (quantization="int8" / "int4"): one variant per format
+        width, n = num_heads * head_dim, num_kv_heads * head_dim
+        x = torch.zeros(tokens, width, dtype=dtype)
+        scales = torch.zeros(n, width // 32, dtype=torch.float16)
+        T.quant_linear(x, torch.zeros(n, width, dtype=torch.int8), scales, None, 32)
+        T.quant_linear(x, torch.zeros(n, width // 2, dtype=torch.uint8), scales, scales, 32)
     return seen
 
 

@@ -622,6 +622,75 @@ def scatter_blocks(kv_cache, block_ids, src) -> None:
           (kv_cache.stride(2), kv_cache.stride(1)), chunk, kv_cache.shape[0] * 2)
 
 
+
+# -- quantized dense layers (kernels/quant.py's formats) --------------------------------------------------
+
+QUANT_BLOCK_M, QUANT_BLOCK_N, QUANT_BLOCK_K = 16, 64, 32
+
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"])
+def _quant_matmul_kernel(
+    x_ptr, codes_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, M, N, K, group_size,
+    stride_xm, stride_cn, stride_sn, stride_om,
+    IS_Q4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (row tile, output tile) computes out[rows, cols] = x @ dequantize(W)[cols].T (+ bias): each
+    BLOCK_K slice of the weight is dequantized in registers (q8: code x scale; q4: the nibble GGUF's order
+    puts input j of a group in byte j's low half and input j + g/2 in its high half, x scale + offset, the
+    group of each input found by division, so any group size serves) and multiplied on the tensor cores in
+    x's dtype, accumulating in fp32. Decode steps (up to 16 rows) are one row tile: each weight is read
+    once, as a GEMV reads it."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        grp = kk // group_size  # the weight slice is laid out [BLOCK_K, BLOCK_N], as the product takes it
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        d = tl.load(scales_ptr + rn[None, :] * stride_sn + grp[:, None], mask=w_ok, other=0.0).to(tl.float32)
+        if IS_Q4:
+            half = group_size // 2
+            j = kk % group_size
+            byte = tl.load(codes_ptr + rn[None, :] * stride_cn + (grp * half + j % half)[:, None], mask=w_ok, other=0)
+            code = (byte.to(tl.int32) >> ((j // half) * 4)[:, None]) & 15
+            z = tl.load(offsets_ptr + rn[None, :] * stride_sn + grp[:, None], mask=w_ok, other=0.0).to(tl.float32)
+            w = code.to(tl.float32) * d + z
+        else:
+            code = tl.load(codes_ptr + rn[None, :] * stride_cn + kk[:, None], mask=w_ok, other=0)
+            w = code.to(tl.float32) * d
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quant_linear(x, codes, scales, offsets, group_size, bias=None) -> torch.Tensor:
+    """x [..., K] @ dequantize(codes, scales, offsets, group_size).T (+ bias) in x's dtype: kernels/quant.py's
+    q8 (offsets None) and q4 formats, the reference being its dequantize() then F.linear."""
+    k, n = x.shape[-1], codes.shape[0]
+    q4 = offsets is not None
+    assert codes.shape[1] * (2 if q4 else 1) == k and k % group_size == 0 and (not q4 or group_size % 2 == 0)
+    assert codes.dtype == (torch.uint8 if q4 else torch.int8) and codes.is_contiguous() and scales.is_contiguous()
+    assert scales.shape == (n, k // group_size) and (not q4 or offsets.shape == scales.shape)
+    assert offsets is None or offsets.is_contiguous()
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, QUANT_BLOCK_M), triton.cdiv(n, QUANT_BLOCK_N))
+        launch(_quant_matmul_kernel, grid, x2, codes, scales, offsets if q4 else scales,
+               bias if bias is not None else out, out, m, n, k, group_size, x2.stride(0), codes.stride(0),
+               scales.stride(0), out.stride(0), IS_Q4=q4, HAS_BIAS=bias is not None, BLOCK_M=QUANT_BLOCK_M,
+               BLOCK_N=QUANT_BLOCK_N, BLOCK_K=QUANT_BLOCK_K, PRECISION=_dot_precision(x.dtype))
+    return out.view(*x.shape[:-1], n)
+
 TRITON_OPS = KernelOps(
     name="triton",
     store_kv=store_kv,
