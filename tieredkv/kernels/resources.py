@@ -109,7 +109,8 @@ def compile_variant(key: tuple, cc: int) -> KernelResources:
     backend = make_backend(target)
     signature = {p.name: s[0] for p, s in zip(fn.params, spec)}
     constexprs = {(i,): s[1] for i, s in enumerate(spec) if s[0] == "constexpr"}
-    attrs = {(i,): backend.parse_attr(s[1]) for i, s in enumerate(spec) if s[0] != "constexpr" and isinstance(s[1], str)}
+    attrs = {(i,): backend.parse_attr(s[1]) for i, s in enumerate(spec)
+             if s[0] != "constexpr" and isinstance(s[1], str)}
     options = backend.parse_options({})
     log, dump = io.StringIO(), knobs.nvidia.dump_ptxas_log
     knobs.nvidia.dump_ptxas_log = True  # Triton runs ptxas -v itself, with its own flags; it prints the report
