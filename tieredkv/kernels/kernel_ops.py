@@ -17,8 +17,8 @@ class KernelOps:
     load time (see LlamaModel.pack_linear_weights); `packed_attr` names what `linear` is given then (the
     compiled graph reads "packed_handle", kernels/linear.py: dense_by_handle).
     `plan_decode(block_tables, context_lens, block_size, dtype, prefixes)`, when not None, builds what
-    `decode_attention(..., plan=)` reuses in every layer of a step; `prefixes` are the decode rows that share leading blocks (kernels/cascade.py), for a kernel set
-    that attends them together.
+    `decode_attention(..., plan=)` reuses in every layer of a step; `prefixes` are the decode rows that
+    share leading blocks (kernels/cascade.py), for a kernel set that attends them together.
     """
 
     name: str
