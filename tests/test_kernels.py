@@ -267,3 +267,33 @@ def test_auto_dtype_is_float16_below_ampere(capability, want):
     assert resolve_dtype("bfloat16", torch.device("cuda"), capability) == torch.bfloat16  # asked for: as asked
     if not torch.cuda.is_available():  # planning for a card this machine lacks: as Ampere and later
         assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_far_blocks_read_in_place_from_the_slab_match_the_host_gather():
+    """On CUDA the staged far blocks are read by the block-copy kernel straight from the pinned slab (no host
+    gather, no staging copy): here through the interpreter on CPU tensors, against the host-gather path, on
+    tables that name hot and far blocks, some twice; and the launch is the pool copies' own kernel variant,
+    so the warm-up already compiled it."""
+    from tieredkv.runner.far_stage import plan_stage
+
+    layers, capacity, hot, bs, kvh, hd = 3, 10, 6, 8, 2, 64
+    g = torch.Generator().manual_seed(7)
+    slab = torch.randn(capacity, layers, 2, bs, kvh, hd, generator=g)
+    pool = torch.randn(layers, 2, hot, bs, kvh, hd, generator=g)
+    tables = [[0, hot + 4, 2, hot + 9], [hot + 4, 1, hot + 0]]
+    cpu = torch.device("cpu")
+    host, host_tables = plan_stage(tables, hot, slab, cpu, in_place=False)
+    kernel, kernel_tables = plan_stage(tables, hot, slab, cpu, in_place=True)
+    assert host.far_slots_dev is None and kernel.far_slots_dev is not None and kernel_tables == host_tables
+    for layer in range(layers):
+        got = kernel.gather(pool[layer], layer)
+        assert torch.equal(got, host.gather(pool[layer], layer))
+        for table, staged in zip(tables, kernel_tables):
+            for block, pos in zip(table, staged):
+                want = pool[layer][:, block] if block < hot else slab[block - hot, layer]
+                assert torch.equal(got[:, pos], want)
+    with triton_ops.recording(dry_run=True) as from_slab:
+        kernel.gather(pool[1], 1)
+    with triton_ops.recording(dry_run=True) as pool_copies:
+        triton_ops.gather_blocks(pool, torch.tensor([1]), torch.empty(1, layers, 2, bs, kvh, hd))
+    assert from_slab == pool_copies and len(from_slab) == 1

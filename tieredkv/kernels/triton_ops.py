@@ -612,6 +612,19 @@ def gather_blocks(kv_cache, block_ids, out) -> None:
           (out.stride(0), out.stride(2)), chunk, kv_cache.shape[0] * 2)
 
 
+def gather_from_slab(slab_layer, slots, out, dst) -> None:
+    """out[:, dst[i]] = slab_layer[slots[i]] (K and V) for each i: one layer's far blocks staged for attention
+    (runner/far_stage.py). slab_layer [capacity, 2, block_size, kv_heads, head_dim] is a view of the warm
+    tier's slab, which on CUDA is pinned host memory that the kernel reads where it lies; the same kernel
+    variant as the pool's block copies (same chunk), so nothing new compiles."""
+    assert slab_layer.dim() == 5 and slab_layer.shape[1] == 2 and out.dim() == 5 and out.shape[0] == 2
+    assert slab_layer.shape[2:] == out.shape[2:] and slab_layer.dtype == out.dtype and out.is_contiguous()
+    assert slab_layer[0, 0].is_contiguous() and slots.shape == dst.shape
+    chunk = out.shape[2] * out.shape[3] * out.shape[4]
+    _copy(slab_layer, out, slots, dst, (slab_layer.stride(0), slab_layer.stride(1)), (out.stride(1), out.stride(0)),
+          chunk, 2)
+
+
 def scatter_blocks(kv_cache, block_ids, src) -> None:
     chunk = _check_pool(kv_cache)
     n = block_ids.shape[0]

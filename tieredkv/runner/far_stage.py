@@ -4,7 +4,8 @@ On CPU the warm slab is the tail of the cache tensor and attention reads far blo
 CUDA it is pinned host memory, which the kernels cannot index. There, a step whose batch holds far
 blocks stages, layer by layer, every block its block tables name into one buffer of that layer
 [2, T, block_size, kv_heads, head_dim]: hot blocks by a device gather (after this step's K/V are
-stored), far blocks by a host-to-device copy from the slab. The block tables of such a step index
+stored), far blocks by the block-copy kernel reading the pinned slab in place (or, without Triton, a host
+gather and a host-to-device copy). The block tables of such a step index
 that buffer (see `plan_stage`), so the same attention kernels run unchanged. The buffer holds one
 layer of the batch's context at a time: 1/num_layers of its KV. A step whose sequences hold more far
 blocks than the runner's cap runs as several forwards, over groups that fit (`stage_groups`), so the
@@ -32,12 +33,21 @@ class StagePlan:
     far_slots: torch.Tensor
     far_dst: torch.Tensor
     slab: torch.Tensor  # the warm tier's block-major slab [capacity, layers, 2, block_size, kv_heads, head_dim]
+    far_slots_dev: torch.Tensor | None = None  # far_slots on the device: the kernel reads the slab in place
 
     def gather(self, layer_cache: torch.Tensor, layer_id: int) -> torch.Tensor:
         """This layer's staged blocks [2, num_blocks, block_size, kv_heads, head_dim] on the cache's device."""
         out = layer_cache.new_empty((2, self.num_blocks, *layer_cache.shape[2:]))
         out[:, self.hot_dst] = layer_cache[:, self.hot_src]
-        if self.far_slots.numel():
+        if self.far_slots.numel() and self.far_slots_dev is not None:
+            # the block-copy kernel reads the far blocks where they lie: pinned host memory is mapped into the
+            # device's address space (unified addressing), so no host gather and no staging copy on the host.
+            # The slots stay untouched until the step's end: the tiers write the slab only between steps, and
+            # a step ends in a synchronisation (its sampled tokens come to the host).
+            from tieredkv.kernels.triton_ops import gather_from_slab
+
+            gather_from_slab(self.slab[:, layer_id], self.far_slots_dev, out, self.far_dst)
+        elif self.far_slots.numel():
             layer = self.slab[:, layer_id]  # [capacity, 2, block_size, kv_heads, head_dim], a view
             # one host gather, straight into pinned memory on CUDA (reused by torch's pinned-memory cache once
             # the asynchronous copy out of it is done), then one host-to-device copy
@@ -47,10 +57,23 @@ class StagePlan:
         return out
 
 
-def plan_stage(tables: list[list[int]], base: int, slab: torch.Tensor,
-               device: torch.device) -> tuple[StagePlan, list[list[int]]]:
+def reads_slab_in_place(slab: torch.Tensor, device: torch.device) -> bool:
+    """True where the device's block-copy kernel can read the slab where it lies: a CUDA device and a pinned
+    slab (mapped into the device's address space), with Triton to run the kernel."""
+    if device.type != "cuda" or not slab.is_pinned():
+        return False
+    try:
+        import tieredkv.kernels.triton_ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def plan_stage(tables: list[list[int]], base: int, slab: torch.Tensor, device: torch.device,
+               in_place: bool | None = None) -> tuple[StagePlan, list[list[int]]]:
     """The staging plan for a step's block tables (ids >= base are far: slot id - base), and the
-    tables rewritten to index the staged buffer. Each block is staged once, however many rows name it."""
+    tables rewritten to index the staged buffer. Each block is staged once, however many rows name it.
+    `in_place` (default: reads_slab_in_place) has the kernel read far blocks from the slab directly."""
     position: dict[int, int] = {}
     for table in tables:
         for block_id in table:
@@ -61,8 +84,10 @@ def plan_stage(tables: list[list[int]], base: int, slab: torch.Tensor,
     def column(pairs, j, dev):
         return torch.tensor([p[j] for p in pairs], dtype=torch.int64).to(dev, non_blocking=True)
 
+    if in_place is None:
+        in_place = reads_slab_in_place(slab, device)
     plan = StagePlan(len(position), column(hot, 0, device), column(hot, 1, device), column(far, 0, "cpu"),
-                     column(far, 1, device), slab)
+                     column(far, 1, device), slab, column(far, 0, device) if in_place else None)
     return plan, [[position[b] for b in table] for table in tables]
 
 
