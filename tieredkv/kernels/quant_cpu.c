@@ -432,7 +432,23 @@ void tkv_q4_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_
             float s = h2f(d[row * (K / g) + b]), z = h2f(mn[row * (K / g) + b]);
             const uint8_t *qb = q + row * (K / 2) + b * h;
             float *o = out + i * K + b * g;
-            for (int64_t j = 0; j < h; j++) {
+            int64_t j = 0;
+#ifdef TKV_AVX2
+            /* 16 codes' low and high nibbles at a time (the scalar loop below left 4x slower than q8's) */
+            const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+            const __m128i low = _mm_set1_epi8(15);
+            for (; j + 16 <= h; j += 16) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(qb + j));
+                __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vs, vz));
+                _mm256_storeu_ps(o + j + 8, _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vs, vz));
+                _mm256_storeu_ps(o + h + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vs, vz));
+                _mm256_storeu_ps(o + h + j + 8, _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vs, vz));
+            }
+#endif
+            for (; j < h; j++) {
                 o[j] = (float)(qb[j] & 15) * s + z;
                 o[j + h] = (float)(qb[j] >> 4) * s + z;
             }
