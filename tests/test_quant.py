@@ -450,3 +450,18 @@ def test_quantized_op_on_cuda_runs_the_triton_kernel_within_bf16_tolerance(fmt, 
     assert got.dtype == torch.bfloat16 and got.device.type == "cuda"
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     torch.testing.assert_close(quant.quant_linear(x, qw), want, rtol=1e-4, atol=1e-3)  # fp32: ieee products
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "gguf-Q6_K"])
+def test_many_rows_dequantize_a_large_weight_in_tiles(lib, fmt, monkeypatch):
+    """Above GEMV_MAX_ROWS a weight larger than DEQUANT_TILE_BYTES of fp32 (an LM head) is dequantized and
+    multiplied a tile of rows at a time (here tiles of 16 rows over 37: two whole and a ragged one), bias
+    included, with the same result as the whole weight at once."""
+    qw = weights(fmt, 37, 256)
+    monkeypatch.setattr(quant, "DEQUANT_TILE_BYTES", 16 * 256 * 4)
+    calls = []
+    inner = quant._dequantize_fast
+    monkeypatch.setattr(quant, "_dequantize_fast", lambda *a: calls.append(a[-1]) or inner(*a))
+    check_against_reference(qw, quant.GEMV_MAX_ROWS + 3)
+    assert [None if ids is None else ids.tolist() for ids in calls] == [
+        list(range(0, 16)), list(range(16, 32)), list(range(32, 37))]
