@@ -9,12 +9,15 @@ from helpers import check_pool_clean
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
 
 
+READS = 150
+
+
 async def test_stats_in_a_tight_loop_beside_32_streams(llama_dir):
     async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=96, max_num_seqs=32,
                                                     warm_bytes=0)) as engine:
         rng = random.Random(1)
         prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 60))] for _ in range(32)]
-        done = asyncio.Event()
+        done, enough = asyncio.Event(), asyncio.Event()
         snapshots = 0
 
         async def poll():
@@ -26,18 +29,24 @@ async def test_stats_in_a_tight_loop_beside_32_streams(llama_dir):
                 per_block = s.tiers["hot"].capacity_bytes // s.blocks_total  # hot holds blocks in use and cached
                 assert s.blocks_used * per_block <= s.tiers["hot"].used_bytes <= (s.blocks_used + s.blocks_cached) * per_block
                 snapshots += 1
+                if snapshots >= READS:
+                    enough.set()
                 # a millisecond between reads: a loop that never sleeps holds the GIL from the worker's many
                 # short torch calls and makes the streams 30x slower (71 s here), which is not what is tested
                 await asyncio.sleep(0.001)
 
         poller = asyncio.create_task(poll())
-        # 40 tokens each: long enough for well over 100 reads on a fast machine (at 12, a run read 86 times)
-        outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=40, ignore_eos=True))
-                                      for p in prompts))
+        # rounds of 32 streams until the poller has read READS times beside them: a fixed workload gave too
+        # few reads on faster machines (86 and 96 where 100 were asked for)
+        rounds = 0
+        while not enough.is_set():
+            outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=40, ignore_eos=True))
+                                          for p in prompts))
+            assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+            rounds += 1
         done.set()
         await poller
-        assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
-        assert snapshots > 100
+        assert snapshots >= READS and rounds >= 1
         await engine.run_in_worker(check_pool_clean, engine.core)
         final = engine.stats()
         assert final.num_running == final.num_waiting == final.blocks_used == 0
