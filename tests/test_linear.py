@@ -121,6 +121,8 @@ def test_a_packed_weights_handle_serves_in_and_out_of_a_compiled_graph():
             x = torch.randn(rows, 96, generator=g)
             torch.testing.assert_close(two_layers(x, *handles, b), want(x), rtol=1e-5, atol=1e-4)
             torch.testing.assert_close(graph(x, *handles, b), want(x), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="not a packed weight's handle"):
+        dense_by_handle(torch.randn(1, 96), handles[0].clone())
     keys = [h.data_ptr() for h in handles]
     assert all(k in linear._HANDLES for k in keys)
     del handles, graph

@@ -144,7 +144,15 @@ def packed_handle(packed: torch.Tensor) -> torch.Tensor:
 
 _OPS = torch.library.Library("tieredkv", "FRAGMENT")
 _OPS.define("dense_packed(Tensor x, Tensor handle, Tensor? bias) -> Tensor")
-_OPS.impl("dense_packed", lambda x, handle, bias: onednn_linear(x, _HANDLES[handle.data_ptr()], bias), "CPU")
+def _dense_packed(x, handle, bias):
+    packed = _HANDLES.get(handle.data_ptr())
+    if packed is None:  # a copy of a handle (module.to(), a state dict) names no packed weight
+        raise RuntimeError("dense_packed: this tensor is not a packed weight's handle (packed_handle made none at "
+                           "its address; a copy of a handle does not carry its weight)")
+    return onednn_linear(x, packed, bias)
+
+
+_OPS.impl("dense_packed", _dense_packed, "CPU")
 
 
 @torch.library.register_fake("tieredkv::dense_packed")
