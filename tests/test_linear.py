@@ -94,12 +94,13 @@ def test_packing_is_selected_for_cpu_fp32_and_for_bf16_where_the_processor_has_b
 
 @pytest.mark.skipif(not onednn_linear_usable(torch.bfloat16), reason="this torch build has no usable oneDNN bf16")
 @pytest.mark.parametrize("rows", [1, 5, SWAP_MAX_ROWS + 1])
-def test_packed_bf16_weights_match_f_linear(rows):
+def test_bf16_weights_packed_and_plain_match_f_linear(rows):
     g = torch.Generator().manual_seed(rows)
     x, w, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((rows, 96), (160, 96), (160,)))
-    got = _cpu_onednn_linear(True)(x, pack_onednn_weight(w), b)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=5e-2)
+    for weight in (pack_onednn_weight(w), w):  # packed, and plain (the compiled path's where plain reads faster)
+        got = _cpu_onednn_linear(True)(x, weight, b)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=5e-2)
 
 
 def test_a_packed_weights_handle_serves_in_and_out_of_a_compiled_graph():

@@ -58,7 +58,8 @@ def _cpu_linear(large: LinearFn) -> LinearFn:
     def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.is_mkldnn:  # packed at load time
             return onednn_linear(x, weight, bias)
-        if x.dim() == 2 and x.shape[0] <= SWAP_MAX_ROWS and weight.shape[0] <= SWAP_MAX_OUT:
+        if x.dim() == 2 and x.shape[0] <= SWAP_MAX_ROWS and weight.shape[0] <= SWAP_MAX_OUT \
+                and x.dtype == torch.float32:  # bf16 swapped: up to 1.8x slower than oneDNN (AVX512_BF16)
             return _swapped_linear(x, weight, bias)
         return large(x, weight, bias)
 
