@@ -70,10 +70,10 @@ def reads_slab_in_place(slab: torch.Tensor, device: torch.device) -> bool:
 
 
 def plan_stage(tables: list[list[int]], base: int, slab: torch.Tensor, device: torch.device,
-               in_place: bool | None = None) -> tuple[StagePlan, list[list[int]]]:
+               in_place: bool) -> tuple[StagePlan, list[list[int]]]:
     """The staging plan for a step's block tables (ids >= base are far: slot id - base), and the
     tables rewritten to index the staged buffer. Each block is staged once, however many rows name it.
-    `in_place` (default: reads_slab_in_place) has the kernel read far blocks from the slab directly."""
+    With `in_place` (the runner's reads_slab_in_place) the kernel reads far blocks from the slab directly."""
     position: dict[int, int] = {}
     for table in tables:
         for block_id in table:
@@ -84,8 +84,6 @@ def plan_stage(tables: list[list[int]], base: int, slab: torch.Tensor, device: t
     def column(pairs, j, dev):
         return torch.tensor([p[j] for p in pairs], dtype=torch.int64).to(dev, non_blocking=True)
 
-    if in_place is None:
-        in_place = reads_slab_in_place(slab, device)
     plan = StagePlan(len(position), column(hot, 0, device), column(hot, 1, device), column(far, 0, "cpu"),
                      column(far, 1, device), slab, column(far, 0, device) if in_place else None)
     return plan, [[position[b] for b in table] for table in tables]

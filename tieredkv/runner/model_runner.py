@@ -8,7 +8,7 @@ import torch
 
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.runner.compiled_decode import CompiledDecode
-from tieredkv.runner.far_stage import StagePlan, plan_stage, stage_groups
+from tieredkv.runner.far_stage import StagePlan, plan_stage, reads_slab_in_place, stage_groups
 from tieredkv.errors import EngineClosedError, RankLostError
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS, shared_prefixes
@@ -57,6 +57,8 @@ class ModelRunner:
         # steps that use them stage them (far_stage.py), at most a hot pool's worth (base) of far blocks
         # per forward: a step that holds more runs as several
         self.far_base, self.far_slab = far if far is not None else (None, None)
+        # whether the copy kernel reads far blocks from the (pinned) slab in place: decided once, the slab is fixed
+        self.far_in_place = far is not None and reads_slab_in_place(self.far_slab, self.device)
         self.staged_steps = 0
         self.peak_staged_blocks = 0  # the largest staging buffer a step used, in blocks of one layer
 
@@ -65,7 +67,7 @@ class ModelRunner:
         tables = [[b.block_id for b in s.block_table] for s in seqs]
         if self.far_base is None or all(i < self.far_base for t in tables for i in t):
             return tables, None
-        stage, tables = plan_stage(tables, self.far_base, self.far_slab, self.device)
+        stage, tables = plan_stage(tables, self.far_base, self.far_slab, self.device, self.far_in_place)
         self.staged_steps += 1
         self.peak_staged_blocks = max(self.peak_staged_blocks, stage.num_blocks)
         return tables, stage
