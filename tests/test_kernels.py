@@ -271,9 +271,9 @@ def test_auto_dtype_is_float16_below_ampere(capability, want):
 
 def test_far_blocks_read_in_place_from_the_slab_match_the_host_gather():
     """On CUDA the staged far blocks are read by the block-copy kernel straight from the pinned slab (no host
-    gather, no staging copy): here through the interpreter on CPU tensors, against the host-gather path, on
-    tables that name hot and far blocks, some twice; and the launch is the pool copies' own kernel variant,
-    so the warm-up already compiled it."""
+    gather, no staging copy), a layer ahead: here through the interpreter on CPU tensors, against the
+    host-gather path, on tables that name hot and far blocks, some twice; and the launch is the pool copies' own
+    kernel variant, so the warm-up already compiled it."""
     from tieredkv.runner.far_stage import plan_stage
 
     layers, capacity, hot, bs, kvh, hd = 3, 10, 6, 8, 2, 64
@@ -292,8 +292,12 @@ def test_far_blocks_read_in_place_from_the_slab_match_the_host_gather():
             for block, pos in zip(table, staged):
                 want = pool[layer][:, block] if block < hot else slab[block - hot, layer]
                 assert torch.equal(got[:, pos], want)
+    # each layer's far blocks were read ahead (layer 0's by plan_stage, each next one's at the gather before)
+    assert (kernel.read_ahead_layers, kernel.late_layers) == (host.read_ahead_layers, host.late_layers) == (layers, 0)
+    again = kernel.gather(pool[0], 0)  # out of order: copied at the gather, still right
+    assert torch.equal(again, host.gather(pool[0], 0)) and kernel.late_layers == 1
     with triton_ops.recording(dry_run=True) as from_slab:
-        kernel.gather(pool[1], 1)
+        kernel.read_ahead(1)
     with triton_ops.recording(dry_run=True) as pool_copies:
         triton_ops.gather_blocks(pool, torch.tensor([1]), torch.empty(1, layers, 2, bs, kvh, hd))
     assert from_slab == pool_copies and len(from_slab) == 1

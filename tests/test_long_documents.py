@@ -58,6 +58,10 @@ async def test_a_document_larger_than_the_hot_pool_matches_transformers(llama_di
         out = await generate(engine, DOC_A)
         assert out.outputs[0].token_ids == expected[0]
         assert core.runner.staged_steps > 0 if staged else core.runner.staged_steps == 0
+        # every staged layer's far blocks were read ahead (layer 0's as the step was planned, each next one's
+        # while the layer before computed), none copied at its own gather
+        layers = core.model.spec.num_layers
+        assert (core.runner.read_ahead_layers, core.runner.late_layers) == (core.runner.staged_steps * layers, 0)
         stats = engine.stats()
         # 67 blocks of KV in a pool of 8: everything but the last few went to the warm tier, in place
         assert stats.blocks_offloaded >= 67 - 8 and stats.num_preemptions == 0

@@ -25,22 +25,23 @@ def test_plan_arithmetic_by_hand(llama_dir):
              activation_bytes=1 << 20, warm_bytes=10 << 20, cold_bytes=50 << 20, seq_len=100, shared_prompt_len=64)
     assert p.weight_bytes == 673_536
     assert p.kv_bytes_per_token == 2 * 3 * 2 * 16 * 4 == 768 and p.kv_bytes_per_block == 12_288
-    # on CUDA far blocks are staged a layer at a time: 3 layers' worth of the pool stays free beside it
-    assert p.hot_blocks == (52_428_800 - 673_536 - 1_048_576) * 3 // (3 + 3) // 12_288 == 2063
-    assert p.staging_bytes == 3 * 2063 * 12_288 // 3
+    # on CUDA far blocks are staged a layer at a time, the next layer's read ahead: 4 layers' worth of the pool
+    # stays free beside it
+    assert p.hot_blocks == (52_428_800 - 673_536 - 1_048_576) * 3 // (3 + 4) // 12_288 == 1768
+    assert p.staging_bytes == 4 * 1768 * 12_288 // 3
     assert p.warm_blocks == 10_485_760 // 12_288 == 853
     assert p.cold_blocks == 52_428_800 // 16_384 == 3200  # 12.3 KB entries take 4 pages on disk
-    assert p.seqs_before_preemption == 2063 // 7 == 294  # 100 tokens: 7 blocks
-    assert p.seqs_with_offload == (2063 + 853) // 7 == 416  # older blocks offloaded to warm
-    assert p.longest_sequence == 2048  # max_model_len: hot + warm hold (2063 + 853) * 16 tokens
+    assert p.seqs_before_preemption == 1768 // 7 == 252  # 100 tokens: 7 blocks
+    assert p.seqs_with_offload == (1768 + 853) // 7 == 374  # older blocks offloaded to warm
+    assert p.longest_sequence == 2048  # max_model_len: hot + warm hold (1768 + 853) * 16 tokens
     no_warm = plan(str(llama_dir), device="cuda", device_memory_bytes=100 << 20, memory_utilization=0.5,
                    dtype="float32", activation_bytes=1 << 20, warm_bytes=0)
     assert no_warm.hot_blocks == (52_428_800 - 673_536 - 1_048_576) // 12_288 == 4126 and no_warm.staging_bytes == 0
     small = plan(str(llama_dir), device="cuda", device_memory_bytes=1 << 20, memory_utilization=1.0, dtype="float32",
                  activation_bytes=0, warm_bytes=20 * 12_288)
-    assert (small.hot_blocks, small.longest_sequence) == (15, (15 + 20) * 16)  # (1 MiB - 673,536 B) / 2: 15
-    assert p.shared_prompts == {"hot": 515, "warm": 213, "cold": 800}  # 64 tokens: 4 blocks
-    assert p.tokens == {"hot": 2063 * 16, "warm": 853 * 16, "cold": 3200 * 16}
+    assert (small.hot_blocks, small.longest_sequence) == (13, (13 + 20) * 16)  # (1 MiB - 673,536 B) * 3 / 7: 13
+    assert p.shared_prompts == {"hot": 442, "warm": 213, "cold": 800}  # 64 tokens: 4 blocks
+    assert p.tokens == {"hot": 1768 * 16, "warm": 853 * 16, "cold": 3200 * 16}
 
 
 def test_plan_and_the_engine_agree_on_cpu(llama_dir):

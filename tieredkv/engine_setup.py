@@ -133,7 +133,7 @@ def eos_token_ids(spec: ModelSpec, model_dir: Path, tokenizer_eos: int | None) -
     return frozenset(ids)
 
 
-STAGE_RESERVE = 3  # staging far blocks takes up to this many layers' worth of the hot pool (far_stage.py)
+STAGE_RESERVE = 4  # staging far blocks takes up to this many layers' worth of the hot pool (far_stage.py)
 
 
 def kv_pool_bytes(cfg: EngineConfig, device_type: str, total: int = 0, used: int = 0, token_bytes: int = 0,
@@ -145,9 +145,10 @@ def kv_pool_bytes(cfg: EngineConfig, device_type: str, total: int = 0, used: int
     max_num_seqs sequences of `max_len` tokens of `token_bytes` each, at most CPU_POOL_CAP and an eighth
     of the memory.
 
-    Staging (far_stage.py) holds one layer of a forward's blocks at a time: at most a pool's worth of hot
-    blocks and as many far ones, and the far blocks' device copy, so STAGE_RESERVE layers of the pool
-    in all. The pool takes what leaves room for them: budget * layers / (layers + STAGE_RESERVE)."""
+    Staging (far_stage.py) holds two buffers of one layer each (the layer computing and the next one,
+    whose far blocks are read ahead), each at most a pool's worth of hot blocks and as many far ones, so
+    STAGE_RESERVE layers of the pool in all. The pool takes what leaves room for them:
+    budget * layers / (layers + STAGE_RESERVE)."""
     if cfg.kv_cache_bytes is not None:
         return cfg.kv_cache_bytes
     if device_type == "cuda":

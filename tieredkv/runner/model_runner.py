@@ -59,7 +59,10 @@ class ModelRunner:
         self.far_base, self.far_slab = far if far is not None else (None, None)
         # whether the copy kernel reads far blocks from the (pinned) slab in place: decided once, the slab is fixed
         self.far_in_place = far is not None and reads_slab_in_place(self.far_slab, self.device)
+        # the next layer's far blocks are copied on this stream while a layer computes (far_stage.StagePlan)
+        self.stage_stream = torch.cuda.Stream(self.device) if far is not None and self.device.type == "cuda" else None
         self.staged_steps = 0
+        self.read_ahead_layers = self.late_layers = 0  # staged layers read ahead / copied at their gather
         self.peak_staged_blocks = 0  # the largest staging buffer a step used, in blocks of one layer
 
     def _table_ids(self, seqs: list[Sequence]) -> tuple[list[list[int]], StagePlan | None]:
@@ -67,7 +70,8 @@ class ModelRunner:
         tables = [[b.block_id for b in s.block_table] for s in seqs]
         if self.far_base is None or all(i < self.far_base for t in tables for i in t):
             return tables, None
-        stage, tables = plan_stage(tables, self.far_base, self.far_slab, self.device, self.far_in_place)
+        stage, tables = plan_stage(tables, self.far_base, self.far_slab, self.device, self.far_in_place,
+                                   self.stage_stream)
         self.staged_steps += 1
         self.peak_staged_blocks = max(self.peak_staged_blocks, stage.num_blocks)
         return tables, stage
@@ -246,4 +250,8 @@ class ModelRunner:
                                        a.decode_context_lens)
         if logits is None:
             logits = self.model.forward(batch, self.kv_cache, self.ops)  # not __call__: llama.py, FORWARD_ONLY
+        stage = batch.attn.stage
+        if stage is not None:
+            self.read_ahead_layers += stage.read_ahead_layers
+            self.late_layers += stage.late_layers
         return logits, sampled

@@ -55,7 +55,7 @@ class Plan:
         measured: whether `activation_bytes` was measured by a forward rather than estimated.
         device: the device type planned for ("cpu" or "cuda").
         staging_bytes: CUDA with far blocks (offload and a warm tier): device memory left beside the hot pool
-            for staging them, a layer at a time (`engine_setup.kv_pool_bytes`).
+            for staging them, a layer at a time with the next read ahead (`engine_setup.kv_pool_bytes`).
         tensor_parallel_size: the processes the model is split across.
         rank_weight_bytes: each rank's share of `weight_bytes`, rank order (one entry without tensor parallelism).
         rank_kv_bytes_per_block: each rank's share of a KV block (its KV heads), rank order.
@@ -267,12 +267,13 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"model {p.model}, {p.dtype}, block size {p.block_size}, max_model_len {p.max_model_len:,}",
         f"weights            {p.weight_bytes / gib:10.2f} GiB ({p.weights})",
-        f"KV per token       {p.kv_bytes_per_token / 1024:10.1f} KiB   per block {p.kv_bytes_per_block / 2**20:.2f} MiB",
+        f"KV per token       {p.kv_bytes_per_token / 1024:10.1f} KiB   "
+        f"per block {p.kv_bytes_per_block / 2**20:.2f} MiB",
         f"device memory      {p.device_memory / gib:10.2f} GiB x {p.memory_utilization:.2f}" if p.device == "cuda"
         else f"hot pool           {p.hot_blocks * p.kv_bytes_per_block / gib:10.2f} GiB (max_num_seqs x max_model_len, "
              "at most 2 GiB)",
         f"activations        {p.activation_bytes / gib:10.2f} GiB ({'measured' if p.measured else 'estimated'})",
-        *([f"far-block staging  {p.staging_bytes / gib:10.2f} GiB (a layer at a time, beside the hot pool)"]
+        *([f"far-block staging  {p.staging_bytes / gib:10.2f} GiB (two layers at a time, beside the hot pool)"]
           if p.staging_bytes else []),
         *[f"rank {r:<2} weights   {w / gib:10.2f} GiB   KV per block {b / 2**20:.2f} MiB"
           for r, (w, b) in enumerate(zip(p.rank_weight_bytes, p.rank_kv_bytes_per_block))
