@@ -185,7 +185,10 @@ async def test_a_long_document_on_cuda_streams_far_blocks_from_pinned_memory(lla
         outs = await asyncio.gather(generate(engine, DOC_A), generate(engine, DOC_B, n=2))
         assert outs[0].outputs[0].token_ids == expected[0]
         assert [o.token_ids for o in outs[1].outputs] == [expected[1]] * 2
-        assert engine.core.runner.staged_steps > 0
+        runner = engine.core.runner
+        assert runner.staged_steps > 0 and runner.far_in_place and runner.stage_stream is not None
+        layers = engine.core.model.spec.num_layers
+        assert (runner.read_ahead_layers, runner.late_layers) == (runner.staged_steps * layers, 0)
         check_pool_clean(engine.core)
 
 
