@@ -26,8 +26,9 @@ def test_every_kernel_variant_fits_every_target(tmp_path):
     assert {r["cc"] for r in rows} == set(SHARED_LIMIT)
     for cc in SHARED_LIMIT:
         assert {r["kernel"] for r in rows if r["cc"] == cc} == kernels
-    # the split kernel twice (with and without its own output), the quantized product twice (q8, q4)
-    assert len(rows) == 9 * len(SHARED_LIMIT)
+    # the split kernel twice (with and without its own output), the quantized product three times (q8, q8 with
+    # offsets, q4)
+    assert len(rows) == 10 * len(SHARED_LIMIT)
     too_big = [r for r in rows if not r["fits"]]
     assert too_big == [], too_big
     for r in rows:

@@ -38,25 +38,23 @@ def weights(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
     return {"int8": lambda: quant.quantize_int8(w), "int4-g32": lambda: quant.quantize_int4(w, 32),
             "int4-g128": lambda: quant.quantize_int4(w, 128), "int4-sym": lambda: quant.quantize_int4(w, 64, True),
             "q8-g32": lambda: quant.QuantizedWeight("q8", *_q8_groups(w, 32), None, 32, k, "test"),
-            "gguf-Q4_K": lambda: gguf_tensor("Q4_K", n, k, seed), "gguf-Q6_K": lambda: gguf_tensor("Q6_K", n, k, seed),
-            "gguf-Q5_0": lambda: gguf_tensor("Q5_0", n, k, seed)}[fmt]()
+            **{f"gguf-{t}": (lambda t=t: gguf_tensor(t, n, k, seed)) for t in K_BLOCKS}}[fmt]()
 
 
-K_BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q5_0": (32, 22)}  # inputs, bytes per block
+# inputs, bytes per block; where each fp16 block scale (and min) lies and a plausible size for it
+K_BLOCKS = {"Q4_K": (256, 144, {0: 0.002, 2: 0.0007}), "Q6_K": (256, 210, {208: 0.0005}),
+            "Q5_0": (32, 22, {0: 0.004}), "Q5_1": (32, 24, {0: 0.004, 2: -0.06}), "IQ4_NL": (32, 18, {0: 0.0005}),
+            "Q2_K": (256, 84, {80: 0.003, 82: 0.001}), "Q3_K": (256, 110, {108: 0.0008}),
+            "Q5_K": (256, 176, {0: 0.001, 2: 0.0005}), "Q8_0": (32, 34, {0: 0.0004})}
 
 
 def k_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """Random blocks of a GGUF type (gguf's Python package dequantizes these types but does not quantize
     the K-quants): every code and 6-bit scale random, the fp16 block scales set to plausible sizes."""
-    per, nbytes = K_BLOCKS[type_name]
+    per, nbytes, scales = K_BLOCKS[type_name]
     raw = np.random.default_rng(seed).integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
-    half = lambda v: np.array([v], np.float16).view(np.uint8)  # noqa: E731
-    if type_name == "Q4_K":
-        raw[..., 0:2], raw[..., 2:4] = half(0.002), half(0.0007)
-    elif type_name == "Q6_K":
-        raw[..., 208:210] = half(0.0005)
-    else:
-        raw[..., 0:2] = half(0.004)
+    for at, value in scales.items():
+        raw[..., at : at + 2] = np.array([value], np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -70,7 +68,10 @@ def _q8_groups(w, g):
     return q.view(w.shape), d
 
 
-FORMATS = ["int8", "int4-g32", "int4-g128", "int4-sym", "q8-g32", "gguf-Q4_K", "gguf-Q6_K", "gguf-Q5_0"]
+# one of each layout the kernels take: q8 per row, in groups of 32 and 16, with offsets in groups of 32 (Q5_K)
+# and 16 (Q2_K); q4 in groups of 32 to 128, asymmetric and symmetric
+FORMATS = ["int8", "int4-g32", "int4-g128", "int4-sym", "q8-g32", "gguf-Q4_K", "gguf-Q6_K", "gguf-Q5_0", "gguf-Q5_K",
+           "gguf-Q2_K"]
 
 
 def check_against_reference(qw, rows: int, seed: int = 1) -> None:
@@ -161,11 +162,16 @@ def test_gguf_blocks_read_as_they_are(type_name):
     assert qw.nbytes == raw.nbytes + (2 * 6 * 96 // 32 if type_name == "Q4_0" else 0)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
-def test_gguf_k_quants_and_q5_0_keep_every_code(type_name):
-    """Q5_0 held as q8 gives the very weights gguf dequantizes; Q4_K (as q4 in groups of 32) and Q6_K (as q8 in
-    groups of 16) keep every code, and their per-group scales rounded to fp16 are the only difference:
-    at most 2^-11 of each group's scale per code step, and of its offset."""
+HELD_AS = {"Q5_0": ("q8", 32), "Q5_1": ("q8", 32), "IQ4_NL": ("q8", 32), "Q2_K": ("q8", 16), "Q3_K": ("q8", 16),
+           "Q4_K": ("q4", 32), "Q5_K": ("q8", 32), "Q6_K": ("q8", 16)}
+
+
+@pytest.mark.parametrize("type_name", list(HELD_AS))
+def test_gguf_k_quants_and_5_bit_types_keep_every_code(type_name):
+    """Q5_0, Q5_1 and IQ4_NL held as q8 give the very weights gguf dequantizes; the K types (Q4_K as q4, the
+    others as q8, in groups of 32 or 16, with offsets where they have mins) keep every code, and their per-group
+    scales rounded to fp16 are the only difference: at most 2^-11 of each group's scale per code step, and of
+    its offset."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -175,10 +181,12 @@ def test_gguf_k_quants_and_q5_0_keep_every_code(type_name):
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).copy())
     got = qw.dequantize()
     assert qw.scheme == f"gguf:{type_name}" and got.shape == want.shape == (n, k)
-    if type_name == "Q5_0":
-        assert qw.fmt == "q8" and torch.equal(got, want)
+    assert (qw.fmt, qw.group_size) == HELD_AS[type_name]
+    assert (qw.offsets is not None) == (type_name in ("Q5_1", "Q2_K", "Q4_K", "Q5_K"))
+    assert qw.nbytes == n * k // 32 * quant.GGUF_HELD_BYTES[type_name]
+    if not type_name.endswith("_K"):
+        assert torch.equal(got, want)
         return
-    assert (qw.fmt, qw.group_size) == (("q4", 32) if type_name == "Q4_K" else ("q8", 16))
     g = qw.group_size
     codes = qw.dequantize().view(n, -1, g) - (0 if qw.offsets is None else qw.offsets.float()[..., None])
     step = qw.scales.float().abs()[..., None]
@@ -206,10 +214,28 @@ def test_fused_pieces_in_different_formats_are_served_side_by_side(lib):
         quant.cat_rows(mixed, "layers.0.self_attn.qkv_proj.weight")
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_q8_pieces_with_and_without_offsets_fuse_into_one(lib, rows):
+    """Q8_0 and Q5_0 (q8, no offsets) beside Q5_1 (q8 with offsets), as Q5_K_M files store q/k/v: one q8
+    weight, the pieces without offsets given zero offsets (the same weights), one kernel call."""
+    parts = [gguf_tensor("Q5_1", 8, 256, 1), gguf_tensor("Q5_0", 4, 256, 2),
+             gguf_tensor("Q8_0", 4, 256, 3)]
+    fused = quant.cat_rows(parts, "layers.0.self_attn.qkv_proj.weight")
+    assert isinstance(fused, quant.QuantizedWeight) and fused.scheme == "gguf:Q5_1+Q5_0+Q8_0"
+    assert fused.offsets is not None and not fused.offsets[8:].any()
+    w = fused.dequantize()
+    assert torch.equal(w, torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(5))
+    want, got = F.linear(x, w), quant.quant_linear(x, fused)
+    step = x.abs().amax(dim=1, keepdim=True) / 32767
+    assert bool(((got - want).abs() <= 0.5 * step * w.abs().sum(dim=1)[None, :] + 1e-4 * want.abs() + 1e-5).all())
+
+
 def test_gguf_unsupported_type_is_named():
-    with pytest.raises(CheckpointError, match=r"blk\.3\.ffn_down\.weight has type Q5_K.*supported types: F32, F16, "
-                                              r"BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K"):
-        quant.load_gguf_tensor(np.zeros((2, 176), np.uint8), "Q5_K", (2, 256), "blk.3.ffn_down.weight")
+    with pytest.raises(CheckpointError, match=r"blk\.3\.ffn_down\.weight has type IQ4_XS.*supported types: F32, "
+                                              r"F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, "
+                                              r"Q5_K, Q6_K \(re-quantize"):
+        quant.load_gguf_tensor(np.zeros((2, 136), np.uint8), "IQ4_XS", (2, 256), "blk.3.ffn_down.weight")
 
 
 def _dequantized_checkpoint(src: Path, out: Path, scheme: str) -> Path:

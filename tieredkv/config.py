@@ -36,8 +36,9 @@ class EngineConfig(BaseModel):
     quantization: Literal["int8", "int4", "gguf"] | None = Field(
         None, description='weight-only quantization of the dense layers and the LM head: "int8" (per output row, '
         'symmetric), "int4" (groups of quantization_group_size inputs; the LM head in int8), both quantized at load '
-        'from the checkpoint; "gguf": the GGUF file\'s own Q8_0/Q4_0/Q4_1 blocks as they are (the default model\'s '
-        "Q4_1 file, or the one *.gguf in the model directory); None: the weights in dtype")
+        'from the checkpoint; "gguf": the GGUF file\'s own blocks (Q8_0/Q4_0/Q4_1 as they are; Q2_K..Q6_K, Q5_0, '
+        "Q5_1 and IQ4_NL with every code kept) without a detour through fp32 (the default model's Q4_1 file, or "
+        "the one *.gguf in the model directory); None: the weights in dtype")
     quantization_group_size: int = Field(32, description="int4: inputs per scale (32, 64, 128 or 256)")
     quantization_symmetric: bool = Field(False, description="int4: a scale per group and codes centred on 8 (else "
                                          "a scale and an offset per group)")

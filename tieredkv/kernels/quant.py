@@ -2,8 +2,9 @@
 
 Two storage formats serve every scheme (the codes row-major by output row, one fp16 scale per group of
 `group_size` inputs):
-  - "q8": int8 codes [N, K], w = q * d. `quantization="int8"` quantizes each output row symmetrically (one
-    group per row); GGUF's Q8_0 is groups of 32.
+  - "q8": int8 codes [N, K], w = q * d, or w = q * d + m with an fp16 offset per group as well.
+    `quantization="int8"` quantizes each output row symmetrically (one group per row); GGUF's Q8_0 is groups
+    of 32; its 5-bit, 3-bit, 2-bit and non-linear 4-bit types are held as q8 codes (load_gguf_tensor).
   - "q4": 4-bit codes packed two to a byte [N, K/2], and an fp16 offset per group: w = q * d + m, q in 0..15.
     Byte j of a group holds input j (low nibble) and input j + g/2 (high nibble), GGUF's order.
     `quantization="int4"` is asymmetric (m = the group's minimum) or symmetric (m = -8 d); GGUF's Q4_1 and
@@ -32,10 +33,15 @@ from tieredkv.errors import CheckpointError
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")  # what load_gguf_tensor reads
-# bytes per 32 weights as held: Q8_0 / Q4_1 as stored, Q4_0 with its implied offsets, Q5_0 and Q6_K as q8 codes
-# (groups of 32 and 16), Q4_K as q4 groups of 32 (load_gguf_tensor)
-GGUF_HELD_BYTES = {"Q8_0": 34, "Q4_0": 20, "Q4_1": 20, "Q5_0": 34, "Q4_K": 20, "Q6_K": 36}
+# what load_gguf_tensor reads: every type llama-quantize's standard presets write (Q2_K ... Q8_0, IQ4_NL)
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+              "Q6_K")
+# bytes per 32 weights as held: Q8_0 / Q4_1 as stored, Q4_0 with its implied offsets, Q4_K as q4 groups of 32; as
+# q8 codes: Q5_0 and IQ4_NL (groups of 32), Q5_1 and Q5_K (groups of 32 with offsets), Q6_K and Q3_K (groups of
+# 16), Q2_K (groups of 16 with offsets) (load_gguf_tensor)
+GGUF_HELD_BYTES = {"Q8_0": 34, "Q4_0": 20, "Q4_1": 20, "Q5_0": 34, "Q5_1": 36, "IQ4_NL": 34, "Q2_K": 40, "Q3_K": 36,
+                   "Q4_K": 20, "Q5_K": 36, "Q6_K": 36}
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's 16 levels
 
 _LIB: ctypes.CDLL | None = None  # quant_cpu.c's library, once use_cpu_kernels found it
 
@@ -94,7 +100,9 @@ def cat_rows(parts: list, what: str) -> "QuantizedWeight | torch.Tensor":
         kinds = ", ".join(p.scheme if isinstance(p, QuantizedWeight) else str(p.dtype) for p in parts)
         raise CheckpointError(f"{what}: its pieces are stored some quantized, some not ({kinds}); they are "
                               "served fused, so they must all be quantized or all be plain")
-    offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
+    # a q8 piece without offsets beside one with them (Q8_0 beside Q5_1) gets zero offsets: the same weights
+    offsets = None if all(p.offsets is None for p in parts) else torch.cat(
+        [torch.zeros_like(p.scales) if p.offsets is None else p.offsets for p in parts])
     schemes = list(dict.fromkeys(p.scheme for p in parts))  # in order, each once
     scheme = schemes[0] if len(schemes) == 1 else "gguf:" + "+".join(s.removeprefix("gguf:") for s in schemes)
     return QuantizedWeight(first.fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
@@ -131,8 +139,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
         offsets = None if offsets is None else offsets[rows]
     n, g = codes.shape[0], group_size
     d = scales.float()[..., None]
-    if offsets is None:
-        return (codes.float().view(n, -1, g) * d).view(n, -1)
+    if codes.dtype == torch.int8:  # q8
+        w = codes.float().view(n, -1, g) * d
+        return (w if offsets is None else w + offsets.float()[..., None]).view(n, -1)
     c = codes.view(n, -1, g // 2)
     q = torch.cat([c & 15, c >> 4], dim=-1).float()
     return (q * d + offsets.float()[..., None]).view(n, -1)
@@ -203,18 +212,22 @@ def load_gguf_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, int], na
     F32 / F16 / BF16 come back as a tensor. Q8_0 / Q4_0 / Q4_1 keep the file's codes and scales as they are.
     The types the format does not hold as stored keep every code and are held in the nearest format:
     Q5_0 (5-bit codes q, w = (q - 16) d) as q8 codes q - 16 with the block's own scale, exactly the same
-    weights in 34 bytes per 32 instead of 22; Q6_K (16 groups of 16 per block of 256, w = d s_j (q - 32)) as
-    q8 codes q - 32 in groups of 16; Q4_K (8 groups of 32 per block, w = d s_j q - dmin m_j, with 6-bit s_j,
-    m_j) as q4 in groups of 32. For the last two, each group's scale d s_j (and offset dmin m_j) is rounded
-    to fp16 (relative error at most 2^-11 of that group's scale). Another type is an error that names it and
-    lists what is read."""
+    weights in 34 bytes per 32 instead of 22; Q5_1 (w = q d + m) as q8 codes q with the block's scale and
+    offset, exactly; IQ4_NL (w = d v[q], v a fixed table of 16 levels) as q8 codes v[q], exactly; Q6_K (16
+    groups of 16 per block of 256, w = d s_j (q - 32)) and Q3_K (w = d s_j q, q in -4..3, 6-bit signed s_j)
+    as q8 codes in groups of 16; Q2_K (w = d s_j q - dmin m_j, q in 0..3, groups of 16) as q8 with offsets in
+    groups of 16; Q5_K (8 groups of 32, w = d s_j q - dmin m_j, q in 0..31) as q8 with offsets in groups of
+    32; Q4_K (the same with 4-bit q) as q4 in groups of 32. For the K types, each group's scale d s_j (and
+    offset dmin m_j) is rounded to fp16 (relative error at most 2^-11 of that group's scale). Another type is
+    an error that names it and lists what is read."""
     rows, cols = shape
     if type_name in ("F32", "F16", "BF16"):
         # numpy has no bfloat16: its 16-bit words are read as int16, then reinterpreted
         words = np.ascontiguousarray(raw).view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[type_name])
         t = torch.from_numpy(words.reshape(rows, cols).copy())
         return t.view(torch.bfloat16) if type_name == "BF16" else t
-    layouts = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q4_K": (256, 144),
+    layouts = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+               "IQ4_NL": (32, 18), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
                "Q6_K": (256, 210)}  # (inputs, bytes) per block
     if type_name not in layouts:
         raise CheckpointError(f"GGUF tensor {name} has type {type_name}, which is not supported; supported types: "
@@ -224,17 +237,22 @@ def load_gguf_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, int], na
         raise CheckpointError(f"GGUF tensor {name} ({type_name}, {rows}x{cols}) is not whole blocks of {per_block} "
                               f"inputs ({raw.size} bytes)")
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // per_block, nbytes)
-    if type_name in ("Q4_K", "Q6_K"):
+    if type_name.endswith("_K"):
         return _k_quant(blocks, type_name, rows, cols)
     d = _f16(blocks[..., 0:2], rows)
+
+    def q8(codes: np.ndarray, offsets: torch.Tensor | None = None) -> QuantizedWeight:
+        q = torch.from_numpy(np.ascontiguousarray(codes).view(np.int8).reshape(rows, cols))
+        return QuantizedWeight("q8", q, d, offsets, 32, cols, f"gguf:{type_name}")
+
     if type_name == "Q8_0":
-        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows, cols))
-        return QuantizedWeight("q8", q, d, None, 32, cols, "gguf:Q8_0")
-    if type_name == "Q5_0":  # low nibbles as Q4_0's (input j low, j + 16 high); bit j of qh is input j's fifth bit
-        high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [rows, blocks, 32]
-        low = np.concatenate([blocks[..., 6:] & 15, blocks[..., 6:] >> 4], axis=-1)
-        q = (low | (high << 4)).astype(np.int8) - 16
-        return QuantizedWeight("q8", torch.from_numpy(q.reshape(rows, cols)), d, None, 32, cols, "gguf:Q5_0")
+        return q8(blocks[..., 2:])
+    if type_name == "IQ4_NL":  # nibbles as Q4_0's, each an index into the table of levels
+        return q8(np.array(IQ4_NL_VALUES, np.int8)[_nibbles(blocks[..., 2:])])
+    if type_name == "Q5_0":
+        return q8(_five_bits(blocks[..., 2:6], blocks[..., 6:]).astype(np.int8) - 16)
+    if type_name == "Q5_1":
+        return q8(_five_bits(blocks[..., 4:8], blocks[..., 8:]), _f16(blocks[..., 2:4], rows))
     if type_name == "Q4_0":  # w = (q - 8) d: an offset of -8 d, exact in fp16
         m, qs = (-8 * d.float()).half(), blocks[..., 2:]
     else:
@@ -248,38 +266,92 @@ def _f16(words: np.ndarray, rows: int) -> torch.Tensor:
     return torch.from_numpy(words.copy().view(np.float16).reshape(rows, -1))
 
 
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes 0..15: input j in byte j's low nibble, input j + 16 in its high one."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1's codes 0..31 [..., 32]: low nibbles as Q4_0's, bit j of the 32-bit qh input j's fifth bit."""
+    return _nibbles(qs) | (np.unpackbits(qh, axis=-1, bitorder="little") << 4)
+
+
+def _scale_min_6bit(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes -> the 8 groups' 6-bit scales and mins."""
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _two_bit_planes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K's 64 bytes of 2-bit codes -> 256 codes: two halves of 32 bytes, each four bit pairs in turn
+    (code 32 s + j of a half is bits 2s..2s+1 of its byte j)."""
+    halves = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    return ((halves >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(*qs.shape[:-1], 256)
+
+
 def _k_quant(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedWeight:
-    """Q4_K or Q6_K blocks [rows, n, bytes] as q4 groups of 32 or q8 groups of 16 (load_gguf_tensor)."""
+    """A K type's blocks [rows, n, bytes] (256 inputs each) in the format load_gguf_tensor names for it."""
+    lead = blocks.shape[:2]
+
+    def f32(at: int) -> np.ndarray:  # the block's fp16 at byte `at`, [rows, n, 1]
+        return blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32)
+
+    def weight(fmt, codes, scales, offsets, group):
+        half = (lambda a: torch.from_numpy(a.astype(np.float16).reshape(rows, -1)))
+        return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)), half(scales),
+                               None if offsets is None else half(offsets), group, cols, f"gguf:{type_name}")
+
     if type_name == "Q6_K":
         ql, qh = blocks[..., :128], blocks[..., 128:192]
         sc = blocks[..., 192:208].view(np.int8).astype(np.float32)  # 16 groups of 16
-        d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
-        q = np.empty((*blocks.shape[:2], 256), np.int8)
+        q = np.empty((*lead, 256), np.int8)
         for half in range(2):  # 128 inputs each: 64 bytes of low nibbles, 32 of high bit pairs
             lo, hi = ql[..., 64 * half : 64 * half + 64], qh[..., 32 * half : 32 * half + 32]
             for k, (nib, shift) in enumerate(((lo[..., :32] & 15, 0), (lo[..., 32:] & 15, 2), (lo[..., :32] >> 4, 4),
                                              (lo[..., 32:] >> 4, 6))):
                 start = 128 * half + 32 * k
                 q[..., start : start + 32] = (nib | (((hi >> shift) & 3) << 4)).astype(np.int8) - 32
-        scales = torch.from_numpy((d * sc).astype(np.float16).reshape(rows, -1))
-        return QuantizedWeight("q8", torch.from_numpy(q.reshape(rows, cols)), scales, None, 16, cols, "gguf:Q6_K")
-    d, dmin = (blocks[..., i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
-    s = blocks[..., 4:16].astype(np.uint8)
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
-    qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)  # 4 pairs of groups: low nibbles, then high
-    values = np.stack([qs & 15, qs >> 4], axis=3).reshape(*blocks.shape[:2], 8, 32)  # the 8 groups of 32
+        return weight("q8", q, f32(208) * sc, None, 16)
+    if type_name == "Q3_K":  # hmask 32, qs 64, scales 12, d
+        s = blocks[..., 96:108]
+        low = np.concatenate([s[..., 0:8] & 15, s[..., 0:8] >> 4], axis=-1)  # the 16 scales' low 4 bits
+        high = (s[..., 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3  # [.., byte, shift]: scale 4 shift + byte
+        sc = (low | (high.swapaxes(-1, -2).reshape(*lead, 16) << 4)).astype(np.int8) - 32
+        # code 32 b + j's high bit is bit b of hmask byte j; a clear bit subtracts 4
+        hbit = ((blocks[..., :32, None] >> np.arange(8, dtype=np.uint8)) & 1).swapaxes(-1, -2).reshape(*lead, 256)
+        q = _two_bit_planes(blocks[..., 32:96]).astype(np.int8) - 4 * (1 - hbit.astype(np.int8))
+        return weight("q8", q, f32(108) * sc, None, 16)
+    if type_name == "Q2_K":  # scales 16 (low nibble scale, high nibble min), qs 64, d, dmin
+        sc = blocks[..., :16]
+        q = _two_bit_planes(blocks[..., 16:80]).astype(np.int8)
+        return weight("q8", q, f32(80) * (sc & 15), -f32(82) * (sc >> 4), 16)
+    d, dmin = f32(0), f32(2)
+    sc, mn = _scale_min_6bit(blocks[..., 4:16])
+    if type_name == "Q5_K":  # d, dmin, scales 12, qh 32, qs 128
+        qs = blocks[..., 48:].reshape(*lead, 4, 1, 32)
+        low = ((qs >> np.array([0, 4], np.uint8)[:, None]) & 15).reshape(*lead, 8, 32)  # groups 2i, 2i + 1
+        high = (blocks[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # bit i: group i's fifth bit
+        return weight("q8", (low | (high << 4)).astype(np.int8), d * sc, -dmin * mn, 32)
+    qs = blocks[..., 16:].reshape(*lead, 4, 32)  # Q4_K: 4 pairs of groups, low nibbles, then high
+    values = np.stack([qs & 15, qs >> 4], axis=3).reshape(*lead, 8, 32)  # the 8 groups of 32
     codes = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8)  # this format: input j with j + 16
-    scales = torch.from_numpy((d * sc).astype(np.float16).reshape(rows, -1))
-    offsets = torch.from_numpy((-dmin * mn).astype(np.float16).reshape(rows, -1))
-    return QuantizedWeight("q4", torch.from_numpy(codes.reshape(rows, cols // 2)), scales, offsets, 32, cols,
-                           "gguf:Q4_K")
+    return weight("q4", codes, d * sc, -dmin * mn, 32)
 
 
 # ---- the op -------------------------------------------------------------------------------------------------
 
-def _kernel_fits(codes: torch.Tensor, offsets: torch.Tensor | None, group_size: int) -> bool:
-    return _LIB is not None and not codes.is_cuda and group_size % (16 if offsets is None else 32) == 0
+def _is_q8(codes: torch.Tensor) -> bool:
+    """q8's codes are int8, q4's packed pairs uint8 (both may have offsets)."""
+    return codes.dtype == torch.int8
+
+
+def _in_features(codes: torch.Tensor) -> int:
+    return codes.shape[1] * (1 if _is_q8(codes) else 2)
+
+
+def _kernel_fits(codes: torch.Tensor, group_size: int) -> bool:
+    return _LIB is not None and not codes.is_cuda and group_size % (16 if _is_q8(codes) else 32) == 0
 
 
 # Defined through torch.library's Library rather than custom_op: a call costs ~6 us instead of ~24 (a decode
@@ -308,17 +380,17 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias):
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
     m = x2.shape[0]
-    if m <= GEMV_MAX_ROWS and _kernel_fits(codes, offsets, group_size):
+    if m <= GEMV_MAX_ROWS and _kernel_fits(codes, group_size):
         out = torch.empty(m, n)
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
         b = None if bias is None else bias.data_ptr()
         xp, qp, sp, op = x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr()
-        if offsets is None:
-            status = (_LIB.tkv_q8_gemv(xp, k, qp, sp, group_size, n, b, op) if m == 1 else
-                      _LIB.tkv_q8_linear(xp, m, k, qp, sp, group_size, n, b, op))
+        zp = None if offsets is None else offsets.data_ptr()
+        if _is_q8(codes):
+            status = (_LIB.tkv_q8_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
+                      _LIB.tkv_q8_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         else:
-            zp = offsets.data_ptr()
             status = (_LIB.tkv_q4_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
                       _LIB.tkv_q4_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         if status != 0:
@@ -370,21 +442,21 @@ def _(x, codes, scales, offsets, group_size, bias):
 
 @torch.library.register_fake("tieredkv::quant_rows")
 def _(codes, scales, offsets, group_size, ids):
-    k = codes.shape[1] * (1 if offsets is None else 2)
-    return codes.new_empty((ids.shape[0], k), dtype=torch.float32)
+    return codes.new_empty((ids.shape[0], _in_features(codes)), dtype=torch.float32)
 
 
 def _dequantize_fast(codes, scales, offsets, group_size, ids) -> torch.Tensor:
     """dequantize(), through the C kernel where it fits."""
-    if not _kernel_fits(codes, offsets, group_size):
+    if not _kernel_fits(codes, group_size):
         return dequantize(codes, scales, offsets, group_size, ids)
-    k = codes.shape[1] * (1 if offsets is None else 2)
+    k = _in_features(codes)
     count = codes.shape[0] if ids is None else ids.shape[0]
     out = torch.empty(count, k, dtype=torch.float32)
     idx = None if ids is None else ids.to(torch.int64).contiguous()
     ptr = None if idx is None else idx.data_ptr()
-    if offsets is None:
-        _LIB.tkv_q8_rows(codes.data_ptr(), scales.data_ptr(), group_size, k, ptr, count, out.data_ptr())
+    if _is_q8(codes):
+        _LIB.tkv_q8_rows(codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+                         group_size, k, ptr, count, out.data_ptr())
     else:
         _LIB.tkv_q4_rows(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), group_size, k, ptr, count,
                          out.data_ptr())

@@ -1,5 +1,6 @@
 /* Weight-only quantized dense layers on CPU: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W stored as
- *   q8: int8 codes [N, K] and one fp16 scale per group of g inputs, w = q * d
+ *   q8: int8 codes [N, K] and one fp16 scale per group of g inputs, w = q * d, or with an fp16 offset
+ *       per group too (mn not NULL), w = q * d + m (GGUF's 5-bit and 2-bit asymmetric types)
  *   q4: 4-bit codes [N, K/2] and an fp16 scale and offset per group, w = q * d + m (q in 0..15);
  *       byte j of a group holds input j in its low nibble and input j + g/2 in its high nibble
  *       (GGUF's Q4_0/Q4_1 order, which this generalizes to any group size).
@@ -8,7 +9,7 @@
  * The activations are quantized per row to int16 (scale = max|x| / 32767, so the error is at most
  * 2^-16 of the row's largest value, finer than bf16), which lets the inner loop multiply 16 weights by
  * 16 activations and add pairs in one instruction (vpmaddwd); the sums are exact in int32 and each
- * group's sum is scaled in fp32. The q4 offsets multiply the group's sum of the fp32 activations.
+ * group's sum is scaled in fp32. The offsets multiply the group's sum of the fp32 activations.
  * On a processor without AVX2 the same arithmetic runs in plain C. */
 
 #include <math.h>
@@ -96,6 +97,21 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
+/* The offsets' part of one output: sum over the G groups of m[b] * (the group's sum of the activations) */
+static float offset_sum(const uint16_t *mr, const float *xs, int64_t G) {
+    float z = 0.f;
+    int64_t b = 0;
+#ifdef TKV_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; b + 8 <= G; b += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + b))), _mm256_loadu_ps(xs + b),
+                              acc);
+    z = hsum(acc);
+#endif
+    for (; b < G; b++) z += h2f(mr[b]) * xs[b];
+    return z;
+}
+
 #ifndef TKV_AVX2
 /* Without AVX2: one weight row times one activation row, the arithmetic the vector paths do (exact int32 sums
  * over at most SPAN inputs, scaled in fp32); for q4 *z gets the offsets' part. */
@@ -131,8 +147,9 @@ static float q4_row_c(const uint8_t *qr, const int16_t *x, const uint16_t *dr, c
 
 /* Rows [n, n + rows) of the output for activation rows [m, m + mt), mt 1 or 2 (inlined with a constant mt, so
  * the one-row case does half the multiplies). */
-INLINE void q8_block(const int16_t *xq, const float *sx, int64_t m, int mt, int64_t K, const int8_t *q,
-                     const uint16_t *d, int64_t g, int64_t N, int64_t n, int rows, const float *bias, float *out) {
+INLINE void q8_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
+                     const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, int64_t n,
+                     int rows, const float *bias, float *out) {
     const int8_t *qr[RB];
     const uint16_t *dr[RB];
     for (int r = 0; r < RB; r++) {
@@ -172,7 +189,8 @@ INLINE void q8_block(const int16_t *xq, const float *sx, int64_t m, int mt, int6
 #endif
     for (int i = 0; i < mt; i++)
         for (int r = 0; r < rows; r++)
-            out[(m + i) * N + n + r] = res[i][r] * sx[m + i] + (bias ? bias[n + r] : 0.f);
+            out[(m + i) * N + n + r] = res[i][r] * sx[m + i] + (bias ? bias[n + r] : 0.f) +
+                                       (mn ? offset_sum(mn + (n + r) * (K / g), xsum + (m + i) * (K / g), K / g) : 0.f);
 }
 
 INLINE void q4_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
@@ -238,21 +256,22 @@ INLINE void q4_block(const int16_t *xq, const float *sx, const float *xsum, int6
 }
 
 /* Returns 0, or -1 when scratch memory could not be had. */
-int tkv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const uint16_t *d, int64_t g, int64_t N,
-                  const float *bias, float *out) {
+int tkv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const uint16_t *d, const uint16_t *mn,
+                  int64_t g, int64_t N, const float *bias, float *out) {
     int16_t *xq = malloc((size_t)(M * K) * sizeof(int16_t));
-    float *sx = malloc((size_t)M * sizeof(float));
-    if (!xq || !sx) { free(xq); free(sx); return -1; }
-    quantize_rows(x, M, K, g, xq, sx, NULL);
+    float *sx = malloc((size_t)M * sizeof(float)), *xsum = mn ? malloc((size_t)(M * (K / g)) * sizeof(float)) : NULL;
+    if (!xq || !sx || (mn && !xsum)) { free(xq); free(sx); free(xsum); return -1; }
+    quantize_rows(x, M, K, g, xq, sx, xsum);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n += RB) {
         int rows = N - n < RB ? (int)(N - n) : RB;
         int64_t m = 0;
-        for (; m + 2 <= M; m += 2) q8_block(xq, sx, m, 2, K, q, d, g, N, n, rows, bias, out);
-        if (m < M) q8_block(xq, sx, m, 1, K, q, d, g, N, n, rows, bias, out);
+        for (; m + 2 <= M; m += 2) q8_block(xq, sx, xsum, m, 2, K, q, d, mn, g, N, n, rows, bias, out);
+        if (m < M) q8_block(xq, sx, xsum, m, 1, K, q, d, mn, g, N, n, rows, bias, out);
     }
     free(xq);
     free(sx);
+    free(xsum);
     return 0;
 }
 
@@ -307,13 +326,13 @@ INLINE void q8_chunk(const int8_t *qr, const int16_t *xq, const uint16_t *dr, in
 }
 #endif
 
-int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, int64_t g, int64_t N,
-                const float *bias, float *out) {
-    int16_t *xq = malloc((size_t)K * sizeof(int16_t));
-    float sx;
-    if (!xq) return -1;
-    quantize_rows(x, 1, K, g, xq, &sx, NULL);
+int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
+                int64_t N, const float *bias, float *out) {
     const int64_t G = K / g;
+    int16_t *xq = malloc((size_t)K * sizeof(int16_t));
+    float sx, *xsum = mn ? malloc((size_t)G * sizeof(float)) : NULL;
+    if (!xq || (mn && !xsum)) { free(xq); free(xsum); return -1; }
+    quantize_rows(x, 1, K, g, xq, &sx, xsum);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *qr = q + n * K;
@@ -336,9 +355,10 @@ int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, i
 #else
         float total = q8_row_c(qr, xq, dr, K, g);
 #endif
-        out[n] = total * sx + (bias ? bias[n] : 0.f);
+        out[n] = total * sx + (bias ? bias[n] : 0.f) + (mn ? offset_sum(mn + n * G, xsum, G) : 0.f);
     }
     free(xq);
+    free(xsum);
     return 0;
 }
 
@@ -410,14 +430,14 @@ int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, 
 }
 
 /* Rows ids[0..count) of the weight (ids NULL: rows 0..count) dequantized to fp32 [count, K]. */
-void tkv_q8_rows(const int8_t *q, const uint16_t *d, int64_t g, int64_t K, const int64_t *ids,
+void tkv_q8_rows(const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K, const int64_t *ids,
                  int64_t count, float *out) {
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < count; i++) {
         int64_t row = ids ? ids[i] : i;
         for (int64_t b = 0; b < K / g; b++) {
-            float s = h2f(d[row * (K / g) + b]);
-            for (int64_t j = 0; j < g; j++) out[i * K + b * g + j] = (float)q[row * K + b * g + j] * s;
+            float s = h2f(d[row * (K / g) + b]), z = mn ? h2f(mn[row * (K / g) + b]) : 0.f;
+            for (int64_t j = 0; j < g; j++) out[i * K + b * g + j] = (float)q[row * K + b * g + j] * s + z;
         }
     }
 }

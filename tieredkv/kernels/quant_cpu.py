@@ -35,11 +35,11 @@ BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 NATIVE = ("-march=native",)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
-    "tkv_q8_linear": ([_P, _I, _I, _P, _P, _I, _I, _P, _P], ctypes.c_int),
+    "tkv_q8_linear": ([_P, _I, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
     "tkv_q4_linear": ([_P, _I, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
-    "tkv_q8_gemv": ([_P, _I, _P, _P, _I, _I, _P, _P], ctypes.c_int),
+    "tkv_q8_gemv": ([_P, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
     "tkv_q4_gemv": ([_P, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
-    "tkv_q8_rows": ([_P, _P, _I, _I, _P, _I, _P], None),
+    "tkv_q8_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "tkv_q4_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
 }
 

@@ -87,11 +87,13 @@ def model_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size:
         out = torch.empty((1, 1, 2, block_size, num_kv_heads, head_dim), dtype=dtype)
         T.gather_blocks(kv_cache, ids, out)
         T.copy_blocks(kv_cache, ids, ids)
-        # the quantized dense layers (quantization="int8" / "int4"): one variant per format
+        # the quantized dense layers (quantization="int8" / "int4", GGUF's types): one variant per format, q8
+        # with offsets (GGUF's 5-bit and 2-bit asymmetric types) too
         width, n = num_heads * head_dim, num_kv_heads * head_dim
         x = torch.zeros(tokens, width, dtype=dtype)
         scales = torch.zeros(n, width // 32, dtype=torch.float16)
         T.quant_linear(x, torch.zeros(n, width, dtype=torch.int8), scales, None, 32)
+        T.quant_linear(x, torch.zeros(n, width, dtype=torch.int8), scales, scales, 32)
         T.quant_linear(x, torch.zeros(n, width // 2, dtype=torch.uint8), scales, scales, 32)
     return seen
 

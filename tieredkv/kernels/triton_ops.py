@@ -645,13 +645,13 @@ QUANT_BLOCK_M, QUANT_BLOCK_N, QUANT_BLOCK_K = 16, 64, 32
 def _quant_matmul_kernel(
     x_ptr, codes_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, M, N, K, group_size,
     stride_xm, stride_cn, stride_sn, stride_om,
-    IS_Q4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    IS_Q4: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (row tile, output tile) computes out[rows, cols] = x @ dequantize(W)[cols].T (+ bias): each
-    BLOCK_K slice of the weight is dequantized in registers (q8: code x scale; q4: the nibble GGUF's order
-    puts input j of a group in byte j's low half and input j + g/2 in its high half, x scale + offset, the
-    group of each input found by division, so any group size serves) and multiplied on the tensor cores in
+    BLOCK_K slice of the weight is dequantized in registers (q8: code x scale, + offset where it has them;
+    q4: the nibble GGUF's order puts input j of a group in byte j's low half and input j + g/2 in its high
+    half, x scale + offset, the group of each input found by division, so any group size serves) and multiplied on the tensor cores in
     x's dtype, accumulating in fp32. Decode steps (up to 16 rows) are one row tile: each weight is read
     once, as a GEMV reads it."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -670,11 +670,11 @@ def _quant_matmul_kernel(
             j = kk % group_size
             byte = tl.load(codes_ptr + rn[None, :] * stride_cn + (grp * half + j % half)[:, None], mask=w_ok, other=0)
             code = (byte.to(tl.int32) >> ((j // half) * 4)[:, None]) & 15
-            z = tl.load(offsets_ptr + rn[None, :] * stride_sn + grp[:, None], mask=w_ok, other=0.0).to(tl.float32)
-            w = code.to(tl.float32) * d + z
         else:
             code = tl.load(codes_ptr + rn[None, :] * stride_cn + kk[:, None], mask=w_ok, other=0)
-            w = code.to(tl.float32) * d
+        w = code.to(tl.float32) * d
+        if HAS_OFFSETS:
+            w += tl.load(offsets_ptr + rn[None, :] * stride_sn + grp[:, None], mask=w_ok, other=0.0).to(tl.float32)
         acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -684,13 +684,14 @@ def _quant_matmul_kernel(
 
 def quant_linear(x, codes, scales, offsets, group_size, bias=None) -> torch.Tensor:
     """x [..., K] @ dequantize(codes, scales, offsets, group_size).T (+ bias) in x's dtype: kernels/quant.py's
-    q8 (offsets None) and q4 formats, the reference being its dequantize() then F.linear."""
+    q8 (int8 codes, offsets or not) and q4 (uint8 codes, offsets) formats, the reference being its dequantize()
+    then F.linear."""
     k, n = x.shape[-1], codes.shape[0]
-    q4 = offsets is not None
+    q4 = codes.dtype == torch.uint8
     assert codes.shape[1] * (2 if q4 else 1) == k and k % group_size == 0 and (not q4 or group_size % 2 == 0)
-    assert codes.dtype == (torch.uint8 if q4 else torch.int8) and codes.is_contiguous() and scales.is_contiguous()
-    assert scales.shape == (n, k // group_size) and (not q4 or offsets.shape == scales.shape)
-    assert offsets is None or offsets.is_contiguous()
+    assert codes.dtype in (torch.uint8, torch.int8) and codes.is_contiguous() and scales.is_contiguous()
+    assert scales.shape == (n, k // group_size) and (not q4 or offsets is not None)
+    assert offsets is None or (offsets.is_contiguous() and offsets.shape == scales.shape)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -698,9 +699,9 @@ def quant_linear(x, codes, scales, offsets, group_size, bias=None) -> torch.Tens
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
         grid = (triton.cdiv(m, QUANT_BLOCK_M), triton.cdiv(n, QUANT_BLOCK_N))
-        launch(_quant_matmul_kernel, grid, x2, codes, scales, offsets if q4 else scales,
+        launch(_quant_matmul_kernel, grid, x2, codes, scales, offsets if offsets is not None else scales,
                bias if bias is not None else out, out, m, n, k, group_size, x2.stride(0), codes.stride(0),
-               scales.stride(0), out.stride(0), IS_Q4=q4, HAS_BIAS=bias is not None, BLOCK_M=QUANT_BLOCK_M,
+               scales.stride(0), out.stride(0), IS_Q4=q4, HAS_OFFSETS=offsets is not None, HAS_BIAS=bias is not None, BLOCK_M=QUANT_BLOCK_M,
                BLOCK_N=QUANT_BLOCK_N, BLOCK_K=QUANT_BLOCK_K, PRECISION=_dot_precision(x.dtype))
     return out.view(*x.shape[:-1], n)
 
