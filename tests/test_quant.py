@@ -27,9 +27,11 @@ def lib(request, tmp_path_factory):
     cache = tmp_path_factory.mktemp("kernels")
     built = load(cache, BUILDS[request.param])
     assert built is not None and library_path(cache, BUILDS[request.param]).exists()
-    before, quant._LIB = quant._LIB, built
+    before = quant._LIB
+    quant.serve_with(built, cache)  # the one-row C++ operator runs this build's kernels too
+    assert quant._BOUND is built
     yield request.param
-    quant._LIB = before
+    quant.serve_with(before, cache)
 
 
 def weights(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
@@ -99,6 +101,41 @@ def test_kernel_matches_dequantized_reference(lib, fmt, rows):
     # leading dimensions and bf16 activations come back in their own shape and dtype
     got3 = quant.quant_linear(torch.randn(1, rows, k).bfloat16(), qw)
     assert got3.shape == (1, rows, n) and got3.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_row_cpp_operator_is_the_python_operator_bit_for_bit(lib, fmt):
+    """A one-row product goes through the C++ operator tieredkv::quant_gemv (no Python in the call, for the
+    compiled graph's C++ wrapper): the same kernels as the Python operator, so the same bits, with and without
+    bias, from fp32 or bf16 activations and any leading dimensions; more rows take the Python operator."""
+    qw = weights(fmt, 37, 256)
+    g = torch.Generator().manual_seed(3)
+    x, bias = torch.randn(1, 1, 256, generator=g), torch.randn(37, generator=g)
+    gemv, python = torch.ops.tieredkv.quant_gemv.default, torch.ops.tieredkv.quant_linear.default
+    assert quant._linear_op(x, qw) is gemv and quant._linear_op(torch.randn(2, 256), qw) is python
+    for b in (None, bias):
+        for xx in (x, x.bfloat16()):
+            got = quant.quant_linear(xx, qw, b)
+            want = python(xx, qw.codes, qw.scales, qw.offsets, qw.group_size, b)
+            assert got.shape == (1, 1, 37) and got.dtype == xx.dtype and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="one row of activations"):
+        gemv(torch.randn(2, 256), qw.codes, qw.scales, qw.offsets, qw.group_size, None)
+    with pytest.raises(RuntimeError, match="do not take 128 inputs"):
+        gemv(torch.randn(1, 128), qw.codes, qw.scales, qw.offsets, qw.group_size, None)
+
+
+def test_without_a_cpp_compiler_the_python_operator_serves_one_row(lib, monkeypatch, tmp_path):
+    """The C++ operator is an addition: where it cannot be built (here no C++ compiler) the build says why, and a
+    library it is not bound to serves one row through the Python operator."""
+    from tieredkv.kernels import quant_cpu
+
+    monkeypatch.setattr(quant_cpu, "compiler", lambda cxx=False: None)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        quant_cpu.build_ops(tmp_path)
+    qw, x = weights("int4-g32", 8, 64), torch.randn(1, 64)
+    monkeypatch.setattr(quant, "_BOUND", None)
+    assert quant._linear_op(x, qw) is torch.ops.tieredkv.quant_linear.default
+    check_against_reference(qw, 1)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-sym", "q8-g32"])

@@ -44,15 +44,36 @@ GGUF_HELD_BYTES = {"Q8_0": 34, "Q4_0": 20, "Q4_1": 20, "Q5_0": 34, "Q5_1": 36, "
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's 16 levels
 
 _LIB: ctypes.CDLL | None = None  # quant_cpu.c's library, once use_cpu_kernels found it
+_BOUND: ctypes.CDLL | None = None  # the library whose one-row kernels tieredkv::quant_gemv runs (quant_ops.cpp)
 
 
 def use_cpu_kernels(cache_dir: Path) -> bool:
-    """Builds (once per processor) and loads the CPU kernels; False when the torch reference must serve."""
-    global _LIB
+    """Builds (once per processor) and loads the CPU kernels, and the C++ operator for one row; False when the
+    torch reference must serve."""
     from tieredkv.kernels.quant_cpu import load
 
-    _LIB = load(cache_dir) or _LIB
-    return _LIB is not None
+    lib = load(cache_dir) or _LIB
+    if lib is not None:
+        serve_with(lib, cache_dir)
+    return lib is not None
+
+
+_FAKE_REGISTERED = False
+
+
+def serve_with(lib: ctypes.CDLL | None, cache_dir: Path) -> None:
+    """Makes `lib` (a build of quant_cpu.c; None: the torch reference) the kernels the ops run, and binds the
+    C++ one-row operator to it where that can be built."""
+    global _LIB, _BOUND, _FAKE_REGISTERED
+    from tieredkv.kernels.quant_cpu import bind_ops
+
+    _LIB = lib
+    if lib is None or _BOUND is lib:
+        return
+    _BOUND = lib if bind_ops(cache_dir, lib) else None
+    if _BOUND is not None and not _FAKE_REGISTERED:  # the operator is registered once a process: its shape too
+        torch.library.register_fake("tieredkv::quant_gemv", _quant_gemv_fake)
+        _FAKE_REGISTERED = True
 
 
 class QuantizedWeight(nn.Module):
@@ -440,6 +461,10 @@ def _(x, codes, scales, offsets, group_size, bias):
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
+def _quant_gemv_fake(x, codes, scales, offsets, group_size, bias):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
 @torch.library.register_fake("tieredkv::quant_rows")
 def _(codes, scales, offsets, group_size, ids):
     return codes.new_empty((ids.shape[0], _in_features(codes)), dtype=torch.float32)
@@ -473,11 +498,19 @@ def _fp32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) for a quantized W, in x's dtype."""
+    """x [..., K] @ W.T (+ bias) for a quantized W, in x's dtype. One row on CPU (a batch-1 decode step)
+    goes through the C++ operator tieredkv::quant_gemv where it was built (quant_ops.cpp: the same kernels,
+    without Python in the call), anything else through tieredkv::quant_linear."""
     if isinstance(qw, QuantizedParts):
-        out = torch.cat([_LINEAR_OP(x, p.codes, p.scales, p.offsets, p.group_size, None) for p in qw.parts], -1)
+        out = torch.cat([_linear_op(x, p)(x, p.codes, p.scales, p.offsets, p.group_size, None) for p in qw.parts], -1)
         return out if bias is None else out + bias
-    return _LINEAR_OP(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias)
+    return _linear_op(x, qw)(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias)
+
+
+def _linear_op(x: torch.Tensor, qw: QuantizedWeight):
+    if _BOUND is not None and _BOUND is _LIB and x.numel() == x.shape[-1] and _kernel_fits(qw.codes, qw.group_size):
+        return torch.ops.tieredkv.quant_gemv.default
+    return _LINEAR_OP
 
 
 def quant_embedding(qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

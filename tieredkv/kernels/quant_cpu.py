@@ -44,39 +44,49 @@ _SIGNATURES = {
 }
 
 
-def compiler() -> str | None:
-    """The C compiler: $CC, else cc, gcc or clang on PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+def compiler(cxx: bool = False) -> str | None:
+    """The C compiler ($CC, else cc, gcc or clang on PATH), or with `cxx` the C++ one ($CXX, c++, g++, clang++)."""
+    names = (os.environ.get("CXX"), "c++", "g++", "clang++") if cxx else (os.environ.get("CC"), "cc", "gcc", "clang")
+    for name in names:
         if name and shutil.which(name):
             return name
     return None
 
 
+def _artifact(cache_dir: Path, stem: str, identity: tuple) -> Path:
+    return cache_dir / "kernels" / f"{stem}-{hashlib.sha256(repr(identity).encode()).hexdigest()[:16]}.so"
+
+
 def library_path(cache_dir: Path, flags: tuple[str, ...] = NATIVE) -> Path:
     info = cpu_info()
-    identity = repr((SOURCE.read_bytes(), info.model_name, sorted(info.flags), flags, compiler()))
-    return cache_dir / "kernels" / f"quant_cpu-{hashlib.sha256(identity.encode()).hexdigest()[:16]}.so"
+    return _artifact(cache_dir, "quant_cpu", (SOURCE.read_bytes(), info.model_name, sorted(info.flags), flags,
+                                              compiler()))
 
 
 def build(cache_dir: Path, flags: tuple[str, ...] = NATIVE) -> Path:
     """Compiles quant_cpu.c with `flags` into the cache unless it is there; returns the library's path.
     Raises RuntimeError with the compiler's message when it cannot."""
-    out = library_path(cache_dir, flags)
-    if out.exists():
-        return out
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    with artifact_lock(out.parent / ".quant_cpu.lock", "building the quantized-weight kernels"):
+    return _compile(library_path(cache_dir, flags), [cc, *BASE_FLAGS, *flags, str(SOURCE)], ["-lm"],
+                    "building the quantized-weight kernels")
+
+
+def _compile(out: Path, command: list[str], libs: list[str], what: str) -> Path:
+    """`command -o <tmp> libs`, the result renamed to `out`, under a lock (a second process waits, then finds it)."""
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with artifact_lock(out.parent / f".{out.name.split('-')[0]}.lock", what):
         if out.exists():
             return out
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
         os.close(fd)
         try:
-            res = subprocess.run([cc, *BASE_FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"],
-                                 capture_output=True, text=True)
+            res = subprocess.run([*command, "-o", tmp, *libs], capture_output=True, text=True)
             if res.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-600:]}")
+                raise RuntimeError(f"{command[0]} failed: {res.stderr.strip()[-600:]}")
             os.replace(tmp, out)  # whole or absent, even if the process is killed mid-build
         finally:
             if os.path.exists(tmp):
@@ -100,3 +110,53 @@ def load(cache_dir: Path, flags: tuple[str, ...] = NATIVE) -> ctypes.CDLL | None
     except (RuntimeError, OSError) as e:
         log.warning("quantized-weight CPU kernels unavailable, the torch reference serves (correct, slower): %s", e)
         return None
+
+
+# ---- the one-row operator in C++ (quant_ops.cpp) --------------------------------------------------------
+
+OPS_SOURCE = Path(__file__).with_name("quant_ops.cpp")
+
+
+def build_ops(cache_dir: Path) -> Path:
+    """Compiles quant_ops.cpp against the running torch's headers and libraries (once per torch build and
+    compiler); RuntimeError with the compiler's message when it cannot."""
+    import torch
+
+    cxx = compiler(cxx=True)
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    out = _artifact(cache_dir, "quant_ops", (OPS_SOURCE.read_bytes(), torch.__version__, str(root), abi, cxx))
+    command = [cxx, "-O2", "-std=c++17", "-fPIC", "-shared", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(OPS_SOURCE)]
+    lib = root / "lib"
+    return _compile(out, command, [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"],
+                    "building the quantized-weight operator")
+
+
+_OPS: ctypes.CDLL | None = None  # quant_ops.cpp's library, loaded once a process (it registers the operator)
+_OPS_ERROR: str | None = None
+
+
+def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
+    """Makes torch.ops.tieredkv.quant_gemv run `lib`'s one-row kernels, building and loading the operator's
+    library on first use; False (with one warning a process) where it cannot be had: the one-row products
+    then go through the Python operator, correct, a few microseconds slower a call."""
+    global _OPS, _OPS_ERROR
+    if _OPS is None and _OPS_ERROR is None:
+        try:
+            path = build_ops(cache_dir)
+            import torch
+
+            torch.ops.load_library(str(path))
+            _OPS = ctypes.CDLL(str(path))
+            _OPS.tkv_bind.argtypes, _OPS.tkv_bind.restype = [ctypes.c_void_p, ctypes.c_void_p], None
+        except (RuntimeError, OSError) as e:
+            _OPS_ERROR = str(e)
+            log.warning("quantized-weight one-row operator unavailable, the Python one serves: %s", e)
+    if _OPS is None:
+        return False
+    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+    _OPS.tkv_bind(address(lib.tkv_q8_gemv), address(lib.tkv_q4_gemv))
+    return True
