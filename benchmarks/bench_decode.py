@@ -11,6 +11,7 @@ Measures, on the default model:
      (quantization="gguf") on the compiled path, and transformers fp32, interleaved; each row with its weight
      bytes, its floor (those bytes over the measured read bandwidth of a 1 GiB tensor) and the time its engine
      took to build in this run; with --llama-bench, llama.cpp's llama-bench on the GGUF files given, same run;
+     with --engine-gguf, the engine on other GGUF files of the default model too (llama-quantize's presets);
   3. the engine's own cost per decode step outside the forward (scheduler, block moves, sampling, stop rules)
      and the batch preparation inside it;
   4. bf16 against fp32: greedy agreement over a set of prompts and the largest next-token logit difference;
@@ -43,6 +44,7 @@ from tieredkv.engine_core import EngineCore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import hf_decode_ms, load_hf, make_requests  # noqa: E402
+from bench_quant_quality import gguf_model_dir  # noqa: E402
 
 KV_BYTES = 96 << 20
 
@@ -180,6 +182,10 @@ def main(args) -> dict:
     configs = {f"{dtype}{'' if compiled else ' eager'}": {"dtype": dtype, "compile_decode": compiled}
                for dtype in ("float32", "bfloat16") for compiled in (True, False)}
     configs.update(QUANTIZED)
+    links = tempfile.TemporaryDirectory()
+    for gguf in args.engine_gguf:  # the engine on other GGUF files of the default model (llama-quantize's presets)
+        where = gguf_model_dir(Path(gguf), default_model_dir(), Path(links.name))
+        configs[f"gguf {Path(gguf).name}"] = {"quantization": "gguf", "model": str(where)}
     for name, overrides in configs.items():
         t0 = time.perf_counter()
         variants[name] = EngineCore(EngineConfig(compile_in_background=False, kv_cache_bytes=KV_BYTES, warm_bytes=0,
@@ -270,6 +276,8 @@ if __name__ == "__main__":
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--llama-bench", help="path to llama.cpp's llama-bench, run on each --gguf")
     parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-bench")
+    parser.add_argument("--engine-gguf", nargs="*", default=[],
+                        help="GGUF files of the default model the engine runs too (quantization=\"gguf\")")
     ns = parser.parse_args()
     ns.tokens, ns.repeats, ns.prompts = (32, 2, 8) if ns.quick else (128, 3, 16)
     res = main(ns)
