@@ -47,28 +47,28 @@ _LIB: ctypes.CDLL | None = None  # quant_cpu.c's library, once use_cpu_kernels f
 _BOUND: ctypes.CDLL | None = None  # the library whose one-row kernels tieredkv::quant_gemv runs (quant_ops.cpp)
 
 
-def use_cpu_kernels(cache_dir: Path) -> bool:
-    """Builds (once per processor) and loads the CPU kernels, and the C++ operator for one row; False when the
-    torch reference must serve."""
+def use_cpu_kernels(cache_dir: Path, one_row_operator: bool = True) -> bool:
+    """Builds (once per processor) and loads the CPU kernels, and with `one_row_operator` the C++ operator for
+    one row of quantized weights; False when the torch reference must serve."""
     from tieredkv.kernels.quant_cpu import load
 
     lib = load(cache_dir) or _LIB
     if lib is not None:
-        serve_with(lib, cache_dir)
+        serve_with(lib, cache_dir, one_row_operator)
     return lib is not None
 
 
 _FAKE_REGISTERED = False
 
 
-def serve_with(lib: ctypes.CDLL | None, cache_dir: Path) -> None:
+def serve_with(lib: ctypes.CDLL | None, cache_dir: Path, one_row_operator: bool = True) -> None:
     """Makes `lib` (a build of quant_cpu.c; None: the torch reference) the kernels the ops run, and binds the
     C++ one-row operator to it where that can be built."""
     global _LIB, _BOUND, _FAKE_REGISTERED
     from tieredkv.kernels.quant_cpu import bind_ops
 
     _LIB = lib
-    if lib is None or _BOUND is lib:
+    if lib is None or _BOUND is lib or not one_row_operator:
         return
     _BOUND = lib if bind_ops(cache_dir, lib) else None
     if _BOUND is not None and not _FAKE_REGISTERED:  # the operator is registered once a process: its shape too

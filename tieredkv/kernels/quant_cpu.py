@@ -4,13 +4,14 @@ Why our own: torch's packed weight-only ops (`_weight_int8pack_mm`, `_weight_int
 vectorized paths for AVX-512 and AMX only. Measured on an AVX2-only AMD EPYC (Zen 1) at batch 1 over the
 default model's projections, they were 2.5x (int8) and 20x (int4) slower than fp32 `F.linear`, and inductor's
 fusion of a dequantize into a reduction was 3x slower too. quant_cpu.c multiplies int8 or 4-bit codes by
-int16-quantized activations with vpmaddwd where the processor has AVX2, in plain C elsewhere.
+int16-quantized activations with vpmaddwd where the processor has AVX2, in plain C elsewhere. It also holds
+the one-row products on oneDNN's packed fp32/bf16 weights (kernels/linear.py: packed_row_block).
 
 The library is compiled with the system's C compiler for this very processor (-march=native) into the
 engine's cache directory, under a name made of the source's hash and the processor's identity, so a
 different machine sharing the directory builds its own; a second process waits for the first one's build.
 Without a compiler, or where the build fails, `load()` returns None and the dense layers run the torch
-reference (dequantize, then F.linear): correct, slower.
+reference (dequantize, then F.linear; oneDNN for packed weights): correct, slower.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ _SIGNATURES = {
     "tkv_q4_gemv": ([_P, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
     "tkv_q8_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "tkv_q4_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
+    "tkv_f32_packed_row": ([_P, _I, _P, _I, _I, _I, _P, _P], ctypes.c_int),
+    "tkv_bf16_packed_row": ([_P, _I, _P, _I, _I, _I, _P, _P], ctypes.c_int),
 }
 
 
