@@ -15,6 +15,11 @@ after a self-check on this very torch build. Measured on the engine benchmark's 
 oneDNN/swapped products take about 15% off the engine's time against `F.linear`, and packed weights
 another 11% (the numbers are in docs/architecture.md). `F.linear` serves everywhere else: CUDA, other dtypes,
 or TIEREDKV_CPU_LINEAR=torch.
+
+One row on a packed weight (a batch-1 decode step in the compiled graph, through its handle) is not
+oneDNN's: its one-row product reads the weight well below the memory's speed, so quant_cpu.c's one-row
+kernels read the packed buffer as it lies where its layout is one they know (packed_row_layout checks it
+weight by weight).
 """
 
 from __future__ import annotations
