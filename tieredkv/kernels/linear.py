@@ -136,14 +136,14 @@ def select_weight_packing(device: torch.device, dtype: torch.dtype, cpu_linear: 
 # The compiled decode graph cannot take oneDNN's packed tensors (opaque, without storage) as inputs, so it
 # reads each packed weight through a handle: a small plain tensor [out_features, 1] whose storage address
 # names the packed weight, passed to the op below, which inductor calls as an opaque library function.
-_HANDLES: dict[int, tuple[torch.Tensor, tuple[int, int] | None]] = {}  # packed weight, its one-row layout
+_HANDLES: dict[int, tuple[torch.Tensor, tuple[int, int, int] | None]] = {}  # packed weight, its one-row layout
 
 
 ROW_BLOCKS = (64, 48, 32, 24, 16, 8)  # the output block widths the one-row kernels take (quant_cpu.c)
 
 
-def packed_row_layout(packed: torch.Tensor) -> tuple[int, int] | None:
-    """(B, Kp) where quant_cpu.c's one-row kernels read `packed` (pack_onednn_weight's result) as it lies:
+def packed_row_layout(packed: torch.Tensor) -> tuple[int, int, int] | None:
+    """(B, Kp, address) where quant_cpu.c's one-row kernels read `packed` (pack_onednn_weight's result) as it lies:
     its buffer, read as fp32 [ceil(N/B)][Kp][B] or bf16 [ceil(N/B)][Kp/2][B][2] (blocks of B outputs, Kp >= K
     inputs stored, the padding zeros), is exactly the weight. oneDNN chooses its layout per processor, dtype
     and shape, so each weight is checked against its unpacked self; None where no such layout fits (another
@@ -154,9 +154,8 @@ def packed_row_layout(packed: torch.Tensor) -> tuple[int, int] | None:
             packed.dtype not in (torch.float32, torch.bfloat16):
         return None
     n, k = packed.shape
-    nbytes, item = torch.ops.mkldnn._nbytes(packed), packed.element_size()
-    raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed)),
-                           dtype=torch.uint8).view(packed.dtype)
+    nbytes, item, address = torch.ops.mkldnn._nbytes(packed), packed.element_size(), torch.ops.mkldnn.data_ptr(packed)
+    raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8).view(packed.dtype)
     dense = packed.to_dense()
     for b in ROW_BLOCKS:
         nb = -(-n // b)
@@ -168,11 +167,11 @@ def packed_row_layout(packed: torch.Tensor) -> tuple[int, int] | None:
         else:
             got = raw.view(nb, kp // 2, b, 2).permute(0, 2, 1, 3).reshape(nb * b, kp)
         if torch.equal(got[:n, :k], dense) and not got[:n, k:].any():
-            return b, kp
+            return b, kp, address  # the buffer stays where it is while `packed` lives
     return None
 
 
-def packed_row(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int], bias: torch.Tensor | None
+def packed_row(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int, int], bias: torch.Tensor | None
                ) -> torch.Tensor | None:
     """One row x [..., K] times `packed` through quant_cpu.c's one-row kernel for its layout (packed_row_layout);
     None where the kernels are not loaded (then oneDNN's product serves)."""
@@ -185,10 +184,10 @@ def packed_row(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int], b
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
     b = None if bias is None else bias.float().contiguous()
     fn = quant._LIB.tkv_f32_packed_row if x.dtype == torch.float32 else quant._LIB.tkv_bf16_packed_row
-    status = fn(x.data_ptr(), k, torch.ops.mkldnn.data_ptr(packed), n, layout[0], layout[1],
-                None if b is None else b.data_ptr(), out.data_ptr())
+    block, stored, address = layout
+    status = fn(x.data_ptr(), k, address, n, block, stored, None if b is None else b.data_ptr(), out.data_ptr())
     if status != 0:
-        raise RuntimeError(f"packed one-row product: layout {layout} not taken by the kernel")
+        raise RuntimeError(f"packed one-row product: blocks of {block} x {stored} not taken by the kernel")
     return out
 
 
@@ -271,7 +270,7 @@ def _measure_layouts(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> dict:
     copies = min(MAX_COPIES, max(1, -(-STREAM_BYTES // max(layer_bytes, 1))))
     plain = [torch.full((n, k), 0.01, dtype=dtype) for _ in range(copies) for n, k in shapes]
     packed = [pack_onednn_weight(w) for w in plain]
-    layouts = {p.shape: packed_row_layout(p) for p in packed}  # the product the graph's handles run
+    layouts = {id(p): packed_row_layout(p) for p in packed}  # the product the graph's handles run
     xs = {k: torch.full((1, k), 0.5, dtype=dtype) for _, k in shapes}
 
     def passes(run, weights) -> float:
@@ -285,7 +284,7 @@ def _measure_layouts(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> dict:
 
     with torch.inference_mode():
         return {"plain_ms": passes(F.linear, plain),
-                "packed_ms": passes(lambda x, p: one_row_or_onednn(x, p, layouts[p.shape], None), packed)}
+                "packed_ms": passes(lambda x, p: one_row_or_onednn(x, p, layouts[id(p)], None), packed)}
 
 
 def _read_json(path: Path | None) -> dict:
