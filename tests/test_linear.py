@@ -237,6 +237,17 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
             prompt = list(range(5, 14))
             assert run_to_end(core, [prompt], [8]) == hf_greedy(llama_dir, [prompt], 8)
             assert core.runner.compiled.steps == 7
+    if packed:  # each packed weight carries its one-row layout (None where oneDNN chose one the kernels lack)
+        weights = list({id(w): w for w in [m.packed_weight for m in linears] + [model.packed_lm_head]}.values())
+        layouts = [w.row_layout for w in weights]
+        assert all(lay is None or lay[2] == torch.ops.mkldnn.data_ptr(w) for lay, w in zip(layouts, weights))
+        if not compiled and any(layouts):  # eager batch-1 steps run the one-row kernels, tokens unchanged
+            calls = []
+            real = linear.packed_row
+            monkeypatch.setattr(linear, "packed_row", lambda *a: calls.append(1) or real(*a))
+            prompt = list(range(5, 14))
+            assert run_to_end(core, [prompt], [6]) == hf_greedy(llama_dir, [prompt], 6)
+            assert len(calls) >= 5 * sum(lay is not None for lay in layouts)  # the 5 steps after the prefill
     # nothing is left on the checkpoint's mapping: its pages would stay resident beside the model's copies
     maps = Path("/proc/self/maps")
     if maps.exists():

@@ -62,8 +62,8 @@ def _swapped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def _cpu_linear(large: LinearFn) -> LinearFn:
     def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if weight.is_mkldnn:  # packed at load time
-            return onednn_linear(x, weight, bias)
+        if weight.is_mkldnn:  # packed at load time (with its one-row layout: with_row_layout)
+            return one_row_or_onednn(x, weight, getattr(weight, "row_layout", None), bias)
         if x.dim() == 2 and x.shape[0] <= SWAP_MAX_ROWS and weight.shape[0] <= SWAP_MAX_OUT \
                 and x.dtype == torch.float32:  # bf16 swapped: up to 1.8x slower than oneDNN (AVX512_BF16)
             return _swapped_linear(x, weight, bias)
@@ -191,12 +191,20 @@ def packed_row(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int, in
     return out
 
 
+def with_row_layout(packed: torch.Tensor) -> torch.Tensor:
+    """`packed`, carrying the layout the one-row kernels read it in (packed_row_layout; None: oneDNN's product
+    serves its single rows), found once where the weights are packed."""
+    packed.row_layout = packed_row_layout(packed)
+    return packed
+
+
 def packed_handle(packed: torch.Tensor) -> torch.Tensor:
     """A plain tensor that stands for `packed` in a compiled graph (dense_by_handle reads it); the packed
     weight is held while the handle lives, with the layout the one-row kernels read it in (if any)."""
     handle = torch.zeros(packed.size(0), 1, dtype=torch.uint8)
     key = handle.data_ptr()
-    _HANDLES[key] = (packed, packed_row_layout(packed))
+    layout = packed.row_layout if hasattr(packed, "row_layout") else packed_row_layout(packed)
+    _HANDLES[key] = (packed, layout)
     weakref.finalize(handle, _HANDLES.pop, key, None)
     return handle
 

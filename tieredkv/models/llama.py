@@ -11,7 +11,7 @@ from torch import nn
 
 from tieredkv.runner.batch import ForwardBatch
 from tieredkv.kernels import KernelOps
-from tieredkv.kernels.linear import packed_handle
+from tieredkv.kernels.linear import packed_handle, with_row_layout
 from tieredkv.kernels.quant import QuantizedWeight, quant_embedding, quant_linear
 from tieredkv.models.spec import ModelSpec
 from tieredkv.parallel.group import TPGroup
@@ -261,14 +261,14 @@ class LlamaModel(nn.Module):
         self.packed_handles = handles
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.weight is not None:
-                module.packed_weight = pack(module.weight)
+                module.packed_weight = with_row_layout(pack(module.weight))
                 if not keep_plain:
                     module.weight = nn.Parameter(module.packed_weight, requires_grad=False)
                 if handles:
                     module.register_buffer("packed_handle", packed_handle(module.packed_weight), persistent=False)
         if self.quantized_head is None:
             self.packed_lm_head = (self.lm_head.packed_weight if self.lm_head is not None
-                                   else pack(self.embed_tokens.weight))
+                                   else with_row_layout(pack(self.embed_tokens.weight)))
             if handles:
                 self.register_buffer("packed_lm_head_handle", packed_handle(self.packed_lm_head), persistent=False)
 
