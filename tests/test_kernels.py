@@ -1,5 +1,6 @@
 """Every Triton kernel matches its plain-torch reference (on CPU through Triton's interpreter)."""
 
+import contextlib
 import random
 
 import pytest
@@ -267,6 +268,63 @@ def test_auto_dtype_is_float16_below_ampere(capability, want):
     assert resolve_dtype("bfloat16", torch.device("cuda"), capability) == torch.bfloat16  # asked for: as asked
     if not torch.cuda.is_available():  # planning for a card this machine lacks: as Ampere and later
         assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_far_blocks_read_ahead_on_a_stream_order_their_waits(monkeypatch):
+    """The read-ahead's stream protocol, on CPU with stand-ins for CUDA's streams (the order of calls is what a
+    GPU would run): each layer's far blocks are copied on the staging stream after it waited for the compute
+    stream (the buffer's memory may still be in use there), the buffer is recorded on the staging stream (not
+    reused until the copy ends), and the compute stream waits for that copy's event before the layer reads it;
+    the data is the host path's."""
+    from tieredkv.runner.far_stage import plan_stage
+
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append((self.name, "waits for", other.name))
+
+        def wait_event(self, event):
+            log.append((self.name, "waits for", event))
+
+        def record_event(self):
+            log.append((self.name, "records", f"event {len(log)}"))
+            return log[-1][2]
+
+    compute, staging, current = Stream("compute"), Stream("staging"), []
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        log.append((stream.name, "runs", "copy"))
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: log.append(("buffer", "recorded on",
+                                                                                     stream.name)), raising=False)
+    layers, hot, g = 3, 4, torch.Generator().manual_seed(2)
+    slab = torch.randn(6, layers, 2, 8, 2, 16, generator=g)
+    pool = torch.randn(layers, 2, hot, 8, 2, 16, generator=g)
+    tables = [[0, hot + 2, 3, hot + 5]]
+    plan, _ = plan_stage(tables, hot, slab, torch.device("cpu"), in_place=False, stream=staging)
+    host, _ = plan_stage(tables, hot, slab, torch.device("cpu"), in_place=False)
+    for layer in range(layers):
+        assert torch.equal(plan.gather(pool[layer], layer), host.gather(pool[layer], layer))
+    per_layer = [("staging", "waits for", "compute"), ("staging", "runs", "copy"), ("buffer", "recorded on", "staging")]
+    events = [e for e in log if e[1] == "records"]
+    assert len(events) == layers and (plan.read_ahead_layers, plan.late_layers) == (layers, 0)
+    expected = []
+    for layer in range(layers):  # layer 0 read ahead at planning, each next one at the gather before
+        expected += per_layer + [events[layer]]
+        if layer:
+            expected.insert(len(expected) - 4, ("compute", "waits for", events[layer - 1][2]))
+    expected.append(("compute", "waits for", events[-1][2]))
+    assert log == expected
 
 
 def test_far_blocks_read_in_place_from_the_slab_match_the_host_gather():
