@@ -5,7 +5,7 @@ vectorized paths for AVX-512 and AMX only. Measured on an AVX2-only AMD EPYC (Ze
 default model's projections, they were 2.5x (int8) and 20x (int4) slower than fp32 `F.linear`, and inductor's
 fusion of a dequantize into a reduction was 3x slower too. quant_cpu.c multiplies int8 or 4-bit codes by
 int16-quantized activations with vpmaddwd where the processor has AVX2, in plain C elsewhere. It also holds
-the one-row products on oneDNN's packed fp32/bf16 weights (kernels/linear.py: packed_row_block).
+the one-row products on oneDNN's packed fp32/bf16 weights (kernels/linear.py: packed_row_layout).
 
 The library is compiled with the system's C compiler for this very processor (-march=native) into the
 engine's cache directory, under a name made of the source's hash and the processor's identity, so a
@@ -111,7 +111,8 @@ def load(cache_dir: Path, flags: tuple[str, ...] = NATIVE) -> ctypes.CDLL | None
     try:
         return open_library(build(cache_dir, flags))
     except (RuntimeError, OSError) as e:
-        log.warning("quantized-weight CPU kernels unavailable, the torch reference serves (correct, slower): %s", e)
+        log.warning("CPU kernels for quantized weights and one-row products unavailable; the torch reference and "
+                    "oneDNN serve (correct, slower): %s", e)
         return None
 
 
