@@ -122,6 +122,13 @@ def test_one_row_cpp_operator_is_the_python_operator_bit_for_bit(lib, fmt):
         gemv(torch.randn(2, 256), qw.codes, qw.scales, qw.offsets, qw.group_size, None)
     with pytest.raises(RuntimeError, match="do not take 128 inputs"):
         gemv(torch.randn(1, 128), qw.codes, qw.scales, qw.offsets, qw.group_size, None)
+    with pytest.raises(RuntimeError, match="do not take 256 inputs"):  # scales of fewer rows than the codes
+        gemv(x, qw.codes, qw.scales[:5], None if qw.offsets is None else qw.offsets[:5], qw.group_size, None)
+    if qw.offsets is not None:
+        with pytest.raises(RuntimeError, match="not shaped as the scales"):
+            gemv(x, qw.codes, qw.scales, qw.offsets[:5], qw.group_size, None)
+    with pytest.raises(RuntimeError, match="a bias of 37 outputs"):
+        gemv(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias[:3])
 
 
 def test_without_a_cpp_compiler_the_python_operator_serves_one_row(lib, monkeypatch, tmp_path):

@@ -35,9 +35,13 @@ at::Tensor quant_gemv(const at::Tensor &x, const at::Tensor &codes, const at::Te
     const bool q8 = codes.scalar_type() == at::kChar;
     TORCH_CHECK(x.numel() == k, "quant_gemv: one row of activations, got ", x.sizes());
     TORCH_CHECK(codes.is_contiguous() && (q8 || codes.scalar_type() == at::kByte), "quant_gemv: int8 or uint8 codes");
-    TORCH_CHECK(codes.size(1) * (q8 ? 1 : 2) == k && k % group_size == 0 && scales.size(1) * group_size == k,
+    TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && group_size > 0 && codes.size(1) * (q8 ? 1 : 2) == k &&
+                    k % group_size == 0 && scales.size(0) == n && scales.size(1) * group_size == k,
                 "quant_gemv: codes ", codes.sizes(), " and scales ", scales.sizes(), " do not take ", k, " inputs");
     TORCH_CHECK(q8 || offsets.has_value(), "quant_gemv: 4-bit codes need offsets");
+    TORCH_CHECK(!offsets.has_value() || offsets->sizes() == scales.sizes(),
+                "quant_gemv: offsets are not shaped as the scales ", scales.sizes());
+    TORCH_CHECK(!bias.has_value() || bias->numel() == n, "quant_gemv: a bias of ", n, " outputs");
     const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
     std::optional<at::Tensor> bf;
     if (bias.has_value())
