@@ -177,6 +177,8 @@ def test_one_row_kernels_read_onednns_packed_weights_where_they_lie(row_kernels,
         torch.testing.assert_close(got.float(), onednn_linear(x, packed, bias).float(), **tol)
     # a layout the kernels are not given (another processor's) leaves the product to oneDNN: the same result
     torch.testing.assert_close(linear.one_row_or_onednn(x, packed, None, b), onednn_linear(x, packed, b))
+    with pytest.raises(RuntimeError):  # a row of the wrong width is oneDNN's error, never read past its end
+        linear.one_row_or_onednn(torch.randn(1, k + 8).to(dtype), packed, layout, None)
 
 
 def test_the_graphs_layout_is_measured_once_per_processor_and_kept(tmp_path, monkeypatch):

@@ -225,7 +225,7 @@ def one_row_or_onednn(x, packed, layout, bias):
     """One row (a batch-1 decode step) through the one-row kernel where `layout` (packed_row_layout) is one it
     reads, else oneDNN's product: for one row oneDNN read the default model's layers at 30-39 GB/s on an AMD
     EPYC Zen 5, the kernel at 39-59 (fp32), 25-32 against 36-45 (bf16)."""
-    if layout is not None and x.numel() == x.shape[-1] and x.dtype == packed.dtype:
+    if layout is not None and x.numel() == x.shape[-1] == packed.shape[1] and x.dtype == packed.dtype:
         out = packed_row(x, packed, layout, bias)
         if out is not None:
             return out
