@@ -368,6 +368,8 @@ def test_compiled_decode_serves_quantized_weights(llama_dir):
     try:
         assert outs[0] == outs[1]
         assert cores[1].stats().decode_path == "compiled" and cores[1].runner.compiled.steps == 2 * 11
+        # the compile bound the C++ one-row operator before its trace (a C++ compiler is there: inductor's)
+        assert quant._BOUND is quant._LIB is not None
     finally:
         for core in cores:
             core.close()

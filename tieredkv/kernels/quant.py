@@ -58,6 +58,15 @@ def use_cpu_kernels(cache_dir: Path, one_row_operator: bool = True) -> bool:
     return lib is not None
 
 
+def bind_one_row_operator(cache_dir: Path) -> bool:
+    """Builds (once per torch build: ~6 s) and binds the C++ one-row operator to the loaded kernels; the compiled
+    decode path calls it before it traces, on its own thread, so no start waits for the build. False where it
+    cannot be had (the Python operator serves)."""
+    if _LIB is not None:
+        serve_with(_LIB, cache_dir, one_row_operator=True)
+    return _LIB is not None and _BOUND is _LIB
+
+
 _FAKE_REGISTERED = False
 
 

@@ -260,6 +260,11 @@ class CompiledDecode:
         C++ compiler, say) the path is off, the eager forward serves, and a warning says why and what to do."""
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+        from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight, bind_one_row_operator
+
+        if self.kv_cache.device.type == "cpu" and any(isinstance(m, (QuantizedWeight, QuantizedParts))
+                                                      for m in self.model.modules()):
+            bind_one_row_operator(self.cache_dir.parent)  # before the trace, which then calls it (quant.py)
         self._warming = True
         try:
             marker = self.cache_dir / f".compiled-{self._graph_key()}"
