@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from tieredkv.cache_dir import write_json
+from tieredkv.kernels import quant
 from tieredkv.runner.cpu_features import cpu_info
 
 LinearFn = Callable[..., torch.Tensor]  # (x [..., K], weight [N, K], bias [N] | None) -> [..., N]
@@ -148,8 +149,6 @@ def packed_row_layout(packed: torch.Tensor) -> tuple[int, int, int] | None:
     inputs stored, the padding zeros), is exactly the weight. oneDNN chooses its layout per processor, dtype
     and shape, so each weight is checked against its unpacked self; None where no such layout fits (another
     processor's choice: oneDNN's product serves), or without the kernels."""
-    from tieredkv.kernels import quant
-
     if quant._LIB is None or not packed.is_mkldnn or packed.dim() != 2 or \
             packed.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -175,8 +174,6 @@ def packed_row(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int, in
                ) -> torch.Tensor | None:
     """One row x [..., K] times `packed` through quant_cpu.c's one-row kernel for its layout (packed_row_layout);
     None where the kernels are not loaded (then oneDNN's product serves)."""
-    from tieredkv.kernels import quant
-
     if quant._LIB is None:
         return None
     n, k = packed.shape
@@ -259,8 +256,6 @@ def graph_reads_packed(dtype: torch.dtype, shapes: list[tuple[int, int]], cache_
     as the graph reads them: by the one-row kernels where their layout is one those read). The answer is kept in
     `cache_dir`'s kernels/linear-layout.json."""
     info = cpu_info()
-    from tieredkv.kernels import quant
-
     key = repr((info.model_name, sorted(info.flags), torch.__version__, str(dtype), sorted(shapes),
                 torch.get_num_threads(), "row kernels" if quant._LIB is not None else "oneDNN"))
     key = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -67,22 +67,16 @@ def bind_one_row_operator(cache_dir: Path) -> bool:
     return _LIB is not None and _BOUND is _LIB
 
 
-_FAKE_REGISTERED = False
-
-
 def serve_with(lib: ctypes.CDLL | None, cache_dir: Path, one_row_operator: bool = True) -> None:
     """Makes `lib` (a build of quant_cpu.c; None: the torch reference) the kernels the ops run, and binds the
     C++ one-row operator to it where that can be built."""
-    global _LIB, _BOUND, _FAKE_REGISTERED
+    global _LIB, _BOUND
     from tieredkv.kernels.quant_cpu import bind_ops
 
     _LIB = lib
     if lib is None or _BOUND is lib or not one_row_operator:
         return
     _BOUND = lib if bind_ops(cache_dir, lib) else None
-    if _BOUND is not None and not _FAKE_REGISTERED:  # the operator is registered once a process: its shape too
-        torch.library.register_fake("tieredkv::quant_gemv", _quant_gemv_fake)
-        _FAKE_REGISTERED = True
 
 
 class QuantizedWeight(nn.Module):
@@ -467,10 +461,6 @@ _LINEAR_OP, _ROWS_OP = torch.ops.tieredkv.quant_linear.default, torch.ops.tiered
 
 @torch.library.register_fake("tieredkv::quant_linear")
 def _(x, codes, scales, offsets, group_size, bias):
-    return x.new_empty((*x.shape[:-1], codes.shape[0]))
-
-
-def _quant_gemv_fake(x, codes, scales, offsets, group_size, bias):
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 

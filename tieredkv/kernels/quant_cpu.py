@@ -143,6 +143,10 @@ _OPS: ctypes.CDLL | None = None  # quant_ops.cpp's library, loaded once a proces
 _OPS_ERROR: str | None = None
 
 
+def _quant_gemv_shape(x, codes, scales, offsets, group_size, bias):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
 def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
     """Makes torch.ops.tieredkv.quant_gemv run `lib`'s one-row kernels, building and loading the operator's
     library on first use; False (with one warning a process) where it cannot be had: the one-row products
@@ -153,7 +157,8 @@ def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
             path = build_ops(cache_dir)
             import torch
 
-            torch.ops.load_library(str(path))
+            torch.ops.load_library(str(path))  # registers the operator; its shape function goes with it
+            torch.library.register_fake("tieredkv::quant_gemv", _quant_gemv_shape)
             _OPS = ctypes.CDLL(str(path))
             _OPS.tkv_bind.argtypes, _OPS.tkv_bind.restype = [ctypes.c_void_p, ctypes.c_void_p], None
         except (RuntimeError, OSError) as e:
