@@ -83,6 +83,8 @@ def test_compiled_path_is_what_runs_and_compiles_once(llama_dir):
     # the decode steps that held 3 or 2 sequences ran eager, the 12 - 7 after them compiled
     assert compiled.steps == steps + 12 - 7
     assert compiled.graphs == 1
+    # every compiled step called the graph directly, past torch.compile's frame (direct_graph.py)
+    assert compiled.direct_calls == compiled.steps
     check_pool_clean(core)
 
 
@@ -192,6 +194,8 @@ def test_a_compiler_failure_while_serving_is_reported_and_the_eager_forward_take
         raise torch._dynamo.exc.TorchDynamoException("recompile refused")
 
     monkeypatch.setattr(compiled, "_stack_for", lambda kind: refuse)
+    # steps the direct call does not take (inputs other than traced) go through torch.compile, which refuses
+    monkeypatch.setattr(compiled, "_bound", [lambda step: None] * len(compiled._bound))
     prompt = [5, 6, 7, 8]
     assert run_to_end(core, [prompt], [6]) == hf_greedy(llama_dir, [prompt], 6)
     assert compiled.disabled and "recompile refused" in compiled.disabled and compiled.steps == 0
@@ -231,6 +235,7 @@ def test_a_stack_in_several_runs_shares_one_graph(llama_dir, monkeypatch):
     prompt = list(range(9, 30))
     assert run_to_end(core, [prompt], [20]) == hf_greedy(llama_dir, [prompt], 20)
     assert compiled.steps == 19 and compiled.graphs == 1
+    assert compiled.direct_calls == 19 * len(compiled._groups)
 
 
 START = """
@@ -298,3 +303,40 @@ def test_engines_starting_at_once_on_an_empty_cache_all_serve_compiled(tmp_path)
     assert not leaked, leaked[:10]
     assert any(p.suffix == ".so" and p.stat().st_size > 0 for p in (cache / "inductor").rglob("*"))
     assert len(list((cache / "inductor").glob(".compiled-*"))) == 1  # the marker: later starts load at once
+
+
+def test_a_graph_called_directly_takes_only_the_inputs_it_was_traced_for():
+    """direct_graph: the inputs of a module are looked up once, a step's own are passed per call; a step
+    whose tensor differs in dtype, a static size or stride, or a call in another grad mode, is not called
+    directly (None), and a dynamic size is passed as the step's own."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from tieredkv.runner.direct_graph import DirectGraph
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graph = DirectGraph(gm)
+        graph.compiled = compile_fx(gm, example_inputs)
+        graphs.append(graph)
+        return graph.compiled
+
+    layer = torch.nn.Linear(4, 3)
+
+    def step(layer, x, table):
+        return layer(x) * table.shape[1] + table.sum()
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    x, table = torch.randn(2, 4), torch.ones(1, 5)
+    torch._dynamo.mark_dynamic(table, 1)
+    with torch.inference_mode():
+        want = compiled(layer=layer, x=x, table=table)
+        bound = graphs[0].bind(dict(layer=layer), frozenset(["x", "table"]))
+        assert torch.equal(bound(dict(x=x, table=table)), want)
+        wide = torch.ones(1, 9)  # the dynamic size: passed as this step's
+        assert torch.allclose(bound(dict(x=x, table=wide)), layer(x) * 9 + 9)
+        assert bound(dict(x=x.double(), table=table)) is None
+        assert bound(dict(x=torch.randn(3, 4), table=table)) is None
+        assert bound(dict(x=torch.randn(4, 2).t(), table=table)) is None  # same sizes, other strides
+    assert len(graphs) == 1
+    assert bound(dict(x=x, table=table)) is None  # outside inference mode

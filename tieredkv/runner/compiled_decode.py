@@ -12,6 +12,9 @@ C++ (inductor's cpp_wrapper), which calls each kernel and library op without Pyt
 weights' one-row products are a C++ operator too (kernels/quant_ops.cpp), so a call costs the dispatcher's
 microseconds. Measured on an AMD EPYC (Zen 5, 2 cores), int4 default model, interleaved in one process:
 6.87 -> 6.41 ms/token with both; the Python wrapper alone gave 1-9% of that, the operator alone about half.
+Once a graph has served one call, each run of layers calls it past torch.compile's frame (direct_graph.py):
+its guards and input-gathering bytecode cost 80-190 us a call (int4 7.87 -> 7.15 ms/token, fp32 17.16 ->
+16.58, interleaved in one process).
 
 What: one graph for a run of layers (the whole stack, with the embedding and the logits, up to
 MAX_LAYERS_PER_GRAPH layers; the default model's 30 as 5 runs of 6), which every run of that length calls: a
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 
 from tieredkv.cache_dir import artifact_lock, long_work
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
+from tieredkv.runner.direct_graph import BoundGraph, DirectGraph, Unsupported
 from tieredkv.runner.malloc_tuning import release_free_memory
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_dense
@@ -126,6 +130,11 @@ class CompiledDecode:
         # each run's kind: runs of one kind share a graph (every run, unless the layers differ)
         self._kinds = [kinds.setdefault(tuple(map(layer_signature, layers)), len(kinds)) for layers, _ in self._groups]
         self._stacks: dict[int, object] = {}
+        # each run's graph called without torch.compile's frame (runner/direct_graph.py), once adopted
+        self._direct: dict[int, DirectGraph] = {}
+        self._bound: list[BoundGraph | None] = [None] * len(self._groups)
+        self._compiled_last: DirectGraph | Unsupported | None = None  # what the backend compiled last
+        self.direct_calls = 0  # runs of layers called that way
 
     def _stack_for(self, kind: int):
         """The compiled function for runs of one kind: its own graph, its own guards and recompile count."""
@@ -147,7 +156,15 @@ class CompiledDecode:
         self.graphs += 1
         # a C++ wrapper on CPU (module docstring); on CUDA, where it has not been measured, inductor's default
         cpu = self.kv_cache.device.type == "cpu"
-        return compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True} if cpu else {})
+        try:
+            graph: DirectGraph | Unsupported = DirectGraph(gm)  # before inductor rewrites the graph
+        except Unsupported as e:
+            graph = e
+        compiled = compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True} if cpu else {})
+        if isinstance(graph, DirectGraph):
+            graph.compiled = compiled
+        self._compiled_last = graph
+        return compiled
 
     def _stack_forward(self, layers, x, cos, sin, layer_caches, positions, slot_mapping, block_tables, context_lens,
                        input_ids=None):
@@ -174,15 +191,49 @@ class CompiledDecode:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """LlamaModel.forward with each run of layers through the compiled graph."""
         a = batch.attn
+        step = dict(positions=batch.positions, slot_mapping=batch.slot_mapping,
+                    block_tables=a.decode_block_tables, context_lens=a.decode_context_lens)
         if len(self._groups) == 1:
-            layers, caches = self._groups[0]
-            return self._stack_for(0)(layers, None, None, None, caches, batch.positions, batch.slot_mapping,
-                                      a.decode_block_tables, a.decode_context_lens, batch.input_ids)
+            return self._run(0, dict(step, x=None, cos=None, sin=None, input_ids=batch.input_ids))
         x, (cos, sin) = self.model.embed(batch)
-        for (layers, caches), kind in zip(self._groups, self._kinds):
-            x = self._stack_for(kind)(layers, x, cos, sin, caches, batch.positions, batch.slot_mapping,
-                                      a.decode_block_tables, a.decode_context_lens)
+        for index in range(len(self._groups)):
+            x = self._run(index, dict(step, x=x, cos=cos, sin=sin))
         return self.model.logits(x, batch, self.ops)
+
+    def _run(self, index: int, step: dict) -> torch.Tensor:
+        """One run of layers: called directly once its graph is adopted, else through torch.compile."""
+        bound = self._bound[index]
+        if bound is not None:
+            out = bound(step)
+            if out is not None:
+                self.direct_calls += 1
+                return out
+        layers, caches = self._groups[index]
+        kind = self._kinds[index]
+        self._compiled_last = None
+        out = self._stack_for(kind)(layers=layers, layer_caches=caches, **step)
+        if self._compiled_last is not None and kind not in self._direct:
+            self._adopt(index, step, out)
+        if bound is None and kind in self._direct:
+            self._bound[index] = self._direct[kind].bind(dict(self=self, layers=layers, layer_caches=caches), frozenset(step))
+        return out
+
+    def _adopt(self, index: int, step: dict, want: torch.Tensor) -> None:
+        """Calls the graph just compiled for this run directly on the same inputs, and keeps that way of
+        calling it for the kind's runs if the output is bit for bit torch.compile's (the call stores the
+        same K/V again, so running it twice changes nothing)."""
+        graph, (layers, caches) = self._compiled_last, self._groups[index]
+        try:
+            if isinstance(graph, Unsupported):
+                raise graph
+            got = graph.bind(dict(self=self, layers=layers, layer_caches=caches), frozenset(step))(step)
+        except Unsupported as e:
+            log.info("compiled decode: the graph is called through torch.compile (%s)", e)
+            return
+        if got is not None and torch.equal(got, want):
+            self._direct[self._kinds[index]] = graph
+        else:
+            log.info("compiled decode: the graph is called through torch.compile (a direct call differed)")
 
     def accepts(self, scheduled: list) -> bool:
         """True for a step that decodes one sequence (one new token) and nothing else, once the graph is ready."""
