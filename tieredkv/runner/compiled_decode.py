@@ -215,18 +215,23 @@ class CompiledDecode:
         if self._compiled_last is not None and kind not in self._direct:
             self._adopt(index, step, out)
         if bound is None and kind in self._direct:
-            self._bound[index] = self._direct[kind].bind(dict(self=self, layers=layers, layer_caches=caches), frozenset(step))
+            self._bound[index] = self._direct[kind].bind(self._run_values(index), frozenset(step))
         return out
+
+    def _run_values(self, index: int) -> dict:
+        """The graph's arguments that are not a step's own, for one run of layers."""
+        layers, caches = self._groups[index]
+        return dict(self=self, layers=layers, layer_caches=caches)
 
     def _adopt(self, index: int, step: dict, want: torch.Tensor) -> None:
         """Calls the graph just compiled for this run directly on the same inputs, and keeps that way of
         calling it for the kind's runs if the output is bit for bit torch.compile's (the call stores the
         same K/V again, so running it twice changes nothing)."""
-        graph, (layers, caches) = self._compiled_last, self._groups[index]
+        graph = self._compiled_last
         try:
             if isinstance(graph, Unsupported):
                 raise graph
-            got = graph.bind(dict(self=self, layers=layers, layer_caches=caches), frozenset(step))(step)
+            got = graph.bind(self._run_values(index), frozenset(step))(step)
         except Unsupported as e:
             log.info("compiled decode: the graph is called through torch.compile (%s)", e)
             return
@@ -348,7 +353,8 @@ class CompiledDecode:
                      " on an emptied cache" if broken else "")
             if broken:
                 shutil.rmtree(self.cache_dir, ignore_errors=True)
-            self.disabled, self._stacks = None, {}
+            self.disabled, self._stacks, self._direct = None, {}, {}
+            self._bound = [None] * len(self._groups)
             self._decode_scratch()
 
     def _graph_key(self) -> str:
