@@ -311,7 +311,7 @@ def test_a_graph_called_directly_takes_only_the_inputs_it_was_traced_for():
     directly (None), and a dynamic size is passed as the step's own."""
     from torch._inductor.compile_fx import compile_fx
 
-    from tieredkv.runner.direct_graph import DirectGraph
+    from tieredkv.runner.direct_graph import DirectGraph, Unsupported
 
     graphs = []
 
@@ -340,3 +340,22 @@ def test_a_graph_called_directly_takes_only_the_inputs_it_was_traced_for():
         assert bound(dict(x=torch.randn(4, 2).t(), table=table)) is None  # same sizes, other strides
     assert len(graphs) == 1
     assert bound(dict(x=x, table=table)) is None  # outside inference mode
+    # a float attribute that differs between two modules becomes an input on the recompile (a 0-dim tensor):
+    # the bound graph passes it as one; an input of the wrong kind is refused at bind, before any call
+    layer.scale, other = 0.5, torch.nn.Linear(4, 3)
+    other.scale = 0.25
+
+    def scaled(layer, x):
+        return layer(x) * layer.scale
+
+    compiled = torch.compile(scaled, backend=backend, fullgraph=True)
+    with torch.inference_mode():
+        compiled(layer=layer, x=x)
+        want = compiled(layer=other, x=x)
+        assert len(graphs) == 3 and "L['layer'].scale" in graphs[2].sources
+        assert torch.equal(graphs[2].bind(dict(layer=other), frozenset(["x"]))(dict(x=x)), want)
+        other.scale = "a string"
+        with pytest.raises(Unsupported, match="scale"):
+            graphs[2].bind(dict(layer=other), frozenset(["x"]))
+        with pytest.raises(Unsupported, match="not the tensor traced"):
+            graphs[0].bind(dict(layer=torch.nn.Linear(5, 3)), frozenset(["x", "table"]))

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import check_pool_clean
+from helpers import check_pool_clean, make_checkpoint
 from tieredkv import AsyncEngine, EngineClosedError, EngineConfig, RequestError, SamplingParams
 from tieredkv.serve import ServerSettings, start_server
 
@@ -232,7 +232,7 @@ def read_sse(conn: http.client.HTTPConnection, body: dict) -> http.client.HTTPRe
     return conn.getresponse()
 
 
-def test_the_cli_serves_and_on_sigterm_drains_writes_the_cold_tier_and_exits_0(llama_dir, tmp_path):
+def test_the_cli_serves_and_on_sigterm_drains_writes_the_cold_tier_and_exits_0(tmp_path):
     """`tieredkv serve` answers the official client and serves /metrics; on SIGTERM: /health fails and new requests get 503 at once; streams that finish within the grace
     period end normally, the one that cannot ends with a final error event and [DONE]; the cold tier
     holds every block the hot pool had cached; the process exits 0."""
@@ -240,6 +240,9 @@ def test_the_cli_serves_and_on_sigterm_drains_writes_the_cold_tier_and_exits_0(l
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cold = tmp_path / "cold"
+    # a context long enough that the endless stream below cannot finish within the grace period at any speed
+    # this tiny model decodes at (0.2 ms a token compiled here: 2,000 tokens would)
+    llama_dir = make_checkpoint(tmp_path / "long-context", "llama", max_position_embeddings=1 << 16)
     proc = subprocess.Popen([sys.executable, "-m", "tieredkv", "serve", "--model", str(llama_dir), "--port",
                              str(port), "--served-model-name", NAME, "--cold-path", str(cold),
                              "--shutdown-grace", "2"], env={**ENV, "XDG_CONFIG_HOME": str(tmp_path)},
@@ -258,8 +261,7 @@ def test_the_cli_serves_and_on_sigterm_drains_writes_the_cold_tier_and_exits_0(l
         short = {"model": NAME, "prompt": prompt, "max_tokens": 40, "ignore_eos": True, "stream": True}
         conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=60) for _ in range(4)]
         streams = [read_sse(c, {**short, "prompt": prompt[:-1] + [400 + i]}) for i, c in enumerate(conns[:3])]
-        # the rest of the 2,048-token context: cannot finish within the grace period
-        endless = read_sse(conns[3], {**short, "max_tokens": 2048 - len(prompt)})
+        endless = read_sse(conns[3], {**short, "max_tokens": 60_000})  # 12 s at 0.2 ms a token
         for r in streams + [endless]:
             assert r.readline().startswith(b"data: {")  # every stream is running
         t0 = time.monotonic()

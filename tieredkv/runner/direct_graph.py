@@ -77,8 +77,30 @@ class DirectGraph:
             if base in step_args:
                 step.append((i, name))
             else:
-                template[i] = _evaluate(name, values)
+                template[i] = _conform(name, _evaluate(name, values), self.expected[i])
         return BoundGraph(self, template, step)
+
+
+def _conform(name: str, value: Any, want: tuple | None) -> Any:
+    """A looked-up input as the graph takes it: a tensor as traced; a number that dynamo made a 0-dim tensor
+    (a float attribute that differed between models traced in one process, say) as one; else Unsupported (a
+    wrong input in a compiled graph reads or writes memory it should not)."""
+    if want is None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        raise Unsupported(f"graph input {name} is a {type(value).__name__}, traced as a number")
+    dtype, device, sizes, strides = want
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and sizes == ():
+        value = torch.tensor(value, dtype=dtype, device=device)
+    if not _same_kind(value, want):
+        raise Unsupported(f"graph input {name} is not the tensor traced")
+    return value
+
+
+def _same_kind(value: Any, want: tuple) -> bool:
+    dtype, device, sizes, strides = want
+    return isinstance(value, torch.Tensor) and value.dtype == dtype and value.device == device and \
+        _matches(sizes, value.shape) and _matches(strides, value.stride())
 
 
 def _evaluate(name: str, values: dict[str, Any]) -> Any:
@@ -110,11 +132,7 @@ class BoundGraph:
                 inputs[i] = value.shape[dim]
                 continue
             want = graph.expected[i]
-            if want is None or not isinstance(value, torch.Tensor):
-                return None
-            dtype, device, sizes, strides = want
-            if value.dtype != dtype or value.device != device or not _matches(sizes, value.shape) or \
-                    not _matches(strides, value.stride()):
+            if want is None or not _same_kind(value, want):
                 return None
             inputs[i] = value
         return graph.compiled(*inputs)[0]
