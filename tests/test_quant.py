@@ -15,8 +15,11 @@ from tieredkv.engine_core import EngineCore
 from tieredkv.errors import CheckpointError
 from tieredkv.kernels import quant
 from tieredkv.kernels.quant_cpu import NATIVE, library_path, load
+from tieredkv.runner.cpu_features import cpu_info
 
 BUILDS = {"native": NATIVE}
+if cpu_info().has("avx512f"):  # native runs the 512-bit one-row q4 product; the 256-bit one is what AVX2 runs
+    BUILDS["avx2"] = ("-march=haswell",)
 if platform.machine() in ("x86_64", "AMD64"):
     BUILDS["no-avx2"] = ("-march=x86-64",)  # the plain-C branch every other processor runs
 
