@@ -96,10 +96,12 @@ def check_against_reference(qw, rows: int, seed: int = 1) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, quant.GEMV_MAX_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 19, "past the kernels"])
 def test_kernel_matches_dequantized_reference(lib, fmt, rows):
     n, k = 37, 256  # 37 output rows: a block of 4 with a ragged tail
     qw = weights(fmt, n, k)
+    if rows == "past the kernels":  # dequantized into the fp32 product
+        rows = quant.kernel_rows(qw.codes) + 3
     check_against_reference(qw, rows)
     # leading dimensions and bf16 activations come back in their own shape and dtype
     got3 = quant.quant_linear(torch.randn(1, rows, k).bfloat16(), qw)
@@ -529,7 +531,7 @@ def test_quantized_op_on_cuda_runs_the_triton_kernel_within_bf16_tolerance(fmt, 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "gguf-Q6_K"])
 def test_many_rows_dequantize_a_large_weight_in_tiles(lib, fmt, monkeypatch):
-    """Above GEMV_MAX_ROWS a weight larger than DEQUANT_TILE_BYTES of fp32 (an LM head) is dequantized and
+    """Above kernel_rows a weight larger than DEQUANT_TILE_BYTES of fp32 (an LM head) is dequantized and
     multiplied a tile of rows at a time (here tiles of 16 rows over 37: two whole and a ragged one), bias
     included, with the same result as the whole weight at once."""
     qw = weights(fmt, 37, 256)
@@ -537,6 +539,6 @@ def test_many_rows_dequantize_a_large_weight_in_tiles(lib, fmt, monkeypatch):
     calls = []
     inner = quant._dequantize_fast
     monkeypatch.setattr(quant, "_dequantize_fast", lambda *a: calls.append(a[-1]) or inner(*a))
-    check_against_reference(qw, quant.GEMV_MAX_ROWS + 3)
+    check_against_reference(qw, quant.kernel_rows(qw.codes) + 3)
     assert [None if ids is None else ids.tolist() for ids in calls] == [
         list(range(0, 16)), list(range(16, 32)), list(range(32, 37))]

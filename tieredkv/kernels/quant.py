@@ -11,7 +11,7 @@ Two storage formats serve every scheme (the codes row-major by output row, one f
     Q4_0 are those two with groups of 32, read without a detour through fp32.
 
 `quant_linear` calls a torch library op (tieredkv::quant_linear), so the compiled decode graph calls it like
-any library product. On CPU it runs quant_cpu.c's kernels for up to GEMV_MAX_ROWS rows (decode steps), and
+any library product. On CPU it runs quant_cpu.c's kernels for up to `kernel_rows` rows (decode steps), and
 above that dequantizes the weight into fp32 and runs the fp32 product (prefill, where the product's
 arithmetic dominates). On CUDA it runs triton_ops.quant_linear (the weight dequantized tile by tile in
 registers, the product on the tensor cores in the activations' dtype). Without a C compiler, or without
@@ -33,6 +33,7 @@ from tieredkv.errors import CheckpointError
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
+# (q4 on a build with 512-bit blocks: 32, kernel_rows)
 # what load_gguf_tensor reads: every type llama-quantize's standard presets write (Q2_K ... Q8_0, IQ4_NL)
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
               "Q6_K")
@@ -45,6 +46,7 @@ IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69
 
 _LIB: ctypes.CDLL | None = None  # quant_cpu.c's library, once use_cpu_kernels found it
 _BOUND: ctypes.CDLL | None = None  # the library whose one-row kernels tieredkv::quant_gemv runs (quant_ops.cpp)
+_Q4_ROWS = GEMV_MAX_ROWS  # kernel_rows for q4 weights, from the loaded library
 
 
 def use_cpu_kernels(cache_dir: Path, one_row_operator: bool = True) -> bool:
@@ -70,10 +72,11 @@ def bind_one_row_operator(cache_dir: Path) -> bool:
 def serve_with(lib: ctypes.CDLL | None, cache_dir: Path, one_row_operator: bool = True) -> None:
     """Makes `lib` (a build of quant_cpu.c; None: the torch reference) the kernels the ops run, and binds the
     C++ one-row operator to it where that can be built."""
-    global _LIB, _BOUND
+    global _LIB, _BOUND, _Q4_ROWS
     from tieredkv.kernels.quant_cpu import bind_ops
 
     _LIB = lib
+    _Q4_ROWS = GEMV_MAX_ROWS if lib is None else lib.tkv_q4_max_rows()
     if lib is None or _BOUND is lib or not one_row_operator:
         return
     _BOUND = lib if bind_ops(cache_dir, lib) else None
@@ -404,7 +407,7 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias):
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
     m = x2.shape[0]
-    if m <= GEMV_MAX_ROWS and _kernel_fits(codes, group_size):
+    if m <= kernel_rows(codes) and _kernel_fits(codes, group_size):
         out = torch.empty(m, n)
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
@@ -424,6 +427,12 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias):
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def kernel_rows(codes: torch.Tensor) -> int:
+    """The most activation rows the int kernels take for weights in `codes`' format (more are dequantized into
+    the fp32 product): GEMV_MAX_ROWS, or for q4 what the loaded build says (quant_cpu.c: tkv_q4_max_rows)."""
+    return GEMV_MAX_ROWS if _LIB is None or _is_q8(codes) else _Q4_ROWS
 
 
 DEQUANT_TILE_BYTES = 8 << 20  # a larger weight is dequantized and multiplied this many bytes of fp32 rows at a time

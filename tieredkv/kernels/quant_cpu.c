@@ -202,6 +202,148 @@ INLINE void q8_block(const int16_t *xq, const float *sx, const float *xsum, int6
                                        (mn ? offset_sum(mn + (n + r) * (K / g), xsum + (m + i) * (K / g), K / g) : 0.f);
 }
 
+#ifdef TKV_AVX2
+/* Group b of a q4 row times the activations: the group's 8 lanes of int32 sums */
+INLINE __m256i q4_group(const uint8_t *qr, const int16_t *xq, int64_t b, int64_t g) {
+    const __m128i low = _mm_set1_epi8(15);
+    const int64_t h = g / 2;
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = 0; j < h; j += 16) {  /* once for groups of 32 (the caller's constant g) */
+        __m128i v = _mm_loadu_si128((const __m128i *)(qr + b * h + j));
+        __m256i wl = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
+        __m256i wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+        acc = _mm256_add_epi32(acc, _mm256_add_epi32(
+            _mm256_madd_epi16(wl, _mm256_loadu_si256((const __m256i *)(xq + b * g + j))),
+            _mm256_madd_epi16(wh, _mm256_loadu_si256((const __m256i *)(xq + b * g + h + j)))));
+    }
+    return acc;
+}
+
+/* Groups b..b+7 of a q4 row: their scales and offsets converted together, two accumulators in turn */
+INLINE void q4_chunk(const uint8_t *qr, const int16_t *xq, const float *xsum, const uint16_t *dr, const uint16_t *mr,
+                     int64_t b, int64_t g, __m256 *f0, __m256 *f1, __m256 *zacc) {
+    float ds[8];
+    _mm256_storeu_ps(ds, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
+    *zacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + b))), _mm256_loadu_ps(xsum + b),
+                            *zacc);
+    for (int i = 0; i < 8; i += 2) {
+        *f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b + i, g)), _mm256_broadcast_ss(ds + i), *f0);
+        *f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b + i + 1, g)), _mm256_broadcast_ss(ds + i + 1), *f1);
+    }
+}
+#endif
+
+#ifdef TKV_AVX512
+/* Groups of 32 two at a time on 512-bit registers: the 32 bytes of groups b and b+1 give their low nibbles
+ * (inputs 0..15 of each) and high nibbles (16..31) as 32 int16 each; xp holds the activations in that order
+ * (pair_order), so two multiply-adds leave group b's sums in int32 lanes 0-7 and group b+1's in 8-15, which
+ * `scale` ([d_b x8, d_b+1 x8]) turns to fp32. Half the instructions of the 256-bit groups, which on a Zen 5
+ * run below the memory's speed for weights in cache. */
+INLINE __m512 q4_pair(const uint8_t *qr, const int16_t *xp, int64_t b, __m512 scale, __m512 f) {
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256i v = _mm256_loadu_si256((const __m256i *)(qr + b * 16));
+    __m512i wl = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));
+    __m512i wh = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    __m512i acc = DPWSSD(_mm512_setzero_si512(), wl, _mm512_loadu_si512(xp + b * 32));
+    acc = DPWSSD(acc, wh, _mm512_loadu_si512(xp + b * 32 + 32));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, f);
+}
+
+/* Groups b..b+7 (of 32): four pairs, their scales spread from one conversion */
+INLINE void q4_chunk512(const uint8_t *qr, const int16_t *xp, const float *xsum, const uint16_t *dr,
+                        const uint16_t *mr, int64_t b, __m512 *f0, __m512 *f1, __m256 *zacc) {
+    const __m512i i0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i two = _mm512_set1_epi32(2);
+    __m512 ds = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
+    *zacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + b))), _mm256_loadu_ps(xsum + b),
+                            *zacc);
+    const __m512i i1 = _mm512_add_epi32(i0, two), i2 = _mm512_add_epi32(i1, two), i3 = _mm512_add_epi32(i2, two);
+    *f0 = q4_pair(qr, xp, b, _mm512_permutexvar_ps(i0, ds), *f0);
+    *f1 = q4_pair(qr, xp, b + 2, _mm512_permutexvar_ps(i1, ds), *f1);
+    *f0 = q4_pair(qr, xp, b + 4, _mm512_permutexvar_ps(i2, ds), *f0);
+    *f1 = q4_pair(qr, xp, b + 6, _mm512_permutexvar_ps(i3, ds), *f1);
+}
+
+INLINE __m256 halves_sum(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* The int16 activations of groups of 32, each pair of groups as q4_pair reads them: the pair's inputs 0..15
+ * of both groups, then 16..31 of both */
+static void pair_order(const int16_t *xq, int64_t groups, int16_t *xp) {
+    for (int64_t b = 0; b + 2 <= groups; b += 2)
+        for (int half = 0; half < 2; half++)
+            for (int gi = 0; gi < 2; gi++)
+                memcpy(xp + b * 32 + half * 32 + gi * 16, xq + (b + gi) * 32 + half * 16, 16 * sizeof(int16_t));
+}
+#endif
+
+#ifdef TKV_AVX512
+/* Weight rows n..n+RB-1 times activation rows m..m+mt-1 (mt <= 2), groups of 32, on 512-bit registers: the
+ * one-row product's pairs of groups (q4_pair) for each weight row and activation row, the scales and offsets
+ * of eight groups converted at once; groups past the last whole eight as q4_block does them. xp holds each
+ * activation row's int16 codes in pair order (pair_order). */
+INLINE void q4_block512(const int16_t *xq, const int16_t *xp, const float *sx, const float *xsum, int64_t m, int mt,
+                        int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t N, int64_t n,
+                        int rows, const float *bias, float *out) {
+    const int64_t G = K / 32, G8 = G / 8 * 8;
+    const __m512i two = _mm512_set1_epi32(2);
+    const uint8_t *qr[RB];
+    const uint16_t *dr[RB], *mr[RB];
+    for (int r = 0; r < RB; r++) {
+        int64_t row = n + (r < rows ? r : 0);
+        qr[r] = q + row * (K / 2);
+        dr[r] = d + row * G;
+        mr[r] = mn + row * G;
+    }
+    __m512 acc[2][RB];
+    __m256 f[2][RB], zacc[2][RB];
+    for (int i = 0; i < 2; i++)
+        for (int r = 0; r < RB; r++) {
+            acc[i][r] = _mm512_setzero_ps();
+            f[i][r] = zacc[i][r] = _mm256_setzero_ps();
+        }
+    for (int64_t b = 0; b < G8; b += 8) {
+        __m512 ds[RB];
+        for (int r = 0; r < RB; r++) {
+            ds[r] = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr[r] + b))));
+            __m256 ms = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr[r] + b)));
+            for (int i = 0; i < mt; i++)
+                zacc[i][r] = _mm256_fmadd_ps(ms, _mm256_loadu_ps(xsum + (m + i) * G + b), zacc[i][r]);
+        }
+        __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        for (int64_t bb = b; bb < b + 8; bb += 2, idx = _mm512_add_epi32(idx, two)) {
+            const __m256i low = _mm256_set1_epi8(15);
+            for (int r = 0; r < RB; r++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(qr[r] + bb * 16));
+                __m512i wl = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));
+                __m512i wh = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                __m512 scale = _mm512_permutexvar_ps(idx, ds[r]);
+                for (int i = 0; i < mt; i++) {
+                    const int16_t *xa = xp + (m + i) * K + bb * 32;
+                    __m512i a = DPWSSD(_mm512_setzero_si512(), wl, _mm512_loadu_si512(xa));
+                    a = DPWSSD(a, wh, _mm512_loadu_si512(xa + 32));
+                    acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), scale, acc[i][r]);
+                }
+            }
+        }
+    }
+    float ztail[2][RB] = {{0.f}};
+    for (int64_t b = G8; b < G; b++)
+        for (int r = 0; r < RB; r++) {
+            __m256 s = _mm256_set1_ps(h2f(dr[r][b]));
+            for (int i = 0; i < mt; i++) {
+                f[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr[r], xq + (m + i) * K, b, 32)), s, f[i][r]);
+                ztail[i][r] += h2f(mr[r][b]) * xsum[(m + i) * G + b];
+            }
+        }
+    for (int i = 0; i < mt; i++)
+        for (int r = 0; r < rows; r++)
+            out[(m + i) * N + n + r] = hsum(_mm256_add_ps(halves_sum(acc[i][r]), f[i][r])) * sx[m + i] +
+                                       hsum(zacc[i][r]) + ztail[i][r] + (bias ? bias[n + r] : 0.f);
+}
+#endif
+
 INLINE void q4_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
                      const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, int64_t n,
                      int rows, const float *bias, float *out) {
@@ -284,16 +426,39 @@ int tkv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const u
     return 0;
 }
 
+/* The most activation rows for which tkv_q4_linear beats dequantizing into fp32 and oneDNN's GEMM, in a mixed
+ * workload of 32 requests (bench_decode.py): 16 with the 256-bit blocks (an AVX2 EPYC), 32 with the 512-bit
+ * ones (a Zen 5: 0.954x of fp32's throughput at 32, 0.900x at 16, 0.945x at 64). quant.py reads it. */
+int tkv_q4_max_rows(void) {
+#ifdef TKV_AVX512
+    return 32;
+#else
+    return 16;
+#endif
+}
+
 int tkv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
                   int64_t g, int64_t N, const float *bias, float *out) {
-    int16_t *xq = malloc((size_t)(M * K) * sizeof(int16_t));
+    int16_t *xq = malloc((size_t)(M * K) * 2 * sizeof(int16_t)), *xp = xq + M * K;
     float *sx = malloc((size_t)M * sizeof(float)), *xsum = malloc((size_t)(M * (K / g)) * sizeof(float));
     if (!xq || !sx || !xsum) { free(xq); free(sx); free(xsum); return -1; }
     quantize_rows(x, M, K, g, xq, sx, xsum);
+#ifdef TKV_AVX512
+    const int wide = g == 32 && K >= 256;  /* at least one chunk of eight groups */
+    if (wide)
+        for (int64_t m = 0; m < M; m++) pair_order(xq + m * K, K / 32 / 8 * 8, xp + m * K);
+#endif
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n += RB) {
         int rows = N - n < RB ? (int)(N - n) : RB;
         int64_t m = 0;
+#ifdef TKV_AVX512
+        if (wide) {
+            for (; m + 2 <= M; m += 2) q4_block512(xq, xp, sx, xsum, m, 2, K, q, d, mn, N, n, rows, bias, out);
+            if (m < M) q4_block512(xq, xp, sx, xsum, m, 1, K, q, d, mn, N, n, rows, bias, out);
+            continue;
+        }
+#endif
         for (; m + 2 <= M; m += 2) q4_block(xq, sx, xsum, m, 2, K, q, d, mn, g, N, n, rows, bias, out);
         if (m < M) q4_block(xq, sx, xsum, m, 1, K, q, d, mn, g, N, n, rows, bias, out);
     }
@@ -371,81 +536,7 @@ int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, c
     return 0;
 }
 
-#ifdef TKV_AVX2
-/* Group b of a q4 row times the activations: the group's 8 lanes of int32 sums */
-INLINE __m256i q4_group(const uint8_t *qr, const int16_t *xq, int64_t b, int64_t g) {
-    const __m128i low = _mm_set1_epi8(15);
-    const int64_t h = g / 2;
-    __m256i acc = _mm256_setzero_si256();
-    for (int64_t j = 0; j < h; j += 16) {  /* once for groups of 32 (the caller's constant g) */
-        __m128i v = _mm_loadu_si128((const __m128i *)(qr + b * h + j));
-        __m256i wl = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
-        __m256i wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
-        acc = _mm256_add_epi32(acc, _mm256_add_epi32(
-            _mm256_madd_epi16(wl, _mm256_loadu_si256((const __m256i *)(xq + b * g + j))),
-            _mm256_madd_epi16(wh, _mm256_loadu_si256((const __m256i *)(xq + b * g + h + j)))));
-    }
-    return acc;
-}
 
-/* Groups b..b+7 of a q4 row: their scales and offsets converted together, two accumulators in turn */
-INLINE void q4_chunk(const uint8_t *qr, const int16_t *xq, const float *xsum, const uint16_t *dr, const uint16_t *mr,
-                     int64_t b, int64_t g, __m256 *f0, __m256 *f1, __m256 *zacc) {
-    float ds[8];
-    _mm256_storeu_ps(ds, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
-    *zacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + b))), _mm256_loadu_ps(xsum + b),
-                            *zacc);
-    for (int i = 0; i < 8; i += 2) {
-        *f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b + i, g)), _mm256_broadcast_ss(ds + i), *f0);
-        *f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b + i + 1, g)), _mm256_broadcast_ss(ds + i + 1), *f1);
-    }
-}
-#endif
-
-#ifdef TKV_AVX512
-/* Groups of 32 two at a time on 512-bit registers: the 32 bytes of groups b and b+1 give their low nibbles
- * (inputs 0..15 of each) and high nibbles (16..31) as 32 int16 each; xp holds the activations in that order
- * (pair_order), so two multiply-adds leave group b's sums in int32 lanes 0-7 and group b+1's in 8-15, which
- * `scale` ([d_b x8, d_b+1 x8]) turns to fp32. Half the instructions of the 256-bit groups, which on a Zen 5
- * run below the memory's speed for weights in cache. */
-INLINE __m512 q4_pair(const uint8_t *qr, const int16_t *xp, int64_t b, __m512 scale, __m512 f) {
-    const __m256i low = _mm256_set1_epi8(15);
-    __m256i v = _mm256_loadu_si256((const __m256i *)(qr + b * 16));
-    __m512i wl = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));
-    __m512i wh = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-    __m512i acc = DPWSSD(_mm512_setzero_si512(), wl, _mm512_loadu_si512(xp + b * 32));
-    acc = DPWSSD(acc, wh, _mm512_loadu_si512(xp + b * 32 + 32));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, f);
-}
-
-/* Groups b..b+7 (of 32): four pairs, their scales spread from one conversion */
-INLINE void q4_chunk512(const uint8_t *qr, const int16_t *xp, const float *xsum, const uint16_t *dr,
-                        const uint16_t *mr, int64_t b, __m512 *f0, __m512 *f1, __m256 *zacc) {
-    const __m512i i0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i two = _mm512_set1_epi32(2);
-    __m512 ds = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
-    *zacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + b))), _mm256_loadu_ps(xsum + b),
-                            *zacc);
-    const __m512i i1 = _mm512_add_epi32(i0, two), i2 = _mm512_add_epi32(i1, two), i3 = _mm512_add_epi32(i2, two);
-    *f0 = q4_pair(qr, xp, b, _mm512_permutexvar_ps(i0, ds), *f0);
-    *f1 = q4_pair(qr, xp, b + 2, _mm512_permutexvar_ps(i1, ds), *f1);
-    *f0 = q4_pair(qr, xp, b + 4, _mm512_permutexvar_ps(i2, ds), *f0);
-    *f1 = q4_pair(qr, xp, b + 6, _mm512_permutexvar_ps(i3, ds), *f1);
-}
-
-INLINE __m256 halves_sum(__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-
-/* The int16 activations of groups of 32, each pair of groups as q4_pair reads them: the pair's inputs 0..15
- * of both groups, then 16..31 of both */
-static void pair_order(const int16_t *xq, int64_t groups, int16_t *xp) {
-    for (int64_t b = 0; b + 2 <= groups; b += 2)
-        for (int half = 0; half < 2; half++)
-            for (int gi = 0; gi < 2; gi++)
-                memcpy(xp + b * 32 + half * 32 + gi * 16, xq + (b + gi) * 32 + half * 16, 16 * sizeof(int16_t));
-}
-#endif
 
 int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
                 int64_t N, const float *bias, float *out) {

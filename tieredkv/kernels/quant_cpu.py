@@ -44,6 +44,7 @@ _SIGNATURES = {
     "tkv_q4_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "tkv_f32_packed_row": ([_P, _I, _P, _I, _I, _I, _P, _P], ctypes.c_int),
     "tkv_bf16_packed_row": ([_P, _I, _P, _I, _I, _I, _P, _P], ctypes.c_int),
+    "tkv_q4_max_rows": ([], ctypes.c_int),
 }
 
 
