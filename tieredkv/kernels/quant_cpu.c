@@ -202,6 +202,17 @@ INLINE void q8_block(const int16_t *xq, const float *sx, const float *xsum, int6
                                        (mn ? offset_sum(mn + (n + r) * (K / g), xsum + (m + i) * (K / g), K / g) : 0.f);
 }
 
+/* The codes, scales and offsets of weight rows n..n+RB-1 (a short block repeats row n past its `rows`) */
+INLINE void q4_block_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t G, int64_t n,
+                          int rows, const uint8_t **qr, const uint16_t **dr, const uint16_t **mr) {
+    for (int r = 0; r < RB; r++) {
+        int64_t row = n + (r < rows ? r : 0);
+        qr[r] = q + row * (K / 2);
+        dr[r] = d + row * G;
+        mr[r] = mn + row * G;
+    }
+}
+
 #ifdef TKV_AVX2
 /* Group b of a q4 row times the activations: the group's 8 lanes of int32 sums */
 INLINE __m256i q4_group(const uint8_t *qr, const int16_t *xq, int64_t b, int64_t g) {
@@ -290,12 +301,7 @@ INLINE void q4_block512(const int16_t *xq, const int16_t *xp, const float *sx, c
     const __m512i two = _mm512_set1_epi32(2);
     const uint8_t *qr[RB];
     const uint16_t *dr[RB], *mr[RB];
-    for (int r = 0; r < RB; r++) {
-        int64_t row = n + (r < rows ? r : 0);
-        qr[r] = q + row * (K / 2);
-        dr[r] = d + row * G;
-        mr[r] = mn + row * G;
-    }
+    q4_block_rows(q, d, mn, K, G, n, rows, qr, dr, mr);
     __m512 acc[2][RB];
     __m256 f[2][RB], zacc[2][RB];
     for (int i = 0; i < 2; i++)
@@ -350,12 +356,7 @@ INLINE void q4_block(const int16_t *xq, const float *sx, const float *xsum, int6
     const int64_t G = K / g;
     const uint8_t *qr[RB];
     const uint16_t *dr[RB], *mr[RB];
-    for (int r = 0; r < RB; r++) {
-        int64_t row = n + (r < rows ? r : 0);
-        qr[r] = q + row * (K / 2);
-        dr[r] = d + row * G;
-        mr[r] = mn + row * G;
-    }
+    q4_block_rows(q, d, mn, K, G, n, rows, qr, dr, mr);
     float res[2][RB], zsum[2][RB];
     for (int i = 0; i < 2; i++) for (int r = 0; r < RB; r++) zsum[i][r] = 0.f;
 #ifdef TKV_AVX2
