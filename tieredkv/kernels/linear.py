@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import json
+import time
 import weakref
 from pathlib import Path
 from typing import Callable
@@ -33,8 +36,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tieredkv.cache_dir import write_json
 from tieredkv.kernels import quant
-from tieredkv.kernels.measured import MAX_COPIES, STREAM_BYTES, best_ms, measured
 from tieredkv.runner.cpu_features import cpu_info
 
 LinearFn = Callable[..., torch.Tensor]  # (x [..., K], weight [N, K], bias [N] | None) -> [..., N]
@@ -239,6 +242,8 @@ def dense_by_handle(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.tieredkv.dense_packed.default(x, handle, bias)
 
 
+STREAM_BYTES = 96 << 20  # the measurement's weights: more than a processor's last-level cache, as a decode reads
+MAX_COPIES = 32  # of a layer's projections (a small model's layers fit in cache anyway: its calls' cost decides)
 
 
 def graph_reads_packed(dtype: torch.dtype, shapes: list[tuple[int, int]], cache_dir: Path | None = None) -> bool:
@@ -250,10 +255,17 @@ def graph_reads_packed(dtype: torch.dtype, shapes: list[tuple[int, int]], cache_
     the layer's projections that do not fit in cache, best of five passes each way (the packed weights read
     as the graph reads them: by the one-row kernels where their layout is one those read). The answer is kept in
     `cache_dir`'s kernels/linear-layout.json."""
+    info = cpu_info()
+    key = repr((info.model_name, sorted(info.flags), torch.__version__, str(dtype), sorted(shapes),
+                torch.get_num_threads(), "row kernels" if quant._LIB is not None else "oneDNN"))
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = None if cache_dir is None else Path(cache_dir) / "kernels" / "linear-layout.json"
-    identity = (str(dtype), sorted(shapes), "row kernels" if quant._LIB is not None else "oneDNN")
-    known = measured(path, identity, lambda: _measure_layouts(dtype, shapes))
-    return known["packed_ms"] < known["plain_ms"]
+    known = _read_json(path)
+    if key not in known:
+        known[key] = _measure_layouts(dtype, shapes)
+        if path is not None:
+            _write_json(path, {**_read_json(path), key: known[key]})
+    return known[key]["packed_ms"] < known[key]["plain_ms"]
 
 
 def _measure_layouts(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> dict:
@@ -265,10 +277,28 @@ def _measure_layouts(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> dict:
     xs = {k: torch.full((1, k), 0.5, dtype=dtype) for _, k in shapes}
 
     def passes(run, weights) -> float:
-        return best_ms(lambda: [run(xs[w.size(1)], w) for w in weights])
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for w in weights:
+                run(xs[w.size(1)], w)
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e3
 
     with torch.inference_mode():
         return {"plain_ms": passes(F.linear, plain),
                 "packed_ms": passes(lambda x, p: one_row_or_onednn(x, p, layouts[id(p)], None), packed)}
 
 
+def _read_json(path: Path | None) -> dict:
+    try:
+        return json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    try:
+        write_json(path, data)
+    except OSError:
+        pass  # measured again next time
