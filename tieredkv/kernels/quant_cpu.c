@@ -21,7 +21,7 @@
 #include <immintrin.h>
 #define TKV_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define TKV_AVX512 1  /* the one-row q4 product on 512-bit registers (tkv_q4_gemv) */
+#define TKV_AVX512 1  /* q4 groups of 32 on 512-bit registers (tkv_q4_gemv, tkv_q4_linear) */
 #if defined(__AVX512VNNI__)
 #define DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #else
@@ -287,13 +287,12 @@ static void pair_order(const int16_t *xq, int64_t groups, int16_t *xp) {
             for (int gi = 0; gi < 2; gi++)
                 memcpy(xp + b * 32 + half * 32 + gi * 16, xq + (b + gi) * 32 + half * 16, 16 * sizeof(int16_t));
 }
-#endif
 
-#ifdef TKV_AVX512
 /* Weight rows n..n+RB-1 times activation rows m..m+mt-1 (mt <= 2), groups of 32, on 512-bit registers: the
  * one-row product's pairs of groups (q4_pair) for each weight row and activation row, the scales and offsets
  * of eight groups converted at once; groups past the last whole eight as q4_block does them. xp holds each
- * activation row's int16 codes in pair order (pair_order). */
+ * activation row's int16 codes in pair order (pair_order). q4_pair's steps written out: each weight row's
+ * codes are unpacked once for both activation rows. */
 INLINE void q4_block512(const int16_t *xq, const int16_t *xp, const float *sx, const float *xsum, int64_t m, int mt,
                         int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t N, int64_t n,
                         int rows, const float *bias, float *out) {
