@@ -21,21 +21,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode import decode_ms  # noqa: E402
+from bench_decode import decode_ms, llama_bench  # noqa: E402
 
 from tieredkv import EngineConfig  # noqa: E402
 from tieredkv.engine_core import EngineCore  # noqa: E402
 from tieredkv.runner.cpu_features import cpu_info  # noqa: E402
 
 VARIANTS = {"fp32": {}, "int4": {"quantization": "int4"}, "Q4_1 (gguf)": {"quantization": "gguf"}}
-
-
-def llama_bench_once(binary: str, gguf: str) -> float:
-    import subprocess
-
-    out = subprocess.run([binary, "-m", gguf, "-t", "2", "-p", "0", "-n", "128", "-r", "1", "-o", "json"],
-                         check=True, capture_output=True, text=True).stdout
-    return 1000.0 / json.loads(out)[0]["avg_ts"]
 
 
 def main(args) -> dict:
@@ -51,7 +43,7 @@ def main(args) -> dict:
         for name, core in cores.items():
             rounds.setdefault(name, []).append(decode_ms(core, prompt, 128))
         for gguf in args.gguf:
-            rounds.setdefault(f"llama.cpp {Path(gguf).name}", []).append(llama_bench_once(args.llama_bench, gguf))
+            rounds.setdefault(f"llama.cpp {Path(gguf).name}", []).append(llama_bench(args.llama_bench, gguf, repeats=1))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rounds.items()), flush=True)
     median = {k: statistics.median(v) for k, v in rounds.items()}
     print("median ms/token: " + ", ".join(f"{k} {v:.2f}" for k, v in median.items()))
