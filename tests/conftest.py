@@ -1,4 +1,5 @@
 import os
+import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import make_checkpoint  # noqa: E402
 from tieredkv.config import EngineConfig  # noqa: E402
+from tieredkv.runner.cpu_features import cpu_info  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines here run the eager forward unless a test asks for the compiled decode path (compile_decode=True,
@@ -33,6 +35,36 @@ EngineConfig.model_rebuild(force=True)
 os.environ.setdefault("TIEREDKV_COMPILE_DECODE", "0")
 # the cold tier's key file lives under XDG_CONFIG_HOME: keep the tests' key out of the user's home
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tieredkv-test-config-")
+
+
+# builds of the CPU kernels (kernels/quant_cpu.py) the kernel tests run on
+CPU_KERNEL_BUILDS = {"native": ("-march=native",)}
+if platform.machine() in ("x86_64", "AMD64"):
+    if cpu_info().has("avx512f"):  # native runs the 512-bit paths; the 256-bit ones are what AVX2 runs
+        CPU_KERNEL_BUILDS["avx2"] = ("-march=haswell",)
+    CPU_KERNEL_BUILDS["no-avx2"] = ("-march=x86-64",)  # the plain-C branches every other processor runs
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory) -> Path:
+    """The session's cache of CPU kernel builds: each is compiled once."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module", params=list(CPU_KERNEL_BUILDS))
+def lib(request, kernel_cache):
+    """One build of the CPU kernels serving the module's tests (kernels/quant.py's ops and the C++ operators)."""
+    from tieredkv.kernels import quant
+    from tieredkv.kernels.quant_cpu import NATIVE, library_path, load
+
+    assert CPU_KERNEL_BUILDS["native"] == NATIVE
+    built = load(kernel_cache, CPU_KERNEL_BUILDS[request.param])
+    assert built is not None and library_path(kernel_cache, CPU_KERNEL_BUILDS[request.param]).exists()
+    before = quant._LIB
+    quant.serve_with(built, kernel_cache)  # the C++ operators run this build's kernels too
+    assert quant.cpu_operators_bound()
+    yield request.param
+    quant.serve_with(before, kernel_cache)
 
 
 @pytest.fixture(scope="session")

@@ -167,3 +167,19 @@ def run_to_end(core, prompts: list[list[int]], max_tokens: list[int]) -> list[li
     while core.has_work():
         core.step()
     return [r.seqs[0].output_token_ids for r in reqs]
+
+
+def naive_decode(q, kc, vc, tables, lens, scale):
+    """Decode attention written out per sequence and position: the reference the attention kernels meet."""
+    bs = kc.shape[1]
+    group = q.shape[1] // kc.shape[2]
+    out = []
+    for b, n in enumerate(lens):
+        slots = [(int(tables[b, p // bs]), p % bs) for p in range(n)]
+        k = torch.stack([kc[blk, off] for blk, off in slots])  # [n, Hkv, D]
+        v = torch.stack([vc[blk, off] for blk, off in slots])
+        k = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * scale, dim=-1)
+        out.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(out)

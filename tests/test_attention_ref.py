@@ -5,22 +5,8 @@ import random
 import pytest
 import torch
 
+from helpers import naive_decode
 from tieredkv.kernels.decode_attention import decode_attention_ref, length_groups
-
-
-def naive_decode(q, kc, vc, tables, lens, scale):
-    bs = kc.shape[1]
-    group = q.shape[1] // kc.shape[2]
-    out = []
-    for b, n in enumerate(lens):
-        slots = [(int(tables[b, p // bs]), p % bs) for p in range(n)]
-        k = torch.stack([kc[blk, off] for blk, off in slots])  # [n, Hkv, D]
-        v = torch.stack([vc[blk, off] for blk, off in slots])
-        k = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = v.repeat_interleave(group, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * scale, dim=-1)
-        out.append(torch.einsum("hn,nhd->hd", p, v))
-    return torch.stack(out)
 
 
 def test_length_groups_cover_the_batch_once_in_length_order():

@@ -1,7 +1,6 @@
 """Quantized weights: the CPU kernels against the dequantized reference (on this processor's build and on a
 build without AVX2), the quantizers' error bounds, GGUF's blocks read as they are, the engine end to end."""
 
-import platform
 from pathlib import Path
 
 import numpy as np
@@ -14,28 +13,6 @@ from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine_core import EngineCore
 from tieredkv.errors import CheckpointError
 from tieredkv.kernels import quant
-from tieredkv.kernels.quant_cpu import NATIVE, library_path, load
-from tieredkv.runner.cpu_features import cpu_info
-
-BUILDS = {"native": NATIVE}
-if cpu_info().has("avx512f"):  # native runs the 512-bit one-row q4 product; the 256-bit one is what AVX2 runs
-    BUILDS["avx2"] = ("-march=haswell",)
-if platform.machine() in ("x86_64", "AMD64"):
-    BUILDS["no-avx2"] = ("-march=x86-64",)  # the plain-C branch every other processor runs
-
-
-@pytest.fixture(scope="module", params=list(BUILDS))
-def lib(request, tmp_path_factory):
-    """quant._LIB set to one build of quant_cpu.c for the test."""
-    cache = tmp_path_factory.mktemp("kernels")
-    built = load(cache, BUILDS[request.param])
-    assert built is not None and library_path(cache, BUILDS[request.param]).exists()
-    before = quant._LIB
-    quant.serve_with(built, cache)  # the one-row C++ operator runs this build's kernels too
-    assert quant._BOUND is built
-    yield request.param
-    quant.serve_with(before, cache)
-
 
 def weights(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05

@@ -441,8 +441,9 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
     quant = quant_settings(cfg, model_dir)
     before = process_status_bytes("RssAnon")
     model = load_model(model_dir, spec, dtype, device, quant, tp)
-    if device.type == "cpu":  # the quantized products' kernels, and the one-row ones on packed weights (the C++
-        use_cpu_kernels(resolve_cache_dir(cfg), one_row_operator=False)  # operator: compiled_decode binds it)
+    if device.type == "cpu":  # the CPU kernels; their C++ operators are bound here for the eager forward, or by
+        # the compiled path before its trace, on its own thread (a first build takes seconds)
+        use_cpu_kernels(resolve_cache_dir(cfg), operators=not compiled)
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
     if device.type == "cpu":
         release_free_memory(collect=False)  # the copies that loading, fusing and packing the weights freed

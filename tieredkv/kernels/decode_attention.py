@@ -61,6 +61,7 @@ class DecodePlanRef:
 
     groups: list[_Group]
     cascades: CascadePlan | None
+    alone: torch.Tensor | None = None  # with cascades: the batch positions of the other rows (the groups' rows)
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype,
@@ -94,7 +95,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
             mask = torch.zeros(past.shape, dtype=dtype, device=past.device).masked_fill_(past, float("-inf"))
             mask = mask[:, None, None, :]
         plan.append(_Group(rows, block_tables[rows, :num_blocks].reshape(-1), num_blocks, length, mask))
-    return DecodePlanRef(plan, cascades)
+    return DecodePlanRef(plan, cascades, torch.tensor(alone, device=block_tables.device) if cascades else None)
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int, length: int) -> torch.Tensor:
@@ -174,3 +175,50 @@ def decode_attention_dense(
     scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
     out = (scores.softmax(dim=-1)[..., None] * v.float().permute(0, 2, 1, 3)[:, :, None]).sum(-2)  # [B, Hkv, G, D]
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
+
+
+def paged_decode_usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """True where the CPU kernel (attention_cpu.c, as torch.ops.tieredkv.paged_decode) takes this attention:
+    caches on CPU in fp32 or bf16, contiguous, shapes within its limits, and the operator bound (the compiled
+    decode path binds it; kernels/quant.py: bind_cpu_operators)."""
+    from tieredkv.kernels.quant import cpu_operators_bound
+
+    heads, kv_heads = query.shape[1], key_cache.shape[2]
+    return (key_cache.device.type == "cpu" and key_cache.dtype in (torch.float32, torch.bfloat16)
+            and key_cache.is_contiguous() and heads % kv_heads == 0 and heads // kv_heads <= PAGED_MAX_GROUP
+            and query.shape[2] <= PAGED_MAX_HEAD_DIM and cpu_operators_bound())
+
+
+PAGED_MAX_GROUP, PAGED_MAX_HEAD_DIM = 32, 256  # attention_cpu.c: ATT_MAX_G, ATT_MAX_D
+
+
+def decode_attention_compiled(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
+                              plan=None) -> torch.Tensor:
+    """The compiled decode path's attention: the CPU kernel where it serves (one call a layer from the graph's
+    C++ wrapper: each position read once, where it lies), else decode_attention_dense. Decided as the graph
+    is traced. The scale multiplies the query in the graph (what the kernel does first): a float argument to
+    the operator would be a symbolic float that dynamo can only specialize by tracing again."""
+    if paged_decode_usable(query, key_cache):
+        q = query.float() * scale  # fp32, as the kernel would scale it
+        out = torch.ops.tieredkv.paged_decode(q, key_cache, value_cache, block_tables, context_lens, 1.0)
+        return out.to(query.dtype)
+    return decode_attention_dense(query, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def decode_attention_cpu(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
+                         plan: DecodePlanRef | None = None) -> torch.Tensor:
+    """decode_attention_ref's contract on CPU: the rows that share a prefix as cascades (the plan's), the others
+    in one call of the CPU kernel, with no gather and no padding; decode_attention_ref where the kernel does not
+    serve."""
+    if not paged_decode_usable(query, key_cache):
+        return decode_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                    max_context_len, plan)
+    paged = torch.ops.tieredkv.paged_decode
+    if plan is None or plan.cascades is None:
+        return paged(query, key_cache, value_cache, block_tables, context_lens, scale)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out[plan.cascades.rows] = cascade_attention(query, key_cache, value_cache, plan.cascades, scale)
+    rows = plan.alone
+    if rows.numel():
+        out[rows] = paged(query[rows], key_cache, value_cache, block_tables[rows], context_lens[rows], scale)
+    return out

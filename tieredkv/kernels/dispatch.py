@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from tieredkv.kernels.block_copy import copy_blocks_ref, gather_blocks_ref, scatter_blocks_ref
-from tieredkv.kernels.decode_attention import decode_attention_ref, plan_decode
+from tieredkv.kernels.decode_attention import decode_attention_cpu, decode_attention_ref, plan_decode
 from tieredkv.kernels.kernel_ops import KernelOps
 from tieredkv.kernels.linear import select_linear, select_weight_packing
 from tieredkv.kernels.prefill_attention import prefill_attention_ref
@@ -25,6 +25,8 @@ TORCH_OPS = KernelOps(
     scatter_blocks=scatter_blocks_ref,
     plan_decode=plan_decode,
 )
+# on CPU decode attention goes through the CPU kernel where it is bound (decode_attention_cpu)
+CPU_OPS = replace(TORCH_OPS, name="cpu", decode_attention=decode_attention_cpu)
 
 
 def select_kernels(backend: str, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -42,6 +44,8 @@ def select_kernels(backend: str, device: torch.device, dtype: torch.dtype = torc
 def _attention_kernels(backend: str, device: torch.device) -> KernelOps:
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"attention_backend must be auto, torch or triton, got {backend!r}")
+    if backend == "auto" and device.type == "cpu":
+        return CPU_OPS
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TORCH_OPS
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

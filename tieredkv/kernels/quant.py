@@ -49,35 +49,40 @@ _BOUND: ctypes.CDLL | None = None  # the library whose one-row kernels tieredkv:
 _Q4_ROWS = GEMV_MAX_ROWS  # kernel_rows for q4 weights, from the loaded library
 
 
-def use_cpu_kernels(cache_dir: Path, one_row_operator: bool = True) -> bool:
-    """Builds (once per processor) and loads the CPU kernels, and with `one_row_operator` the C++ operator for
-    one row of quantized weights; False when the torch reference must serve."""
+def use_cpu_kernels(cache_dir: Path, operators: bool = True) -> bool:
+    """Builds (once per processor) and loads the CPU kernels, and with `operators` the C++ operators over them
+    (quant_ops.cpp); False when the torch reference must serve."""
     from tieredkv.kernels.quant_cpu import load
 
     lib = load(cache_dir) or _LIB
     if lib is not None:
-        serve_with(lib, cache_dir, one_row_operator)
+        serve_with(lib, cache_dir, operators)
     return lib is not None
 
 
-def bind_one_row_operator(cache_dir: Path) -> bool:
-    """Builds (once per torch build: ~6 s) and binds the C++ one-row operator to the loaded kernels; the compiled
-    decode path calls it before it traces, on its own thread, so no start waits for the build. False where it
-    cannot be had (the Python operator serves)."""
+def bind_cpu_operators(cache_dir: Path) -> bool:
+    """Builds (once per torch build: ~6 s) and binds the C++ operators (the quantized one-row product, decode
+    attention) to the loaded kernels; the compiled decode path calls it before it traces, on its own thread, so
+    no start waits for the build. False where they cannot be had (Python and torch serve)."""
     if _LIB is not None:
-        serve_with(_LIB, cache_dir, one_row_operator=True)
+        serve_with(_LIB, cache_dir, operators=True)
+    return cpu_operators_bound()
+
+
+def cpu_operators_bound() -> bool:
+    """torch.ops.tieredkv.quant_gemv and .paged_decode run the loaded kernels."""
     return _LIB is not None and _BOUND is _LIB
 
 
-def serve_with(lib: ctypes.CDLL | None, cache_dir: Path, one_row_operator: bool = True) -> None:
+def serve_with(lib: ctypes.CDLL | None, cache_dir: Path, operators: bool = True) -> None:
     """Makes `lib` (a build of quant_cpu.c; None: the torch reference) the kernels the ops run, and binds the
-    C++ one-row operator to it where that can be built."""
+    C++ operators to it where they can be built."""
     global _LIB, _BOUND, _Q4_ROWS
     from tieredkv.kernels.quant_cpu import bind_ops
 
     _LIB = lib
     _Q4_ROWS = GEMV_MAX_ROWS if lib is None else lib.tkv_q4_max_rows()
-    if lib is None or _BOUND is lib or not one_row_operator:
+    if lib is None or _BOUND is lib or not operators:
         return
     _BOUND = lib if bind_ops(cache_dir, lib) else None
 
@@ -516,7 +521,7 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
 
 
 def _linear_op(x: torch.Tensor, qw: QuantizedWeight):
-    if _BOUND is not None and _BOUND is _LIB and x.numel() == x.shape[-1] and _kernel_fits(qw.codes, qw.group_size):
+    if cpu_operators_bound() and x.numel() == x.shape[-1] and _kernel_fits(qw.codes, qw.group_size):
         return torch.ops.tieredkv.quant_gemv.default
     return _LINEAR_OP
 

@@ -1,4 +1,5 @@
-"""The CPU kernels for quantized weights (quant_cpu.c), built once per processor and loaded through ctypes.
+"""The project's CPU kernels (quant_cpu.c: quantized weights, one-row products; attention_cpu.c: decode
+attention over the paged cache), built once per processor into one library and loaded through ctypes.
 
 Why our own: torch's packed weight-only ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) have
 vectorized paths for AVX-512 and AMX only. Measured on an AVX2-only AMD EPYC (Zen 1) at batch 1 over the
@@ -31,7 +32,7 @@ from tieredkv.runner.cpu_features import cpu_info
 
 log = logging.getLogger("tieredkv")
 
-SOURCE = Path(__file__).with_name("quant_cpu.c")
+SOURCES = (Path(__file__).with_name("quant_cpu.c"), Path(__file__).with_name("attention_cpu.c"))
 BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 NATIVE = ("-march=native",)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -45,6 +46,7 @@ _SIGNATURES = {
     "tkv_f32_packed_row": ([_P, _I, _P, _I, _I, _I, _P, _P], ctypes.c_int),
     "tkv_bf16_packed_row": ([_P, _I, _P, _I, _I, _I, _P, _P], ctypes.c_int),
     "tkv_q4_max_rows": ([], ctypes.c_int),
+    "tkv_paged_decode": ([_P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_float, _P], ctypes.c_int),
 }
 
 
@@ -63,7 +65,8 @@ def _artifact(cache_dir: Path, stem: str, identity: tuple) -> Path:
 
 def library_path(cache_dir: Path, flags: tuple[str, ...] = NATIVE) -> Path:
     info = cpu_info()
-    return _artifact(cache_dir, "quant_cpu", (SOURCE.read_bytes(), info.model_name, sorted(info.flags), flags,
+    sources = tuple(s.read_bytes() for s in SOURCES)
+    return _artifact(cache_dir, "quant_cpu", (*sources, info.model_name, sorted(info.flags), flags,
                                               compiler()))
 
 
@@ -73,7 +76,7 @@ def build(cache_dir: Path, flags: tuple[str, ...] = NATIVE) -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    return _compile(library_path(cache_dir, flags), [cc, *BASE_FLAGS, *flags, str(SOURCE)], ["-lm"],
+    return _compile(library_path(cache_dir, flags), [cc, *BASE_FLAGS, *flags, *map(str, SOURCES)], ["-lm"],
                     "building the quantized-weight kernels")
 
 
@@ -137,10 +140,10 @@ def build_ops(cache_dir: Path) -> Path:
                f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(OPS_SOURCE)]
     lib = root / "lib"
     return _compile(out, command, [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"],
-                    "building the quantized-weight operator")
+                    "building the CPU operators")
 
 
-_OPS: ctypes.CDLL | None = None  # quant_ops.cpp's library, loaded once a process (it registers the operator)
+_OPS: ctypes.CDLL | None = None  # quant_ops.cpp's library, loaded once a process (it registers the operators)
 _OPS_ERROR: str | None = None
 
 
@@ -148,25 +151,32 @@ def _quant_gemv_shape(x, codes, scales, offsets, group_size, bias):
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
+def _paged_decode_shape(query, key_cache, value_cache, block_tables, context_lens, scale):
+    return query.new_empty(query.shape)
+
+
 def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
-    """Makes torch.ops.tieredkv.quant_gemv run `lib`'s one-row kernels, building and loading the operator's
-    library on first use; False (with one warning a process) where it cannot be had: the one-row products
-    then go through the Python operator, correct, a few microseconds slower a call."""
+    """Makes torch.ops.tieredkv.quant_gemv and .paged_decode run `lib`'s kernels, building and loading the
+    operators' library on first use; False (with one warning a process) where it cannot be had: the one-row
+    products then go through the Python operator (a few microseconds slower a call), decode attention through
+    torch (kernels/decode_attention.py)."""
     global _OPS, _OPS_ERROR
     if _OPS is None and _OPS_ERROR is None:
         try:
             path = build_ops(cache_dir)
             import torch
 
-            torch.ops.load_library(str(path))  # registers the operator; its shape function goes with it
+            torch.ops.load_library(str(path))  # registers the operators; their shape functions go with them
             torch.library.register_fake("tieredkv::quant_gemv", _quant_gemv_shape)
+            torch.library.register_fake("tieredkv::paged_decode", _paged_decode_shape)
             _OPS = ctypes.CDLL(str(path))
-            _OPS.tkv_bind.argtypes, _OPS.tkv_bind.restype = [ctypes.c_void_p, ctypes.c_void_p], None
+            _OPS.tkv_bind.argtypes, _OPS.tkv_bind.restype = [ctypes.c_void_p] * 3, None
         except (RuntimeError, OSError) as e:
             _OPS_ERROR = str(e)
-            log.warning("quantized-weight one-row operator unavailable, the Python one serves: %s", e)
+            log.warning("CPU operators (quantized one-row products, decode attention) unavailable, Python and "
+                        "torch serve: %s", e)
     if _OPS is None:
         return False
     address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
-    _OPS.tkv_bind(address(lib.tkv_q8_gemv), address(lib.tkv_q4_gemv))
+    _OPS.tkv_bind(address(lib.tkv_q8_gemv), address(lib.tkv_q4_gemv), address(lib.tkv_paged_decode))
     return True

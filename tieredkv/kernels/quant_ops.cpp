@@ -1,9 +1,11 @@
-// tieredkv::quant_gemv: one activation row times a quantized weight (kernels/quant.py's q8 and q4 formats), a
-// torch operator in C++ so that a call costs the dispatcher's few microseconds and no Python: a batch-1
-// decode step of the default model makes 121 of them, and the compiled decode graph's C++ wrapper calls it
-// directly. The arithmetic is quant_cpu.c's one-row kernels, from the build kernels/quant.py loaded
-// (tkv_bind hands over their addresses), so this file holds no kernel of its own. Built by
-// kernels/quant_cpu.py against the running torch's headers.
+// The project's CPU kernels as torch operators in C++, so that a call costs the dispatcher's few microseconds and
+// no Python, and the compiled decode graph's C++ wrapper calls them directly:
+//   tieredkv::quant_gemv: one activation row times a quantized weight (kernels/quant.py's q8 and q4 formats);
+//     a batch-1 decode step of the default model makes 121 of them;
+//   tieredkv::paged_decode: decode attention over the paged KV cache (attention_cpu.c), one call a layer.
+// The arithmetic is the library kernels/quant_cpu.py built and loaded (tkv_bind hands over the kernels'
+// addresses), so this file holds no kernel of its own. Built by kernels/quant_cpu.py against the running
+// torch's headers.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,8 +20,11 @@ using Q8Gemv = int (*)(const float *, int64_t, const int8_t *, const uint16_t *,
                        const float *, float *);
 using Q4Gemv = int (*)(const float *, int64_t, const uint8_t *, const uint16_t *, const uint16_t *, int64_t, int64_t,
                        const float *, float *);
+using PagedDecode = int (*)(const float *, int64_t, int64_t, int64_t, const void *, const void *, int, int64_t,
+                            int64_t, const int32_t *, int64_t, const int32_t *, float, float *);
 Q8Gemv q8_gemv = nullptr;
 Q4Gemv q4_gemv = nullptr;
+PagedDecode paged_decode_kernel = nullptr;
 
 const uint16_t *halves(const at::Tensor &t) {
     TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous(),
@@ -59,15 +64,60 @@ at::Tensor quant_gemv(const at::Tensor &x, const at::Tensor &codes, const at::Te
     return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// query [B, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D] (fp32 or bf16, contiguous);
+// block_tables [B, W] and context_lens [B] (int32; int64 is converted). Every context length must be at
+// least 1 and within its table, and every block id it reaches within the cache: checked here, as the kernel
+// reads where they point. Returns [B, Hq, D] in the query's dtype.
+at::Tensor paged_decode(const at::Tensor &query, const at::Tensor &key_cache, const at::Tensor &value_cache,
+                        const at::Tensor &block_tables, const at::Tensor &context_lens, double scale) {
+    TORCH_CHECK(paged_decode_kernel != nullptr, "paged_decode: the kernel is not bound (tkv_bind)");
+    TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                    key_cache.size(3) == query.size(2),
+                "paged_decode: query ", query.sizes(), " and caches ", key_cache.sizes(), ", ", value_cache.sizes());
+    const bool bf16 = key_cache.scalar_type() == at::kBFloat16;
+    TORCH_CHECK((bf16 || key_cache.scalar_type() == at::kFloat) && value_cache.scalar_type() == key_cache.scalar_type(),
+                "paged_decode: fp32 or bf16 caches, got ", key_cache.scalar_type(), " and ", value_cache.scalar_type());
+    TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode: contiguous caches");
+    const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
+    const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), Hkv = key_cache.size(2);
+    const at::Tensor tables = block_tables.to(at::kInt).contiguous(), lens = context_lens.to(at::kInt).contiguous();
+    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B,
+                "paged_decode: tables ", block_tables.sizes(), " and lengths ", context_lens.sizes(), " for ", B,
+                " queries");
+    const int32_t *t = tables.data_ptr<int32_t>(), *l = lens.data_ptr<int32_t>();
+    const int64_t width = tables.size(1);
+    for (int64_t b = 0; b < B; b++) {
+        TORCH_CHECK(l[b] >= 1 && l[b] <= width * bs, "paged_decode: context length ", l[b], " of row ", b,
+                    " outside 1..", width * bs);
+        for (int64_t j = 0; j < (l[b] + bs - 1) / bs; j++)
+            TORCH_CHECK(t[b * width + j] >= 0 && t[b * width + j] < blocks, "paged_decode: block id ",
+                        t[b * width + j], " outside the cache's ", blocks);
+    }
+    const at::Tensor q = query.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty({B, Hq, D}, query.options().dtype(at::kFloat));
+    const int status = paged_decode_kernel(q.data_ptr<float>(), B, Hq, D, key_cache.data_ptr(), value_cache.data_ptr(),
+                                           bf16 ? 1 : 0, bs, Hkv, t, width, l, static_cast<float>(scale),
+                                           out.data_ptr<float>());
+    TORCH_CHECK(status == 0, "paged_decode: ", Hq, " query heads over ", Hkv, " KV heads of ", D,
+                " is not a shape the kernel takes");
+    return query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type());
+}
+
 }  // namespace
 
-extern "C" void tkv_bind(void *q8, void *q4) {
+extern "C" void tkv_bind(void *q8, void *q4, void *paged) {
     q8_gemv = reinterpret_cast<Q8Gemv>(q8);
     q4_gemv = reinterpret_cast<Q4Gemv>(q4);
+    paged_decode_kernel = reinterpret_cast<PagedDecode>(paged);
 }
 
 TORCH_LIBRARY_FRAGMENT(tieredkv, m) {
     m.def("quant_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group_size, Tensor? bias) -> Tensor");
+    m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor context_lens, "
+          "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tieredkv, CPU, m) { m.impl("quant_gemv", &quant_gemv); }
+TORCH_LIBRARY_IMPL(tieredkv, CPU, m) {
+    m.impl("quant_gemv", &quant_gemv);
+    m.impl("paged_decode", &paged_decode);
+}

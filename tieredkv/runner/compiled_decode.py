@@ -51,7 +51,7 @@ from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.runner.direct_graph import BoundGraph, DirectGraph, Unsupported
 from tieredkv.runner.malloc_tuning import release_free_memory
 from tieredkv.kernels import KernelOps
-from tieredkv.kernels.decode_attention import decode_attention_dense
+from tieredkv.kernels.decode_attention import decode_attention_compiled
 from tieredkv.kernels.linear import dense_by_handle
 from tieredkv.kernels.store_kv import store_kv_dense
 from tieredkv.models.llama import LlamaModel
@@ -116,7 +116,8 @@ class CompiledDecode:
         handles = ops.pack_linear_weight is not None and model.packed_handles
         linear = dict(linear=dense_by_handle, packed_attr="packed_handle") if handles else \
             dict(linear=F.linear, pack_linear_weight=None)
-        self.ops = replace(ops, name=f"{ops.name}+compiled", plan_decode=None, decode_attention=decode_attention_dense,
+        self.ops = replace(ops, name=f"{ops.name}+compiled", plan_decode=None,
+                           decode_attention=decode_attention_compiled,
                            store_kv=store_kv_dense, **linear)
         self.cache_dir = cache_dir  # inductor's on-disk cache for this engine
         self.graphs = 0  # graphs compiled (or loaded from the cache): one per kind of run after warmup
@@ -316,11 +317,10 @@ class CompiledDecode:
         C++ compiler, say) the path is off, the eager forward serves, and a warning says why and what to do."""
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-        from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight, bind_one_row_operator
+        from tieredkv.kernels.quant import bind_cpu_operators
 
-        if self.kv_cache.device.type == "cpu" and any(isinstance(m, (QuantizedWeight, QuantizedParts))
-                                                      for m in self.model.modules()):
-            bind_one_row_operator(self.cache_dir.parent)  # before the trace, which then calls it (quant.py)
+        if self.kv_cache.device.type == "cpu":  # before the trace, which calls them (quant.py, decode_attention.py)
+            bind_cpu_operators(self.cache_dir.parent)
         self._warming = True
         try:
             marker = self.cache_dir / f".compiled-{self._graph_key()}"

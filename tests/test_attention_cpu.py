@@ -1,0 +1,188 @@
+"""The CPU decode attention kernel (attention_cpu.c, as torch.ops.tieredkv.paged_decode) against attention
+written out per sequence, on each build of the kernels (this processor's, AVX2, plain C): shapes, lengths,
+thread counts, bf16 caches, shared-prefix plans, the compiled graph's call, and the inputs it refuses."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import check_pool_clean, hf_greedy, naive_decode, run_to_end
+from tieredkv.kernels.cascade import shared_prefixes
+from tieredkv.kernels.decode_attention import (
+    decode_attention_compiled,
+    decode_attention_cpu,
+    decode_attention_ref,
+    paged_decode_usable,
+    plan_decode,
+)
+
+
+
+def paged(*args):
+    return torch.ops.tieredkv.paged_decode(*args)  # registered once the `lib` fixture bound the operators
+
+
+def paged_batch(lens, bs=16, kv_heads=2, group=3, d=32, dtype=torch.float32, seed=0, spare=3, pad=None):
+    """Caches with each sequence's blocks scattered over the pool, and tables wider than the longest
+    sequence needs, padded with `pad`, by default ids past the cache's end (the kernel never reads them;
+    the torch reference gathers whole tables and needs valid ones)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    num_blocks = sum(need) + spare
+    kc = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(lens), max(need) + 2), num_blocks + 1000 if pad is None else pad, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor(ids[used : used + n])
+        used += n
+    q = torch.randn(len(lens), kv_heads * group, d, generator=g).to(dtype)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def expected(q, kc, vc, tables, lens, scale):
+    return naive_decode(q.float(), kc.float(), vc.float(), tables, lens.tolist(), scale)
+
+
+@pytest.mark.parametrize("lens, bs, kv_heads, group, d", [
+    ([1], 16, 2, 3, 32),  # one position
+    ([160], 16, 3, 3, 64),  # the default model's heads
+    ([700, 5, 64, 65, 333, 16, 17, 690, 1, 250], 16, 2, 3, 32),  # spread lengths, block boundaries
+    ([4000], 16, 1, 8, 128),  # long: many splits
+    ([37, 900], 32, 4, 1, 64),  # no grouping, larger blocks
+    ([50, 51, 9], 8, 2, 4, 40),  # a head size that is not a multiple of 8: the plain-C loops
+    ([100, 3], 5, 2, 2, 16),  # a block size that is not a power of two
+    ([300, 120], 16, 1, 32, 256),  # the kernel's largest group and head size
+])
+def test_kernel_matches_per_sequence_attention(lib, lens, bs, kv_heads, group, d):
+    q, kc, vc, tables, ctx = paged_batch(lens, bs, kv_heads, group, d, seed=len(lens) + d)
+    got = paged(q, kc, vc, tables, ctx, d**-0.5)
+    torch.testing.assert_close(got, expected(q, kc, vc, tables, ctx, d**-0.5), rtol=2e-5, atol=2e-6)
+
+
+def test_bf16_caches_and_query(lib):
+    q, kc, vc, tables, ctx = paged_batch([333, 20, 1], dtype=torch.bfloat16, d=64)
+    got = paged(q, kc, vc, tables, ctx, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected(q, kc, vc, tables, ctx, 0.125), rtol=1e-2, atol=1e-2)
+    # fp32 queries over bf16 caches: the only rounding is the caches' own
+    got = paged(q.float(), kc, vc, tables, ctx, 0.125)
+    torch.testing.assert_close(got, expected(q, kc, vc, tables, ctx, 0.125), rtol=2e-5, atol=2e-6)
+
+
+def test_any_thread_count_gives_the_same_attention_each_call(lib):
+    """The positions are split by the thread count (a batch of one still keeps every thread busy); each
+    count's result is the reference's, and the same from call to call."""
+    q, kc, vc, tables, ctx = paged_batch([2000, 7], kv_heads=3, d=64)
+    want = expected(q, kc, vc, tables, ctx, 0.125)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            first = paged(q, kc, vc, tables, ctx, 0.125)
+            torch.testing.assert_close(first, want, rtol=2e-5, atol=2e-6)
+            assert torch.equal(paged(q, kc, vc, tables, ctx, 0.125), first)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decode_attention_cpu_with_shared_prefixes_equals_the_reference(lib):
+    """Rows sharing a prefix are attended as cascades (the plan's), the others by the kernel in one call."""
+    rng = random.Random(0)
+    bs, d, group, kv_heads = 16, 32, 3, 2
+    common = list(range(6))
+    tables_list = [common + [6 + i] for i in range(3)] + [[20 + i, 30 + i] for i in range(2)]
+    lens = [6 * bs + rng.randrange(1, bs) for _ in range(3)] + [rng.randrange(17, 32) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    kc, vc = torch.randn(40, bs, kv_heads, d, generator=g), torch.randn(40, bs, kv_heads, d, generator=g)
+    q = torch.randn(len(lens), kv_heads * group, d, generator=g)
+    padded = [row + [0] * (7 - len(row)) for row in tables_list]
+    tables, ctx = torch.tensor(padded, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    prefixes = shared_prefixes(tables_list, lens, bs)
+    assert prefixes == [([0, 1, 2], 6)]
+    plan = plan_decode(tables, ctx, bs, torch.float32, prefixes)
+    assert plan.cascades is not None and plan.alone.tolist() == [3, 4]
+    want = decode_attention_ref(q, kc, vc, tables, ctx, 0.2, plan=plan)
+    torch.testing.assert_close(decode_attention_cpu(q, kc, vc, tables, ctx, 0.2, plan=plan), want, rtol=2e-5,
+                               atol=2e-6)
+    torch.testing.assert_close(decode_attention_cpu(q, kc, vc, tables, ctx, 0.2), want, rtol=2e-5, atol=2e-6)
+
+
+def test_the_compiled_graph_calls_the_kernel(lib):
+    """decode_attention_compiled traces to one call of the operator (the scale folded into the query), and
+    the compiled function gives the reference's attention."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, kc, vc, tables, ctx = paged_batch([77], kv_heads=3, d=64)
+    graph = make_fx(lambda *a: decode_attention_compiled(*a, 0.125))(q, kc, vc, tables, ctx)
+    assert [n.target for n in graph.graph.nodes].count(torch.ops.tieredkv.paged_decode.default) == 1
+    compiled = torch.compile(lambda *a: decode_attention_compiled(*a, 0.125), fullgraph=True)
+    torch.testing.assert_close(compiled(q, kc, vc, tables, ctx), expected(q, kc, vc, tables, ctx, 0.125),
+                               rtol=2e-5, atol=2e-6)
+
+
+def test_where_the_kernel_does_not_serve_torch_does(lib, monkeypatch):
+    q, kc, vc, tables, ctx = paged_batch([40, 9], pad=0)
+    assert paged_decode_usable(q, kc)
+    assert not paged_decode_usable(q, kc.half())  # fp16 caches
+    assert not paged_decode_usable(q, kc.transpose(1, 2))  # not contiguous
+    wide = torch.randn(2, 66, 2, 32)
+    assert not paged_decode_usable(torch.randn(2, 66, 32), wide[:, :, :1].contiguous())  # 66 heads a KV head
+    from tieredkv.kernels import quant
+
+    monkeypatch.setattr(quant, "_BOUND", None)  # the operators not built (no C++ compiler)
+    assert not paged_decode_usable(q, kc)
+    torch.testing.assert_close(decode_attention_cpu(q, kc, vc, tables, ctx, 0.2),
+                               expected(q, kc, vc, tables, ctx, 0.2), rtol=2e-5, atol=2e-6)
+
+
+def test_bad_input_is_refused_before_anything_is_read(lib):
+    q, kc, vc, tables, ctx = paged_batch([40, 9])
+    with pytest.raises(RuntimeError, match="context length 0 of row 1"):
+        paged(q, kc, vc, tables, torch.tensor([40, 0], dtype=torch.int32), 0.2)
+    with pytest.raises(RuntimeError, match="context length 1000 of row 0 outside"):
+        paged(q, kc, vc, tables, torch.tensor([1000, 9], dtype=torch.int32), 0.2)
+    bad = tables.clone()
+    bad[1, 0] = kc.shape[0]
+    with pytest.raises(RuntimeError, match=f"block id {kc.shape[0]} outside"):
+        paged(q, kc, vc, bad, ctx, 0.2)
+    with pytest.raises(RuntimeError, match="fp32 or bf16 caches"):
+        paged(q, kc.half(), vc.half(), tables, ctx, 0.2)
+    with pytest.raises(RuntimeError, match="not a shape the kernel takes"):
+        paged(torch.randn(2, 5, 32), kc, vc, tables, ctx, 0.2)  # 5 query heads over 2 KV heads
+    with pytest.raises(RuntimeError, match="tables .* and lengths"):
+        paged(q, kc, vc, tables[:1], ctx, 0.2)
+    # int64 tables and lengths are converted
+    torch.testing.assert_close(paged(q, kc, vc, tables.long(), ctx.long(), 0.2), paged(q, kc, vc, tables, ctx, 0.2))
+
+
+@pytest.fixture
+def hf_outputs(llama_dir):
+    """transformers' greedy tokens for prompts of spread lengths, two sharing a 120-token prefix."""
+    shared = list(range(3, 123))
+    prompts = [shared + [50, 51], shared + [60, 61, 62], list(range(5, 205)), [7, 8, 9], list(range(100, 133))]
+    return prompts, hf_greedy(llama_dir, prompts, 10)
+
+
+def test_the_engine_batch_through_the_kernel_is_transformers_greedy(llama_dir, hf_outputs, monkeypatch):
+    """An engine on CPU binds the operators at start for its eager forward (its own build of the kernels);
+    decode steps of 5 rows, two sharing a prefix as a cascade, the others through the kernel: every token is
+    transformers'."""
+    from tieredkv import EngineConfig
+    from tieredkv.engine_core import EngineCore
+    from tieredkv.kernels import decode_attention as da
+
+    cascades, real = [], da.plan_cascades
+    monkeypatch.setattr(da, "plan_cascades", lambda *a, **k: cascades.append(1) or real(*a, **k))
+    prompts, want = hf_outputs
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, compile_decode=False))
+    try:
+        assert core.runner.ops.decode_attention is decode_attention_cpu
+        assert paged_decode_usable(torch.zeros(1, 4, 16), core.runner.kv_cache[0, 0])
+        assert run_to_end(core, prompts, [10] * len(prompts)) == want
+        assert cascades  # the shared prefix was attended as a cascade, the other rows by the kernel
+        check_pool_clean(core)
+    finally:
+        core.close()

@@ -1,0 +1,270 @@
+/* Decode attention over the paged KV cache on CPU: one query token per sequence.
+ *
+ *   out[b, h, :] = softmax(scale * q[b, h, :] . K[b, p, h / G, :] for p < lens[b]) @ V[b, p, h / G, :]
+ *
+ * K and V are [num_blocks, bs, Hkv, D] caches (fp32 or bf16) read where they lie, through the block table:
+ * position p of sequence b is row p % bs of block tables[b * ts + p / bs]. Nothing is gathered or padded, so
+ * a step costs the positions its sequences have, each read once (the G query heads of a KV head take their
+ * scores from the same load of a key row).
+ *
+ * Work items are (sequence, KV head, split of its positions): a batch of one sequence still has as many items
+ * as the threads can share evenly (att_splits). An item keeps, for each of its G heads, a running maximum,
+ * sum and weighted sum of values over its positions, a cache block (at most ATT_CHUNK rows) at a time (online
+ * softmax); the splits of a head are then merged. The result does not depend on which thread ran an item, so
+ * it is the same from call to call. Built into the same library as quant_cpu.c (kernels/quant_cpu.py). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATT_AVX2 1
+#endif
+
+#define ATT_CHUNK 32     /* key rows scored before their values are added */
+#define ATT_MAX_G 32     /* query heads per KV head */
+#define ATT_MAX_D 256    /* head dimension */
+#define ATT_MIN_SPLIT 32 /* positions an item takes at least */
+
+#ifdef ATT_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* e^x for x <= 0 (scores less their maximum): 2^n * e^r with |r| <= ln2/2, the polynomial to degree 7
+ * (relative error below 1e-7); below -87 the result is e^-87, as good as 0 beside the maximum's e^0 = 1. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    float s = 0.f;
+    for (int64_t d = 0; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+#ifdef ATT_AVX2
+/* the eight sums of a0..a7's lanes, in order */
+static inline __m256 hsum8(__m256 a[8]) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+/* s[g][i] = qs[g] . k_i for the n rows k_i = k + i * stride, G queries */
+static void scores(float qs[][ATT_MAX_D], int64_t G, const float *k, int64_t stride, int64_t n, int64_t D,
+                   float s[][ATT_CHUNK]) {
+    int64_t i0 = 0;
+#ifdef ATT_AVX2
+    if (D % 8 == 0)
+        for (; i0 + 8 <= n; i0 += 8)  /* eight rows a pass, their sums reduced together */
+            for (int64_t g = 0; g < G; g++) {
+                __m256 a[8];
+                for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_load_ps(qs[g] + d);
+                    for (int j = 0; j < 8; j++)
+                        a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (i0 + j) * stride + d), a[j]);
+                }
+                _mm256_storeu_ps(s[g] + i0, hsum8(a));
+            }
+#endif
+    for (; i0 < n; i0++)
+        for (int64_t g = 0; g < G; g++) s[g][i0] = dot(qs[g], k + i0 * stride, D);
+}
+
+/* acc[g * (D + 2) + 2 ...] += sum over i of p[g][i] * v_i for the n rows v_i = v + i * stride */
+static void weigh(float p[][ATT_CHUNK], int64_t G, const float *v, int64_t stride, int64_t n, int64_t D, float *acc) {
+    for (int64_t g = 0; g < G; g++) {
+        float *a = acc + g * (D + 2) + 2;
+        int64_t d = 0;
+#ifdef ATT_AVX2
+        for (; d + 32 <= D; d += 32) {  /* 32 outputs in registers over the rows */
+            __m256 a0 = _mm256_loadu_ps(a + d), a1 = _mm256_loadu_ps(a + d + 8);
+            __m256 a2 = _mm256_loadu_ps(a + d + 16), a3 = _mm256_loadu_ps(a + d + 24);
+            for (int64_t i = 0; i < n; i++) {
+                const __m256 w = _mm256_set1_ps(p[g][i]);
+                const float *vi = v + i * stride + d;
+                a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vi), a0);
+                a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vi + 8), a1);
+                a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vi + 16), a2);
+                a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vi + 24), a3);
+            }
+            _mm256_storeu_ps(a + d, a0);
+            _mm256_storeu_ps(a + d + 8, a1);
+            _mm256_storeu_ps(a + d + 16, a2);
+            _mm256_storeu_ps(a + d + 24, a3);
+        }
+        for (; d + 8 <= D; d += 8) {
+            __m256 a0 = _mm256_loadu_ps(a + d);
+            for (int64_t i = 0; i < n; i++)
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[g][i]), _mm256_loadu_ps(v + i * stride + d), a0);
+            _mm256_storeu_ps(a + d, a0);
+        }
+#endif
+        for (; d < D; d++) {
+            float t = a[d];
+            for (int64_t i = 0; i < n; i++) t += p[g][i] * v[i * stride + d];
+            a[d] = t;
+        }
+    }
+}
+
+/* x[i] = e^(x[i] - m), returns their sum */
+static inline float exp_sum(float *x, int64_t n, float m) {
+    int64_t i = 0;
+    float s = 0.f;
+#ifdef ATT_AVX2
+    __m256 vs = _mm256_setzero_ps(), vm = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        _mm256_storeu_ps(x + i, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    s = hsum256(vs);
+#endif
+    for (; i < n; i++) s += (x[i] = expf(x[i] - m));
+    return s;
+}
+
+/* a bf16 row as fp32 */
+static inline void widen(const uint16_t *src, int64_t D, float *dst) {
+    for (int64_t d = 0; d < D; d++) {
+        uint32_t u = (uint32_t)src[d] << 16;
+        memcpy(dst + d, &u, 4);
+    }
+}
+
+/* Splits of each sequence's positions: enough items for the threads to share evenly (their count a multiple
+ * of the threads, or at least four items a thread), none shorter than ATT_MIN_SPLIT positions. */
+static int64_t att_splits(int64_t heads, int64_t longest, int threads) {
+    int64_t most = (longest + ATT_MIN_SPLIT - 1) / ATT_MIN_SPLIT, s = 1;
+    while (s < most && (heads * s) % threads != 0 && heads * s < 4 * threads) s++;
+    return s;
+}
+
+/* n rows of a bf16 cache (stride apart) as fp32 rows D apart */
+static void widen_rows(const uint16_t *src, int64_t stride, int64_t n, int64_t D, float *dst) {
+    for (int64_t i = 0; i < n; i++) widen(src + i * stride, D, dst + i * D);
+}
+
+/* One item: positions [p0, p1) of sequence b for the G heads of KV head kvh; `part` receives each head's
+ * maximum, sum and D weighted values (part[g * (D + 2)]: m, l, acc[D]). */
+static void att_item(const float *q, const void *kc, const void *vc, int bf16, int64_t bs, int64_t Hkv,
+                     int64_t D, int64_t G, const int32_t *table, int64_t kvh, int64_t p0, int64_t p1, float scale,
+                     float *part) {
+    float qs[ATT_MAX_G][ATT_MAX_D] __attribute__((aligned(32)));
+    float s[ATT_MAX_G][ATT_CHUNK];
+    float wide[ATT_CHUNK * ATT_MAX_D];  /* a bf16 chunk's rows as fp32 */
+    const int64_t G2 = D + 2, row = Hkv * D;
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t d = 0; d < D; d++) qs[g][d] = q[(kvh * G + g) * D + d] * scale;
+        float *pg = part + g * G2;
+        pg[0] = -INFINITY;
+        pg[1] = 0.f;
+        memset(pg + 2, 0, D * sizeof(float));
+    }
+    for (int64_t p = p0; p < p1;) {
+        const int64_t off = p % bs, blk = table[p / bs];
+        int64_t n = bs - off < p1 - p ? bs - off : p1 - p;
+        if (n > ATT_CHUNK) n = ATT_CHUNK;
+        const int64_t first = (blk * bs + off) * row + kvh * D;  /* element index of the chunk's first row */
+        const float *k = (const float *)kc + first, *v = (const float *)vc + first;
+        int64_t stride = row;
+        if (bf16) {
+            widen_rows((const uint16_t *)kc + first, row, n, D, wide);
+            k = wide, stride = D;
+        }
+        scores(qs, G, k, stride, n, D, s);
+        for (int64_t g = 0; g < G; g++) {
+            float *pg = part + g * G2, m = pg[0];
+            for (int64_t i = 0; i < n; i++) m = s[g][i] > m ? s[g][i] : m;
+            const float alpha = expf(pg[0] - m);  /* 0 at the first chunk (m was -inf) */
+            const float sum = exp_sum(s[g], n, m);
+            if (alpha != 1.f)
+                for (int64_t d = 0; d < D; d++) pg[2 + d] *= alpha;
+            pg[0] = m;
+            pg[1] = pg[1] * alpha + sum;
+        }
+        if (bf16) {
+            widen_rows((const uint16_t *)vc + first, row, n, D, wide);
+            v = wide;
+        }
+        weigh(s, G, v, stride, n, D, part);
+        p += n;
+    }
+}
+
+/* q [B, Hq, D] fp32; kc, vc [*, bs, Hkv, D] fp32 (bf16 = 0) or bf16 (bf16 = 1); tables [B, ts] int32;
+ * lens [B] int32 (each >= 1 and within its table); out [B, Hq, D] fp32. Returns -1 for a shape the kernel
+ * does not take (Hq not a multiple of Hkv, G or D above their limits) or no memory, 0 when done. */
+int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const void *kc, const void *vc, int bf16,
+                     int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts, const int32_t *lens, float scale,
+                     float *out) {
+    if (B <= 0 || Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > ATT_MAX_G || D > ATT_MAX_D || D <= 0 || bs <= 0)
+        return -1;
+    const int64_t G = Hq / Hkv;
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
+    const int64_t S = att_splits(B * Hkv, longest, threads), items = B * Hkv * S, G2 = D + 2;
+    float *parts = (float *)malloc((size_t)(items * G * G2) * sizeof(float));
+    if (!parts) return -1;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t b = it / (Hkv * S), kvh = it / S % Hkv, sp = it % S, len = lens[b];
+            int64_t per = (len + S - 1) / S;
+            per = (per + bs - 1) / bs * bs;  /* whole blocks a split, so a chunk never straddles two */
+            const int64_t p0 = sp * per < len ? sp * per : len, p1 = p0 + per < len ? p0 + per : len;
+            att_item(q + b * Hq * D, kc, vc, bf16, bs, Hkv, D, G, tables + b * ts, kvh, p0, p1, scale,
+                     parts + it * G * G2);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * Hq; bh++) {  /* the splits of each head merged */
+            const int64_t b = bh / Hq, h = bh % Hq, kvh = h / G, g = h % G;
+            const float *first = parts + ((b * Hkv + kvh) * S) * G * G2 + g * G2;
+            float m = -INFINITY, l = 0.f;
+            for (int64_t sp = 0; sp < S; sp++) m = first[sp * G * G2] > m ? first[sp * G * G2] : m;
+            float *o = out + bh * D;
+            memset(o, 0, D * sizeof(float));
+            for (int64_t sp = 0; sp < S; sp++) {
+                const float *pg = first + sp * G * G2;
+                if (pg[1] == 0.f) continue;  /* a split with no positions */
+                const float w = expf(pg[0] - m);
+                l += pg[1] * w;
+                for (int64_t d = 0; d < D; d++) o[d] += w * pg[2 + d];
+            }
+            const float inv = 1.f / l;
+            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
+    }
+    free(parts);
+    return 0;
+}
