@@ -7,11 +7,12 @@
  * a step costs the positions its sequences have, each read once (the G query heads of a KV head take their
  * scores from the same load of a key row).
  *
- * Work items are (sequence, KV head, split of its positions): a batch of one sequence still has as many items
- * as the threads can share evenly (att_splits). An item keeps, for each of its G heads, a running maximum,
- * sum and weighted sum of values over its positions, a cache block (at most ATT_CHUNK rows) at a time (online
- * softmax); the splits of a head are then merged. The result does not depend on which thread ran an item, so
- * it is the same from call to call. Built into the same library as quant_cpu.c (kernels/quant_cpu.py). */
+ * Work items are (sequence, split of its positions): a batch of one sequence still has as many items as the
+ * threads can share evenly (att_splits). An item reads its positions a chunk at a time (a cache block, at
+ * most ATT_CHUNK rows: every KV head of those rows, side by side in memory), prefetching the next chunk, which
+ * lies in another block, and keeps for each query head a running maximum, sum and weighted sum of values
+ * (online softmax); the splits of a head are then merged. The result does not depend on which thread ran an
+ * item, so it is the same from call to call. Built into the same library as quant_cpu.c (kernels/quant_cpu.py). */
 
 #include <math.h>
 #include <stdint.h>
@@ -73,8 +74,8 @@ static inline __m256 hsum8(__m256 a[8]) {
 }
 #endif
 
-/* s[g][i] = qs[g] . k_i for the n rows k_i = k + i * stride, G queries */
-static void scores(float qs[][ATT_MAX_D], int64_t G, const float *k, int64_t stride, int64_t n, int64_t D,
+/* s[g][i] = q_g . k_i for the G query rows q_g = qs + g * D and the n rows k_i = k + i * stride */
+static void scores(const float *qs, int64_t G, const float *k, int64_t stride, int64_t n, int64_t D,
                    float s[][ATT_CHUNK]) {
     int64_t i0 = 0;
 #ifdef ATT_AVX2
@@ -84,7 +85,7 @@ static void scores(float qs[][ATT_MAX_D], int64_t G, const float *k, int64_t str
                 __m256 a[8];
                 for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
                 for (int64_t d = 0; d < D; d += 8) {
-                    const __m256 qv = _mm256_load_ps(qs[g] + d);
+                    const __m256 qv = _mm256_loadu_ps(qs + g * D + d);
                     for (int j = 0; j < 8; j++)
                         a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (i0 + j) * stride + d), a[j]);
                 }
@@ -92,7 +93,7 @@ static void scores(float qs[][ATT_MAX_D], int64_t G, const float *k, int64_t str
             }
 #endif
     for (; i0 < n; i0++)
-        for (int64_t g = 0; g < G; g++) s[g][i0] = dot(qs[g], k + i0 * stride, D);
+        for (int64_t g = 0; g < G; g++) s[g][i0] = dot(qs + g * D, k + i0 * stride, D);
 }
 
 /* acc[g * (D + 2) + 2 ...] += sum over i of p[g][i] * v_i for the n rows v_i = v + i * stride */
@@ -157,11 +158,11 @@ static inline void widen(const uint16_t *src, int64_t D, float *dst) {
     }
 }
 
-/* Splits of each sequence's positions: enough items for the threads to share evenly (their count a multiple
- * of the threads, or at least four items a thread), none shorter than ATT_MIN_SPLIT positions. */
-static int64_t att_splits(int64_t heads, int64_t longest, int threads) {
+/* Splits of each sequence's positions: at least two items a thread and a multiple of the threads where the
+ * positions allow, none shorter than ATT_MIN_SPLIT positions. */
+static int64_t att_splits(int64_t B, int64_t longest, int threads) {
     int64_t most = (longest + ATT_MIN_SPLIT - 1) / ATT_MIN_SPLIT, s = 1;
-    while (s < most && (heads * s) % threads != 0 && heads * s < 4 * threads) s++;
+    while (s < most && (B * s < 2 * threads || (B * s) % threads != 0)) s++;
     return s;
 }
 
@@ -170,49 +171,60 @@ static void widen_rows(const uint16_t *src, int64_t stride, int64_t n, int64_t D
     for (int64_t i = 0; i < n; i++) widen(src + i * stride, D, dst + i * D);
 }
 
-/* One item: positions [p0, p1) of sequence b for the G heads of KV head kvh; `part` receives each head's
- * maximum, sum and D weighted values (part[g * (D + 2)]: m, l, acc[D]). */
+/* One item: positions [p0, p1) of one sequence, every head. A chunk of positions is read once, all its KV
+ * heads side by side in memory, while the next is fetched. `part` receives each query head's maximum, sum and
+ * D weighted values (part[h * (D + 2)]: m, l, acc[D]). */
 static void att_item(const float *q, const void *kc, const void *vc, int bf16, int64_t bs, int64_t Hkv,
-                     int64_t D, int64_t G, const int32_t *table, int64_t kvh, int64_t p0, int64_t p1, float scale,
+                     int64_t D, int64_t G, const int32_t *table, int64_t p0, int64_t p1, float scale,
                      float *part) {
-    float qs[ATT_MAX_G][ATT_MAX_D] __attribute__((aligned(32)));
     float s[ATT_MAX_G][ATT_CHUNK];
-    float wide[ATT_CHUNK * ATT_MAX_D];  /* a bf16 chunk's rows as fp32 */
-    const int64_t G2 = D + 2, row = Hkv * D;
-    for (int64_t g = 0; g < G; g++) {
-        for (int64_t d = 0; d < D; d++) qs[g][d] = q[(kvh * G + g) * D + d] * scale;
-        float *pg = part + g * G2;
-        pg[0] = -INFINITY;
-        pg[1] = 0.f;
-        memset(pg + 2, 0, D * sizeof(float));
+    float wide[ATT_CHUNK * ATT_MAX_D];  /* a bf16 chunk's rows of one KV head as fp32 */
+    const int64_t G2 = D + 2, row = Hkv * D, esize = bf16 ? 2 : 4;
+    for (int64_t h = 0; h < Hkv * G; h++) {
+        float *ph = part + h * G2;
+        ph[0] = -INFINITY;
+        ph[1] = 0.f;
+        memset(ph + 2, 0, D * sizeof(float));
     }
     for (int64_t p = p0; p < p1;) {
         const int64_t off = p % bs, blk = table[p / bs];
         int64_t n = bs - off < p1 - p ? bs - off : p1 - p;
         if (n > ATT_CHUNK) n = ATT_CHUNK;
-        const int64_t first = (blk * bs + off) * row + kvh * D;  /* element index of the chunk's first row */
-        const float *k = (const float *)kc + first, *v = (const float *)vc + first;
-        int64_t stride = row;
-        if (bf16) {
-            widen_rows((const uint16_t *)kc + first, row, n, D, wide);
-            k = wide, stride = D;
+        const int64_t first = (blk * bs + off) * row;  /* element index of the chunk's first row */
+        if (p + n < p1) {  /* the next chunk's rows (in another block, the prefetchers' streams stop here) */
+            const int64_t next = p + n, nfirst = (table[next / bs] * bs + next % bs) * row;
+            const int64_t bytes = (p1 - next < n ? p1 - next : n) * row * esize;
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch((const char *)kc + nfirst * esize + b);
+                __builtin_prefetch((const char *)vc + nfirst * esize + b);
+            }
         }
-        scores(qs, G, k, stride, n, D, s);
-        for (int64_t g = 0; g < G; g++) {
-            float *pg = part + g * G2, m = pg[0];
-            for (int64_t i = 0; i < n; i++) m = s[g][i] > m ? s[g][i] : m;
-            const float alpha = expf(pg[0] - m);  /* 0 at the first chunk (m was -inf) */
-            const float sum = exp_sum(s[g], n, m);
-            if (alpha != 1.f)
-                for (int64_t d = 0; d < D; d++) pg[2 + d] *= alpha;
-            pg[0] = m;
-            pg[1] = pg[1] * alpha + sum;
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            const int64_t at = first + kvh * D;
+            const float *k = (const float *)kc + at, *v = (const float *)vc + at;
+            int64_t stride = row;
+            float *ph = part + kvh * G * G2;
+            if (bf16) {
+                widen_rows((const uint16_t *)kc + at, row, n, D, wide);
+                k = wide, stride = D;
+            }
+            scores(q + kvh * G * D, G, k, stride, n, D, s);
+            for (int64_t g = 0; g < G; g++) {
+                float *pg = ph + g * G2, m = pg[0];
+                for (int64_t i = 0; i < n; i++) m = (s[g][i] *= scale) > m ? s[g][i] : m;
+                const float alpha = expf(pg[0] - m);  /* 0 at the first chunk (m was -inf) */
+                const float sum = exp_sum(s[g], n, m);
+                if (alpha != 1.f)
+                    for (int64_t d = 0; d < D; d++) pg[2 + d] *= alpha;
+                pg[0] = m;
+                pg[1] = pg[1] * alpha + sum;
+            }
+            if (bf16) {
+                widen_rows((const uint16_t *)vc + at, row, n, D, wide);
+                v = wide;
+            }
+            weigh(s, G, v, stride, n, D, ph);
         }
-        if (bf16) {
-            widen_rows((const uint16_t *)vc + first, row, n, D, wide);
-            v = wide;
-        }
-        weigh(s, G, v, stride, n, D, part);
         p += n;
     }
 }
@@ -232,30 +244,30 @@ int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const voi
 #endif
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
-    const int64_t S = att_splits(B * Hkv, longest, threads), items = B * Hkv * S, G2 = D + 2;
-    float *parts = (float *)malloc((size_t)(items * G * G2) * sizeof(float));
+    const int64_t S = att_splits(B, longest, threads), items = B * S, G2 = D + 2;
+    float *parts = (float *)malloc((size_t)(items * Hq * G2) * sizeof(float));
     if (!parts) return -1;
     #pragma omp parallel
     {
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t b = it / (Hkv * S), kvh = it / S % Hkv, sp = it % S, len = lens[b];
+            const int64_t b = it / S, sp = it % S, len = lens[b];
             int64_t per = (len + S - 1) / S;
             per = (per + bs - 1) / bs * bs;  /* whole blocks a split, so a chunk never straddles two */
             const int64_t p0 = sp * per < len ? sp * per : len, p1 = p0 + per < len ? p0 + per : len;
-            att_item(q + b * Hq * D, kc, vc, bf16, bs, Hkv, D, G, tables + b * ts, kvh, p0, p1, scale,
-                     parts + it * G * G2);
+            att_item(q + b * Hq * D, kc, vc, bf16, bs, Hkv, D, G, tables + b * ts, p0, p1, scale,
+                     parts + it * Hq * G2);
         }
         #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * Hq; bh++) {  /* the splits of each head merged */
-            const int64_t b = bh / Hq, h = bh % Hq, kvh = h / G, g = h % G;
-            const float *first = parts + ((b * Hkv + kvh) * S) * G * G2 + g * G2;
+            const int64_t b = bh / Hq, h = bh % Hq;
+            const float *first = parts + (b * S * Hq + h) * G2;
             float m = -INFINITY, l = 0.f;
-            for (int64_t sp = 0; sp < S; sp++) m = first[sp * G * G2] > m ? first[sp * G * G2] : m;
+            for (int64_t sp = 0; sp < S; sp++) m = first[sp * Hq * G2] > m ? first[sp * Hq * G2] : m;
             float *o = out + bh * D;
             memset(o, 0, D * sizeof(float));
             for (int64_t sp = 0; sp < S; sp++) {
-                const float *pg = first + sp * G * G2;
+                const float *pg = first + sp * Hq * G2;
                 if (pg[1] == 0.f) continue;  /* a split with no positions */
                 const float w = expf(pg[0] - m);
                 l += pg[1] * w;
