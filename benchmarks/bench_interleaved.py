@@ -1,12 +1,15 @@
 """Batch-1 decode of the engine and of llama.cpp interleaved in time, for machines whose speed drifts.
 
     .venv/bin/python benchmarks/bench_interleaved.py --llama-bench PATH --gguf f32.gguf q4_1.gguf [--rounds 5]
+        [--depth 0 1024 4000]
 
 bench_decode.py runs every engine variant first and llama-bench after, so a machine that speeds up or slows
 down in between (one of ours moved 1.5x within minutes) skews the engine-to-llama.cpp ratios. Here each round
 runs every variant once (the engine in fp32, int4 and on the default model's own Q4_1 file, 128 new tokens
 after a 128-token prompt; then llama-bench -t 2 -p 0 -n 128 -r 1 on each file), and the ratios come from the
-medians over rounds. Set LD_LIBRARY_PATH to llama-bench's directory if its libraries live there.
+medians over rounds. With --depth, each round does so at every depth: the engine's prompt that many tokens
+long (128 at depth 0), llama-bench -d depth (the prompt's tokens are random ids; only the context length
+matters to the time). Set LD_LIBRARY_PATH to llama-bench's directory if its libraries live there.
 """
 
 from __future__ import annotations
@@ -32,26 +35,34 @@ VARIANTS = {"fp32": {}, "int4": {"quantization": "int4"}, "Q4_1 (gguf)": {"quant
 
 def main(args) -> dict:
     random.seed(0)
-    prompt = [random.randrange(100, 40000) for _ in range(128)]
+    prompts = {d: [random.randrange(100, 40000) for _ in range(d or 128)] for d in args.depth}
+    longest = max(map(len, prompts.values())) + 128
     cores = {}
     for name, kw in VARIANTS.items():
-        cores[name] = EngineCore(EngineConfig(compile_in_background=False, kv_cache_bytes=96 << 20, warm_bytes=0,
-                                              **kw))
-        decode_ms(cores[name], prompt, 16)  # warm
+        cores[name] = EngineCore(EngineConfig(compile_in_background=False, warm_bytes=0, max_model_len=longest,
+                                              num_blocks=len(prompts) * (longest // 16 + 2), **kw))
+        for prompt in prompts.values():
+            decode_ms(cores[name], prompt, 16)  # warm; the prompt's blocks stay cached for the rounds
     rounds: dict[str, list[float]] = {}
+    at = (lambda name, d: name) if args.depth == [0] else (lambda name, d: f"{name} @ {d}")
     for r in range(args.rounds):
-        for name, core in cores.items():
-            rounds.setdefault(name, []).append(decode_ms(core, prompt, 128))
-        for gguf in args.gguf:
-            rounds.setdefault(f"llama.cpp {Path(gguf).name}", []).append(llama_bench(args.llama_bench, gguf, repeats=1))
+        for d, prompt in prompts.items():
+            for name, core in cores.items():
+                rounds.setdefault(at(name, d), []).append(decode_ms(core, prompt, 128))
+            for gguf in args.gguf:
+                rounds.setdefault(at(f"llama.cpp {Path(gguf).name}", d), []).append(
+                    llama_bench(args.llama_bench, gguf, repeats=1, depth=d))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rounds.items()), flush=True)
     median = {k: statistics.median(v) for k, v in rounds.items()}
     print("median ms/token: " + ", ".join(f"{k} {v:.2f}" for k, v in median.items()))
-    print(f"int4 / fp32: {median['int4'] / median['fp32']:.3f}")
-    for name, v in median.items():
-        if name.startswith("llama.cpp"):
-            print(f"vs {name}: " + ", ".join(f"{k} {median[k] / v:.3f}x" for k in VARIANTS))
-    return {"machine": cpu_info().describe(torch.get_num_threads()), "rounds": rounds, "median": median}
+    for d in prompts:
+        print(f"{at('int4 / fp32', d)}: {median[at('int4', d)] / median[at('fp32', d)]:.3f}")
+        for gguf in args.gguf:
+            ref = median[at(f"llama.cpp {Path(gguf).name}", d)]
+            print(f"vs {at(f'llama.cpp {Path(gguf).name}', d)}: "
+                  + ", ".join(f"{k} {median[at(k, d)] / ref:.3f}x" for k in VARIANTS))
+    return {"machine": cpu_info().describe(torch.get_num_threads()), "depths": args.depth, "rounds": rounds,
+            "median": median}
 
 
 if __name__ == "__main__":
@@ -59,6 +70,8 @@ if __name__ == "__main__":
     parser.add_argument("--llama-bench", required=True, help="path to llama.cpp's llama-bench")
     parser.add_argument("--gguf", nargs="+", required=True, help="GGUF files of the default model for llama-bench")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--depth", type=int, nargs="+", default=[0],
+                        help="context lengths the 128 new tokens follow (llama-bench -d; 0: a 128-token prompt)")
     parser.add_argument("--json", help="write the results here")
     options = parser.parse_args()
     results = main(options)
