@@ -179,8 +179,8 @@ def decode_attention_dense(
 
 def paged_decode_usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """True where the CPU kernel (attention_cpu.c, as torch.ops.tieredkv.paged_decode) takes this attention:
-    caches on CPU in fp32 or bf16, contiguous, shapes within its limits, and the operator bound (the compiled
-    decode path binds it; kernels/quant.py: bind_cpu_operators)."""
+    caches on CPU in fp32 or bf16, contiguous, shapes within its limits, and the operator bound (at start, or
+    by the compiled decode path before its trace; kernels/quant.py: serve_with)."""
     from tieredkv.kernels.quant import cpu_operators_bound
 
     heads, kv_heads = query.shape[1], key_cache.shape[2]
