@@ -554,8 +554,8 @@ int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, 
     if (!xq || !xsum) { free(xq); free(xsum); return -1; }
     quantize_rows(x, 1, K, g, xq, &sx, xsum);
 #ifdef TKV_AVX512
-    const int64_t G8 = g == 32 ? G / 8 * 8 : 0;  /* the groups the 512-bit chunks take */
-    pair_order(xq, G8, xp);
+    const int64_t G8 = g == 32 ? G / 8 * 8 : 0, G2 = g == 32 ? G / 2 * 2 : 0;  /* the groups 512-bit steps take */
+    pair_order(xq, G2, xp);
 #endif
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -565,17 +565,24 @@ int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, 
 #ifdef TKV_AVX2
         int64_t b = 0;
         __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps(), zacc = _mm256_setzero_ps();
+        float ztail = 0.f;
 #ifdef TKV_AVX512
         __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
         for (; b < G8; b += 8) q4_chunk512(qr, xp, xsum, dr, mr, b, &e0, &e1, &zacc);
-        f0 = halves_sum(e0);
-        f1 = halves_sum(e1);
+        for (; b < G2; b += 2) {  /* pairs past the chunks (a row of 576: 16 groups in chunks, one pair) */
+            uint32_t two;
+            memcpy(&two, dr + b, 4);
+            __m512 ds = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_cvtsi32_si128((int)two)));
+            e0 = q4_pair(qr, xp, b, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1,
+                                                                             1, 1, 1), ds), e0);
+            ztail += h2f(mr[b]) * xsum[b] + h2f(mr[b + 1]) * xsum[b + 1];
+        }
+        f0 = halves_sum(_mm512_add_ps(e0, e1));
 #endif
         if (g == 32)  /* the common size (GGUF's, the int4 default): inlined with a constant, no inner loop */
             for (; b + 8 <= G; b += 8) q4_chunk(qr, xq, xsum, dr, mr, b, 32, &f0, &f1, &zacc);
         else
             for (; b + 8 <= G; b += 8) q4_chunk(qr, xq, xsum, dr, mr, b, g, &f0, &f1, &zacc);
-        float ztail = 0.f;
         for (; b < G; b++) {  /* the groups past the chunks */
             f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b, g)), _mm256_set1_ps(h2f(dr[b])), f0);
             ztail += h2f(mr[b]) * xsum[b];
