@@ -67,8 +67,8 @@ class EngineConfig(BaseModel):
     cascade_attention: bool = Field(True, description="decode sequences sharing a cached prefix read it once per "
                                     "step (where it pays; see kernels/cascade.py)")
     attention_backend: Literal["auto", "triton", "torch"] = Field(
-        "auto", description='"auto": Triton kernels on CUDA, torch reference elsewhere'
-    )
+        "auto", description='"auto": Triton kernels on CUDA; on CPU the project\'s C decode attention kernel (torch '
+        'references for the rest); "torch": the torch references everywhere')
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's, one "
                                     "per core: measured 2x faster than 1 alone, equal beside busy processes)")
     compile_decode: bool | None = Field(
