@@ -1,4 +1,4 @@
-"""The one place that picks Triton kernels or their torch references."""
+"""The one place that picks Triton kernels, the CPU kernels or their torch references."""
 
 from __future__ import annotations
 
