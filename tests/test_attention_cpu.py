@@ -123,6 +123,21 @@ def test_the_compiled_graph_calls_the_kernel(lib):
                                rtol=2e-5, atol=2e-6)
 
 
+def test_a_nan_in_the_cache_spoils_its_heads_as_in_the_reference(lib):
+    """A NaN key or value makes the attention of the query heads that read it NaN, as softmax does in the
+    reference (the sampler then fails that sequence alone), and leaves the other heads and rows alone."""
+    q, kc, vc, tables, ctx = paged_batch([100, 40], kv_heads=2, group=3, d=64)
+    want = expected(q, kc, vc, tables, ctx, 0.125)
+    for cache in (kc, vc):
+        spoiled = cache.clone()
+        spoiled[int(tables[0, 2]), 5, 1] = float("nan")  # row 0's position 37, KV head 1
+        k, v = (spoiled, vc) if cache is kc else (kc, spoiled)
+        got = paged(q, k, v, tables, ctx, 0.125)
+        assert got[0, 3:].isnan().all()  # query heads 3..5 read KV head 1
+        torch.testing.assert_close(got[0, :3], want[0, :3], rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=2e-5, atol=2e-6)
+
+
 def test_where_the_kernel_does_not_serve_torch_does(lib, monkeypatch):
     q, kc, vc, tables, ctx = paged_batch([40, 9], pad=0)
     assert paged_decode_usable(q, kc)

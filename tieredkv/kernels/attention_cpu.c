@@ -39,9 +39,11 @@ static inline float hsum256(__m256 v) {
 }
 
 /* e^x for x <= 0 (scores less their maximum): 2^n * e^r with |r| <= ln2/2, the polynomial to degree 7
- * (relative error below 1e-7); below -87 the result is e^-87, as good as 0 beside the maximum's e^0 = 1. */
+ * (relative error below 1e-7); below -87 the result is e^-87, as good as 0 beside the maximum's e^0 = 1.
+ * A NaN stays NaN (max_ps returns its second operand when either is NaN), so a NaN score spoils its head's
+ * attention as softmax's does. */
 static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
