@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -161,6 +162,15 @@ async def test_the_worker_hands_freed_heap_back_once_idle(llama_dir, monkeypatch
     async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32)) as engine:
         assert calls == []  # nothing ran yet
         for expected in ([False], [False, False]):
-            await asyncio.gather(*(engine.generate([5, 6, 7, 8 + i], SamplingParams(max_tokens=6)) for i in range(3)))
+            # the three requests reach the worker together (it waits on `gate` meanwhile), so each batch is one
+            # stretch of work: otherwise a fast first request could finish before the next one is posted
+            gate = threading.Event()
+            held = asyncio.ensure_future(engine.run_in_worker(gate.wait))
+            await asyncio.sleep(0)
+            batch = [asyncio.ensure_future(engine.generate([5, 6, 7, 8 + i], SamplingParams(max_tokens=6)))
+                     for i in range(3)]
+            await asyncio.sleep(0.05)  # every request posted behind the gate
+            gate.set()
+            await asyncio.gather(held, *batch)
             await engine.run_in_worker(lambda: None)  # the worker is back at its idle wait
             assert calls == expected
