@@ -300,6 +300,13 @@ def test_engine_matches_transformers_on_the_dequantized_weights(scheme, llama_di
         while core.has_work():
             core.step()
         assert [r.seqs[0].output_token_ids for r in reqs] == want
+        # the quantized weights lie in one arena, in the order the forward reads them, the LM head last
+        held = [t for m in core.model.modules() if isinstance(m, quant.QuantizedWeight)
+                for t in (m.codes, m.scales, m.offsets) if t is not None]
+        assert len({t.untyped_storage().data_ptr() for t in held}) == 1
+        assert [t.data_ptr() for t in held] == sorted(t.data_ptr() for t in held)
+        head = core.model.quantized_head
+        assert held[-1] is [t for t in (head.codes, head.scales, head.offsets) if t is not None][-1]
         stats = core.stats()
         assert stats.weights == f"{scheme} (float32 activations)"
         full = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=0))

@@ -26,7 +26,7 @@ from tieredkv.kernels import KernelOps, select_kernels
 from tieredkv.kernels.linear import graph_reads_packed
 from tieredkv.lifecycle import Lifecycle
 from tieredkv.models.llama import LlamaModel
-from tieredkv.kernels.quant import use_cpu_kernels
+from tieredkv.kernels.quant import gather_quantized_weights, use_cpu_kernels
 from tieredkv.models.loader import QuantSettings, load_model
 from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.request_factory import RequestFactory
@@ -444,6 +444,7 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
     if device.type == "cpu":  # the CPU kernels; their C++ operators are bound here for the eager forward, or by
         # the compiled path before its trace, on its own thread (a first build takes seconds)
         use_cpu_kernels(resolve_cache_dir(cfg), operators=not compiled)
+        gather_quantized_weights(model)  # one stream in the order they are read
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
     if device.type == "cpu":
         release_free_memory(collect=False)  # the copies that loading, fusing and packing the weights freed

@@ -526,6 +526,21 @@ def _linear_op(x: torch.Tensor, qw: QuantizedWeight):
     return _LINEAR_OP
 
 
+def gather_quantized_weights(model: nn.Module) -> int:
+    """Moves the codes, scales and offsets of every quantized weight on CPU into one huge-page arena, in the
+    order the forward reads them (the modules' order: layer by layer, the LM head last); returns the bytes
+    moved. The compiled decode path must be made after this (its graphs hold the tensors they were given)."""
+    from tieredkv.runner.malloc_tuning import huge_page_arena
+
+    held = [(w, name) for w in model.modules() if isinstance(w, QuantizedWeight) and w.codes.device.type == "cpu"
+            for name in ("codes", "scales", "offsets") if getattr(w, name) is not None]
+    if not held:
+        return 0
+    for (w, name), copy in zip(held, huge_page_arena([getattr(w, name) for w, name in held])):
+        setattr(w, name, copy)
+    return sum(getattr(w, name).nbytes for w, name in held)
+
+
 def quant_embedding(qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rows `ids` of a quantized embedding table, in `dtype`."""
     return _ROWS_OP(qw.codes, qw.scales, qw.offsets, qw.group_size, ids).to(dtype)
