@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import mmap
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,7 +30,7 @@ from tieredkv.models.loader import QuantSettings, load_model
 from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.request_factory import RequestFactory
 from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
-from tieredkv.runner.malloc_tuning import process_status_bytes, release_free_memory, tune_glibc_malloc
+from tieredkv.runner.malloc_tuning import anonymous_memory, process_status_bytes, release_free_memory, tune_glibc_malloc
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.telemetry import Telemetry
 from tieredkv.models.checks import check_regular_files, read_json
@@ -258,9 +257,7 @@ def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: in
 
 def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor whose pages are taken only when written (the tensor keeps the mapping alive)."""
-    count = math.prod(shape)
-    buf = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+    return anonymous_memory(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
