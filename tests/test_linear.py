@@ -131,34 +131,15 @@ def test_a_packed_weights_handle_serves_in_and_out_of_a_compiled_graph():
     assert not any(k in linear._HANDLES for k in keys)
 
 
-ROW_BUILDS = {"native": ("-march=native",), "avx2": ("-march=haswell",), "plain C": ("-march=x86-64",)}
-
-
-@pytest.fixture(scope="module", params=list(ROW_BUILDS))
-def row_kernels(request, tmp_path_factory):
-    """quant._LIB set to one build of quant_cpu.c (its one-row kernels on packed weights): this processor's,
-    AVX2 only, and plain C (the fp32 AVX-512, bf16 AVX512_BF16, AVX2 and C branches, as this machine has them)."""
-    import platform
-
-    from tieredkv.kernels import quant
-    from tieredkv.kernels.quant_cpu import load
-
-    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 build flags")
-    before = quant._LIB
-    quant._LIB = load(tmp_path_factory.mktemp("rows"), ROW_BUILDS[request.param])
-    assert quant._LIB is not None
-    yield request.param
-    quant._LIB = before
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(960, 576), (100, 161), (7, 33), (4097, 64)])
-def test_one_row_kernels_read_onednns_packed_weights_where_they_lie(row_kernels, dtype, shape):
+def test_one_row_kernels_read_onednns_packed_weights_where_they_lie(lib, dtype, shape):
     """A batch-1 product on a packed weight runs quant_cpu.c's one-row kernel straight on oneDNN's buffer where
     its layout is one the kernel reads (checked weight by weight against the unpacked weight): here on every
     shape the default model has, outputs that are not whole blocks, inputs oneDNN pads; equal to F.linear
-    within float rounding (bf16: the rounding of one bf16 result), bias or not, and to oneDNN's own product."""
+    within float rounding (bf16: the rounding of one bf16 result), bias or not, and to oneDNN's own product;
+    on each build of the kernels (conftest: this processor's, AVX2, plain C), and bit for bit the same on 1 to 3
+    threads."""
     n, k = shape
     g = torch.Generator().manual_seed(n + k)
     w, x, b = (torch.randn(n, k, generator=g) * 0.1).to(dtype), torch.randn(1, k, generator=g).to(dtype), \
@@ -170,6 +151,13 @@ def test_one_row_kernels_read_onednns_packed_weights_where_they_lie(row_kernels,
     assert layout is not None, "oneDNN chose a layout the one-row kernels do not read on this processor"
     for bias in (None, b):
         got = linear.one_row_or_onednn(x, packed, layout, bias)
+        before = torch.get_num_threads()
+        try:
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(linear.one_row_or_onednn(x, packed, layout, bias), got)
+        finally:
+            torch.set_num_threads(before)
         want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         assert got.dtype == dtype and got.shape == (1, n)
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=2e-2)
