@@ -24,15 +24,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode import decode_ms, run  # noqa: E402
+from bench_decode import context_engine, decode_ms, run  # noqa: E402
 from bench_engine import make_requests  # noqa: E402
 
-from tieredkv import EngineConfig  # noqa: E402
-from tieredkv.engine_core import EngineCore  # noqa: E402
 from tieredkv.kernels import decode_attention  # noqa: E402
 from tieredkv.runner.cpu_features import cpu_info  # noqa: E402
 
 CONTEXTS = (128, 1024, 4000)
+
+
+_USABLE = decode_attention.paged_decode_usable
 
 
 def _kernel(on: bool) -> None:
@@ -40,23 +41,15 @@ def _kernel(on: bool) -> None:
     decode_attention.paged_decode_usable = _USABLE if on else (lambda *a: False)
 
 
-_USABLE = decode_attention.paged_decode_usable
-
-
 def main(args) -> dict:
     quant = {"quantization": args.quantization} if args.quantization else {}
-    longest = max(CONTEXTS) + 256
+    random.seed(0)
+    prompts = {n: [random.randrange(100, 40000) for _ in range(n)] for n in CONTEXTS}
     cores = {}
     for name in ("kernel", "inductor"):
         _kernel(name == "kernel")  # the graph is traced at start
-        cores[name] = EngineCore(EngineConfig(compile_in_background=False, warm_bytes=0, max_model_len=longest,
-                                              num_blocks=len(CONTEXTS) * (longest // 16 + 2), **quant))
+        cores[name] = context_engine(list(prompts.values()), **quant)
     _kernel(True)
-    random.seed(0)
-    prompts = {n: [random.randrange(100, 40000) for _ in range(n)] for n in CONTEXTS}
-    for core in cores.values():
-        for prompt in prompts.values():
-            decode_ms(core, prompt, 4)  # warm; the prompts' blocks stay cached for the rounds
     batch1: dict[str, list[float]] = {}
     for r in range(args.rounds):
         for n, prompt in prompts.items():

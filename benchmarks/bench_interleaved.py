@@ -24,10 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode import decode_ms, llama_bench  # noqa: E402
+from bench_decode import context_engine, decode_ms, llama_bench  # noqa: E402
 
-from tieredkv import EngineConfig  # noqa: E402
-from tieredkv.engine_core import EngineCore  # noqa: E402
 from tieredkv.runner.cpu_features import cpu_info  # noqa: E402
 
 VARIANTS = {"fp32": {}, "int4": {"quantization": "int4"}, "Q4_1 (gguf)": {"quantization": "gguf"}}
@@ -36,13 +34,7 @@ VARIANTS = {"fp32": {}, "int4": {"quantization": "int4"}, "Q4_1 (gguf)": {"quant
 def main(args) -> dict:
     random.seed(0)
     prompts = {d: [random.randrange(100, 40000) for _ in range(d or 128)] for d in args.depth}
-    longest = max(map(len, prompts.values())) + 128
-    cores = {}
-    for name, kw in VARIANTS.items():
-        cores[name] = EngineCore(EngineConfig(compile_in_background=False, warm_bytes=0, max_model_len=longest,
-                                              num_blocks=len(prompts) * (longest // 16 + 2), **kw))
-        for prompt in prompts.values():
-            decode_ms(cores[name], prompt, 16)  # warm; the prompt's blocks stay cached for the rounds
+    cores = {name: context_engine(list(prompts.values()), **kw) for name, kw in VARIANTS.items()}
     rounds: dict[str, list[float]] = {}
     at = (lambda name, d: name) if args.depth == [0] else (lambda name, d: f"{name} @ {d}")
     for r in range(args.rounds):

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import make_checkpoint  # noqa: E402
 from tieredkv.config import EngineConfig  # noqa: E402
+from tieredkv.kernels.quant_cpu import NATIVE  # noqa: E402
 from tieredkv.runner.cpu_features import cpu_info  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,7 +39,7 @@ os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tieredkv-test-config-")
 
 
 # builds of the CPU kernels (kernels/quant_cpu.py) the kernel tests run on
-CPU_KERNEL_BUILDS = {"native": ("-march=native",)}
+CPU_KERNEL_BUILDS = {"native": NATIVE}
 if platform.machine() in ("x86_64", "AMD64"):
     if cpu_info().has("avx512f"):  # native runs the 512-bit paths; the 256-bit ones are what AVX2 runs
         CPU_KERNEL_BUILDS["avx2"] = ("-march=haswell",)
@@ -55,9 +56,8 @@ def kernel_cache(tmp_path_factory) -> Path:
 def lib(request, kernel_cache):
     """One build of the CPU kernels serving the module's tests (kernels/quant.py's ops and the C++ operators)."""
     from tieredkv.kernels import quant
-    from tieredkv.kernels.quant_cpu import NATIVE, library_path, load
+    from tieredkv.kernels.quant_cpu import library_path, load
 
-    assert CPU_KERNEL_BUILDS["native"] == NATIVE
     built = load(kernel_cache, CPU_KERNEL_BUILDS[request.param])
     assert built is not None and library_path(kernel_cache, CPU_KERNEL_BUILDS[request.param]).exists()
     before = quant._LIB
