@@ -62,10 +62,14 @@ def sample(logits: torch.Tensor, rows: list[RowState],
     """logits [S, V] fp32 -> S sampled tokens, or a SamplingError for each row that cannot be sampled
     (NaN or +inf logits, nothing finite left): a bad row fails its own sequence, never the batch. The greedy
     tokens and the bad-row mask reach the host in one transfer (one device sync a step on CUDA)."""
-    bad_t = bad_mask(logits)
     asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     raw = logits[asked].log_softmax(-1) if asked else None  # before any processor changes the logits
-    tokens_t = apply_processors(logits, rows).argmax(-1)
+    if any(row.has_processors for row in rows):
+        bad_t = bad_mask(logits)
+        tokens_t = apply_processors(logits, rows).argmax(-1)
+    else:  # one reduction gives both: the first maximal value's index, and the max that bad_mask tests
+        top, tokens_t = logits.max(-1)
+        bad_t = ~top.isfinite()
     tokens, bad = torch.stack((tokens_t, bad_t.to(tokens_t.dtype))).tolist()
     out: list[Sampled | SamplingError] = [
         SamplingError(NOT_FINITE) if bad[i] else Sampled(t)
