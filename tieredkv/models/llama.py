@@ -287,7 +287,12 @@ class LlamaModel(nn.Module):
 
     def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The first hidden states [T, hidden] and the rotary cos/sin of the batch's positions."""
-        ids, outside = batch.input_ids, None
+        x = self.token_embedding(batch.input_ids)
+        return x, self.rotary.forward(batch.positions, x.dtype)
+
+    def token_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding table's rows of `ids`: [T, hidden]."""
+        outside = None
         if self.tp.world > 1:  # this rank's rows of the vocabulary; the others' tokens are zeros here
             ids = ids - self.vocab_start
             outside = (ids < 0) | (ids >= self.local_vocab)
@@ -298,7 +303,7 @@ class LlamaModel(nn.Module):
             x = self.embed_tokens.forward(ids)
         if outside is not None:
             x = self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
-        return x, self.rotary.forward(batch.positions, x.dtype)
+        return x
 
     @property
     def local_vocab(self) -> int:

@@ -167,16 +167,19 @@ class CompiledDecode:
         self._compiled_last = graph
         return compiled
 
-    def _stack_forward(self, layers, x, cos, sin, layer_caches, positions, slot_mapping, block_tables, context_lens,
+    def _stack_forward(self, layers, x, layer_caches, positions, slot_mapping, block_tables, context_lens,
                        input_ids=None):
         """A run of decoder layers (any run of that length: the same graph serves all) over one decode.
         With `input_ids` (the run is the whole stack) the embedding before and the logits after are in
-        the graph too, and x, cos and sin are not read."""
+        the graph too, and x is not read. The rotary cos/sin are computed in the graph, from the positions:
+        each run's loop is cheaper than the few torch calls outside it that made them once a step."""
         batch = self._batch(input_ids, positions, slot_mapping, block_tables, context_lens)
         if input_ids is not None:
-            x, (cos, sin) = self.model.embed(batch)
+            x, rotary = self.model.embed(batch)
+        else:
+            rotary = self.model.rotary.forward(positions, x.dtype)
         for layer, cache in zip(layers, layer_caches):
-            x = layer.forward(x, batch, (cos, sin), cache, self.ops)
+            x = layer.forward(x, batch, rotary, cache, self.ops)
         return x if input_ids is None else self.model.logits(x, batch, self.ops)
 
     @staticmethod
@@ -195,10 +198,10 @@ class CompiledDecode:
         step = dict(positions=batch.positions, slot_mapping=batch.slot_mapping,
                     block_tables=a.decode_block_tables, context_lens=a.decode_context_lens)
         if len(self._groups) == 1:
-            return self._run(0, dict(step, x=None, cos=None, sin=None, input_ids=batch.input_ids))
-        x, (cos, sin) = self.model.embed(batch)
+            return self._run(0, dict(step, x=None, input_ids=batch.input_ids))
+        x = self.model.token_embedding(batch.input_ids)
         for index in range(len(self._groups)):
-            x = self._run(index, dict(step, x=x, cos=cos, sin=sin))
+            x = self._run(index, dict(step, x=x))
         return self.model.logits(x, batch, self.ops)
 
     def _run(self, index: int, step: dict) -> torch.Tensor:
