@@ -313,7 +313,10 @@ class LlamaModel(nn.Module):
     def logits(self, x: torch.Tensor, batch: ForwardBatch, ops: KernelOps) -> torch.Tensor | None:
         """fp32 logits [S, vocab] of the rows batch.logits_indices of the last hidden states; under tensor
         parallelism each rank computes its vocabulary rows and rank 0 gathers them (others: None)."""
-        h = self.norm.forward(x[batch.logits_indices])
+        return self.head(self.norm.forward(x[batch.logits_indices]), ops)
+
+    def head(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor | None:
+        """`logits` from the final norm's output h [S, hidden] on."""
         if self.quantized_head is not None:
             logits = quant_linear(h, self.quantized_head).float()
         else:

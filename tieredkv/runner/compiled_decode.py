@@ -171,8 +171,10 @@ class CompiledDecode:
                        input_ids=None):
         """A run of decoder layers (any run of that length: the same graph serves all) over one decode.
         With `input_ids` (the run is the whole stack) the embedding before and the logits after are in
-        the graph too, and x is not read. The rotary cos/sin are computed in the graph, from the positions:
-        each run's loop is cheaper than the few torch calls outside it that made them once a step."""
+        the graph too, and x is not read; else the output is [2, hidden]: the run's hidden states, then the
+        final norm of them, which the last run's caller hands to the LM head. The rotary cos/sin are computed in
+        the graph, from the positions, and so is that norm in every run: each is a loop cheaper than the few torch
+        calls outside the graphs that did it once a step (four of them, cold in cache after the weights' stream)."""
         batch = self._batch(input_ids, positions, slot_mapping, block_tables, context_lens)
         if input_ids is not None:
             x, rotary = self.model.embed(batch)
@@ -180,7 +182,9 @@ class CompiledDecode:
             rotary = self.model.rotary.forward(positions, x.dtype)
         for layer, cache in zip(layers, layer_caches):
             x = layer.forward(x, batch, rotary, cache, self.ops)
-        return x if input_ids is None else self.model.logits(x, batch, self.ops)
+        if input_ids is None:
+            return torch.cat((x, self.model.norm.forward(x)))
+        return self.model.logits(x, batch, self.ops)
 
     @staticmethod
     def _batch(input_ids, positions, slot_mapping, block_tables, context_lens) -> ForwardBatch:
@@ -199,10 +203,10 @@ class CompiledDecode:
                     block_tables=a.decode_block_tables, context_lens=a.decode_context_lens)
         if len(self._groups) == 1:
             return self._run(0, dict(step, x=None, input_ids=batch.input_ids))
-        x = self.model.token_embedding(batch.input_ids)
+        out = self.model.token_embedding(batch.input_ids)
         for index in range(len(self._groups)):
-            x = self._run(index, dict(step, x=x))
-        return self.model.logits(x, batch, self.ops)
+            out = self._run(index, dict(step, x=out[:1]))
+        return self.model.head(out[1:], self.ops)
 
     def _run(self, index: int, step: dict) -> torch.Tensor:
         """One run of layers: called directly once its graph is adopted, else through torch.compile."""
