@@ -476,6 +476,21 @@ int tkv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     return 0;
 }
 
+/* The one-row products ask for the codes of the row AHEAD_ROWS past the one they start: the hardware
+ * prefetcher alone left their loads waiting on memory. Measured on an AMD EPYC (Zen 5, 2 threads): the default
+ * model's int4 layers over 30 distinct layers, cold, 1.73 -> 1.36 ms (median of 12 rounds alternated; 4 rows
+ * ahead 1.55, 12 rows 1.34; asking for the scales too gave nothing more); batch-1 decode in the engine, the two
+ * builds bound in turn: int4 0.91x the time, int8 0.84x, the Q4_1 file 0.86x. (The same on the fp32 and bf16
+ * packed blocks, 16-64 inputs ahead: within the noise, 0.95-1.08x; not done.) */
+#define AHEAD_ROWS 8
+INLINE void ahead(const void *row, int64_t bytes) {
+#ifdef TKV_AVX2
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
+#else
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)row + o);
+#endif
+}
+
 /* One activation row (a batch-1 decode step): each thread reads its weight rows one after another, one
  * stream the hardware prefetcher follows, where the blocks above interleave four rows to share activation
  * loads. At batch 1 the weights come from memory, not cache (a model's layers do not stay cached between
@@ -519,6 +534,7 @@ int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, c
     for (int64_t n = 0; n < N; n++) {
         const int8_t *qr = q + n * K;
         const uint16_t *dr = d + n * G;
+        if (n + AHEAD_ROWS < N) ahead(qr + AHEAD_ROWS * K, K);
 #ifdef TKV_AVX2
         int64_t b = 0;
         __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
@@ -562,6 +578,7 @@ int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, 
         const uint8_t *qr = q + n * (K / 2);
         const uint16_t *dr = d + n * G, *mr = mn + n * G;
         float total, z;
+        if (n + AHEAD_ROWS < N) ahead(qr + AHEAD_ROWS * (K / 2), K / 2);
 #ifdef TKV_AVX2
         int64_t b = 0;
         __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps(), zacc = _mm256_setzero_ps();
