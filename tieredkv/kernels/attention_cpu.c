@@ -173,8 +173,29 @@ static void widen_rows(const uint16_t *src, int64_t stride, int64_t n, int64_t D
     for (int64_t i = 0; i < n; i++) widen(src + i * stride, D, dst + i * D);
 }
 
+/* The chunk of an item's positions [p, p1) that starts at p: its rows (returned) and their first row's
+ * element index in the caches (*first) */
+static inline int64_t att_chunk(const int32_t *table, int64_t bs, int64_t row, int64_t p, int64_t p1,
+                                int64_t *first) {
+    int64_t n = bs - p % bs < p1 - p ? bs - p % bs : p1 - p;
+    *first = (table[p / bs] * bs + p % bs) * row;
+    return n > ATT_CHUNK ? ATT_CHUNK : n;
+}
+
+/* Asks for bytes [b0, b1) of K and V from byte `at` of the caches, a cache line at a time */
+static inline void att_fetch(const void *kc, const void *vc, int64_t at, int64_t b0, int64_t b1) {
+    for (int64_t b = b0 & ~(int64_t)63; b < b1; b += 64) {
+        __builtin_prefetch((const char *)kc + at + b);
+        __builtin_prefetch((const char *)vc + at + b);
+    }
+}
+
 /* One item: positions [p0, p1) of one sequence, every head. A chunk of positions is read once, all its KV
- * heads side by side in memory, while the next is fetched. `part` receives each query head's maximum, sum and
+ * heads side by side in memory, while the next is fetched: the next chunk lies in another block, where the
+ * hardware prefetchers' streams stop. The item's first chunk is asked for at once; each next one a KV head's
+ * share at a time, as this one's heads are computed (all at once, the requests waited on one another). From
+ * memory, the default model's shapes, AMD EPYC Zen 5, 2 threads, us a layer before -> after, two runs: 192
+ * positions 29.5 -> 26.6 and 35.2 -> 34.5, 1,024 positions 122 -> 118 and 105 -> 98, 4,000 421 -> 402. `part` receives each query head's maximum, sum and
  * D weighted values (part[h * (D + 2)]: m, l, acc[D]). */
 static void att_item(const float *q, const void *kc, const void *vc, int bf16, int64_t bs, int64_t Hkv,
                      int64_t D, int64_t G, const int32_t *table, int64_t p0, int64_t p1, float scale,
@@ -188,20 +209,16 @@ static void att_item(const float *q, const void *kc, const void *vc, int bf16, i
         ph[1] = 0.f;
         memset(ph + 2, 0, D * sizeof(float));
     }
+    if (p0 < p1) {
+        int64_t at0, n0 = att_chunk(table, bs, row, p0, p1, &at0);
+        att_fetch(kc, vc, at0 * esize, 0, n0 * row * esize);
+    }
     for (int64_t p = p0; p < p1;) {
-        const int64_t off = p % bs, blk = table[p / bs];
-        int64_t n = bs - off < p1 - p ? bs - off : p1 - p;
-        if (n > ATT_CHUNK) n = ATT_CHUNK;
-        const int64_t first = (blk * bs + off) * row;  /* element index of the chunk's first row */
-        if (p + n < p1) {  /* the next chunk's rows (in another block, the prefetchers' streams stop here) */
-            const int64_t next = p + n, nfirst = (table[next / bs] * bs + next % bs) * row;
-            const int64_t bytes = (p1 - next < n ? p1 - next : n) * row * esize;
-            for (int64_t b = 0; b < bytes; b += 64) {
-                __builtin_prefetch((const char *)kc + nfirst * esize + b);
-                __builtin_prefetch((const char *)vc + nfirst * esize + b);
-            }
-        }
+        int64_t first, next_first = 0, next_bytes = 0;
+        const int64_t n = att_chunk(table, bs, row, p, p1, &first);
+        if (p + n < p1) next_bytes = att_chunk(table, bs, row, p + n, p1, &next_first) * row * esize;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            att_fetch(kc, vc, next_first * esize, next_bytes * kvh / Hkv, next_bytes * (kvh + 1) / Hkv);
             const int64_t at = first + kvh * D;
             const float *k = (const float *)kc + at, *v = (const float *)vc + at;
             int64_t stride = row;
