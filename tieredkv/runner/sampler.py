@@ -1,4 +1,4 @@
-"""Next-token choice per sequence: processors applied batch-wide, greedy in one batched argmax, the rest
+"""Next-token choice per sequence: processors applied batch-wide, greedy in one batched max reduction, the rest
 from their own generators; log-probabilities for the rows that ask."""
 
 from __future__ import annotations
