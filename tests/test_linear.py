@@ -109,7 +109,7 @@ def test_a_packed_weights_handle_serves_in_and_out_of_a_compiled_graph():
     g = torch.Generator().manual_seed(3)
     ws = [torch.randn(160, 96, generator=g), torch.randn(40, 160, generator=g)]
     handles = [packed_handle(pack_onednn_weight(w)) for w in ws]
-    assert [tuple(h.shape) for h in handles] == [(160, 1), (40, 1)]
+    assert [linear.handle_outputs(h) for h in handles] == [160, 40]
     b = torch.randn(40, generator=g)
 
     def two_layers(x, h1, h2, bias):
@@ -122,8 +122,13 @@ def test_a_packed_weights_handle_serves_in_and_out_of_a_compiled_graph():
             x = torch.randn(rows, 96, generator=g)
             torch.testing.assert_close(two_layers(x, *handles, b), want(x), rtol=1e-5, atol=1e-4)
             torch.testing.assert_close(graph(x, *handles, b), want(x), rtol=1e-5, atol=1e-4)
+    unread = pack_onednn_weight(ws[0])
+    unread.row_layout = None  # a layout the one-row kernels do not read: the handle is a small tensor of its own
+    small = packed_handle(unread)
+    assert small.shape == (160, 1) and small.dtype == torch.uint8
+    torch.testing.assert_close(dense_by_handle(x, small), F.linear(x, ws[0]), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="not a packed weight's handle"):
-        dense_by_handle(torch.randn(1, 96), handles[0].clone())
+        dense_by_handle(torch.randn(1, 96), small.clone())
     keys = [h.data_ptr() for h in handles]
     assert all(k in linear._HANDLES for k in keys)
     del handles, graph
@@ -167,6 +172,47 @@ def test_one_row_kernels_read_onednns_packed_weights_where_they_lie(lib, dtype, 
     torch.testing.assert_close(linear.one_row_or_onednn(x, packed, None, b), onednn_linear(x, packed, b))
     with pytest.raises(RuntimeError):  # a row of the wrong width is oneDNN's error, never read past its end
         linear.one_row_or_onednn(torch.randn(1, k + 8).to(dtype), packed, layout, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_buffers_handle_takes_one_row_through_the_cpp_operator(lib, dtype):
+    """Where the one-row kernels read the packed layout and its blocks cover the outputs, the handle is the
+    packed buffer itself ([blocks, rows, B] in the weight's dtype) and one row goes through
+    tieredkv::packed_gemv, bit for bit the Python operator's result (the same kernel); the handle's copy is a
+    copy of the weight's bytes and gives the same; a weight whose outputs are not whole blocks keeps the small
+    handle; bad input is an error, not a read past a buffer."""
+    if dtype == torch.bfloat16 and not linear.bf16_units():
+        pytest.skip("bf16 weights are packed only where the processor has bf16 units")
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(960, 576, generator=g) * 0.1).to(dtype)
+    b = torch.randn(960, generator=g)
+    packed = linear.with_row_layout(pack_onednn_weight(w))
+    handle = packed_handle(packed)
+    assert handle.dim() == 3 and handle.dtype == dtype and linear.handle_outputs(handle) == 960
+    assert handle.data_ptr() == torch.ops.mkldnn.data_ptr(packed)
+    real = torch.ops.tieredkv.dense_packed.default
+    x = torch.randn(1, 576, generator=g).to(dtype)
+    for bias in (None, b):
+        got = dense_by_handle(x, handle, bias)
+        assert torch.equal(got, real(x, handle, bias)) and got.dtype == dtype and got.shape == (1, 960)
+        assert torch.equal(dense_by_handle(x, handle.clone(), bias), got)
+        want = F.linear(x.float(), w.float(), bias)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=2e-2)
+        torch.testing.assert_close(got.float(), want, **tol)
+    op = torch.ops.tieredkv.packed_gemv.default
+    assert torch.equal(op(x, handle, None), dense_by_handle(x, handle))
+    two = torch.randn(2, 576, generator=g).to(dtype)  # more rows: the Python operator (oneDNN) serves them
+    torch.testing.assert_close(dense_by_handle(two, handle).float(), F.linear(two.float(), w.float()), **tol)
+    with pytest.raises(RuntimeError, match="one row"):
+        op(two, handle, None)
+    with pytest.raises(RuntimeError, match="inputs for a weight"):
+        op(torch.randn(1, 2000).to(dtype), handle, None)
+    with pytest.raises(RuntimeError, match="a bias of 960"):
+        op(x, handle, torch.randn(5))
+    with pytest.raises(RuntimeError, match="alike"):
+        op(x.to(torch.float16), handle, None)
+    small = packed_handle(linear.with_row_layout(pack_onednn_weight(torch.randn(100, 161).to(dtype))))
+    assert small.shape == (100, 1) and small.dtype == torch.uint8
 
 
 def test_the_graphs_layout_is_measured_once_per_processor_and_kept(tmp_path, monkeypatch):
@@ -223,7 +269,7 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
         assert not head.is_mkldnn
         assert (graph_ops.linear is dense_by_handle) == (usable and bool(graph_packed))
         if graph_ops.linear is dense_by_handle:
-            assert head.shape == (model.spec.vocab_size, 1) and head.dtype == torch.uint8
+            assert linear.handle_outputs(head) == model.spec.vocab_size and not head.is_mkldnn
             prompt = list(range(5, 14))
             assert run_to_end(core, [prompt], [8]) == hf_greedy(llama_dir, [prompt], 8)
             assert core.runner.compiled.steps == 7

@@ -155,11 +155,16 @@ def _paged_decode_shape(query, key_cache, value_cache, block_tables, context_len
     return query.new_empty(query.shape)
 
 
+def _packed_gemv_shape(x, packed, bias):
+    block = packed.shape[2] // 2 if packed.element_size() == 2 else packed.shape[2]  # bf16 inputs in pairs
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * block))
+
+
 def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
-    """Makes torch.ops.tieredkv.quant_gemv and .paged_decode run `lib`'s kernels, building and loading the
-    operators' library on first use; False (with one warning a process) where it cannot be had: the one-row
-    products then go through the Python operator (a few microseconds slower a call), decode attention through
-    torch (kernels/decode_attention.py)."""
+    """Makes torch.ops.tieredkv.quant_gemv, .paged_decode and .packed_gemv run `lib`'s kernels, building and
+    loading the operators' library on first use; False (with one warning a process) where it cannot be had: the
+    one-row products then go through the Python operators (a few microseconds slower a call), decode attention
+    through torch (kernels/decode_attention.py)."""
     global _OPS, _OPS_ERROR
     if _OPS is None and _OPS_ERROR is None:
         try:
@@ -169,8 +174,9 @@ def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
             torch.ops.load_library(str(path))  # registers the operators; their shape functions go with them
             torch.library.register_fake("tieredkv::quant_gemv", _quant_gemv_shape)
             torch.library.register_fake("tieredkv::paged_decode", _paged_decode_shape)
+            torch.library.register_fake("tieredkv::packed_gemv", _packed_gemv_shape)
             _OPS = ctypes.CDLL(str(path))
-            _OPS.tkv_bind.argtypes, _OPS.tkv_bind.restype = [ctypes.c_void_p] * 3, None
+            _OPS.tkv_bind.argtypes, _OPS.tkv_bind.restype = [ctypes.c_void_p] * 5, None
         except (RuntimeError, OSError) as e:
             _OPS_ERROR = str(e)
             log.warning("CPU operators (quantized one-row products, decode attention) unavailable, Python and "
@@ -178,5 +184,6 @@ def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
     if _OPS is None:
         return False
     address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
-    _OPS.tkv_bind(address(lib.tkv_q8_gemv), address(lib.tkv_q4_gemv), address(lib.tkv_paged_decode))
+    _OPS.tkv_bind(address(lib.tkv_q8_gemv), address(lib.tkv_q4_gemv), address(lib.tkv_paged_decode),
+                  address(lib.tkv_f32_packed_row), address(lib.tkv_bf16_packed_row))
     return True

@@ -2,7 +2,9 @@
 // no Python, and the compiled decode graph's C++ wrapper calls them directly:
 //   tieredkv::quant_gemv: one activation row times a quantized weight (kernels/quant.py's q8 and q4 formats);
 //     a batch-1 decode step of the default model makes 121 of them;
-//   tieredkv::paged_decode: decode attention over the paged KV cache (attention_cpu.c), one call a layer.
+//   tieredkv::paged_decode: decode attention over the paged KV cache (attention_cpu.c), one call a layer;
+//   tieredkv::packed_gemv: one activation row times an fp32 or bf16 weight in oneDNN's packed layout, read
+//     where it lies (kernels/linear.py: packed_handle), a batch-1 fp32/bf16 decode step's dense layers.
 // The arithmetic is the library kernels/quant_cpu.py built and loaded (tkv_bind hands over the kernels'
 // addresses), so this file holds no kernel of its own. Built by kernels/quant_cpu.py against the running
 // torch's headers.
@@ -22,9 +24,11 @@ using Q4Gemv = int (*)(const float *, int64_t, const uint8_t *, const uint16_t *
                        const float *, float *);
 using PagedDecode = int (*)(const float *, int64_t, int64_t, int64_t, const void *, const void *, int, int64_t,
                             int64_t, const int32_t *, int64_t, const int32_t *, float, float *);
+using PackedRow = int (*)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, const float *, void *);
 Q8Gemv q8_gemv = nullptr;
 Q4Gemv q4_gemv = nullptr;
 PagedDecode paged_decode_kernel = nullptr;
+PackedRow f32_packed_row = nullptr, bf16_packed_row = nullptr;
 
 const uint16_t *halves(const at::Tensor &t) {
     TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous(),
@@ -103,21 +107,56 @@ at::Tensor paged_decode(const at::Tensor &query, const at::Tensor &key_cache, co
     return query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type());
 }
 
+// x: one row [..., K], fp32 or bf16; packed: the weight's packed buffer in x's dtype, viewed as fp32 [blocks, Kp, B]
+// or bf16 [blocks, Kp / 2, 2 B] (B outputs a block, Kp >= K inputs stored, bf16 inputs in pairs: the layouts
+// linear.py's packed_row_layout recognizes); bias: [blocks * B] or none. Returns [..., blocks * B] in x's dtype.
+at::Tensor packed_gemv(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK(f32_packed_row != nullptr && bf16_packed_row != nullptr,
+                "packed_gemv: the kernels are not bound (tkv_bind)");
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && packed.scalar_type() == x.scalar_type(),
+                "packed_gemv: fp32 or bf16 activations and weight alike, got ", x.scalar_type(), " and ",
+                packed.scalar_type());
+    TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && (!bf16 || packed.size(2) % 2 == 0),
+                "packed_gemv: a packed buffer viewed as [blocks, rows, B], got ", packed.sizes());
+    const int64_t k = x.size(-1), block = bf16 ? packed.size(2) / 2 : packed.size(2);
+    const int64_t stored = bf16 ? 2 * packed.size(1) : packed.size(1), n = packed.size(0) * block;
+    TORCH_CHECK(x.numel() == k, "packed_gemv: one row of activations, got ", x.sizes());
+    TORCH_CHECK(k <= stored, "packed_gemv: ", k, " inputs for a weight of ", stored);
+    TORCH_CHECK(!bias.has_value() || bias->numel() == n, "packed_gemv: a bias of ", n, " outputs");
+    std::optional<at::Tensor> bf;
+    if (bias.has_value())
+        bf = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
+    const at::Tensor xc = x.contiguous();
+    auto sizes = x.sizes().vec();
+    sizes.back() = n;
+    at::Tensor out = at::empty(sizes, x.options());
+    const int status = (bf16 ? bf16_packed_row : f32_packed_row)(
+        xc.data_ptr(), k, packed.data_ptr(), n, block, stored, bf.has_value() ? bf->data_ptr<float>() : nullptr,
+        out.data_ptr());
+    TORCH_CHECK(status == 0, "packed_gemv: blocks of ", block, " x ", stored, " not taken by the kernel");
+    return out;
+}
+
 }  // namespace
 
-extern "C" void tkv_bind(void *q8, void *q4, void *paged) {
+extern "C" void tkv_bind(void *q8, void *q4, void *paged, void *f32_row, void *bf16_row) {
     q8_gemv = reinterpret_cast<Q8Gemv>(q8);
     q4_gemv = reinterpret_cast<Q4Gemv>(q4);
     paged_decode_kernel = reinterpret_cast<PagedDecode>(paged);
+    f32_packed_row = reinterpret_cast<PackedRow>(f32_row);
+    bf16_packed_row = reinterpret_cast<PackedRow>(bf16_row);
 }
 
 TORCH_LIBRARY_FRAGMENT(tieredkv, m) {
     m.def("quant_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group_size, Tensor? bias) -> Tensor");
     m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor context_lens, "
           "float scale) -> Tensor");
+    m.def("packed_gemv(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tieredkv, CPU, m) {
     m.impl("quant_gemv", &quant_gemv);
     m.impl("paged_decode", &paged_decode);
+    m.impl("packed_gemv", &packed_gemv);
 }
