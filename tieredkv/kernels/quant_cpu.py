@@ -156,8 +156,9 @@ def _paged_decode_shape(query, key_cache, value_cache, block_tables, context_len
 
 
 def _packed_gemv_shape(x, packed, bias):
-    block = packed.shape[2] // 2 if packed.element_size() == 2 else packed.shape[2]  # bf16 inputs in pairs
-    return x.new_empty((*x.shape[:-1], packed.shape[0] * block))
+    from tieredkv.kernels.linear import handle_outputs  # the packed buffer is such a handle
+
+    return x.new_empty((*x.shape[:-1], handle_outputs(packed)))
 
 
 def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
