@@ -718,11 +718,18 @@ INLINE void f32_block256(const float *x, int64_t K, const float *wb, int64_t B, 
 }
 #endif
 #if defined(__AVX512BF16__)
+/* The bf16 blocks ask for their weights this many bytes ahead of the products. Measured on an Intel Xeon with
+ * AMX (KVM guest, 2 threads, ~27 GB/s), the default model's 30 layers in bf16 (blocks of 32 outputs) read from
+ * memory: 10.0-10.4 -> 8.1-8.5 ms (0.81x), the plain read's speed; 1-4 KB ahead gave less, 16 KB the same. Without
+ * it the hardware prefetcher alone left bf16 at ~21 GB/s where fp32's blocks, read the same way, reach the
+ * memory's speed (there the same prefetch made fp32 1.02-1.11x slower: not done). */
+#define BF16_AHEAD 8192
 INLINE void bf16_block512(const uint16_t *x, int64_t K, const uint16_t *wb, int64_t B, const int v, float *acc) {
     const int64_t K2 = (K + 1) / 2;
     __m512 a[PACKED_MAX_B / 16];
     for (int i = 0; i < v; i++) a[i] = _mm512_setzero_ps();
     for (int64_t k2 = 0; k2 < K2; k2++) {  /* one vdpbf16ps: 16 outputs' weight pairs times the input pair */
+        for (int i = 0; i < v; i++) _mm_prefetch((const char *)(wb + (k2 * B + 16 * i) * 2) + BF16_AHEAD, _MM_HINT_T0);
         uint32_t pair = (uint32_t)x[2 * k2] | (2 * k2 + 1 < K ? (uint32_t)x[2 * k2 + 1] << 16 : 0u);
         __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
         for (int i = 0; i < v; i++)
