@@ -81,8 +81,8 @@ class EngineConfig(BaseModel):
     cpu_linear: Literal["auto", "packed", "torch"] = Field(
         "auto", description='dense layers on CPU in fp32 (and bf16 with AVX512_BF16 or AMX), through oneDNN where '
         'its products match F.linear: "auto" holds the weights once (packed for oneDNN, or plain where the compiled '
-        'decode path reads plain weights faster on this processor, measured once); "packed" keeps a packed copy '
-        'beside plain weights the compiled path reads (twice the memory, faster batched steps); "torch" keeps '
+        'decode path reads plain weights clearly faster on this processor, measured once); "packed" keeps a packed '
+        'copy beside plain weights the compiled path reads (twice the memory, faster batched steps); "torch" keeps '
         'plain F.linear')
     cpu_malloc_tuning: bool = Field(True, description="on CPU, keep freed step buffers in glibc's heap")
     warm_bytes: int | None = Field(

@@ -465,8 +465,8 @@ def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tup
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,
                          compiled: bool) -> KernelOps:
     """The kernel set, with the weights in the layout its dense layers read, held once (docs/architecture.md:
-    Kernels): packed where the kernel set packs; with the compiled decode path, packed too where its one-row
-    products read the packed layout faster on this processor (measured once, kernels/linear.py:
+    Kernels): packed where the kernel set packs; with the compiled decode path, packed too unless its one-row
+    products read the plain weights clearly faster on this processor (measured once, kernels/linear.py:
     graph_reads_packed), else plain, for it and for the eager steps. cpu_linear="packed" keeps a packed copy
     beside plain weights."""
     ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear)
