@@ -481,7 +481,9 @@ int tkv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
  * model's int4 layers over 30 distinct layers, cold, 1.73 -> 1.36 ms (median of 12 rounds alternated; 4 rows
  * ahead 1.55, 12 rows 1.34; asking for the scales too gave nothing more); batch-1 decode in the engine, the two
  * builds bound in turn: int4 0.91x the time, int8 0.84x, the Q4_1 file 0.86x. (The same on the fp32 and bf16
- * packed blocks, 16-64 inputs ahead: within the noise, 0.95-1.08x; not done.) */
+ * packed blocks there, 16-64 inputs ahead: within the noise, 0.95-1.08x; on an Intel Xeon the bf16 blocks gained:
+ * BF16_AHEAD.) On that Xeon (KVM guest) these rows' reads from memory did not gain from any distance (2-48 rows)
+ * or cache level asked for. */
 #define AHEAD_ROWS 8
 INLINE void ahead(const void *row, int64_t bytes) {
 #ifdef TKV_AVX2
