@@ -4,6 +4,7 @@ weights through handles, and the measured choice of layout."""
 
 import gc
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from tieredkv import EngineConfig
 from tieredkv.engine_core import EngineCore
 from helpers import hf_greedy, run_to_end
+from tieredkv.runner.malloc_tuning import collapse_into_huge_pages, huge_page_stretches
 from tieredkv.kernels import select_kernels
 from tieredkv.kernels import linear
 from tieredkv.kernels.linear import (
@@ -241,6 +243,30 @@ def test_plain_weights_only_where_their_one_row_products_are_clearly_faster(tmp_
     assert graph_reads_packed(torch.float32, [(64, 32)], tmp_path) is packed
 
 
+def test_huge_page_stretches_are_the_2mb_spans_the_buffers_cover_whole():
+    mb2, page = 2 << 20, 4096
+    base = 100 * mb2
+    # three buffers one after another (each 64 bytes past a header), the third ending half way into a 2 MB span;
+    # then, past a gap, one that covers no 2 MB span whole
+    ranges = [(base + 64, mb2 - 64 - page), (base + mb2 + 64, 3 * mb2), (base + 4 * mb2 + page + 64, mb2 // 2),
+              (base + 10 * mb2 + 64, mb2 - 2 * page)]
+    assert huge_page_stretches(ranges) == [(base, 4 * mb2)]
+    assert huge_page_stretches(ranges[1:2]) == [(base + mb2, 3 * mb2)]
+    assert huge_page_stretches([(base + 3 * page, mb2 - 4 * page)]) == [] and huge_page_stretches([]) == []
+    assert huge_page_stretches([(base + mb2 + 64, mb2), (base + 64, mb2)]) == [(base, 2 * mb2)]  # any order
+
+
+def test_collapsing_a_packed_weight_into_huge_pages_keeps_it_as_it_was():
+    w = torch.randn(2048, 768)
+    packed = pack_onednn_weight(w)
+    x = torch.randn(3, 768)
+    before = onednn_linear(x, packed)
+    moved = collapse_into_huge_pages([linear.packed_range(packed)])
+    stretch = sum(n for _, n in huge_page_stretches([linear.packed_range(packed)]))
+    assert moved in (0, stretch)  # 0 where the kernel cannot (huge pages off, Linux before 6.1)
+    assert torch.equal(packed.to_dense(), w) and torch.equal(onednn_linear(x, packed), before)
+
+
 def test_the_measurement_times_both_layouts_on_weights_past_the_cache():
     got = linear._measure_layouts(torch.float32, [(64, 32), (32, 64)])
     assert set(got) == {"plain_ms", "packed_ms"} and all(v > 0 for v in got.values())
@@ -258,7 +284,12 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
     import tieredkv.engine_setup as setup
 
     monkeypatch.setattr(setup, "graph_reads_packed", lambda dtype, shapes, cache_dir: graph_packed)
+    collapsed = []
+    monkeypatch.setattr(setup, "collapse_into_huge_pages", lambda ranges: collapsed.append(sorted(ranges)) or 0)
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, compile_decode=compiled, cpu_linear=force))
+    for thread in threading.enumerate():
+        if thread.name == "tieredkv-huge-pages":
+            thread.join()
     model, ops = core.model, core.runner.ops
     usable = force != "torch" and onednn_linear_usable()
     packed = usable and (force == "packed" or not compiled or graph_packed)
@@ -282,6 +313,7 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
             assert core.runner.compiled.steps == 7
     if packed:  # each packed weight carries its one-row layout (None where oneDNN chose one the kernels lack)
         weights = list({id(w): w for w in [m.packed_weight for m in linears] + [model.packed_lm_head]}.values())
+        assert collapsed == [sorted(linear.packed_range(w) for w in weights)]  # all asked into huge pages, once
         layouts = [w.row_layout for w in weights]
         assert all(lay is None or lay[2] == torch.ops.mkldnn.data_ptr(w) for lay, w in zip(layouts, weights))
         if not compiled and any(layouts):  # eager batch-1 steps run the one-row kernels, tokens unchanged
@@ -291,6 +323,8 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
             prompt = list(range(5, 14))
             assert run_to_end(core, [prompt], [6]) == hf_greedy(llama_dir, [prompt], 6)
             assert len(calls) >= 5 * sum(lay is not None for lay in layouts)  # the 5 steps after the prefill
+    else:
+        assert collapsed == []
     # nothing is left on the checkpoint's mapping: its pages would stay resident beside the model's copies
     maps = Path("/proc/self/maps")
     if maps.exists():

@@ -156,7 +156,7 @@ def packed_row_layout(packed: torch.Tensor) -> tuple[int, int, int] | None:
             packed.dtype not in (torch.float32, torch.bfloat16):
         return None
     n, k = packed.shape
-    nbytes, item, address = torch.ops.mkldnn._nbytes(packed), packed.element_size(), torch.ops.mkldnn.data_ptr(packed)
+    (address, nbytes), item = packed_range(packed), packed.element_size()
     raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8).view(packed.dtype)
     dense = packed.to_dense()
     for b in ROW_BLOCKS:
@@ -171,6 +171,11 @@ def packed_row_layout(packed: torch.Tensor) -> tuple[int, int, int] | None:
         if torch.equal(got[:n, :k], dense) and not got[:n, k:].any():
             return b, kp, address  # the buffer stays where it is while `packed` lives
     return None
+
+
+def packed_range(packed: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the buffer that holds a packed weight (pack_onednn_weight's result)."""
+    return torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
 
 
 def packed_row(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int, int], bias: torch.Tensor | None

@@ -272,6 +272,11 @@ class LlamaModel(nn.Module):
             if handles:
                 self.register_buffer("packed_lm_head_handle", packed_handle(self.packed_lm_head), persistent=False)
 
+    def packed_weights(self) -> list[torch.Tensor]:
+        """Every packed weight pack_linear_weights gave (the projections', the LM head's), each once."""
+        found = [getattr(m, "packed_weight", None) for m in self.modules()] + [getattr(self, "packed_lm_head", None)]
+        return list({id(t): t for t in found if t is not None}.values())
+
     def linear_shapes(self) -> list[tuple[int, int]]:
         """The distinct [out, in] shapes of one layer's projections (plain weights: before packing)."""
         return sorted({tuple(m.weight.shape) for m in self.layers[0].modules()
