@@ -25,12 +25,17 @@ _MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
 _TRIM_THRESHOLD = 1 << 30
 
 
+def _libc() -> ctypes.CDLL:
+    """The C library (OSError where it cannot be loaded)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def tune_glibc_malloc() -> bool:
     """Returns True when the thresholds were set (Linux with glibc), False elsewhere."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _libc()
         ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     except (OSError, AttributeError):
         return False
@@ -49,7 +54,7 @@ def release_free_memory(collect: bool = True) -> bool:
     if collect:
         gc.collect()
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         return False
     return True
@@ -116,7 +121,7 @@ def collapse_into_huge_pages(ranges: list[tuple[int, int]]) -> int:
     if platform.system() != "Linux":
         return 0
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = _libc()
     except OSError:
         return 0
     done = 0
