@@ -145,6 +145,28 @@ def test_rows_dequantize_like_the_reference(lib, fmt):
     assert torch.equal(quant.quant_embedding(qw, ids, torch.float32), qw.dequantize()[ids])
 
 
+def test_calls_from_many_threads_each_keep_their_own_scratch(lib):
+    """The kernels keep each calling thread's activation codes in scratch memory of that thread's own, grown
+    as needed (quant_cpu.c: tkv_scratch): threads calling at once, with widths that make each grow and reuse
+    its scratch, get what one thread alone gets, bit for bit (one buffer shared by all would mix them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [(weights(fmt, 24, k, seed=k), rows) for fmt in ("int8", "int4-g32") for k in (64, 1024, 256)
+             for rows in (1, 3)]
+    xs = [torch.randn(rows, qw.in_features, generator=torch.Generator().manual_seed(i)) * 3
+          for i, (qw, rows) in enumerate(cases)]
+    python = torch.ops.tieredkv.quant_linear.default  # through ctypes, which lets go of the GIL for the call
+    alone = [python(x, qw.codes, qw.scales, qw.offsets, qw.group_size, None) for x, (qw, _) in zip(xs, cases)]
+
+    def worker(shift: int) -> bool:
+        order = [(i + shift) % len(cases) for i in range(len(cases))] * 25
+        return all(torch.equal(python(xs[i], qw.codes, qw.scales, qw.offsets, qw.group_size, None), alone[i])
+                   for i in order for qw in [cases[i][0]])
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(worker, range(4)))
+
+
 def test_quantizers_error_bounds():
     w = torch.randn(64, 256) * 0.1
     q8 = quant.quantize_int8(w)

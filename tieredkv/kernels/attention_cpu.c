@@ -26,6 +26,8 @@
 #define ATT_AVX2 1
 #endif
 
+void *tkv_scratch(size_t bytes);  /* quant_cpu.c: the calling thread's scratch memory */
+
 #define ATT_CHUNK 32     /* key rows scored before their values are added */
 #define ATT_MAX_G 32     /* query heads per KV head */
 #define ATT_MAX_D 256    /* head dimension */
@@ -264,7 +266,7 @@ int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const voi
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
     const int64_t S = att_splits(B, longest, threads), items = B * S, G2 = D + 2;
-    float *parts = (float *)malloc((size_t)(items * Hq * G2) * sizeof(float));
+    float *parts = (float *)tkv_scratch((size_t)(items * Hq * G2) * sizeof(float));
     if (!parts) return -1;
     #pragma omp parallel
     {
@@ -296,6 +298,5 @@ int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const voi
             for (int64_t d = 0; d < D; d++) o[d] *= inv;
         }
     }
-    free(parts);
     return 0;
 }
