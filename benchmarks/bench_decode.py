@@ -8,7 +8,8 @@ Measures, on the default model:
      left (the compiled decode path), and once with compile_decode=False;
   2. batch-1 decode ms/token (128-token prompt, greedy, EOS ignored) for tieredkv fp32 and bf16, each with
      the compiled decode path and with the eager forward, int8, int4 and the default model's own Q4_1 file
-     (quantization="gguf") on the compiled path, and transformers fp32, interleaved; each row with its weight
+     (quantization="gguf"; once more with int8_activations) on the compiled path, and transformers fp32,
+     interleaved; each row with its weight
      bytes, its floor (those bytes over the measured read bandwidth of a 1 GiB tensor) and the time its engine
      took to build in this run; with --llama-bench, llama.cpp's llama-bench on the GGUF files given, same run;
      with --engine-gguf, the engine on other GGUF files of the default model too (llama-quantize's presets);
@@ -172,7 +173,8 @@ def llama_bench(binary: str, gguf: str, repeats: int | None = None, depth: int =
 
 
 QUANTIZED = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
-             "gguf Q4_1": {"quantization": "gguf"}}
+             "gguf Q4_1": {"quantization": "gguf"},
+             "gguf Q4_1, int8 activations": {"quantization": "gguf", "int8_activations": True}}
 
 
 def main(args) -> dict:

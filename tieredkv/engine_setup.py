@@ -26,7 +26,7 @@ from tieredkv.kernels import KernelOps, select_kernels
 from tieredkv.kernels.linear import graph_reads_packed, packed_range
 from tieredkv.lifecycle import Lifecycle
 from tieredkv.models.llama import LlamaModel
-from tieredkv.kernels.quant import gather_quantized_weights, use_cpu_kernels
+from tieredkv.kernels.quant import QuantizedWeight, gather_quantized_weights, tile_quantized_weights, use_cpu_kernels
 from tieredkv.models.loader import QuantSettings, load_model
 from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.request_factory import RequestFactory
@@ -203,13 +203,17 @@ def quant_settings(cfg: EngineConfig, model_dir: Path) -> QuantSettings | None:
                                     f"{len(found)}{': ' + ', '.join(f.name for f in found) if found else ''}")
         gguf = found[0]
     return QuantSettings(cfg.quantization, cfg.quantization_group_size, cfg.quantization_symmetric, gguf,
-                         resolve_cache_dir(cfg))
+                         resolve_cache_dir(cfg), cfg.int8_activations)
 
 
 def weights_label(model: LlamaModel, dtype: torch.dtype) -> str:
-    """The weights' format for stats() and the start-up line: "float32", or "int4 (float32 activations)"."""
+    """The weights' format for stats() and the start-up line: "float32", or "int4 (float32 activations)", with
+    "; int8 in 4-bit tiles" where EngineConfig.int8_activations tiled them."""
     dt = str(dtype).removeprefix("torch.")
-    return dt if model.quantization is None else f"{model.quantization} ({dt} activations)"
+    if model.quantization is None:
+        return dt
+    tiled = any(isinstance(m, QuantizedWeight) and m.fmt == "q4t" for m in model.modules())
+    return f"{model.quantization} ({dt} activations{'; int8 in 4-bit tiles' if tiled else ''})"
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -443,6 +447,10 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
     if device.type == "cpu":  # the CPU kernels; their C++ operators are bound here for the eager forward, or by
         # the compiled path before its trace, on its own thread (a first build takes seconds)
         use_cpu_kernels(resolve_cache_dir(cfg), operators=not compiled)
+        if quant is not None and quant.int8_activations:
+            tiled = tile_quantized_weights(model)  # where the kernels multiply 4-bit tiles with AVX-512 VNNI
+            log.info("int8 activations: %d 4-bit weights held in tiles of 16 rows%s", tiled,
+                     "" if tiled else " (none: this processor's kernels have no AVX-512 VNNI, or no weight is 4-bit)")
         gather_quantized_weights(model)  # one stream in the order they are read
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
     if device.type == "cpu":

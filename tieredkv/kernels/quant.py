@@ -9,6 +9,10 @@ Two storage formats serve every scheme (the codes row-major by output row, one f
     Byte j of a group holds input j (low nibble) and input j + g/2 (high nibble), GGUF's order.
     `quantization="int4"` is asymmetric (m = the group's minimum) or symmetric (m = -8 d); GGUF's Q4_1 and
     Q4_0 are those two with groups of 32, read without a detour through fp32.
+With EngineConfig.int8_activations, on a CPU whose kernel build has AVX-512 VNNI, q4 weights are then held as
+"q4t" (`tile_quantized_weights`): the same weights, codes and scales in tiles of 16 output rows that one
+vpdpbusd multiplies together, the activations in int8 blocks of 32 (quant_cpu.c: "q4 in tiles"). The two
+layouts take the same bytes.
 
 `quant_linear` calls a torch library op (tieredkv::quant_linear), so the compiled decode graph calls it like
 any library product. On CPU it runs quant_cpu.c's kernels for up to `kernel_rows` rows (decode steps), and
@@ -94,7 +98,7 @@ class QuantizedWeight(nn.Module):
                  group_size: int, in_features: int, scheme: str):
         super().__init__()
         self.fmt, self.group_size, self.in_features, self.scheme = fmt, group_size, in_features, scheme
-        self.out_features = codes.shape[0]
+        self.out_features = _out_features(codes)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)
@@ -108,13 +112,68 @@ class QuantizedWeight(nn.Module):
         return dequantize(self.codes, self.scales, self.offsets, self.group_size, rows)
 
     def take_rows(self, rows: torch.Tensor) -> "QuantizedWeight":
-        """The same weight with its output rows in the order `rows` (rows are independent in both formats)."""
+        """The same weight with its output rows in the order `rows` (rows are independent in both formats;
+        tiles are made after every such step of the load)."""
+        if self.fmt == "q4t":
+            raise ValueError("a weight in tiles of 16 rows (q4t) is not reordered by rows")
         offsets = None if self.offsets is None else self.offsets[rows]
         return QuantizedWeight(self.fmt, self.codes[rows], self.scales[rows], offsets, self.group_size,
                                self.in_features, self.scheme)
 
     def extra_repr(self) -> str:
         return f"{self.scheme} ({self.fmt}, groups of {self.group_size}), {self.out_features}x{self.in_features}"
+
+    def tileable(self) -> bool:
+        """A q4 weight on CPU whose rows make whole tiles of 16 and whose groups whole blocks of 32."""
+        return self.fmt == "q4" and self.codes.device.type == "cpu" and self.out_features % TILE_ROWS == 0 and \
+            self.group_size % 32 == 0
+
+    def tile(self) -> None:
+        """In place: this q4 weight as q4t, tiles of 16 output rows (quant_cpu.c: "q4 in tiles"), the same
+        weights. codes [T, K/8, 64]: in tile t and chunk c of 8 inputs, byte 4 r + j holds row r's input 8 c + j
+        (low nibble) and 8 c + 4 + j (high); scales and offsets [T, K/g, 16]."""
+        assert self.tileable(), self
+        n, k = self.out_features, self.in_features
+        q = _codes(self.codes, self.group_size).view(n // TILE_ROWS, TILE_ROWS, k // 8, 2, 4)
+        low, high = q[:, :, :, 0], q[:, :, :, 1]  # [T, 16, K/8, 4]
+        self.codes = (low | (high << 4)).transpose(1, 2).reshape(n // TILE_ROWS, k // 8, 64).contiguous()
+        self.scales, self.offsets = (_tile_groups(t) for t in (self.scales, self.offsets))
+        self.fmt = "q4t"
+
+
+TILE_ROWS = 16  # output rows of a q4t tile
+
+
+def _tile_groups(t: torch.Tensor) -> torch.Tensor:
+    """[N, G] per-row group values -> [N/16, G, 16]"""
+    return t.view(-1, TILE_ROWS, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _untile_groups(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2).reshape(-1, t.shape[1])
+
+
+def _codes(codes: torch.Tensor, group_size: int) -> torch.Tensor:
+    """A q4 or q4t weight's codes 0..15 as uint8 [N, K]."""
+    if codes.dim() == 3:
+        b = codes.view(codes.shape[0], -1, TILE_ROWS, 4)  # [T, K/8, 16, 4]
+        q = torch.stack([b & 15, b >> 4], dim=3)  # [T, K/8, 16, 2, 4]: inputs 8c + j, then 8c + 4 + j
+        return q.permute(0, 2, 1, 3, 4).reshape(codes.shape[0] * TILE_ROWS, -1)
+    n = codes.shape[0]
+    c = codes.view(n, -1, group_size // 2)
+    return torch.cat([c & 15, c >> 4], dim=-1).view(n, -1)
+
+
+def tile_quantized_weights(model: nn.Module) -> int:
+    """Every q4 weight of `model` that can be (QuantizedWeight.tileable) held as q4t, where the loaded CPU
+    kernels multiply tiles with AVX-512 VNNI (else nothing changes); returns how many. Before
+    gather_quantized_weights and the compiled decode path's trace, which take the tensors as they are then."""
+    if _LIB is None or not _LIB.tkv_q4t_native():
+        return 0
+    weights = [w for w in model.modules() if isinstance(w, QuantizedWeight) and w.tileable()]
+    for w in weights:
+        w.tile()
+    return len(weights)
 
 
 def cat_rows(parts: list, what: str) -> "QuantizedWeight | torch.Tensor":
@@ -166,6 +225,12 @@ class QuantizedParts(nn.Module):
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int,
                rows: torch.Tensor | None = None) -> torch.Tensor:
+    if codes.dim() == 3:  # q4t: as q4 codes 0..15 [N, K] and per-row scales
+        codes, scales, offsets = _codes(codes, group_size), _untile_groups(scales), _untile_groups(offsets)
+        if rows is not None:
+            codes, scales, offsets = codes[rows], scales[rows], offsets[rows]
+        q = codes.float().view(codes.shape[0], -1, group_size)
+        return (q * scales.float()[..., None] + offsets.float()[..., None]).view(codes.shape[0], -1)
     if rows is not None:
         codes, scales = codes[rows], scales[rows]
         offsets = None if offsets is None else offsets[rows]
@@ -174,8 +239,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
     if codes.dtype == torch.int8:  # q8
         w = codes.float().view(n, -1, g) * d
         return (w if offsets is None else w + offsets.float()[..., None]).view(n, -1)
-    c = codes.view(n, -1, g // 2)
-    q = torch.cat([c & 15, c >> 4], dim=-1).float()
+    q = _codes(codes, g).float().view(n, -1, g)
     return (q * d + offsets.float()[..., None]).view(n, -1)
 
 
@@ -379,7 +443,11 @@ def _is_q8(codes: torch.Tensor) -> bool:
 
 
 def _in_features(codes: torch.Tensor) -> int:
-    return codes.shape[1] * (1 if _is_q8(codes) else 2)
+    return codes.shape[1] * (8 if codes.dim() == 3 else 1 if _is_q8(codes) else 2)
+
+
+def _out_features(codes: torch.Tensor) -> int:
+    return codes.shape[0] * (TILE_ROWS if codes.dim() == 3 else 1)
 
 
 def _kernel_fits(codes: torch.Tensor, group_size: int) -> bool:
@@ -407,7 +475,7 @@ def _triton_quant_linear():
 def _quant_linear(x, codes, scales, offsets, group_size, bias):
     if codes.is_cuda and _triton_quant_linear() is not None:
         return _triton_quant_linear()(x, codes, scales, offsets, group_size, bias)
-    k, n = x.shape[-1], codes.shape[0]
+    k, n = x.shape[-1], _out_features(codes)
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # a decode step's [1, K] as it is (a reshape costs ~2.5 us)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
@@ -422,11 +490,14 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias):
         if _is_q8(codes):
             status = (_LIB.tkv_q8_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
                       _LIB.tkv_q8_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
+        elif codes.dim() == 3:
+            status = (_LIB.tkv_q4t_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
+                      _LIB.tkv_q4t_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         else:
             status = (_LIB.tkv_q4_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
                       _LIB.tkv_q4_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         if status != 0:
-            raise MemoryError("quantized linear: no memory for the activations' int16 copy")
+            raise MemoryError("quantized linear: no memory for the activations' integer copy")
     else:
         out = _dequantized_linear(x2, codes, scales, offsets, group_size, bias)
     if out.dtype != x.dtype:
@@ -449,7 +520,7 @@ def _dequantized_linear(x2, codes, scales, offsets, group_size, bias):
     for the default model's) would otherwise be a fresh allocation above malloc's mmap threshold on every
     call, page-faulted in as it is written: 30 ms of the 36 a 32-row step's head took (AMD EPYC, Zen 5), where
     the tiles come from the heap, already mapped."""
-    n, k = codes.shape[0], x2.shape[1]
+    n, k = _out_features(codes), x2.shape[1]
     tile = max(1, DEQUANT_TILE_BYTES // (4 * k))
     if tile >= n:
         return _fp32_linear(x2, _dequantize_fast(codes, scales, offsets, group_size, None), bias)
@@ -475,7 +546,7 @@ _LINEAR_OP, _ROWS_OP = torch.ops.tieredkv.quant_linear.default, torch.ops.tiered
 
 @torch.library.register_fake("tieredkv::quant_linear")
 def _(x, codes, scales, offsets, group_size, bias):
-    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+    return x.new_empty((*x.shape[:-1], _out_features(codes)))
 
 
 @torch.library.register_fake("tieredkv::quant_rows")
@@ -488,7 +559,7 @@ def _dequantize_fast(codes, scales, offsets, group_size, ids) -> torch.Tensor:
     if not _kernel_fits(codes, group_size):
         return dequantize(codes, scales, offsets, group_size, ids)
     k = _in_features(codes)
-    count = codes.shape[0] if ids is None else ids.shape[0]
+    count = _out_features(codes) if ids is None else ids.shape[0]
     out = torch.empty(count, k, dtype=torch.float32)
     idx = None if ids is None else ids.to(torch.int64).contiguous()
     ptr = None if idx is None else idx.data_ptr()
@@ -496,8 +567,8 @@ def _dequantize_fast(codes, scales, offsets, group_size, ids) -> torch.Tensor:
         _LIB.tkv_q8_rows(codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
                          group_size, k, ptr, count, out.data_ptr())
     else:
-        _LIB.tkv_q4_rows(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), group_size, k, ptr, count,
-                         out.data_ptr())
+        rows = _LIB.tkv_q4t_rows if codes.dim() == 3 else _LIB.tkv_q4_rows
+        rows(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), group_size, k, ptr, count, out.data_ptr())
     return out
 
 

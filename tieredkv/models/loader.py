@@ -30,13 +30,17 @@ class QuantSettings:
     symmetric: bool = False
     gguf_path: Path | None = None
     cache_dir: Path | None = None  # where the GGUF file's header index is kept (gguf_convert.gguf_index)
+    int8_activations: bool = False  # EngineConfig.int8_activations (4-bit products in tiles, where the CPU can)
 
     @property
     def label(self) -> str:
-        """What the weights are, for the fingerprint of the KV they produce and the start-up line."""
+        """What the weights are, for the fingerprint of the KV they produce and the start-up line (int8
+        activations compute other keys and values too)."""
         if self.scheme == "int4":
-            return f"int4-g{self.group_size}-{'sym' if self.symmetric else 'asym'}"
-        return self.scheme if self.gguf_path is None else f"gguf:{self.gguf_path.name}"
+            label = f"int4-g{self.group_size}-{'sym' if self.symmetric else 'asym'}"
+        else:
+            label = self.scheme if self.gguf_path is None else f"gguf:{self.gguf_path.name}"
+        return f"{label}+a8" if self.int8_activations else label
 
 
 _FUSED = {
