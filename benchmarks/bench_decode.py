@@ -8,15 +8,15 @@ Measures, on the default model:
      left (the compiled decode path), and once with compile_decode=False;
   2. batch-1 decode ms/token (128-token prompt, greedy, EOS ignored) for tieredkv fp32 and bf16, each with
      the compiled decode path and with the eager forward, int8, int4 and the default model's own Q4_1 file
-     (quantization="gguf"; once more with int8_activations) on the compiled path, and transformers fp32,
-     interleaved; each row with its weight
-     bytes, its floor (those bytes over the measured read bandwidth of a 1 GiB tensor) and the time its engine
+     (quantization="gguf"), the three again with int8_activations, on the compiled path, and transformers
+     fp32, interleaved; each row with its weight bytes, its floor (those bytes over the measured read bandwidth of a 1 GiB tensor) and the time its engine
      took to build in this run; with --llama-bench, llama.cpp's llama-bench on the GGUF files given, same run;
      with --engine-gguf, the engine on other GGUF files of the default model too (llama-quantize's presets);
   3. the engine's own cost per decode step outside the forward (scheduler, block moves, sampling, stop rules)
      and the batch preparation inside it;
   4. bf16 against fp32: greedy agreement over a set of prompts and the largest next-token logit difference;
-  5. mixed 32-request throughput (bench_engine.py's workload) with and without the compiled path, and int4.
+  5. mixed 32-request throughput (bench_engine.py's workload) with and without the compiled path, and int4
+     (with and without int8_activations).
 Prints llama.cpp's F32 figure measured on these machines (FACTS) for reference. Ratios are what to
 compare: these machines are noisy.
 
@@ -174,6 +174,8 @@ def llama_bench(binary: str, gguf: str, repeats: int | None = None, depth: int =
 
 QUANTIZED = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
              "gguf Q4_1": {"quantization": "gguf"},
+             "int8, int8 activations": {"quantization": "int8", "int8_activations": True},
+             "int4, int8 activations": {"quantization": "int4", "int8_activations": True},
              "gguf Q4_1, int8 activations": {"quantization": "gguf", "int8_activations": True}}
 
 
@@ -267,7 +269,7 @@ def main(args) -> dict:
     if not args.quick:  # the mixed workload (bench_engine.py's), both ways, A-B-A-B
         requests = make_requests(32, vocab)
         out_tokens = sum(n for _, n in requests)
-        runs: dict[str, list[float]] = {"float32": [], "float32 eager": [], "int4": []}
+        runs: dict[str, list[float]] = {"float32": [], "float32 eager": [], "int4": [], "int4, int8 activations": []}
         for _ in range(2):
             for name in runs:
                 variants[name].tiers.clear("all")  # from an empty cache each time
@@ -279,7 +281,8 @@ def main(args) -> dict:
         print(f"mixed 32 requests: compiled {results['mixed32_tok_s']['float32']:.1f} tok/s, eager "
               f"{results['mixed32_tok_s']['float32 eager']:.1f} tok/s ({ratio:.2f}x), int4 "
               f"{results['mixed32_tok_s']['int4']:.1f} tok/s "
-              f"({results['mixed32_tok_s']['int4'] / results['mixed32_tok_s']['float32']:.2f}x fp32)", flush=True)
+              f"({results['mixed32_tok_s']['int4'] / results['mixed32_tok_s']['float32']:.2f}x fp32), with int8 "
+              f"activations {results['mixed32_tok_s']['int4, int8 activations']:.1f} tok/s", flush=True)
     for core in variants.values():
         core.close()
     return results

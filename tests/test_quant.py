@@ -167,15 +167,16 @@ def test_calls_from_many_threads_each_keep_their_own_scratch(lib):
         assert all(pool.map(worker, range(4)))
 
 
-# 4-bit layouts tiled into q4t (quant.QuantizedWeight.tile): groups of 32 to 128, asymmetric, symmetric, Q4_K's
-TILED = ["int4-g32", "int4-g128", "int4-sym", "gguf-Q4_K"]
+# layouts tiled (quant.QuantizedWeight.tile): q4 in groups of 32 to 128, asymmetric, symmetric, Q4_K's; q8 per
+# row (int8), in groups of 32, with offsets (Q5_1)
+TILED = ["int4-g32", "int4-g128", "int4-sym", "gguf-Q4_K", "int8", "q8-g32", "gguf-Q5_1"]
 
 
 def tiled_weights(fmt: str, n: int, k: int) -> tuple[quant.QuantizedWeight, quant.QuantizedWeight]:
-    """A q4 weight and the same weight tiled."""
+    """A q4 or q8 weight and the same weight tiled."""
     plain, tiled = weights(fmt, n, k), weights(fmt, n, k)
     tiled.tile()
-    assert (plain.fmt, tiled.fmt) == ("q4", "q4t") and tiled.out_features == n and tiled.nbytes == plain.nbytes
+    assert tiled.fmt == plain.fmt + "t" and tiled.out_features == n and tiled.nbytes == plain.nbytes
     return plain, tiled
 
 
@@ -191,9 +192,9 @@ def int8_block_bound(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> to
 @pytest.mark.parametrize("fmt", TILED)
 @pytest.mark.parametrize("rows", [1, 2, 5, 19, "past the kernels"])
 def test_tiled_kernels_match_the_dequantized_reference(lib, fmt, rows):
-    """q4t (EngineConfig.int8_activations): the same weights as q4, bit for bit once dequantized; its products
-    against F.linear on them within what int8 activation blocks allow, one row, several, and past the kernels'
-    rows (dequantized into the fp32 product: exact); every row dequantized exactly."""
+    """q4t and q8t (EngineConfig.int8_activations): the same weights as q4 and q8, bit for bit once dequantized;
+    their products against F.linear on them within what int8 activation blocks allow, one row, several, and
+    past the kernels' rows (dequantized into the fp32 product: exact); every row dequantized exactly."""
     n, k = 48, 512
     plain, tiled = tiled_weights(fmt, n, k)
     w = plain.dequantize()
@@ -209,7 +210,7 @@ def test_tiled_kernels_match_the_dequantized_reference(lib, fmt, rows):
     got = quant.quant_linear(x, tiled, bias)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert bool(((got - want).abs() <= int8_block_bound(x, w, want)).all()), float((got - want).abs().max())
-    if rows <= quant.kernel_rows(tiled.codes):  # the int8 blocks are coarser than q4's int16 rows
+    if rows <= quant.kernel_rows(tiled.codes):  # the int8 blocks are coarser than the untiled int16 rows
         assert (got - want).norm() > 5 * (quant.quant_linear(x, plain, bias) - want).norm()
     # the C++ one-row operator is the Python operator, bit for bit
     one = x[:1]
@@ -228,26 +229,30 @@ def test_tiled_products_are_the_same_bits_on_every_build(kernel_cache):
 
     from tieredkv.kernels.quant_cpu import load
 
-    _, tiled = tiled_weights("int4-sym", 32, 320)  # groups of 64
     x = torch.randn(3, 320, generator=torch.Generator().manual_seed(4))
     bias = torch.randn(32)
-    outs = []
-    for flags in CPU_KERNEL_BUILDS.values():
-        lib = load(kernel_cache, flags)
-        for rows, call in ((1, lib.tkv_q4t_gemv), (3, lib.tkv_q4t_linear)):
-            out = torch.empty(rows, 32)
-            args = (x.data_ptr(), 320) if rows == 1 else (x.data_ptr(), rows, 320)
-            assert call(*args, tiled.codes.data_ptr(), tiled.scales.data_ptr(), tiled.offsets.data_ptr(), 64, 32,
-                        bias.data_ptr(), out.data_ptr()) == 0
-            outs.append(out)
-    assert all(torch.equal(o, outs[0][:1] if o.shape[0] == 1 else outs[1]) for o in outs)
-    assert torch.equal(outs[0][0], outs[1][0])  # a row alone or among others
+    for fmt, g in (("int4-sym", 64), ("gguf-Q5_1", 32)):  # q4 in groups of 64; q8 with offsets
+        _, tiled = tiled_weights(fmt, 32, 320)
+        offsets = None if tiled.offsets is None else tiled.offsets.data_ptr()
+        outs = []
+        for flags in CPU_KERNEL_BUILDS.values():
+            lib = load(kernel_cache, flags)
+            q8 = tiled.fmt == "q8t"
+            for rows, call in ((1, lib.tkv_q8t_gemv if q8 else lib.tkv_q4t_gemv),
+                               (3, lib.tkv_q8t_linear if q8 else lib.tkv_q4t_linear)):
+                out = torch.empty(rows, 32)
+                args = (x.data_ptr(), 320) if rows == 1 else (x.data_ptr(), rows, 320)
+                assert call(*args, tiled.codes.data_ptr(), tiled.scales.data_ptr(), offsets, g, 32, bias.data_ptr(),
+                            out.data_ptr()) == 0
+                outs.append(out)
+        assert all(torch.equal(o, outs[0] if o.shape[0] == 1 else outs[1]) for o in outs), fmt
+        assert torch.equal(outs[0][0], outs[1][0])  # a row alone or among others
 
 
 def test_tiles_only_where_they_fit(lib):
-    """Weights whose rows are not whole tiles of 16, q8 weights and weights on other devices stay as they are;
+    """Weights whose rows are not whole tiles of 16 and q8 weights in groups of 16 stay as they are;
     a tiled weight is not reordered by rows (tiles are made after every step of the load that does)."""
-    assert not weights("int4-g32", 40, 64).tileable() and not weights("int8", 48, 64).tileable()
+    assert not weights("int4-g32", 40, 64).tileable() and not weights("gguf-Q6_K", 48, 256).tileable()  # groups of 16
     _, tiled = tiled_weights("int4-g32", 32, 64)
     with pytest.raises(ValueError, match="not reordered"):
         tiled.take_rows(torch.arange(32))
@@ -473,8 +478,8 @@ def test_compiled_decode_serves_quantized_weights(llama_dir):
 
 
 def test_int8_activations_hold_4bit_weights_in_tiles_where_the_processor_can(llama_dir):
-    """EngineConfig.int8_activations: where the kernels multiply tiles with AVX-512 VNNI, every 4-bit projection
-    is held in tiles of 16 rows (the LM head, int8, is not), stats() says so and the KV fingerprint is one of
+    """EngineConfig.int8_activations: where the kernels multiply tiles with AVX-512 VNNI, every quantized weight
+    is held in tiles of 16 rows (4-bit projections, the int8 LM head), stats() says so and the KV fingerprint is one of
     its own (other keys and values). The compiled graph serves its decode steps, its logits within what int8
     blocks move (rounded from inputs the graph's fused norms compute a few ulps apart from the eager forward's:
     tokens may part at near-ties). Without AVX-512 VNNI the weights stay as they are; the default keeps int16."""
@@ -496,12 +501,13 @@ def test_int8_activations_hold_4bit_weights_in_tiles_where_the_processor_can(lla
             logits.append(captured[1][0][-1].float())  # the first decode step's, after the same prefill token
         assert cores[1].runner.compiled.steps == 1
         assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[0].abs().max()
-        native = bool(quant._LIB.tkv_q4t_native())
+        native = bool(quant._LIB.tkv_tiles_native())
         for core in cores:
             formats = {m.fmt for m in core.model.layers.modules() if isinstance(m, quant.QuantizedWeight)}
-            assert formats == ({"q4t"} if native else {"q4"}) and core.model.quantized_head.fmt == "q8"
-            assert core.stats().weights == ("int4 (float32 activations; int8 in 4-bit tiles)" if native else
-                                            "int4 (float32 activations)")
+            assert formats == ({"q4t"} if native else {"q4"})
+            assert core.model.quantized_head.fmt == ("q8t" if native else "q8")
+            assert core.stats().weights == ("int4 (float32 activations; int8 blocks in tiled products)" if native
+                                            else "int4 (float32 activations)")
             assert core.fingerprint != plain.fingerprint and core.stats().weight_bytes == plain.stats().weight_bytes
         assert {m.fmt for m in plain.model.layers.modules() if isinstance(m, quant.QuantizedWeight)} == {"q4"}
     finally:

@@ -208,12 +208,12 @@ def quant_settings(cfg: EngineConfig, model_dir: Path) -> QuantSettings | None:
 
 def weights_label(model: LlamaModel, dtype: torch.dtype) -> str:
     """The weights' format for stats() and the start-up line: "float32", or "int4 (float32 activations)", with
-    "; int8 in 4-bit tiles" where EngineConfig.int8_activations tiled them."""
+    "; int8 blocks in tiled products" where EngineConfig.int8_activations tiled them."""
     dt = str(dtype).removeprefix("torch.")
     if model.quantization is None:
         return dt
-    tiled = any(isinstance(m, QuantizedWeight) and m.fmt == "q4t" for m in model.modules())
-    return f"{model.quantization} ({dt} activations{'; int8 in 4-bit tiles' if tiled else ''})"
+    tiled = any(isinstance(m, QuantizedWeight) and m.fmt in ("q4t", "q8t") for m in model.modules())
+    return f"{model.quantization} ({dt} activations{'; int8 blocks in tiled products' if tiled else ''})"
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -448,9 +448,9 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
         # the compiled path before its trace, on its own thread (a first build takes seconds)
         use_cpu_kernels(resolve_cache_dir(cfg), operators=not compiled)
         if quant is not None and quant.int8_activations:
-            tiled = tile_quantized_weights(model)  # where the kernels multiply 4-bit tiles with AVX-512 VNNI
-            log.info("int8 activations: %d 4-bit weights held in tiles of 16 rows%s", tiled,
-                     "" if tiled else " (none: this processor's kernels have no AVX-512 VNNI, or no weight is 4-bit)")
+            tiled = tile_quantized_weights(model)  # where the kernels multiply tiles with AVX-512 VNNI
+            log.info("int8 activations: %d quantized weights held in tiles of 16 rows%s", tiled,
+                     "" if tiled else " (none: this processor's kernels have no AVX-512 VNNI)")
         gather_quantized_weights(model)  # one stream in the order they are read
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
     if device.type == "cpu":

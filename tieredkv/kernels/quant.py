@@ -9,10 +9,10 @@ Two storage formats serve every scheme (the codes row-major by output row, one f
     Byte j of a group holds input j (low nibble) and input j + g/2 (high nibble), GGUF's order.
     `quantization="int4"` is asymmetric (m = the group's minimum) or symmetric (m = -8 d); GGUF's Q4_1 and
     Q4_0 are those two with groups of 32, read without a detour through fp32.
-With EngineConfig.int8_activations, on a CPU whose kernel build has AVX-512 VNNI, q4 weights are then held as
-"q4t" (`tile_quantized_weights`): the same weights, codes and scales in tiles of 16 output rows that one
-vpdpbusd multiplies together, the activations in int8 blocks of 32 (quant_cpu.c: "q4 in tiles"). The two
-layouts take the same bytes.
+With EngineConfig.int8_activations, on a CPU whose kernel build has AVX-512 VNNI, q4 and q8 weights whose groups
+are whole blocks of 32 are then held as "q4t" and "q8t" (`tile_quantized_weights`): the same weights, codes and
+scales in tiles of 16 output rows that one vpdpbusd multiplies together, the activations in int8 blocks of 32
+(quant_cpu.c: "q4 and q8 in tiles"). Each takes the bytes of its untiled layout.
 
 `quant_linear` calls a torch library op (tieredkv::quant_linear), so the compiled decode graph calls it like
 any library product. On CPU it runs quant_cpu.c's kernels for up to `kernel_rows` rows (decode steps), and
@@ -114,8 +114,8 @@ class QuantizedWeight(nn.Module):
     def take_rows(self, rows: torch.Tensor) -> "QuantizedWeight":
         """The same weight with its output rows in the order `rows` (rows are independent in both formats;
         tiles are made after every such step of the load)."""
-        if self.fmt == "q4t":
-            raise ValueError("a weight in tiles of 16 rows (q4t) is not reordered by rows")
+        if self.fmt in ("q4t", "q8t"):
+            raise ValueError(f"a weight in tiles of 16 rows ({self.fmt}) is not reordered by rows")
         offsets = None if self.offsets is None else self.offsets[rows]
         return QuantizedWeight(self.fmt, self.codes[rows], self.scales[rows], offsets, self.group_size,
                                self.in_features, self.scheme)
@@ -124,21 +124,28 @@ class QuantizedWeight(nn.Module):
         return f"{self.scheme} ({self.fmt}, groups of {self.group_size}), {self.out_features}x{self.in_features}"
 
     def tileable(self) -> bool:
-        """A q4 weight on CPU whose rows make whole tiles of 16 and whose groups whole blocks of 32."""
-        return self.fmt == "q4" and self.codes.device.type == "cpu" and self.out_features % TILE_ROWS == 0 and \
-            self.group_size % 32 == 0
+        """A q4 or q8 weight on CPU whose rows make whole tiles of 16 and whose groups whole blocks of 32."""
+        return self.fmt in ("q4", "q8") and self.codes.device.type == "cpu" and \
+            self.out_features % TILE_ROWS == 0 and self.group_size % 32 == 0
 
     def tile(self) -> None:
-        """In place: this q4 weight as q4t, tiles of 16 output rows (quant_cpu.c: "q4 in tiles"), the same
-        weights. codes [T, K/8, 64]: in tile t and chunk c of 8 inputs, byte 4 r + j holds row r's input 8 c + j
-        (low nibble) and 8 c + 4 + j (high); scales and offsets [T, K/g, 16]."""
+        """In place: this weight in tiles of 16 output rows (quant_cpu.c: "q4 and q8 in tiles"), the same
+        weights. q4t codes [T, K/8, 64] (uint8): in tile t and chunk c of 8 inputs, byte 4 r + j holds row r's
+        input 8 c + j (low nibble) and 8 c + 4 + j (high); q8t codes [T, K/4, 64] (int8 storage): in chunk c of 4
+        inputs, byte 4 r + j holds row r's code of input 4 c + j plus 128 (as an unsigned byte); scales and
+        offsets [T, K/g, 16]."""
         assert self.tileable(), self
-        n, k = self.out_features, self.in_features
-        q = _codes(self.codes, self.group_size).view(n // TILE_ROWS, TILE_ROWS, k // 8, 2, 4)
-        low, high = q[:, :, :, 0], q[:, :, :, 1]  # [T, 16, K/8, 4]
-        self.codes = (low | (high << 4)).transpose(1, 2).reshape(n // TILE_ROWS, k // 8, 64).contiguous()
-        self.scales, self.offsets = (_tile_groups(t) for t in (self.scales, self.offsets))
-        self.fmt = "q4t"
+        k, t = self.in_features, self.out_features // TILE_ROWS
+        if self.fmt == "q8":
+            unsigned = (self.codes.to(torch.int16) + 128).to(torch.uint8).view(t, TILE_ROWS, k // 4, 4)
+            self.codes = unsigned.transpose(1, 2).reshape(t, k // 4, 64).contiguous().view(torch.int8)
+        else:
+            q = _codes(self.codes, self.group_size).view(t, TILE_ROWS, k // 8, 2, 4)
+            low, high = q[:, :, :, 0], q[:, :, :, 1]  # [T, 16, K/8, 4]
+            self.codes = (low | (high << 4)).transpose(1, 2).reshape(t, k // 8, 64).contiguous()
+        self.scales = _tile_groups(self.scales)
+        self.offsets = None if self.offsets is None else _tile_groups(self.offsets)
+        self.fmt += "t"
 
 
 TILE_ROWS = 16  # output rows of a q4t tile
@@ -154,7 +161,10 @@ def _untile_groups(t: torch.Tensor) -> torch.Tensor:
 
 
 def _codes(codes: torch.Tensor, group_size: int) -> torch.Tensor:
-    """A q4 or q4t weight's codes 0..15 as uint8 [N, K]."""
+    """A q4 or q4t weight's codes 0..15 as uint8 [N, K]; a q8t weight's as int8 [N, K]."""
+    if codes.dim() == 3 and _is_q8(codes):
+        q = (codes.view(torch.uint8).to(torch.int16) - 128).to(torch.int8).view(codes.shape[0], -1, TILE_ROWS, 4)
+        return q.transpose(1, 2).reshape(codes.shape[0] * TILE_ROWS, -1)
     if codes.dim() == 3:
         b = codes.view(codes.shape[0], -1, TILE_ROWS, 4)  # [T, K/8, 16, 4]
         q = torch.stack([b & 15, b >> 4], dim=3)  # [T, K/8, 16, 2, 4]: inputs 8c + j, then 8c + 4 + j
@@ -165,10 +175,10 @@ def _codes(codes: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def tile_quantized_weights(model: nn.Module) -> int:
-    """Every q4 weight of `model` that can be (QuantizedWeight.tileable) held as q4t, where the loaded CPU
-    kernels multiply tiles with AVX-512 VNNI (else nothing changes); returns how many. Before
+    """Every quantized weight of `model` that can be (QuantizedWeight.tileable) held in tiles, where the loaded
+    CPU kernels multiply tiles with AVX-512 VNNI (else nothing changes); returns how many. Before
     gather_quantized_weights and the compiled decode path's trace, which take the tensors as they are then."""
-    if _LIB is None or not _LIB.tkv_q4t_native():
+    if _LIB is None or not _LIB.tkv_tiles_native():
         return 0
     weights = [w for w in model.modules() if isinstance(w, QuantizedWeight) and w.tileable()]
     for w in weights:
@@ -225,12 +235,14 @@ class QuantizedParts(nn.Module):
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int,
                rows: torch.Tensor | None = None) -> torch.Tensor:
-    if codes.dim() == 3:  # q4t: as q4 codes 0..15 [N, K] and per-row scales
-        codes, scales, offsets = _codes(codes, group_size), _untile_groups(scales), _untile_groups(offsets)
+    if codes.dim() == 3:  # tiled: as q4 / q8 codes [N, K] and per-row scales
+        codes, scales = _codes(codes, group_size), _untile_groups(scales)
+        offsets = None if offsets is None else _untile_groups(offsets)
         if rows is not None:
-            codes, scales, offsets = codes[rows], scales[rows], offsets[rows]
-        q = codes.float().view(codes.shape[0], -1, group_size)
-        return (q * scales.float()[..., None] + offsets.float()[..., None]).view(codes.shape[0], -1)
+            codes, scales = codes[rows], scales[rows]
+            offsets = None if offsets is None else offsets[rows]
+        w = codes.float().view(codes.shape[0], -1, group_size) * scales.float()[..., None]
+        return (w if offsets is None else w + offsets.float()[..., None]).view(codes.shape[0], -1)
     if rows is not None:
         codes, scales = codes[rows], scales[rows]
         offsets = None if offsets is None else offsets[rows]
@@ -443,7 +455,9 @@ def _is_q8(codes: torch.Tensor) -> bool:
 
 
 def _in_features(codes: torch.Tensor) -> int:
-    return codes.shape[1] * (8 if codes.dim() == 3 else 1 if _is_q8(codes) else 2)
+    if codes.dim() == 3:  # tiles: q8t's chunks of 4 inputs, q4t's of 8
+        return codes.shape[1] * (4 if _is_q8(codes) else 8)
+    return codes.shape[1] * (1 if _is_q8(codes) else 2)
 
 
 def _out_features(codes: torch.Tensor) -> int:
@@ -451,7 +465,8 @@ def _out_features(codes: torch.Tensor) -> int:
 
 
 def _kernel_fits(codes: torch.Tensor, group_size: int) -> bool:
-    return _LIB is not None and not codes.is_cuda and group_size % (16 if _is_q8(codes) else 32) == 0
+    return _LIB is not None and not codes.is_cuda and \
+        group_size % (16 if _is_q8(codes) and codes.dim() == 2 else 32) == 0
 
 
 # Defined through torch.library's Library rather than custom_op: a call costs ~6 us instead of ~24 (a decode
@@ -487,12 +502,14 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias):
         b = None if bias is None else bias.data_ptr()
         xp, qp, sp, op = x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr()
         zp = None if offsets is None else offsets.data_ptr()
-        if _is_q8(codes):
+        if codes.dim() == 3:
+            q8 = _is_q8(codes)
+            gemv, linear = (_LIB.tkv_q8t_gemv, _LIB.tkv_q8t_linear) if q8 else (_LIB.tkv_q4t_gemv, _LIB.tkv_q4t_linear)
+            status = gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else \
+                linear(xp, m, k, qp, sp, zp, group_size, n, b, op)
+        elif _is_q8(codes):
             status = (_LIB.tkv_q8_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
                       _LIB.tkv_q8_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
-        elif codes.dim() == 3:
-            status = (_LIB.tkv_q4t_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
-                      _LIB.tkv_q4t_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         else:
             status = (_LIB.tkv_q4_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
                       _LIB.tkv_q4_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
@@ -563,7 +580,10 @@ def _dequantize_fast(codes, scales, offsets, group_size, ids) -> torch.Tensor:
     out = torch.empty(count, k, dtype=torch.float32)
     idx = None if ids is None else ids.to(torch.int64).contiguous()
     ptr = None if idx is None else idx.data_ptr()
-    if _is_q8(codes):
+    if codes.dim() == 3 and _is_q8(codes):
+        _LIB.tkv_q8t_rows(codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+                          group_size, k, ptr, count, out.data_ptr())
+    elif _is_q8(codes):
         _LIB.tkv_q8_rows(codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
                          group_size, k, ptr, count, out.data_ptr())
     else:

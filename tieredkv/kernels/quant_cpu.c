@@ -694,164 +694,208 @@ void tkv_q4_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_
     }
 }
 
-/* ---- q4 in tiles of 16 output rows ("q4t": kernels/quant.py tiles q4 weights into it where the build has
- * AVX-512 VNNI) ---------------------------------------------------------------------------------------------
- * The same weights as q4 (w = q d + m, q in 0..15, a scale and an offset per group of g inputs, g a multiple
- * of 32) laid out so that one 64-byte load holds 8 inputs of 16 output rows, and one vpdpbusd multiplies 4
- * inputs of all 16 rows, their sums side by side in one register (no sum across a register's lanes):
- *   codes [T][K/8][64]: tile t holds rows 16t..16t+15; in chunk c, byte 4r + j holds row r's input 8c + j in
+/* ---- q4 and q8 in tiles of 16 output rows ("q4t", "q8t": kernels/quant.py tiles the weights into them with
+ * EngineConfig.int8_activations where the build has AVX-512 VNNI) ----------------------------------------------
+ * The same weights as q4 (w = q d + m, q in 0..15) and q8 (w = q d [+ m], q in -127..127), a scale (and an
+ * offset) per group of g inputs, g a multiple of 32, laid out so that one 64-byte load holds the codes of 16
+ * output rows, and one vpdpbusd multiplies 4 inputs of all 16 rows, their sums side by side in one register (no
+ * sum across a register's lanes):
+ *   q4t codes [T][K/8][64]: tile t holds rows 16t..16t+15; in chunk c, byte 4r + j holds row r's input 8c + j in
  *     its low nibble and input 8c + 4 + j in its high one (j = 0..3);
+ *   q8t codes [T][K/4][64]: in chunk c, byte 4r + j holds row r's code of input 4c + j plus 128 (vpdpbusd takes
+ *     unsigned bytes on one side: sum (q + 128) x = sum q x + 128 sum x, the second term taken off per block);
  *   scales, offsets [T][K/g][16] fp16: each group's for the tile's 16 rows.
  * The activations are quantized to int8 per block of 32 inputs (scale max|x| / 127 of the block), as GGUF's
- * Q8_1 blocks that llama.cpp multiplies 4-bit weights with; the offsets multiply each block's sum of the fp32
- * activations. Every block's int32 sums are scaled in fp32, block after block, then the offsets' part added:
- * the plain C below does the same operations in the same order, so every build gives the same bits.
- * Measured on an Intel Xeon (KVM guest, 2 threads), the default model's 120 int4 layers from the large L3:
- * 0.76-0.82x the time of the row-major one-row kernel (tkv_q4_gemv); the one-row kernel reads two tiles at once,
- * half the thread's share apart, each asked for Q4T_AHEAD bytes ahead (one stream alone: 1.0-1.3x). */
-#define Q4T_ROWS 16
-#define Q4T_AHEAD 2560
+ * Q8_0 / Q8_1 blocks that llama.cpp multiplies its quantized blocks with; the offsets multiply each block's sum
+ * as rounded (q8_blocks). Every block's int32 sums are scaled in fp32, block after block, then the offsets'
+ * part added: the plain C below does the same operations in the same order, so every build gives the same bits.
+ * Measured on an Intel Xeon (KVM guest, 2 threads), the default model's 120 int4 layers from its large L3:
+ * 0.76-0.82x the time of the row-major one-row kernel (tkv_q4_gemv), 0.66-0.75x for 2 to 32 rows; the one-row
+ * kernel reads two tiles at once, half the thread's share apart, each asked for TILE_AHEAD bytes ahead (one
+ * stream alone: 1.0-1.3x). */
+#define TILE_ROWS 16
+#define TILE_AHEAD 2560
 
-/* x's blocks of 32 as int8 codes, their scales and their fp32 sums */
-static void q8_blocks(const float *x, int64_t K, int8_t *xq, float *sx, float *xs) {
+/* x's blocks of 32 as int8 codes, their scales, their codes' sums and those sums scaled: the block's sum as
+ * rounded, which the offsets multiply, so that the rounding's error meets the weights w = q d + m themselves
+ * (as in llama.cpp's Q8_1 products) rather than q d alone, up to twice as large. Measured through the decode
+ * kernels on the default model's Q4_1 file: perplexity +0.47% from fp32 (KL 0.0030) where the fp32 sums gave
+ * +1.41% (KL 0.0134); int4 +0.90% against +1.85%. */
+static void q8_blocks(const float *x, int64_t K, int8_t *xq, float *sx, float *xs, int32_t *qs) {
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
-        float amax = 0.f, sum = 0.f;
-        for (int j = 0; j < 32; j++) {
-            amax = fmaxf(amax, fabsf(xb[j]));
-            sum += xb[j];
-        }
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
         const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+        int32_t codes = 0;
+        for (int j = 0; j < 32; j++) {
+            xq[b * 32 + j] = (int8_t)lrintf(xb[j] * inv);
+            codes += xq[b * 32 + j];
+        }
         sx[b] = s;
-        xs[b] = sum;
-        for (int j = 0; j < 32; j++) xq[b * 32 + j] = (int8_t)lrintf(xb[j] * inv);
+        xs[b] = s * (float)codes;
+        qs[b] = codes;
     }
 }
 
+/* Bytes of codes a block of 32 inputs takes in a tile, and a tile of K inputs */
+#define TILE_BLOCK(bits) ((bits) == 4 ? 256 : 512)
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define Q4T_VNNI 1
-/* Block b (32 inputs) of one tile times one activation row: the 16 rows' int32 sums */
-INLINE __m512i q4t_block(const uint8_t *tc, const int8_t *xq, int64_t b) {
-    const __m512i low = _mm512_set1_epi8(15);
+#define TILE_VNNI 1
+/* Block b (32 inputs) of one tile (codes tc) times one activation row: the 16 rows' int32 sums */
+INLINE __m512i tile_block(const int bits, const uint8_t *tc, const int8_t *xq, const int32_t *qs, int64_t b) {
     const int32_t *xa = (const int32_t *)(xq + b * 32);
+    const uint8_t *bc = tc + b * TILE_BLOCK(bits);
     __m512i acc = _mm512_setzero_si512();
-    for (int c = 0; c < 4; c++) {
-        __m512i v = _mm512_loadu_si512(tc + (b * 4 + c) * 64);
-        acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(v, low), _mm512_set1_epi32(xa[2 * c]));
-        acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(xa[2 * c + 1]));
+    if (bits == 4) {
+        const __m512i low = _mm512_set1_epi8(15);
+        for (int c = 0; c < 4; c++) {
+            __m512i v = _mm512_loadu_si512(bc + c * 64);
+            acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(v, low), _mm512_set1_epi32(xa[2 * c]));
+            acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                      _mm512_set1_epi32(xa[2 * c + 1]));
+        }
+        return acc;
     }
-    return acc;
+    for (int c = 0; c < 8; c++) acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(bc + c * 64), _mm512_set1_epi32(xa[c]));
+    return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * qs[b]));
 }
 #else
 /* The same sums in plain C */
-static void q4t_block_c(const uint8_t *tc, const int8_t *xq, int64_t b, int32_t *acc) {
-    for (int r = 0; r < Q4T_ROWS; r++) acc[r] = 0;
-    for (int c = 0; c < 4; c++)
-        for (int r = 0; r < Q4T_ROWS; r++)
-            for (int j = 0; j < 4; j++) {
-                const uint8_t v = tc[(b * 4 + c) * 64 + 4 * r + j];
-                acc[r] += (v & 15) * xq[b * 32 + 8 * c + j] + (v >> 4) * xq[b * 32 + 8 * c + 4 + j];
-            }
+static void tile_block_c(const int bits, const uint8_t *tc, const int8_t *xq, const int32_t *qs, int64_t b,
+                         int32_t *acc) {
+    const uint8_t *bc = tc + b * TILE_BLOCK(bits);
+    const int8_t *xb = xq + b * 32;
+    for (int r = 0; r < TILE_ROWS; r++) {
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) {
+            const int c = bits == 4 ? j / 8 : j / 4, at = bits == 4 ? 4 * r + j % 4 : 4 * r + j % 4;
+            const uint8_t v = bc[c * 64 + at];
+            sum += (bits == 4 ? (j % 8 < 4 ? v & 15 : v >> 4) : v) * xb[j];
+        }
+        acc[r] = bits == 4 ? sum : sum - 128 * qs[b];
+    }
 }
 #endif
 
-/* One tile's 16 outputs for one activation row (xq, sx, xs: q8_blocks's), with the tile's codes, scales and
- * offsets at tc, td, tm; gb: blocks of 32 per group */
-INLINE void q4t_tile(const uint8_t *tc, const uint16_t *td, const uint16_t *tm, int64_t K, int64_t gb,
-                     const int8_t *xq, const float *sx, const float *xs, float *out) {
-#ifdef Q4T_VNNI
+/* One tile's 16 outputs for one activation row (xq, sx, xs, qs: q8_blocks's), with the tile's codes, scales
+ * and offsets (NULL: none) at tc, td, tm; gb: blocks of 32 per group */
+INLINE void tile_outputs(const int bits, const uint8_t *tc, const uint16_t *td, const uint16_t *tm, int64_t K,
+                         int64_t gb, const int8_t *xq, const float *sx, const float *xs, const int32_t *qs,
+                         float *out) {
+#ifdef TILE_VNNI
     __m512 acc = _mm512_setzero_ps(), z = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / 32; b++) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + b / gb * 16)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + b / gb * 16)));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4t_block(tc, xq, b)), _mm512_mul_ps(d, _mm512_set1_ps(sx[b])), acc);
-        z = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[b]), z);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tile_block(bits, tc, xq, qs, b)),
+                              _mm512_mul_ps(d, _mm512_set1_ps(sx[b])), acc);
+        if (tm)
+            z = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + b / gb * 16))),
+                                _mm512_set1_ps(xs[b]), z);
     }
     _mm512_storeu_ps(out, _mm512_add_ps(acc, z));
 #else
-    float acc[Q4T_ROWS] = {0.f}, z[Q4T_ROWS] = {0.f};
-    int32_t sums[Q4T_ROWS];
+    float acc[TILE_ROWS] = {0.f}, z[TILE_ROWS] = {0.f};
+    int32_t sums[TILE_ROWS];
     for (int64_t b = 0; b < K / 32; b++) {
-        q4t_block_c(tc, xq, b, sums);
-        for (int r = 0; r < Q4T_ROWS; r++) {
+        tile_block_c(bits, tc, xq, qs, b, sums);
+        for (int r = 0; r < TILE_ROWS; r++) {
             acc[r] = fmaf((float)sums[r], h2f(td[b / gb * 16 + r]) * sx[b], acc[r]);
-            z[r] = fmaf(h2f(tm[b / gb * 16 + r]), xs[b], z[r]);
+            if (tm) z[r] = fmaf(h2f(tm[b / gb * 16 + r]), xs[b], z[r]);
         }
     }
-    for (int r = 0; r < Q4T_ROWS; r++) out[r] = acc[r] + z[r];
+    for (int r = 0; r < TILE_ROWS; r++) out[r] = acc[r] + z[r];
 #endif
 }
 
 /* The outputs of tile t (+ bias) for activation row i, into out's row i */
-INLINE void q4t_store(const float *o, const float *bias, int64_t N, int64_t t, int64_t i, float *out) {
-    for (int r = 0; r < Q4T_ROWS; r++) out[i * N + t * Q4T_ROWS + r] = o[r] + (bias ? bias[t * Q4T_ROWS + r] : 0.f);
+INLINE void tile_store(const float *o, const float *bias, int64_t N, int64_t t, int64_t i, float *out) {
+    for (int r = 0; r < TILE_ROWS; r++) out[i * N + t * TILE_ROWS + r] = o[r] + (bias ? bias[t * TILE_ROWS + r] : 0.f);
 }
 
-/* M activation rows x [M, K] times the tiled weight of N = 16 T outputs: out [M, N]. Returns 0, or -1 when
- * scratch memory could not be had or K is not whole blocks of 32. */
-int tkv_q4t_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
-                   int64_t g, int64_t N, const float *bias, float *out) {
-    if (K % 32 || g % 32 || K % g || N % Q4T_ROWS) return -1;
-    const int64_t B = K / 32, G = K / g, T = N / Q4T_ROWS;
+/* The activations of M rows quantized into the calling thread's scratch (q8_blocks); NULL when it cannot be had */
+static char *tile_activations(const float *x, int64_t M, int64_t K, int8_t **xq, float **sx, float **xs,
+                              int32_t **qs) {
+    const int64_t B = K / 32;
     const size_t a = lines((size_t)(M * K)), b = lines((size_t)(M * B) * sizeof(float));
-    char *mem = tkv_scratch(a + 2 * b);
-    if (!mem) return -1;
-    int8_t *xq = (int8_t *)mem;
-    float *sx = (float *)(mem + a), *xs = (float *)(mem + a + b);
-    for (int64_t i = 0; i < M; i++) q8_blocks(x + i * K, K, xq + i * K, sx + i * B, xs + i * B);
+    char *mem = tkv_scratch(a + 3 * b);
+    if (!mem) return NULL;
+    *xq = (int8_t *)mem;
+    *sx = (float *)(mem + a);
+    *xs = (float *)(mem + a + b);
+    *qs = (int32_t *)(mem + a + 2 * b);
+    for (int64_t i = 0; i < M; i++) q8_blocks(x + i * K, K, *xq + i * K, *sx + i * B, *xs + i * B, *qs + i * B);
+    return mem;
+}
+
+/* M activation rows x [M, K] times a tiled weight of N = 16 T outputs: out [M, N]. Returns 0, or -1 when
+ * scratch memory could not be had or the shapes are not whole blocks and tiles. */
+static int tile_linear(const int bits, const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *d,
+                       const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
+    if (K % 32 || g % 32 || K % g || N % TILE_ROWS) return -1;
+    const int64_t B = K / 32, G = K / g, T = N / TILE_ROWS, stride = B * TILE_BLOCK(bits);
+    int8_t *xq;
+    float *sx, *xs;
+    int32_t *qs;
+    if (!tile_activations(x, M, K, &xq, &sx, &xs, &qs)) return -1;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {  /* each tile's codes read from memory once, then from L1 for the rows */
-        float o[Q4T_ROWS];
+        float o[TILE_ROWS];
         for (int64_t i = 0; i < M; i++) {
-            q4t_tile(q + t * K * 8, d + t * G * 16, mn + t * G * 16, K, g / 32, xq + i * K, sx + i * B, xs + i * B, o);
-            q4t_store(o, bias, N, t, i, out);
+            tile_outputs(bits, q + t * stride, d + t * G * 16, mn ? mn + t * G * 16 : NULL, K, g / 32, xq + i * K,
+                         sx + i * B, xs + i * B, qs + i * B, o);
+            tile_store(o, bias, N, t, i, out);
         }
     }
     return 0;
 }
 
-int tkv_q4t_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
-                 int64_t N, const float *bias, float *out) {
-    if (K % 32 || g % 32 || K % g || N % Q4T_ROWS) return -1;
-#ifndef Q4T_VNNI
-    return tkv_q4t_linear(x, 1, K, q, d, mn, g, N, bias, out);
+/* One activation row: two tiles at once (tiles p and p + H: two streams a thread), else as tile_linear */
+static int tile_gemv(const int bits, const float *x, int64_t K, const uint8_t *q, const uint16_t *d,
+                     const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
+#ifndef TILE_VNNI
+    return tile_linear(bits, x, 1, K, q, d, mn, g, N, bias, out);
 #else
-    const int64_t B = K / 32, G = K / g, T = N / Q4T_ROWS, H = (T + 1) / 2, gb = g / 32;
-    const size_t a = lines((size_t)K), b = lines((size_t)B * sizeof(float));
-    char *mem = tkv_scratch(a + 2 * b);
-    if (!mem) return -1;
-    int8_t *xq = (int8_t *)mem;
-    float *sx = (float *)(mem + a), *xs = (float *)(mem + a + b);
-    q8_blocks(x, K, xq, sx, xs);
+    if (K % 32 || g % 32 || K % g || N % TILE_ROWS) return -1;
+    const int64_t B = K / 32, G = K / g, T = N / TILE_ROWS, H = (T + 1) / 2, gb = g / 32;
+    const int64_t stride = B * TILE_BLOCK(bits);
+    int8_t *xq;
+    float *sx, *xs;
+    int32_t *qs;
+    if (!tile_activations(x, 1, K, &xq, &sx, &xs, &qs)) return -1;
     #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < H; p++) {  /* tiles p and p + H: two streams a thread */
+    for (int64_t p = 0; p < H; p++) {
         const int two = p + H < T;
         const int64_t t1 = two ? p + H : p;
-        const uint8_t *c0 = q + p * K * 8, *c1 = q + t1 * K * 8;
-        const uint16_t *d0 = d + p * G * 16, *d1 = d + t1 * G * 16, *m0 = mn + p * G * 16, *m1 = mn + t1 * G * 16;
+        const uint8_t *c0 = q + p * stride, *c1 = q + t1 * stride;
+        const uint16_t *d0 = d + p * G * 16, *d1 = d + t1 * G * 16;
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), z0 = _mm512_setzero_ps(),
                z1 = _mm512_setzero_ps();
         for (int64_t blk = 0; blk < B; blk++) {
-            for (int l = 0; l < 4; l++) {
-                _mm_prefetch((const char *)(c0 + blk * 256) + Q4T_AHEAD + 64 * l, _MM_HINT_T0);
-                _mm_prefetch((const char *)(c1 + blk * 256) + Q4T_AHEAD + 64 * l, _MM_HINT_T0);
+            for (int l = 0; l < TILE_BLOCK(bits) / 64; l++) {
+                _mm_prefetch((const char *)(c0 + blk * TILE_BLOCK(bits)) + TILE_AHEAD + 64 * l, _MM_HINT_T0);
+                _mm_prefetch((const char *)(c1 + blk * TILE_BLOCK(bits)) + TILE_AHEAD + 64 * l, _MM_HINT_T0);
             }
             const int64_t s = blk / gb * 16;
-            const __m512 xscale = _mm512_set1_ps(sx[blk]), xsum = _mm512_set1_ps(xs[blk]);
-            const __m512i i0 = q4t_block(c0, xq, blk), i1 = q4t_block(c1, xq, blk);
+            const __m512 xscale = _mm512_set1_ps(sx[blk]);
+            const __m512i i0 = tile_block(bits, c0, xq, qs, blk), i1 = tile_block(bits, c1, xq, qs, blk);
             acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0),
                                    _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d0 + s))), xscale), acc0);
             acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1),
                                    _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d1 + s))), xscale), acc1);
-            z0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m0 + s))), xsum, z0);
-            z1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m1 + s))), xsum, z1);
+            if (mn) {
+                const __m512 xsum = _mm512_set1_ps(xs[blk]);
+                z0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + p * G * 16 + s))), xsum, z0);
+                z1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + t1 * G * 16 + s))), xsum, z1);
+            }
         }
-        float o[Q4T_ROWS];
+        float o[TILE_ROWS];
         _mm512_storeu_ps(o, _mm512_add_ps(acc0, z0));
-        q4t_store(o, bias, N, p, 0, out);
+        tile_store(o, bias, N, p, 0, out);
         if (two) {
             _mm512_storeu_ps(o, _mm512_add_ps(acc1, z1));
-            q4t_store(o, bias, N, t1, 0, out);
+            tile_store(o, bias, N, t1, 0, out);
         }
     }
     return 0;
@@ -859,19 +903,23 @@ int tkv_q4t_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d,
 }
 
 /* Rows ids[0..count) of a tiled weight (ids NULL: rows 0..count) dequantized to fp32 [count, K] */
-void tkv_q4t_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K, const int64_t *ids,
-                  int64_t count, float *out) {
-    const int64_t G = K / g;
+static void tile_rows(const int bits, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K,
+                      const int64_t *ids, int64_t count, float *out) {
+    const int64_t G = K / g, per = bits == 4 ? 8 : 4, stride = K / 32 * TILE_BLOCK(bits);  /* inputs a chunk */
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < count; i++) {
-        const int64_t row = ids ? ids[i] : i, t = row / Q4T_ROWS, r = row % Q4T_ROWS;
-        const uint8_t *tc = q + t * K * 8 + 4 * r;
-        const uint16_t *td = d + t * G * 16 + r, *tm = mn + t * G * 16 + r;
+        const int64_t row = ids ? ids[i] : i, t = row / TILE_ROWS, r = row % TILE_ROWS;
+        const uint8_t *tc = q + t * stride + 4 * r;
+        const uint16_t *td = d + t * G * 16 + r, *tm = mn ? mn + t * G * 16 + r : NULL;
         float *o = out + i * K;
-        for (int64_t c = 0; c < K / 8; c++) {
-            const float s = h2f(td[(8 * c / g) * 16]), z = h2f(tm[(8 * c / g) * 16]);
+        for (int64_t c = 0; c < K / per; c++) {
+            const float s = h2f(td[(per * c / g) * 16]), z = tm ? h2f(tm[(per * c / g) * 16]) : 0.f;
             uint32_t v;
             memcpy(&v, tc + c * 64, 4);
+            if (bits == 8) {
+                for (int j = 0; j < 4; j++) o[4 * c + j] = (float)((int)((v >> (8 * j)) & 255) - 128) * s + z;
+                continue;
+            }
 #ifdef TKV_AVX2  /* the row's 8 inputs of the chunk: the 4 low nibbles, then the 4 high ones */
             const uint64_t both = (uint64_t)(v & 0x0f0f0f0fu) | (uint64_t)((v >> 4) & 0x0f0f0f0fu) << 32;
             const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)both)));
@@ -886,9 +934,39 @@ void tkv_q4t_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64
     }
 }
 
-/* 1 where this build multiplies tiled weights with AVX-512 VNNI (kernels/quant.py tiles q4 weights then) */
-int tkv_q4t_native(void) {
-#ifdef Q4T_VNNI
+int tkv_q4t_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
+                   int64_t g, int64_t N, const float *bias, float *out) {
+    return tile_linear(4, x, M, K, q, d, mn, g, N, bias, out);
+}
+
+int tkv_q4t_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
+                 int64_t N, const float *bias, float *out) {
+    return tile_gemv(4, x, K, q, d, mn, g, N, bias, out);
+}
+
+void tkv_q4t_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K, const int64_t *ids,
+                  int64_t count, float *out) {
+    tile_rows(4, q, d, mn, g, K, ids, count, out);
+}
+
+int tkv_q8t_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
+                   int64_t g, int64_t N, const float *bias, float *out) {
+    return tile_linear(8, x, M, K, q, d, mn, g, N, bias, out);
+}
+
+int tkv_q8t_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
+                 int64_t N, const float *bias, float *out) {
+    return tile_gemv(8, x, K, q, d, mn, g, N, bias, out);
+}
+
+void tkv_q8t_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K, const int64_t *ids,
+                  int64_t count, float *out) {
+    tile_rows(8, q, d, mn, g, K, ids, count, out);
+}
+
+/* 1 where this build multiplies tiled weights with AVX-512 VNNI (kernels/quant.py tiles weights then) */
+int tkv_tiles_native(void) {
+#ifdef TILE_VNNI
     return 1;
 #else
     return 0;

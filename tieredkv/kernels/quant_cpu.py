@@ -49,7 +49,10 @@ _SIGNATURES = {
     "tkv_q4t_linear": ([_P, _I, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
     "tkv_q4t_gemv": ([_P, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
     "tkv_q4t_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
-    "tkv_q4t_native": ([], ctypes.c_int),
+    "tkv_q8t_linear": ([_P, _I, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
+    "tkv_q8t_gemv": ([_P, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
+    "tkv_q8t_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
+    "tkv_tiles_native": ([], ctypes.c_int),
     "tkv_paged_decode": ([_P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_float, _P], ctypes.c_int),
 }
 
@@ -152,7 +155,7 @@ _OPS_ERROR: str | None = None
 
 
 def _quant_gemv_shape(x, codes, scales, offsets, group_size, bias):
-    return x.new_empty((*x.shape[:-1], codes.shape[0] * (16 if codes.dim() == 3 else 1)))  # q4t: tiles of 16 rows
+    return x.new_empty((*x.shape[:-1], codes.shape[0] * (16 if codes.dim() == 3 else 1)))  # tiles of 16 rows
 
 
 def _paged_decode_shape(query, key_cache, value_cache, block_tables, context_lens, scale):
@@ -181,7 +184,7 @@ def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
             torch.library.register_fake("tieredkv::paged_decode", _paged_decode_shape)
             torch.library.register_fake("tieredkv::packed_gemv", _packed_gemv_shape)
             _OPS = ctypes.CDLL(str(path))
-            _OPS.tkv_bind.argtypes, _OPS.tkv_bind.restype = [ctypes.c_void_p] * 6, None
+            _OPS.tkv_bind.argtypes, _OPS.tkv_bind.restype = [ctypes.c_void_p] * 7, None
         except (RuntimeError, OSError) as e:
             _OPS_ERROR = str(e)
             log.warning("CPU operators (quantized one-row products, decode attention) unavailable, Python and "
@@ -190,5 +193,6 @@ def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
         return False
     address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
     _OPS.tkv_bind(address(lib.tkv_q8_gemv), address(lib.tkv_q4_gemv), address(lib.tkv_paged_decode),
-                  address(lib.tkv_f32_packed_row), address(lib.tkv_bf16_packed_row), address(lib.tkv_q4t_gemv))
+                  address(lib.tkv_f32_packed_row), address(lib.tkv_bf16_packed_row), address(lib.tkv_q4t_gemv),
+                  address(lib.tkv_q8t_gemv))
     return True

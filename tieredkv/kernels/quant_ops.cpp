@@ -1,6 +1,6 @@
 // The project's CPU kernels as torch operators in C++, so that a call costs the dispatcher's few microseconds and
 // no Python, and the compiled decode graph's C++ wrapper calls them directly:
-//   tieredkv::quant_gemv: one activation row times a quantized weight (kernels/quant.py's q8, q4 and q4t formats);
+//   tieredkv::quant_gemv: one activation row times a quantized weight (kernels/quant.py's q8, q4, q4t, q8t formats);
 //     a batch-1 decode step of the default model makes 121 of them;
 //   tieredkv::paged_decode: decode attention over the paged KV cache (attention_cpu.c), one call a layer;
 //   tieredkv::packed_gemv: one activation row times an fp32 or bf16 weight in oneDNN's packed layout, read
@@ -26,7 +26,7 @@ using PagedDecode = int (*)(const float *, int64_t, int64_t, int64_t, const void
                             int64_t, const int32_t *, int64_t, const int32_t *, float, float *);
 using PackedRow = int (*)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, const float *, void *);
 Q8Gemv q8_gemv = nullptr;
-Q4Gemv q4_gemv = nullptr, q4t_gemv = nullptr;
+Q4Gemv q4_gemv = nullptr, q4t_gemv = nullptr, q8t_gemv = nullptr;  // q8t codes are bytes too (quant_cpu.c)
 PagedDecode paged_decode_kernel = nullptr;
 PackedRow f32_packed_row = nullptr, bf16_packed_row = nullptr;
 
@@ -39,14 +39,15 @@ const uint16_t *halves(const at::Tensor &t) {
 at::Tensor quant_gemv(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scales,
                       const std::optional<at::Tensor> &offsets, int64_t group_size,
                       const std::optional<at::Tensor> &bias) {
-    TORCH_CHECK(q8_gemv != nullptr && q4_gemv != nullptr && q4t_gemv != nullptr,
+    TORCH_CHECK(q8_gemv != nullptr && q4_gemv != nullptr && q4t_gemv != nullptr && q8t_gemv != nullptr,
                 "quant_gemv: the kernels are not bound (tkv_bind)");
-    const bool q8 = codes.scalar_type() == at::kChar, tiled = codes.dim() == 3;  // q4t: [T, K/8, 64], 16 T rows
+    // tiled: q4t [T, K/8, 64] (uint8), q8t [T, K/4, 64] (int8), 16 T rows
+    const bool q8 = codes.scalar_type() == at::kChar, tiled = codes.dim() == 3;
     const int64_t k = x.size(-1), n = codes.size(0) * (tiled ? 16 : 1);
     TORCH_CHECK(x.numel() == k, "quant_gemv: one row of activations, got ", x.sizes());
     TORCH_CHECK(codes.is_contiguous() && (q8 || codes.scalar_type() == at::kByte), "quant_gemv: int8 or uint8 codes");
     if (tiled) {
-        TORCH_CHECK(!q8 && codes.size(1) * 8 == k && codes.size(2) == 64 && scales.dim() == 3 && group_size > 0 &&
+        TORCH_CHECK(codes.size(1) * (q8 ? 4 : 8) == k && codes.size(2) == 64 && scales.dim() == 3 && group_size > 0 &&
                         k % group_size == 0 && scales.size(0) == codes.size(0) &&
                         scales.size(1) * group_size == k && scales.size(2) == 16,
                     "quant_gemv: tiled codes ", codes.sizes(), " and scales ", scales.sizes(), " do not take ", k,
@@ -69,11 +70,11 @@ at::Tensor quant_gemv(const at::Tensor &x, const at::Tensor &codes, const at::Te
     at::Tensor out = at::empty(sizes, x.options().dtype(at::kFloat));
     const uint16_t *mn = offsets.has_value() ? halves(*offsets) : nullptr;
     const float *b = bf.has_value() ? bf->data_ptr<float>() : nullptr;
-    const int status = q8 ? q8_gemv(xf.data_ptr<float>(), k, static_cast<const int8_t *>(codes.data_ptr()),
-                                    halves(scales), mn, group_size, n, b, out.data_ptr<float>())
-                          : (tiled ? q4t_gemv : q4_gemv)(xf.data_ptr<float>(), k,
-                                                         static_cast<const uint8_t *>(codes.data_ptr()), halves(scales),
-                                                         mn, group_size, n, b, out.data_ptr<float>());
+    const int status = q8 && !tiled ? q8_gemv(xf.data_ptr<float>(), k, static_cast<const int8_t *>(codes.data_ptr()),
+                                              halves(scales), mn, group_size, n, b, out.data_ptr<float>())
+                                    : (tiled ? (q8 ? q8t_gemv : q4t_gemv) : q4_gemv)(
+                                          xf.data_ptr<float>(), k, static_cast<const uint8_t *>(codes.data_ptr()),
+                                          halves(scales), mn, group_size, n, b, out.data_ptr<float>());
     TORCH_CHECK(status == 0, "quant_gemv: no memory for the activations' integer copy");
     return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
@@ -150,10 +151,11 @@ at::Tensor packed_gemv(const at::Tensor &x, const at::Tensor &packed, const std:
 
 }  // namespace
 
-extern "C" void tkv_bind(void *q8, void *q4, void *paged, void *f32_row, void *bf16_row, void *q4t) {
+extern "C" void tkv_bind(void *q8, void *q4, void *paged, void *f32_row, void *bf16_row, void *q4t, void *q8t) {
     q8_gemv = reinterpret_cast<Q8Gemv>(q8);
     q4_gemv = reinterpret_cast<Q4Gemv>(q4);
     q4t_gemv = reinterpret_cast<Q4Gemv>(q4t);
+    q8t_gemv = reinterpret_cast<Q4Gemv>(q8t);
     paged_decode_kernel = reinterpret_cast<PagedDecode>(paged);
     f32_packed_row = reinterpret_cast<PackedRow>(f32_row);
     bf16_packed_row = reinterpret_cast<PackedRow>(bf16_row);
