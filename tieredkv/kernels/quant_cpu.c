@@ -945,35 +945,23 @@ static void tile_rows(const int bits, const uint8_t *q, const uint16_t *d, const
     }
 }
 
-int tkv_q4t_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
-                   int64_t g, int64_t N, const float *bias, float *out) {
-    return tile_linear(4, x, M, K, q, d, mn, g, N, bias, out);
-}
-
-int tkv_q4t_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
-                 int64_t N, const float *bias, float *out) {
-    return tile_gemv(4, x, K, q, d, mn, g, N, bias, out);
-}
-
-void tkv_q4t_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K, const int64_t *ids,
-                  int64_t count, float *out) {
-    tile_rows(4, q, d, mn, g, K, ids, count, out);
-}
-
-int tkv_q8t_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
-                   int64_t g, int64_t N, const float *bias, float *out) {
-    return tile_linear(8, x, M, K, q, d, mn, g, N, bias, out);
-}
-
-int tkv_q8t_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
-                 int64_t N, const float *bias, float *out) {
-    return tile_gemv(8, x, K, q, d, mn, g, N, bias, out);
-}
-
-void tkv_q8t_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K, const int64_t *ids,
-                  int64_t count, float *out) {
-    tile_rows(8, q, d, mn, g, K, ids, count, out);
-}
+/* The exported kernels of each tiled format: tkv_q4t_* (bits 4) and tkv_q8t_* (bits 8), with the signatures of
+ * the untiled ones (kernels/quant_cpu.py) */
+#define TILE_EXPORTS(fmt, bits)                                                                                    \
+    int tkv_##fmt##_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *d,              \
+                           const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {             \
+        return tile_linear(bits, x, M, K, q, d, mn, g, N, bias, out);                                              \
+    }                                                                                                              \
+    int tkv_##fmt##_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn,       \
+                         int64_t g, int64_t N, const float *bias, float *out) {                                    \
+        return tile_gemv(bits, x, K, q, d, mn, g, N, bias, out);                                                   \
+    }                                                                                                              \
+    void tkv_##fmt##_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K,           \
+                          const int64_t *ids, int64_t count, float *out) {                                        \
+        tile_rows(bits, q, d, mn, g, K, ids, count, out);                                                          \
+    }
+TILE_EXPORTS(q4t, 4)
+TILE_EXPORTS(q8t, 8)
 
 /* 1 where this build multiplies tiled weights with AVX-512 VNNI (kernels/quant.py tiles weights then) */
 int tkv_tiles_native(void) {
