@@ -278,9 +278,11 @@ def test_quantizers_error_bounds():
         assert q4.codes.dtype == torch.uint8 and q4.codes.shape == (64, 128) and q4.nbytes < w.numel() * 4 / 6
 
 
-def test_group_size_errors(llama_dir):
+def test_group_size_and_activation_errors(llama_dir):
     with pytest.raises(ValueError, match="quantization_group_size must be one of"):
         EngineConfig(quantization="int4", quantization_group_size=48)
+    with pytest.raises(ValueError, match="int8_activations applies to quantized weights"):
+        EngineConfig(int8_activations=True)  # full-precision weights: nothing it could change
     with pytest.raises(CheckpointError, match="does not divide the input dimension 64"):  # hidden_size 64
         EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", quantization_group_size=128,
                                 num_blocks=16, warm_bytes=0))

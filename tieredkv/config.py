@@ -123,6 +123,13 @@ class EngineConfig(BaseModel):
         "rank 0 is this process and schedules. The compiled decode path is off above 1")
 
     @model_validator(mode="after")
+    def _check_activations(self) -> "EngineConfig":
+        if self.int8_activations and self.quantization is None:
+            raise ValueError("int8_activations applies to quantized weights: set quantization too (int8, int4 or "
+                             "gguf)")
+        return self
+
+    @model_validator(mode="after")
     def _check_parallel(self) -> "EngineConfig":
         if self.tensor_parallel_size == 1:
             return self
