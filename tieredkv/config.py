@@ -46,7 +46,7 @@ class EngineConfig(BaseModel):
         False, description="CPU, quantized weights in groups of 32 inputs or more (int8, int4, GGUF's Q8_0, Q4_0, "
         "Q4_1, Q4_K, Q5_0, Q5_1, ...): steps of up to 32 rows take the activations as int8 in blocks of 32 inputs, "
         "as llama.cpp multiplies its blocks, with the weights held in tiles of 16 rows for AVX-512 VNNI: batch-1 "
-        "decode 0.75-0.83x the time on an Intel Xeon, for perplexity +0.5% (the Q4_1 file) to +0.9% (int4) from fp32 "
+        "decode 0.86-0.89x the time on an Intel Xeon, for perplexity +0.5% (the Q4_1 file) to +0.9% (int4) from fp32 "
         "through the decode kernels, where the default int16 rows give +0.0% to +0.2% (docs/guide/quantization.md). "
         "Without AVX-512 VNNI it changes nothing")
     device: str = Field("auto", description='"auto", "cpu", "cuda" or "cuda:N"')
