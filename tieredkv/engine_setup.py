@@ -450,7 +450,7 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
         if quant is not None and quant.int8_activations:
             tiled = tile_quantized_weights(model)  # where the kernels multiply tiles with AVX-512 VNNI
             log.info("int8 activations: %d quantized weights held in tiles of 16 rows%s", tiled,
-                     "" if tiled else " (none: this processor's kernels have no AVX-512 VNNI)")
+                     "" if tiled else " (none: no build of the CPU kernels with AVX-512 VNNI here)")
         gather_quantized_weights(model)  # one stream in the order they are read
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
     if device.type == "cpu":

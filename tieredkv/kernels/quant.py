@@ -148,7 +148,7 @@ class QuantizedWeight(nn.Module):
         self.fmt += "t"
 
 
-TILE_ROWS = 16  # output rows of a q4t tile
+TILE_ROWS = 16  # output rows of a tile (q4t, q8t)
 
 
 def _tile_groups(t: torch.Tensor) -> torch.Tensor:

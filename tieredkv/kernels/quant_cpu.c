@@ -1,4 +1,5 @@
-/* Dense layers on CPU (the one-row products on oneDNN's packed fp32/bf16 weights are at the end).
+/* Dense layers on CPU (the same weights in tiles of 16 rows, multiplied on int8 activation blocks, and the
+ * one-row products on oneDNN's packed fp32/bf16 weights are at the end).
  * Weight-only quantized dense layers: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W stored as
  *   q8: int8 codes [N, K] and one fp16 scale per group of g inputs, w = q * d, or with an fp16 offset
  *       per group too (mn not NULL), w = q * d + m (GGUF's 5-bit and 2-bit asymmetric types)
