@@ -532,10 +532,10 @@ INLINE int64_t two_streams(int64_t i, int64_t N) {
     return i % 2 == 0 ? i / 2 : (N + 1) / 2 + i / 2;
 }
 
-/* One activation row (a batch-1 decode step): each thread reads its weight rows one after another (two streams:
- * two_streams), which the hardware prefetcher follows, where the blocks above interleave four rows to share
- * activation loads. At batch 1 the weights come from memory, not cache (a model's layers do not stay cached between
- * tokens), and the single stream wins. Measured on an AMD EPYC (Zen 1, AVX2, 2 threads) over 30 distinct
+/* One activation row (a batch-1 decode step): each thread reads its weight rows whole, one after another (in
+ * two streams: two_streams), which the hardware prefetcher follows, where the blocks above interleave four rows
+ * to share activation loads. At batch 1 the weights come from memory or a far cache level (a model's layers
+ * do not stay in L2 between tokens), and whole rows in order win. Measured on an AMD EPYC (Zen 1, AVX2, 2 threads) over 30 distinct
  * layers of the default model's shapes: int8 per-row 12.2 -> 7.7 ms, Q8_0 groups 13.9 -> 8.7, int4 groups of
  * 32 12.9 -> 9.1 (with the groups taken eight at a time, below); its 49152 x 576 int8 LM head 3.0 -> 1.55 ms.
  * Returns 0, or -1 without scratch memory. */
@@ -708,7 +708,7 @@ void tkv_q4_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_
 
 /* ---- q4 and q8 in tiles of 16 output rows ("q4t", "q8t": kernels/quant.py tiles the weights into them with
  * EngineConfig.int8_activations where the build has AVX-512 VNNI) ----------------------------------------------
- * The same weights as q4 (w = q d + m, q in 0..15) and q8 (w = q d [+ m], q in -127..127), a scale (and an
+ * The same weights as q4 (w = q d + m, q in 0..15) and q8 (w = q d [+ m], q a signed byte), a scale (and an
  * offset) per group of g inputs, g a multiple of 32, laid out so that one 64-byte load holds the codes of 16
  * output rows, and one vpdpbusd multiplies 4 inputs of all 16 rows, their sums side by side in one register (no
  * sum across a register's lanes):
@@ -750,7 +750,7 @@ static void q8_blocks(const float *x, int64_t K, int8_t *xq, float *sx, float *x
     }
 }
 
-/* Bytes of codes a block of 32 inputs takes in a tile, and a tile of K inputs */
+/* Bytes of codes a block of 32 inputs takes in a tile (4 chunks of 8 inputs, or 8 of 4) */
 #define TILE_BLOCK(bits) ((bits) == 4 ? 256 : 512)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -782,8 +782,7 @@ static void tile_block_c(const int bits, const uint8_t *tc, const int8_t *xq, co
     for (int r = 0; r < TILE_ROWS; r++) {
         int32_t sum = 0;
         for (int j = 0; j < 32; j++) {
-            const int c = bits == 4 ? j / 8 : j / 4, at = bits == 4 ? 4 * r + j % 4 : 4 * r + j % 4;
-            const uint8_t v = bc[c * 64 + at];
+            const uint8_t v = bc[(bits == 4 ? j / 8 : j / 4) * 64 + 4 * r + j % 4];  /* chunk, row r's byte */
             sum += (bits == 4 ? (j % 8 < 4 ? v & 15 : v >> 4) : v) * xb[j];
         }
         acc[r] = bits == 4 ? sum : sum - 128 * qs[b];
