@@ -48,7 +48,7 @@ at::Tensor quant_gemv(const at::Tensor &x, const at::Tensor &codes, const at::Te
     TORCH_CHECK(codes.is_contiguous() && (q8 || codes.scalar_type() == at::kByte), "quant_gemv: int8 or uint8 codes");
     if (tiled) {
         TORCH_CHECK(codes.size(1) * (q8 ? 4 : 8) == k && codes.size(2) == 64 && scales.dim() == 3 && group_size > 0 &&
-                        k % group_size == 0 && scales.size(0) == codes.size(0) &&
+                        group_size % 32 == 0 && k % group_size == 0 && scales.size(0) == codes.size(0) &&
                         scales.size(1) * group_size == k && scales.size(2) == 16,
                     "quant_gemv: tiled codes ", codes.sizes(), " and scales ", scales.sizes(), " do not take ", k,
                     " inputs");
