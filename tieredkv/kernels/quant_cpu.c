@@ -737,8 +737,14 @@ static void q8_blocks(const float *x, int64_t K, int8_t *xq, float *sx, float *x
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
         float amax = 0.f;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+        int finite = 1;
+        for (int j = 0; j < 32; j++) {
+            amax = fmaxf(amax, fabsf(xb[j]));
+            finite &= isfinite(xb[j]) != 0;
+        }
+        /* a NaN or infinity makes the block's scale NaN (codes 0), so every output it reaches is NaN, as the
+         * float product's would be: the sampler's test for bad rows sees it */
+        const float s = !finite ? NAN : amax > 0.f ? amax / 127.f : 1.f, inv = finite ? 1.f / s : 0.f;
         int32_t codes = 0;
         for (int j = 0; j < 32; j++) {
             xq[b * 32 + j] = (int8_t)lrintf(xb[j] * inv);
