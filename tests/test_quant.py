@@ -222,17 +222,18 @@ def test_tiled_kernels_match_the_dequantized_reference(lib, fmt, rows):
         gemv(torch.randn(1, 256), tiled.codes, tiled.scales, tiled.offsets, tiled.group_size, None)
 
 
-@pytest.mark.parametrize("fmt", ["int4-g32", "int8"])
-def test_tiled_products_carry_a_non_finite_activation_to_their_outputs(lib, fmt):
-    """A NaN or an infinity among the activations makes every output of the tiled products non-finite, one row
-    or several (as the float product's would be), so the sampler's bad-row test sees it; the other rows of the
-    step are untouched."""
-    _, tiled = tiled_weights(fmt, 32, 128)
+@pytest.mark.parametrize("fmt", ["int4-g32", "int8", "q8-g32"])
+@pytest.mark.parametrize("tiles", [False, True])
+def test_products_carry_a_non_finite_activation_to_their_outputs(lib, fmt, tiles):
+    """A NaN or an infinity among a row's activations makes every output of that row non-finite, in the int16
+    rows' kernels and the tiled ones, one row or several (as the float product's would be), so the sampler's
+    bad-row test sees it; the other rows of the step are untouched."""
+    plain, tiled = tiled_weights(fmt, 32, 128)
     for bad in (float("nan"), float("inf")):
         for rows in (1, 3):
             x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(5))
             x[0, 70] = bad
-            got = quant.quant_linear(x, tiled)
+            got = quant.quant_linear(x, tiled if tiles else plain)
             assert not bool(got[0].isfinite().any()) and bool(got[1:].isfinite().all())
 
 

@@ -90,6 +90,15 @@ void *tkv_scratch(size_t bytes) {
 /* Bytes rounded up to whole cache lines (the pieces a call cuts its scratch into) */
 static size_t lines(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 
+#ifdef TKV_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 /* Each row of x as int16 codes and one fp32 scale; for q4 also each group's sum of x. With AVX2 eight at a
  * time (the same codes: the conversion rounds to nearest even, as lrintf does); a call's fixed cost at batch
  * 1, where a layer's product takes tens of microseconds. */
@@ -97,18 +106,28 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t g, int16
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
         int16_t *qr = xq + m * K;
-        float amax = 0.f;
+        float amax = 0.f, probe = 0.f;  /* probe: the sum of x * 0, NaN where an input is NaN or infinite */
         int64_t k = 0;
 #ifdef TKV_AVX2
-        __m256 vmax = _mm256_setzero_ps();
-        for (; k + 8 <= K; k += 8)
-            vmax = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xr + k)), vmax);
+        __m256 vmax = _mm256_setzero_ps(), vprobe = _mm256_setzero_ps();
+        for (; k + 8 <= K; k += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + k);
+            vmax = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), v), vmax);
+            vprobe = _mm256_add_ps(vprobe, _mm256_mul_ps(v, _mm256_setzero_ps()));
+        }
         __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        probe = hsum(vprobe);
 #endif
-        for (; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
-        float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
+        for (; k < K; k++) {
+            amax = fmaxf(amax, fabsf(xr[k]));
+            probe += xr[k] * 0.f;
+        }
+        /* a NaN or infinity makes the row's scale NaN (codes 0), so every output of the row is NaN, as the
+         * float product's would be: the sampler's test for bad rows sees it */
+        const int finite = probe == 0.f;
+        float s = !finite ? NAN : amax > 0.f ? amax / 32767.f : 1.f, inv = finite ? 1.f / s : 0.f;
         sx[m] = s;
         k = 0;
 #ifdef TKV_AVX2
@@ -129,14 +148,6 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t g, int16
     }
 }
 
-#ifdef TKV_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 /* The offsets' part of one output: sum over the G groups of m[b] * (the group's sum of the activations) */
 static float offset_sum(const uint16_t *mr, const float *xs, int64_t G) {
