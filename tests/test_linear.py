@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tieredkv import EngineConfig
 from tieredkv.engine_core import EngineCore
 from helpers import hf_greedy, run_to_end
-from tieredkv.runner.malloc_tuning import collapse_into_huge_pages, huge_page_stretches
+from tieredkv.runner.malloc_tuning import PAGE, collapse_into_huge_pages, huge_page_stretches
 from tieredkv.kernels import select_kernels
 from tieredkv.kernels import linear
 from tieredkv.kernels.linear import (
@@ -244,7 +244,7 @@ def test_plain_weights_only_where_their_one_row_products_are_clearly_faster(tmp_
 
 
 def test_huge_page_stretches_are_the_2mb_spans_the_buffers_cover_whole():
-    mb2, page = 2 << 20, 4096
+    mb2, page = 2 << 20, PAGE
     base = 100 * mb2
     # three buffers one after another (each 64 bytes past a header), the third ending half way into a 2 MB span;
     # then, past a gap, one that covers no 2 MB span whole

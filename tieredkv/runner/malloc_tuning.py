@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import mmap
 import platform
 
 import torch
@@ -80,15 +81,13 @@ def anonymous_memory(nbytes: int, huge_pages: bool = False) -> torch.Tensor:
     """`nbytes` of zeros (uint8) in an anonymous private mapping, whose pages the kernel takes when first
     written (the tensor and its views keep the mapping alive); with `huge_pages`, transparent huge pages are
     asked for where the kernel has them."""
-    import mmap
-
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
 
 
-PAGE = 4096
+PAGE = mmap.PAGESIZE  # the pages a buffer's allocation header lies in (4 KB on x86)
 MADV_COLLAPSE = 25  # Linux 6.1 on: move a range's pages into transparent huge pages now, contents kept
 
 
