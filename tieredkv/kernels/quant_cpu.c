@@ -1050,21 +1050,6 @@ INLINE void f32_block256(const float *x, int64_t K, const float *wb, int64_t B, 
  * it the hardware prefetcher alone left bf16 at ~21 GB/s where fp32's blocks, read the same way, reach the
  * memory's speed (there the same prefetch made fp32 1.02-1.11x slower: not done). */
 #define BF16_AHEAD 8192
-INLINE void bf16_block512(const uint16_t *x, int64_t K, const uint16_t *wb, int64_t B, const int v, float *acc) {
-    const int64_t K2 = (K + 1) / 2;
-    __m512 a[PACKED_MAX_B / 16];
-    for (int i = 0; i < v; i++) a[i] = _mm512_setzero_ps();
-    for (int64_t k2 = 0; k2 < K2; k2++) {  /* one vdpbf16ps: 16 outputs' weight pairs times the input pair */
-        for (int i = 0; i < v; i++) _mm_prefetch((const char *)(wb + (k2 * B + 16 * i) * 2) + BF16_AHEAD, _MM_HINT_T0);
-        uint32_t pair = (uint32_t)x[2 * k2] | (2 * k2 + 1 < K ? (uint32_t)x[2 * k2 + 1] << 16 : 0u);
-        __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-        for (int i = 0; i < v; i++)
-            a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(wb + (k2 * B + 16 * i) * 2), xv);
-    }
-    for (int i = 0; i < v; i++) _mm512_storeu_ps(acc + 16 * i, a[i]);
-}
-#endif
-#if defined(__AVX512BF16__)
 /* Two blocks at once (w0, w1: each B outputs; acc: block 0's outputs, then block 1's at PACKED_MAX_B): two
  * streams from memory where one alone read bf16 weights below the memory's speed (packed_row) */
 INLINE void bf16_pair512(const uint16_t *x, int64_t K, const uint16_t *w0, const uint16_t *w1, int64_t B, const int v,
@@ -1072,7 +1057,7 @@ INLINE void bf16_pair512(const uint16_t *x, int64_t K, const uint16_t *w0, const
     const int64_t K2 = (K + 1) / 2;
     __m512 a[PACKED_MAX_B / 16], b[PACKED_MAX_B / 16];
     for (int i = 0; i < v; i++) a[i] = b[i] = _mm512_setzero_ps();
-    for (int64_t k2 = 0; k2 < K2; k2++) {
+    for (int64_t k2 = 0; k2 < K2; k2++) {  /* one vdpbf16ps: 16 outputs' weight pairs times the input pair */
         for (int i = 0; i < v; i++) {
             _mm_prefetch((const char *)(w0 + (k2 * B + 16 * i) * 2) + BF16_AHEAD, _MM_HINT_T0);
             _mm_prefetch((const char *)(w1 + (k2 * B + 16 * i) * 2) + BF16_AHEAD, _MM_HINT_T0);
@@ -1088,6 +1073,14 @@ INLINE void bf16_pair512(const uint16_t *x, int64_t K, const uint16_t *w0, const
         _mm512_storeu_ps(acc + 16 * i, a[i]);
         _mm512_storeu_ps(acc + PACKED_MAX_B + 16 * i, b[i]);
     }
+}
+
+/* One block: the pair's kernel on the block twice, the twin's sums dropped (only a call's odd last block
+ * comes here; the same operations, so the same bits) */
+INLINE void bf16_block512(const uint16_t *x, int64_t K, const uint16_t *wb, int64_t B, const int v, float *acc) {
+    float both[2 * PACKED_MAX_B];
+    bf16_pair512(x, K, wb, wb, B, v, both);
+    memcpy(acc, both, (size_t)B * sizeof(float));
 }
 #endif
 #ifdef TKV_AVX2
@@ -1143,11 +1136,7 @@ static void packed_block(int bf16, const void *x, int64_t K, const void *wb, int
             acc[j] += bf16 ? bf2f(wh[((k / 2) * B + j) * 2 + k % 2]) * bf2f(xh[k]) : wf[k * B + j] * xf[k];
 }
 
-/* Both dtypes: blocks split among the threads, each block's outputs (+ bias) stored in the output's dtype. bf16
- * blocks go two at a time where the build has AVX512_BF16 (blocks p and p + H: two streams a thread): on an
- * Intel Xeon (KVM guest, 2 threads) the default model's 30 bf16 layers from memory took 0.91x the time one
- * stream took (8.47 -> 7.73 ms, 25 -> 27.6 GB/s, the plain read's speed); the same for fp32 blocks was
- * 1.02-1.07x slower (not done). */
+/* Block blk's outputs (+ bias) stored in the output's dtype */
 static void packed_store(int bf16, const float *acc, const float *bias, int64_t N, int64_t B, int64_t blk, void *out) {
     const int64_t n0 = blk * B, cnt = N - n0 < B ? N - n0 : B;
     for (int64_t j = 0; j < cnt; j++) {
@@ -1159,6 +1148,11 @@ static void packed_store(int bf16, const float *acc, const float *bias, int64_t 
     }
 }
 
+/* Both dtypes: blocks split among the threads, each block's outputs stored by packed_store. bf16 blocks go two
+ * at a time where the build has AVX512_BF16 (blocks p and p + H: two streams a thread): on an Intel Xeon (KVM
+ * guest, 2 threads) the default model's 30 bf16 layers from memory took 0.91x the time one stream took
+ * (8.47 -> 7.73 ms, 25 -> 27.6 GB/s, the plain read's speed); the same for fp32 blocks was 1.02-1.07x slower
+ * (not done). */
 static int packed_row(int bf16, const void *x, int64_t K, const void *w, int64_t N, int64_t B, int64_t Kp,
                       const float *bias, void *out) {
     if (B <= 0 || B > PACKED_MAX_B || Kp < K || (bf16 && Kp % 2)) return -1;
