@@ -467,9 +467,14 @@ def test_plan_counts_the_weights_in_their_format(scheme, llama_dir):
     assert plan(str(llama_dir), device="cpu").weight_bytes > 2.5 * p.weight_bytes
 
 
-def test_compiled_decode_serves_quantized_weights(llama_dir):
-    """The compiled decode graph calls the quantized op like any product: int4 weights, compiled and eager,
-    greedy token for token, and every one-sequence decode ran through the graph."""
+@pytest.mark.parametrize("path", ["native", "compiled"])
+def test_one_sequence_decode_paths_serve_quantized_weights(llama_dir, monkeypatch, path):
+    """A one-sequence decode of int4 weights runs through the native C step (runner/native_decode.py) or, with it
+    off, the compiled graph, which calls the quantized op like any product: greedy token for token the eager
+    forward's, and every one-sequence decode ran through that path."""
+    from tieredkv.runner import native_decode
+
+    monkeypatch.setattr(native_decode, "ENABLED", path == "native")
     prompts = [[7, 3, 99, 14] * 4, list(range(20, 60))]
     outs, cores = [], []
     for compiled in (False, True):
@@ -486,9 +491,9 @@ def test_compiled_decode_serves_quantized_weights(llama_dir):
         outs.append(got)
     try:
         assert outs[0] == outs[1]
-        assert cores[1].stats().decode_path == "compiled" and cores[1].runner.compiled.steps == 2 * 11
-        # the compile bound the C++ one-row operator before its trace (a C++ compiler is there: inductor's)
-        assert quant._BOUND is quant._LIB is not None
+        assert cores[1].stats().decode_path == path and cores[1].runner.compiled.steps == 2 * 11
+        if path == "compiled":  # the compile bound the C++ one-row operator before its trace (inductor's compiler)
+            assert quant._BOUND is quant._LIB is not None
     finally:
         for core in cores:
             core.close()
@@ -578,8 +583,8 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
     Q4_K with v Q6_K, gate Q4_K with up Q5_0: fused pieces in two formats; one layer's down projection Q6_K,
     the other's Q5_0), the LM head Q8_0: the engine's greedy output is transformers' on the weights read from
     that file (q/k rows back in Hugging Face's rotary order), and the weights stay quantized (none in fp32).
-    The compiled decode path serves it, one graph per kind of layer (a graph traced on one layer and run on
-    the other failed at start)."""
+    The native decode step serves it, and so does the compiled graph with that step off, one graph per kind of
+    layer (a graph traced on one layer and run on the other failed at start)."""
     import shutil
 
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -588,7 +593,7 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
 
     from helpers import hf_greedy, make_checkpoint, run_to_end
     from tieredkv.models.gguf_convert import _LAYER_NAMES, _TOP_NAMES, _unpermute
-    from tieredkv.runner import compiled_decode
+    from tieredkv.runner import compiled_decode, native_decode
 
     src = make_checkpoint(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2)
@@ -630,20 +635,25 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
     prompts = [list(range(5, 40)), [3, 4, 5, 6]]
     expected = hf_greedy(ref, prompts, 12)
     monkeypatch.setattr(compiled_decode, "MAX_LAYERS_PER_GRAPH", 1)  # a run per layer: runs of two kinds
-    core = EngineCore(EngineConfig(model=str(model_dir), quantization="gguf", num_blocks=32, warm_bytes=0,
-                                   compile_decode=True, compile_in_background=False))
-    try:
-        attn, mlp = core.model.layers[0].self_attn, core.model.layers[0].mlp
-        assert isinstance(attn.qkv_proj.qweight, quant.QuantizedParts) and attn.qkv_proj.weight is None
-        assert attn.qkv_proj.qweight.scheme == "gguf:Q4_K+Q6_K" and mlp.gate_up_proj.qweight.scheme == "gguf:Q4_K+Q5_0"
-        assert core.model.quantization == "gguf:Q4_K+Q6_K+Q5_0"
-        assert core.runner.compiled.graphs == 2 and core.stats().decode_path == "compiled"
-        assert run_to_end(core, prompts, [12, 12]) == expected
-        check_pool_clean(core)
-        assert [run_to_end(core, [p], [12]) for p in prompts] == [[e] for e in expected]  # one at a time: compiled
-        assert core.runner.compiled.steps == 2 * 11
-    finally:
-        core.close()
+    for path in ("native", "compiled"):  # the native step takes the parts too; with it off, the graphs
+        monkeypatch.setattr(native_decode, "ENABLED", path == "native")
+        core = EngineCore(EngineConfig(model=str(model_dir), quantization="gguf", num_blocks=32, warm_bytes=0,
+                                       compile_decode=True, compile_in_background=False))
+        try:
+            attn, mlp = core.model.layers[0].self_attn, core.model.layers[0].mlp
+            assert isinstance(attn.qkv_proj.qweight, quant.QuantizedParts) and attn.qkv_proj.weight is None
+            assert attn.qkv_proj.qweight.scheme == "gguf:Q4_K+Q6_K"
+            assert mlp.gate_up_proj.qweight.scheme == "gguf:Q4_K+Q5_0"
+            assert core.model.quantization == "gguf:Q4_K+Q6_K+Q5_0"
+            assert core.stats().decode_path == path
+            assert path == "native" or core.runner.compiled.graphs == 2
+            assert run_to_end(core, prompts, [12, 12]) == expected
+            check_pool_clean(core)
+            # one at a time: every decode through the path
+            assert [run_to_end(core, [p], [12]) for p in prompts] == [[e] for e in expected]
+            assert core.runner.compiled.steps == 2 * 11
+        finally:
+            core.close()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

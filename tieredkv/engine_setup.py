@@ -31,6 +31,7 @@ from tieredkv.models.loader import QuantSettings, load_model
 from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.request_factory import RequestFactory
 from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
+from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.runner.malloc_tuning import (anonymous_memory, collapse_into_huge_pages, process_status_bytes,
                                            release_free_memory, tune_glibc_malloc)
 from tieredkv.runner.model_runner import ModelRunner
@@ -401,7 +402,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
                           offload={"in place": "first", "staged": "last"}.get(mode), policy=cfg.scheduling_policy)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
-                         CompiledDecode(model, kv_cache, ops, cache_dir / "inductor") if compiled else None,
+                         _decode_path(model, kv_cache, ops, cache_dir) if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if mode == "staged" else None, leader=leader)
     if leader is not None:
         leader.gather_objects(None)  # every rank has its cache and runner
@@ -419,6 +420,13 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
              f", tensor parallel over {tp.world} ranks ({rank_gib} GiB of the weights each)" if tp.world > 1 else "")
     return EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
                        factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights, tp, memory)
+
+
+def _decode_path(model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps,
+                 cache_dir: Path) -> CompiledDecode | NativeDecode:
+    """What serves a step that decodes one sequence: the native step where it takes the model (quantized
+    weights on CPU: runner/native_decode.py), else the compiled graph."""
+    return NativeDecode.make(model, kv_cache) or CompiledDecode(model, kv_cache, ops, cache_dir / "inductor")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@
 #define ATT_AVX2 1
 #endif
 
-void *tkv_scratch(size_t bytes);  /* quant_cpu.c: the calling thread's scratch memory */
+#include "cpu_kernels.h"
 
 #define ATT_CHUNK 32     /* key rows scored before their values are added */
 #define ATT_MAX_G 32     /* query heads per KV head */
@@ -38,28 +38,6 @@ static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-/* e^x for x <= 0 (scores less their maximum): 2^n * e^r with |r| <= ln2/2, the polynomial to degree 7
- * (relative error below 1e-7); below -87 the result is e^-87, as good as 0 beside the maximum's e^0 = 1.
- * A NaN stays NaN (max_ps returns its second operand when either is NaN), so a NaN score spoils its head's
- * attention as softmax's does. */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.f / 5040.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
 
@@ -250,53 +228,76 @@ static void att_item(const float *q, const void *kc, const void *vc, int bf16, i
     }
 }
 
+/* The work of tkv_paged_decode as worksharing loops (every thread of the enclosing region calls it): each
+ * sequence's positions in S splits, their partial results in parts [B * S * Hq * (D + 2)], then merged */
+static void attention_share(const float *q, int64_t B, int64_t Hq, int64_t D, const void *kc, const void *vc,
+                            int bf16, int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts, const int32_t *lens,
+                            float scale, int64_t S, float *parts, float *out) {
+    const int64_t G = Hq / Hkv, items = B * S, G2 = D + 2;
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t b = it / S, sp = it % S, len = lens[b];
+        int64_t per = (len + S - 1) / S;
+        per = (per + bs - 1) / bs * bs;  /* whole blocks a split, so a chunk never straddles two */
+        const int64_t p0 = sp * per < len ? sp * per : len, p1 = p0 + per < len ? p0 + per : len;
+        att_item(q + b * Hq * D, kc, vc, bf16, bs, Hkv, D, G, tables + b * ts, p0, p1, scale,
+                 parts + it * Hq * G2);
+    }
+    #pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * Hq; bh++) {  /* the splits of each head merged */
+        const int64_t b = bh / Hq, h = bh % Hq;
+        const float *first = parts + (b * S * Hq + h) * G2;
+        float m = -INFINITY, l = 0.f;
+        for (int64_t sp = 0; sp < S; sp++) m = first[sp * Hq * G2] > m ? first[sp * Hq * G2] : m;
+        float *o = out + bh * D;
+        memset(o, 0, D * sizeof(float));
+        for (int64_t sp = 0; sp < S; sp++) {
+            const float *pg = first + sp * Hq * G2;
+            if (pg[1] == 0.f) continue;  /* a split with no positions */
+            const float w = expf(pg[0] - m);
+            l += pg[1] * w;
+            for (int64_t d = 0; d < D; d++) o[d] += w * pg[2 + d];
+        }
+        const float inv = 1.f / l;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
+static int att_fits(int64_t Hq, int64_t D, int64_t bs, int64_t Hkv) {
+    return Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= ATT_MAX_G && D <= ATT_MAX_D && D > 0 && bs > 0;
+}
+
+static int threads_now(void) {
+#ifdef _OPENMP
+    return omp_in_parallel() ? omp_get_num_threads() : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
 /* q [B, Hq, D] fp32; kc, vc [*, bs, Hkv, D] fp32 (bf16 = 0) or bf16 (bf16 = 1); tables [B, ts] int32;
  * lens [B] int32 (each >= 1 and within its table); out [B, Hq, D] fp32. Returns -1 for a shape the kernel
  * does not take (Hq not a multiple of Hkv, G or D above their limits) or no memory, 0 when done. */
 int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const void *kc, const void *vc, int bf16,
                      int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts, const int32_t *lens, float scale,
                      float *out) {
-    if (B <= 0 || Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > ATT_MAX_G || D > ATT_MAX_D || D <= 0 || bs <= 0)
-        return -1;
-    const int64_t G = Hq / Hkv;
-    int threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
+    if (B <= 0 || !att_fits(Hq, D, bs, Hkv)) return -1;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
-    const int64_t S = att_splits(B, longest, threads), items = B * S, G2 = D + 2;
-    float *parts = (float *)tkv_scratch((size_t)(items * Hq * G2) * sizeof(float));
+    const int64_t S = att_splits(B, longest, threads_now());
+    float *parts = (float *)tkv_scratch((size_t)(B * S * Hq * (D + 2)) * sizeof(float));
     if (!parts) return -1;
     #pragma omp parallel
-    {
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            const int64_t b = it / S, sp = it % S, len = lens[b];
-            int64_t per = (len + S - 1) / S;
-            per = (per + bs - 1) / bs * bs;  /* whole blocks a split, so a chunk never straddles two */
-            const int64_t p0 = sp * per < len ? sp * per : len, p1 = p0 + per < len ? p0 + per : len;
-            att_item(q + b * Hq * D, kc, vc, bf16, bs, Hkv, D, G, tables + b * ts, p0, p1, scale,
-                     parts + it * Hq * G2);
-        }
-        #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * Hq; bh++) {  /* the splits of each head merged */
-            const int64_t b = bh / Hq, h = bh % Hq;
-            const float *first = parts + (b * S * Hq + h) * G2;
-            float m = -INFINITY, l = 0.f;
-            for (int64_t sp = 0; sp < S; sp++) m = first[sp * Hq * G2] > m ? first[sp * Hq * G2] : m;
-            float *o = out + bh * D;
-            memset(o, 0, D * sizeof(float));
-            for (int64_t sp = 0; sp < S; sp++) {
-                const float *pg = first + sp * Hq * G2;
-                if (pg[1] == 0.f) continue;  /* a split with no positions */
-                const float w = expf(pg[0] - m);
-                l += pg[1] * w;
-                for (int64_t d = 0; d < D; d++) o[d] += w * pg[2 + d];
-            }
-            const float inv = 1.f / l;
-            for (int64_t d = 0; d < D; d++) o[d] *= inv;
-        }
-    }
+    attention_share(q, B, Hq, D, kc, vc, bf16, bs, Hkv, tables, ts, lens, scale, S, parts, out);
     return 0;
+}
+
+int64_t tkv_attention_splits(int64_t len, int threads) {
+    return att_splits(1, len, threads);
+}
+
+void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int bf16, int64_t bs,
+                         int64_t Hkv, const int32_t *table, int32_t len, float scale, int64_t splits, float *parts,
+                         float *out) {
+    attention_share(q, 1, Hq, D, kc, vc, bf16, bs, Hkv, table, 0, &len, scale, splits, parts, out);
 }

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TKV_AVX2 1
@@ -575,16 +577,29 @@ INLINE void q8_chunk(const int8_t *qr, const int16_t *xq, const uint16_t *dr, in
 }
 #endif
 
-int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
-                int64_t N, const float *bias, float *out) {
-    const int64_t G = K / g;
+/* The prepared activations of a q4 or q8 one-row product (tkv_row_prepare): int16 codes [K], for q4 also in
+ * pair order [K] (pair_order), the row's scale, each group's sum of x */
+typedef struct { int16_t *xq, *xp; float *sx, *xsum; } int16_row;
+
+static size_t int16_row_bytes(int64_t K, int64_t G) {
+    return 2 * lines((size_t)K * sizeof(int16_t)) + 64 + (size_t)G * sizeof(float);
+}
+
+static int16_row int16_row_at(const char *mem, int64_t K) {
     const size_t a = lines((size_t)K * sizeof(int16_t));
-    char *mem = tkv_scratch(a + (size_t)G * sizeof(float));
-    if (!mem) return -1;
-    int16_t *xq = (int16_t *)mem;
-    float sx, *xsum = mn ? (float *)(mem + a) : NULL;
-    quantize_rows(x, 1, K, g, xq, &sx, xsum);
-    #pragma omp parallel for schedule(static)
+    int16_row r = {(int16_t *)mem, (int16_t *)(mem + a), (float *)(mem + 2 * a), (float *)(mem + 2 * a + 64)};
+    return r;
+}
+
+static void q8_share(const tkv_qw *w, const char *mem, float *out) {
+    const int64_t K = w->K, g = w->g, N = w->N, G = K / g;
+    const int8_t *q = (const int8_t *)w->q;
+    const uint16_t *d = w->d, *mn = w->mn;
+    const float *bias = w->bias;
+    const int16_row a = int16_row_at(mem, K);
+    const int16_t *xq = a.xq;
+    const float sx = *a.sx;
+    #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; i++) {
         const int64_t n = two_streams(i, N);
         const int8_t *qr = q + n * K;
@@ -608,27 +623,23 @@ int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, c
 #else
         float total = q8_row_c(qr, xq, dr, K, g);
 #endif
-        out[n] = total * sx + (bias ? bias[n] : 0.f) + (mn ? offset_sum(mn + n * G, xsum, G) : 0.f);
+        out[n] = total * sx + (bias ? bias[n] : 0.f) + (mn ? offset_sum(mn + n * G, a.xsum, G) : 0.f);
     }
-    return 0;
 }
 
-
-
-int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
-                int64_t N, const float *bias, float *out) {
-    const int64_t G = K / g;
-    const size_t a = lines((size_t)K * 2 * sizeof(int16_t));
-    char *mem = tkv_scratch(a + (size_t)G * sizeof(float));
-    if (!mem) return -1;
-    int16_t *xq = (int16_t *)mem, *xp = xq + K;
-    float sx, *xsum = (float *)(mem + a);
-    quantize_rows(x, 1, K, g, xq, &sx, xsum);
+static void q4_share(const tkv_qw *w, const char *mem, float *out) {
+    const int64_t K = w->K, g = w->g, N = w->N, G = K / g;
+    const uint8_t *q = (const uint8_t *)w->q;
+    const uint16_t *d = w->d, *mn = w->mn;
+    const float *bias = w->bias;
+    const int16_row a = int16_row_at(mem, K);
+    const int16_t *xq = a.xq;
+    const float sx = *a.sx, *xsum = a.xsum;
 #ifdef TKV_AVX512
+    const int16_t *xp = a.xp;
     const int64_t G8 = g == 32 ? G / 8 * 8 : 0, G2 = g == 32 ? G / 2 * 2 : 0;  /* the groups 512-bit steps take */
-    pair_order(xq, G2, xp);
 #endif
-    #pragma omp parallel for schedule(static)
+    #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; i++) {
         const int64_t n = two_streams(i, N);
         const uint8_t *qr = q + n * (K / 2);
@@ -667,7 +678,6 @@ int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, 
 #endif
         out[n] = total * sx + z + (bias ? bias[n] : 0.f);
     }
-    return 0;
 }
 
 /* Rows ids[0..count) of the weight (ids NULL: rows 0..count) dequantized to fp32 [count, K]. */
@@ -842,57 +852,71 @@ INLINE void tile_store(const float *o, const float *bias, int64_t N, int64_t t, 
     for (int r = 0; r < TILE_ROWS; r++) out[i * N + t * TILE_ROWS + r] = o[r] + (bias ? bias[t * TILE_ROWS + r] : 0.f);
 }
 
-/* The activations of M rows quantized into the calling thread's scratch (q8_blocks); NULL when it cannot be had */
-static char *tile_activations(const float *x, int64_t M, int64_t K, int8_t **xq, float **sx, float **xs,
-                              int32_t **qs) {
+/* The int8 blocks of M activation rows (q8_blocks) in `mem` (tile_bytes): codes [M, K], then the blocks'
+ * scales, scaled sums and code sums [M, K/32] each */
+typedef struct { int8_t *xq; float *sx, *xs; int32_t *qs; } int8_blocks;
+
+static size_t tile_bytes(int64_t M, int64_t K) {
+    return lines((size_t)(M * K)) + 3 * lines((size_t)(M * (K / 32)) * sizeof(float));
+}
+
+static int8_blocks int8_blocks_at(const char *mem, int64_t M, int64_t K) {
+    const size_t a = lines((size_t)(M * K)), b = lines((size_t)(M * (K / 32)) * sizeof(float));
+    int8_blocks r = {(int8_t *)mem, (float *)(mem + a), (float *)(mem + a + b), (int32_t *)(mem + a + 2 * b)};
+    return r;
+}
+
+static void tile_prepare(const float *x, int64_t M, int64_t K, char *mem) {
     const int64_t B = K / 32;
-    const size_t a = lines((size_t)(M * K)), b = lines((size_t)(M * B) * sizeof(float));
-    char *mem = tkv_scratch(a + 3 * b);
-    if (!mem) return NULL;
-    *xq = (int8_t *)mem;
-    *sx = (float *)(mem + a);
-    *xs = (float *)(mem + a + b);
-    *qs = (int32_t *)(mem + a + 2 * b);
-    for (int64_t i = 0; i < M; i++) q8_blocks(x + i * K, K, *xq + i * K, *sx + i * B, *xs + i * B, *qs + i * B);
-    return mem;
+    const int8_blocks a = int8_blocks_at(mem, M, K);
+    for (int64_t i = 0; i < M; i++) q8_blocks(x + i * K, K, a.xq + i * K, a.sx + i * B, a.xs + i * B, a.qs + i * B);
+}
+
+static int tile_fits(int64_t K, int64_t g, int64_t N) {
+    return K % 32 == 0 && g % 32 == 0 && K % g == 0 && N % TILE_ROWS == 0;
 }
 
 /* M activation rows x [M, K] times a tiled weight of N = 16 T outputs: out [M, N]. Returns 0, or -1 when
  * scratch memory could not be had or the shapes are not whole blocks and tiles. */
 static int tile_linear(const int bits, const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *d,
                        const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
-    if (K % 32 || g % 32 || K % g || N % TILE_ROWS) return -1;
+    if (!tile_fits(K, g, N)) return -1;
     const int64_t B = K / 32, G = K / g, T = N / TILE_ROWS, stride = B * TILE_BLOCK(bits);
-    int8_t *xq;
-    float *sx, *xs;
-    int32_t *qs;
-    if (!tile_activations(x, M, K, &xq, &sx, &xs, &qs)) return -1;
+    char *mem = tkv_scratch(tile_bytes(M, K));
+    if (!mem) return -1;
+    tile_prepare(x, M, K, mem);
+    const int8_blocks a = int8_blocks_at(mem, M, K);
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {  /* each tile's codes read from memory once, then from L1 for the rows */
         float o[TILE_ROWS];
         for (int64_t i = 0; i < M; i++) {
-            tile_outputs(bits, q + t * stride, d + t * G * 16, mn ? mn + t * G * 16 : NULL, K, g / 32, xq + i * K,
-                         sx + i * B, xs + i * B, qs + i * B, o);
+            tile_outputs(bits, q + t * stride, d + t * G * 16, mn ? mn + t * G * 16 : NULL, K, g / 32, a.xq + i * K,
+                         a.sx + i * B, a.xs + i * B, a.qs + i * B, o);
             tile_store(o, bias, N, t, i, out);
         }
     }
     return 0;
 }
 
-/* One activation row: two tiles at once (tiles p and p + H: two streams a thread), else as tile_linear */
-static int tile_gemv(const int bits, const float *x, int64_t K, const uint8_t *q, const uint16_t *d,
-                     const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
+/* One activation row (prepared by tile_prepare in mem) times a tiled weight, as a worksharing loop: two tiles
+ * at once (tiles p and p + H: two streams a thread) with VNNI, else a tile at a time as tile_linear */
+static void tile_share(const int bits, const char *mem, int64_t K, const uint8_t *q, const uint16_t *d,
+                       const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
+    const int64_t B = K / 32, G = K / g, T = N / TILE_ROWS, gb = g / 32, stride = B * TILE_BLOCK(bits);
+    const int8_blocks a = int8_blocks_at(mem, 1, K);
+    const int8_t *xq = a.xq;
+    const float *sx = a.sx, *xs = a.xs;
+    const int32_t *qs = a.qs;
 #ifndef TILE_VNNI
-    return tile_linear(bits, x, 1, K, q, d, mn, g, N, bias, out);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float o[TILE_ROWS];
+        tile_outputs(bits, q + t * stride, d + t * G * 16, mn ? mn + t * G * 16 : NULL, K, gb, xq, sx, xs, qs, o);
+        tile_store(o, bias, N, t, 0, out);
+    }
 #else
-    if (K % 32 || g % 32 || K % g || N % TILE_ROWS) return -1;
-    const int64_t B = K / 32, G = K / g, T = N / TILE_ROWS, H = (T + 1) / 2, gb = g / 32;
-    const int64_t stride = B * TILE_BLOCK(bits);
-    int8_t *xq;
-    float *sx, *xs;
-    int32_t *qs;
-    if (!tile_activations(x, 1, K, &xq, &sx, &xs, &qs)) return -1;
-    #pragma omp parallel for schedule(static)
+    const int64_t H = (T + 1) / 2;
+    #pragma omp for schedule(static)
     for (int64_t p = 0; p < H; p++) {
         const int two = p + H < T;
         const int64_t t1 = two ? p + H : p;
@@ -926,7 +950,6 @@ static int tile_gemv(const int bits, const float *x, int64_t K, const uint8_t *q
             tile_store(o, bias, N, t1, 0, out);
         }
     }
-    return 0;
 #endif
 }
 
@@ -962,6 +985,77 @@ static void tile_rows(const int bits, const uint8_t *q, const uint16_t *d, const
     }
 }
 
+/* ---- one-row products through one interface (cpu_kernels.h: prepare, then share) ------------------------ */
+int tkv_row_fits(const tkv_qw *w) {
+    if (w->g <= 0 || w->K % w->g) return 0;
+    switch (w->fmt) {
+    case TKV_Q8: return w->g % 16 == 0;
+    case TKV_Q4: return w->g % 32 == 0;
+    case TKV_Q8T: case TKV_Q4T: return tile_fits(w->K, w->g, w->N);
+    default: return 0;
+    }
+}
+
+static int tiled(const tkv_qw *w) { return w->fmt == TKV_Q8T || w->fmt == TKV_Q4T; }
+
+size_t tkv_row_bytes(const tkv_qw *w) {
+    return tiled(w) ? tile_bytes(1, w->K) : int16_row_bytes(w->K, w->K / w->g);
+}
+
+void tkv_row_prepare(const tkv_qw *w, const float *x, char *mem) {
+    if (tiled(w)) {
+        tile_prepare(x, 1, w->K, mem);
+        return;
+    }
+    const int16_row a = int16_row_at(mem, w->K);
+    quantize_rows(x, 1, w->K, w->g, a.xq, a.sx, w->fmt == TKV_Q4 || w->mn ? a.xsum : NULL);
+#ifdef TKV_AVX512
+    if (w->fmt == TKV_Q4 && w->g == 32) pair_order(a.xq, w->K / 32 / 2 * 2, a.xp);  /* as q4_share's pairs read */
+#endif
+}
+
+void tkv_row_share(const tkv_qw *w, const char *mem, float *out) {
+    if (w->fmt == TKV_Q8)
+        q8_share(w, mem, out);
+    else if (w->fmt == TKV_Q4)
+        q4_share(w, mem, out);
+    else
+        tile_share(w->fmt == TKV_Q4T ? 4 : 8, mem, w->K, (const uint8_t *)w->q, w->d, w->mn, w->g, w->N, w->bias, out);
+}
+
+void tkv_row_dequantize(const tkv_qw *w, const int64_t *ids, int64_t count, float *out) {
+    if (w->fmt == TKV_Q8)
+        tkv_q8_rows((const int8_t *)w->q, w->d, w->mn, w->g, w->K, ids, count, out);
+    else if (w->fmt == TKV_Q4)
+        tkv_q4_rows((const uint8_t *)w->q, w->d, w->mn, w->g, w->K, ids, count, out);
+    else
+        tile_rows(w->fmt == TKV_Q4T ? 4 : 8, (const uint8_t *)w->q, w->d, w->mn, w->g, w->K, ids, count, out);
+}
+
+/* One row through the interface, in a parallel region of its own. Returns 0, or -1 for a shape the kernels do
+ * not take or no scratch memory. */
+static int row_product(const tkv_qw *w, const float *x, float *out) {
+    if (!tkv_row_fits(w)) return -1;
+    char *mem = tkv_scratch(tkv_row_bytes(w));
+    if (!mem) return -1;
+    tkv_row_prepare(w, x, mem);
+    #pragma omp parallel
+    tkv_row_share(w, mem, out);
+    return 0;
+}
+
+int tkv_q8_gemv(const float *x, int64_t K, const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
+                int64_t N, const float *bias, float *out) {
+    const tkv_qw w = {TKV_Q8, q, d, mn, g, N, K, bias};
+    return row_product(&w, x, out);
+}
+
+int tkv_q4_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g,
+                int64_t N, const float *bias, float *out) {
+    const tkv_qw w = {TKV_Q4, q, d, mn, g, N, K, bias};
+    return row_product(&w, x, out);
+}
+
 /* The exported kernels of each tiled format: tkv_q4t_* (bits 4) and tkv_q8t_* (bits 8), with the signatures of
  * the untiled ones (kernels/quant_cpu.py) */
 #define TILE_EXPORTS(fmt, bits)                                                                                    \
@@ -971,7 +1065,8 @@ static void tile_rows(const int bits, const uint8_t *q, const uint16_t *d, const
     }                                                                                                              \
     int tkv_##fmt##_gemv(const float *x, int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn,       \
                          int64_t g, int64_t N, const float *bias, float *out) {                                    \
-        return tile_gemv(bits, x, K, q, d, mn, g, N, bias, out);                                                   \
+        const tkv_qw w = {(bits) == 4 ? TKV_Q4T : TKV_Q8T, q, d, mn, g, N, K, bias};                            \
+        return row_product(&w, x, out);                                                                            \
     }                                                                                                              \
     void tkv_##fmt##_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K,           \
                           const int64_t *ids, int64_t count, float *out) {                                        \

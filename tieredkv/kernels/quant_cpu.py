@@ -32,7 +32,8 @@ from tieredkv.runner.cpu_features import cpu_info
 
 log = logging.getLogger("tieredkv")
 
-SOURCES = (Path(__file__).with_name("quant_cpu.c"), Path(__file__).with_name("attention_cpu.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_cpu.c", "attention_cpu.c", "decode_cpu.c"))
+HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 NATIVE = ("-march=native",)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -54,6 +55,8 @@ _SIGNATURES = {
     "tkv_q8t_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "tkv_tiles_native": ([], ctypes.c_int),
     "tkv_paged_decode": ([_P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_float, _P], ctypes.c_int),
+    "tkv_decode_fits": ([_P], ctypes.c_int),
+    "tkv_decode_step": ([_P, _I, _I, _I, _P, ctypes.c_int32, _P], ctypes.c_int),
 }
 
 
@@ -72,7 +75,7 @@ def _artifact(cache_dir: Path, stem: str, identity: tuple) -> Path:
 
 def library_path(cache_dir: Path, flags: tuple[str, ...] = NATIVE) -> Path:
     info = cpu_info()
-    sources = tuple(s.read_bytes() for s in SOURCES)
+    sources = tuple(s.read_bytes() for s in (*SOURCES, *HEADERS))
     return _artifact(cache_dir, "quant_cpu", (*sources, info.model_name, sorted(info.flags), flags,
                                               compiler()))
 

@@ -1,0 +1,96 @@
+"""The native decode step (kernels/decode_cpu.c through runner/native_decode.py): a one-sequence decode of a
+model with quantized weights, whole in C. Checked against the eager forward on the same weights, step by
+step: the logits, the greedy tokens, and the K/V rows it writes into the paged cache."""
+
+import ctypes
+import logging
+
+import pytest
+import torch
+
+from helpers import make_checkpoint
+from tieredkv import EngineConfig, SamplingParams
+from tieredkv.engine_core import EngineCore
+from tieredkv.kernels import quant
+from tieredkv.runner.native_decode import NativeDecode
+
+# a prompt longer than a block, and one long enough that attention splits its positions across the threads
+PROMPTS = [[7, 3, 99, 14] * 5, list(range(20, 100))]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """q/k norms per head, a head_dim apart from hidden_size / heads"""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", num_hidden_layers=2)
+
+
+def decode_logits(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """The greedy tokens and every step's logits of one request served alone."""
+    captured, inner = [], core.runner.execute
+    core.runner.execute = lambda out: captured.append(inner(out)) or captured[-1]
+    try:
+        req = core.factory.make(prompt, SamplingParams(max_tokens=NEW, ignore_eos=True))
+        assert core.add_request(req) == []
+        while core.has_work():
+            core.step()
+    finally:
+        core.runner.execute = inner
+    return req.seqs[0].output_token_ids, [logits[-1].float().clone() for logits, _ in captured]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("scheme", [dict(quantization="int8"), dict(quantization="int4"),
+                                    dict(quantization="int4", quantization_group_size=64,
+                                         quantization_symmetric=True)], ids=["int8", "int4", "int4-sym-64"])
+def test_native_step_matches_the_eager_forward(request, family, scheme):
+    """Every decode step's logits within float rounding of the eager forward's on the same quantized weights
+    (the same product kernels; the norms, rotary embedding and softmax summed in another order), the same greedy
+    tokens, and the same K/V rows in the cache (q/k/v biases: qwen2; per-head q/k norms: qwen3)."""
+    path = request.getfixturevalue(f"{family}_dir")
+    cfg = dict(model=str(path), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, **scheme)
+    eager = EngineCore(EngineConfig(**cfg, compile_decode=False))
+    native = EngineCore(EngineConfig(**cfg, compile_decode=True))
+    try:
+        assert native.stats().decode_path == "native" and isinstance(native.runner.compiled, NativeDecode)
+        for prompt in PROMPTS:
+            want_tokens, want = decode_logits(eager, prompt)
+            got_tokens, got = decode_logits(native, prompt)
+            assert got_tokens == want_tokens
+            assert len(got) == len(want) == NEW
+            for w, g in zip(want[1:], got[1:]):  # the prefill's, then each decode step's
+                assert (w - g).abs().max() <= 1e-3 * w.abs().max(), (w - g).abs().max()
+            # the same blocks (one request at a time, no prefix caching): every K/V row the decodes wrote
+            # (an int16 activation code a rounding apart moves a row by ~2^-15 of its largest input, and later layers carry it on)
+            assert (native.kv_cache - eager.kv_cache).abs().max() <= 1e-3 * eager.kv_cache.abs().max()
+            assert native.kv_cache.abs().amax(dim=(3, 4, 5)).gt(0).sum() == eager.kv_cache.abs().amax(
+                dim=(3, 4, 5)).gt(0).sum()  # the same blocks written
+        assert native.runner.compiled.steps == len(PROMPTS) * (NEW - 1)
+    finally:
+        eager.close()
+        native.close()
+
+
+def test_native_step_takes_only_what_it_can(llama_dir, caplog):
+    """Where the step cannot serve, `make` says why and the compiled graph does: a bfloat16 cache, a model that is
+    not quantized; where it can, it points at each layer's own K and V caches."""
+    core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=8, warm_bytes=0,
+                                   compile_decode=True))
+    plain = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=0, compile_decode=False))
+    try:
+        step = core.runner.compiled
+        assert isinstance(step, NativeDecode)
+        layer = step._layers[1]
+        assert layer.k_cache == core.kv_cache[1, 0].data_ptr() and layer.v_cache == core.kv_cache[1, 1].data_ptr()
+        with caplog.at_level(logging.INFO, logger="tieredkv"):
+            assert NativeDecode.make(core.model, core.kv_cache.to(torch.bfloat16)) is None
+        assert "native decode step off" in caplog.text and "torch.bfloat16" in caplog.text
+        assert NativeDecode.make(plain.model, plain.kv_cache) is None  # nothing quantized
+        assert quant._LIB.tkv_decode_fits(ctypes.byref(step._model)) == 1
+        for field, value in (("head_dim", 512), ("heads", 3), ("inter", step._model.inter + 16)):
+            bad = type(step._model).from_buffer_copy(step._model)  # what the kernels cannot take is refused
+            setattr(bad, field, value)
+            assert quant._LIB.tkv_decode_fits(ctypes.byref(bad)) == 0, field
+    finally:
+        core.close()
+        plain.close()

@@ -1,0 +1,180 @@
+"""The native decode step: on CPU, a step that decodes one sequence of a model whose projections and LM head
+are quantized runs whole in C (kernels/decode_cpu.c), one call a token, in place of the compiled graph.
+
+Why: at batch 1 the quantized products are a minority of the compiled graph's step. Measured on an Intel Xeon
+(KVM guest, 2 cores), the default model's Q4_1 file: 6.8 ms a token, of which the 4-bit products ~2.6 ms and
+the Q8_0 LM head ~1.1 ms; the rest was ~150 kernel calls through inductor's wrapper and torch's dispatcher,
+the fused loops between them, and Python (see docs/guide/quantization.md for the measurements). decode_cpu.c
+runs every layer in one OpenMP parallel region with the same product kernels, nothing allocated.
+
+What: `NativeDecode.make` lays out the model for the C step once (ctypes structures pointing at the
+weights, the norms and each layer's K and V caches; the tensors stay the model's and the cache's) where the
+step can take it: fp32 activations and cache, one rank, every projection and the LM head quantized in a
+format the kernels read. Else it says why not, and the compiled graph (or the eager forward) serves. It
+offers CompiledDecode's interface to the model runner (accepts, run, state, ...), with nothing to compile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from tieredkv.kernels import quant
+from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight
+from tieredkv.models.llama import LlamaModel
+
+log = logging.getLogger("tieredkv")
+
+ENABLED = True  # tests turn it off to serve quantized weights through the compiled graph
+MAX_PARTS = 3  # decode_cpu.c: TKV_MAX_PARTS
+FORMATS = {"q8": 0, "q4": 1, "q8t": 2, "q4t": 3}  # cpu_kernels.h: TKV_Q8 ...
+
+_I, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Weight(ctypes.Structure):  # cpu_kernels.h: tkv_qw
+    _fields_ = [("fmt", _I), ("q", _P), ("d", _P), ("mn", _P), ("g", _I), ("N", _I), ("K", _I), ("bias", _P)]
+
+
+class _Proj(ctypes.Structure):  # decode_cpu.c: tkv_proj
+    _fields_ = [("parts", _I), ("part", _Weight * MAX_PARTS)]
+
+
+class _Layer(ctypes.Structure):  # decode_cpu.c: tkv_layer
+    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Proj), ("o", _Proj),
+                ("gate_up", _Proj), ("down", _Proj), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Model(ctypes.Structure):  # decode_cpu.c: tkv_model
+    _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
+                ("block_size", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("inv_freq", _P),
+                ("layer", ctypes.POINTER(_Layer)), ("final_norm", _P), ("head", _Proj), ("embed", _P)]
+
+
+class Unfit(Exception):
+    """Why the native step cannot take a model."""
+
+
+def _ptr(t: torch.Tensor | None, what: str) -> int | None:
+    if t is None:
+        return None
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise Unfit(f"{what} is not a contiguous CPU tensor")
+    return t.data_ptr()
+
+
+def _fp32(t: torch.Tensor | None, what: str) -> int | None:
+    if t is not None and t.dtype != torch.float32:
+        raise Unfit(f"{what} is {t.dtype}, not float32")
+    return _ptr(t, what)
+
+
+def _proj(qw, bias: torch.Tensor | None, what: str) -> _Proj:
+    parts = list(qw.parts) if isinstance(qw, QuantizedParts) else [qw]
+    if not all(isinstance(p, QuantizedWeight) for p in parts):
+        raise Unfit(f"{what} is not quantized")
+    if len(parts) > MAX_PARTS:
+        raise Unfit(f"{what} has {len(parts)} parts")
+    proj, at = _Proj(parts=len(parts)), 0
+    for i, p in enumerate(parts):
+        if p.fmt not in FORMATS:
+            raise Unfit(f"{what} is held as {p.fmt}")
+        b = None if bias is None else _fp32(bias[at : at + p.out_features], f"{what}'s bias")
+        proj.part[i] = _Weight(FORMATS[p.fmt], _ptr(p.codes, what), _ptr(p.scales, what), _ptr(p.offsets, what),
+                               p.group_size, p.out_features, p.in_features, b)
+        at += p.out_features
+    return proj
+
+
+def _linear(layer: torch.nn.Linear, what: str) -> _Proj:
+    return _proj(getattr(layer, "qweight", None), layer.bias, what)
+
+
+class NativeDecode:
+    """Runs steps that decode one sequence through decode_cpu.c's tkv_decode_step."""
+
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, lib: ctypes.CDLL):
+        self.lib = lib
+        self.steps = 0  # steps this path ran
+        self.ready = True
+        self.disabled: str | None = None
+        spec = model.spec
+        if kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu":
+            raise Unfit(f"the KV cache is {kv_cache.dtype} on {kv_cache.device}, not float32 on the CPU")
+        if model.tp.world > 1:
+            raise Unfit("the model is split over ranks")
+        if model.quantized_head is None:
+            raise Unfit("the LM head is not quantized")
+        if model.rotary.inv_freq.numel() * 2 != spec.head_dim:
+            raise Unfit("the rotary embedding does not turn the whole head")
+        layers = (_Layer * len(model.layers))()
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            cache = kv_cache[attn.layer_id]
+            layers[i] = _Layer(
+                _fp32(layer.input_layernorm.weight, "a norm"), _fp32(layer.post_attention_layernorm.weight, "a norm"),
+                _fp32(attn.q_norm.weight, "a norm") if attn.qk_norm else None,
+                _fp32(attn.k_norm.weight, "a norm") if attn.qk_norm else None,
+                _linear(attn.qkv_proj, "the q/k/v projection"), _linear(attn.o_proj, "the output projection"),
+                _linear(mlp.gate_up_proj, "the gate/up projection"), _linear(mlp.down_proj, "the down projection"),
+                cache[0].data_ptr(), cache[1].data_ptr())
+        table = model.embed_tokens.weight
+        self._model = _Model(
+            len(model.layers), spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            spec.intermediate_size, kv_cache.shape[3], spec.rms_norm_eps, model.layers[0].self_attn.scale,
+            _fp32(model.rotary.inv_freq, "the rotary frequencies"), layers, _fp32(model.norm.weight, "a norm"),
+            _proj(model.quantized_head, None, "the LM head"), _fp32(table, "the embedding table"))
+        self._layers = layers  # the structure points into it
+        self._held = (model, kv_cache)  # every pointer above is into these
+        self.vocab = model.quantized_head.out_features
+        if not lib.tkv_decode_fits(ctypes.byref(self._model)):
+            raise Unfit("the kernels do not take a projection's shape or the attention's heads")
+
+    @classmethod
+    def make(cls, model: LlamaModel, kv_cache: torch.Tensor) -> "NativeDecode | None":
+        """The native step for this model and cache, or None (logged, with the reason) where it cannot serve."""
+        lib = quant._LIB
+        if not ENABLED or kv_cache.device.type != "cpu" or model.quantization is None:
+            return None
+        if lib is None:
+            log.info("native decode step off: the CPU kernels are not built")
+            return None
+        try:
+            return cls(model, kv_cache, lib)
+        except Unfit as e:
+            log.info("native decode step off, the compiled graph serves: %s", e)
+            return None
+
+    def accepts(self, scheduled: list) -> bool:
+        """True for a step that decodes one sequence (one new token) and nothing else."""
+        return len(scheduled) == 1 and scheduled[0][1] == 1
+
+    state = "native"
+
+    def start_background(self) -> None:
+        """Nothing to compile (the kernels were built with the library)."""
+
+    warmup = start_background
+
+    def finish(self) -> None:
+        """Nothing runs in the background."""
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return True
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [1, vocab] for one decode (CompiledDecode.run's arguments); its K/V row is written."""
+        table = block_tables[0]
+        if table.dtype != torch.int32 or not table.is_contiguous():
+            table = table.to(torch.int32).contiguous()
+        logits = torch.empty(1, self.vocab)
+        status = self.lib.tkv_decode_step(ctypes.byref(self._model), int(input_ids[0]), int(positions[0]),
+                                          int(slot_mapping[0]), table.data_ptr(), int(context_lens[0]),
+                                          logits.data_ptr())
+        if status != 0:
+            raise MemoryError("native decode step: no memory for its activations")
+        self.steps += 1
+        return logits
