@@ -788,19 +788,38 @@ void tkv_q4_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_
 static void q8_blocks(const float *x, int64_t K, int8_t *xq, float *sx, float *xs, int32_t *qs) {
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
+        int8_t *qb = xq + b * 32;
+#ifdef TKV_AVX512  /* the same operations on two registers (the max, and x * 0's sum for the finite test, exact) */
+        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16), zero = _mm512_setzero_ps();
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const int finite = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_mul_ps(v0, zero), _mm512_mul_ps(v1, zero))) == 0.f;
+#else
         float amax = 0.f;
         int finite = 1;
         for (int j = 0; j < 32; j++) {
             amax = fmaxf(amax, fabsf(xb[j]));
             finite &= isfinite(xb[j]) != 0;
         }
+#endif
         /* a NaN or infinity makes the block's scale NaN (codes 0), so every output it reaches is NaN, as the
          * float product's would be: the sampler's test for bad rows sees it */
-        const float s = !finite ? NAN : amax > 0.f ? amax / 127.f : 1.f, inv = finite ? 1.f / s : 0.f;
+        const float s = !finite ? NAN : amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
         int32_t codes = 0;
-        for (int j = 0; j < 32; j++) {
-            xq[b * 32 + j] = (int8_t)lrintf(xb[j] * inv);
-            codes += xq[b * 32 + j];
+        if (!finite) {
+            memset(qb, 0, 32);
+        } else {
+#ifdef TKV_AVX512  /* rounded to nearest even, as lrintf */
+            const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+            const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)qb, _mm512_cvtsepi32_epi8(c0));
+            _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtsepi32_epi8(c1));
+            codes = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+#else
+            for (int j = 0; j < 32; j++) {
+                qb[j] = (int8_t)lrintf(xb[j] * inv);
+                codes += qb[j];
+            }
+#endif
         }
         sx[b] = s;
         xs[b] = s * (float)codes;
