@@ -229,6 +229,7 @@ def main(args) -> dict:
     results["weight_bytes"] = {name: core.stats().weight_bytes for name, core in variants.items()}
     results["weight_bytes"].update(results.get("llama_gguf_bytes", {}))
     results["built_s"] = built
+    results["decode_path"] = {name: core.stats().decode_path for name, core in variants.items()}
     for name, clock in clocks.items():
         outside = [s - e for s, e in zip(clock.step, clock.execute)]
         results.setdefault("per_step_ms", {})[name] = {

@@ -94,3 +94,27 @@ def test_native_step_takes_only_what_it_can(llama_dir, caplog):
     finally:
         core.close()
         plain.close()
+
+
+def test_native_step_reads_far_blocks_in_place(llama_dir):
+    """A document whose KV outgrows a hot pool of 8 blocks: its old blocks are far blocks in the warm tier's slab,
+    the cache tensor's tail, which the native step's attention reads in place; the greedy tokens are those of an
+    engine whose pool holds everything (eager forward, same int4 weights)."""
+    from helpers import check_pool_clean, run_to_end
+
+    rng = __import__("random").Random(1)
+    document = [rng.randrange(3, 440) for _ in range(600)]
+    block_bytes = 3 * 2 * 16 * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
+    base = dict(model=str(llama_dir), quantization="int4")
+    whole = EngineCore(EngineConfig(**base, num_blocks=64, warm_bytes=0, compile_decode=False))
+    far = EngineCore(EngineConfig(**base, num_blocks=8, warm_bytes=100 * block_bytes, max_num_batched_tokens=256,
+                                  far_blocks="in_place", compile_decode=True))
+    try:
+        assert far.stats().decode_path == "native" and far.kv_cache.shape[2] == 8 + 100 + 1
+        assert run_to_end(far, [document], [24]) == run_to_end(whole, [document], [24])
+        assert far.runner.compiled.steps == 23 and far.runner.staged_steps == 0
+        assert far.stats().blocks_offloaded >= 600 // 16 - 8
+        check_pool_clean(far)
+    finally:
+        whole.close()
+        far.close()

@@ -80,7 +80,8 @@ class EngineConfig(BaseModel):
                                     "per core: measured 2x faster than 1 alone, equal beside busy processes)")
     compile_decode: bool | None = Field(
         None, description="run a step that decodes one sequence through an inductor-compiled graph (compiled at "
-        "start-up, cached under cache_dir); None: on for CPU")
+        "start-up, cached under cache_dir), or, for quantized weights on CPU, through the native C step (nothing "
+        "to compile); None: on for CPU")
     compile_in_background: bool = Field(
         True, description="compile the decode graph on a thread of its own while the eager forward serves, "
         "switching between two steps once it is ready (stats().decode_path says which serves); False: start() "

@@ -139,7 +139,8 @@ class EngineStats:
         blocks_offloaded: hot blocks of running sequences moved to the warm tier so far.
         prompt_tokens_computed: prompt tokens the forwards computed (after preemption too); the rest hit.
         prefix_blocks_joined: prompt blocks found cached after waiting for the request computing them.
-        decode_path: what runs a one-sequence decode: "compiled", "compiling" (eager meanwhile) or "eager".
+        decode_path: what runs a one-sequence decode: "native" (quantized weights on CPU: one C call),
+            "compiled", "compiling" (eager meanwhile) or "eager".
         weights: the weights' format: the dtype, or the quantization ("int4 (float32 activations)").
         weight_bytes: what the weights take in that format (over every rank under tensor parallelism).
     """
@@ -162,7 +163,7 @@ class EngineStats:
     blocks_offloaded: int = 0  # hot blocks of running sequences moved to the warm tier so far
     prompt_tokens_computed: int = 0  # prompt tokens the forwards computed (after preemption too); the rest hit
     prefix_blocks_joined: int = 0  # prompt blocks found cached after waiting for the request computing them
-    decode_path: str = "eager"  # what runs a one-sequence decode: "compiled", "compiling" (eager meanwhile), "eager"
+    decode_path: str = "eager"  # a one-sequence decode: "native", "compiled", "compiling" (eager meanwhile), "eager"
     weights: str = "float32"  # the weights' format: the dtype, or the quantization ("int4 (float32 activations)")
     weight_bytes: int = 0  # what the weights take in that format
 

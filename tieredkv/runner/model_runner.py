@@ -8,6 +8,7 @@ import torch
 
 from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.runner.compiled_decode import CompiledDecode
+from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.runner.far_stage import StagePlan, plan_stage, reads_slab_in_place, stage_groups
 from tieredkv.errors import EngineClosedError, RankLostError
 from tieredkv.kernels import KernelOps
@@ -40,7 +41,7 @@ class ModelRunner:
     engine allocates and the tiers and the model write into (the runner reads block ids, nothing more)."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops: KernelOps,
-                 cascade: bool = True, compiled: CompiledDecode | None = None,
+                 cascade: bool = True, compiled: CompiledDecode | NativeDecode | None = None,
                  far: tuple[int, torch.Tensor] | None = None, leader=None):
         self.model = model
         # rank 0 of a tensor-parallel group (parallel/ranks.py LeaderGroup): each forward's plan and the warm-up
@@ -51,7 +52,7 @@ class ModelRunner:
         self.ops = ops
         self.device = kv_cache.device
         self.cascade = cascade
-        self.compiled = compiled  # the compiled path for a step that decodes one sequence, when the engine compiles
+        self.compiled = compiled  # what runs a step that decodes one sequence (compiled graph or native step), if on
         self.warmed_up = False
         # far: where far blocks (ids >= base) are not in the cache tensor, the first far id and the warm slab;
         # steps that use them stage them (far_stage.py), at most a hot pool's worth (base) of far blocks
@@ -153,8 +154,8 @@ class ModelRunner:
 
     @property
     def decode_path(self) -> str:
-        """What runs a step that decodes one sequence: "compiled", "compiling" (the eager forward until the
-        graph is ready) or "eager"."""
+        """What runs a step that decodes one sequence: "native" (runner/native_decode.py), "compiled",
+        "compiling" (the eager forward until the graph is ready) or "eager"."""
         return "eager" if self.compiled is None else self.compiled.state
 
     @torch.inference_mode()
