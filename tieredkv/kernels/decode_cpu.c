@@ -91,6 +91,15 @@ static void rms_norm(const float *x, const float *w, int64_t n, float eps, float
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
 }
 
+/* x += add (add NULL: nothing), then h = x's RMSNorm by weight w, prepared for the next product's weight into prep */
+static void add_norm_prepare(float *x, const float *add, const float *w, int64_t n, float eps, float *h,
+                             const tkv_qw *next, char *prep) {
+    if (add)
+        for (int64_t i = 0; i < n; i++) x[i] += add[i];
+    rms_norm(x, w, n, eps, h);
+    tkv_row_prepare(next, h, prep);
+}
+
 /* each head's halves rotated: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) */
 static void rotate(float *x, int64_t heads, int64_t D, const float *cs, const float *sn) {
     const int64_t h = D / 2;
@@ -182,12 +191,7 @@ int tkv_decode_step(const tkv_model *m, int64_t token, int64_t pos, int64_t slot
         for (int64_t l = 0; l < m->layers; l++) {
             const tkv_layer *L = m->layer + l;
             #pragma omp single
-            {
-                if (l > 0)
-                    for (int64_t i = 0; i < H; i++) x[i] += dn[i];
-                rms_norm(x, L->attn_norm, H, m->eps, h);
-                tkv_row_prepare(&L->qkv.part[0], h, prep);
-            }
+            add_norm_prepare(x, l > 0 ? dn : NULL, L->attn_norm, H, m->eps, h, &L->qkv.part[0], prep);
             project(&L->qkv, h, prep, qkv);
             #pragma omp single
             {
@@ -207,11 +211,7 @@ int tkv_decode_step(const tkv_model *m, int64_t token, int64_t pos, int64_t slot
             tkv_row_prepare(&L->o.part[0], att, prep);
             project(&L->o, att, prep, o);
             #pragma omp single
-            {
-                for (int64_t i = 0; i < H; i++) x[i] += o[i];
-                rms_norm(x, L->mlp_norm, H, m->eps, h);
-                tkv_row_prepare(&L->gate_up.part[0], h, prep);
-            }
+            add_norm_prepare(x, o, L->mlp_norm, H, m->eps, h, &L->gate_up.part[0], prep);
             project(&L->gate_up, h, prep, gu);
             #pragma omp single
             {
@@ -221,11 +221,7 @@ int tkv_decode_step(const tkv_model *m, int64_t token, int64_t pos, int64_t slot
             project(&L->down, act, prep, dn);
         }
         #pragma omp single
-        {
-            for (int64_t i = 0; i < H; i++) x[i] += dn[i];
-            rms_norm(x, m->final_norm, H, m->eps, h);
-            tkv_row_prepare(&m->head.part[0], h, prep);
-        }
+        add_norm_prepare(x, dn, m->final_norm, H, m->eps, h, &m->head.part[0], prep);
         project(&m->head, h, prep, logits);
     }
     return 0;
