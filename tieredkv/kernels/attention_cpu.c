@@ -263,7 +263,7 @@ static void attention_share(const float *q, int64_t B, int64_t Hq, int64_t D, co
     }
 }
 
-static int att_fits(int64_t Hq, int64_t D, int64_t bs, int64_t Hkv) {
+int tkv_attention_fits(int64_t Hq, int64_t D, int64_t bs, int64_t Hkv) {
     return Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= ATT_MAX_G && D <= ATT_MAX_D && D > 0 && bs > 0;
 }
 
@@ -281,7 +281,7 @@ static int threads_now(void) {
 int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const void *kc, const void *vc, int bf16,
                      int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts, const int32_t *lens, float scale,
                      float *out) {
-    if (B <= 0 || !att_fits(Hq, D, bs, Hkv)) return -1;
+    if (B <= 0 || !tkv_attention_fits(Hq, D, bs, Hkv)) return -1;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
     const int64_t S = att_splits(B, longest, threads_now());

@@ -34,7 +34,10 @@ void tkv_row_dequantize(const tkv_qw *w, const int64_t *ids, int64_t count, floa
 
 /* Decode attention for one sequence inside a parallel region (attention_cpu.c: tkv_paged_decode's work):
  * tkv_attention_splits says how many items its positions are split into (the same for every layer of a
- * step), tkv_attention_share runs them, every thread calling it; `parts` holds splits * Hq * (D + 2) floats. */
+ * step), tkv_attention_share runs them, every thread calling it; `parts` holds splits * Hq * (D + 2) floats.
+ * tkv_attention_fits: 0 for heads the kernel does not take (Hq not a multiple of Hkv, too many query heads a KV
+ * head, too large a head). */
+int tkv_attention_fits(int64_t Hq, int64_t D, int64_t bs, int64_t Hkv);
 int64_t tkv_attention_splits(int64_t len, int threads);
 void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int bf16, int64_t bs,
                          int64_t Hkv, const int32_t *table, int32_t len, float scale, int64_t splits, float *parts,

@@ -61,7 +61,7 @@ static int proj_fits(const tkv_proj *p, int64_t in, int64_t out) {
 /* 1 where the kernels take every projection's shape and format, and the attention's heads */
 int tkv_decode_fits(const tkv_model *m) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads, I = m->inter;
-    if (m->layers < 1 || D % 2 || Hkv < 1 || Hq % Hkv || Hq / Hkv > 32 || D > 256 || m->head.parts != 1 ||
+    if (m->layers < 1 || D % 2 || !tkv_attention_fits(Hq, D, m->block_size, Hkv) || m->head.parts != 1 ||
         !proj_fits(&m->head, H, m->head.part[0].N))
         return 0;
     for (int64_t l = 0; l < m->layers; l++) {
