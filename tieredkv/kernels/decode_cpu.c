@@ -160,9 +160,9 @@ int tkv_decode_step(const tkv_model *m, int64_t token, int64_t pos, int64_t slot
         const size_t b[4] = {proj_bytes(&L->qkv), proj_bytes(&L->o), proj_bytes(&L->gate_up), proj_bytes(&L->down)};
         for (int i = 0; i < 4; i++) prep_bytes = b[i] > prep_bytes ? b[i] : prep_bytes;
     }
-    /* x, h, qkv, att, o, gate_up, act, down, cos, sin, attention's partial results, the prepared activations */
-    const size_t sizes[12] = {H, H, qn + 2 * kn, qn, H, 2 * I, I, H, D / 2, D / 2, (size_t)(splits * Hq * (D + 2)), 0};
-    size_t total = lines64(prep_bytes), at[12];
+    /* after the prepared activations: x, h, qkv, att, o, gate_up, act, down, cos, sin, attention's partial results */
+    const size_t sizes[11] = {H, H, qn + 2 * kn, qn, H, 2 * I, I, H, D / 2, D / 2, (size_t)(splits * Hq * (D + 2))};
+    size_t total = lines64(prep_bytes), at[11];
     for (int i = 0; i < 11; i++) {
         at[i] = total;
         total += lines64(sizes[i] * sizeof(float));
