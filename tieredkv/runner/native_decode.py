@@ -11,7 +11,8 @@ What: `NativeDecode.make` lays out the model for the C step once (ctypes structu
 weights, the norms and each layer's K and V caches; the tensors stay the model's and the cache's) where the
 step can take it: fp32 activations and cache, one rank, every projection and the LM head quantized in a
 format the kernels read. Else it says why not, and the compiled graph (or the eager forward) serves. It
-offers CompiledDecode's interface to the model runner (accepts, run, state, ...), with nothing to compile.
+offers what the model runner and engine call of CompiledDecode (accepts, run, state, start_background, warmup,
+finish, steps), with nothing to compile.
 """
 
 from __future__ import annotations
@@ -98,8 +99,6 @@ class NativeDecode:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, lib: ctypes.CDLL):
         self.lib = lib
         self.steps = 0  # steps this path ran
-        self.ready = True
-        self.disabled: str | None = None
         spec = model.spec
         if kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu":
             raise Unfit(f"the KV cache is {kv_cache.dtype} on {kv_cache.device}, not float32 on the CPU")
@@ -160,9 +159,6 @@ class NativeDecode:
 
     def finish(self) -> None:
         """Nothing runs in the background."""
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        return True
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
