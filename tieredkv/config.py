@@ -12,6 +12,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 ENV_PREFIX = "TIEREDKV_"  # EngineConfig.from_env: TIEREDKV_<FIELD> (the command line only)
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
 MAX_BEAM_WIDTH = 64
+MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: transformers' users pick 0.5-2; 10 already ranks by length alone
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: logits / T would overflow long before it mattered
 
 
@@ -211,8 +212,10 @@ class SamplingParams(BaseModel):
                                          "(-100 to 100)")
     beam_width: int = Field(1, ge=1, le=MAX_BEAM_WIDTH, description="above 1: beam search over this many beams "
                             "(transformers' num_beams); the n best beams come back, best first")
-    length_penalty: float = Field(1.0, description="beam search: a finished beam scores its summed log-probability "
-                                  "/ (output tokens ** length_penalty); above 0 favours longer outputs")
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY,
+                                  description="beam search: a finished beam scores its summed log-probability "
+                                  "/ (output tokens ** length_penalty); above 0 favours longer outputs "
+                                  f"(within ±{MAX_LENGTH_PENALTY:g}: past that the length alone decides)")
     json_schema: dict[str, Any] | None = Field(
         None, description="structured output: only tokens that keep the output a prefix of a JSON document valid "
         "under this JSON schema are sampled ({\"type\": \"object\"}: any JSON object); the output ends once the "

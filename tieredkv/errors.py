@@ -48,7 +48,14 @@ class UnsupportedModelError(TieredKVError, ValueError):
 
 
 class SamplingError(TieredKVError, RuntimeError):
-    """One row of a batch could not be sampled (its logits are not usable numbers); only its request fails."""
+    """One request's own work after the shared forward failed: its logits row is not usable numbers, or one of
+    its stages (logits processors, structured output, sampling, beam search, stop rules) raised. Only that
+    request fails; `stage` names the stage and `fields` the request's settings that it read, where known."""
+
+    def __init__(self, message: str, stage: str | None = None, fields: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.stage = stage
+        self.fields = fields
 
 
 class ColdTierError(TieredKVError, RuntimeError):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tieredkv.core.beam import BeamSearch
+from tieredkv.core.isolation import isolated, stage_error
 from tieredkv.core.kv_manager import KVCacheManager, cdiv
 from tieredkv.core.pins import PinTable
 from tieredkv.core.scheduler import Scheduler, SchedulerOutput
@@ -115,7 +116,10 @@ class Lifecycle:
         for i, seq in enumerate(sampled):
             req = seq.request
             if req.prefill_only:
-                outputs.extend(self._finish_prefill(seq))
+                try:
+                    outputs.extend(self._finish_prefill(seq))
+                except Exception as e:
+                    outputs.extend(self.fail(req, RequestError(f"finishing the prefill failed: {e!r}")))
                 continue
             try:
                 family = [seq] + self._fork(seq)
@@ -131,40 +135,72 @@ class Lifecycle:
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Output]:
+        """One token per sequence (beams: one search step per request). Each stage runs batched; one that
+        raises runs again row by row (core/isolation.py), so that a failure fails only its own request."""
+        outputs = []
         beams = [i for i, s in enumerate(seqs) if s.request.beam is not None]
         if beams:
-            outputs = self._beam_rows(logits[beams], [seqs[i] for i in beams])
+            outputs.extend(self._beam_rows(logits[beams], [seqs[i] for i in beams]))
             rest = [i for i, s in enumerate(seqs) if s.request.beam is None]
             logits, seqs = logits[rest], [seqs[i] for i in rest]
             if not seqs:
                 return outputs
-        else:
-            outputs = []
         guided = [i for i, s in enumerate(seqs) if s.request.params.json_schema is not None]
-        if guided:
-            self._mask_by_grammar(logits, [seqs[i] for i in guided], guided)
-        for seq, got in zip(seqs, sample(logits, _row_states(seqs), [s.generator for s in seqs])):
+        if guided:  # masking is idempotent: rows a failed batched call masked already are masked again alike
+            outputs.extend(self._fail_rows(seqs, guided, isolated(
+                "structured output", guided, lambda rows: self._mask_by_grammar(logits, seqs, rows),
+                lambda i: seqs[i].request.params)))
+        live = [i for i, s in enumerate(seqs) if s.request.request_id in self.requests]
+        states, generators = _row_states(seqs), [s.generator for s in seqs]
+        processed = [i for i in live if states[i].has_processors]
+        pristine = logits[processed] if processed else None  # a copy: processors change the rows in place
+
+        def restore() -> None:
+            if processed:
+                with torch.inference_mode():  # (the forward's logits are inference tensors)
+                    logits[processed] = pristine
+
+        def run(rows: list[int]) -> list:
+            sub = logits if rows == list(range(len(seqs))) else logits[rows]  # (indexing copies the rows)
+            return sample(sub, [states[i] for i in rows], [generators[i] for i in rows])
+
+        results = isolated("sampling", live, run, lambda i: seqs[i].request.params, restore) if live else []
+        for i, got in zip(live, results):
+            seq = seqs[i]
             if not isinstance(got, Sampled):
                 outputs.extend(self.fail(seq.request, got))
-            elif seq.request.request_id not in self.requests:
-                continue
-            elif seq.matcher is not None and not seq.matcher.consume_token(got.token):
-                outputs.extend(self.fail(seq.request, RequestError(
-                    f"the output can no longer follow json_schema: {seq.matcher.get_error()}")))
-            else:
-                done = seq.matcher is not None and seq.matcher.is_stopped()  # the JSON document is complete
-                outputs.append((seq.request.sink, self._append(seq, got, "stop" if done else None)))
+            elif seq.request.request_id in self.requests:
+                outputs.extend(self._accept(seq, got))
         return outputs
 
-    def _mask_by_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    def _accept(self, seq: Sequence, got: Sampled) -> list[Output]:
+        """The sampled token through the grammar (when the request has one) and the stop rules."""
+        stage = "structured output"
+        try:
+            if seq.matcher is not None and not seq.matcher.consume_token(got.token):
+                return self.fail(seq.request, RequestError(
+                    f"the output can no longer follow json_schema: {seq.matcher.get_error()}"))
+            done = seq.matcher is not None and seq.matcher.is_stopped()  # the JSON document is complete
+            stage = "stop rules"
+            return [(seq.request.sink, self._append(seq, got, "stop" if done else None))]
+        except Exception as e:
+            return self.fail(seq.request, stage_error(stage, seq.request.params, e))
+
+    def _fail_rows(self, seqs: list[Sequence], rows: list[int], results: list) -> list[Output]:
+        """Fails the request of each row whose result is an error."""
+        return [out for i, got in zip(rows, results) if isinstance(got, TieredKVError)
+                for out in self.fail(seqs[i].request, got)]
+
+    def _mask_by_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[None]:
         """Structured output (runner/grammar.py): each of these rows keeps only the tokens its grammar allows."""
         from tieredkv.runner.grammar import grammars_of
 
         grammars = grammars_of(self.tokenizer, logits.shape[1])
-        for seq in seqs:
-            if seq.matcher is None:  # its first sampled token (samples forked from one prompt each get one)
-                seq.matcher = grammars.matcher(seq.request.params.json_schema)
-        grammars.mask(logits, rows, [seq.matcher for seq in seqs])
+        for i in rows:
+            if seqs[i].matcher is None:  # its first sampled token (samples forked from one prompt each get one)
+                seqs[i].matcher = grammars.matcher(seqs[i].request.params.json_schema)
+        grammars.mask(logits, rows, [seqs[i].matcher for i in rows])
+        return [None] * len(rows)
 
     def _finish_prefill(self, seq: Sequence) -> list[Output]:
         req = seq.request
@@ -212,16 +248,24 @@ class Lifecycle:
     def _beam_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Output]:
         """Keeps each beam's processed log-probabilities; a request whose running beams all have theirs
         takes its step (beams of one request normally run in one forward)."""
-        outputs = []
-        rows = apply_processors(logits.log_softmax(-1), _row_states(seqs))
-        for seq, row, is_bad in zip(seqs, rows, bad_rows(logits)):
+        states, logprobs = _row_states(seqs), logits.log_softmax(-1)
+        results = isolated("logits processors", range(len(seqs)),
+                           lambda rows: list(apply_processors(logprobs[list(rows)], [states[i] for i in rows])),
+                           lambda i: seqs[i].request.params)
+        outputs = self._fail_rows(seqs, list(range(len(seqs))), results)
+        for seq, row, is_bad in zip(seqs, results, bad_rows(logits)):
+            if isinstance(row, TieredKVError) or seq.request.request_id not in self.requests:
+                continue
             if is_bad:
                 outputs.extend(self.fail(seq.request, SamplingError(NOT_FINITE)))
-            elif seq.request.request_id in self.requests:
+            else:
                 seq.beam_row = row
         for req in {s.request.request_id: s.request for s in seqs}.values():
             if req.request_id in self.requests and all(s.beam_row is not None for s in req.seqs):
-                outputs.extend(self._beam_step(req))
+                try:
+                    outputs.extend(self._beam_step(req))
+                except Exception as e:
+                    outputs.extend(self.fail(req, stage_error("beam search", req.params, e)))
         return outputs
 
     def _beam_step(self, req: Request) -> list[Output]:
@@ -234,10 +278,7 @@ class Lifecycle:
             outputs = self._end_beams(req, "length")
             self._finish_request(req)
             return outputs
-        try:
-            self._advance_beams(req, survivors)
-        except Exception as e:
-            return self.fail(req, RequestError(f"forking the beams failed: {e}"))
+        self._advance_beams(req, survivors)
         return []
 
     def _advance_beams(self, req: Request, survivors: list) -> None:

@@ -13,7 +13,7 @@ from tieredkv.config import EngineConfig
 from tieredkv.engine_core import EngineCore
 from tieredkv.outputs import Output
 from tieredkv.runner.malloc_tuning import release_free_memory
-from tieredkv.errors import EngineClosedError
+from tieredkv.errors import EngineClosedError, StepError
 from tieredkv.core.sequence import Request
 
 log = logging.getLogger("tieredkv")
@@ -161,9 +161,9 @@ class EngineWorker:
             outputs = self.core.step()
         except EngineClosedError:  # the engine cannot go on (a tensor-parallel rank is gone): the worker ends
             raise
-        except Exception as e:  # a bug below the engine: fail what is in flight, keep serving
-            log.exception("engine step raised; failing every request in flight")
-            outputs = self.core.fail_all(e)
+        except Exception as e:  # the shared step itself (scheduling, block moves, caching) failed: a bug
+            log.exception("engine step raised; failing every request in flight")  # fail them all, keep serving
+            outputs = self.core.fail_all(StepError(list(self.core.requests), e))
         self.emit(outputs)
         self._publish()
 

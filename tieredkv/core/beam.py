@@ -50,8 +50,11 @@ class Survivor:
 
 
 def penalized(cum_logprob: float, length: int, length_penalty: float) -> float:
-    """sum / length ** penalty, in float32 as transformers computes it (so ties break the same way)."""
-    return float(torch.tensor([cum_logprob], dtype=torch.float32) / (length**length_penalty))
+    """sum / length ** penalty, the quotient in float32 as transformers computes it (so ties break the same
+    way). The power is taken in float64, where it saturates to inf (the score to -0.0) instead of raising as
+    a Python float's power does; SamplingParams bounds length_penalty besides."""
+    power = torch.tensor(float(length), dtype=torch.float64).pow(length_penalty)
+    return float(torch.tensor([cum_logprob], dtype=torch.float32) / power.to(torch.float32))
 
 
 class BeamSearch:

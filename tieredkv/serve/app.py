@@ -67,6 +67,7 @@ _SETTINGS = web.AppKey("settings", ServerSettings)
 _ACTIVE = web.AppKey("active", list)
 _DRAINING = web.AppKey("draining", list)
 _SERVED = web.RequestKey("output", object)  # the request's _Output, for the access log
+_GONE = web.RequestKey("gone", bool)  # the client closed its connection before the response was written
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> web.Application:
@@ -104,6 +105,8 @@ async def _access(request: web.Request, handler):
         status = 499
         raise
     finally:
+        if request.get(_GONE):
+            status = 499
         out: _Output | None = request.get(_SERVED)
         tokens = "" if out is None else out.log_fields(t0)
         level = logging.DEBUG if request.path in ("/health", "/metrics") else logging.INFO
@@ -136,6 +139,11 @@ async def _errors(request: web.Request, handler):
         return web.json_response(error.body(), status=e.status, headers=allow)
     except asyncio.CancelledError:
         raise
+    except ConnectionError:  # the client closed its connection while the response was written: nobody to answer
+        request[_GONE] = True
+        return web.Response(status=499)
+    except TieredKVError as e:  # a failure of the request's own computation, or of the step it was in
+        return web.json_response(BadRequest(str(e), status=500, type_="server_error").body(), status=500)
     except Exception:
         log.exception("request failed")
         return web.json_response(BadRequest("internal error", status=500, type_="server_error").body(), status=500)
@@ -318,8 +326,13 @@ async def _stream_events(request, stream, first, out: "_Output", include_usage: 
         try:
             async for chunk in _chain(first, stream):
                 await send(_event(out.chunk(chunk)))
-        except TieredKVError as e:  # the status line is gone: report the error as an event
-            await send(_event(BadRequest(str(e), type_="server_error").body()))
+        except (asyncio.TimeoutError, ConnectionError):
+            raise
+        except Exception as e:  # the status line is gone: report the error as an event, then end the stream
+            if not isinstance(e, TieredKVError):
+                log.exception("request %s failed while streaming", out.rid)
+            message = str(e) if isinstance(e, TieredKVError) else "internal error"
+            await send(_event(BadRequest(message, status=500, type_="server_error").body()))
         if include_usage and out.usages:
             await send(_event({**out.envelope(out.kind + ".chunk" if out.chat else out.kind),
                                "choices": [], "usage": usage_body(out.usages)}))
@@ -329,6 +342,9 @@ async def _stream_events(request, stream, first, out: "_Output", include_usage: 
         log.warning("request %s: the client read nothing for %.0f s; the stream was aborted", out.rid, timeout)
         if request.transport is not None:
             request.transport.abort()
+    except ConnectionError:  # the client went away mid-write: leaving here aborts the request
+        request[_GONE] = True
+        log.debug("request %s: the client closed its connection", out.rid)
     return response
 
 
