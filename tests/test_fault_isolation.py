@@ -253,3 +253,39 @@ def test_over_http_an_unbounded_length_penalty_is_a_400(server):
     status, _, raw = server.post("/v1/completions", {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4,
                                                      "use_beam_search": True, "n": 2, "length_penalty": 1100})
     assert status == 400 and "length_penalty" in json.loads(raw)["error"]["message"]
+
+
+async def test_a_client_gone_mid_write_is_a_499_not_a_failure(engine, caplog):
+    """The app mounted in a program's own aiohttp runner (handlers not cancelled on disconnect): the client
+    closes its connection mid-stream; the next write finds it gone, the request is aborted and logged 499."""
+    import logging
+
+    from aiohttp import web
+
+    from tieredkv.serve import ServerSettings, create_app
+
+    caplog.set_level(logging.INFO, logger="tieredkv.access")
+    runner = web.AppRunner(create_app(engine, ServerSettings(model_name="tiny")))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True,
+                           "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        assert b"data: " in await reader.readuntil(b"data: ")
+        writer.close()
+        await writer.wait_closed()
+        for _ in range(500):
+            if any(" 499 " in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.01)
+        assert any(r.name == "tieredkv.access" and " 499 " in r.getMessage() for r in caplog.records)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+        await engine.run_in_worker(check_pool_clean, engine.core)
+    finally:
+        await runner.cleanup()
