@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.telemetry import Telemetry
 from tieredkv.models.checks import check_regular_files, read_json
 from tieredkv.models.gguf_convert import default_gguf_path, default_model_dir
-from tieredkv.models.loader import fingerprint_weights, weight_files
+from tieredkv.models.digest import weights_digest
+from tieredkv.models.loader import weight_files
 from tieredkv.models.spec import ModelSpec
 from tieredkv.parallel.group import TPGroup
 from tieredkv.parallel.shard import check_shardable
@@ -182,13 +184,26 @@ def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device
     return num
 
 
-def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int, quant: QuantSettings | None = None) -> str:
-    """Everything that changes the meaning of a block's bytes: model, dtype, block size, layout, and the
-    weights' quantization (quantized weights compute other keys and values)."""
-    config_bytes = (model_dir / "config.json").read_bytes()
-    identity = hashlib.sha256(config_bytes + fingerprint_weights(weight_files(model_dir)).encode())
+def model_identity(model_dir: Path, quant: QuantSettings | None = None, cache_dir: Path | None = None) -> str:
+    """What the model computes, as 64 hex digits: config.json's bytes (rope parameters, norms, sizes) and a
+    digest of every byte of the weights it reads (models/digest.py: hashed once per checkpoint, then
+    kept), the GGUF file's too where the weights come from one."""
+    files = weight_files(model_dir)
+    if quant is not None and quant.gguf_path is not None:
+        files = files + [quant.gguf_path]
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    h.update(weights_digest(files, cache_dir).encode())
+    return h.hexdigest()
+
+
+def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int, quant: QuantSettings | None = None,
+                      cache_dir: Path | None = None, identity: str | None = None) -> str:
+    """Everything that changes the meaning of a block's bytes: the model's identity (model_identity, unless
+    given), dtype, block size, layout, and the weights' quantization (quantized weights compute other keys
+    and values). Two engines share cold, remote and snapshot entries only when their fingerprints match."""
+    identity = identity or model_identity(model_dir, quant, cache_dir)
     weights = "" if quant is None else f"|w={quant.label}"
-    return f"{identity.hexdigest()}|{dtype}|bs={block_size}|{KV_LAYOUT}{weights}"
+    return f"{identity}|{dtype}|bs={block_size}|{KV_LAYOUT}{weights}"
 
 
 def quant_settings(cfg: EngineConfig, model_dir: Path) -> QuantSettings | None:
@@ -372,6 +387,10 @@ def _start_ranks(cfg: EngineConfig, spec: ModelSpec, model_dir: Path, device: to
 def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_dir: Path, model_dir: Path,
            spec: ModelSpec, limit: int, tokenizer: Tokenizer, tp: TPGroup) -> EngineParts:
     quant = quant_settings(cfg, model_dir)
+    # the weights' digest (read once per checkpoint) on a thread of its own while the weights load
+    digesting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-digest")
+    identity = digesting.submit(model_identity, model_dir, quant, cache_dir)
+    digesting.shutdown(wait=False)
     compiled = compile_wanted(cfg.compile_decode, device) and tp.world == 1
     model = ops = memory = error = None
     try:
@@ -395,7 +414,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     kv_cache = make_kv_cache(tp.shard.local_spec(spec), cfg.block_size, num_blocks, extent, dtype, device)
     factory = RequestFactory(tokenizer, spec, cfg, limit, eos_token_ids(spec, model_dir, tokenizer.eos_token_id),
                              num_blocks, num_far)
-    fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size, quant)
+    fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size, quant, identity=identity.result())
     tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None, tp=tp)
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
     index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -66,19 +65,6 @@ def weight_files(model_dir: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {model_dir} (pickled .bin checkpoints are not loaded)")
     return files
-
-
-def fingerprint_weights(files: list[Path]) -> str:
-    """A cheap identity of the weights: sizes plus the first and last MiB of every shard."""
-    h = hashlib.sha256()
-    for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(size - (1 << 20), 0))
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()
 
 
 def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,

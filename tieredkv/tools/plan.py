@@ -204,7 +204,7 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
                              max_model_len(spec, max_len), staged)
         hot = max(pool, 0) // per_block
     block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
-    fingerprint = model_fingerprint(model_dir, torch_dtype, block_size, quant)
+    fingerprint = model_fingerprint(model_dir, torch_dtype, block_size, quant, identity="0" * 64)  # (its length)
     entry = disk_cost(ColdFormat.entry_bytes(block_shape, torch_dtype, fingerprint, block_size))
     prompt_blocks = max(shared_prompt_len // block_size, 1)
     tiers = {"hot": hot, "warm": warm, "cold": cold_bytes // entry}
