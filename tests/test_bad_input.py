@@ -140,7 +140,7 @@ def _copy_with_config(llama_dir, tmp_path, name, **changes):
 
 
 @pytest.mark.parametrize("changes, error, match", [
-    ({"num_hidden_layers": 10**6}, CheckpointError, "num_hidden_layers=1000000 but the weights have 3 layers"),
+    ({"num_hidden_layers": 10**6}, CheckpointError, "num_hidden_layers=1000000; the weights: 3 layers"),
     ({"num_attention_heads": 0}, UnsupportedModelError, "num_heads must be a positive integer"),
     ({"hidden_size": 4096}, CheckpointError, "has shape"),
     ({"vocab_size": 10**7}, CheckpointError, "vocab_size"),

@@ -9,7 +9,7 @@ import re
 import stat
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from tieredkv.errors import CheckpointError, UnsupportedModelError
 
@@ -50,9 +50,27 @@ def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> dict:
     return value
 
 
+class TensorInfo(NamedTuple):
+    """One tensor as a checkpoint's file declares it: the file's name, the stored type (safetensors' "F32",
+    "BF16", ...; GGUF's "Q4_1", ...) and the shape, rows first."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+# the floating-point types a safetensors checkpoint of this engine's architectures may store its weights in
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Name (without a leading "model.") -> shape of every tensor, from the files' headers only."""
-    shapes: dict[str, tuple[int, ...]] = {}
+    return {name: info.shape for name, info in tensor_headers(files).items()}
+
+
+def tensor_headers(files: list[Path]) -> dict[str, TensorInfo]:
+    """Name (without a leading "model.") -> file, stored type and shape of every tensor, from the headers only."""
+    infos: dict[str, TensorInfo] = {}
     for f in files:
         size = f.stat().st_size
         with open(f, "rb") as fh:
@@ -64,15 +82,63 @@ def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
                 header = json.loads(fh.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise CheckpointError(f"cannot read {f.name} (truncated or corrupt safetensors file)") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"cannot read {f.name} (truncated or corrupt safetensors file)")
         for name, info in header.items():
-            if name != "__metadata__":
-                shapes[name.removeprefix("model.")] = tuple(info.get("shape", ()))
-    return shapes
+            if name == "__metadata__":
+                continue
+            if not isinstance(info, dict) or not isinstance(info.get("shape", ()), list):
+                raise CheckpointError(f"{f.name}: the header's entry for tensor {name!r} is not a tensor's")
+            infos[name.removeprefix("model.")] = TensorInfo(f.name, str(info.get("dtype")),
+                                                            tuple(info.get("shape", ())))
+    return infos
 
 
-def check_spec_against_weights(spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> None:
-    """config.json's sizes must be what the weights have: a wrong or hostile config is caught here, before
-    a model of its size is built."""
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor the architecture reads (names without "model."), with its shape: q/k/v and gate/up both
+    as pieces and fused (Phi-3 stores them fused), biases where config.json asks for them."""
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    out = {"embed_tokens.weight": (spec.vocab_size, h), "lm_head.weight": (spec.vocab_size, h), "norm.weight": (h,)}
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.qkv_proj.weight": (q + 2 * kv, h),
+                 "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (inter, h),
+                 "mlp.up_proj.weight": (inter, h), "mlp.gate_up_proj.weight": (2 * inter, h),
+                 "mlp.down_proj.weight": (h, inter)}
+        if spec.attention_bias:
+            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,), "self_attn.qkv_proj.bias": (q + 2 * kv,)})
+        if spec.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        out.update({p + name: shape for name, shape in layer.items()})
+    return out
+
+
+def check_tensors(spec: ModelSpec, infos: dict[str, TensorInfo],
+                  dtypes: tuple[str, ...] | None = FLOAT_DTYPES) -> None:
+    """Each tensor the architecture reads is stored in one of `dtypes` (None: any) with the shape config.json implies:
+    a CheckpointError naming the file and the tensor otherwise (a tensor it does not read is the loader's
+    to refuse, by name)."""
+    expected = expected_shapes(spec)
+    for name, info in infos.items():
+        want = expected.get(name)
+        if want is None:
+            continue
+        if dtypes is not None and info.dtype not in dtypes:
+            raise CheckpointError(f"{info.file}: tensor {name!r} is stored as {info.dtype}; this architecture reads "
+                                  f"it as one of {', '.join(dtypes)}")
+        if tuple(info.shape) != want:
+            raise CheckpointError(f"{info.file}: tensor {name!r} has shape {tuple(info.shape)}, but config.json "
+                                  f"implies {want}")
+
+
+def check_spec_against_weights(spec: ModelSpec, shapes: dict[str, tuple[int, ...]],
+                               source: str = "the weights") -> None:
+    """config.json's sizes must be what the weights (`source`, for messages) have: a wrong or hostile config
+    is caught here, before a model of its size is built."""
     def expect(name: str, shape: tuple[int, ...], fields: str) -> None:
         got = shapes.get(name)
         if got is not None and tuple(got) != shape:
@@ -81,7 +147,7 @@ def check_spec_against_weights(spec: ModelSpec, shapes: dict[str, tuple[int, ...
     layers = {int(m.group(1)) for name in shapes for m in [_LAYER.search(name)] if m}
     if layers != set(range(spec.num_layers)):
         found = f"{len(layers)} layers" if layers else "no layers"
-        raise CheckpointError(f"config.json says num_hidden_layers={spec.num_layers} but the weights have {found}")
+        raise CheckpointError(f"config.json says num_hidden_layers={spec.num_layers}; {source}: {found}")
     h, d = spec.hidden_size, spec.head_dim
     expect("embed_tokens.weight", (spec.vocab_size, h), "vocab_size, hidden_size")
     expect("layers.0.self_attn.q_proj.weight", (spec.num_heads * d, h), "num_attention_heads, head_dim")

