@@ -212,3 +212,28 @@ def test_sigkill_at_random_moments_never_leaves_a_wrong_block(tmp_path):
                 present += 1
     assert present >= 20 * 50 and tier.stats().failures == 0
     tier.close_sync()
+
+
+def test_one_put_larger_than_the_maps_margin_is_written_in_parts(tmp_path, monkeypatch):
+    """A full store (used bytes at the budget) and one put of more blocks than the map's margin over the
+    budget: LMDB reuses the pages that evictions free only after their transaction commits, so the put goes
+    in several transactions instead of being dropped as "full at its size limit"."""
+    from tieredkv.tiers import cold
+
+    monkeypatch.setattr(cold, "_MIN_MAP", 1 << 20)  # the margin a budget of 8 MiB gets: 2 MiB
+    shape = (2, 2, 16, 4, 64)  # 64 KiB a block
+    tier = ColdTier(tmp_path, 8 << 20, FINGERPRINT, shape, torch.float32)
+
+    def blocks(ids):
+        return torch.stack([torch.full(shape, float(i)) for i in ids])
+
+    for start in range(0, 160, 16):
+        ids = range(start, start + 16)
+        assert tier.put_sync([key(i) for i in ids], blocks(ids)) == 16
+    assert tier.stats().used_bytes > (8 << 20) - 2 * tier.cost(64 << 10)
+    ids = range(1000, 1064)  # 4 MiB in one operation
+    assert tier.put_sync([key(i) for i in ids], blocks(ids)) == 64
+    assert tier.stats().failures == 0 and tier.stats().used_bytes <= 8 << 20
+    assert torch.equal(tier.get_sync([key(1063)])[0], blocks([1063])[0])
+    assert (tmp_path / "data.mdb").stat().st_size <= tier.map_limit
+    tier.close_sync()

@@ -234,7 +234,8 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
 
     def _apply(self, batch: list) -> list[int]:
         """Runs the batch in one write transaction. When the map is full: grow it up to map_limit, then
-        write the batch in halves (pages freed by one committed transaction serve the next)."""
+        write the batch in halves, down to halves of one operation's entries (pages that a transaction's
+        evictions free serve only the transactions after it commits)."""
         while True:
             try:
                 with self.handle.transaction(write=True) as txn:
@@ -249,6 +250,11 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
                 elif len(batch) > 1:
                     half = len(batch) // 2
                     return self._apply(batch[:half]) + self._apply(batch[half:])
+                elif isinstance(batch[0][1], list) and len(batch[0][1]) > 1:  # one operation on many entries
+                    kind, items, _ = batch[0]
+                    half = len(items) // 2
+                    parts = [self._apply([(kind, part, None)])[0] for part in (items[:half], items[half:])]
+                    return [sum(parts)]
                 else:
                     log.warning("cold tier: the store is full at its size limit; an operation was dropped")
                     self.count(failures=1)
