@@ -104,6 +104,19 @@ def raise_in_stop_rules(monkeypatch):
     monkeypatch.setattr(Sequence, "append", append)
 
 
+def raise_in_caching(monkeypatch, kv, at_call: int):
+    """A fault in what every request shares: the KV manager's caching of full blocks, at its Nth call."""
+    real, calls = kv.cache_full_blocks, [0]
+
+    def cache_full_blocks(seq):
+        calls[0] += 1
+        if calls[0] == at_call:
+            raise KeyError("injected: the block pool's books")
+        return real(seq)
+
+    monkeypatch.setattr(kv, "cache_full_blocks", cache_full_blocks)
+
+
 STAGES = {
     "sampling": (raise_in_sampling, dict(temperature=0.7), "sampling", "injected: sampling"),
     "logits processors": (raise_in_processors, dict(repetition_penalty=1.1), "sampling", "injected: processors"),
@@ -138,16 +151,7 @@ async def test_a_fault_in_one_requests_stage_fails_that_request_alone(engine, ex
 
 async def test_a_fault_in_the_shared_step_ends_every_stream_with_a_step_error(engine, monkeypatch):
     """Not the forward (fail_step covers that) but what every request shares: here, caching full blocks."""
-    kv = engine.core.kv
-    real, calls = kv.cache_full_blocks, {"n": 0}
-
-    def cache_full_blocks(seq):
-        calls["n"] += 1
-        if calls["n"] == 40:
-            raise KeyError("injected: the block pool's books")
-        return real(seq)
-
-    monkeypatch.setattr(kv, "cache_full_blocks", cache_full_blocks)
+    raise_in_caching(monkeypatch, engine.core.kv, at_call=40)
     results = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=40, ignore_eos=True))
                                      for p in PROMPTS], return_exceptions=True)
     assert all(isinstance(r, StepError) and "injected" in str(r) for r in results), results
@@ -227,16 +231,7 @@ def test_over_http_a_failing_request_gets_an_error_event_and_bystanders_finish(s
 
 
 def test_over_http_a_failed_shared_step_ends_every_stream_with_an_error_event(server, monkeypatch):
-    kv = server.engine.core.kv
-    real, calls = kv.cache_full_blocks, {"n": 0}
-
-    def cache_full_blocks(seq):
-        calls["n"] += 1
-        if calls["n"] == 60:
-            raise KeyError("injected: the block pool's books")
-        return real(seq)
-
-    monkeypatch.setattr(kv, "cache_full_blocks", cache_full_blocks)
+    raise_in_caching(monkeypatch, server.engine.core.kv, at_call=60)
     bodies = {str(i): {"model": "tiny", "prompt": p, "max_tokens": 60, "ignore_eos": True}
               for i, p in enumerate(PROMPTS)}
     got = run_streams(server, bodies)
