@@ -12,6 +12,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 ENV_PREFIX = "TIEREDKV_"  # EngineConfig.from_env: TIEREDKV_<FIELD> (the command line only)
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
 MAX_BEAM_WIDTH = 64
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # int4 weights' groups (kernels/quant.py): inputs sharing a scale
 MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: transformers' users pick 0.5-2; 10 already ranks by length alone
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: logits / T would overflow long before it mattered
 
@@ -162,8 +163,6 @@ class EngineConfig(BaseModel):
     @field_validator("quantization_group_size")
     @classmethod
     def _check_group(cls, v: int) -> int:
-        from tieredkv.kernels.quant import INT4_GROUP_SIZES
-
         if v not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {v}")
         return v

@@ -37,7 +37,7 @@ from tieredkv.runner.malloc_tuning import (anonymous_memory, collapse_into_huge_
                                            release_free_memory, tune_glibc_malloc)
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.telemetry import Telemetry
-from tieredkv.models.checks import check_regular_files, read_json
+from tieredkv.models.files import check_regular_files, read_json
 from tieredkv.models.gguf_convert import default_gguf_path, default_model_dir
 from tieredkv.models.digest import weights_digest
 from tieredkv.models.loader import weight_files

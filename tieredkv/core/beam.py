@@ -16,15 +16,27 @@ than once forks (its blocks shared by reference), one chosen never is freed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from tieredkv.config import SamplingParams
 
 if TYPE_CHECKING:
-    from tieredkv.core.sequence import Sequence
     from tieredkv.models.detokenizer import IncrementalDetokenizer
+
+
+class Beam(Protocol):
+    """What a search reads of a running beam (core/sequence.py's Sequence is one)."""
+
+    beam_logprob: float
+    detokenizer: "IncrementalDetokenizer"
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
 
 @dataclass
@@ -43,7 +55,7 @@ class Survivor:
     """A running beam of the next step: `parent` extended by `token`. `detokenizer` is the parent's with the
     token added, when looking for stop strings needed it (else the caller adds the token)."""
 
-    parent: "Sequence"
+    parent: Beam
     token: int
     cum_logprob: float
     detokenizer: "IncrementalDetokenizer | None" = None
@@ -72,7 +84,7 @@ class BeamSearch:
         self.done = False
         self.steps = 0
 
-    def step(self, beams: list["Sequence"], rows: torch.Tensor) -> list[Survivor]:
+    def step(self, beams: list[Beam], rows: torch.Tensor) -> list[Survivor]:
         """rows [len(beams), V] processed log-probabilities -> the next running beams (best first); sets
         `done` when the search ends (the survivors are then of no use)."""
         self.started, self.steps = True, self.steps + 1
@@ -96,7 +108,7 @@ class BeamSearch:
             self.params.early_stopping is True and len(self.finished) == self.width)
         return survivors
 
-    def _ends(self, parent: "Sequence", token: int, length: int) -> tuple[str | None, "IncrementalDetokenizer | None"]:
+    def _ends(self, parent: Beam, token: int, length: int) -> tuple[str | None, "IncrementalDetokenizer | None"]:
         """Why parent + token would end ("stop", "length") or None; with stop strings, the detokenizer that
         saw the token."""
         detok = None
@@ -108,7 +120,7 @@ class BeamSearch:
                 return "stop", detok
         return ("length" if length >= self.max_new else None), detok
 
-    def _offer(self, parent: "Sequence", token: int, cum: float, length: int, reason: str,
+    def _offer(self, parent: Beam, token: int, cum: float, length: int, reason: str,
                detok: "IncrementalDetokenizer | None") -> None:
         """A finished candidate joins the k best hypotheses when it scores above the worst of them."""
         score = penalized(cum, length, self.params.length_penalty)
@@ -130,7 +142,7 @@ class BeamSearch:
         horizon = self.max_new if self.params.early_stopping == "never" and lp > 0 else length
         return penalized(best_running, horizon, lp) > self.finished[-1].score
 
-    def results(self, beams: list["Sequence"], running_reason: str) -> list[Hypothesis]:
+    def results(self, beams: list[Beam], running_reason: str) -> list[Hypothesis]:
         """The n best hypotheses, best first; when fewer finished (an aborted search), the running beams
         make up the rest, ended with `running_reason`."""
         n = self.params.n

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tieredkv.config import INT4_GROUP_SIZES
 from tieredkv.errors import CheckpointError
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)
 GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
 # (q4 on a build with 512-bit blocks: 32, kernel_rows)
 # what load_gguf_tensor reads: every type llama-quantize's standard presets write (Q2_K ... Q8_0, IQ4_NL)

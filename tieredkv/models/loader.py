@@ -14,7 +14,8 @@ from tqdm.auto import tqdm
 from tieredkv.errors import CheckpointError, UnsupportedModelError
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight, cat_rows, quantize_int4, quantize_int8
 from tieredkv.models.gguf_convert import gguf_tensors, read_gguf_weights
-from tieredkv.models.checks import check_spec_against_weights, check_tensors, read_json, tensor_headers
+from tieredkv.models.checks import check_spec_against_weights, check_tensors, tensor_headers
+from tieredkv.models.files import read_json
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
 from tieredkv.models.spec import ModelSpec
 from tieredkv.parallel.group import TPGroup

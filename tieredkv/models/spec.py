@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tieredkv.errors import UnsupportedModelError
-from tieredkv.models.checks import read_json
+from tieredkv.models.files import read_json
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
