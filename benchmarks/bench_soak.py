@@ -9,9 +9,11 @@ prompts evict, so blocks go down to warm and cold all along) and a warm tier of 
 fills within the first minutes: what grows after that is not a tier filling up to its budget. Eight clients cycle through one mix, each
 starting at another place in it: chat turns on a shared 1,000-token system prompt, long documents of their
 own (~1,500 tokens), n=4 samples, beam search, json_schema, logprobs, streams the client drops after five
-chunks, and refused requests. The server's VmRSS (from /proc) is read every 5 s. The report: requests by
-kind and outcome, RSS at the start, after the first and second halves, its least-squares slope over the
-second half (MiB per minute), its peak, and RSS after the idle minutes; with --out, every sample as JSON.
+chunks, and refused requests. The server's resident memory (from /proc) is read every 5 s, anonymous (heap,
+tensors, the hot pool and warm tier) and file-backed (the cold tier's LMDB pages, which the kernel may drop)
+apart, its cold tier capped at 1 GiB (--cold-mib). The report, for each: at the start, after the first half,
+at the end of the load, its least-squares slope over the second half (MiB per minute), its peak, and after the
+idle minutes; requests by kind and outcome; with --out, every sample as JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -46,11 +49,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(anonymous, file-backed) resident MiB: the heap, tensors and tiers in memory; the cold tier's LMDB pages."""
+    fields = {}
     for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) / 1024
+    return round(fields["RssAnon"], 1), round(fields["RssFile"], 1)
 
 
 def document(rng: random.Random, words: int) -> str:
@@ -110,7 +116,7 @@ async def client(i: int, url: str, deadline: float, outcomes: Counter) -> None:
 
 async def sampler(pid: int, t0: float, samples: list, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        samples.append((round(time.monotonic() - t0, 1), round(rss_mib(pid), 1)))
+        samples.append((round(time.monotonic() - t0, 1), *rss_mib(pid)))
         try:
             await asyncio.wait_for(stop.wait(), 5)
         except asyncio.TimeoutError:
@@ -118,15 +124,24 @@ async def sampler(pid: int, t0: float, samples: list, stop: asyncio.Event) -> No
 
 
 def slope(points: list[tuple[float, float]]) -> float:
-    """Least squares, MiB per minute."""
+    """Least squares, MiB per minute, over (seconds, MiB) points."""
     n = len(points)
     mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
     sxx = sum((p[0] - mx) ** 2 for p in points)
     return 60 * sum((p[0] - mx) * (p[1] - my) for p in points) / sxx if sxx else 0.0
 
 
-def at(samples, t: float) -> float:
-    return min(samples, key=lambda s: abs(s[0] - t))[1]
+def at(samples, t: float, column: int) -> float:
+    return min(samples, key=lambda s: abs(s[0] - t))[column]
+
+
+def summary(samples, loaded_until: float, column: int, idle_minutes: float) -> dict:
+    loaded = [s for s in samples if s[0] <= loaded_until]
+    second_half = [(s[0], s[column]) for s in loaded if s[0] >= loaded_until / 2]
+    return {"start": loaded[0][column], "first_half_end": at(loaded, loaded_until / 2, column),
+            "load_end": loaded[-1][column], "peak": max(s[column] for s in loaded),
+            "second_half_slope_mib_per_min": round(slope(second_half), 2),
+            f"after_{idle_minutes:g}_idle_min": samples[-1][column]}
 
 
 async def main(args) -> dict:
@@ -135,7 +150,7 @@ async def main(args) -> dict:
     env = {**os.environ, "XDG_CONFIG_HOME": str(folder / "config")}
     server = subprocess.Popen([sys.executable, "-m", "tieredkv", "serve", "--port", str(port), "--cold-path",
                                str(folder / "cold"), "--num-blocks", str(args.num_blocks),
-                               "--warm-bytes", str(args.warm_mib << 20)],
+                               "--warm-bytes", str(args.warm_mib << 20), "--cold-bytes", str(args.cold_mib << 20)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in server.stdout:
         if "serving" in line:
@@ -158,22 +173,19 @@ async def main(args) -> dict:
     server.terminate()
     server.wait(60)
     await drain
-    loaded = [s for s in samples if s[0] <= loaded_until]
-    second_half = [s for s in loaded if s[0] >= loaded_until / 2]
+    shutil.rmtree(folder, ignore_errors=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     report = {
         "machine": f"{cpu}, {os.cpu_count()} cores", "minutes_of_load": round(loaded_until / 60, 1),
-        "clients": args.clients, "num_blocks": args.num_blocks, "warm_mib": args.warm_mib,
+        "clients": args.clients, "num_blocks": args.num_blocks, "warm_mib": args.warm_mib, "cold_mib": args.cold_mib,
         "requests": sum(outcomes.values()),
         "outcomes": {f"{k} / {o}": n for (k, o), n in sorted(outcomes.items())},
-        "rss_mib": {"start": loaded[0][1], "first_half_end": at(loaded, loaded_until / 2),
-                    "load_end": loaded[-1][1], "peak": max(s[1] for s in loaded),
-                    "second_half_slope_mib_per_min": round(slope(second_half), 2),
-                    f"after_{args.idle_minutes:g}_idle_min": samples[-1][1]},
+        "rss_anon_mib": summary(samples, loaded_until, 1, args.idle_minutes),
+        "rss_file_mib": summary(samples, loaded_until, 2, args.idle_minutes),
     }
     if args.out:
-        Path(args.out).write_text(json.dumps({**report, "samples_s_mib": samples}, indent=1))
+        Path(args.out).write_text(json.dumps({**report, "samples_s_anon_file_mib": samples}, indent=1))
     return report
 
 
@@ -185,5 +197,7 @@ if __name__ == "__main__":
     ap.add_argument("--num-blocks", type=int, default=512)
     ap.add_argument("--warm-mib", type=int, default=256, help="the warm tier's budget: full within minutes, so "
                     "that what grows after it is not the tier filling")
+    ap.add_argument("--cold-mib", type=int, default=1024, help="the cold tier's disk budget (its pages the process "
+                    "maps count as file-backed resident memory)")
     ap.add_argument("--out", default=None)
     print(json.dumps(asyncio.run(main(ap.parse_args())), indent=1))
