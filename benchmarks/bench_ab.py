@@ -26,7 +26,10 @@ WORKER = r"""
 import json, random, sys, time
 sys.path.insert(0, sys.argv[1])
 from tieredkv.config import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
+try:
+    from tieredkv.engine.engine_core import EngineCore
+except ImportError:  # a tree from before the layer folders
+    from tieredkv.engine_core import EngineCore
 
 def run(core, prompts, max_tokens):
     reqs = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}")

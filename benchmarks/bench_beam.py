@@ -23,8 +23,8 @@ import torch
 
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.core.kv_manager import cdiv
-from tieredkv.engine_core import EngineCore
-from tieredkv.runner.cpu_features import cpu_info
+from tieredkv.engine.engine_core import EngineCore
+from tieredkv.platform.cpu_features import cpu_info
 
 CHATS = ["Explain in two sentences why the sky is blue.", "Write a short poem about a lighthouse.",
          "Give three tips for learning a new language.", "What is a prime number? Answer briefly."]

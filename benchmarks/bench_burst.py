@@ -27,7 +27,7 @@ import time
 import torch
 
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
-from tieredkv.runner.cpu_features import cpu_info
+from tieredkv.platform.cpu_features import cpu_info
 
 NEW_TOKENS, BS = 32, 16
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import hf_decode_ms, load_hf, make_requests  # noqa: E402
@@ -52,7 +52,7 @@ KV_BYTES = 96 << 20
 STARTUP = """
 import json, sys, time
 t0 = time.perf_counter()
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 from tieredkv.config import EngineConfig
 core = EngineCore(EngineConfig(
     compile_in_background=False, kv_cache_bytes={kv}, warm_bytes=0, compile_decode={compiled}))
@@ -180,7 +180,7 @@ QUANTIZED = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
 
 
 def main(args) -> dict:
-    from tieredkv.runner.cpu_features import cpu_info
+    from tieredkv.platform.cpu_features import cpu_info
 
     results: dict = {"machine": cpu_info().describe(torch.get_num_threads())}
     print(f"machine: {results['machine']}", flush=True)

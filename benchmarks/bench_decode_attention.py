@@ -28,7 +28,7 @@ from bench_decode import context_engine, decode_ms, run  # noqa: E402
 from bench_engine import make_requests  # noqa: E402
 
 from tieredkv.kernels import decode_attention  # noqa: E402
-from tieredkv.runner.cpu_features import cpu_info  # noqa: E402
+from tieredkv.platform.cpu_features import cpu_info  # noqa: E402
 
 CONTEXTS = (128, 1024, 4000)
 

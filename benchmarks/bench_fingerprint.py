@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tieredkv.engine_setup import resolve_model_dir  # noqa: E402
+from tieredkv.engine.resolve import resolve_model_dir  # noqa: E402
 from tieredkv.models.digest import weights_digest  # noqa: E402
 from tieredkv.models.loader import weight_files  # noqa: E402
 

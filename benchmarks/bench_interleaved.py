@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import context_engine, decode_ms, llama_bench  # noqa: E402
 
-from tieredkv.runner.cpu_features import cpu_info  # noqa: E402
+from tieredkv.platform.cpu_features import cpu_info  # noqa: E402
 
 VARIANTS = {"fp32": {}, "int4": {"quantization": "int4"}, "Q4_1 (gguf)": {"quantization": "gguf"}}
 

@@ -28,7 +28,7 @@ import statistics
 import time
 
 from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 
 QUESTIONS = ["Which city hosts the most projects?", "Summarise the budget of project 12.",
              "Who leads project 40?", "List three projects that started before 2001.",

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
-from tieredkv.runner.cpu_features import cpu_info
+from tieredkv.engine.engine_core import EngineCore
+from tieredkv.platform.cpu_features import cpu_info
 
 CHUNK = 512
 VARIANTS = {
@@ -130,7 +130,7 @@ def gguf_model_dir(gguf: Path, model_dir: Path, root: Path) -> Path:
 
 
 def main(args) -> dict:
-    from tieredkv.engine_setup import resolve_model_dir
+    from tieredkv.engine.resolve import resolve_model_dir
 
     results: dict = {"machine": cpu_info().describe(torch.get_num_threads()), "variants": {}}
     print(f"machine: {results['machine']}", flush=True)

@@ -88,7 +88,7 @@ def wait_written(client: valkey.Valkey, settle: float = 0.5, limit: float = 60.0
 async def main(args) -> None:
     import torch
 
-    from tieredkv.runner.cpu_features import cpu_info
+    from tieredkv.platform.cpu_features import cpu_info
 
     machine = cpu_info().describe(torch.get_num_threads())
     folder = Path(tempfile.mkdtemp(prefix="tieredkv-bench-remote-"))

@@ -20,8 +20,8 @@ import sys
 import time
 
 from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
-from tieredkv.runner.cpu_features import cpu_info
+from tieredkv.engine.engine_core import EngineCore
+from tieredkv.platform.cpu_features import cpu_info
 
 
 def run(core: EngineCore, prompts: list[list[int]], new: int) -> tuple[float, int]:

@@ -58,7 +58,7 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[float, int]:
 
 
 async def main(args) -> int:
-    from tieredkv.engine_setup import resolve_model_dir
+    from tieredkv.engine.resolve import resolve_model_dir
     from tieredkv.models.tokenizer import Tokenizer
 
     if not torch.cuda.is_available():

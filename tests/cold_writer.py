@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from tieredkv.core.hashing import hash_block, root_hash
+from tieredkv.hashing import hash_block, root_hash
 from tieredkv.tiers.base import BlockKey
 from tieredkv.tiers.cold import ColdTier
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import make_checkpoint  # noqa: E402
 from tieredkv.config import EngineConfig  # noqa: E402
 from tieredkv.kernels.quant_cpu import NATIVE  # noqa: E402
-from tieredkv.runner.cpu_features import cpu_info  # noqa: E402
+from tieredkv.platform.cpu_features import cpu_info  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines here run the eager forward unless a test asks for the compiled decode path (compile_decode=True,
@@ -55,16 +55,16 @@ def kernel_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=list(CPU_KERNEL_BUILDS))
 def lib(request, kernel_cache):
     """One build of the CPU kernels serving the module's tests (kernels/quant.py's ops and the C++ operators)."""
-    from tieredkv.kernels import quant
+    from tieredkv.kernels.quant_cpu import CPU
     from tieredkv.kernels.quant_cpu import library_path, load
 
     built = load(kernel_cache, CPU_KERNEL_BUILDS[request.param])
     assert built is not None and library_path(kernel_cache, CPU_KERNEL_BUILDS[request.param]).exists()
-    before = quant._LIB
-    quant.serve_with(built, kernel_cache)  # the C++ operators run this build's kernels too
-    assert quant.cpu_operators_bound()
+    before = CPU.lib
+    CPU.serve_with(built, kernel_cache)  # the C++ operators run this build's kernels too
+    assert CPU.operators_bound
     yield request.param
-    quant.serve_with(before, kernel_cache)
+    CPU.serve_with(before, kernel_cache)
 
 
 @pytest.fixture(scope="session")

@@ -145,9 +145,9 @@ def test_where_the_kernel_does_not_serve_torch_does(lib, monkeypatch):
     assert not paged_decode_usable(q, kc.transpose(1, 2))  # not contiguous
     wide = torch.randn(2, 66, 2, 32)
     assert not paged_decode_usable(torch.randn(2, 66, 32), wide[:, :, :1].contiguous())  # 66 heads a KV head
-    from tieredkv.kernels import quant
+    from tieredkv.kernels.quant_cpu import CPU
 
-    monkeypatch.setattr(quant, "_BOUND", None)  # the operators not built (no C++ compiler)
+    monkeypatch.setattr(CPU, "bound", None)  # the operators not built (no C++ compiler)
     assert not paged_decode_usable(q, kc)
     torch.testing.assert_close(decode_attention_cpu(q, kc, vc, tables, ctx, 0.2),
                                expected(q, kc, vc, tables, ctx, 0.2), rtol=2e-5, atol=2e-6)
@@ -186,7 +186,7 @@ def test_the_engine_batch_through_the_kernel_is_transformers_greedy(llama_dir, h
     decode steps of 5 rows, two sharing a prefix as a cascade, the others through the kernel: every token is
     transformers'."""
     from tieredkv import EngineConfig
-    from tieredkv.engine_core import EngineCore
+    from tieredkv.engine.engine_core import EngineCore
     from tieredkv.kernels import decode_attention as da
 
     cascades, real = [], da.plan_cascades

@@ -12,7 +12,7 @@ import torch
 from helpers import check_pool_clean, check_pool_consistent
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
 from tieredkv.core.kv_manager import cdiv
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 
 MAX_NEW = 16
 VARIANTS = [{}, {"length_penalty": -1.0}, {"length_penalty": 2.0, "early_stopping": "never"},

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tieredkv.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from tieredkv.core.hashing import BlockHash, encode_token_ids, hash_block, root_hash
+from tieredkv.tiers.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from tieredkv.hashing import BlockHash, encode_token_ids, hash_block, root_hash
 
 
 def test_free_queue_o1_operations_keep_order():
@@ -58,7 +58,7 @@ def test_hashes_do_not_depend_on_the_process(tmp_path):
     import sys
 
     # hashing.py loaded by its path: it needs nothing of the package, so the interpreters start in a blink
-    import tieredkv.core.hashing as hashing
+    import tieredkv.hashing as hashing
 
     code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('h', sys.argv[1]); "
             "h = importlib.util.module_from_spec(spec); spec.loader.exec_module(h); "

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import check_pool_clean
 from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 
 BS = 16
 

@@ -10,7 +10,7 @@ import torch
 from helpers import check_pool_clean, hf_greedy, run_to_end
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.runner.compiled_decode import compile_wanted
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.decode_attention import decode_attention_dense, decode_attention_ref
 from tieredkv.kernels.store_kv import store_kv_dense, store_kv_ref
 
@@ -241,7 +241,7 @@ def test_a_stack_in_several_runs_shares_one_graph(llama_dir, monkeypatch):
 START = """
 import json, sys
 from tieredkv.config import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 
 core = EngineCore(EngineConfig(model=sys.argv[1], cache_dir=sys.argv[2], num_blocks=32, compile_decode=True))
 

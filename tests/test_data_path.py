@@ -4,9 +4,9 @@ and the tier manager carries them out (a fake forward writes the blocks)."""
 import pytest
 import torch
 
-from tieredkv.core.block_pool import BlockPool
+from tieredkv.tiers.block_pool import BlockPool
 from tieredkv.config import SamplingParams
-from tieredkv.core.hashing import root_hash
+from tieredkv.hashing import root_hash
 from tieredkv.kernels.dispatch import TORCH_OPS
 from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.scheduler import Scheduler

@@ -136,7 +136,7 @@ async def test_two_tensor_parallel_ranks_match_one_and_transformers(engine, hf):
     memory over the load (rank 1's process is a fresh one; rank 0's is this one, whose freed heap the load
     may reuse)."""
     from helpers import run_to_end
-    from tieredkv.engine_core import EngineCore
+    from tieredkv.engine.engine_core import EngineCore
 
     tok, new = engine.tokenizer, 5
     system = "You are a patient assistant who answers questions about rivers, mountains and cities. " * 3

@@ -17,8 +17,8 @@ from test_serve_hardening import ThreadServer
 from tieredkv import AsyncEngine, EngineConfig, SamplingError, SamplingParams, StepError
 from tieredkv.core import beam
 from tieredkv.core.sequence import Sequence
-from tieredkv.lifecycle import Lifecycle
-from tieredkv.runner import sampler
+from tieredkv.engine.lifecycle import Lifecycle
+from tieredkv.engine import sampler
 
 MARK = 424242  # the seed that marks the request a fault is injected into (greedy rows never read it)
 PROMPTS = [list(range(3, 40)), list(range(50, 71)), list(range(90, 130))]
@@ -53,7 +53,7 @@ def raise_in_sampling(monkeypatch):
             raise RuntimeError("injected: sampling")
         return real(logits, rows, generators)
 
-    monkeypatch.setattr("tieredkv.lifecycle.sample", sample)
+    monkeypatch.setattr("tieredkv.engine.lifecycle.sample", sample)
 
 
 def raise_in_processors(monkeypatch):
@@ -67,7 +67,7 @@ def raise_in_processors(monkeypatch):
         return out
 
     monkeypatch.setattr(sampler, "apply_processors", apply)
-    monkeypatch.setattr("tieredkv.lifecycle.apply_processors", apply)
+    monkeypatch.setattr("tieredkv.engine.lifecycle.apply_processors", apply)
 
 
 def raise_in_grammar(monkeypatch):

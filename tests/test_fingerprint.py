@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import make_checkpoint
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams, SnapshotError
-from tieredkv.engine_setup import model_fingerprint
+from tieredkv.engine.identity import model_fingerprint
 from tieredkv.models import digest
 
 PROMPT = [3 + (i * 37) % 440 for i in range(90)]

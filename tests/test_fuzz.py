@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from helpers import check_pool_clean, check_pool_consistent
 from tieredkv import EngineConfig, RequestError, SamplingParams, TieredKVError
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 
 CLEAR = (RequestError, TypeError, ValidationError)
 extreme_ints = st.one_of(st.integers(-(2**70), 2**70), st.sampled_from([0, 1, -1, 2**63, 2**64 - 1, 2**64]))

@@ -7,8 +7,8 @@ import pytest
 
 from helpers import hf_greedy
 from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
-from tieredkv.engine_setup import resolve_model_dir
+from tieredkv.engine.engine_core import EngineCore
+from tieredkv.engine.resolve import resolve_model_dir
 from tieredkv.errors import ModelNotFoundError, TieredKVError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 
 triton_ops = pytest.importorskip("tieredkv.kernels.triton_ops")
 

@@ -261,7 +261,7 @@ def test_split_choice_fills_the_device_and_skips_the_merge_when_one_split_does()
                                               ((9, 0), torch.bfloat16)])
 def test_auto_dtype_is_float16_below_ampere(capability, want):
     """V100 (7.0) and T4 (7.5) have no native bf16 (it would be emulated); from Ampere (8.0) on, bf16."""
-    from tieredkv.engine_setup import resolve_dtype
+    from tieredkv.engine.resolve import resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cuda"), capability) == want
     assert resolve_dtype("auto", torch.device("cpu"), capability) == torch.float32

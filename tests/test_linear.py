@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from tieredkv import EngineConfig
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 from helpers import hf_greedy, run_to_end
-from tieredkv.runner.malloc_tuning import PAGE, collapse_into_huge_pages, huge_page_stretches
+from tieredkv.platform.malloc_tuning import PAGE, collapse_into_huge_pages, huge_page_stretches
 from tieredkv.kernels import select_kernels
-from tieredkv.kernels import linear
+from tieredkv.kernels import linear, quant_cpu
 from tieredkv.kernels.linear import (
     SWAP_MAX_OUT,
     SWAP_MAX_ROWS,
@@ -111,7 +111,7 @@ def test_a_packed_weights_handle_serves_in_and_out_of_a_compiled_graph():
     g = torch.Generator().manual_seed(3)
     ws = [torch.randn(160, 96, generator=g), torch.randn(40, 160, generator=g)]
     handles = [packed_handle(pack_onednn_weight(w)) for w in ws]
-    assert [linear.handle_outputs(h) for h in handles] == [160, 40]
+    assert [quant_cpu.handle_outputs(h) for h in handles] == [160, 40]
     b = torch.randn(40, generator=g)
 
     def two_layers(x, h1, h2, bias):
@@ -190,7 +190,7 @@ def test_a_packed_buffers_handle_takes_one_row_through_the_cpp_operator(lib, dty
     b = torch.randn(960, generator=g)
     packed = linear.with_row_layout(pack_onednn_weight(w))
     handle = packed_handle(packed)
-    assert handle.dim() == 3 and handle.dtype == dtype and linear.handle_outputs(handle) == 960
+    assert handle.dim() == 3 and handle.dtype == dtype and quant_cpu.handle_outputs(handle) == 960
     assert handle.data_ptr() == torch.ops.mkldnn.data_ptr(packed)
     real = torch.ops.tieredkv.dense_packed.default
     x = torch.randn(1, 576, generator=g).to(dtype)
@@ -281,7 +281,7 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
     path plain where its one-row products read plain weights faster on this processor (the eager forward then
     reads them plain too), else packed, the graph reading them through handles. "packed" keeps a packed copy
     beside the plain weights a plain-reading compiled path reads."""
-    import tieredkv.engine_setup as setup
+    import tieredkv.engine.rank_build as setup
 
     monkeypatch.setattr(setup, "graph_reads_packed", lambda dtype, shapes, cache_dir: graph_packed)
     collapsed = []
@@ -307,7 +307,7 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
         assert not head.is_mkldnn
         assert (graph_ops.linear is dense_by_handle) == (usable and bool(graph_packed))
         if graph_ops.linear is dense_by_handle:
-            assert linear.handle_outputs(head) == model.spec.vocab_size and not head.is_mkldnn
+            assert quant_cpu.handle_outputs(head) == model.spec.vocab_size and not head.is_mkldnn
             prompt = list(range(5, 14))
             assert run_to_end(core, [prompt], [8]) == hf_greedy(llama_dir, [prompt], 8)
             assert core.runner.compiled.steps == 7

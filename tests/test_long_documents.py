@@ -149,7 +149,7 @@ async def test_a_request_beyond_hot_and_warm_is_refused_with_the_numbers(llama_d
 
 def test_pool_consistent_while_offloaded(llama_dir, small):
     """Step by step through two long documents and a fork: reference counts hold in both tiers."""
-    from tieredkv.engine_core import EngineCore
+    from tieredkv.engine.engine_core import EngineCore
 
     core = EngineCore(EngineConfig(model=str(llama_dir), **small))
     for i, prompt in enumerate((DOC_A[:300], DOC_B[:400])):

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import hf_greedy, make_checkpoint, run_to_end
 from tieredkv import EngineConfig
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 
 PROMPTS = [list(range(5, 25)), list(range(5, 21)) + [7, 9, 11], [3, 4, 5, 6]]  # the first block shared
 NEW = 12

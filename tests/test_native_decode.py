@@ -10,8 +10,8 @@ import torch
 
 from helpers import make_checkpoint
 from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
-from tieredkv.kernels import quant
+from tieredkv.engine.engine_core import EngineCore
+from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.runner.native_decode import NativeDecode
 
 # a prompt longer than a block, and one long enough that attention splits its positions across the threads
@@ -86,11 +86,11 @@ def test_native_step_takes_only_what_it_can(llama_dir, caplog):
             assert NativeDecode.make(core.model, core.kv_cache.to(torch.bfloat16)) is None
         assert "native decode step off" in caplog.text and "torch.bfloat16" in caplog.text
         assert NativeDecode.make(plain.model, plain.kv_cache) is None  # nothing quantized
-        assert quant._LIB.tkv_decode_fits(ctypes.byref(step._model)) == 1
+        assert CPU.lib.tkv_decode_fits(ctypes.byref(step._model)) == 1
         for field, value in (("head_dim", 512), ("heads", 3), ("inter", step._model.inter + 16)):
             bad = type(step._model).from_buffer_copy(step._model)  # what the kernels cannot take is refused
             setattr(bad, field, value)
-            assert quant._LIB.tkv_decode_fits(ctypes.byref(bad)) == 0, field
+            assert CPU.lib.tkv_decode_fits(ctypes.byref(bad)) == 0, field
     finally:
         core.close()
         plain.close()

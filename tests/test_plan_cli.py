@@ -46,7 +46,7 @@ def test_plan_arithmetic_by_hand(llama_dir):
 
 def test_plan_and_the_engine_agree_on_cpu(llama_dir):
     """One capacity function: what `plan` says for a CPU deployment is what the engine builds."""
-    from tieredkv.engine_core import EngineCore
+    from tieredkv.engine.engine_core import EngineCore
 
     p = plan(str(llama_dir), device="cpu", cpu_kv_cache_bytes=3 << 20, warm_bytes=2 << 20)
     core = EngineCore(EngineConfig(model=str(llama_dir), cpu_kv_cache_bytes=3 << 20, warm_bytes=2 << 20))
@@ -146,7 +146,7 @@ def test_every_command_has_help(capsys):
 def test_the_cpu_pool_is_sized_from_max_num_seqs_and_max_model_len(llama_dir):
     """Without cpu_kv_cache_bytes the CPU pool holds max_num_seqs sequences of max_model_len tokens (below
     the caps), in the plan and in the engine alike."""
-    from tieredkv.engine_core import EngineCore
+    from tieredkv.engine.engine_core import EngineCore
 
     p = plan(str(llama_dir), device="cpu", max_num_seqs=4, max_len=256, warm_bytes=0)
     core = EngineCore(EngineConfig(model=str(llama_dir), max_num_seqs=4, max_model_len=256, warm_bytes=0))

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from helpers import check_pool_clean, check_pool_consistent
 from tieredkv import EngineConfig, RequestError, SamplingParams
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 
 
 @pytest.fixture(scope="module", params=[(True, True, "auto"), (False, True, "auto"), (True, False, "auto"),

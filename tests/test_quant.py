@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 from helpers import check_pool_clean
 from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 from tieredkv.errors import CheckpointError
 from tieredkv.kernels import quant
+from tieredkv.kernels.quant_cpu import CPU
 
 def weights(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
@@ -122,7 +123,7 @@ def test_without_a_cpp_compiler_the_python_operator_serves_one_row(lib, monkeypa
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         quant_cpu.build_ops(tmp_path)
     qw, x = weights("int4-g32", 8, 64), torch.randn(1, 64)
-    monkeypatch.setattr(quant, "_BOUND", None)
+    monkeypatch.setattr(CPU, "bound", None)
     assert quant._linear_op(x, qw) is torch.ops.tieredkv.quant_linear.default
     check_against_reference(qw, 1)
 
@@ -493,7 +494,7 @@ def test_one_sequence_decode_paths_serve_quantized_weights(llama_dir, monkeypatc
         assert outs[0] == outs[1]
         assert cores[1].stats().decode_path == path and cores[1].runner.compiled.steps == 2 * 11
         if path == "compiled":  # the compile bound the C++ one-row operator before its trace (inductor's compiler)
-            assert quant._BOUND is quant._LIB is not None
+            assert CPU.bound is CPU.lib is not None
     finally:
         for core in cores:
             core.close()
@@ -523,7 +524,7 @@ def test_int8_activations_hold_4bit_weights_in_tiles_where_the_processor_can(lla
             logits.append(captured[1][0][-1].float())  # the first decode step's, after the same prefill token
         assert cores[1].runner.compiled.steps == 1
         assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[0].abs().max()
-        native = bool(quant._LIB.tkv_tiles_native())
+        native = bool(CPU.lib.tkv_tiles_native())
         for core in cores:
             formats = {m.fmt for m in core.model.layers.modules() if isinstance(m, quant.QuantizedWeight)}
             assert formats == ({"q4t"} if native else {"q4"})

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
-from tieredkv.runner.sampler import apply_top_k_top_p
+from tieredkv.engine.sampler import apply_top_k_top_p
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,8 @@ def test_rows_with_a_nan_a_posinf_or_nothing_finite_fail_alone():
     """The bad-row rule (a row's max is not finite) on each kind of bad row, beside rows that are fine,
     including one whose every token but one is -inf."""
     from tieredkv.errors import SamplingError
-    from tieredkv.runner.logits_processors import RowState
-    from tieredkv.runner.sampler import Sampled, sample
+    from tieredkv.engine.logits_processors import RowState
+    from tieredkv.engine.sampler import Sampled, sample
 
     logits = torch.randn(6, 50)
     logits[0, 7] = float("nan")

@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
 
 from helpers import check_pool_clean
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
-from tieredkv.runner.logits_processors import RowState, apply_min_p, apply_processors
+from tieredkv.engine.logits_processors import RowState, apply_min_p, apply_processors
 
 V = 50
 

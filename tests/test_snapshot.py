@@ -94,7 +94,7 @@ async def test_a_damaged_snapshot_header_is_a_snapshot_error(tmp_path, damage):
     import msgpack
     import torch
 
-    from tieredkv.tools.snapshot import MAGIC, read_snapshot
+    from tieredkv.engine.snapshot import MAGIC, read_snapshot
 
     good = msgpack.packb({"fp": "f", "dtype": "torch.float32", "shape": [2, 2]})
     bad_shape = msgpack.packb({"fp": "f", "dtype": "torch.float32", "shape": 3})

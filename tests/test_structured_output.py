@@ -1,4 +1,4 @@
-"""Structured output (runner/grammar.py): every output parses and validates against its JSON schema (checked
+"""Structured output (engine/grammar.py): every output parses and validates against its JSON schema (checked
 with `jsonschema`), sampled or greedy, with n > 1 and prefix caching, beside requests without a schema; the
 OpenAI server's response_format; schemas the grammar engine refuses, and beam search, are refused up front."""
 

@@ -131,7 +131,7 @@ def test_serve_metrics_is_scrapeable_over_http(llama_dir):
     code = """
 import asyncio, sys, urllib.request
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
-from tieredkv.telemetry import serve_metrics
+from tieredkv.engine.telemetry import serve_metrics
 
 async def main():
     port = serve_metrics(0)

@@ -13,13 +13,13 @@ import torch
 
 from helpers import check_pool_clean, hf_greedy, run_to_end
 from tieredkv import AsyncEngine, EngineClosedError, EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 from tieredkv.errors import RankLostError, RankStartError, UnsupportedModelError
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
-from tieredkv.parallel.group import TPGroup
-from tieredkv.parallel.ranks import _wait_for_hellos, rank_device
-from tieredkv.parallel.shard import Shard, check_shardable
+from tieredkv.models.tp_group import TPGroup
+from tieredkv.engine.ranks import _wait_for_hellos, rank_device
+from tieredkv.models.tp_shard import Shard, check_shardable
 from tieredkv.tools.plan import plan
 
 PROMPTS = [list(range(5, 45)), list(range(5, 37)) + [7, 9, 11], [3, 4, 5, 6]]  # the first two share 2 blocks

@@ -5,8 +5,8 @@ test here knows which tier it runs against."""
 import pytest
 import torch
 
-from tieredkv.core.block_pool import BlockPool
-from tieredkv.core.hashing import hash_block, root_hash
+from tieredkv.tiers.block_pool import BlockPool
+from tieredkv.hashing import hash_block, root_hash
 from tieredkv.kernels.dispatch import TORCH_OPS
 from tieredkv.tiers.base import BlockKey
 from tieredkv.tiers.cold import ColdTier, disk_cost

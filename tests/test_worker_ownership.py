@@ -86,7 +86,7 @@ async def test_a_request_that_cannot_fit_beside_the_pinned_blocks_fails_clearly(
 
 
 def test_a_request_that_can_never_be_scheduled_fails_instead_of_spinning(llama_dir):
-    from tieredkv.engine_core import EngineCore
+    from tieredkv.engine.engine_core import EngineCore
 
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, max_pinned_fraction=0.5, warm_bytes=0))
     req = core.factory.make(list(range(3, 100)), SamplingParams(max_tokens=20))  # 8 blocks: fits the pool
@@ -107,7 +107,7 @@ def test_optional_imports_stay_unloaded_without_their_tier():
     import subprocess
     import sys
 
-    code = ("import sys, tieredkv, tieredkv.engine, tieredkv.engine_core; "
+    code = ("import sys, tieredkv, tieredkv.engine.async_engine, tieredkv.engine.engine_core; "
             "print(sorted(m for m in ('lmdb', 'msgpack', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -130,7 +130,7 @@ def test_loading_a_model_does_not_import_the_compiler(llama_dir):
 def test_the_decode_plan_is_made_once_per_step_and_carried_in_the_batch(llama_dir):
     from dataclasses import replace
 
-    from tieredkv.engine_core import EngineCore
+    from tieredkv.engine.engine_core import EngineCore
     from tieredkv.kernels.decode_attention import plan_decode
 
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=32, warm_bytes=0))
@@ -155,7 +155,7 @@ def test_the_decode_plan_is_made_once_per_step_and_carried_in_the_batch(llama_di
 async def test_the_worker_hands_freed_heap_back_once_idle(llama_dir, monkeypatch):
     """While requests run, freed step buffers stay in the heap for reuse (malloc_tuning.py); each time the
     engine runs out of work, the worker hands them back to the OS, once, without a garbage collection."""
-    import tieredkv.worker as worker
+    import tieredkv.engine.worker as worker
 
     calls = []
     monkeypatch.setattr(worker, "release_free_memory", lambda collect=True: calls.append(collect))

@@ -9,7 +9,7 @@ import threading
 import torch
 
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 
 
 async def test_load_steps_and_close_run_on_the_worker_thread(llama_dir, monkeypatch):

@@ -1,11 +1,11 @@
 """tieredkv: an asyncio LLM engine with a paged, prefix-cached, tiered KV cache."""
 
 from tieredkv.config import EngineConfig, SamplingParams
-from tieredkv.engine import AsyncEngine
+from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RankLostError,
                              RankStartError, RemoteTierError, RequestError, SamplingError, SnapshotError, StepError,
                              TieredKVError, UnsupportedModelError, WrongLoopError)
-from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
+from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 
 __all__ = [
     "AsyncEngine",

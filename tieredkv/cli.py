@@ -19,7 +19,7 @@ from tieredkv.config import SamplingParams
 from tieredkv.errors import TieredKVError
 from tieredkv.tools.cli_tools import add_parsers
 from tieredkv.tools.config_flags import add_engine_options, engine_config, flag
-from tieredkv.engine import AsyncEngine
+from tieredkv.engine.async_engine import AsyncEngine
 
 DEMO_QUESTIONS = [
     "How long does it take to charge the Volt battery, and how should I store it over winter?",

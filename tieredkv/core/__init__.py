@@ -1,1 +1,2 @@
-"""The cache core: block pool, KV manager, scheduler, sequences, chained hashing, pins. Imports tiers, never the engine or the runner."""
+"""The cache core: KV manager, scheduler, sequences, beam search, the cache index, pins. Imports tiers and models,
+never the runner or the engine."""

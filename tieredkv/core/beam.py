@@ -9,7 +9,7 @@ when `early_stopping` is True and k hypotheses are finished, or when the best ru
 the worst finished one (by its current length, or with early_stopping "never" and a positive penalty, by
 the longest it may grow).
 
-This module decides; the caller (lifecycle.py) carries a step out on the sequences: a beam chosen more
+This module decides; the caller (engine/lifecycle.py) carries a step out on the sequences: a beam chosen more
 than once forks (its blocks shared by reference), one chosen never is freed.
 """
 

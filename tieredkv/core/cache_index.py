@@ -6,8 +6,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from tieredkv.core.block_pool import BlockPool, KVBlock
-from tieredkv.core.hashing import BlockHash, BlockKey, chain_keys
+from tieredkv.tiers.block_pool import BlockPool, KVBlock
+from tieredkv.hashing import BlockHash, BlockKey, chain_keys
 from tieredkv.tiers.base import KVTier
 from tieredkv.tiers.lookup import Lookup
 from tieredkv.tiers.manager import TierManager

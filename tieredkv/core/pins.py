@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tieredkv.core.block_pool import KVBlock
+from tieredkv.tiers.block_pool import KVBlock
 from tieredkv.core.cache_index import CacheIndex
 from tieredkv.errors import RequestError
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tieredkv.core.cache_index import CacheIndex
-from tieredkv.core.hashing import BlockHash
+from tieredkv.hashing import BlockHash
 from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.sequence import Sequence, SeqStatus
 from tieredkv.tiers.lookup import Lookup, count_lookup
@@ -49,7 +49,9 @@ class _Step:
 
 
 class Scheduler:
-    """FCFS admission from `waiting`; `running` is kept in admission order.
+    """Admission from `waiting` in `policy`'s order ("shortest_prefill": the least prompt left to compute first,
+    a preempted sequence first, none overtaken more than 2 x max_num_seqs times; "fcfs": arrival order);
+    `running` is kept in admission order.
 
     Each step: running sequences that decode are served first, then running ones mid-prefill, then
     waiting ones, while the token budget and max_num_seqs allow. When the pool runs dry, the most
@@ -61,7 +63,7 @@ class Scheduler:
     sharing): it is admitted once those blocks are cached, so a prefix that several requests bring at
     once is computed by the first of them only.
 
-    `offload` says what a dry pool does when far blocks are on (engine_setup.far_mode): "first" (far
+    `offload` says what a dry pool does when far blocks are on (sizing.far_mode): "first" (far
     blocks cost nothing to read: old blocks of any running sequence move to far blocks before anyone is
     preempted), "last" (far blocks are staged for each step that reads them, by the runner: preemption
     comes first, but a sequence that cannot fit beside the others, or whose victim holds far blocks and

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tieredkv.config import SamplingParams
-from tieredkv.core.hashing import BlockHash
+from tieredkv.hashing import BlockHash
 
 if TYPE_CHECKING:
     from tieredkv.core.beam import BeamSearch
-    from tieredkv.core.block_pool import KVBlock
+    from tieredkv.tiers.block_pool import KVBlock
     from tieredkv.models.detokenizer import IncrementalDetokenizer
     from tieredkv.tiers.lookup import Lookup
     from tieredkv.tiers.moves import Restore
@@ -51,7 +51,7 @@ class Sequence:
         self.generator = generator
         self.detokenizer: IncrementalDetokenizer | None = None
         self.finish_reason: str | None = None
-        self.matcher = None  # structured output: the grammar's state over this sequence's output (runner/grammar.py)
+        self.matcher = None  # structured output: the grammar's state over this sequence's output (engine/grammar.py)
         self.admit_order = 0
         self.lookup: Lookup | None = None  # a walk of the lower tiers in progress while waiting
         self.swapped: Restore | None = None  # where a preempted sequence's blocks wait in warm

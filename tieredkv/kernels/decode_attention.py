@@ -180,13 +180,13 @@ def decode_attention_dense(
 def paged_decode_usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """True where the CPU kernel (attention_cpu.c, as torch.ops.tieredkv.paged_decode) takes this attention:
     caches on CPU in fp32 or bf16, contiguous, shapes within its limits, and the operator bound (at start, or
-    by the compiled decode path before its trace; kernels/quant.py: serve_with)."""
-    from tieredkv.kernels.quant import cpu_operators_bound
+    by the compiled decode path before its trace; kernels/quant_cpu.py: CpuLibrary)."""
+    from tieredkv.kernels.quant_cpu import CPU
 
     heads, kv_heads = query.shape[1], key_cache.shape[2]
     return (key_cache.device.type == "cpu" and key_cache.dtype in (torch.float32, torch.bfloat16)
             and key_cache.is_contiguous() and heads % kv_heads == 0 and heads // kv_heads <= PAGED_MAX_GROUP
-            and query.shape[2] <= PAGED_MAX_HEAD_DIM and cpu_operators_bound())
+            and query.shape[2] <= PAGED_MAX_HEAD_DIM and CPU.operators_bound)
 
 
 PAGED_MAX_GROUP, PAGED_MAX_HEAD_DIM = 32, 256  # attention_cpu.c: ATT_MAX_G, ATT_MAX_D

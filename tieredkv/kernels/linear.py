@@ -14,7 +14,7 @@ oneDNN ships inside every x86 and aarch64 build of torch, but its linear entry p
 after a self-check on this very torch build. Measured on the engine benchmark's workload: plain
 oneDNN/swapped products take about 15% off the engine's time against `F.linear`, and packed weights
 another 11% (the numbers are in docs/architecture.md). `F.linear` serves everywhere else: CUDA, other dtypes,
-or TIEREDKV_CPU_LINEAR=torch.
+or `EngineConfig(cpu_linear="torch")`.
 
 One row on a packed weight (a batch-1 decode step in the compiled graph, through its handle) is not
 oneDNN's: its one-row product reads the weight well below the memory's speed, so quant_cpu.c's one-row
@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from tieredkv.cache_dir import write_json
-from tieredkv.kernels import quant
-from tieredkv.runner.cpu_features import cpu_info
+from tieredkv.kernels.quant_cpu import CPU, handle_outputs
+from tieredkv.platform.cpu_features import cpu_info
 
 LinearFn = Callable[..., torch.Tensor]  # (x [..., K], weight [N, K], bias [N] | None) -> [..., N]
 PackFn = Callable[[torch.Tensor], torch.Tensor]  # weight [N, K] -> the same weight in the layout LinearFn reads best
@@ -152,7 +152,7 @@ def packed_row_layout(packed: torch.Tensor) -> tuple[int, int, int] | None:
     inputs stored, the padding zeros), is exactly the weight. oneDNN chooses its layout per processor, dtype
     and shape, so each weight is checked against its unpacked self; None where no such layout fits (another
     processor's choice: oneDNN's product serves), or without the kernels."""
-    if quant._LIB is None or not packed.is_mkldnn or packed.dim() != 2 or \
+    if CPU.lib is None or not packed.is_mkldnn or packed.dim() != 2 or \
             packed.dtype not in (torch.float32, torch.bfloat16):
         return None
     n, k = packed.shape
@@ -182,13 +182,13 @@ def packed_row(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int, in
                ) -> torch.Tensor | None:
     """One row x [..., K] times `packed` through quant_cpu.c's one-row kernel for its layout (packed_row_layout);
     None where the kernels are not loaded (then oneDNN's product serves)."""
-    if quant._LIB is None:
+    if CPU.lib is None:
         return None
     n, k = packed.shape
     x = x.contiguous()
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
     b = None if bias is None else bias.float().contiguous()
-    fn = quant._LIB.tkv_f32_packed_row if x.dtype == torch.float32 else quant._LIB.tkv_bf16_packed_row
+    fn = CPU.lib.tkv_f32_packed_row if x.dtype == torch.float32 else CPU.lib.tkv_bf16_packed_row
     block, stored, address = layout
     status = fn(x.data_ptr(), k, address, n, block, stored, None if b is None else b.data_ptr(), out.data_ptr())
     if status != 0:
@@ -250,13 +250,6 @@ def one_row_or_onednn(x, packed, layout, bias):
 _OPS.impl("dense_packed", _dense_packed, "CPU")
 
 
-def handle_outputs(handle: torch.Tensor) -> int:
-    """The output features of the packed weight a handle stands for (packed_handle's two forms)."""
-    if handle.dim() == 2:
-        return handle.shape[0]
-    return handle.shape[0] * (handle.shape[2] // 2 if handle.dtype == torch.bfloat16 else handle.shape[2])
-
-
 @torch.library.register_fake("tieredkv::dense_packed")
 def _(x, handle, bias):
     return x.new_empty((*x.shape[:-1], handle_outputs(handle)))
@@ -268,7 +261,7 @@ def dense_by_handle(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | 
     the one-row kernels, without Python in the call; 121 calls a token for the default model: its compiled
     decode 0.92x the time in fp32, 0.89x in bf16, against the Python operator on the same kernels, two engines
     alternating in one process, AMD EPYC Zen 5), anything else through tieredkv::dense_packed."""
-    if handle.dim() == 3 and x.dtype == handle.dtype and x.numel() == x.shape[-1] and quant.cpu_operators_bound():
+    if handle.dim() == 3 and x.dtype == handle.dtype and x.numel() == x.shape[-1] and CPU.operators_bound:
         return torch.ops.tieredkv.packed_gemv.default(x, handle, bias)
     return torch.ops.tieredkv.dense_packed.default(x, handle, bias)
 
@@ -295,7 +288,7 @@ def graph_reads_packed(dtype: torch.dtype, shapes: list[tuple[int, int]], cache_
     weights also make every batched step faster."""
     info = cpu_info()
     key = repr((info.model_name, sorted(info.flags), torch.__version__, str(dtype), sorted(shapes),
-                torch.get_num_threads(), "row kernels" if quant._LIB is not None else "oneDNN"))
+                torch.get_num_threads(), "row kernels" if CPU.lib is not None else "oneDNN"))
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = None if cache_dir is None else Path(cache_dir) / "kernels" / "linear-layout.json"
     known = _read_json(path)

@@ -24,9 +24,7 @@ Triton on CUDA, it runs the reference: dequantize, then F.linear.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,8 +33,8 @@ from torch import nn
 
 from tieredkv.config import INT4_GROUP_SIZES
 from tieredkv.errors import CheckpointError
+from tieredkv.kernels.quant_cpu import CPU, GEMV_MAX_ROWS
 
-GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
 # (q4 on a build with 512-bit blocks: 32, kernel_rows)
 # what load_gguf_tensor reads: every type llama-quantize's standard presets write (Q2_K ... Q8_0, IQ4_NL)
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -47,48 +45,6 @@ GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4
 GGUF_HELD_BYTES = {"Q8_0": 34, "Q4_0": 20, "Q4_1": 20, "Q5_0": 34, "Q5_1": 36, "IQ4_NL": 34, "Q2_K": 40, "Q3_K": 36,
                    "Q4_K": 20, "Q5_K": 36, "Q6_K": 36}
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's 16 levels
-
-_LIB: ctypes.CDLL | None = None  # quant_cpu.c's library, once use_cpu_kernels found it
-_BOUND: ctypes.CDLL | None = None  # the library whose one-row kernels tieredkv::quant_gemv runs (quant_ops.cpp)
-_Q4_ROWS = GEMV_MAX_ROWS  # kernel_rows for q4 weights, from the loaded library
-
-
-def use_cpu_kernels(cache_dir: Path, operators: bool = True) -> bool:
-    """Builds (once per processor) and loads the CPU kernels, and with `operators` the C++ operators over them
-    (quant_ops.cpp); False when the torch reference must serve."""
-    from tieredkv.kernels.quant_cpu import load
-
-    lib = load(cache_dir) or _LIB
-    if lib is not None:
-        serve_with(lib, cache_dir, operators)
-    return lib is not None
-
-
-def bind_cpu_operators(cache_dir: Path) -> bool:
-    """Builds (once per torch build: ~6 s) and binds the C++ operators (the quantized one-row product, decode
-    attention) to the loaded kernels; the compiled decode path calls it before it traces, on its own thread, so
-    no start waits for the build. False where they cannot be had (Python and torch serve)."""
-    if _LIB is not None:
-        serve_with(_LIB, cache_dir, operators=True)
-    return cpu_operators_bound()
-
-
-def cpu_operators_bound() -> bool:
-    """torch.ops.tieredkv.quant_gemv and .paged_decode run the loaded kernels."""
-    return _LIB is not None and _BOUND is _LIB
-
-
-def serve_with(lib: ctypes.CDLL | None, cache_dir: Path, operators: bool = True) -> None:
-    """Makes `lib` (a build of quant_cpu.c; None: the torch reference) the kernels the ops run, and binds the
-    C++ operators to it where they can be built."""
-    global _LIB, _BOUND, _Q4_ROWS
-    from tieredkv.kernels.quant_cpu import bind_ops
-
-    _LIB = lib
-    _Q4_ROWS = GEMV_MAX_ROWS if lib is None else lib.tkv_q4_max_rows()
-    if lib is None or _BOUND is lib or not operators:
-        return
-    _BOUND = lib if bind_ops(cache_dir, lib) else None
 
 
 class QuantizedWeight(nn.Module):
@@ -178,7 +134,7 @@ def tile_quantized_weights(model: nn.Module) -> int:
     """Every quantized weight of `model` that can be (QuantizedWeight.tileable) held in tiles, where the loaded
     CPU kernels multiply tiles with AVX-512 VNNI (else nothing changes); returns how many. Before
     gather_quantized_weights and the compiled decode path's trace, which take the tensors as they are then."""
-    if _LIB is None or not _LIB.tkv_tiles_native():
+    if CPU.lib is None or not CPU.lib.tkv_tiles_native():
         return 0
     weights = [w for w in model.modules() if isinstance(w, QuantizedWeight) and w.tileable()]
     for w in weights:
@@ -465,7 +421,7 @@ def _out_features(codes: torch.Tensor) -> int:
 
 
 def _kernel_fits(codes: torch.Tensor, group_size: int) -> bool:
-    return _LIB is not None and not codes.is_cuda and \
+    return CPU.lib is not None and not codes.is_cuda and \
         group_size % (16 if _is_q8(codes) and codes.dim() == 2 else 32) == 0
 
 
@@ -504,15 +460,16 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias):
         zp = None if offsets is None else offsets.data_ptr()
         if codes.dim() == 3:
             q8 = _is_q8(codes)
-            gemv, linear = (_LIB.tkv_q8t_gemv, _LIB.tkv_q8t_linear) if q8 else (_LIB.tkv_q4t_gemv, _LIB.tkv_q4t_linear)
+            lib = CPU.lib
+            gemv, linear = (lib.tkv_q8t_gemv, lib.tkv_q8t_linear) if q8 else (lib.tkv_q4t_gemv, lib.tkv_q4t_linear)
             status = gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else \
                 linear(xp, m, k, qp, sp, zp, group_size, n, b, op)
         elif _is_q8(codes):
-            status = (_LIB.tkv_q8_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
-                      _LIB.tkv_q8_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
+            status = (CPU.lib.tkv_q8_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
+                      CPU.lib.tkv_q8_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         else:
-            status = (_LIB.tkv_q4_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
-                      _LIB.tkv_q4_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
+            status = (CPU.lib.tkv_q4_gemv(xp, k, qp, sp, zp, group_size, n, b, op) if m == 1 else
+                      CPU.lib.tkv_q4_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         if status != 0:
             raise MemoryError("quantized linear: no memory for the activations' integer copy")
     else:
@@ -525,7 +482,7 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias):
 def kernel_rows(codes: torch.Tensor) -> int:
     """The most activation rows the int kernels take for weights in `codes`' format (more are dequantized into
     the fp32 product): GEMV_MAX_ROWS, or for q4 what the loaded build says (quant_cpu.c: tkv_q4_max_rows)."""
-    return GEMV_MAX_ROWS if _LIB is None or _is_q8(codes) else _Q4_ROWS
+    return GEMV_MAX_ROWS if CPU.lib is None or _is_q8(codes) else CPU.q4_rows
 
 
 DEQUANT_TILE_BYTES = 8 << 20  # a larger weight is dequantized and multiplied this many bytes of fp32 rows at a time
@@ -581,13 +538,13 @@ def _dequantize_fast(codes, scales, offsets, group_size, ids) -> torch.Tensor:
     idx = None if ids is None else ids.to(torch.int64).contiguous()
     ptr = None if idx is None else idx.data_ptr()
     if codes.dim() == 3 and _is_q8(codes):
-        _LIB.tkv_q8t_rows(codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                          group_size, k, ptr, count, out.data_ptr())
+        CPU.lib.tkv_q8t_rows(codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+                             group_size, k, ptr, count, out.data_ptr())
     elif _is_q8(codes):
-        _LIB.tkv_q8_rows(codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                         group_size, k, ptr, count, out.data_ptr())
+        CPU.lib.tkv_q8_rows(codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+                            group_size, k, ptr, count, out.data_ptr())
     else:
-        rows = _LIB.tkv_q4t_rows if codes.dim() == 3 else _LIB.tkv_q4_rows
+        rows = CPU.lib.tkv_q4t_rows if codes.dim() == 3 else CPU.lib.tkv_q4_rows
         rows(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), group_size, k, ptr, count, out.data_ptr())
     return out
 
@@ -612,7 +569,7 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
 
 
 def _linear_op(x: torch.Tensor, qw: QuantizedWeight):
-    if cpu_operators_bound() and x.numel() == x.shape[-1] and _kernel_fits(qw.codes, qw.group_size):
+    if CPU.operators_bound and x.numel() == x.shape[-1] and _kernel_fits(qw.codes, qw.group_size):
         return torch.ops.tieredkv.quant_gemv.default
     return _LINEAR_OP
 
@@ -621,7 +578,7 @@ def gather_quantized_weights(model: nn.Module) -> int:
     """Moves the codes, scales and offsets of every quantized weight on CPU into one huge-page arena, in the
     order the forward reads them (the modules' order: layer by layer, the LM head last); returns the bytes
     moved. The compiled decode path must be made after this (its graphs hold the tensors they were given)."""
-    from tieredkv.runner.malloc_tuning import huge_page_arena
+    from tieredkv.platform.malloc_tuning import huge_page_arena
 
     held = [(w, name) for w in model.modules() if isinstance(w, QuantizedWeight) and w.codes.device.type == "cpu"
             for name in ("codes", "scales", "offsets") if getattr(w, name) is not None]

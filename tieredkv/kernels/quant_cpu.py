@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from tieredkv.cache_dir import artifact_lock
-from tieredkv.runner.cpu_features import cpu_info
+from tieredkv.platform.cpu_features import cpu_info
 
 log = logging.getLogger("tieredkv")
 
@@ -166,9 +166,17 @@ def _paged_decode_shape(query, key_cache, value_cache, block_tables, context_len
 
 
 def _packed_gemv_shape(x, packed, bias):
-    from tieredkv.kernels.linear import handle_outputs  # the packed buffer is such a handle
+    return x.new_empty((*x.shape[:-1], handle_outputs(packed)))  # the packed buffer is such a handle
 
-    return x.new_empty((*x.shape[:-1], handle_outputs(packed)))
+
+def handle_outputs(handle) -> int:
+    """The output features of the packed weight a handle stands for (kernels/linear.py packed_handle's two forms:
+    the packed buffer [N / B, Kp, B], or a [N, K] stand-in)."""
+    import torch
+
+    if handle.dim() == 2:
+        return handle.shape[0]
+    return handle.shape[0] * (handle.shape[2] // 2 if handle.dtype == torch.bfloat16 else handle.shape[2])
 
 
 def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
@@ -199,3 +207,52 @@ def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
                   address(lib.tkv_f32_packed_row), address(lib.tkv_bf16_packed_row), address(lib.tkv_q4t_gemv),
                   address(lib.tkv_q8t_gemv))
     return True
+
+
+GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
+# (q4 on a build with 512-bit blocks: 32, kernel_rows)
+
+
+class CpuLibrary:
+    """The CPU kernels this process serves with: `lib`, the loaded build of quant_cpu.c (None: torch's reference
+    serves); `bound`, the build whose kernels the C++ operators of torch.ops.tieredkv run (quant_ops.cpp);
+    `q4_rows`, the most rows the loaded build's q4 kernels take (kernels/quant.py kernel_rows). One a process
+    (`CPU`): a loaded library and torch's operator registry are the process's."""
+
+    def __init__(self) -> None:
+        self.lib: ctypes.CDLL | None = None
+        self.bound: ctypes.CDLL | None = None
+        self.q4_rows = GEMV_MAX_ROWS
+
+    @property
+    def operators_bound(self) -> bool:
+        """torch.ops.tieredkv.quant_gemv, .paged_decode and .packed_gemv run the loaded kernels."""
+        return self.lib is not None and self.bound is self.lib
+
+    def use(self, cache_dir: Path, operators: bool = True) -> bool:
+        """Builds (once per processor) and loads the CPU kernels, and with `operators` the C++ operators over them
+        (quant_ops.cpp); False when the torch reference must serve."""
+        lib = load(cache_dir) or self.lib
+        if lib is not None:
+            self.serve_with(lib, cache_dir, operators)
+        return lib is not None
+
+    def bind_operators(self, cache_dir: Path) -> bool:
+        """Builds (once per torch build: ~6 s) and binds the C++ operators (the quantized one-row product, decode
+        attention) to the loaded kernels; the compiled decode path calls it before it traces, on its own thread,
+        so no start waits for the build. False where they cannot be had (Python and torch serve)."""
+        if self.lib is not None:
+            self.serve_with(self.lib, cache_dir, operators=True)
+        return self.operators_bound
+
+    def serve_with(self, lib: ctypes.CDLL | None, cache_dir: Path, operators: bool = True) -> None:
+        """Makes `lib` (a build of quant_cpu.c; None: the torch reference) the kernels the ops run, and binds the
+        C++ operators to it where they can be built."""
+        self.lib = lib
+        self.q4_rows = GEMV_MAX_ROWS if lib is None else lib.tkv_q4_max_rows()
+        if lib is None or self.bound is lib or not operators:
+            return
+        self.bound = lib if bind_ops(cache_dir, lib) else None
+
+
+CPU = CpuLibrary()

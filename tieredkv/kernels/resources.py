@@ -151,7 +151,7 @@ SHAPES = {"SmolLM2-135M (9/3 heads, d=64)": (9, 3, 64), "Llama-3-8B (32/8, d=128
 
 
 def auto_dtype(cc: int) -> torch.dtype:
-    """What dtype "auto" picks on such a card (engine_setup.resolve_dtype)."""
+    """What dtype "auto" picks on such a card (resolve.resolve_dtype)."""
     return torch.bfloat16 if cc >= 80 else torch.float16
 
 

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tieredkv.runner.batch import ForwardBatch
+from tieredkv.models.batch import ForwardBatch
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.linear import packed_handle, with_row_layout
 from tieredkv.kernels.quant import QuantizedWeight, quant_embedding, quant_linear
 from tieredkv.models.spec import ModelSpec
-from tieredkv.parallel.group import TPGroup
+from tieredkv.models.tp_group import TPGroup
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -190,7 +190,7 @@ class LlamaModel(nn.Module):
     """Weights use Hugging Face names, except that q/k/v and gate/up are stored fused (see loader).
 
     Under tensor parallelism (`tp` of more than one rank) the same definition holds one rank's share
-    (parallel/shard.py): its heads and MLP columns, whose outputs are all-reduced, and its rows of the
+    (models/tp_shard.py): its heads and MLP columns, whose outputs are all-reduced, and its rows of the
     vocabulary, whose embeddings are all-reduced and whose logits are gathered on rank 0."""
 
     def __init__(self, spec: ModelSpec, tp: TPGroup | None = None):

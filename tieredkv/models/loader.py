@@ -18,8 +18,8 @@ from tieredkv.models.checks import check_spec_against_weights, check_tensors, te
 from tieredkv.models.files import read_json
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
 from tieredkv.models.spec import ModelSpec
-from tieredkv.parallel.group import TPGroup
-from tieredkv.parallel.shard import Ranges, Shard
+from tieredkv.models.tp_group import TPGroup
+from tieredkv.models.tp_shard import Ranges, Shard
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
     """Checks the config against the weights' headers, builds the model without initialising it, then fills
     every parameter from the checkpoint; with `quant`, the projections and the LM head are quantized as each
     is loaded ("int8", "int4"), or read quantized as they are from a GGUF file ("gguf"). Under tensor
-    parallelism (`tp`) only this rank's slices are read (parallel/shard.py)."""
+    parallelism (`tp`) only this rank's slices are read (models/tp_shard.py)."""
     tp = tp or TPGroup()
     if quant is not None and quant.scheme == "gguf":
         if tp.world > 1:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -47,9 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from tieredkv.cache_dir import artifact_lock, long_work
-from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
+from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.runner.direct_graph import BoundGraph, DirectGraph, Unsupported
-from tieredkv.runner.malloc_tuning import release_free_memory
+from tieredkv.platform.malloc_tuning import release_free_memory
+from tieredkv.platform.process import PROCESS
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_compiled
 from tieredkv.kernels.linear import dense_by_handle
@@ -112,7 +112,7 @@ class CompiledDecode:
         self.model = model
         self.kv_cache = kv_cache
         # the dense layers: through the packed weights' handles where the weights were packed for this path
-        # (engine_setup._kernels_and_weights), else F.linear on the plain weights
+        # (rank_build._kernels_and_weights), else F.linear on the plain weights
         handles = ops.pack_linear_weight is not None and model.packed_handles
         linear = dict(linear=dense_by_handle, packed_attr="packed_handle") if handles else \
             dict(linear=F.linear, pack_linear_weight=None)
@@ -264,15 +264,13 @@ class CompiledDecode:
         until `ready` is set, between two of them. The thread ends when the graph is ready (its OpenMP
         threads with it, so they never compete with the worker's)."""
         def work() -> None:
-            t0, interval = time.perf_counter(), sys.getswitchinterval()
+            t0 = time.perf_counter()
             # The compile is Python through and through (tracing, code generation), and the worker's eager
             # step drops and retakes the GIL around each of its ~1,000 torch calls: at the default 5 ms
-            # before the compile must yield, a first token took 14 s instead of a fraction of one.
-            sys.setswitchinterval(min(interval, GIL_SWITCH_S))
-            try:
+            # before the compile must yield, a first token took 14 s instead of a fraction of one. (Two engines
+            # compiling at once: the process's own interval comes back when the last is done.)
+            with PROCESS.switch_interval(GIL_SWITCH_S):
                 self.warmup(ticker=False)
-            finally:
-                sys.setswitchinterval(interval)
             if self.ready:
                 log.info("compiled decode serves from now on (ready %.1f s after start-up)", time.perf_counter() - t0)
 
@@ -324,10 +322,10 @@ class CompiledDecode:
         C++ compiler, say) the path is off, the eager forward serves, and a warning says why and what to do."""
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-        from tieredkv.kernels.quant import bind_cpu_operators
+        from tieredkv.kernels.quant_cpu import CPU
 
         if self.kv_cache.device.type == "cpu":  # before the trace, which calls them (quant.py, decode_attention.py)
-            bind_cpu_operators(self.cache_dir.parent)
+            CPU.bind_operators(self.cache_dir.parent)
         self._warming = True
         try:
             marker = self.cache_dir / f".compiled-{self._graph_key()}"
@@ -366,7 +364,7 @@ class CompiledDecode:
 
     def _graph_key(self) -> str:
         """What the graph depends on: the model's shape, the cache tensor's shape and dtype (stable across
-        starts: engine_setup.far_extent), torch's version, the runs of layers and their kinds, the weights'
+        starts: sizing.far_extent), torch's version, the runs of layers and their kinds, the weights'
         quantization."""
         identity = repr((self.model.spec, tuple(self.kv_cache.shape), self.kv_cache.dtype, torch.__version__,
                          [len(layers) for layers, _ in self._groups], self._kinds, self.model.quantization))

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from tieredkv.runner.batch import AttentionMetadata, ForwardBatch, scratch_block
+from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.runner.compiled_decode import CompiledDecode
 from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.runner.far_stage import StagePlan, plan_stage, reads_slab_in_place, stage_groups
@@ -14,7 +14,7 @@ from tieredkv.errors import EngineClosedError, RankLostError
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS, shared_prefixes
 from tieredkv.models.llama import LlamaModel
-from tieredkv.parallel.plan import describe, stand_in
+from tieredkv.runner.step_plan import describe, stand_in
 from tieredkv.core.scheduler import SchedulerOutput
 from tieredkv.core.sequence import Sequence
 
@@ -44,7 +44,7 @@ class ModelRunner:
                  cascade: bool = True, compiled: CompiledDecode | NativeDecode | None = None,
                  far: tuple[int, torch.Tensor] | None = None, leader=None):
         self.model = model
-        # rank 0 of a tensor-parallel group (parallel/ranks.py LeaderGroup): each forward's plan and the warm-up
+        # rank 0 of a tensor-parallel group (engine/ranks.py LeaderGroup): each forward's plan and the warm-up
         # are sent to the other ranks, which run them on their shares in lockstep
         self.leader = leader
         self.kv_cache = kv_cache

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from tieredkv.kernels import quant
+from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight
 from tieredkv.models.llama import LlamaModel
 
@@ -134,7 +134,7 @@ class NativeDecode:
     @classmethod
     def make(cls, model: LlamaModel, kv_cache: torch.Tensor) -> "NativeDecode | None":
         """The native step for this model and cache, or None (logged, with the reason) where it cannot serve."""
-        lib = quant._LIB
+        lib = CPU.lib
         if not ENABLED or kv_cache.device.type != "cpu" or model.quantization is None:
             return None
         if lib is None:

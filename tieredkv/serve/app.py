@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tieredkv.engine import AsyncEngine
+from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.models.tokenizer import message_chars
 from tieredkv.errors import EngineClosedError, RequestError, TieredKVError
 from tieredkv.serve.protocol import (BadRequest, chat_logprobs, chat_messages, completion_logprobs,

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tieredkv.config import SamplingParams
-from tieredkv.outputs import TokenLogprob, Usage
+from tieredkv.engine.outputs import TokenLogprob, Usage
 
 # Parameters passed to SamplingParams as they are; the last five are extensions (as vLLM accepts them).
 _PASSED = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",

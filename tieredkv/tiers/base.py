@@ -1,4 +1,5 @@
-"""The storage interface every KV tier implements: batched, async first, one contract for all."""
+"""The storage interface every KV tier implements: every method takes a batch; the synchronous methods are the
+implementation, and async ones run them on a worker thread for a tier that blocks; one contract for all."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import ClassVar, Iterable, Iterator, Sequence
 
 import torch
 
-from tieredkv.core.hashing import BlockKey
+from tieredkv.hashing import BlockKey
 
 TIER_NAMES = ("hot", "warm", "remote", "cold")  # top to bottom (remote, when shared, is written beside cold)
 

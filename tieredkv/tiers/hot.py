@@ -6,7 +6,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from tieredkv.core.block_pool import BlockPool, KVBlock
+from tieredkv.tiers.block_pool import BlockPool, KVBlock
 from tieredkv.kernels import KernelOps
 from tieredkv.tiers.base import BlockKey, KVTier
 
@@ -98,7 +98,7 @@ class HotTier(KVTier):
 
 class ShardedHotTier(HotTier):
     """Rank 0's hot tier under tensor parallelism: every rank holds its heads of each block id
-    (parallel/ranks.py); a gather brings whole blocks to rank 0, a scatter sends each rank its heads, a copy
+    (engine/ranks.py); a gather brings whole blocks to rank 0, a scatter sends each rank its heads, a copy
     runs on every rank. So the tiers below hold whole blocks, as with one process."""
 
     def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, ops: KernelOps, leader, kv_heads: list[int]):

@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from tieredkv.core.hashing import BlockHash
+from tieredkv.hashing import BlockHash
 from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, SwapSpace, Victims
 
 
@@ -29,7 +29,7 @@ class WarmTier(KVTier, SwapSpace):
     The slab is block-major, [capacity, layers, 2, block_size, kv_heads, head_dim], unless one is given:
     on CPU the engine passes the tail of its cache tensor, layer-major [layers, 2, capacity, ...], so
     that slot s is block `base + s` of that tensor and attention reads a slot in place (far blocks: see
-    core/block_pool.py).
+    tiers/block_pool.py).
 
     `entries` maps a block hash to its slot in LRU order (oldest first); `free_slots` holds the rest,
     except the slots lent out by `reserve` (preemption swap space). Putting into a full tier evicts the
@@ -221,7 +221,7 @@ class WarmTier(KVTier, SwapSpace):
 
 class ShardedWarmTier(WarmTier):
     """Rank 0's warm tier under tensor parallelism: the index (entries, LRU, lent slots) is rank 0's alone,
-    and every rank holds its heads of each slot in a slab of its own (parallel/ranks.py), so far blocks are
+    and every rank holds its heads of each slot in a slab of its own (engine/ranks.py), so far blocks are
     read in place or staged by each rank from its own memory. Reads and writes take and give whole blocks
     (`block_shape` is the whole model's), gathered from and scattered to the ranks; moves between a rank's
     hot pool and its slab stay on the rank (`from_hot`, `to_hot`)."""

@@ -1,1 +1,2 @@
-"""Tools over a running engine: plan, explain, cache snapshots and their command-line commands."""
+"""Tools over an engine: plan, the cold-folder and snapshot commands, a local Valkey server for tests and
+benchmarks."""

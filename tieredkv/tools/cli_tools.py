@@ -13,7 +13,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tieredkv.config import SamplingParams
-from tieredkv.engine import AsyncEngine
+from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.tools.config_flags import add_engine_options, engine_config
 
 

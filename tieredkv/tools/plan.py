@@ -12,16 +12,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine_setup import (STAGE_RESERVE, far_mode, kv_pool_bytes, max_model_len, model_fingerprint,
-                                   quant_settings, resolve_dtype, resolve_model_dir, warm_blocks)
+from tieredkv.engine.identity import model_fingerprint
+from tieredkv.engine.resolve import max_model_len, quant_settings, resolve_dtype, resolve_model_dir
+from tieredkv.engine.sizing import STAGE_RESERVE, far_mode, kv_pool_bytes, warm_blocks
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.models.checks import tensor_shapes
 from tieredkv.kernels.quant import quantized_bytes
 from tieredkv.models.gguf_convert import gguf_weight_bytes
 from tieredkv.models.loader import QuantSettings, weight_files
 from tieredkv.models.spec import ModelSpec
-from tieredkv.parallel.shard import Shard, check_shardable
-from tieredkv.runner.malloc_tuning import process_status_bytes
+from tieredkv.models.tp_shard import Shard, check_shardable
+from tieredkv.platform.malloc_tuning import process_status_bytes
 from tieredkv.tiers.cold_format import ColdFormat
 from tieredkv.tiers.cold_txn import disk_cost
 from tieredkv.tools.config_flags import parse_bytes  # noqa: F401 (the command line's sizes, also for plan's callers)
@@ -55,7 +56,7 @@ class Plan:
         measured: whether `activation_bytes` was measured by a forward rather than estimated.
         device: the device type planned for ("cpu" or "cuda").
         staging_bytes: CUDA with far blocks (offload and a warm tier): device memory left beside the hot pool
-            for staging them, a layer at a time with the next read ahead (`engine_setup.kv_pool_bytes`).
+            for staging them, a layer at a time with the next read ahead (`sizing.kv_pool_bytes`).
         tensor_parallel_size: the processes the model is split across.
         rank_weight_bytes: each rank's share of `weight_bytes`, rank order (one entry without tensor parallelism).
         rank_kv_bytes_per_block: each rank's share of a KV block (its KV heads), rank order.
@@ -110,7 +111,7 @@ def weight_bytes(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], itemsize: 
                  quant: QuantSettings | None, shard: Shard = Shard()) -> int:
     """The weights' bytes in the format the engine would hold them: quantized projections and LM head (int8
     for int4's head too, as the loader does), everything else at `itemsize`; the GGUF file's own blocks.
-    With `shard`, that tensor-parallel rank's part (parallel/shard.py)."""
+    With `shard`, that tensor-parallel rank's part (models/tp_shard.py)."""
     if quant is not None and quant.scheme == "gguf":
         return gguf_weight_bytes(quant.gguf_path, itemsize, spec.tie_word_embeddings, quant.cache_dir)
     head = "embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
@@ -141,7 +142,7 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
          quantization: str | None = None, quantization_group_size: int = 32, tensor_parallel_size: int = 1) -> Plan:
     """Plans a deployment from the checkpoint's config.json and tensor headers, without loading weights.
 
-    The hot pool is sized by the engine's own function (`engine_setup.kv_pool_bytes`) with the engine's
+    The hot pool is sized by the engine's own function (`sizing.kv_pool_bytes`) with the engine's
     defaults, so on a machine the plan's `hot_blocks` is what `AsyncEngine.start` builds there.
 
     Args:
@@ -195,7 +196,7 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
     device_type = torch.device(device).type  # the engine's own arithmetic: CUDA memory less weights, activations
     warm = warm_blocks(cfg, spec, torch_dtype)
     staged = spec.num_layers if device_type == "cuda" and far_mode(cfg, torch.device(device)) and warm else 0
-    if device_type == "cuda":  # rank 0's device: its weights, its share of each block (engine_setup._build)
+    if device_type == "cuda":  # rank 0's device: its weights, its share of each block (build._build)
         pool = kv_pool_bytes(cfg, device_type, memory, rank_weights[0] + activation_bytes,
                              per_token * rank_blocks[0] // per_block, max_model_len(spec, max_len), staged)
         hot = max(pool, 0) // rank_blocks[0]
@@ -240,7 +241,7 @@ def profile_activations(model: str, device: str, dtype: str, max_num_batched_tok
 
 def _profile_here(model: str, device: str, dtype: str, max_num_batched_tokens: int) -> int:
     from tieredkv.config import EngineConfig, SamplingParams
-    from tieredkv.engine_core import EngineCore
+    from tieredkv.engine.engine_core import EngineCore
 
     blocks = cdiv(max_num_batched_tokens, 16) + 2
     core = EngineCore(EngineConfig(model=model, device=device, dtype=dtype, num_blocks=blocks,

@@ -9,15 +9,16 @@ from typing import Any
 
 from tieredkv.config import EngineConfig
 from tieredkv.core.sequence import Request
-from tieredkv.engine_setup import build_engine, total_weight_bytes
+from tieredkv.engine.build import build_engine
+from tieredkv.engine.rank_build import total_weight_bytes
 from tieredkv.errors import EngineClosedError
-from tieredkv.outputs import EngineStats, Output, collect_stats
+from tieredkv.engine.outputs import EngineStats, Output, collect_stats
 
 log = logging.getLogger("tieredkv")
 
 
 class EngineCore:
-    """Owns the model, the KV pool and tiers, the scheduler and the requests (engine_setup.build_engine
+    """Owns the model, the KV pool and tiers, the scheduler and the requests (build.build_engine
     makes them all); `step()` is schedule -> execute (block moves, then one forward) -> update."""
 
     def __init__(self, config: EngineConfig):
@@ -62,7 +63,7 @@ class EngineCore:
             if self.tp.world > 1:
                 self.tp.close()
 
-    # -- requests (see lifecycle.py) --------------------------------------------------------------
+    # -- requests (see engine/lifecycle.py) --------------------------------------------------------------
 
     def add_request(self, req: Request) -> list[Output]:
         return self.lifecycle.add(req)

@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tieredkv.config import EngineConfig, SamplingParams
-from tieredkv.engine_core import EngineCore
+from tieredkv.engine.engine_core import EngineCore
 from tieredkv.errors import EngineClosedError, RequestError, WrongLoopError
-from tieredkv.tools.explain import BlockReport, explain
-from tieredkv.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
-from tieredkv.stream import Channel, RequestStream
+from tieredkv.engine.explain import BlockReport, explain
+from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
+from tieredkv.engine.stream import Channel, RequestStream
 from tieredkv.models.tokenizer import PromptType
-from tieredkv.worker import EngineWorker
+from tieredkv.engine.worker import EngineWorker
 
 __all__ = ["AsyncEngine", "EngineClosedError"]
 
@@ -254,7 +254,7 @@ class AsyncEngine:
         """Writes every cached block (or the full blocks of `prompts`) with its hash, token ids and the
         model fingerprint to one file at `path`; returns the number of blocks. `progress(n)` is called
         after each batch. The file is written with aiofiles, the blocks gathered on the worker."""
-        from tieredkv.tools.snapshot import blocks_to_export, write_snapshot  # msgpack, aiofiles: only when used
+        from tieredkv.engine.snapshot import blocks_to_export, write_snapshot  # msgpack, aiofiles: only when used
 
         self._check_open()
         ids = None
@@ -269,7 +269,7 @@ class AsyncEngine:
         """Loads a snapshot's blocks into the warm tier (cold below it; hot without either). Raises
         SnapshotError for another model's snapshot; every entry is checked, so a damaged or truncated
         file imports nothing wrong. Returns {"imported", "corrupt", "complete"}."""
-        from tieredkv.tools.snapshot import read_snapshot
+        from tieredkv.engine.snapshot import read_snapshot
 
         self._check_open()
         core = self._worker.core

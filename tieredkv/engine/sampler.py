@@ -9,7 +9,7 @@ import torch
 
 from tieredkv.config import SamplingParams
 from tieredkv.errors import SamplingError
-from tieredkv.runner.logits_processors import RowState, apply_min_p, apply_processors
+from tieredkv.engine.logits_processors import RowState, apply_min_p, apply_processors
 
 __all__ = ["RowState", "Sampled", "apply_top_k_top_p", "bad_mask", "bad_rows", "sample", "sample_row"]
 

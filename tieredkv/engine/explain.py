@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tieredkv.core.hashing import chain_keys, root_hash
+from tieredkv.hashing import chain_keys, root_hash
 from tieredkv.tiers.base import BlockKey
 
 

@@ -27,9 +27,9 @@ import torch.multiprocessing as mp
 
 from tieredkv.config import EngineConfig
 from tieredkv.errors import RankStartError, TieredKVError
-from tieredkv.parallel.group import TPGroup
-from tieredkv.parallel.plan import rebuild
-from tieredkv.parallel.shard import Shard
+from tieredkv.models.tp_group import TPGroup
+from tieredkv.runner.step_plan import rebuild
+from tieredkv.models.tp_shard import Shard
 from tieredkv.tiers.hot import block_buffer, copy_blocks, gather_blocks, scatter_block_runs, scatter_blocks
 
 log = logging.getLogger("tieredkv")
@@ -168,7 +168,7 @@ def _wait_for_hellos(procs: list, hello) -> None:
 def rank_main(rank: int, world: int, port: int, settings: dict, leader_device: str, hello) -> None:
     """A rank process: start, join the group, load its share, then carry out rank 0's commands until close."""
     try:
-        from tieredkv.engine_setup import prepare_rank
+        from tieredkv.engine.rank_build import prepare_rank
 
         cfg = EngineConfig.model_validate(settings)
         device = rank_device(cfg, rank, torch.device(leader_device))
@@ -191,7 +191,7 @@ class Follower:
     """Ranks 1..N-1: the same model runner over this rank's share, driven by rank 0's commands."""
 
     def __init__(self, cfg: EngineConfig, tp: TPGroup, device: torch.device):
-        from tieredkv.engine_setup import load_rank_model, rank_runner
+        from tieredkv.engine.rank_build import load_rank_model, rank_runner
 
         self.tp, self.cfg = tp, cfg
         error, info = None, None

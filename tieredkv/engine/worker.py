@@ -10,9 +10,9 @@ import threading
 from typing import Any, Callable
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine_core import EngineCore
-from tieredkv.outputs import Output
-from tieredkv.runner.malloc_tuning import release_free_memory
+from tieredkv.engine.engine_core import EngineCore
+from tieredkv.engine.outputs import Output
+from tieredkv.platform.malloc_tuning import release_free_memory
 from tieredkv.errors import EngineClosedError, StepError
 from tieredkv.core.sequence import Request
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tieredkv.core.block_pool import KVBlock
+from tieredkv.tiers.block_pool import KVBlock
 
 
 def describe(scheduled: list) -> list[tuple]:

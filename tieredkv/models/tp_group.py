@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tieredkv.errors import RankLostError
-from tieredkv.parallel.shard import Shard
+from tieredkv.models.tp_shard import Shard
 
 
 class TPGroup:

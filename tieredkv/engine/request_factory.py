@@ -109,7 +109,7 @@ class RequestFactory:
         if not prechecked:
             self.precheck(prompt, params)
         if params.json_schema is not None:  # a schema the grammar engine refuses fails here, before anything
-            from tieredkv.runner.grammar import grammars_of
+            from tieredkv.engine.grammar import grammars_of
 
             grammars_of(self.tokenizer, self.vocab_size).grammar(params.json_schema)
         if isinstance(prompt, (list, tuple)) and isinstance(prompt[0], int):

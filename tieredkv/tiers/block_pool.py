@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
-from tieredkv.core.hashing import BlockHash, BlockKey
+from tieredkv.hashing import BlockHash, BlockKey
 
 if TYPE_CHECKING:
     from tieredkv.tiers.base import SwapSpace, Victims

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tieredkv.core.beam import BeamSearch
-from tieredkv.core.isolation import isolated, stage_error
+from tieredkv.engine.isolation import isolated, stage_error
 from tieredkv.core.kv_manager import KVCacheManager, cdiv
 from tieredkv.core.pins import PinTable
 from tieredkv.core.scheduler import Scheduler, SchedulerOutput
@@ -17,11 +17,11 @@ from tieredkv.core.sequence import Request, Sequence
 from tieredkv.errors import RequestError, SamplingError, StepError, TieredKVError
 from tieredkv.models.detokenizer import IncrementalDetokenizer
 from tieredkv.models.tokenizer import Tokenizer
-from tieredkv.outputs import Output, StreamChunk, TokenLogprob, beam_chunk, make_chunk
-from tieredkv.request_factory import RequestFactory
-from tieredkv.runner.logits_processors import apply_processors
-from tieredkv.runner.sampler import NOT_FINITE, RowState, Sampled, bad_rows, sample
-from tieredkv.telemetry import Telemetry
+from tieredkv.engine.outputs import Output, StreamChunk, TokenLogprob, beam_chunk, make_chunk
+from tieredkv.engine.request_factory import RequestFactory
+from tieredkv.engine.logits_processors import apply_processors
+from tieredkv.engine.sampler import NOT_FINITE, RowState, Sampled, bad_rows, sample
+from tieredkv.engine.telemetry import Telemetry
 
 
 class Lifecycle:
@@ -136,7 +136,7 @@ class Lifecycle:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Output]:
         """One token per sequence (beams: one search step per request). Each stage runs batched; one that
-        raises runs again row by row (core/isolation.py), so that a failure fails only its own request."""
+        raises runs again row by row (engine/isolation.py), so that a failure fails only its own request."""
         outputs = []
         beams = [i for i, s in enumerate(seqs) if s.request.beam is not None]
         if beams:
@@ -192,8 +192,8 @@ class Lifecycle:
                 for out in self.fail(seqs[i].request, got)]
 
     def _mask_by_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[None]:
-        """Structured output (runner/grammar.py): each of these rows keeps only the tokens its grammar allows."""
-        from tieredkv.runner.grammar import grammars_of
+        """Structured output (engine/grammar.py): each of these rows keeps only the tokens its grammar allows."""
+        from tieredkv.engine.grammar import grammars_of
 
         grammars = grammars_of(self.tokenizer, logits.shape[1])
         for i in rows:

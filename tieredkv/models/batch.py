@@ -38,6 +38,6 @@ class ForwardBatch:
 
 
 def scratch_block(kv_cache: torch.Tensor) -> int:
-    """The cache tensor's last block, which no sequence is given (engine_setup.make_kv_cache): what a
+    """The cache tensor's last block, which no sequence is given (rank_build.make_kv_cache): what a
     warm-up or the background compile writes, at any time, without touching a request's KV."""
     return kv_cache.shape[2] - 1

@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import replace
 from typing import Any, Protocol
 
-from tieredkv.outputs import StreamChunk
+from tieredkv.engine.outputs import StreamChunk
 
 
 class StreamFront(Protocol):

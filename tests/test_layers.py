@@ -1,0 +1,120 @@
+"""The package's layers, from its real imports: every `import` and `from ... import` of a tieredkv module in
+the source (at module level, inside functions and under TYPE_CHECKING alike) goes to a module of the same
+layer or a lower one, and no module imports one that imports it back, directly or through others.
+
+    leaves    config, errors, cache_dir, hashing, platform/ (CPU features, malloc tuning)
+    kernels   kernels/
+    models    models/ (the batch type, tensor-parallel groups and shards)
+    tiers     tiers/ (the block pool, the hot/warm/cold/remote tiers, their manager, block moves)
+    core      core/ (KV manager, scheduler, sequences, beam search, cache index, pins)
+    runner    runner/ (model runner, compiled and native decode, far-block staging, the step plan)
+    engine    engine/ (AsyncEngine, worker, streams, engine core and assembly, request lifecycle, sampling,
+              grammar, ranks, explain, snapshots)
+    top       tools/, serve/, cli, __main__, the package itself
+"""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tieredkv"
+LAYERS = ["leaves", "kernels", "models", "tiers", "core", "runner", "engine", "top"]
+LEAVES = {"tieredkv.config", "tieredkv.errors", "tieredkv.cache_dir", "tieredkv.hashing"}
+FOLDERS = {"platform": "leaves", "kernels": "kernels", "models": "models", "tiers": "tiers", "core": "core",
+           "runner": "runner", "engine": "engine", "tools": "top", "serve": "top"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the tieredkv modules it imports (a package's module where `from pkg import module`)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name.startswith("tieredkv"))
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{name}: relative import"
+                if node.module and node.module.startswith("tieredkv"):
+                    for a in node.names:
+                        sub = f"{node.module}.{a.name}"
+                        targets.add(sub if sub in mods else node.module)
+        graph[name] = {t for t in targets if t != name}
+    unknown = {t for ts in graph.values() for t in ts} - set(mods)
+    assert not unknown, f"imports of modules that do not exist: {sorted(unknown)}"
+    return graph
+
+
+def layer(module: str) -> str:
+    if module in LEAVES:
+        return "leaves"
+    parts = module.split(".")
+    return FOLDERS.get(parts[1], "top") if len(parts) > 1 else "top"
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_every_module_has_a_layer():
+    for name in modules():
+        assert layer(name) in LAYERS, name
+        assert not name.startswith("tieredkv.parallel"), f"{name}: parallel/ was split into models/, runner/, engine/"
+
+
+def test_imports_go_to_the_same_layer_or_below():
+    graph = imports(modules())
+    upward = sorted(f"{m} ({layer(m)}) -> {t} ({layer(t)})" for m, ts in graph.items() for t in ts
+                    if LAYERS.index(layer(t)) > LAYERS.index(layer(m)))
+    assert upward == []
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert cycles(imports(modules())) == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -1,0 +1,200 @@
+"""Builds an engine's whole object graph from its config and checkpoint (`build_engine`), and the set-up
+facts it derives on the way: device, dtype, sizes, fingerprint, tiers."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tieredkv.config import EngineConfig
+from tieredkv.core.cache_index import CacheIndex
+from tieredkv.core.kv_manager import KVCacheManager
+from tieredkv.core.pins import PinTable
+from tieredkv.core.scheduler import Scheduler
+from tieredkv.engine.identity import identity_in_background, model_fingerprint
+from tieredkv.engine.lifecycle import Lifecycle
+from tieredkv.engine.rank_build import (RankMemory, load_rank_model, local_warm, make_kv_cache, prepare_process,
+                                        total_weight_bytes, weights_label)
+from tieredkv.engine.request_factory import RequestFactory
+from tieredkv.engine.resolve import eos_token_ids, max_model_len, quant_settings, resolve_cache_dir, resolve_model_dir
+from tieredkv.engine.sizing import far_extent, far_mode, kv_block_bytes, num_kv_blocks, warm_blocks
+from tieredkv.engine.telemetry import Telemetry
+from tieredkv.hashing import root_hash
+from tieredkv.kernels import KernelOps
+from tieredkv.models.llama import LlamaModel
+from tieredkv.models.spec import ModelSpec
+from tieredkv.models.tokenizer import Tokenizer
+from tieredkv.models.tp_group import TPGroup
+from tieredkv.models.tp_shard import check_shardable
+from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
+from tieredkv.runner.model_runner import ModelRunner
+from tieredkv.runner.native_decode import NativeDecode
+from tieredkv.tiers.block_pool import BlockPool
+from tieredkv.tiers.hot import HotTier, ShardedHotTier
+from tieredkv.tiers.manager import TierManager
+from tieredkv.tiers.warm import ShardedWarmTier
+
+log = logging.getLogger("tieredkv")
+
+
+def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
+                fingerprint: str, num_warm_blocks: int, far: bool, tp: TPGroup | None = None) -> TierManager:
+    """The block pool (lending warm slots as far blocks when `far`) and hot over it; warm when its budget
+    holds a block (the tail of kv_cache when that has room beyond the pool); cold (LMDB, imported only
+    then) with a path; remote (Valkey/Redis, imported only then) with a URL."""
+    block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
+    sharded = tp is not None and tp.world > 1
+    warm = local_warm(num_warm_blocks, kv_cache, num_blocks)
+    if warm is not None and sharded:  # this rank's heads in its slab, whole blocks in and out (tiers/warm.py)
+        warm = ShardedWarmTier(num_warm_blocks, block_shape, warm.slab, warm.layer_major, tp,
+                               tp.shard.sizes(spec.num_kv_heads))
+    pool = BlockPool(num_blocks, warm if far else None)
+    if sharded:  # whole blocks below hot: every rank's heads (tiers/hot.py)
+        hot = ShardedHotTier(pool, kv_cache, ops, tp, tp.shard.sizes(spec.num_kv_heads))
+    else:
+        hot = HotTier(pool, kv_cache, ops)
+    cold = None
+    if cfg.cold_path is not None:
+        from tieredkv.tiers.cold import ColdTier
+
+        cold = ColdTier(cfg.cold_path, cfg.cold_bytes, fingerprint, block_shape, kv_cache.dtype, cfg.cold_secret_path)
+    remote = None
+    if cfg.remote_url is not None:
+        from tieredkv.tiers.remote import RemoteTier
+
+        remote = RemoteTier(cfg.remote_url, fingerprint, block_shape, kv_cache.dtype, cfg.cold_secret_path,
+                            cfg.remote_timeout_s, cfg.remote_retry_s, cfg.remote_ttl_s)
+        hot.pool.new_cached = []  # new full blocks are written to the remote tier as they are computed
+    return TierManager(hot, warm, cold, cfg.block_size, remote)
+
+
+@dataclass
+class EngineParts:
+    """Everything an EngineCore owns, built once; nothing is set on any of them afterwards."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model_dir: Path
+    spec: ModelSpec
+    max_model_len: int
+    tokenizer: Tokenizer
+    model: LlamaModel
+    num_blocks: int
+    kv_cache: torch.Tensor
+    fingerprint: str
+    factory: RequestFactory
+    tiers: TierManager
+    kv: KVCacheManager
+    index: CacheIndex
+    scheduler: Scheduler
+    runner: ModelRunner
+    pins: PinTable
+    telemetry: Telemetry
+    lifecycle: Lifecycle
+    weights: str = "float32"  # weights_label()
+    tp: TPGroup = field(default_factory=TPGroup)  # rank 0's group under tensor parallelism (engine/ranks.py)
+    memory: "RankMemory | list[RankMemory] | None" = None  # what loading the weights took, per rank under TP
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.tiers.hot.pool
+
+
+def build_engine(cfg: EngineConfig) -> EngineParts:
+    """Loads the model and builds the cache, tiers, scheduler, runner and request lifecycle around it;
+    compiles what the first request would otherwise wait for. With tensor_parallel_size N > 1, first starts
+    ranks 1..N-1 (engine/ranks.py), which load their shares while this process loads its own."""
+    device, dtype = prepare_process(cfg)
+    cache_dir = resolve_cache_dir(cfg)
+    model_dir = resolve_model_dir(cfg.model, cache_dir)
+    spec = ModelSpec.from_file(model_dir / "config.json")
+    limit = max_model_len(spec, cfg.max_model_len)
+    tokenizer = Tokenizer(model_dir)
+    tp = _start_ranks(cfg, spec, model_dir, device)
+    try:
+        return _build(cfg, device, dtype, cache_dir, model_dir, spec, limit, tokenizer, tp)
+    except BaseException:
+        if tp.world > 1:
+            tp.abort()
+        raise
+
+
+def _start_ranks(cfg: EngineConfig, spec: ModelSpec, model_dir: Path, device: torch.device) -> TPGroup:
+    if cfg.tensor_parallel_size == 1:
+        return TPGroup()
+    from tieredkv.engine.ranks import start_ranks
+
+    check_shardable(spec, cfg.tensor_parallel_size)
+    return start_ranks(cfg, model_dir, device)
+
+
+def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_dir: Path, model_dir: Path,
+           spec: ModelSpec, limit: int, tokenizer: Tokenizer, tp: TPGroup) -> EngineParts:
+    quant = quant_settings(cfg, model_dir)
+    identity = identity_in_background(model_dir, quant, cache_dir)  # hashed while the weights load
+    compiled = compile_wanted(cfg.compile_decode, device) and tp.world == 1
+    model = ops = memory = error = None
+    try:
+        model, ops, memory = load_rank_model(cfg, model_dir, device, tp, compiled)
+    except Exception as e:
+        if tp.world == 1:
+            raise
+        error = e
+    leader = tp if tp.world > 1 else None
+    if leader is not None:
+        memory = leader.join_loads(error, memory)
+    num_warm = warm_blocks(cfg, spec, dtype)
+    mode = far_mode(cfg, device) if num_warm else None
+    # on CPU every rank's share is in the one machine's memory: the budget counts whole blocks
+    num_blocks = num_kv_blocks(cfg, spec if device.type == "cpu" else tp.shard.local_spec(spec), dtype, device,
+                               limit, staged=mode == "staged")
+    num_far = num_warm if mode else 0
+    extent = far_extent(cfg, spec, dtype) if mode == "in place" else 0
+    if leader is not None:
+        leader.broadcast((num_blocks, extent, num_warm, mode))
+    kv_cache = make_kv_cache(tp.shard.local_spec(spec), cfg.block_size, num_blocks, extent, dtype, device)
+    factory = RequestFactory(tokenizer, spec, cfg, limit, eos_token_ids(spec, model_dir, tokenizer.eos_token_id),
+                             num_blocks, num_far)
+    fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size, quant, identity=identity.result())
+    tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None, tp=tp)
+    kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
+    index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
+                          offload={"in place": "first", "staged": "last"}.get(mode), policy=cfg.scheduling_policy)
+    runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
+                         _decode_path(model, kv_cache, ops, cache_dir) if compiled else None,
+                         far=(num_blocks, tiers.warm.slab) if mode == "staged" else None, leader=leader)
+    if leader is not None:
+        leader.gather_objects(None)  # every rank has its cache and runner
+    runner.compile_now(background=cfg.compile_in_background)
+    pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
+    lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
+    weights = weights_label(model, dtype)
+    parts = EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
+                        factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights, tp, memory)
+    _log_ready(cfg, parts, num_warm)
+    return parts
+
+
+def _log_ready(cfg: EngineConfig, parts: EngineParts, num_warm: int) -> None:
+    """The start-up line: model, weights, device, pool and tiers, kernels, decode path, ranks."""
+    block_bytes, tp, memory, ops = kv_block_bytes(parts.spec, cfg.block_size, parts.dtype), parts.tp, parts.memory, \
+        parts.runner.ops
+    rank_gib = " / ".join(f"{m.weight_bytes / 2**30:.2f}" for m in memory) if tp.world > 1 else ""
+    log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens (hot %.2f GiB, "
+             "warm %.2f GiB%s), kernels=%s, linear=%s, packed=%s, decode path=%s%s", parts.model_dir.name,
+             parts.weights, total_weight_bytes(parts.model, memory) / 2**30, parts.device, parts.num_blocks,
+             cfg.block_size, parts.num_blocks * block_bytes / 2**30, num_warm * block_bytes / 2**30,
+             "; taken as written" if parts.device.type == "cpu" else "", ops.name, ops.linear.__name__,
+             ops.pack_linear_weight is not None, parts.runner.decode_path,
+             f", tensor parallel over {tp.world} ranks ({rank_gib} GiB of the weights each)" if tp.world > 1 else "")
+
+
+def _decode_path(model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps,
+                 cache_dir: Path) -> CompiledDecode | NativeDecode:
+    """What serves a step that decodes one sequence: the native step where it takes the model (quantized
+    weights on CPU: runner/native_decode.py), else the compiled graph."""
+    return NativeDecode.make(model, kv_cache) or CompiledDecode(model, kv_cache, ops, cache_dir / "inductor")

@@ -1,0 +1,181 @@
+"""What every rank builds for itself, rank 0 and the tensor-parallel followers alike (engine/ranks.py): the
+process's settings, its share of the weights in the layout its kernel set reads, its KV cache tensor and
+model runner."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from tieredkv.config import EngineConfig
+from tieredkv.engine.resolve import quant_settings, resolve_cache_dir, resolve_device, resolve_dtype
+from tieredkv.kernels import KernelOps, select_kernels
+from tieredkv.kernels.linear import graph_reads_packed, packed_range
+from tieredkv.kernels.quant import QuantizedWeight, gather_quantized_weights, tile_quantized_weights
+from tieredkv.kernels.quant_cpu import CPU
+from tieredkv.models.llama import LlamaModel
+from tieredkv.models.loader import load_model
+from tieredkv.models.spec import ModelSpec
+from tieredkv.models.tp_group import TPGroup
+from tieredkv.platform.malloc_tuning import (anonymous_memory, collapse_into_huge_pages, process_status_bytes,
+                                             release_free_memory, tune_glibc_malloc)
+from tieredkv.runner.model_runner import ModelRunner
+from tieredkv.tiers.warm import WarmTier
+
+log = logging.getLogger("tieredkv")
+
+
+def weights_label(model: LlamaModel, dtype: torch.dtype) -> str:
+    """The weights' format for stats() and the start-up line: "float32", or "int4 (float32 activations)", with
+    "; int8 blocks in tiled products" where EngineConfig.int8_activations tiled them."""
+    dt = str(dtype).removeprefix("torch.")
+    if model.quantization is None:
+        return dt
+    tiled = any(isinstance(m, QuantizedWeight) and m.fmt in ("q4t", "q8t") for m in model.modules())
+    return f"{model.quantization} ({dt} activations{'; int8 blocks in tiled products' if tiled else ''})"
+
+
+def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """[layers, 2, num_blocks + num_far + 1, block_size, kv_heads, head_dim]: the hot pool, zeroed, then the
+    far tail when far blocks are read in place (the warm tier's slab, and far_extent's address space beyond
+    it), then one scratch block that no sequence is given: warm-ups and the background compile decode
+    into it while requests are served (scratch_block). On CPU the tensor lies in an anonymous mapping,
+    whose pages the kernel zero-fills on first touch: memory is taken as blocks are written, not for the
+    whole pool at start-up."""
+    shape = (spec.num_layers, 2, num_blocks + num_far + 1, block_size, spec.num_kv_heads, spec.head_dim)
+    if device.type == "cpu":
+        return _zero_pages(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages are taken only when written (the tensor keeps the mapping alive)."""
+    return anonymous_memory(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+
+
+def local_warm(num_warm_blocks: int, kv_cache: torch.Tensor, num_blocks: int) -> WarmTier | None:
+    """The warm tier over this process's cache tensor: its slab is the tensor's tail when that has room beyond
+    the pool (far blocks read in place), else a slab of its own (pinned on CUDA); None without a budget."""
+    if num_warm_blocks <= 0:
+        return None
+    in_place = kv_cache.shape[2] > num_blocks + 1  # more than the pool and the scratch block
+    tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks] if in_place else None
+    block_shape = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
+    return WarmTier(num_warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda", slab=tail)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What loading the weights took on one rank: their bytes in their own formats, and the growth of the
+    process's anonymous resident memory from before the load to after it (packing included, the heap's freed
+    memory handed back)."""
+
+    weight_bytes: int
+    resident_growth: int
+
+
+def total_weight_bytes(model: LlamaModel, memory) -> int:
+    """The weights' bytes over every rank (the model's own outside tensor parallelism)."""
+    return sum(m.weight_bytes for m in memory) if isinstance(memory, list) else model.weight_bytes()
+
+
+def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp: TPGroup,
+                    compiled: bool = False) -> tuple[LlamaModel, KernelOps, RankMemory]:
+    """This rank's share of the weights (all of them at one rank), in the layout the kernel set reads."""
+    spec = ModelSpec.from_file(model_dir / "config.json")
+    dtype = resolve_dtype(cfg.dtype, device)
+    quant = quant_settings(cfg, model_dir)
+    before = process_status_bytes("RssAnon")
+    model = load_model(model_dir, spec, dtype, device, quant, tp)
+    if device.type == "cpu":  # the CPU kernels; their C++ operators are bound here for the eager forward, or by
+        # the compiled path before its trace, on its own thread (a first build takes seconds)
+        CPU.use(resolve_cache_dir(cfg), operators=not compiled)
+        if quant is not None and quant.int8_activations:
+            tiled = tile_quantized_weights(model)  # where the kernels multiply tiles with AVX-512 VNNI
+            log.info("int8 activations: %d quantized weights held in tiles of 16 rows%s", tiled,
+                     "" if tiled else " (none: no build of the CPU kernels with AVX-512 VNNI here)")
+        gather_quantized_weights(model)  # one stream in the order they are read
+    ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
+    if device.type == "cpu":
+        release_free_memory(collect=False)  # the copies that loading, fusing and packing the weights freed
+    return model, ops, RankMemory(model.weight_bytes(), process_status_bytes("RssAnon") - before)
+
+
+def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tuple, device: torch.device,
+                tp: TPGroup) -> tuple[ModelRunner, WarmTier | None]:
+    """The model runner of a tensor-parallel rank other than 0, over its heads of every block id, and the
+    warm tier whose slab holds its heads of every warm slot (only its slab is used: rank 0 keeps the index).
+    `setup`: rank 0's (num_blocks, far extent, warm blocks, far mode)."""
+    num_blocks, extent, num_warm, mode = setup
+    kv_cache = make_kv_cache(tp.shard.local_spec(model.spec), cfg.block_size, num_blocks, extent,
+                             resolve_dtype(cfg.dtype, device), device)
+    warm = local_warm(num_warm, kv_cache, num_blocks)
+    runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
+                         far=(num_blocks, warm.slab) if mode == "staged" else None)
+    return runner, warm
+
+
+def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,
+                         compiled: bool) -> KernelOps:
+    """The kernel set, with the weights in the layout its dense layers read, held once (docs/architecture.md:
+    Kernels): packed where the kernel set packs; with the compiled decode path, packed too unless its one-row
+    products read the plain weights clearly faster on this processor (measured once, kernels/linear.py:
+    graph_reads_packed), else plain, for it and for the eager steps. cpu_linear="packed" keeps a packed copy
+    beside plain weights."""
+    ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear)
+    if ops.pack_linear_weight is None:
+        return ops
+    if not compiled:
+        _pack_weights(model, ops.pack_linear_weight)
+        return ops
+    shapes = model.linear_shapes()  # none where the projections are quantized
+    graph_packed = bool(shapes) and graph_reads_packed(dtype, shapes, resolve_cache_dir(cfg))
+    if not graph_packed and cfg.cpu_linear != "packed":
+        return replace(ops, pack_linear_weight=None)
+    _pack_weights(model, ops.pack_linear_weight, keep_plain=not graph_packed, handles=graph_packed)
+    return ops
+
+
+def _pack_weights(model: LlamaModel, pack, **options) -> None:
+    """model.pack_linear_weights(pack, **options), then the packed buffers moved into huge pages where they lie
+    (malloc_tuning.collapse_into_huge_pages; oneDNN allocated them, so they cannot join an arena uncopied), on a
+    thread of its own: about 1 s for the fp32 default model's 538 MB on 2 cores, which no start waits for (the
+    kernel keeps the contents while it moves them, and memory freed meanwhile is left as it is or refused)."""
+    model.pack_linear_weights(pack, **options)
+    ranges = [packed_range(w) for w in model.packed_weights()]
+
+    def collapse() -> None:
+        log.debug("packed weights: %d MB in huge pages", collapse_into_huge_pages(ranges) >> 20)
+
+    threading.Thread(target=collapse, name="tieredkv-huge-pages", daemon=True).start()
+
+
+def prepare_process(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype, with the thread-level settings they need (this thread's CUDA device)."""
+    device = resolve_device(cfg.device)
+    prepare_rank(cfg, device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.dtype == "auto" and dtype == torch.float16:
+        log.info("dtype auto: float16 on %s (compute capability %d.%d has no native bfloat16)",
+                 torch.cuda.get_device_name(device), *torch.cuda.get_device_capability(device))
+    return device, dtype
+
+
+def prepare_rank(cfg: EngineConfig, device: torch.device) -> None:
+    """This process's (or thread's) settings for serving on `device`: torch's threads (under tensor
+    parallelism on CPU, by default the cores shared out among the ranks), the current CUDA device, malloc."""
+    threads = cfg.num_threads
+    if threads is None and cfg.tensor_parallel_size > 1 and device.type == "cpu":
+        threads = max(1, torch.get_num_threads() // cfg.tensor_parallel_size)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this (worker) thread's current device: "cuda:N" means N
+    if device.type == "cpu" and cfg.cpu_malloc_tuning:
+        tune_glibc_malloc()

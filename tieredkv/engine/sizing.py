@@ -1,0 +1,109 @@
+"""How big each part of the cache is: the hot pool's bytes and blocks, the warm tier's blocks, the far blocks'
+extent, and how attention reaches far blocks. `tieredkv plan` sizes with these same functions."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tieredkv.config import EngineConfig
+from tieredkv.models.spec import ModelSpec
+
+
+WARM_CAP = 4 << 30  # the default warm tier's most bytes
+
+
+CPU_POOL_CAP = 2 << 30  # the default CPU hot pool's most bytes (and at most an eighth of the memory)
+
+
+def default_warm_bytes() -> int:
+    """10% of the memory available now, at most WARM_CAP."""
+    return _share_of_memory("SC_AVPHYS_PAGES")
+
+
+def _share_of_memory(pages: str, part: int = 10) -> int:
+    """1/part of the memory sysconf counts in `pages` (available, or physical), at most WARM_CAP."""
+    try:
+        memory = os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        memory = 8 << 30
+    return min(memory // part, WARM_CAP)
+
+
+STAGE_RESERVE = 4  # staging far blocks takes up to this many layers' worth of the hot pool (far_stage.py)
+
+
+def kv_pool_bytes(cfg: EngineConfig, device_type: str, total: int = 0, used: int = 0, token_bytes: int = 0,
+                  max_len: int = 0, staged_layers: int = 0) -> int:
+    """The hot pool's bytes, for the engine and `tieredkv plan` alike: kv_cache_bytes when given; on CUDA
+    gpu_memory_utilization of the device's `total` memory less what is `used` (weights, and what else
+    the engine measured or the plan estimated), less the staging buffers when far blocks are staged
+    (`staged_layers`: the model's layers; 0 when they are not); elsewhere cpu_kv_cache_bytes, or room for
+    max_num_seqs sequences of `max_len` tokens of `token_bytes` each, at most CPU_POOL_CAP and an eighth
+    of the memory.
+
+    Staging (far_stage.py) holds two buffers of one layer each (the layer computing and the next one,
+    whose far blocks are read ahead), each at most a pool's worth of hot blocks and as many far ones, so
+    STAGE_RESERVE layers of the pool in all. The pool takes what leaves room for them:
+    budget * layers / (layers + STAGE_RESERVE)."""
+    if cfg.kv_cache_bytes is not None:
+        return cfg.kv_cache_bytes
+    if device_type == "cuda":
+        budget = int(total * cfg.gpu_memory_utilization) - used
+        if staged_layers and budget > 0:
+            return budget * staged_layers // (staged_layers + STAGE_RESERVE)
+        return budget
+    if cfg.cpu_kv_cache_bytes is not None:
+        return cfg.cpu_kv_cache_bytes
+    return min(cfg.max_num_seqs * max_len * token_bytes, CPU_POOL_CAP, _share_of_memory("SC_PHYS_PAGES", 8))
+
+
+def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                  max_len: int, staged: bool = False) -> int:
+    """num_blocks when given; else the blocks kv_pool_bytes holds, with the device's memory as measured
+    now (the weights loaded), and room for staging far blocks when they are `staged`."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    block_bytes = kv_block_bytes(spec, cfg.block_size, dtype)
+    total = used = 0
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+    budget = kv_pool_bytes(cfg, device.type, total, used, spec.kv_elements_per_token * dtype.itemsize, max_len,
+                           spec.num_layers if staged else 0)
+    num = budget // block_bytes
+    if num < 2:
+        raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {block_bytes} bytes")
+    return num
+
+
+def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """One block's K and V over every layer."""
+    return spec.kv_elements_per_token * block_size * dtype.itemsize
+
+
+def warm_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Blocks the warm tier's budget holds (warm_bytes, or default_warm_bytes())."""
+    warm_bytes = default_warm_bytes() if cfg.warm_bytes is None else cfg.warm_bytes
+    return warm_bytes // kv_block_bytes(spec, cfg.block_size, dtype)
+
+
+def far_extent(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Blocks the cache tensor's tail spans where far blocks are read in place: what warm_bytes holds, or
+    with the default budget its bound from the machine's total memory (10% of it, at most WARM_CAP), so
+    the tensor's shape (and the compiled graph that takes it) does not follow the memory free at start-up.
+    The span beyond the warm tier is address space only: its pages are never touched."""
+    budget = _share_of_memory("SC_PHYS_PAGES") if cfg.warm_bytes is None else cfg.warm_bytes
+    return budget // kv_block_bytes(spec, cfg.block_size, dtype)
+
+
+def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
+    """How attention reaches far blocks (block_pool.py): "in place" on CPU, where the warm slab can be
+    the tail of the cache tensor; "staged" on CUDA, where it is pinned host memory (far_stage.py); None
+    with offloading off. `far_blocks="staged"` stages on CPU too (it runs the CUDA path's logic)."""
+    if not cfg.offload:
+        return None
+    if device.type != "cpu" or cfg.far_blocks == "staged":
+        return "staged"
+    return "in place"

@@ -1,1 +1,0 @@
-"""Tensor parallelism: one model split across processes (torch.distributed), rank 0 scheduling."""
