@@ -18,37 +18,21 @@ log = logging.getLogger("tieredkv")
 
 
 class EngineCore:
-    """Owns the model, the KV pool and tiers, the scheduler and the requests (build.build_engine
-    makes them all); `step()` is schedule -> execute (block moves, then one forward) -> update."""
+    """Owns what build.build_engine makes (`parts`: the model, the KV pool and tiers, the scheduler, the runner,
+    the request lifecycle, read through the core by name: `core.scheduler` is `core.parts.scheduler`) and the
+    live requests; `step()` is schedule -> execute (block moves, then one forward) -> update."""
 
     def __init__(self, config: EngineConfig):
-        parts = build_engine(config)
         self.config = config
+        self.parts = build_engine(config)
         self.block_size = config.block_size
-        self.device = parts.device
-        self.dtype = parts.dtype
-        self.model_dir = parts.model_dir
-        self.spec = parts.spec
-        self.max_model_len = parts.max_model_len
-        self.tokenizer = parts.tokenizer
-        self.model = parts.model
-        self.num_blocks = parts.num_blocks
-        self.kv_cache = parts.kv_cache
-        self.fingerprint = parts.fingerprint
-        self.factory = parts.factory
-        self.tiers = parts.tiers
-        self.pool = parts.pool
-        self.kv = parts.kv
-        self.index = parts.index
-        self.scheduler = parts.scheduler
-        self.runner = parts.runner
-        self.pins = parts.pins
-        self.telemetry = parts.telemetry
-        self.lifecycle = parts.lifecycle
-        self.weights = parts.weights
-        self.tp = parts.tp
-        self.memory = parts.memory  # RankMemory, or one per rank under tensor parallelism
-        self.requests = parts.lifecycle.requests  # live requests by id
+        self.requests = self.parts.lifecycle.requests  # live requests by id
+
+    def __getattr__(self, name: str) -> Any:
+        parts = self.__dict__.get("parts")
+        if parts is None:
+            raise AttributeError(name)
+        return getattr(parts, name)
 
     def close(self) -> None:
         """Persists cached blocks to the cold tier (when there is one) and closes the tiers; under tensor
