@@ -13,6 +13,7 @@ from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.errors import CheckpointError
 from tieredkv.kernels import quant
+from tieredkv.models import gguf_blocks
 from tieredkv.kernels.quant_cpu import CPU
 
 def weights(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
@@ -42,7 +43,7 @@ def k_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 def gguf_tensor(type_name: str, n: int, k: int, seed: int = 0):
-    return quant.load_gguf_tensor(k_blocks(type_name, n, k, seed), type_name, (n, k), "blk.0.ffn_down.weight")
+    return gguf_blocks.load_gguf_tensor(k_blocks(type_name, n, k, seed), type_name, (n, k), "blk.0.ffn_down.weight")
 
 
 def _q8_groups(w, g):
@@ -312,7 +313,7 @@ def test_gguf_blocks_read_as_they_are(type_name):
     qtype = GGMLQuantizationType[type_name]
     w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
     raw = quantize(w, qtype)
-    qw = quant.load_gguf_tensor(raw, type_name, (6, 96), "blk.0.attn_q.weight")
+    qw = gguf_blocks.load_gguf_tensor(raw, type_name, (6, 96), "blk.0.attn_q.weight")
     assert isinstance(qw, quant.QuantizedWeight) and qw.group_size == 32
     assert torch.equal(qw.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
     # the file's bytes, nothing widened; Q4_0 also holds its implied offset (-8 d) as an fp16 per block
@@ -334,13 +335,13 @@ def test_gguf_k_quants_and_5_bit_types_keep_every_code(type_name):
 
     n, k = 6, 512
     raw = k_blocks(type_name, n, k)
-    qw = quant.load_gguf_tensor(raw, type_name, (n, k), "blk.0.ffn_down.weight")
+    qw = gguf_blocks.load_gguf_tensor(raw, type_name, (n, k), "blk.0.ffn_down.weight")
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).copy())
     got = qw.dequantize()
     assert qw.scheme == f"gguf:{type_name}" and got.shape == want.shape == (n, k)
     assert (qw.fmt, qw.group_size) == HELD_AS[type_name]
     assert (qw.offsets is not None) == (type_name in ("Q5_1", "Q2_K", "Q4_K", "Q5_K"))
-    assert qw.nbytes == n * k // 32 * quant.GGUF_HELD_BYTES[type_name]
+    assert qw.nbytes == n * k // 32 * gguf_blocks.GGUF_HELD_BYTES[type_name]
     if not type_name.endswith("_K"):
         assert torch.equal(got, want)
         return
@@ -392,7 +393,7 @@ def test_gguf_unsupported_type_is_named():
     with pytest.raises(CheckpointError, match=r"blk\.3\.ffn_down\.weight has type IQ4_XS.*supported types: F32, "
                                               r"F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, "
                                               r"Q5_K, Q6_K \(re-quantize"):
-        quant.load_gguf_tensor(np.zeros((2, 136), np.uint8), "IQ4_XS", (2, 256), "blk.3.ffn_down.weight")
+        gguf_blocks.load_gguf_tensor(np.zeros((2, 136), np.uint8), "IQ4_XS", (2, 256), "blk.3.ffn_down.weight")
 
 
 def _dequantized_checkpoint(src: Path, out: Path, scheme: str) -> Path:
@@ -575,7 +576,7 @@ def test_gguf_header_index_is_cached_and_reads_the_same(tmp_path):
                                               ("BF16", torch.bfloat16)])
 def test_gguf_float_tensors_read_as_stored(type_name, dtype):
     t = torch.randn(3, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
-    got = quant.load_gguf_tensor(t.view(torch.uint8).numpy(), type_name, (3, 8), "blk.0.attn_norm.weight")
+    got = gguf_blocks.load_gguf_tensor(t.view(torch.uint8).numpy(), type_name, (3, 8), "blk.0.attn_norm.weight")
     assert got.dtype == dtype and torch.equal(got, t)
 
 
@@ -621,7 +622,7 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
         # the weights as the engine holds them: gguf's dequantization with the K types' scales rounded to fp16
         # (within 2^-11, test_gguf_k_quants_and_q5_0_keep_every_code); with these random blocks' large weights
         # that rounding alone moves a logit by a few hundredths, past a near tie in transformers' own output
-        value = quant.load_gguf_tensor(raw, kind, (n, k), gname).dequantize().numpy()
+        value = gguf_blocks.load_gguf_tensor(raw, kind, (n, k), gname).dequantize().numpy()
         exact = dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
         assert np.abs(value - exact).max() <= 2**-11 * np.abs(exact).max()
         heads = {"attn_q": 4, "attn_k": 2}.get(gname.split(".")[-2])

