@@ -160,6 +160,26 @@ async def test_a_fault_in_the_shared_step_ends_every_stream_with_a_step_error(en
     assert len((await engine.generate(PROMPTS[0], SamplingParams(max_tokens=4))).outputs[0].token_ids) >= 1
 
 
+async def test_a_failed_forward_ends_every_stream_in_it_and_the_engine_serves_on(engine, monkeypatch):
+    """The shared forward is the one failure that fails a batch: every stream in it ends with a StepError
+    naming the cause; the next request is served."""
+    runner = engine.core.runner
+    real, calls = runner.execute, [0]
+
+    def execute(out):
+        calls[0] += 1
+        if calls[0] == 10:
+            raise RuntimeError("injected: the device is gone")
+        return real(out)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    results = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=40, ignore_eos=True))
+                                     for p in PROMPTS], return_exceptions=True)
+    assert all(isinstance(r, StepError) and "injected" in str(r) for r in results), results
+    await engine.run_in_worker(check_pool_clean, engine.core)
+    assert len((await engine.generate(PROMPTS[0], SamplingParams(max_tokens=4))).outputs[0].token_ids) >= 1
+
+
 def test_length_penalty_is_bounded_and_scores_never_overflow():
     with pytest.raises(ValidationError, match="length_penalty"):
         SamplingParams(beam_width=2, length_penalty=1100)
