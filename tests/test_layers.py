@@ -118,3 +118,9 @@ def test_no_module_imports_one_that_imports_it_back():
 def test_the_cycle_finder_finds_cycles():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_only_kernels_ops_registers_torch_operators():
+    """The tieredkv library of torch operators is declared in one module: no other calls torch.library."""
+    users = sorted(name for name, path in modules().items() if "torch.library" in path.read_text())
+    assert users == ["tieredkv.kernels.ops"]

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tieredkv.cache_dir import write_json
+from tieredkv.kernels.ops import implement
 from tieredkv.kernels.quant_cpu import CPU, handle_outputs
 from tieredkv.platform.cpu_features import cpu_info
 
@@ -224,10 +225,6 @@ def packed_handle(packed: torch.Tensor) -> torch.Tensor:
     return handle
 
 
-_OPS = torch.library.Library("tieredkv", "FRAGMENT")
-_OPS.define("dense_packed(Tensor x, Tensor handle, Tensor? bias) -> Tensor")
-
-
 def _dense_packed(x, handle, bias):
     entry = _HANDLES.get(handle.data_ptr())
     if entry is None:  # a copy of a handle (module.to(), a state dict) names no packed weight
@@ -247,12 +244,11 @@ def one_row_or_onednn(x, packed, layout, bias):
     return onednn_linear(x, packed, bias)
 
 
-_OPS.impl("dense_packed", _dense_packed, "CPU")
-
-
-@torch.library.register_fake("tieredkv::dense_packed")
-def _(x, handle, bias):
+def _dense_packed_shape(x, handle, bias):
     return x.new_empty((*x.shape[:-1], handle_outputs(handle)))
+
+
+implement("dense_packed", _dense_packed, ("CPU",), _dense_packed_shape)
 
 
 def dense_by_handle(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,10 +15,10 @@ are whole blocks of 32 are then held as "q4t" and "q8t" (`tile_quantized_weights
 scales in tiles of 16 output rows that one vpdpbusd multiplies together, the activations in int8 blocks of 32
 (quant_cpu.c: "q4 and q8 in tiles"). Each takes the bytes of its untiled layout.
 
-`quant_linear` calls a torch library op (tieredkv::quant_linear), so the compiled decode graph calls it like
-any library product. On CPU it runs quant_cpu.c's kernels for up to `kernel_rows` rows (decode steps), and
-above that dequantizes the weight into fp32 and runs the fp32 product (prefill, where the product's
-arithmetic dominates). On CUDA it runs triton_ops.quant_linear (the weight dequantized tile by tile in
+`quant_linear` calls a torch library op (tieredkv::quant_linear, declared in kernels/ops.py), so the compiled
+decode graph calls it like any library product. On CPU it runs quant_cpu.c's kernels for up to `kernel_rows`
+rows (decode steps), and above that dequantizes the weight into fp32 and runs the fp32 product (prefill, where
+the product's arithmetic dominates). On CUDA it runs triton_ops.quant_linear (the weight dequantized tile by tile in
 registers, the product on the tensor cores in the activations' dtype). Without a C compiler, or without
 Triton on CUDA, it runs the reference: dequantize, then F.linear.
 """
@@ -33,9 +33,10 @@ from torch import nn
 
 from tieredkv.config import INT4_GROUP_SIZES
 from tieredkv.errors import CheckpointError
+from tieredkv.kernels.ops import implement
 from tieredkv.kernels.quant_cpu import CPU, GEMV_MAX_ROWS
 
-# (q4 on a build with 512-bit blocks: 32, kernel_rows)
+
 class QuantizedWeight(nn.Module):
     """A dense layer's weight [out_features, in_features] in the "q8" or "q4" format (module docstring)."""
 
@@ -277,14 +278,6 @@ def _kernel_fits(codes: torch.Tensor, group_size: int) -> bool:
         group_size % (16 if _is_q8(codes) and codes.dim() == 2 else 32) == 0
 
 
-# Defined through torch.library's Library rather than custom_op: a call costs ~6 us instead of ~24 (a decode
-# step of the default model makes 121 of them).
-_OPS = torch.library.Library("tieredkv", "DEF")
-_OPS.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group_size, Tensor? bias) "
-            "-> Tensor")
-_OPS.define("quant_rows(Tensor codes, Tensor scales, Tensor? offsets, int group_size, Tensor ids) -> Tensor")
-
-
 @functools.cache
 def _triton_quant_linear():
     """triton_ops.quant_linear, or None where Triton cannot be imported."""
@@ -362,22 +355,17 @@ def _quant_rows(codes, scales, offsets, group_size, ids):
     return _dequantize_fast(codes, scales, offsets, group_size, ids)
 
 
-for _key in ("CPU", "CUDA"):
-    _OPS.impl("quant_linear", _quant_linear, _key)
-    _OPS.impl("quant_rows", _quant_rows, _key)
-
-
-_LINEAR_OP, _ROWS_OP = torch.ops.tieredkv.quant_linear.default, torch.ops.tieredkv.quant_rows.default
-
-
-@torch.library.register_fake("tieredkv::quant_linear")
-def _(x, codes, scales, offsets, group_size, bias):
+def _quant_linear_shape(x, codes, scales, offsets, group_size, bias):
     return x.new_empty((*x.shape[:-1], _out_features(codes)))
 
 
-@torch.library.register_fake("tieredkv::quant_rows")
-def _(codes, scales, offsets, group_size, ids):
+def _quant_rows_shape(codes, scales, offsets, group_size, ids):
     return codes.new_empty((ids.shape[0], _in_features(codes)), dtype=torch.float32)
+
+
+implement("quant_linear", _quant_linear, ("CPU", "CUDA"), _quant_linear_shape)
+implement("quant_rows", _quant_rows, ("CPU", "CUDA"), _quant_rows_shape)
+_LINEAR_OP, _ROWS_OP = torch.ops.tieredkv.quant_linear.default, torch.ops.tieredkv.quant_rows.default
 
 
 def _dequantize_fast(codes, scales, offsets, group_size, ids) -> torch.Tensor:

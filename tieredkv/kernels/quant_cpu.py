@@ -153,10 +153,6 @@ def build_ops(cache_dir: Path) -> Path:
                     "building the CPU operators")
 
 
-_OPS: ctypes.CDLL | None = None  # quant_ops.cpp's library, loaded once a process (it registers the operators)
-_OPS_ERROR: str | None = None
-
-
 def _quant_gemv_shape(x, codes, scales, offsets, group_size, bias):
     return x.new_empty((*x.shape[:-1], codes.shape[0] * (16 if codes.dim() == 3 else 1)))  # tiles of 16 rows
 
@@ -179,36 +175,6 @@ def handle_outputs(handle) -> int:
     return handle.shape[0] * (handle.shape[2] // 2 if handle.dtype == torch.bfloat16 else handle.shape[2])
 
 
-def bind_ops(cache_dir: Path, lib: ctypes.CDLL) -> bool:
-    """Makes torch.ops.tieredkv.quant_gemv, .paged_decode and .packed_gemv run `lib`'s kernels, building and
-    loading the operators' library on first use; False (with one warning a process) where it cannot be had: the
-    one-row products then go through the Python operators (a few microseconds slower a call), decode attention
-    through torch (kernels/decode_attention.py)."""
-    global _OPS, _OPS_ERROR
-    if _OPS is None and _OPS_ERROR is None:
-        try:
-            path = build_ops(cache_dir)
-            import torch
-
-            torch.ops.load_library(str(path))  # registers the operators; their shape functions go with them
-            torch.library.register_fake("tieredkv::quant_gemv", _quant_gemv_shape)
-            torch.library.register_fake("tieredkv::paged_decode", _paged_decode_shape)
-            torch.library.register_fake("tieredkv::packed_gemv", _packed_gemv_shape)
-            _OPS = ctypes.CDLL(str(path))
-            _OPS.tkv_bind.argtypes, _OPS.tkv_bind.restype = [ctypes.c_void_p] * 7, None
-        except (RuntimeError, OSError) as e:
-            _OPS_ERROR = str(e)
-            log.warning("CPU operators (quantized one-row products, decode attention) unavailable, Python and "
-                        "torch serve: %s", e)
-    if _OPS is None:
-        return False
-    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
-    _OPS.tkv_bind(address(lib.tkv_q8_gemv), address(lib.tkv_q4_gemv), address(lib.tkv_paged_decode),
-                  address(lib.tkv_f32_packed_row), address(lib.tkv_bf16_packed_row), address(lib.tkv_q4t_gemv),
-                  address(lib.tkv_q8t_gemv))
-    return True
-
-
 GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
 # (q4 on a build with 512-bit blocks: 32, kernel_rows)
 
@@ -223,6 +189,8 @@ class CpuLibrary:
         self.lib: ctypes.CDLL | None = None
         self.bound: ctypes.CDLL | None = None
         self.q4_rows = GEMV_MAX_ROWS
+        self.operators: ctypes.CDLL | None = None  # quant_ops.cpp's library, loaded once (it registers the ops)
+        self.operators_error: str | None = None  # why it could not be had (then never tried again)
 
     @property
     def operators_bound(self) -> bool:
@@ -252,7 +220,34 @@ class CpuLibrary:
         self.q4_rows = GEMV_MAX_ROWS if lib is None else lib.tkv_q4_max_rows()
         if lib is None or self.bound is lib or not operators:
             return
-        self.bound = lib if bind_ops(cache_dir, lib) else None
+        self.bound = lib if self._bind(cache_dir, lib) else None
+
+    def _bind(self, cache_dir: Path, lib: ctypes.CDLL) -> bool:
+        """Makes torch.ops.tieredkv.quant_gemv, .paged_decode and .packed_gemv run `lib`'s kernels, building and
+        loading the operators' library on first use; False (with one warning a process) where it cannot be had:
+        the one-row products then go through the Python operators (a few microseconds slower a call), decode
+        attention through torch (kernels/decode_attention.py)."""
+        if self.operators is None and self.operators_error is None:
+            try:
+                path = build_ops(cache_dir)
+                from tieredkv.kernels.ops import load_cpp_operators
+
+                load_cpp_operators(path, {"quant_gemv": _quant_gemv_shape, "paged_decode": _paged_decode_shape,
+                                          "packed_gemv": _packed_gemv_shape})
+                ops = ctypes.CDLL(str(path))
+                ops.tkv_bind.argtypes, ops.tkv_bind.restype = [ctypes.c_void_p] * 7, None
+                self.operators = ops
+            except (RuntimeError, OSError) as e:
+                self.operators_error = str(e)
+                log.warning("CPU operators (quantized one-row products, decode attention) unavailable, Python and "
+                            "torch serve: %s", e)
+        if self.operators is None:
+            return False
+        address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+        self.operators.tkv_bind(address(lib.tkv_q8_gemv), address(lib.tkv_q4_gemv), address(lib.tkv_paged_decode),
+                                address(lib.tkv_f32_packed_row), address(lib.tkv_bf16_packed_row),
+                                address(lib.tkv_q4t_gemv), address(lib.tkv_q8t_gemv))
+        return True
 
 
 CPU = CpuLibrary()
