@@ -474,14 +474,11 @@ def test_one_sequence_decode_paths_serve_quantized_weights(llama_dir, monkeypatc
     """A one-sequence decode of int4 weights runs through the native C step (runner/native_decode.py) or, with it
     off, the compiled graph, which calls the quantized op like any product: greedy token for token the eager
     forward's, and every one-sequence decode ran through that path."""
-    from tieredkv.runner import native_decode
-
-    monkeypatch.setattr(native_decode, "ENABLED", path == "native")
     prompts = [[7, 3, 99, 14] * 4, list(range(20, 60))]
     outs, cores = [], []
     for compiled in (False, True):
         core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
-                                       compile_decode=compiled))
+                                       compile_decode=compiled, native_decode=path == "native"))
         cores.append(core)
         got = []
         for p in prompts:  # one at a time: every step after the prefill decodes one sequence
@@ -595,7 +592,7 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
 
     from helpers import hf_greedy, make_checkpoint, run_to_end
     from tieredkv.models.gguf_convert import _LAYER_NAMES, _TOP_NAMES, _unpermute
-    from tieredkv.runner import compiled_decode, native_decode
+    from tieredkv.runner import compiled_decode
 
     src = make_checkpoint(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2)
@@ -638,9 +635,9 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
     expected = hf_greedy(ref, prompts, 12)
     monkeypatch.setattr(compiled_decode, "MAX_LAYERS_PER_GRAPH", 1)  # a run per layer: runs of two kinds
     for path in ("native", "compiled"):  # the native step takes the parts too; with it off, the graphs
-        monkeypatch.setattr(native_decode, "ENABLED", path == "native")
         core = EngineCore(EngineConfig(model=str(model_dir), quantization="gguf", num_blocks=32, warm_bytes=0,
-                                       compile_decode=True, compile_in_background=False))
+                                       compile_decode=True, compile_in_background=False,
+                                       native_decode=path == "native"))
         try:
             attn, mlp = core.model.layers[0].self_attn, core.model.layers[0].mlp
             assert isinstance(attn.qkv_proj.qweight, quant.QuantizedParts) and attn.qkv_proj.weight is None

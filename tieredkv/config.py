@@ -84,6 +84,9 @@ class EngineConfig(BaseModel):
         None, description="run a step that decodes one sequence through an inductor-compiled graph (compiled at "
         "start-up, cached under cache_dir), or, for quantized weights on CPU, through the native C step (nothing "
         "to compile); None: on for CPU")
+    native_decode: bool = Field(
+        True, description="with compile_decode, a one-sequence decode of quantized weights on CPU runs whole in C "
+        "(the native step) where it takes the model; False: the compiled graph serves it (stats().decode_path)")
     compile_in_background: bool = Field(
         True, description="compile the decode graph on a thread of its own while the eager forward serves, "
         "switching between two steps once it is ready (stats().decode_path says which serves); False: start() "

@@ -165,7 +165,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
                           offload={"in place": "first", "staged": "last"}.get(mode), policy=cfg.scheduling_policy)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
-                         _decode_path(model, kv_cache, ops, cache_dir) if compiled else None,
+                         _decode_path(model, kv_cache, ops, cache_dir, cfg.native_decode) if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if mode == "staged" else None, leader=leader)
     if leader is not None:
         leader.gather_objects(None)  # every rank has its cache and runner
@@ -193,8 +193,9 @@ def _log_ready(cfg: EngineConfig, parts: EngineParts, num_warm: int) -> None:
              f", tensor parallel over {tp.world} ranks ({rank_gib} GiB of the weights each)" if tp.world > 1 else "")
 
 
-def _decode_path(model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps,
-                 cache_dir: Path) -> CompiledDecode | NativeDecode:
-    """What serves a step that decodes one sequence: the native step where it takes the model (quantized
-    weights on CPU: runner/native_decode.py), else the compiled graph."""
-    return NativeDecode.make(model, kv_cache) or CompiledDecode(model, kv_cache, ops, cache_dir / "inductor")
+def _decode_path(model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps, cache_dir: Path,
+                 native: bool = True) -> CompiledDecode | NativeDecode:
+    """What serves a step that decodes one sequence: with `native` (EngineConfig.native_decode), the native
+    step where it takes the model (quantized weights on CPU: runner/native_decode.py), else the compiled graph."""
+    return (native and NativeDecode.make(model, kv_cache)) or CompiledDecode(model, kv_cache, ops,
+                                                                             cache_dir / "inductor")

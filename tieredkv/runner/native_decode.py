@@ -28,7 +28,6 @@ from tieredkv.models.llama import LlamaModel
 
 log = logging.getLogger("tieredkv")
 
-ENABLED = True  # tests turn it off to serve quantized weights through the compiled graph
 MAX_PARTS = 3  # decode_cpu.c: TKV_MAX_PARTS
 FORMATS = {"q8": 0, "q4": 1, "q8t": 2, "q4t": 3}  # cpu_kernels.h: TKV_Q8 ...
 
@@ -135,7 +134,7 @@ class NativeDecode:
     def make(cls, model: LlamaModel, kv_cache: torch.Tensor) -> "NativeDecode | None":
         """The native step for this model and cache, or None (logged, with the reason) where it cannot serve."""
         lib = CPU.lib
-        if not ENABLED or kv_cache.device.type != "cpu" or model.quantization is None:
+        if kv_cache.device.type != "cpu" or model.quantization is None:
             return None
         if lib is None:
             log.info("native decode step off: the CPU kernels are not built")
