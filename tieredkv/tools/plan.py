@@ -27,6 +27,7 @@ from tieredkv.tiers.cold_format import ColdFormat
 from tieredkv.tiers.cold_txn import disk_cost
 from tieredkv.tools.config_flags import parse_bytes  # noqa: F401 (the command line's sizes, also for plan's callers)
 
+
 @dataclass(frozen=True)
 class Plan:
     """What `plan` computed: the weights, the KV per token and per block, and what each tier holds.
@@ -140,32 +141,23 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
          shared_prompt_len: int = 1024, max_num_batched_tokens: int = 1024, max_num_seqs: int = 64,
          activation_bytes: int | None = None, cpu_kv_cache_bytes: int | None = None,
          quantization: str | None = None, quantization_group_size: int = 32, tensor_parallel_size: int = 1) -> Plan:
-    """Plans a deployment from the checkpoint's config.json and tensor headers, without loading weights.
-
-    The hot pool is sized by the engine's own function (`sizing.kv_pool_bytes`) with the engine's
-    defaults, so on a machine the plan's `hot_blocks` is what `AsyncEngine.start` builds there.
+    """Plans a deployment from the checkpoint's config.json and tensor headers, without loading weights. The hot
+    pool is sized by the engine's own function (`sizing.kv_pool_bytes`) with the engine's defaults, so on a
+    machine the plan's `hot_blocks` is what `AsyncEngine.start` builds there.
 
     Args:
-        model: as `EngineConfig.model`: "default", a checkpoint directory or a Hugging Face repo id.
+        model, dtype, block_size, warm_bytes, max_num_seqs, cpu_kv_cache_bytes, quantization,
+            quantization_group_size, tensor_parallel_size: as the `EngineConfig` fields of those names (under
+            tensor parallelism on CUDA the pool is sized on rank 0's device, which holds the largest share).
+        max_len, memory_utilization: as `EngineConfig.max_model_len` and `.gpu_memory_utilization`.
         device: "auto" (CUDA when available, as the engine), "cpu", "cuda" or "cuda:N".
         device_memory_bytes: the memory to plan for (another card than this machine's, say); None: this
             machine's device memory, or its RAM on CPU.
-        memory_utilization: as `EngineConfig.gpu_memory_utilization`.
-        dtype: as `EngineConfig.dtype`.
-        block_size: as `EngineConfig.block_size`.
-        max_len: as `EngineConfig.max_model_len`.
-        warm_bytes: as `EngineConfig.warm_bytes` (None: the engine's default budget).
         cold_bytes: the cold tier's disk budget (0: no cold tier).
-        seq_len: the sequence length to count concurrent sequences for.
-        shared_prompt_len: the shared-prompt length to count distinct cached prompts for.
+        seq_len, shared_prompt_len: the sequence length to count concurrent sequences for, and the shared-prompt
+            length to count distinct cached prompts for.
         max_num_batched_tokens: as `EngineConfig.max_num_batched_tokens` (sizes the activations).
-        max_num_seqs: as `EngineConfig.max_num_seqs`.
         activation_bytes: one step's activations, measured (`profile_activations`); None: estimated.
-        cpu_kv_cache_bytes: as `EngineConfig.cpu_kv_cache_bytes`.
-        quantization: as `EngineConfig.quantization`.
-        quantization_group_size: as `EngineConfig.quantization_group_size`.
-        tensor_parallel_size: as `EngineConfig.tensor_parallel_size`: each rank's weights and KV heads; on
-            CUDA the pool is sized on the device of rank 0, which holds the largest share.
 
     Raises:
         ModelNotFoundError: the model cannot be found.
@@ -174,54 +166,78 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
     model_dir = resolve_model_dir(model)
     spec = ModelSpec.from_file(model_dir / "config.json")
     torch_dtype = resolve_dtype(dtype, torch.device(device))
-    item = torch_dtype.itemsize
     cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size, max_model_len=max_len, warm_bytes=warm_bytes,
                        gpu_memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
                        cpu_kv_cache_bytes=cpu_kv_cache_bytes, quantization=quantization,
                        quantization_group_size=quantization_group_size, tensor_parallel_size=tensor_parallel_size)
     quant = quant_settings(cfg, model_dir)
-    shapes = tensor_shapes(weight_files(model_dir))
-    weights = weight_bytes(spec, shapes, item, quant)
-    shards = [Shard(r, tensor_parallel_size) for r in range(tensor_parallel_size)]
-    if tensor_parallel_size > 1:
-        check_shardable(spec, tensor_parallel_size)
-    rank_weights = [weight_bytes(spec, shapes, item, quant, s) for s in shards] if len(shards) > 1 else [weights]
-    per_token = spec.kv_elements_per_token * item
-    per_block = per_token * block_size
-    rank_blocks = [per_block * n // spec.num_kv_heads for n in shards[0].sizes(spec.num_kv_heads)]
+    weights, rank_weights, rank_blocks = _rank_shares(spec, model_dir, torch_dtype, quant, block_size,
+                                                      tensor_parallel_size)
     memory = device_memory_bytes if device_memory_bytes is not None else device_memory(device)
     measured = activation_bytes is not None
     if activation_bytes is None:
-        activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, item)
-    device_type = torch.device(device).type  # the engine's own arithmetic: CUDA memory less weights, activations
-    warm = warm_blocks(cfg, spec, torch_dtype)
-    staged = spec.num_layers if device_type == "cuda" and far_mode(cfg, torch.device(device)) and warm else 0
-    if device_type == "cuda":  # rank 0's device: its weights, its share of each block (build._build)
-        pool = kv_pool_bytes(cfg, device_type, memory, rank_weights[0] + activation_bytes,
-                             per_token * rank_blocks[0] // per_block, max_model_len(spec, max_len), staged)
-        hot = max(pool, 0) // rank_blocks[0]
-    else:  # one machine's memory for every rank: whole blocks
-        pool = kv_pool_bytes(cfg, device_type, memory, weights + activation_bytes, per_token,
-                             max_model_len(spec, max_len), staged)
-        hot = max(pool, 0) // per_block
-    block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
-    fingerprint = model_fingerprint(model_dir, torch_dtype, block_size, quant, identity="0" * 64)  # (its length)
-    entry = disk_cost(ColdFormat.entry_bytes(block_shape, torch_dtype, fingerprint, block_size))
-    prompt_blocks = max(shared_prompt_len // block_size, 1)
-    tiers = {"hot": hot, "warm": warm, "cold": cold_bytes // entry}
+        activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, torch_dtype.itemsize)
+    per_token = spec.kv_elements_per_token * torch_dtype.itemsize
+    per_block = _block_bytes(spec, block_size, torch_dtype)
+    hot, staged = _hot_blocks(cfg, spec, torch.device(device), memory, activation_bytes, weights, rank_weights,
+                              rank_blocks, torch_dtype)
+    warm, cold = warm_blocks(cfg, spec, torch_dtype), _cold_blocks(spec, model_dir, torch_dtype, quant, block_size,
+                                                                   cold_bytes)
+    prompt_blocks, limit = max(shared_prompt_len // block_size, 1), max_model_len(spec, max_len)
     return Plan(
         model=model_dir.name, dtype=str(torch_dtype).removeprefix("torch."),
         weights=str(torch_dtype).removeprefix("torch.") if quant is None else quant.label, block_size=block_size,
-        max_model_len=max_model_len(spec, max_len), weight_bytes=weights, kv_bytes_per_token=per_token,
+        max_model_len=limit, weight_bytes=weights, kv_bytes_per_token=per_token,
         kv_bytes_per_block=per_block, device_memory=memory, memory_utilization=memory_utilization,
-        activation_bytes=activation_bytes, hot_blocks=hot, warm_blocks=tiers["warm"], cold_blocks=tiers["cold"],
+        activation_bytes=activation_bytes, hot_blocks=hot, warm_blocks=warm, cold_blocks=cold,
         seq_len=seq_len, seqs_before_preemption=hot // cdiv(seq_len, block_size),
-        seqs_with_offload=min((hot + tiers["warm"]) // cdiv(seq_len, block_size), hot),
-        longest_sequence=min(max_model_len(spec, max_len), (hot + tiers["warm"]) * block_size),
-        shared_prompt_len=shared_prompt_len, shared_prompts={t: n // prompt_blocks for t, n in tiers.items()},
-        measured=measured, device=device_type,
+        seqs_with_offload=min((hot + warm) // cdiv(seq_len, block_size), hot),
+        longest_sequence=min(limit, (hot + warm) * block_size), shared_prompt_len=shared_prompt_len,
+        shared_prompts={t: n // prompt_blocks for t, n in (("hot", hot), ("warm", warm), ("cold", cold))},
+        measured=measured, device=torch.device(device).type,
         staging_bytes=STAGE_RESERVE * hot * per_block // spec.num_layers if staged else 0,
         tensor_parallel_size=tensor_parallel_size, rank_weight_bytes=rank_weights, rank_kv_bytes_per_block=rank_blocks)
+
+
+def _block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    return spec.kv_elements_per_token * dtype.itemsize * block_size
+
+
+def _rank_shares(spec: ModelSpec, model_dir, dtype: torch.dtype, quant, block_size: int,
+                 tp_size: int) -> tuple[int, list[int], list[int]]:
+    """The weights' bytes, each rank's share of them and each rank's bytes of one KV block."""
+    shapes = tensor_shapes(weight_files(model_dir))
+    weights = weight_bytes(spec, shapes, dtype.itemsize, quant)
+    if tp_size > 1:
+        check_shardable(spec, tp_size)
+    shards = [Shard(r, tp_size) for r in range(tp_size)]
+    rank_weights = [weight_bytes(spec, shapes, dtype.itemsize, quant, s) for s in shards] if tp_size > 1 else [weights]
+    per_block = _block_bytes(spec, block_size, dtype)
+    return weights, rank_weights, [per_block * n // spec.num_kv_heads for n in shards[0].sizes(spec.num_kv_heads)]
+
+
+def _hot_blocks(cfg: EngineConfig, spec: ModelSpec, device: torch.device, memory: int, activation_bytes: int,
+                weights: int, rank_weights: list[int], rank_blocks: list[int], dtype: torch.dtype) -> tuple[int, int]:
+    """The hot pool's blocks by the engine's own arithmetic (build._build), and the layers staged far blocks
+    reserve (0 when none): on CUDA rank 0's device, its weights and its share of each block; on CPU one
+    machine's memory for every rank, whole blocks."""
+    per_token, per_block = spec.kv_elements_per_token * dtype.itemsize, _block_bytes(spec, cfg.block_size, dtype)
+    staged = spec.num_layers if device.type == "cuda" and far_mode(cfg, device) and warm_blocks(cfg, spec, dtype) \
+        else 0
+    limit = max_model_len(spec, cfg.max_model_len)
+    if device.type == "cuda":
+        pool = kv_pool_bytes(cfg, device.type, memory, rank_weights[0] + activation_bytes,
+                             per_token * rank_blocks[0] // per_block, limit, staged)
+        return max(pool, 0) // rank_blocks[0], staged
+    pool = kv_pool_bytes(cfg, device.type, memory, weights + activation_bytes, per_token, limit, staged)
+    return max(pool, 0) // per_block, staged
+
+
+def _cold_blocks(spec: ModelSpec, model_dir, dtype: torch.dtype, quant, block_size: int, cold_bytes: int) -> int:
+    """Blocks a cold budget holds, each entry its header (the fingerprint's length) and payload on disk."""
+    block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
+    fingerprint = model_fingerprint(model_dir, dtype, block_size, quant, identity="0" * 64)  # (its length)
+    return cold_bytes // disk_cost(ColdFormat.entry_bytes(block_shape, dtype, fingerprint, block_size))
 
 
 def profile_activations(model: str, device: str, dtype: str, max_num_batched_tokens: int) -> int:
