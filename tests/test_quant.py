@@ -703,3 +703,17 @@ def test_many_rows_dequantize_a_large_weight_in_tiles(lib, fmt, monkeypatch):
     check_against_reference(qw, quant.kernel_rows(qw.codes) + 3)
     assert [None if ids is None else ids.tolist() for ids in calls] == [
         list(range(0, 16)), list(range(16, 32)), list(range(32, 37))]
+
+
+def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir):
+    kinds = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0))
+    try:
+        assert core.stats().dense_formats == {**{k: "q4 g32 (int4)" for k in kinds}, "lm_head": "q8 g64 (int8)"}
+    finally:
+        core.close()
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, warm_bytes=0, cpu_linear="torch"))
+    try:
+        assert core.stats().dense_formats == {k: "float32" for k in (*kinds, "lm_head")}
+    finally:
+        core.close()

@@ -27,6 +27,7 @@ class EngineCore:
         self.parts = build_engine(config)
         self.block_size = config.block_size
         self.requests = self.parts.lifecycle.requests  # live requests by id
+        self.dense_formats = self.parts.model.dense_formats(self.parts.runner.ops)  # fixed once built
 
     def __getattr__(self, name: str) -> Any:
         parts = self.__dict__.get("parts")
@@ -109,4 +110,4 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return collect_stats(self.pool, self.scheduler, self.kv, self.tiers.stats(), self.pins.num_blocks,
                              self.runner.decode_path, self.weights,
-                             total_weight_bytes(self.model, self.memory))
+                             total_weight_bytes(self.model, self.memory), self.dense_formats)

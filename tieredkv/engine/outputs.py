@@ -143,6 +143,8 @@ class EngineStats:
             "compiled", "compiling" (eager meanwhile) or "eager".
         weights: the weights' format: the dtype, or the quantization ("int4 (float32 activations)").
         weight_bytes: what the weights take in that format (over every rank under tensor parallelism).
+        dense_formats: each kind of dense layer (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) -> the format
+            its products read: "float32 packed" (oneDNN's layout), "q4 g32 (gguf:Q4_1)", ...
     """
 
     num_running: int
@@ -166,6 +168,7 @@ class EngineStats:
     decode_path: str = "eager"  # a one-sequence decode: "native", "compiled", "compiling" (eager meanwhile), "eager"
     weights: str = "float32"  # the weights' format: the dtype, or the quantization ("int4 (float32 activations)")
     weight_bytes: int = 0  # what the weights take in that format
+    dense_formats: dict[str, str] = field(default_factory=dict)  # layer kind -> the format its products read
 
 
 def make_chunk(seq: "Sequence", token_ids: list[int], final: bool,
@@ -191,7 +194,8 @@ def _usage(req: "Request", completion_tokens: int) -> Usage:
 
 
 def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
-                  decode_path: str = "eager", weights: str = "float32", weight_bytes: int = 0) -> EngineStats:
+                  decode_path: str = "eager", weights: str = "float32", weight_bytes: int = 0,
+                  dense_formats: dict[str, str] | None = None) -> EngineStats:
     """A snapshot of the engine's counters: every field read at one moment, tier stats copied."""
     return EngineStats(
         num_running=len(scheduler.running),
@@ -215,4 +219,5 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
         decode_path=decode_path,
         weights=weights,
         weight_bytes=weight_bytes,
+        dense_formats=dict(dense_formats or {}),
     )

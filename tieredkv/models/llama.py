@@ -66,6 +66,26 @@ def dense(ops: KernelOps, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return ops.linear(x, weight, layer.bias)
 
 
+def _dense_format(layer: nn.Linear, ops: KernelOps) -> str:
+    qweight = getattr(layer, "qweight", None)
+    if qweight is not None:
+        return _quantized_format(qweight)
+    return _float_format(layer.weight, ops)
+
+
+def _float_format(weight: torch.Tensor, ops: KernelOps) -> str:
+    """ "float32", or "float32 packed" where the kernel set reads oneDNN's packed layout."""
+    return str(weight.dtype).removeprefix("torch.") + (" packed" if ops.pack_linear_weight is not None else "")
+
+
+def _quantized_format(qw) -> str:
+    """ "q4 g32 (gguf:Q4_1)": the codes' format, the inputs a scale covers, the scheme the weights came from."""
+    parts = getattr(qw, "parts", None)
+    if parts is not None:  # QuantizedParts: fused pieces in formats of their own
+        return " + ".join(dict.fromkeys(_quantized_format(p) for p in parts))
+    return f"{qw.fmt} g{qw.group_size} ({qw.scheme})"
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + _rotate_half(x) * sin
 
@@ -220,6 +240,20 @@ class LlamaModel(nn.Module):
             return None
         kinds = list(dict.fromkeys(t for s in schemes for t in s.removeprefix("gguf:").split("+")))
         return schemes[0] if len(kinds) == 1 else "gguf:" + "+".join(kinds)
+
+    def dense_formats(self, ops: KernelOps) -> dict[str, str]:
+        """Each kind of dense layer (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) -> the format its products
+        read, as `dense` and `head` choose it with this kernel set: "q4 g32 (gguf:Q4_1)", "q8 g16 + q4 g32" for
+        pieces in two formats, "float32 packed" (oneDNN's layout), "float32"; kinds whose layers differ list
+        each format once, joined by " / "."""
+        found: dict[str, list[str]] = {}
+        for name, module in self.layers.named_modules():
+            if isinstance(module, nn.Linear):
+                found.setdefault(name.rsplit(".", 1)[-1], []).append(_dense_format(module, ops))
+        head = self.quantized_head  # a float head is in the table's dtype (it is the table, when tied)
+        found["lm_head"] = [_quantized_format(head) if head is not None else
+                            _float_format(self.embed_tokens.weight, ops)]
+        return {kind: " / ".join(dict.fromkeys(formats)) for kind, formats in found.items()}
 
     def weight_bytes(self) -> int:
         """The bytes the weights take, in their own formats (quantized ones included), the LM head counted once."""
