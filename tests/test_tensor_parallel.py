@@ -134,6 +134,24 @@ def test_rank_start_failures_are_clear(monkeypatch):
 # -- two ranks on tiny models --------------------------------------------------------------------------
 
 
+def test_a_load_that_fails_on_every_rank_ends_the_start_with_rank_0s_error(llama_dir, tmp_path):
+    """Every rank loads its share, then reports to rank 0 in one gather (engine/rank_build.py load_share): a
+    truncated weights file fails each rank's load, and the start ends with rank 0's own CheckpointError, the
+    other ranks gone, nothing left waiting in a collective."""
+    import shutil
+
+    from tieredkv.errors import CheckpointError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size * 3 // 4])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        EngineCore(tp_config(broken))
+    children = multiprocessing.active_children()
+    assert not [c for c in children if c.name.startswith("tieredkv-rank")], children
+
+
 def test_greedy_matches_transformers_through_preemption_and_tiers(llama_dir, tmp_path):
     """On a tiny GQA model (4 query heads over 2 KV heads), two ranks give transformers' greedy output: batched
     with a shared prefix in a pool so small that sequences are preempted and swapped to warm and back (each

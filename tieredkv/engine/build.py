@@ -16,7 +16,7 @@ from tieredkv.core.pins import PinTable
 from tieredkv.core.scheduler import Scheduler
 from tieredkv.engine.identity import identity_in_background, model_fingerprint
 from tieredkv.engine.lifecycle import Lifecycle
-from tieredkv.engine.rank_build import (RankMemory, load_rank_model, local_warm, make_kv_cache, prepare_process,
+from tieredkv.engine.rank_build import (RankMemory, load_share, local_warm, make_kv_cache, prepare_process,
                                         total_weight_bytes, weights_label)
 from tieredkv.engine.request_factory import RequestFactory
 from tieredkv.engine.resolve import eos_token_ids, max_model_len, quant_settings, resolve_cache_dir, resolve_model_dir
@@ -136,16 +136,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     quant = quant_settings(cfg, model_dir)
     identity = identity_in_background(model_dir, quant, cache_dir)  # hashed while the weights load
     compiled = compile_wanted(cfg.compile_decode, device) and tp.world == 1
-    model = ops = memory = error = None
-    try:
-        model, ops, memory = load_rank_model(cfg, model_dir, device, tp, compiled)
-    except Exception as e:
-        if tp.world == 1:
-            raise
-        error = e
+    model, ops, memory = load_share(cfg, model_dir, device, tp, compiled)
     leader = tp if tp.world > 1 else None
-    if leader is not None:
-        memory = leader.join_loads(error, memory)
     num_warm = warm_blocks(cfg, spec, dtype)
     mode = far_mode(cfg, device) if num_warm else None
     # on CPU every rank's share is in the one machine's memory: the budget counts whole blocks

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tieredkv.config import EngineConfig
+from tieredkv.errors import RankStartError
 from tieredkv.engine.resolve import quant_settings, resolve_cache_dir, resolve_device, resolve_dtype
 from tieredkv.kernels import KernelOps, select_kernels
 from tieredkv.kernels.linear import graph_reads_packed, packed_range
@@ -105,6 +106,30 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
     if device.type == "cpu":
         release_free_memory(collect=False)  # the copies that loading, fusing and packing the weights freed
     return model, ops, RankMemory(model.weight_bytes(), process_status_bytes("RssAnon") - before)
+
+
+def load_share(cfg: EngineConfig, model_dir: Path, device: torch.device, tp: TPGroup,
+               compiled: bool = False) -> tuple[LlamaModel, KernelOps, "RankMemory | list[RankMemory]"]:
+    """load_rank_model, then, under tensor parallelism, the first step every rank takes in lockstep: each reports
+    its load to rank 0 (a gather all take part in, so that a rank that failed ends the start everywhere). Rank 0
+    gets every rank's RankMemory, rank order, and raises its own error or names the first rank that failed; the
+    others raise their own error."""
+    if tp.world == 1:
+        return load_rank_model(cfg, model_dir, device, tp, compiled)
+    model = ops = memory = error = None
+    try:
+        model, ops, memory = load_rank_model(cfg, model_dir, device, tp, compiled)
+    except Exception as e:  # told to rank 0 first
+        error = e
+    results = tp.gather_objects((None if error is None else f"{type(error).__name__}: {error}", memory))
+    if error is not None:
+        raise error if tp.rank == 0 else RankStartError(f"{type(error).__name__}: {error}")
+    if results is None:
+        return model, ops, memory
+    for rank, (failed, _) in enumerate(results):
+        if failed is not None:
+            raise RankStartError(f"tensor-parallel rank {rank} could not load its share of the model: {failed}")
+    return model, ops, [m for _, m in results]
 
 
 def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tuple, device: torch.device,

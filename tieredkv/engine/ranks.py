@@ -49,16 +49,6 @@ class LeaderGroup(TPGroup):
         self.broadcast((name, *args))
         self.commands[name] += 1
 
-    def join_loads(self, error: BaseException | None, memory):
-        """Every rank's load result, rank order; raises the first rank's error (this one's first)."""
-        results = self.gather_objects((None if error is None else f"{type(error).__name__}: {error}", memory))
-        if error is not None:
-            raise error
-        for rank, (failed, _) in enumerate(results):
-            if failed is not None:
-                raise RankStartError(f"tensor-parallel rank {rank} could not load its share of the model: {failed}")
-        return [m for _, m in results]
-
     def abort(self) -> None:
         """Ends every rank at once (start-up failed: they may be waiting in any collective)."""
         self.broken = self.broken or RankStartError("aborted")
@@ -191,17 +181,10 @@ class Follower:
     """Ranks 1..N-1: the same model runner over this rank's share, driven by rank 0's commands."""
 
     def __init__(self, cfg: EngineConfig, tp: TPGroup, device: torch.device):
-        from tieredkv.engine.rank_build import load_rank_model, rank_runner
+        from tieredkv.engine.rank_build import load_share, rank_runner
 
         self.tp, self.cfg = tp, cfg
-        error, info = None, None
-        try:
-            self.model, self.ops, info = load_rank_model(cfg, Path(cfg.model), device, tp)
-        except Exception as e:  # told to rank 0, which raises it
-            error = f"{type(e).__name__}: {e}"
-        tp.gather_objects((error, info))
-        if error is not None:
-            raise RankStartError(error)
+        self.model, self.ops, _ = load_share(cfg, Path(cfg.model), device, tp)  # the steps rank 0 takes too
         self.runner, self.warm = rank_runner(cfg, self.model, self.ops, tp.broadcast(), device, tp)
         self.kv_heads = tp.shard.sizes(self.model.spec.num_kv_heads)
         tp.gather_objects(None)  # ready
