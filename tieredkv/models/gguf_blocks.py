@@ -21,6 +21,11 @@ GGUF_HELD_BYTES = {"Q8_0": 34, "Q4_0": 20, "Q4_1": 20, "Q5_0": 34, "Q5_1": 36, "
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's 16 levels
 
 
+_LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+            "IQ4_NL": (32, 18), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
+            "Q6_K": (256, 210)}  # (inputs, bytes) per block of each quantized type
+
+
 def load_gguf_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, int], name: str
                      ) -> QuantizedWeight | torch.Tensor:
     """One GGUF tensor [rows, cols]: quantized blocks become a QuantizedWeight without going through fp32;
@@ -37,17 +42,11 @@ def load_gguf_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, int], na
     an error that names it and lists what is read."""
     rows, cols = shape
     if type_name in ("F32", "F16", "BF16"):
-        # numpy has no bfloat16: its 16-bit words are read as int16, then reinterpreted
-        words = np.ascontiguousarray(raw).view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[type_name])
-        t = torch.from_numpy(words.reshape(rows, cols).copy())
-        return t.view(torch.bfloat16) if type_name == "BF16" else t
-    layouts = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-               "IQ4_NL": (32, 18), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
-               "Q6_K": (256, 210)}  # (inputs, bytes) per block
-    if type_name not in layouts:
+        return _float_tensor(raw, type_name, rows, cols)
+    if type_name not in _LAYOUTS:
         raise CheckpointError(f"GGUF tensor {name} has type {type_name}, which is not supported; supported types: "
                               f"{', '.join(GGUF_TYPES)} (re-quantize the file to one of them with llama-quantize)")
-    per_block, nbytes = layouts[type_name]
+    per_block, nbytes = _LAYOUTS[type_name]
     if cols % per_block or raw.size != rows * cols // per_block * nbytes:
         raise CheckpointError(f"GGUF tensor {name} ({type_name}, {rows}x{cols}) is not whole blocks of {per_block} "
                               f"inputs ({raw.size} bytes)")
@@ -74,6 +73,14 @@ def load_gguf_tensor(raw: np.ndarray, type_name: str, shape: tuple[int, int], na
         m, qs = _f16(blocks[..., 2:4], rows), blocks[..., 4:]
     q = torch.from_numpy(qs.copy().reshape(rows, cols // 2))
     return QuantizedWeight("q4", q, d, m, 32, cols, f"gguf:{type_name}")
+
+
+def _float_tensor(raw: np.ndarray, type_name: str, rows: int, cols: int) -> torch.Tensor:
+    """An F32 / F16 / BF16 tensor as stored (numpy has no bfloat16: its 16-bit words are read as int16, then
+    reinterpreted)."""
+    words = np.ascontiguousarray(raw).view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[type_name])
+    t = torch.from_numpy(words.reshape(rows, cols).copy())
+    return t.view(torch.bfloat16) if type_name == "BF16" else t
 
 
 def _f16(words: np.ndarray, rows: int) -> torch.Tensor:
