@@ -4,7 +4,7 @@ facts it derives on the way: device, dtype, sizes, fingerprint, tiers."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.models.tp_group import TPGroup
 from tieredkv.models.tp_shard import check_shardable
+from tieredkv.platform.process import Hold
 from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.runner.native_decode import NativeDecode
@@ -97,6 +98,7 @@ class EngineParts:
     weights: str = "float32"  # weights_label()
     tp: TPGroup = field(default_factory=TPGroup)  # rank 0's group under tensor parallelism (engine/ranks.py)
     memory: "RankMemory | list[RankMemory] | None" = None  # what loading the weights took, per rank under TP
+    process: Hold | None = None  # the process settings it holds (platform/process.py), released at close
 
     @property
     def pool(self) -> BlockPool:
@@ -107,18 +109,21 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     """Loads the model and builds the cache, tiers, scheduler, runner and request lifecycle around it;
     compiles what the first request would otherwise wait for. With tensor_parallel_size N > 1, first starts
     ranks 1..N-1 (engine/ranks.py), which load their shares while this process loads its own."""
-    device, dtype = prepare_process(cfg)
-    cache_dir = resolve_cache_dir(cfg)
-    model_dir = resolve_model_dir(cfg.model, cache_dir)
-    spec = ModelSpec.from_file(model_dir / "config.json")
-    limit = max_model_len(spec, cfg.max_model_len)
-    tokenizer = Tokenizer(model_dir)
-    tp = _start_ranks(cfg, spec, model_dir, device)
+    device, dtype, held = prepare_process(cfg)
+    tp = None
     try:
-        return _build(cfg, device, dtype, cache_dir, model_dir, spec, limit, tokenizer, tp)
+        cache_dir = resolve_cache_dir(cfg)
+        model_dir = resolve_model_dir(cfg.model, cache_dir)
+        spec = ModelSpec.from_file(model_dir / "config.json")
+        limit = max_model_len(spec, cfg.max_model_len)
+        tokenizer = Tokenizer(model_dir)
+        tp = _start_ranks(cfg, spec, model_dir, device)
+        return replace(_build(cfg, device, dtype, cache_dir, model_dir, spec, limit, tokenizer, tp), process=held)
     except BaseException:
-        if tp.world > 1:
+        if tp is not None and tp.world > 1:
             tp.abort()
+        if held is not None:
+            held.release()
         raise
 
 

@@ -47,6 +47,8 @@ class EngineCore:
         finally:
             if self.tp.world > 1:
                 self.tp.close()
+            if self.parts.process is not None:
+                self.parts.process.release()  # torch's threads as the process had them
 
     # -- requests (see engine/lifecycle.py) --------------------------------------------------------------
 

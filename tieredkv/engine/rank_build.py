@@ -23,6 +23,7 @@ from tieredkv.models.llama import LlamaModel
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tp_group import TPGroup
+from tieredkv.platform.process import PROCESS, Hold
 from tieredkv.platform.malloc_tuning import (anonymous_memory, collapse_into_huge_pages, process_status_bytes,
                                              release_free_memory, tune_glibc_malloc)
 from tieredkv.runner.model_runner import ModelRunner
@@ -181,26 +182,29 @@ def _pack_weights(model: LlamaModel, pack, **options) -> None:
     threading.Thread(target=collapse, name="tieredkv-huge-pages", daemon=True).start()
 
 
-def prepare_process(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype, with the thread-level settings they need (this thread's CUDA device)."""
+def prepare_process(cfg: EngineConfig) -> tuple[torch.device, torch.dtype, Hold | None]:
+    """The device and dtype, with the thread-level settings they need (this thread's CUDA device), and the hold on
+    the process's settings that the engine's close releases."""
     device = resolve_device(cfg.device)
-    prepare_rank(cfg, device)
+    held = prepare_rank(cfg, device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.dtype == "auto" and dtype == torch.float16:
         log.info("dtype auto: float16 on %s (compute capability %d.%d has no native bfloat16)",
                  torch.cuda.get_device_name(device), *torch.cuda.get_device_capability(device))
-    return device, dtype
+    return device, dtype, held
 
 
-def prepare_rank(cfg: EngineConfig, device: torch.device) -> None:
+def prepare_rank(cfg: EngineConfig, device: torch.device) -> Hold | None:
     """This process's (or thread's) settings for serving on `device`: torch's threads (under tensor
-    parallelism on CPU, by default the cores shared out among the ranks), the current CUDA device, malloc."""
+    parallelism on CPU, by default the cores shared out among the ranks; held through platform/process.py,
+    and returned, so that the engine's close gives the process its own count back), the current CUDA device,
+    malloc."""
     threads = cfg.num_threads
     if threads is None and cfg.tensor_parallel_size > 1 and device.type == "cpu":
         threads = max(1, torch.get_num_threads() // cfg.tensor_parallel_size)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    held = PROCESS.threads(threads) if threads is not None else None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this (worker) thread's current device: "cuda:N" means N
     if device.type == "cpu" and cfg.cpu_malloc_tuning:
         tune_glibc_malloc()
+    return held

@@ -1,8 +1,8 @@
 """What engines change in the process they run in, through one object a process (`PROCESS`): torch's thread count,
-glibc malloc's thresholds, and the GIL's switch interval while a graph compiles beside the steps. Each change is
-logged once; the ones that can be read back are restored when the last engine that asked for them is done, so
-two engines in one process (or one started twice) leave the process as they found it, whatever order they end
-in."""
+and the GIL's switch interval while a graph compiles beside the steps. The first engine that asks for a setting
+applies it (logged once), later ones share it, and the process's own value comes back when the last lets go, so
+engines in one process (or one started twice) leave it as they found it, whatever order they end in. glibc
+malloc's thresholds (platform/malloc_tuning.py) cannot be read back, so they stay once set."""
 
 from __future__ import annotations
 
@@ -10,52 +10,78 @@ import contextlib
 import logging
 import sys
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
+
+import torch
 
 log = logging.getLogger("tieredkv")
 
 
+class Hold:
+    """One holder's claim on a setting; `release()` lets go (once: calling it again does nothing)."""
+
+    def __init__(self, settings: "ProcessSettings", name: str, write: Callable) -> None:
+        self._settings, self._name, self._write = settings, name, write
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._settings._let_go(self._name, self._write)
+
+
 class ProcessSettings:
     """The process's settings as engines use them. Thread-safe. Invariant: while `holders(name)` > 0 the setting
-    holds the value its first holder set, and `saved` the value before it; at 0 the saved value is back."""
+    holds the value its first holder set, and the value before it is kept; at 0 that value is back."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holders: dict[str, int] = {}
         self._saved: dict[str, object] = {}
+        self._values: dict[str, object] = {}
         self._logged: set[str] = set()
 
     def holders(self, name: str) -> int:
         with self._lock:
             return self._holders.get(name, 0)
 
-    def _enter(self, name: str, read, write, value) -> None:
+    def hold(self, name: str, read: Callable, write: Callable, value) -> Hold:
+        """`name` at `value` (read/write get and set it) until the Hold is released; while another holder has it,
+        the value stays the first holder's (a different one asked for is logged)."""
         with self._lock:
             if self._holders.get(name, 0) == 0:
-                self._saved[name] = read()
+                self._saved[name], self._values[name] = read(), value
                 write(value)
                 if name not in self._logged:
                     self._logged.add(name)
                     log.debug("process setting %s: %r (was %r)", name, value, self._saved[name])
+            elif self._values[name] != value:
+                log.warning("%s stays %r, as the engine that set it first in this process asked (%r asked now)",
+                            name, self._values[name], value)
             self._holders[name] = self._holders.get(name, 0) + 1
+        return Hold(self, name, write)
 
-    def _exit(self, name: str, write) -> None:
+    def _let_go(self, name: str, write: Callable) -> None:
         with self._lock:
             self._holders[name] -= 1
             if self._holders[name] == 0:
                 write(self._saved.pop(name))
+                del self._values[name]
+
+    def threads(self, count: int) -> Hold:
+        """torch's intra-op threads at `count` (they are the process's, whichever thread sets them)."""
+        return self.hold("torch threads", torch.get_num_threads, torch.set_num_threads, count)
 
     @contextlib.contextmanager
     def switch_interval(self, seconds: float) -> Iterator[None]:
         """The GIL's switch interval at most `seconds` while inside (for a compile on one thread beside steps on
-        another, which drop and retake the GIL around every torch call); the first holder's value while any
-        holds it, the process's own once the last leaves."""
-        value = min(sys.getswitchinterval(), seconds)
-        self._enter("switch_interval", sys.getswitchinterval, sys.setswitchinterval, value)
+        another, which drop and retake the GIL around every torch call)."""
+        held = self.hold("switch interval", sys.getswitchinterval, sys.setswitchinterval,
+                         min(sys.getswitchinterval(), seconds))
         try:
             yield
         finally:
-            self._exit("switch_interval", sys.setswitchinterval)
+            held.release()
 
 
 PROCESS = ProcessSettings()
