@@ -1,7 +1,10 @@
 """Block moves: what a step does to block data before its forward, decided by the scheduler as plain data.
 
-The scheduler and the KV manager only change metadata (block tables, ref counts, the hash map, tier
-indexes) and append a BlockMove for every byte that has to move. The tier manager carries the list
+The scheduler and the KV manager change metadata (block tables, ref counts, the hash map, tier indexes)
+and append a BlockMove for every byte that has to move, with one exception: when a block goes down to a
+full warm tier while the plan is made (a swap-out's reservation, an offload), the warm tier copies its
+oldest entries out of the slab then, to pass them to cold (WarmTier._make_room); under tensor parallelism
+that copy is a collective in the middle of scheduling. The tier manager carries the list
 out in one place before the forward, in the order it was planned. That order is safe because a
 block's data is always read before anything is planned into it: an evicted hot block is demoted (and
 a preempted one swapped out) when the allocation that frees it is planned, and every write into it
