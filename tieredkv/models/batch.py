@@ -23,6 +23,11 @@ class AttentionMetadata:
     prefill_plan: list | None = None  # prefill chunks that follow the same cached blocks (cascade.shared_prefixes)
     stage: object = None  # far_stage.StagePlan when the tables index staged blocks instead of the cache
 
+    def cache_to_read(self, layer_cache: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """What this layer's attention reads through the block tables: its own cache, or where the tables index
+        staged far blocks (runner/far_stage.py, never in a compiled graph) the buffer they were staged into."""
+        return layer_cache if self.stage is None else self.stage.gather(layer_cache, layer_id)
+
 
 @dataclass
 class ForwardBatch:

@@ -154,8 +154,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         ops.store_kv(k, v, layer_cache, batch.slot_mapping)
         meta = batch.attn
-        if meta.stage is not None:  # far blocks outside the cache tensor (far_stage.py); never when compiled
-            layer_cache = meta.stage.gather(layer_cache, self.layer_id)
+        layer_cache = meta.cache_to_read(layer_cache, self.layer_id)
         key_cache, value_cache = layer_cache[0], layer_cache[1]
 
         nd = meta.num_decode_tokens
