@@ -25,6 +25,12 @@ def qwen3_dir(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", num_hidden_layers=2)
 
 
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory):
+    """q/k/v and gate/up stored fused"""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-phi3"), "phi3", num_hidden_layers=2)
+
+
 def decode_logits(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     """The greedy tokens and every step's logits of one request served alone."""
     captured, inner = [], core.runner.execute
@@ -39,14 +45,15 @@ def decode_logits(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[
     return req.seqs[0].output_token_ids, [logits[-1].float().clone() for logits, _ in captured]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("scheme", [dict(quantization="int8"), dict(quantization="int4"),
                                     dict(quantization="int4", quantization_group_size=64,
                                          quantization_symmetric=True)], ids=["int8", "int4", "int4-sym-64"])
 def test_native_step_matches_the_eager_forward(request, family, scheme):
     """Every decode step's logits within float rounding of the eager forward's on the same quantized weights
     (the same product kernels; the norms, rotary embedding and softmax summed in another order), the same greedy
-    tokens, and the same K/V rows in the cache (q/k/v biases: qwen2; per-head q/k norms: qwen3)."""
+    tokens, and the same K/V rows in the cache (q/k/v biases: qwen2; per-head q/k norms: qwen3; fused q/k/v and
+    gate/up as stored: phi3)."""
     path = request.getfixturevalue(f"{family}_dir")
     cfg = dict(model=str(path), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, **scheme)
     eager = EngineCore(EngineConfig(**cfg, compile_decode=False))
