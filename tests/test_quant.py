@@ -359,6 +359,7 @@ def test_fused_pieces_in_different_formats_are_served_side_by_side(lib):
     parts = [gguf_tensor("Q4_K", 8, 256, 1), gguf_tensor("Q4_K", 4, 256, 2), gguf_tensor("Q6_K", 4, 256, 3)]
     fused = quant.cat_rows(parts, "layers.0.self_attn.qkv_proj.weight")
     assert isinstance(fused, quant.QuantizedParts) and fused.scheme == "gguf:Q4_K+Q6_K"
+    assert fused.format_label == "q4 g32 (gguf:Q4_K) + q8 g16 (gguf:Q6_K)"  # stats().dense_formats names it so
     assert fused.out_features == 16 and fused.nbytes == sum(p.nbytes for p in parts)
     w = fused.dequantize()
     assert torch.equal(w, torch.cat([p.dequantize() for p in parts]))

@@ -53,6 +53,11 @@ class QuantizedWeight(nn.Module):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
 
+    @property
+    def format_label(self) -> str:
+        """ "q4 g32 (gguf:Q4_1)": the codes' format, the inputs a scale covers, the scheme the weights came from."""
+        return f"{self.fmt} g{self.group_size} ({self.scheme})"
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its `rows`) in fp32, by the format's definition: the reference every kernel matches."""
         return dequantize(self.codes, self.scales, self.offsets, self.group_size, rows)
@@ -171,6 +176,11 @@ class QuantizedParts(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    @property
+    def format_label(self) -> str:
+        """The pieces' formats, each once: "q4 g32 (gguf:Q4_K) + q8 g16 (gguf:Q6_K)"."""
+        return " + ".join(dict.fromkeys(p.format_label for p in self.parts))
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])

@@ -69,21 +69,13 @@ def dense(ops: KernelOps, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _dense_format(layer: nn.Linear, ops: KernelOps) -> str:
     qweight = getattr(layer, "qweight", None)
     if qweight is not None:
-        return _quantized_format(qweight)
+        return qweight.format_label
     return _float_format(layer.weight, ops)
 
 
 def _float_format(weight: torch.Tensor, ops: KernelOps) -> str:
     """ "float32", or "float32 packed" where the kernel set reads oneDNN's packed layout."""
     return str(weight.dtype).removeprefix("torch.") + (" packed" if ops.pack_linear_weight is not None else "")
-
-
-def _quantized_format(qw) -> str:
-    """ "q4 g32 (gguf:Q4_1)": the codes' format, the inputs a scale covers, the scheme the weights came from."""
-    parts = getattr(qw, "parts", None)
-    if parts is not None:  # QuantizedParts: fused pieces in formats of their own
-        return " + ".join(dict.fromkeys(_quantized_format(p) for p in parts))
-    return f"{qw.fmt} g{qw.group_size} ({qw.scheme})"
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -250,7 +242,7 @@ class LlamaModel(nn.Module):
             if isinstance(module, nn.Linear):
                 found.setdefault(name.rsplit(".", 1)[-1], []).append(_dense_format(module, ops))
         head = self.quantized_head  # a float head is in the table's dtype (it is the table, when tied)
-        found["lm_head"] = [_quantized_format(head) if head is not None else
+        found["lm_head"] = [head.format_label if head is not None else
                             _float_format(self.embed_tokens.weight, ops)]
         return {kind: " / ".join(dict.fromkeys(formats)) for kind, formats in found.items()}
 
