@@ -18,7 +18,6 @@ from tieredkv.kernels.decode_attention import (
 )
 
 
-
 def paged(*args):
     return torch.ops.tieredkv.paged_decode(*args)  # registered once the `lib` fixture bound the operators
 

@@ -13,8 +13,9 @@ from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.errors import CheckpointError
 from tieredkv.kernels import quant
-from tieredkv.models import gguf_blocks
 from tieredkv.kernels.quant_cpu import CPU
+from tieredkv.models import gguf_blocks
+
 
 def weights(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05

@@ -54,7 +54,6 @@ def explain(core, token_ids: list[int]) -> list[BlockReport]:
     return reports
 
 
-
 def _why(core, keys: list[BlockKey], i: int) -> str:
     key = keys[i]
     cold = core.tiers.cold
