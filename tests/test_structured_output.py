@@ -98,3 +98,16 @@ async def test_response_format_on_the_openai_server(engine):
     finally:
         await client.close()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("maximum, digits", [(None, 16), (10**18 - 1, 18)])
+async def test_an_integer_without_bounds_of_its_own_closes_after_16_digits(engine, maximum, digits):
+    """A model that would write the digit 1 forever (its logit raised far above every other): the schema's
+    integer ends after 16 digits, as llama.cpp's grammars bound them, and the document closes; a maximum the
+    schema sets itself is kept. Unbounded, the output ran until max_tokens and was no JSON."""
+    one = engine.tokenizer.hf.convert_tokens_to_ids("1")
+    field = {"type": "integer"} if maximum is None else {"type": "integer", "maximum": maximum}
+    schema = {"type": "object", "properties": {"n": field}, "required": ["n"], "additionalProperties": False}
+    out = await engine.generate(PROMPT, SamplingParams(max_tokens=80, json_schema=schema, logit_bias={one: 100}))
+    assert out.outputs[0].finish_reason == "stop", out.text
+    assert json.loads(out.text) == {"n": int("1" * digits)}

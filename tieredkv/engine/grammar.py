@@ -28,6 +28,10 @@ import torch
 from tieredkv.errors import RequestError
 
 CACHED_GRAMMARS = 256
+INTEGER_DIGITS = 16  # an integer without bounds of its own: at most this many digits (llama.cpp's grammars: 16)
+INTEGER_LIMIT = 10**INTEGER_DIGITS - 1
+_DATA_KEYS = ("const", "enum", "default", "examples")  # their values are JSON data, not schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 # The document's layout: json.dumps's separators and no other whitespace. With free whitespace, a model could
 # spend its whole output on it between two tokens (a small model does); a schema may still ask otherwise.
 JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -57,7 +61,7 @@ class Grammars:
                 self._grammars.move_to_end(key)
                 return grammar
         try:
-            grammar = self._ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+            grammar = self._ll.LLMatcher.grammar_from_json_schema(bounded(schema), defaults=JSON_LAYOUT)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # ValueError/RuntimeError for what it cannot compile; a Rust panic too
@@ -86,6 +90,30 @@ class Grammars:
         allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).view(len(rows), words * 32)[:, : logits.shape[1]]
         index = torch.tensor(rows, device=logits.device)
         logits[index] = logits[index].masked_fill(allowed.to(logits.device) == 0, float("-inf"))
+
+
+def bounded(schema: Any) -> Any:
+    """The schema with every integer that sets no bound of its own bounded to INTEGER_DIGITS digits either side of
+    0, as llama.cpp's schema grammars bound them: unbounded, a small model can write digits until max_tokens runs
+    out and the document never closes. A schema's own minimum / maximum (exclusive ones too) is kept as it is.
+    Values that are data, not schemas (const, enum, default, examples), are left alone."""
+    if isinstance(schema, list):
+        return [bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema, whatever the names
+            out[key] = {name: bounded(sub) for name, sub in value.items()}
+        else:
+            out[key] = value if key in _DATA_KEYS else bounded(value)
+    types = out.get("type")
+    if types == "integer" or (isinstance(types, list) and "integer" in types):
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = INTEGER_LIMIT
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -INTEGER_LIMIT
+    return out
 
 
 def grammars_of(tokenizer, vocab_size: int) -> Grammars:
