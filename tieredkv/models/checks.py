@@ -62,26 +62,29 @@ def tensor_headers(files: list[Path]) -> dict[str, TensorInfo]:
     return infos
 
 
-def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor the architecture reads (names without "model."), with its shape: q/k/v and gate/up both
-    as pieces and fused (Phi-3 stores them fused), biases where config.json asks for them."""
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor the architecture reads (names without "model.") -> its shape and the config.json fields that
+    set it: q/k/v and gate/up both as pieces and fused (Phi-3 stores them fused), biases where config.json asks
+    for them."""
     h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q, kv = spec.num_heads * d, spec.num_kv_heads * d
-    out = {"embed_tokens.weight": (spec.vocab_size, h), "lm_head.weight": (spec.vocab_size, h), "norm.weight": (h,)}
+    vocab, hidden, heads = "vocab_size, hidden_size", "hidden_size", "num_attention_heads, head_dim"
+    kv_heads, both, mlp = "num_key_value_heads, head_dim", f"{heads}, num_key_value_heads", "intermediate_size"
+    out = {"embed_tokens.weight": ((spec.vocab_size, h), vocab), "lm_head.weight": ((spec.vocab_size, h), vocab),
+           "norm.weight": ((h,), hidden)}
+    layer = {"input_layernorm.weight": ((h,), hidden), "post_attention_layernorm.weight": ((h,), hidden),
+             "self_attn.q_proj.weight": ((q, h), heads), "self_attn.k_proj.weight": ((kv, h), kv_heads),
+             "self_attn.v_proj.weight": ((kv, h), kv_heads), "self_attn.qkv_proj.weight": ((q + 2 * kv, h), both),
+             "self_attn.o_proj.weight": ((h, q), heads), "mlp.gate_proj.weight": ((inter, h), mlp),
+             "mlp.up_proj.weight": ((inter, h), mlp), "mlp.gate_up_proj.weight": ((2 * inter, h), mlp),
+             "mlp.down_proj.weight": ((h, inter), mlp)}
+    if spec.attention_bias:
+        layer.update({"self_attn.q_proj.bias": ((q,), heads), "self_attn.k_proj.bias": ((kv,), kv_heads),
+                      "self_attn.v_proj.bias": ((kv,), kv_heads), "self_attn.qkv_proj.bias": ((q + 2 * kv,), both)})
+    if spec.qk_norm:
+        layer.update({"self_attn.q_norm.weight": ((d,), "head_dim"), "self_attn.k_norm.weight": ((d,), "head_dim")})
     for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-                 "self_attn.v_proj.weight": (kv, h), "self_attn.qkv_proj.weight": (q + 2 * kv, h),
-                 "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (inter, h),
-                 "mlp.up_proj.weight": (inter, h), "mlp.gate_up_proj.weight": (2 * inter, h),
-                 "mlp.down_proj.weight": (h, inter)}
-        if spec.attention_bias:
-            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                          "self_attn.v_proj.bias": (kv,), "self_attn.qkv_proj.bias": (q + 2 * kv,)})
-        if spec.qk_norm:
-            layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-        out.update({p + name: shape for name, shape in layer.items()})
+        out.update({f"layers.{i}.{name}": expected for name, expected in layer.items()})
     return out
 
 
@@ -92,35 +95,21 @@ def check_tensors(spec: ModelSpec, infos: dict[str, TensorInfo],
     to refuse, by name)."""
     expected = expected_shapes(spec)
     for name, info in infos.items():
-        want = expected.get(name)
-        if want is None:
+        if name not in expected:
             continue
+        want, fields = expected[name]
         if dtypes is not None and info.dtype not in dtypes:
             raise CheckpointError(f"{info.file}: tensor {name!r} is stored as {info.dtype}; this architecture reads "
                                   f"it as one of {', '.join(dtypes)}")
         if tuple(info.shape) != want:
             raise CheckpointError(f"{info.file}: tensor {name!r} has shape {tuple(info.shape)}, but config.json "
-                                  f"implies {want}")
+                                  f"implies {want} ({fields})")
 
 
-def check_spec_against_weights(spec: ModelSpec, shapes: dict[str, tuple[int, ...]],
-                               source: str = "the weights") -> None:
-    """config.json's sizes must be what the weights (`source`, for messages) have: a wrong or hostile config
-    is caught here, before a model of its size is built."""
-    def expect(name: str, shape: tuple[int, ...], fields: str) -> None:
-        got = shapes.get(name)
-        if got is not None and tuple(got) != shape:
-            raise CheckpointError(f"{name} has shape {tuple(got)} but config.json ({fields}) says {shape}")
-
-    layers = {int(m.group(1)) for name in shapes for m in [_LAYER.search(name)] if m}
+def check_layer_count(spec: ModelSpec, names, source: str = "the weights") -> None:
+    """The weights (`source`, for messages) hold layers 0 .. num_hidden_layers - 1 of config.json, no more and no
+    fewer: checked before anything of the config's size is built (check_tensors then checks every tensor)."""
+    layers = {int(m.group(1)) for name in names for m in [_LAYER.search(name)] if m}
     if layers != set(range(spec.num_layers)):
         found = f"{len(layers)} layers" if layers else "no layers"
         raise CheckpointError(f"config.json says num_hidden_layers={spec.num_layers}; {source}: {found}")
-    h, d = spec.hidden_size, spec.head_dim
-    expect("embed_tokens.weight", (spec.vocab_size, h), "vocab_size, hidden_size")
-    expect("layers.0.self_attn.q_proj.weight", (spec.num_heads * d, h), "num_attention_heads, head_dim")
-    expect("layers.0.self_attn.k_proj.weight", (spec.num_kv_heads * d, h), "num_key_value_heads, head_dim")
-    expect("layers.0.mlp.gate_proj.weight", (spec.intermediate_size, h), "intermediate_size")
-    expect("layers.0.self_attn.qkv_proj.weight", ((spec.num_heads + 2 * spec.num_kv_heads) * d, h),
-           "num_attention_heads, num_key_value_heads, head_dim")  # stored fused (Phi-3)
-    expect("layers.0.mlp.gate_up_proj.weight", (2 * spec.intermediate_size, h), "intermediate_size")

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from tieredkv.errors import CheckpointError, UnsupportedModelError
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight, cat_rows, quantize_int4, quantize_int8
 from tieredkv.models.gguf_convert import gguf_tensors, read_gguf_weights
-from tieredkv.models.checks import check_spec_against_weights, check_tensors, tensor_headers
+from tieredkv.models.checks import check_layer_count, check_tensors, tensor_headers
 from tieredkv.models.files import read_json
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
 from tieredkv.models.spec import ModelSpec
@@ -94,7 +94,7 @@ def _load_full(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
                tp: TPGroup) -> LlamaModel:
     files = weight_files(model_dir)
     headers = tensor_headers(files)
-    check_spec_against_weights(spec, {name: info.shape for name, info in headers.items()})
+    check_layer_count(spec, headers)
     check_tensors(spec, headers)
     with torch.device("meta"):
         model = LlamaModel(spec, tp)
@@ -117,7 +117,7 @@ def _load_gguf(gguf_path: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
     blocks (QuantizedWeight), float tensors are cast to `dtype`. An embedding table that is quantized but
     not tied to the head is dequantized once (lookups read it as a table)."""
     infos = gguf_tensors(gguf_path, cache_dir)
-    check_spec_against_weights(spec, {name: info.shape for name, info in infos.items()}, gguf_path.name)
+    check_layer_count(spec, infos, gguf_path.name)
     check_tensors(spec, infos, dtypes=None)  # (each tensor's GGUF type is checked as it is read, by its own name)
     parts = read_gguf_weights(gguf_path, cache_dir)
     with torch.device("meta"):
