@@ -29,7 +29,7 @@ class EngineCore:
         self.requests = self.parts.lifecycle.requests  # live requests by id
         self.dense_formats = self.parts.model.dense_formats(self.parts.runner.ops)  # fixed once built
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # for readers outside; the core's own methods read self.parts
         parts = self.__dict__.get("parts")
         if parts is None:
             raise AttributeError(name)
@@ -39,33 +39,33 @@ class EngineCore:
         """Persists cached blocks to the cold tier (when there is one) and closes the tiers; under tensor
         parallelism then ends the other ranks (also when persisting failed because one is gone)."""
         try:
-            self.pins.release_all()
-            self.tiers.persist()
-            self.tiers.close()
-            if self.runner.compiled is not None:
-                self.runner.compiled.finish()
+            self.parts.pins.release_all()
+            self.parts.tiers.persist()
+            self.parts.tiers.close()
+            if self.parts.runner.compiled is not None:
+                self.parts.runner.compiled.finish()
         finally:
-            if self.tp.world > 1:
-                self.tp.close()
+            if self.parts.tp.world > 1:
+                self.parts.tp.close()
             if self.parts.process is not None:
                 self.parts.process.release()  # torch's threads as the process had them
 
     # -- requests (see engine/lifecycle.py) --------------------------------------------------------------
 
     def add_request(self, req: Request) -> list[Output]:
-        return self.lifecycle.add(req)
+        return self.parts.lifecycle.add(req)
 
     def abort(self, request_id: str, sink: Any = None) -> list[Output]:
-        return self.lifecycle.abort(request_id, sink)
+        return self.parts.lifecycle.abort(request_id, sink)
 
     def fail(self, req: Request, error: BaseException) -> list[Output]:
-        return self.lifecycle.fail(req, error)
+        return self.parts.lifecycle.fail(req, error)
 
     def fail_all(self, error: BaseException) -> list[Output]:
-        return self.lifecycle.fail_all(error)
+        return self.parts.lifecycle.fail_all(error)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.parts.scheduler.has_work()
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -74,42 +74,42 @@ class EngineCore:
         that belongs to some requests (a forward error, an unusable logits row, a request that can
         never be scheduled) ends those requests with an error output and nothing else."""
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        self.telemetry.on_scheduled(out, t0)
-        self.tiers.execute(out.moves)
+        out = self.parts.scheduler.schedule()
+        self.parts.telemetry.on_scheduled(out, t0)
+        self.parts.tiers.execute(out.moves)
         if not out.scheduled:
             return self._idle(out)
         try:
-            logits, sampled = self.runner.execute(out)
+            logits, sampled = self.parts.runner.execute(out)
         except EngineClosedError:  # a tensor-parallel rank is gone: the engine cannot go on
             raise
         except Exception as e:
             log.exception("engine step failed")
-            return self.lifecycle.fail_step(out, e)
-        outputs = self.lifecycle.update(out, logits, sampled)
+            return self.parts.lifecycle.fail_step(out, e)
+        outputs = self.parts.lifecycle.update(out, logits, sampled)
         self._publish()
-        self.telemetry.on_step(out, time.perf_counter() - t0)
+        self.parts.telemetry.on_step(out, time.perf_counter() - t0)
         return outputs
 
     def _publish(self) -> None:
         """Blocks that became full this step go to the shared tier (when there is one), while their data
         is surely still theirs."""
-        new = self.pool.new_cached
+        new = self.parts.pool.new_cached
         if new:
-            self.tiers.publish([b for b in new if b.block_hash is not None])
+            self.parts.tiers.publish([b for b in new if b.block_hash is not None])
             new.clear()
 
     def _idle(self, out) -> list[Output]:
         """A step that computes nothing: wait briefly for a cold read, or fail a request that never fits."""
         if out.waiting_on_disk:  # nothing to compute until a cold read lands
-            self.tiers.wait([s.lookup for s in out.waiting_on_disk if s.lookup], timeout=0.05)
-        elif not out.preempted and not self.scheduler.running and self.scheduler.waiting:
-            return self.lifecycle.fail_unschedulable(self.scheduler.waiting[0])
+            self.parts.tiers.wait([s.lookup for s in out.waiting_on_disk if s.lookup], timeout=0.05)
+        elif not out.preempted and not self.parts.scheduler.running and self.parts.scheduler.waiting:
+            return self.parts.lifecycle.fail_unschedulable(self.parts.scheduler.waiting[0])
         return []
 
     # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return collect_stats(self.pool, self.scheduler, self.kv, self.tiers.stats(), self.pins.num_blocks,
-                             self.runner.decode_path, self.weights,
-                             total_weight_bytes(self.model, self.memory), self.dense_formats)
+        return collect_stats(self.parts.pool, self.parts.scheduler, self.parts.kv, self.parts.tiers.stats(), self.parts.pins.num_blocks,
+                             self.parts.runner.decode_path, self.parts.weights,
+                             total_weight_bytes(self.parts.model, self.parts.memory), self.dense_formats)
