@@ -52,8 +52,8 @@ KV_BYTES = 96 << 20
 STARTUP = """
 import json, sys, time
 t0 = time.perf_counter()
-from tieredkv.engine.engine_core import EngineCore
 from tieredkv.config import EngineConfig
+from tieredkv.engine.engine_core import EngineCore
 core = EngineCore(EngineConfig(
     compile_in_background=False, kv_cache_bytes={kv}, warm_bytes=0, compile_decode={compiled}))
 print(json.dumps({{"seconds": time.perf_counter() - t0, "graphs": core.runner.compiled.graphs if core.runner.compiled else 0}}))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tieredkv.tiers.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from tieredkv.hashing import BlockHash, encode_token_ids, hash_block, root_hash
+from tieredkv.tiers.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 def test_free_queue_o1_operations_keep_order():

@@ -9,10 +9,10 @@ import torch
 
 from helpers import check_pool_clean, hf_greedy, run_to_end
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
-from tieredkv.runner.compiled_decode import compile_wanted
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.decode_attention import decode_attention_dense, decode_attention_ref
 from tieredkv.kernels.store_kv import store_kv_dense, store_kv_ref
+from tieredkv.runner.compiled_decode import compile_wanted
 
 CPU = torch.device("cpu")
 

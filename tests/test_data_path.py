@@ -4,16 +4,16 @@ and the tier manager carries them out (a fake forward writes the blocks)."""
 import pytest
 import torch
 
-from tieredkv.tiers.block_pool import BlockPool
 from tieredkv.config import SamplingParams
-from tieredkv.hashing import root_hash
-from tieredkv.kernels.dispatch import TORCH_OPS
+from tieredkv.core.cache_index import CacheIndex
 from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.scheduler import Scheduler
 from tieredkv.core.sequence import Request, Sequence, SeqStatus
-from tieredkv.tiers.hot import HotTier
-from tieredkv.core.cache_index import CacheIndex
+from tieredkv.hashing import root_hash
+from tieredkv.kernels.dispatch import TORCH_OPS
 from tieredkv.runner.far_stage import stage_groups
+from tieredkv.tiers.block_pool import BlockPool
+from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PROMOTE, SWAP_IN, SWAP_OUT
 from tieredkv.tiers.warm import WarmTier

@@ -17,8 +17,8 @@ from test_serve_hardening import ThreadServer
 from tieredkv import AsyncEngine, EngineConfig, SamplingError, SamplingParams, StepError
 from tieredkv.core import beam
 from tieredkv.core.sequence import Sequence
-from tieredkv.engine.lifecycle import Lifecycle
 from tieredkv.engine import sampler
+from tieredkv.engine.lifecycle import Lifecycle
 
 MARK = 424242  # the seed that marks the request a fault is injected into (greedy rows never read it)
 PROMPTS = [list(range(3, 40)), list(range(50, 71)), list(range(90, 130))]

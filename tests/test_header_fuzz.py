@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cold_writer import FINGERPRINT, SHAPE, block, key, open_tier
-from tieredkv.errors import SnapshotError
 from tieredkv.engine.snapshot import MAGIC, read_snapshot
+from tieredkv.errors import SnapshotError
 
 msgpack_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=8),

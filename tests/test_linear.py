@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from tieredkv import EngineConfig
 from tieredkv.engine.engine_core import EngineCore
 from helpers import hf_greedy, run_to_end
-from tieredkv.platform.malloc_tuning import PAGE, collapse_into_huge_pages, huge_page_stretches
 from tieredkv.kernels import select_kernels
 from tieredkv.kernels import linear, quant_cpu
 from tieredkv.kernels.linear import (
@@ -30,6 +29,7 @@ from tieredkv.kernels.linear import (
     select_linear,
     select_weight_packing,
 )
+from tieredkv.platform.malloc_tuning import PAGE, collapse_into_huge_pages, huge_page_stretches
 
 CPU = torch.device("cpu")
 

@@ -14,11 +14,11 @@ import torch
 from helpers import check_pool_clean, hf_greedy, run_to_end
 from tieredkv import AsyncEngine, EngineClosedError, EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
+from tieredkv.engine.ranks import _wait_for_hellos, rank_device
 from tieredkv.errors import RankLostError, RankStartError, UnsupportedModelError
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tp_group import TPGroup
-from tieredkv.engine.ranks import _wait_for_hellos, rank_device
 from tieredkv.models.tp_shard import Shard, check_shardable
 from tieredkv.tools.plan import plan
 

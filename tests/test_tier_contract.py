@@ -5,10 +5,10 @@ test here knows which tier it runs against."""
 import pytest
 import torch
 
-from tieredkv.tiers.block_pool import BlockPool
 from tieredkv.hashing import hash_block, root_hash
 from tieredkv.kernels.dispatch import TORCH_OPS
 from tieredkv.tiers.base import BlockKey
+from tieredkv.tiers.block_pool import BlockPool
 from tieredkv.tiers.cold import ColdTier, disk_cost
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.warm import WarmTier

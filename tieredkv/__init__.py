@@ -2,10 +2,10 @@
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine.async_engine import AsyncEngine
+from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RankLostError,
                              RankStartError, RemoteTierError, RequestError, SamplingError, SnapshotError, StepError,
                              TieredKVError, UnsupportedModelError, WrongLoopError)
-from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 
 __all__ = [
     "AsyncEngine",

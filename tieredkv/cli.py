@@ -16,10 +16,10 @@ from importlib.resources import files
 from pydantic import ValidationError
 
 from tieredkv.config import SamplingParams
+from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.errors import TieredKVError
 from tieredkv.tools.cli_tools import add_parsers
 from tieredkv.tools.config_flags import add_engine_options, engine_config, flag
-from tieredkv.engine.async_engine import AsyncEngine
 
 DEMO_QUESTIONS = [
     "How long does it take to charge the Volt battery, and how should I store it over winter?",

@@ -6,9 +6,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from tieredkv.tiers.block_pool import BlockPool, KVBlock
 from tieredkv.hashing import BlockHash, BlockKey, chain_keys
 from tieredkv.tiers.base import KVTier
+from tieredkv.tiers.block_pool import BlockPool, KVBlock
 from tieredkv.tiers.lookup import Lookup
 from tieredkv.tiers.manager import TierManager
 

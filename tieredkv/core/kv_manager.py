@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tieredkv.tiers.block_pool import BlockPool, KVBlock
-from tieredkv.hashing import BlockHash, chain_keys, hash_block
 from tieredkv.core.sequence import Sequence
+from tieredkv.hashing import BlockHash, chain_keys, hash_block
 from tieredkv.tiers.base import BlockKey, Victims
+from tieredkv.tiers.block_pool import BlockPool, KVBlock
 from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
 
 

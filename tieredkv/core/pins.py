@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tieredkv.tiers.block_pool import KVBlock
 from tieredkv.core.cache_index import CacheIndex
 from tieredkv.errors import RequestError
+from tieredkv.tiers.block_pool import KVBlock
 
 
 class PinTable:

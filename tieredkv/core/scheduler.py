@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tieredkv.core.cache_index import CacheIndex
-from tieredkv.hashing import BlockHash
 from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.sequence import Sequence, SeqStatus
+from tieredkv.hashing import BlockHash
 from tieredkv.tiers.lookup import Lookup, count_lookup
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.moves import BlockMove, Restore

@@ -11,12 +11,12 @@ from typing import Any
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
-from tieredkv.errors import EngineClosedError, RequestError, WrongLoopError
 from tieredkv.engine.explain import BlockReport, explain
 from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
 from tieredkv.engine.stream import Channel, RequestStream
-from tieredkv.models.tokenizer import PromptType
 from tieredkv.engine.worker import EngineWorker
+from tieredkv.errors import EngineClosedError, RequestError, WrongLoopError
+from tieredkv.models.tokenizer import PromptType
 
 __all__ = ["AsyncEngine", "EngineClosedError"]
 

@@ -10,9 +10,9 @@ from typing import Any
 from tieredkv.config import EngineConfig
 from tieredkv.core.sequence import Request
 from tieredkv.engine.build import build_engine
+from tieredkv.engine.outputs import EngineStats, Output, collect_stats
 from tieredkv.engine.rank_build import total_weight_bytes
 from tieredkv.errors import EngineClosedError
-from tieredkv.engine.outputs import EngineStats, Output, collect_stats
 
 log = logging.getLogger("tieredkv")
 

@@ -9,19 +9,19 @@ from typing import Any
 import torch
 
 from tieredkv.core.beam import BeamSearch
-from tieredkv.engine.isolation import isolated, stage_error
 from tieredkv.core.kv_manager import KVCacheManager, cdiv
 from tieredkv.core.pins import PinTable
 from tieredkv.core.scheduler import Scheduler, SchedulerOutput
 from tieredkv.core.sequence import Request, Sequence
+from tieredkv.engine.isolation import isolated, stage_error
+from tieredkv.engine.logits_processors import apply_processors
+from tieredkv.engine.outputs import Output, StreamChunk, TokenLogprob, beam_chunk, make_chunk
+from tieredkv.engine.request_factory import RequestFactory
+from tieredkv.engine.sampler import NOT_FINITE, RowState, Sampled, bad_rows, sample
+from tieredkv.engine.telemetry import Telemetry
 from tieredkv.errors import RequestError, SamplingError, StepError, TieredKVError
 from tieredkv.models.detokenizer import IncrementalDetokenizer
 from tieredkv.models.tokenizer import Tokenizer
-from tieredkv.engine.outputs import Output, StreamChunk, TokenLogprob, beam_chunk, make_chunk
-from tieredkv.engine.request_factory import RequestFactory
-from tieredkv.engine.logits_processors import apply_processors
-from tieredkv.engine.sampler import NOT_FINITE, RowState, Sampled, bad_rows, sample
-from tieredkv.engine.telemetry import Telemetry
 
 
 class Lifecycle:

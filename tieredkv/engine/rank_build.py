@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from tieredkv.config import EngineConfig
-from tieredkv.errors import RankStartError
 from tieredkv.engine.resolve import quant_settings, resolve_cache_dir, resolve_device, resolve_dtype
+from tieredkv.errors import RankStartError
 from tieredkv.kernels import KernelOps, select_kernels
 from tieredkv.kernels.linear import graph_reads_packed, packed_range
 from tieredkv.kernels.quant import QuantizedWeight, gather_quantized_weights, tile_quantized_weights
@@ -23,9 +23,9 @@ from tieredkv.models.llama import LlamaModel
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tp_group import TPGroup
-from tieredkv.platform.process import PROCESS, Hold
 from tieredkv.platform.malloc_tuning import (anonymous_memory, collapse_into_huge_pages, process_status_bytes,
                                              release_free_memory, tune_glibc_malloc)
+from tieredkv.platform.process import PROCESS, Hold
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.tiers.warm import WarmTier
 

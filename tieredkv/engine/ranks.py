@@ -28,8 +28,8 @@ import torch.multiprocessing as mp
 from tieredkv.config import EngineConfig
 from tieredkv.errors import RankStartError, TieredKVError
 from tieredkv.models.tp_group import TPGroup
-from tieredkv.runner.step_plan import rebuild
 from tieredkv.models.tp_shard import Shard
+from tieredkv.runner.step_plan import rebuild
 from tieredkv.tiers.hot import block_buffer, copy_blocks, gather_blocks, scatter_block_runs, scatter_blocks
 
 log = logging.getLogger("tieredkv")

@@ -6,10 +6,10 @@ import uuid
 from typing import Any
 
 from tieredkv.config import EngineConfig, SamplingParams
-from tieredkv.errors import RequestError
 from tieredkv.core.kv_manager import cdiv
-from tieredkv.models.spec import ModelSpec
 from tieredkv.core.sequence import Request
+from tieredkv.errors import RequestError
+from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tokenizer import PromptType, Tokenizer, check_messages, message_chars
 
 # A string of more than this many characters per allowed token cannot fit, whatever it tokenizes to: no

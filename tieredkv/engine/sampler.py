@@ -8,8 +8,8 @@ from typing import NamedTuple
 import torch
 
 from tieredkv.config import SamplingParams
-from tieredkv.errors import SamplingError
 from tieredkv.engine.logits_processors import RowState, apply_min_p, apply_processors
+from tieredkv.errors import SamplingError
 
 __all__ = ["RowState", "Sampled", "apply_top_k_top_p", "bad_mask", "bad_rows", "sample", "sample_row"]
 

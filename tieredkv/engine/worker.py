@@ -10,11 +10,11 @@ import threading
 from typing import Any, Callable
 
 from tieredkv.config import EngineConfig
+from tieredkv.core.sequence import Request
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.engine.outputs import Output
-from tieredkv.platform.malloc_tuning import release_free_memory
 from tieredkv.errors import EngineClosedError, StepError
-from tieredkv.core.sequence import Request
+from tieredkv.platform.malloc_tuning import release_free_memory
 
 log = logging.getLogger("tieredkv")
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tieredkv.models.batch import ForwardBatch
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.linear import packed_handle, with_row_layout
 from tieredkv.kernels.quant import QuantizedWeight, quant_embedding, quant_linear
+from tieredkv.models.batch import ForwardBatch
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tp_group import TPGroup
 

@@ -13,9 +13,9 @@ from tqdm.auto import tqdm
 
 from tieredkv.errors import CheckpointError, UnsupportedModelError
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight, cat_rows, quantize_int4, quantize_int8
-from tieredkv.models.gguf_convert import gguf_tensors, read_gguf_weights
 from tieredkv.models.checks import check_layer_count, check_tensors, tensor_headers
 from tieredkv.models.files import read_json
+from tieredkv.models.gguf_convert import gguf_tensors, read_gguf_weights
 from tieredkv.models.llama import LlamaModel, RotaryEmbedding
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tp_group import TPGroup

@@ -46,15 +46,15 @@ import torch
 import torch.nn.functional as F
 
 from tieredkv.cache_dir import artifact_lock, long_work
-from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
-from tieredkv.runner.direct_graph import BoundGraph, DirectGraph, Unsupported
-from tieredkv.platform.malloc_tuning import release_free_memory
-from tieredkv.platform.process import PROCESS
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_compiled
 from tieredkv.kernels.linear import dense_by_handle
 from tieredkv.kernels.store_kv import store_kv_dense
+from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.models.llama import LlamaModel
+from tieredkv.platform.malloc_tuning import release_free_memory
+from tieredkv.platform.process import PROCESS
+from tieredkv.runner.direct_graph import BoundGraph, DirectGraph, Unsupported
 
 log = logging.getLogger("tieredkv")
 

@@ -6,17 +6,17 @@ from typing import NamedTuple
 
 import torch
 
-from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
-from tieredkv.runner.compiled_decode import CompiledDecode
-from tieredkv.runner.native_decode import NativeDecode
-from tieredkv.runner.far_stage import StagePlan, plan_stage, reads_slab_in_place, stage_groups
+from tieredkv.core.scheduler import SchedulerOutput
+from tieredkv.core.sequence import Sequence
 from tieredkv.errors import EngineClosedError, RankLostError
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS, shared_prefixes
+from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.models.llama import LlamaModel
+from tieredkv.runner.compiled_decode import CompiledDecode
+from tieredkv.runner.far_stage import StagePlan, plan_stage, reads_slab_in_place, stage_groups
+from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.runner.step_plan import describe, stand_in
-from tieredkv.core.scheduler import SchedulerOutput
-from tieredkv.core.sequence import Sequence
 
 
 def warmup_steps(block_size: int) -> tuple:

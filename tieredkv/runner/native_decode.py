@@ -22,8 +22,8 @@ import logging
 
 import torch
 
-from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight
+from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.models.llama import LlamaModel
 
 log = logging.getLogger("tieredkv")

@@ -25,8 +25,8 @@ from typing import Any
 from aiohttp import web
 
 from tieredkv.engine.async_engine import AsyncEngine
-from tieredkv.models.tokenizer import message_chars
 from tieredkv.errors import EngineClosedError, RequestError, TieredKVError
+from tieredkv.models.tokenizer import message_chars
 from tieredkv.serve.protocol import (BadRequest, chat_logprobs, chat_messages, completion_logprobs,
                                      completion_prompt, envelope, new_id, sampling_params, stream_flags,
                                      usage_body)

@@ -6,9 +6,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from tieredkv.tiers.block_pool import BlockPool, KVBlock
 from tieredkv.kernels import KernelOps
 from tieredkv.tiers.base import BlockKey, KVTier
+from tieredkv.tiers.block_pool import BlockPool, KVBlock
 
 
 class HotTier(KVTier):

@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tieredkv.config import EngineConfig
+from tieredkv.core.kv_manager import cdiv
 from tieredkv.engine.identity import model_fingerprint
 from tieredkv.engine.resolve import max_model_len, quant_settings, resolve_dtype, resolve_model_dir
 from tieredkv.engine.sizing import STAGE_RESERVE, far_mode, kv_pool_bytes, warm_blocks
-from tieredkv.core.kv_manager import cdiv
-from tieredkv.models.checks import tensor_shapes
 from tieredkv.kernels.quant import quantized_bytes
+from tieredkv.models.checks import tensor_shapes
 from tieredkv.models.gguf_convert import gguf_weight_bytes
 from tieredkv.models.loader import QuantSettings, weight_files
 from tieredkv.models.spec import ModelSpec
