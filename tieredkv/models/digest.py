@@ -94,13 +94,14 @@ def _prune(folder: Path) -> None:
 def weights_digest(files: list[Path], cache_dir: Path | None = None) -> str:
     """One digest over the files' names, sizes and contents, in the order given."""
     cache_dir = cache_dir or default_cache_dir()
-    missing = [f for f in files if cached_digest(f, cache_dir) is None]
+    digests = {f: cached_digest(f, cache_dir) for f in files}
+    missing = [f for f, known in digests.items() if known is None]
     if missing:
         total = sum(f.stat().st_size for f in missing)
         with long_work(f"hashing the weights ({total / 2**30:.2f} GiB, once per checkpoint)"), \
                 ThreadPoolExecutor(max_workers=max(1, min(len(missing), os.cpu_count() or 1))) as pool:
-            list(pool.map(lambda f: file_digest(f, cache_dir), missing))
+            digests.update(zip(missing, pool.map(lambda f: file_digest(f, cache_dir), missing)))
     h = hashlib.sha256()
     for f in files:
-        h.update(f"{f.name}:{f.stat().st_size}:{file_digest(f, cache_dir)}\n".encode())
+        h.update(f"{f.name}:{f.stat().st_size}:{digests[f]}\n".encode())
     return h.hexdigest()
