@@ -12,10 +12,12 @@ from tieredkv.kernels.cascade import shared_prefixes
 from tieredkv.kernels.decode_attention import (
     decode_attention_compiled,
     decode_attention_cpu,
+    decode_attention_dense,
     decode_attention_ref,
     paged_decode_usable,
     plan_decode,
 )
+from tieredkv.kernels.kv_format import FORMATS, KVLayout
 
 
 def paged(*args):
@@ -137,10 +139,68 @@ def test_a_nan_in_the_cache_spoils_its_heads_as_in_the_reference(lib):
         torch.testing.assert_close(got[1], want[1], rtol=2e-5, atol=2e-6)
 
 
+KV_PAIRS = [("bfloat16", "bfloat16"), ("float16", "float16"), ("int8", "int8"), ("int4", "int4"),
+            ("int8", "int4"), ("float16", "int8")]
+
+
+def stored(kc, vc, kv: KVLayout):
+    """The caches as rows in kv's formats, and the values those rows stand for."""
+    kr, vr = kv.encode(0, kc), kv.encode(1, vc)
+    return kr, vr, kv.decode(0, kr), kv.decode(1, vr)
+
+
+@pytest.mark.parametrize("k,v", KV_PAIRS)
+def test_kernel_reads_every_kv_format_where_it_lies(lib, k, v):
+    # each format against attention over the values its rows stand for: the kernel dequantizes a chunk at a time
+    # as it reads, and gives what attention over the dequantized cache gives
+    q, kc, vc, tables, ctx = paged_batch([70, 9, 33, 1], d=64, pad=0)
+    kv = KVLayout.resolve(k, v, 64, torch.float32)
+    kr, vr, kd, vd = stored(kc, vc, kv)
+    assert kr.dtype == (torch.uint8 if kv.storage_dtype == torch.uint8 else FORMATS[k].float_dtype)
+    want = expected(q, kd, vd, tables, ctx, 0.2)
+    torch.testing.assert_close(decode_attention_cpu(q, kr, vr, tables, ctx, 0.2, kv=kv), want, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(decode_attention_ref(q, kr, vr, tables, ctx, 0.2, kv=kv), want, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(decode_attention_dense(q, kr, vr, tables, ctx, 0.2, kv=kv), want, rtol=2e-5,
+                               atol=2e-6)
+    torch.testing.assert_close(decode_attention_compiled(q, kr, vr, tables, ctx, 0.2, kv=kv), want, rtol=2e-5,
+                               atol=2e-6)
+    # the shared-prefix plan reads the same rows (cascades dequantize what they gather)
+    shared = tables.clone()
+    shared[1, :1] = shared[0, :1]
+    lens = torch.tensor([70, 20, 33, 1], dtype=torch.int32)
+    plan = plan_decode(shared, lens, 16, torch.float32, shared_prefixes(shared.tolist(), lens.tolist(), 16))
+    torch.testing.assert_close(decode_attention_cpu(q, kr, vr, shared, lens, 0.2, plan=plan, kv=kv),
+                               expected(q, kd, vd, shared, lens, 0.2), rtol=2e-5, atol=2e-6)
+
+
+def test_kv_rows_written_in_c_are_the_torch_store_bit_for_bit(lib):
+    # the native step writes its K/V rows with tkv_kv_store: the same bytes as kv_format's encode, so a block is
+    # the same whichever path computed it; tkv_kv_rows reads them back as kv_format's decode does
+    from tieredkv.kernels.quant_cpu import CPU
+
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randn(64, generator=g) * 10.0 ** e for e in range(-6, 5)]
+    rows += [torch.zeros(64), -torch.zeros(64), torch.full((64,), 3.5), torch.linspace(-1, 1, 64) * 60000]
+    for fmt in (f for f in FORMATS.values() if f.code <= 4):
+        for x in rows:
+            want = fmt.encode(x)
+            got = torch.zeros(fmt.row_bytes(64), dtype=torch.uint8)
+            CPU.lib.tkv_kv_store(x.data_ptr(), fmt.code, 64, got.data_ptr())
+            assert torch.equal(got, want), (fmt.name, x[:4])
+            back = torch.empty(64)
+            CPU.lib.tkv_kv_rows(got.data_ptr(), fmt.code, fmt.row_bytes(64), 1, 64, back.data_ptr())
+            assert torch.equal(back, fmt.decode(got, 64, torch.float32)), fmt.name
+
+
 def test_where_the_kernel_does_not_serve_torch_does(lib, monkeypatch):
     q, kc, vc, tables, ctx = paged_batch([40, 9], pad=0)
     assert paged_decode_usable(q, kc)
-    assert not paged_decode_usable(q, kc.half())  # fp16 caches
+    assert not paged_decode_usable(q, kc.double())  # fp64 caches
+    fp8 = KVLayout.resolve("fp8", "fp8", 32, torch.float32, torch.device("cuda"))
+    assert not paged_decode_usable(q, fp8.encode(0, kc), fp8)  # a format the kernel does not read
+    torch.testing.assert_close(decode_attention_cpu(q, fp8.encode(0, kc), fp8.encode(1, vc), tables, ctx, 0.2, kv=fp8),
+                               expected(q, fp8.decode(0, fp8.encode(0, kc)), fp8.decode(1, fp8.encode(1, vc)), tables,
+                                        ctx, 0.2), rtol=2e-5, atol=2e-6)
     assert not paged_decode_usable(q, kc.transpose(1, 2))  # not contiguous
     wide = torch.randn(2, 66, 2, 32)
     assert not paged_decode_usable(torch.randn(2, 66, 32), wide[:, :, :1].contiguous())  # 66 heads a KV head
@@ -162,8 +222,13 @@ def test_bad_input_is_refused_before_anything_is_read(lib):
     bad[1, 0] = kc.shape[0]
     with pytest.raises(RuntimeError, match=f"block id {kc.shape[0]} outside"):
         paged(q, kc, vc, bad, ctx, 0.2)
-    with pytest.raises(RuntimeError, match="fp32 or bf16 caches"):
-        paged(q, kc.half(), vc.half(), tables, ctx, 0.2)
+    with pytest.raises(RuntimeError, match="do not hold rows of 32 values"):
+        paged(q, kc.double(), vc.double(), tables, ctx, 0.2)
+    rows = KVLayout.resolve("int8", "int8", 32, torch.float32).encode(0, kc)  # rows of 34 bytes
+    with pytest.raises(RuntimeError, match="do not hold rows of 32 values"):
+        paged(q, rows, rows, tables, ctx, 0.2, FORMATS["float32"].code, FORMATS["float32"].code)
+    with pytest.raises(RuntimeError, match="do not hold rows of 32 values"):
+        paged(q, rows, rows, tables, ctx, 0.2)  # bytes with no format named
     with pytest.raises(RuntimeError, match="not a shape the kernel takes"):
         paged(torch.randn(2, 5, 32), kc, vc, tables, ctx, 0.2)  # 5 query heads over 2 KV heads
     with pytest.raises(RuntimeError, match="tables .* and lengths"):

@@ -8,6 +8,8 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "fp8")
+KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8", "int4", "fp8"]
 
 ENV_PREFIX = "TIEREDKV_"  # EngineConfig.from_env: TIEREDKV_<FIELD> (the command line only)
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
@@ -35,6 +37,14 @@ class EngineConfig(BaseModel):
         "decode graph); None: $TIEREDKV_CACHE_DIR, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv")
     dtype: DType = Field("auto", description='weights and KV: "auto" is float32 on CPU; on CUDA bfloat16 from '
                          "compute capability 8.0, float16 below it (no native bfloat16 there)")
+    kv_cache_dtype: KVCacheDType = Field(
+        "auto", description='how the KV cache stores keys and values, in every tier: "auto" at dtype; "bfloat16" or '
+        '"float16" (16-bit storage under fp32 compute); "int8" (int8 codes and an fp16 scale per head_dim values of '
+        'one token and KV head, as llama.cpp\'s q8_0); "int4" (4-bit codes, an fp16 scale and offset per row, as '
+        'q4_1); "fp8" (CUDA: e4m3 codes and an fp16 scale). Attention reads the codes where they lie')
+    kv_cache_dtype_k: KVCacheDType | None = Field(None, description="K's format when it differs from "
+                                                  "kv_cache_dtype (K is the more sensitive side)")
+    kv_cache_dtype_v: KVCacheDType | None = Field(None, description="V's format when it differs from kv_cache_dtype")
     quantization: Literal["int8", "int4", "gguf"] | None = Field(
         None, description='weight-only quantization of the dense layers and the LM head: "int8" (per output row, '
         'symmetric), "int4" (groups of quantization_group_size inputs; the LM head in int8), both quantized at load '
@@ -145,6 +155,11 @@ class EngineConfig(BaseModel):
             raise ValueError('quantization "gguf" is not supported with tensor_parallel_size > 1 (its blocks are '
                              'not split across ranks): use "int8" or "int4" on the safetensors checkpoint')
         return self
+
+    @property
+    def kv_cache_dtypes(self) -> tuple[str, str]:
+        """The K and V formats' names ("auto": the compute dtype)."""
+        return self.kv_cache_dtype_k or self.kv_cache_dtype, self.kv_cache_dtype_v or self.kv_cache_dtype
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> "EngineConfig":

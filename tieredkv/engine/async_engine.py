@@ -262,7 +262,7 @@ class AsyncEngine:
             ids = [await self._loop.run_in_executor(self._tokenizer, self.core.factory.token_ids, p) for p in prompts]
         core = self._worker.core
         batches = await self._submit(blocks_to_export, core, ids)
-        return await write_snapshot(path, core.fingerprint, core.dtype, _block_shape(core),
+        return await write_snapshot(path, core.fingerprint, core.kv_cache.dtype, _block_shape(core),
                                     lambda: self._submit(next, batches, None), progress)
 
     async def import_cache(self, path, progress=None) -> dict[str, int | bool]:
@@ -273,7 +273,7 @@ class AsyncEngine:
 
         self._check_open()
         core = self._worker.core
-        batches, report = read_snapshot(path, core.fingerprint, core.dtype, _block_shape(core))
+        batches, report = read_snapshot(path, core.fingerprint, core.kv_cache.dtype, _block_shape(core))
         imported = 0
         async for keys, data in batches:
             await self._submit(core.tiers.import_blocks, keys, data)
@@ -327,5 +327,6 @@ class AsyncEngine:
 
 
 def _block_shape(core) -> tuple[int, ...]:
-    layers, kv, _, block_size, heads, dim = core.kv_cache.shape
-    return (layers, kv, block_size, heads, dim)
+    """One block's data as every tier holds it: [layers, 2, block_size, kv_heads, row] (rows as stored)."""
+    layers, kv, _, block_size, heads, row = core.kv_cache.shape
+    return (layers, kv, block_size, heads, row)

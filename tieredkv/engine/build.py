@@ -19,11 +19,13 @@ from tieredkv.engine.lifecycle import Lifecycle
 from tieredkv.engine.rank_build import (RankMemory, load_share, local_warm, make_kv_cache, prepare_process,
                                         total_weight_bytes, weights_label)
 from tieredkv.engine.request_factory import RequestFactory
-from tieredkv.engine.resolve import eos_token_ids, max_model_len, quant_settings, resolve_cache_dir, resolve_model_dir
+from tieredkv.engine.resolve import (eos_token_ids, max_model_len, quant_settings, resolve_cache_dir,
+                                     resolve_kv_layout, resolve_model_dir)
 from tieredkv.engine.sizing import far_extent, far_mode, kv_block_bytes, num_kv_blocks, warm_blocks
 from tieredkv.engine.telemetry import Telemetry
 from tieredkv.hashing import root_hash
 from tieredkv.kernels import KernelOps
+from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.models.llama import LlamaModel
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tokenizer import Tokenizer
@@ -46,7 +48,7 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
     """The block pool (lending warm slots as far blocks when `far`) and hot over it; warm when its budget
     holds a block (the tail of kv_cache when that has room beyond the pool); cold (LMDB, imported only
     then) with a path; remote (Valkey/Redis, imported only then) with a URL."""
-    block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
+    block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, kv_cache.shape[-1])  # rows as stored
     sharded = tp is not None and tp.world > 1
     warm = local_warm(num_warm_blocks, kv_cache, num_blocks)
     if warm is not None and sharded:  # this rank's heads in its slab, whole blocks in and out (tiers/warm.py)
@@ -99,6 +101,7 @@ class EngineParts:
     tp: TPGroup = field(default_factory=TPGroup)  # rank 0's group under tensor parallelism (engine/ranks.py)
     memory: "RankMemory | list[RankMemory] | None" = None  # what loading the weights took, per rank under TP
     process: Hold | None = None  # the process settings it holds (platform/process.py), released at close
+    kv_format: KVLayout | None = None  # how the cache stores K and V (kernels/kv_format.py)
 
     @property
     def pool(self) -> BlockPool:
@@ -141,21 +144,23 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     quant = quant_settings(cfg, model_dir)
     identity = identity_in_background(model_dir, quant, cache_dir)  # hashed while the weights load
     compiled = compile_wanted(cfg.compile_decode, device) and tp.world == 1
+    kv_format = resolve_kv_layout(cfg, spec, dtype, device)
     model, ops, memory = load_share(cfg, model_dir, device, tp, compiled)
     leader = tp if tp.world > 1 else None
-    num_warm = warm_blocks(cfg, spec, dtype)
+    num_warm = warm_blocks(cfg, spec, kv_format)
     mode = far_mode(cfg, device) if num_warm else None
     # on CPU every rank's share is in the one machine's memory: the budget counts whole blocks
-    num_blocks = num_kv_blocks(cfg, spec if device.type == "cpu" else tp.shard.local_spec(spec), dtype, device,
+    num_blocks = num_kv_blocks(cfg, spec if device.type == "cpu" else tp.shard.local_spec(spec), kv_format, device,
                                limit, staged=mode == "staged")
     num_far = num_warm if mode else 0
-    extent = far_extent(cfg, spec, dtype) if mode == "in place" else 0
+    extent = far_extent(cfg, spec, kv_format) if mode == "in place" else 0
     if leader is not None:
         leader.broadcast((num_blocks, extent, num_warm, mode))
-    kv_cache = make_kv_cache(tp.shard.local_spec(spec), cfg.block_size, num_blocks, extent, dtype, device)
+    kv_cache = make_kv_cache(tp.shard.local_spec(spec), cfg.block_size, num_blocks, extent, kv_format, device)
     factory = RequestFactory(tokenizer, spec, cfg, limit, eos_token_ids(spec, model_dir, tokenizer.eos_token_id),
                              num_blocks, num_far)
-    fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size, quant, identity=identity.result())
+    fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size, quant, identity=identity.result(),
+                                    kv=kv_format)
     tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None, tp=tp)
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
     index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
@@ -171,20 +176,22 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
     weights = weights_label(model, dtype)
     parts = EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
-                        factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights, tp, memory)
+                        factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights, tp, memory,
+                        kv_format=kv_format)
     _log_ready(cfg, parts, num_warm)
     return parts
 
 
 def _log_ready(cfg: EngineConfig, parts: EngineParts, num_warm: int) -> None:
     """The start-up line: model, weights, device, pool and tiers, kernels, decode path, ranks."""
-    block_bytes, tp, memory, ops = kv_block_bytes(parts.spec, cfg.block_size, parts.dtype), parts.tp, parts.memory, \
-        parts.runner.ops
+    block_bytes, tp, memory, ops = kv_block_bytes(parts.spec, cfg.block_size, parts.kv_format), parts.tp, \
+        parts.memory, parts.runner.ops
     rank_gib = " / ".join(f"{m.weight_bytes / 2**30:.2f}" for m in memory) if tp.world > 1 else ""
-    log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens (hot %.2f GiB, "
-             "warm %.2f GiB%s), kernels=%s, linear=%s, packed=%s, decode path=%s%s", parts.model_dir.name,
-             parts.weights, total_weight_bytes(parts.model, memory) / 2**30, parts.device, parts.num_blocks,
-             cfg.block_size, parts.num_blocks * block_bytes / 2**30, num_warm * block_bytes / 2**30,
+    log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens in %s (%d bytes a token; "
+             "hot %.2f GiB, warm %.2f GiB%s), kernels=%s, linear=%s, packed=%s, decode path=%s%s",
+             parts.model_dir.name, parts.weights, total_weight_bytes(parts.model, memory) / 2**30, parts.device,
+             parts.num_blocks, cfg.block_size, parts.kv_format.label, block_bytes // cfg.block_size,
+             parts.num_blocks * block_bytes / 2**30, num_warm * block_bytes / 2**30,
              "; taken as written" if parts.device.type == "cpu" else "", ops.name, ops.linear.__name__,
              ops.pack_linear_weight is not None, parts.runner.decode_path,
              f", tensor parallel over {tp.world} ranks ({rank_gib} GiB of the weights each)" if tp.world > 1 else "")
@@ -194,5 +201,5 @@ def _decode_path(model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps, cach
                  native: bool = True) -> CompiledDecode | NativeDecode:
     """What serves a step that decodes one sequence: with `native` (EngineConfig.native_decode), the native
     step where it takes the model (quantized weights on CPU: runner/native_decode.py), else the compiled graph."""
-    return (native and NativeDecode.make(model, kv_cache)) or CompiledDecode(model, kv_cache, ops,
-                                                                             cache_dir / "inductor")
+    return (native and NativeDecode.make(model, kv_cache, ops.kv)) or CompiledDecode(model, kv_cache, ops,
+                                                                                     cache_dir / "inductor")

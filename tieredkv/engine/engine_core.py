@@ -12,6 +12,7 @@ from tieredkv.core.sequence import Request
 from tieredkv.engine.build import build_engine
 from tieredkv.engine.outputs import EngineStats, Output, collect_stats
 from tieredkv.engine.rank_build import total_weight_bytes
+from tieredkv.engine.sizing import kv_token_bytes
 from tieredkv.errors import EngineClosedError
 
 log = logging.getLogger("tieredkv")
@@ -110,6 +111,8 @@ class EngineCore:
     # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return collect_stats(self.parts.pool, self.parts.scheduler, self.parts.kv, self.parts.tiers.stats(), self.parts.pins.num_blocks,
-                             self.parts.runner.decode_path, self.parts.weights,
-                             total_weight_bytes(self.parts.model, self.parts.memory), self.dense_formats)
+        parts = self.parts
+        return collect_stats(parts.pool, parts.scheduler, parts.kv, parts.tiers.stats(), parts.pins.num_blocks,
+                             parts.runner.decode_path, parts.weights, total_weight_bytes(parts.model, parts.memory),
+                             self.dense_formats, parts.kv_format.label,
+                             kv_token_bytes(parts.spec, parts.kv_format))

@@ -69,8 +69,19 @@ def _why(core, keys: list[BlockKey], i: int) -> str:
                 continue
             other = _chain(core, fingerprint, tokens)
             if other is not None and cold.inspect_sync(other, fingerprint) == "ok":
-                return "it is stored under another fingerprint (model, dtype, block size or layout differ)"
+                return f"it is stored under another fingerprint ({_difference(core.fingerprint, fingerprint)})"
     return "it was never computed here"
+
+
+def _difference(ours: str, theirs: str) -> str:
+    """What tells two fingerprints (identity.model_fingerprint) apart, in words."""
+    def kv_format(fingerprint: str) -> str:
+        part = next((p for p in fingerprint.split("|") if p.startswith("kv=")), None)
+        return part[3:] if part else "the compute dtype"
+
+    if kv_format(ours) != kv_format(theirs):
+        return f"its KV is stored as {kv_format(theirs)}; this engine stores {kv_format(ours)}"
+    return "model, dtype, block size, layout or weights' quantization differ"
 
 
 def _chain(core, fingerprint: str, tokens: list[int]) -> BlockKey | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.models.digest import weights_digest
 from tieredkv.models.loader import QuantSettings, weight_files
 
@@ -29,13 +30,16 @@ def model_identity(model_dir: Path, quant: QuantSettings | None = None, cache_di
 
 
 def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int, quant: QuantSettings | None = None,
-                      cache_dir: Path | None = None, identity: str | None = None) -> str:
+                      cache_dir: Path | None = None, identity: str | None = None, kv: KVLayout | None = None) -> str:
     """Everything that changes the meaning of a block's bytes: the model's identity (model_identity, unless
-    given), dtype, block size, layout, and the weights' quantization (quantized weights compute other keys
-    and values). Two engines share cold, remote and snapshot entries only when their fingerprints match."""
+    given), dtype, block size, layout, the K/V formats where the cache does not hold the compute dtype (`kv`:
+    a block stored at int8 is never served to an engine that stores fp32), and the weights' quantization
+    (quantized weights compute other keys and values). Two engines share cold, remote and snapshot entries
+    only when their fingerprints match."""
     identity = identity or model_identity(model_dir, quant, cache_dir)
     weights = "" if quant is None else f"|w={quant.label}"
-    return f"{identity}|{dtype}|bs={block_size}|{KV_LAYOUT}{weights}"
+    formats = "" if kv is None or kv.plain else f"|kv={kv.label}"
+    return f"{identity}|{dtype}|bs={block_size}|{KV_LAYOUT}{formats}{weights}"
 
 
 def identity_in_background(model_dir: Path, quant: QuantSettings | None, cache_dir: Path | None) -> Future:

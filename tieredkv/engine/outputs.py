@@ -145,6 +145,8 @@ class EngineStats:
         weight_bytes: what the weights take in that format (over every rank under tensor parallelism).
         dense_formats: each kind of dense layer (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) -> the format
             its products read: "float32 packed" (oneDNN's layout), "q4 g32 (gguf:Q4_1)", ...
+        kv_format: how the cache stores K and V in every tier ("float32", "int8", "k=int8,v=int4"; kv_cache_dtype).
+        kv_bytes_per_token: one token's K and V over every layer in that format (scales included).
     """
 
     num_running: int
@@ -169,6 +171,8 @@ class EngineStats:
     weights: str = "float32"  # the weights' format: the dtype, or the quantization ("int4 (float32 activations)")
     weight_bytes: int = 0  # what the weights take in that format
     dense_formats: dict[str, str] = field(default_factory=dict)  # layer kind -> the format its products read
+    kv_format: str = "float32"  # how the cache stores K and V, in every tier
+    kv_bytes_per_token: int = 0  # one token's K and V over every layer, in that format
 
 
 def make_chunk(seq: "Sequence", token_ids: list[int], final: bool,
@@ -195,7 +199,8 @@ def _usage(req: "Request", completion_tokens: int) -> Usage:
 
 def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
                   decode_path: str = "eager", weights: str = "float32", weight_bytes: int = 0,
-                  dense_formats: dict[str, str] | None = None) -> EngineStats:
+                  dense_formats: dict[str, str] | None = None, kv_format: str = "float32",
+                  kv_bytes_per_token: int = 0) -> EngineStats:
     """A snapshot of the engine's counters: every field read at one moment, tier stats copied."""
     return EngineStats(
         num_running=len(scheduler.running),
@@ -220,4 +225,6 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
         weights=weights,
         weight_bytes=weight_bytes,
         dense_formats=dict(dense_formats or {}),
+        kv_format=kv_format,
+        kv_bytes_per_token=kv_bytes_per_token,
     )

@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine.resolve import quant_settings, resolve_cache_dir, resolve_device, resolve_dtype
+from tieredkv.engine.resolve import quant_settings, resolve_cache_dir, resolve_device, resolve_dtype, resolve_kv_layout
 from tieredkv.errors import RankStartError
 from tieredkv.kernels import KernelOps, select_kernels
+from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.linear import graph_reads_packed, packed_range
 from tieredkv.kernels.quant import QuantizedWeight, gather_quantized_weights, tile_quantized_weights
 from tieredkv.kernels.quant_cpu import CPU
@@ -42,18 +43,19 @@ def weights_label(model: LlamaModel, dtype: torch.dtype) -> str:
     return f"{model.quantization} ({dt} activations{'; int8 blocks in tiled products' if tiled else ''})"
 
 
-def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, dtype: torch.dtype,
+def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, kv: KVLayout,
                   device: torch.device) -> torch.Tensor:
-    """[layers, 2, num_blocks + num_far + 1, block_size, kv_heads, head_dim]: the hot pool, zeroed, then the
+    """[layers, 2, num_blocks + num_far + 1, block_size, kv_heads, row] of the K/V formats' storage dtype (row:
+    head_dim values, or a row's bytes; kernels/kv_format.py): the hot pool, zeroed, then the
     far tail when far blocks are read in place (the warm tier's slab, and far_extent's address space beyond
     it), then one scratch block that no sequence is given: warm-ups and the background compile decode
     into it while requests are served (scratch_block). On CPU the tensor lies in an anonymous mapping,
     whose pages the kernel zero-fills on first touch: memory is taken as blocks are written, not for the
     whole pool at start-up."""
-    shape = (spec.num_layers, 2, num_blocks + num_far + 1, block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (spec.num_layers, 2, num_blocks + num_far + 1, block_size, spec.num_kv_heads, kv.row)
     if device.type == "cpu":
-        return _zero_pages(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
+        return _zero_pages(shape, kv.storage_dtype)
+    return torch.zeros(shape, dtype=kv.storage_dtype, device=device)
 
 
 def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -92,6 +94,7 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
     """This rank's share of the weights (all of them at one rank), in the layout the kernel set reads."""
     spec = ModelSpec.from_file(model_dir / "config.json")
     dtype = resolve_dtype(cfg.dtype, device)
+    kv = resolve_kv_layout(cfg, spec, dtype, device)  # a bad format fails before the weights load
     quant = quant_settings(cfg, model_dir)
     before = process_status_bytes("RssAnon")
     model = load_model(model_dir, spec, dtype, device, quant, tp)
@@ -103,7 +106,7 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
             log.info("int8 activations: %d quantized weights held in tiles of 16 rows%s", tiled,
                      "" if tiled else " (none: no build of the CPU kernels with AVX-512 VNNI here)")
         gather_quantized_weights(model)  # one stream in the order they are read
-    ops = _kernels_and_weights(cfg, model, device, dtype, compiled)
+    ops = _kernels_and_weights(cfg, model, device, dtype, compiled, kv)
     if device.type == "cpu":
         release_free_memory(collect=False)  # the copies that loading, fusing and packing the weights freed
     return model, ops, RankMemory(model.weight_bytes(), process_status_bytes("RssAnon") - before)
@@ -140,7 +143,7 @@ def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tup
     `setup`: rank 0's (num_blocks, far extent, warm blocks, far mode)."""
     num_blocks, extent, num_warm, mode = setup
     kv_cache = make_kv_cache(tp.shard.local_spec(model.spec), cfg.block_size, num_blocks, extent,
-                             resolve_dtype(cfg.dtype, device), device)
+                             resolve_kv_layout(cfg, model.spec, resolve_dtype(cfg.dtype, device), device), device)
     warm = local_warm(num_warm, kv_cache, num_blocks)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          far=(num_blocks, warm.slab) if mode == "staged" else None)
@@ -148,13 +151,13 @@ def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tup
 
 
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,
-                         compiled: bool) -> KernelOps:
+                         compiled: bool, kv: KVLayout | None = None) -> KernelOps:
     """The kernel set, with the weights in the layout its dense layers read, held once (docs/architecture.md:
     Kernels): packed where the kernel set packs; with the compiled decode path, packed too unless its one-row
     products read the plain weights clearly faster on this processor (measured once, kernels/linear.py:
     graph_reads_packed), else plain, for it and for the eager steps. cpu_linear="packed" keeps a packed copy
     beside plain weights."""
-    ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear)
+    ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear, kv)
     if ops.pack_linear_weight is None:
         return ops
     if not compiled:

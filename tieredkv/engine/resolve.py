@@ -10,6 +10,7 @@ import torch
 from tieredkv.cache_dir import default_cache_dir
 from tieredkv.config import EngineConfig
 from tieredkv.errors import ModelNotFoundError
+from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.models.files import check_regular_files, read_json
 from tieredkv.models.gguf_convert import default_gguf_path, default_model_dir
 from tieredkv.models.loader import QuantSettings
@@ -42,6 +43,13 @@ def resolve_dtype(name: str, device: torch.device, capability: tuple[int, int] |
     if capability is None:
         capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else BF16_CAPABILITY
     return torch.bfloat16 if tuple(capability) >= BF16_CAPABILITY else torch.float16
+
+
+def resolve_kv_layout(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> KVLayout:
+    """The KV cache's formats (EngineConfig.kv_cache_dtype, _k, _v) for this model's heads computed in `dtype` on
+    `device`; ValueError naming what is supported where they cannot hold them."""
+    k, v = cfg.kv_cache_dtypes
+    return KVLayout.resolve(k, v, spec.head_dim, dtype, device)
 
 
 def resolve_cache_dir(cfg: EngineConfig) -> Path:

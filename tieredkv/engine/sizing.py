@@ -8,6 +8,7 @@ import os
 import torch
 
 from tieredkv.config import EngineConfig
+from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.models.spec import ModelSpec
 
 
@@ -59,18 +60,18 @@ def kv_pool_bytes(cfg: EngineConfig, device_type: str, total: int = 0, used: int
     return min(cfg.max_num_seqs * max_len * token_bytes, CPU_POOL_CAP, _share_of_memory("SC_PHYS_PAGES", 8))
 
 
-def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, kv: KVLayout, device: torch.device,
                   max_len: int, staged: bool = False) -> int:
     """num_blocks when given; else the blocks kv_pool_bytes holds, with the device's memory as measured
     now (the weights loaded), and room for staging far blocks when they are `staged`."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    block_bytes = kv_block_bytes(spec, cfg.block_size, dtype)
+    block_bytes = kv_block_bytes(spec, cfg.block_size, kv)
     total = used = 0
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-    budget = kv_pool_bytes(cfg, device.type, total, used, spec.kv_elements_per_token * dtype.itemsize, max_len,
+    budget = kv_pool_bytes(cfg, device.type, total, used, kv_token_bytes(spec, kv), max_len,
                            spec.num_layers if staged else 0)
     num = budget // block_bytes
     if num < 2:
@@ -78,24 +79,29 @@ def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device
     return num
 
 
-def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """One block's K and V over every layer."""
-    return spec.kv_elements_per_token * block_size * dtype.itemsize
+def kv_token_bytes(spec: ModelSpec, kv: KVLayout) -> int:
+    """One token's K and V over every layer and KV head, in the cache's formats (scales included)."""
+    return kv.bytes_per_token(spec.num_layers, spec.num_kv_heads)
 
 
-def warm_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
+def kv_block_bytes(spec: ModelSpec, block_size: int, kv: KVLayout) -> int:
+    """One block's K and V over every layer, in the cache's formats: the bytes every tier holds for it."""
+    return kv_token_bytes(spec, kv) * block_size
+
+
+def warm_blocks(cfg: EngineConfig, spec: ModelSpec, kv: KVLayout) -> int:
     """Blocks the warm tier's budget holds (warm_bytes, or default_warm_bytes())."""
     warm_bytes = default_warm_bytes() if cfg.warm_bytes is None else cfg.warm_bytes
-    return warm_bytes // kv_block_bytes(spec, cfg.block_size, dtype)
+    return warm_bytes // kv_block_bytes(spec, cfg.block_size, kv)
 
 
-def far_extent(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
+def far_extent(cfg: EngineConfig, spec: ModelSpec, kv: KVLayout) -> int:
     """Blocks the cache tensor's tail spans where far blocks are read in place: what warm_bytes holds, or
     with the default budget its bound from the machine's total memory (10% of it, at most WARM_CAP), so
     the tensor's shape (and the compiled graph that takes it) does not follow the memory free at start-up.
     The span beyond the warm tier is address space only: its pages are never touched."""
     budget = _share_of_memory("SC_PHYS_PAGES") if cfg.warm_bytes is None else cfg.warm_bytes
-    return budget // kv_block_bytes(spec, cfg.block_size, dtype)
+    return budget // kv_block_bytes(spec, cfg.block_size, kv)
 
 
 def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:

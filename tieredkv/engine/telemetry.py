@@ -164,6 +164,9 @@ def _register_observables(m) -> None:
     m.create_observable_counter("tieredkv.prefix_cache.joined_blocks", [_observe(lambda snap: [
         (snap.prefix_blocks_joined, {})])], unit="{block}",
         description="prompt blocks found cached after waiting for the running request that computed them")
+    m.create_observable_gauge("tieredkv.kv_cache.bytes_per_token", [_observe(lambda snap: [
+        (snap.kv_bytes_per_token, {"format": snap.kv_format})])], unit="By",
+        description="one token's K and V over every layer as the cache stores them (format: kv_cache_dtype)")
     for name, field in (("running", "num_running"), ("waiting", "num_waiting"), ("swapped", "num_swapped")):
         m.create_observable_gauge(f"tieredkv.requests.{name}", [_observe(
             lambda snap, field=field: [(getattr(snap, field), {})])], unit="{sequence}")

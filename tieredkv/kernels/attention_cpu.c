@@ -2,7 +2,8 @@
  *
  *   out[b, h, :] = softmax(scale * q[b, h, :] . K[b, p, h / G, :] for p < lens[b]) @ V[b, p, h / G, :]
  *
- * K and V are [num_blocks, bs, Hkv, D] caches (fp32 or bf16) read where they lie, through the block table:
+ * K and V are [num_blocks, bs, Hkv, row] caches read where they lie, through the block table (rows in one of the
+ * KV formats, cpu_kernels.h: fp32 read in place, the others a chunk of one KV head at a time widened into L1):
  * position p of sequence b is row p % bs of block tables[b * ts + p / bs]. Nothing is gathered or padded, so
  * a step costs the positions its sequences have, each read once (the G query heads of a KV head take their
  * scores from the same load of a key row).
@@ -132,14 +133,6 @@ static inline float exp_sum(float *x, int64_t n, float m) {
     return s;
 }
 
-/* a bf16 row as fp32 */
-static inline void widen(const uint16_t *src, int64_t D, float *dst) {
-    for (int64_t d = 0; d < D; d++) {
-        uint32_t u = (uint32_t)src[d] << 16;
-        memcpy(dst + d, &u, 4);
-    }
-}
-
 /* Splits of each sequence's positions: at least two items a thread and a multiple of the threads where the
  * positions allow, none shorter than ATT_MIN_SPLIT positions. */
 static int64_t att_splits(int64_t B, int64_t longest, int threads) {
@@ -148,13 +141,21 @@ static int64_t att_splits(int64_t B, int64_t longest, int threads) {
     return s;
 }
 
-/* n rows of a bf16 cache (stride apart) as fp32 rows D apart */
-static void widen_rows(const uint16_t *src, int64_t stride, int64_t n, int64_t D, float *dst) {
-    for (int64_t i = 0; i < n; i++) widen(src + i * stride, D, dst + i * D);
+/* n rows of one side's cache from `src` (stride bytes apart) as fp32 rows: where they lie for fp32 (*fstride: the
+ * rows' stride in floats), else widened into `wide` (a chunk of one KV head, which stays in L1) */
+static inline const float *att_rows(const uint8_t *src, int fmt, int64_t stride, int64_t n, int64_t D, float *wide,
+                                    int64_t *fstride) {
+    if (fmt == TKV_KV_F32) {
+        *fstride = stride / (int64_t)sizeof(float);
+        return (const float *)src;
+    }
+    tkv_kv_rows(src, fmt, stride, n, D, wide);
+    *fstride = D;
+    return wide;
 }
 
 /* The chunk of an item's positions [p, p1) that starts at p: its rows (returned) and their first row's
- * element index in the caches (*first) */
+ * byte offset in the caches (*first; `row`: a token's bytes) */
 static inline int64_t att_chunk(const int32_t *table, int64_t bs, int64_t row, int64_t p, int64_t p1,
                                 int64_t *first) {
     int64_t n = bs - p % bs < p1 - p ? bs - p % bs : p1 - p;
@@ -177,12 +178,13 @@ static inline void att_fetch(const void *kc, const void *vc, int64_t at, int64_t
  * memory, the default model's shapes, AMD EPYC Zen 5, 2 threads, us a layer before -> after, two runs: 192
  * positions 29.5 -> 26.6 and 35.2 -> 34.5, 1,024 positions 122 -> 118 and 105 -> 98, 4,000 421 -> 402. `part` receives each query head's maximum, sum and
  * D weighted values (part[h * (D + 2)]: m, l, acc[D]). */
-static void att_item(const float *q, const void *kc, const void *vc, int bf16, int64_t bs, int64_t Hkv,
-                     int64_t D, int64_t G, const int32_t *table, int64_t p0, int64_t p1, float scale,
+static void att_item(const float *q, const uint8_t *kc, const uint8_t *vc, int fmt, int64_t rb, int64_t bs,
+                     int64_t Hkv, int64_t D, int64_t G, const int32_t *table, int64_t p0, int64_t p1, float scale,
                      float *part) {
     float s[ATT_MAX_G][ATT_CHUNK];
-    float wide[ATT_CHUNK * ATT_MAX_D];  /* a bf16 chunk's rows of one KV head as fp32 */
-    const int64_t G2 = D + 2, row = Hkv * D, esize = bf16 ? 2 : 4;
+    float wide[ATT_CHUNK * ATT_MAX_D];  /* a chunk's rows of one KV head as fp32, where they are stored otherwise */
+    const int64_t G2 = D + 2, row = Hkv * rb;
+    const int kf = fmt & 15, vf = fmt >> 4;
     for (int64_t h = 0; h < Hkv * G; h++) {
         float *ph = part + h * G2;
         ph[0] = -INFINITY;
@@ -191,22 +193,17 @@ static void att_item(const float *q, const void *kc, const void *vc, int bf16, i
     }
     if (p0 < p1) {
         int64_t at0, n0 = att_chunk(table, bs, row, p0, p1, &at0);
-        att_fetch(kc, vc, at0 * esize, 0, n0 * row * esize);
+        att_fetch(kc, vc, at0, 0, n0 * row);
     }
     for (int64_t p = p0; p < p1;) {
-        int64_t first, next_first = 0, next_bytes = 0;
+        int64_t first, next_first = 0, next_bytes = 0, stride;
         const int64_t n = att_chunk(table, bs, row, p, p1, &first);
-        if (p + n < p1) next_bytes = att_chunk(table, bs, row, p + n, p1, &next_first) * row * esize;
+        if (p + n < p1) next_bytes = att_chunk(table, bs, row, p + n, p1, &next_first) * row;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            att_fetch(kc, vc, next_first * esize, next_bytes * kvh / Hkv, next_bytes * (kvh + 1) / Hkv);
-            const int64_t at = first + kvh * D;
-            const float *k = (const float *)kc + at, *v = (const float *)vc + at;
-            int64_t stride = row;
+            att_fetch(kc, vc, next_first, next_bytes * kvh / Hkv, next_bytes * (kvh + 1) / Hkv);
+            const int64_t at = first + kvh * rb;
             float *ph = part + kvh * G * G2;
-            if (bf16) {
-                widen_rows((const uint16_t *)kc + at, row, n, D, wide);
-                k = wide, stride = D;
-            }
+            const float *k = att_rows(kc + at, kf, row, n, D, wide, &stride);
             scores(q + kvh * G * D, G, k, stride, n, D, s);
             for (int64_t g = 0; g < G; g++) {
                 float *pg = ph + g * G2, m = pg[0];
@@ -218,10 +215,7 @@ static void att_item(const float *q, const void *kc, const void *vc, int bf16, i
                 pg[0] = m;
                 pg[1] = pg[1] * alpha + sum;
             }
-            if (bf16) {
-                widen_rows((const uint16_t *)vc + at, row, n, D, wide);
-                v = wide;
-            }
+            const float *v = att_rows(vc + at, vf, row, n, D, wide, &stride);
             weigh(s, G, v, stride, n, D, ph);
         }
         p += n;
@@ -231,8 +225,8 @@ static void att_item(const float *q, const void *kc, const void *vc, int bf16, i
 /* The work of tkv_paged_decode as worksharing loops (every thread of the enclosing region calls it): each
  * sequence's positions in S splits, their partial results in parts [B * S * Hq * (D + 2)], then merged */
 static void attention_share(const float *q, int64_t B, int64_t Hq, int64_t D, const void *kc, const void *vc,
-                            int bf16, int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts, const int32_t *lens,
-                            float scale, int64_t S, float *parts, float *out) {
+                            int fmt, int64_t rb, int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts,
+                            const int32_t *lens, float scale, int64_t S, float *parts, float *out) {
     const int64_t G = Hq / Hkv, items = B * S, G2 = D + 2;
     #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
@@ -240,8 +234,8 @@ static void attention_share(const float *q, int64_t B, int64_t Hq, int64_t D, co
         int64_t per = (len + S - 1) / S;
         per = (per + bs - 1) / bs * bs;  /* whole blocks a split, so a chunk never straddles two */
         const int64_t p0 = sp * per < len ? sp * per : len, p1 = p0 + per < len ? p0 + per : len;
-        att_item(q + b * Hq * D, kc, vc, bf16, bs, Hkv, D, G, tables + b * ts, p0, p1, scale,
-                 parts + it * Hq * G2);
+        att_item(q + b * Hq * D, (const uint8_t *)kc, (const uint8_t *)vc, fmt, rb, bs, Hkv, D, G, tables + b * ts,
+                 p0, p1, scale, parts + it * Hq * G2);
     }
     #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * Hq; bh++) {  /* the splits of each head merged */
@@ -275,20 +269,23 @@ static int threads_now(void) {
 #endif
 }
 
-/* q [B, Hq, D] fp32; kc, vc [*, bs, Hkv, D] fp32 (bf16 = 0) or bf16 (bf16 = 1); tables [B, ts] int32;
- * lens [B] int32 (each >= 1 and within its table); out [B, Hq, D] fp32. Returns -1 for a shape the kernel
- * does not take (Hq not a multiple of Hkv, G or D above their limits) or no memory, 0 when done. */
-int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const void *kc, const void *vc, int bf16,
-                     int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts, const int32_t *lens, float scale,
-                     float *out) {
-    if (B <= 0 || !tkv_attention_fits(Hq, D, bs, Hkv)) return -1;
+/* q [B, Hq, D] fp32; kc, vc [*, bs, Hkv, rb bytes]: rows in K's format (fmt & 15) and V's (fmt >> 4), cpu_kernels.h:
+ * TKV_KV_*; tables [B, ts] int32; lens [B] int32 (each >= 1 and within its table); out [B, Hq, D] fp32. Returns -1
+ * for a shape the kernel does not take (Hq not a multiple of Hkv, G or D above their limits, an unknown format)
+ * or no memory, 0 when done. */
+int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt,
+                     int64_t rb, int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts, const int32_t *lens,
+                     float scale, float *out) {
+    if (B <= 0 || !tkv_attention_fits(Hq, D, bs, Hkv) || !tkv_kv_format_known(fmt & 15) ||
+        !tkv_kv_format_known(fmt >> 4))
+        return -1;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
     const int64_t S = att_splits(B, longest, threads_now());
     float *parts = (float *)tkv_scratch((size_t)(B * S * Hq * (D + 2)) * sizeof(float));
     if (!parts) return -1;
     #pragma omp parallel
-    attention_share(q, B, Hq, D, kc, vc, bf16, bs, Hkv, tables, ts, lens, scale, S, parts, out);
+    attention_share(q, B, Hq, D, kc, vc, fmt, rb, bs, Hkv, tables, ts, lens, scale, S, parts, out);
     return 0;
 }
 
@@ -296,8 +293,8 @@ int64_t tkv_attention_splits(int64_t len, int threads) {
     return att_splits(1, len, threads);
 }
 
-void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int bf16, int64_t bs,
-                         int64_t Hkv, const int32_t *table, int32_t len, float scale, int64_t splits, float *parts,
-                         float *out) {
-    attention_share(q, 1, Hq, D, kc, vc, bf16, bs, Hkv, table, 0, &len, scale, splits, parts, out);
+void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt, int64_t rb,
+                         int64_t bs, int64_t Hkv, const int32_t *table, int32_t len, float scale, int64_t splits,
+                         float *parts, float *out) {
+    attention_share(q, 1, Hq, D, kc, vc, fmt, rb, bs, Hkv, table, 0, &len, scale, splits, parts, out);
 }

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tieredkv.kernels.kv_format import KVLayout, select_blocks, values
+
 # The rule (benchmarks/bench_cascade.py): grouping pays once a group shares this much, this often.
 MIN_GROUP = 2  # sequences
 MIN_PREFIX_TOKENS = 64
@@ -111,27 +113,28 @@ def plan_cascades(block_tables: torch.Tensor, context_lens: torch.Tensor, block_
 
 
 def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, c: CascadePlan,
-                      scale: float) -> torch.Tensor:
+                      scale: float, kv: KVLayout | None = None) -> torch.Tensor:
     """Decode attention [M, Hq, D] for every cascade member (rows c.rows): each group's shared prefix read
     once for all its queries, each member's suffix apart, the two merged by their log-sum-exps. The
     prefix works in the padded group layout [groups, Hkv, members * G, D]: one attention per group over
     a view of its blocks (no copy when they are one run). With the fused attention (attend_lse), no
-    score matrix is materialised; else the matrix-product version below."""
+    score matrix is materialised; else the matrix-product version below. `kv`: the caches' formats where they
+    do not hold the compute dtype (kernels/kv_format.py: what is gathered is dequantized)."""
     if not fused_attention_usable():
-        return _cascade_attention_matmul(query, key_cache, value_cache, c, scale)
-    hkv, d = key_cache.shape[2], key_cache.shape[3]
+        return _cascade_attention_matmul(query, key_cache, value_cache, c, scale, kv)
+    hkv, d = key_cache.shape[2], query.shape[2]
     ng, nm, m = c.num_groups, c.max_members, c.rows.shape[0]
     group = query.shape[1] // hkv
     qg = query[c.members].view(ng, nm, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(ng, hkv, nm * group, d)
-    kp, vp = _prefix_kv(key_cache, c), _prefix_kv(value_cache, c)  # per group [P_g, Hkv, D]
+    kp, vp = _prefix_kv(key_cache, c, kv, 0), _prefix_kv(value_cache, c, kv, 1)  # per group [P_g, Hkv, D]
     op, lp = qg.new_empty(ng, hkv, nm * group, d), qg.new_empty(ng, hkv, nm * group)
     for g in range(ng):
         op[g], lp[g] = attend_lse(qg[g], kp[g].transpose(0, 1), vp[g].transpose(0, 1), scale, None)
     op = op.view(ng, hkv, nm, group, d).transpose(1, 2).reshape(ng * nm, hkv, group, d)[c.slots]  # [M, Hkv, G, D]
     lp = lp.view(ng, hkv, nm, group).transpose(1, 2).reshape(ng * nm, hkv, group)[c.slots]
     q = query[c.rows].view(m, hkv, group, d)
-    ks = torch.index_select(key_cache, 0, c.suffix_ids).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
-    vs = torch.index_select(value_cache, 0, c.suffix_ids).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
+    ks = select_blocks(key_cache, c.suffix_ids, kv, 0).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
+    vs = select_blocks(value_cache, c.suffix_ids, kv, 1).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
     os_, ls = attend_lse(q, ks, vs, scale, c.suffix_mask)
     return merge_lse(op, lp, os_, ls).reshape(m, hkv * group, d)
 
@@ -178,14 +181,14 @@ def fused_attention_usable() -> bool:
 
 
 def _cascade_attention_matmul(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                              c: CascadePlan, scale: float) -> torch.Tensor:
+                              c: CascadePlan, scale: float, kv: KVLayout | None = None) -> torch.Tensor:
     """cascade_attention through plain matrix products: the prefix products per (group, KV head) straight
     on the gathered blocks (a [P, D] slice with a row stride), one softmax over prefix and suffix."""
-    hkv, d = key_cache.shape[2], key_cache.shape[3]
+    hkv, d = key_cache.shape[2], query.shape[2]
     ng, nm, m = c.num_groups, c.max_members, c.rows.shape[0]
     group = query.shape[1] // hkv
     qg = query[c.members].view(ng, nm, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(ng, hkv, nm * group, d)
-    kp, vp = _prefix_kv(key_cache, c), _prefix_kv(value_cache, c)  # per group [P_g, Hkv, D]
+    kp, vp = _prefix_kv(key_cache, c, kv, 0), _prefix_kv(value_cache, c, kv, 1)  # per group [P_g, Hkv, D]
     sp = qg.new_zeros(ng, hkv, nm * group, c.max_prefix_blocks * key_cache.shape[1])
     for g in range(ng):
         for h in range(hkv):
@@ -193,8 +196,8 @@ def _cascade_attention_matmul(query: torch.Tensor, key_cache: torch.Tensor, valu
     sp = (sp * scale + c.prefix_mask).view(ng, hkv, nm, group, -1)
     # suffixes, member by member, moved into the group layout (padding members: -inf, weight 0)
     q = query[c.rows].view(m, hkv, group, d)
-    ks = torch.index_select(key_cache, 0, c.suffix_ids).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
-    vs = torch.index_select(value_cache, 0, c.suffix_ids).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
+    ks = select_blocks(key_cache, c.suffix_ids, kv, 0).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
+    vs = select_blocks(value_cache, c.suffix_ids, kv, 1).view(m, -1, hkv, d)[:, : c.suffix_len].transpose(1, 2)
     ss = torch.matmul(q, ks.transpose(-1, -2)) * scale + c.suffix_mask  # [M, Hkv, G, Ls]
     ss_g = ss.new_full((ng * nm, hkv, group, c.suffix_len), float("-inf"))
     ss_g[c.slots] = ss
@@ -214,33 +217,35 @@ def _cascade_attention_matmul(query: torch.Tensor, key_cache: torch.Tensor, valu
     return (out / total[..., None]).reshape(m, hkv * group, d)
 
 
-def _prefix_kv(cache: torch.Tensor, c: CascadePlan) -> list[torch.Tensor]:
-    """Each group's shared K or V as [P_g, Hkv, D]: a view of the pool where the blocks are one run (no
-    copy at all), else one gather."""
-    hkv, d = cache.shape[2], cache.shape[3]
+def _prefix_kv(cache: torch.Tensor, c: CascadePlan, kv: KVLayout | None = None, side: int = 0) -> list[torch.Tensor]:
+    """Each group's shared K or V as [P_g, Hkv, D] values: a view of the pool where the blocks are one run (no
+    copy at all, for a cache in the compute dtype), else one gather."""
+    hkv = cache.shape[2]
     gathered = None
     out = []
     for g, run in enumerate(c.prefix_runs):
         if run is not None:
-            out.append(cache[run[0] : run[0] + run[1]].view(-1, hkv, d))
+            out.append(values(cache[run[0] : run[0] + run[1]], kv, side).flatten(0, 1))
             continue
         if gathered is None:
-            gathered = torch.index_select(cache, 0, c.prefix_ids).view(c.num_groups, -1, hkv, d)
+            blocks = select_blocks(cache, c.prefix_ids, kv, side)
+            gathered = blocks.view(c.num_groups, -1, hkv, blocks.shape[-1])
         out.append(gathered[g, : c.prefix_lens[g]])
     return out
 
 
 def prefill_cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               block_tables: torch.Tensor, starts: list[int], lens: list[int], scale: float,
-                              rows: list[int], prefix_blocks: int) -> dict[int, torch.Tensor]:
+                              rows: list[int], prefix_blocks: int,
+                              kv: KVLayout | None = None) -> dict[int, torch.Tensor]:
     """Prefill chunks of several sequences that follow one cached prefix (a burst of new conversations):
     every chunk's queries against the shared prefix in one product (its K/V read once), each chunk
     against its own keys after it (causal), merged by log-sum-exp. Returns {row: [q_len, Hq, D]}."""
-    bs, hkv, d = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    bs, hkv, d = key_cache.shape[1], key_cache.shape[2], query.shape[2]
     p = prefix_blocks * bs
     ids = block_tables[rows[0], :prefix_blocks]
-    kp = torch.index_select(key_cache, 0, ids).view(p, hkv, d).transpose(0, 1)  # [Hkv, P, D]
-    vp = torch.index_select(value_cache, 0, ids).view(p, hkv, d).transpose(0, 1)
+    kp = select_blocks(key_cache, ids, kv, 0).view(p, hkv, d).transpose(0, 1)  # [Hkv, P, D]
+    vp = select_blocks(value_cache, ids, kv, 1).view(p, hkv, d).transpose(0, 1)
     chunks = [query[starts[r] : starts[r + 1]] for r in rows]
     group = query.shape[1] // hkv
     qs = torch.cat(chunks).view(-1, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, Tq*G, D]
@@ -253,8 +258,8 @@ def prefill_cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
         own = ctx - p
         nb = -(-own // bs)
         tbl = block_tables[r, prefix_blocks : prefix_blocks + nb]
-        k = torch.index_select(key_cache, 0, tbl).view(nb * bs, hkv, d)[:own].transpose(0, 1)  # [Hkv, own, D]
-        v = torch.index_select(value_cache, 0, tbl).view(nb * bs, hkv, d)[:own].transpose(0, 1)
+        k = select_blocks(key_cache, tbl, kv, 0).view(nb * bs, hkv, d)[:own].transpose(0, 1)  # [Hkv, own, D]
+        v = select_blocks(value_cache, tbl, kv, 1).view(nb * bs, hkv, d)[:own].transpose(0, 1)
         pos = torch.arange(q_len, device=q.device)[:, None] + (own - q_len)
         mask = torch.zeros(q_len, own, dtype=q.dtype, device=q.device).masked_fill_(
             torch.arange(own, device=q.device)[None, :] > pos, float("-inf"))

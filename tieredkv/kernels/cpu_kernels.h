@@ -5,6 +5,10 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 void *tkv_scratch(size_t bytes);  /* the calling thread's scratch memory (quant_cpu.c) */
 
@@ -32,6 +36,66 @@ void tkv_row_share(const tkv_qw *w, const char *mem, float *out);
 /* Rows ids[0..count) of such a weight (ids NULL: rows 0..count) dequantized to fp32 [count, K] */
 void tkv_row_dequantize(const tkv_qw *w, const int64_t *ids, int64_t count, float *out);
 
+/* fp16 <-> fp32, rounding to nearest even (F16C's instructions where the processor has them) */
+static inline float tkv_h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (e == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            e = 113;
+            while (!(man & 0x400u)) { man <<= 1; e--; }
+            bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((e + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t tkv_f2h(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, 0);  /* 0: round to nearest even */
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));  /* inf, NaN */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* rounds past 65504: inf */
+    if (ax < 0x38800000u) {  /* below fp16's smallest normal: a subnormal (or 0) */
+        if (ax < 0x33000000u) return (uint16_t)sign;
+        const uint32_t e = ax >> 23, man = (ax & 0x7fffffu) | 0x800000u, shift = 126 - e;
+        uint32_t h = man >> shift;
+        const uint32_t rest = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((ax - 0x38000000u) >> 13);
+    const uint32_t rest = ax & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+#endif
+}
+
+/* The KV cache's formats (kernels/kv_format.py: KVFormat.code). A row is one token's D values of one KV head:
+ * fp32, bf16, fp16 values; int8: D codes, then an fp16 scale; int4: D / 2 bytes (byte j: value j in its low
+ * nibble, value j + D/2 in its high one), then an fp16 scale and an fp16 offset (kv_cpu.c). */
+enum { TKV_KV_F32 = 0, TKV_KV_BF16 = 1, TKV_KV_F16 = 2, TKV_KV_I8 = 3, TKV_KV_I4 = 4 };
+int tkv_kv_format_known(int fmt);
+int64_t tkv_kv_row_bytes(int fmt, int64_t D);  /* a row's bytes in format fmt, 0 where it cannot hold D values */
+/* n stored rows (row i at src + i * stride bytes) as fp32 rows D apart in dst */
+void tkv_kv_rows(const uint8_t *src, int fmt, int64_t stride, int64_t n, int64_t D, float *dst);
+/* one row of D values stored in format fmt at dst, as kv_format.py's encode writes it, bit for bit */
+void tkv_kv_store(const float *x, int fmt, int64_t D, uint8_t *dst);
+
 /* Decode attention for one sequence inside a parallel region (attention_cpu.c: tkv_paged_decode's work):
  * tkv_attention_splits says how many items its positions are split into (the same for every layer of a
  * step), tkv_attention_share runs them, every thread calling it; `parts` holds splits * Hq * (D + 2) floats.
@@ -39,9 +103,10 @@ void tkv_row_dequantize(const tkv_qw *w, const int64_t *ids, int64_t count, floa
  * head, too large a head). */
 int tkv_attention_fits(int64_t Hq, int64_t D, int64_t bs, int64_t Hkv);
 int64_t tkv_attention_splits(int64_t len, int threads);
-void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int bf16, int64_t bs,
-                         int64_t Hkv, const int32_t *table, int32_t len, float scale, int64_t splits, float *parts,
-                         float *out);
+/* kc, vc: the caches' bytes, rows of rb bytes (kv_heads rows a token); fmt: K's format | V's format << 4 */
+void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt, int64_t rb,
+                         int64_t bs, int64_t Hkv, const int32_t *table, int32_t len, float scale, int64_t splits,
+                         float *parts, float *out);
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tieredkv.kernels.cascade import CascadePlan, cascade_attention, plan_cascades
+from tieredkv.kernels.kv_format import KVLayout, select_blocks
 
 # One more group (two gathers and an SDPA call per layer) costs about as much as attending this many
 # extra key positions in one sequence, on CPU (tens of microseconds of call overhead per group vs
@@ -98,17 +99,20 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     return DecodePlanRef(plan, cascades, torch.tensor(alone, device=block_tables.device) if cascades else None)
 
 
-def _gather(cache: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int, length: int) -> torch.Tensor:
-    """[num_blocks, bs, H, D] cache -> [batch, H, length, D] (a strided view of one gathered copy)."""
-    gathered = torch.index_select(cache, 0, ids)  # [batch * nb, bs, H, D]; faster than cache[ids] on CPU
-    return gathered.view(batch, num_blocks * cache.shape[1], *cache.shape[2:])[:, :length].transpose(1, 2)
+def _gather(cache: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int, length: int,
+            kv: KVLayout | None = None, side: int = 0) -> torch.Tensor:
+    """[num_blocks, bs, H, row] cache -> [batch, H, length, D] values (a strided view of one gathered copy)."""
+    gathered = select_blocks(cache, ids, kv, side)  # [batch * nb, bs, H, D]
+    return gathered.view(batch, num_blocks * cache.shape[1], *gathered.shape[2:])[:, :length].transpose(1, 2)
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_blocks, bs, H, D] cache, [B, max_blocks] tables -> [B, H, length, D] K or V (a strided view)."""
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int, kv: KVLayout | None = None,
+              side: int = 0) -> torch.Tensor:
+    """[num_blocks, bs, H, row] cache, [B, max_blocks] tables -> [B, H, length, D] K (side 0) or V (side 1)
+    values (a strided view)."""
     num_blocks = -(-length // cache.shape[1])
     ids = block_tables[:, :num_blocks].reshape(-1)
-    return _gather(cache, ids, block_tables.shape[0], num_blocks, length)
+    return _gather(cache, ids, block_tables.shape[0], num_blocks, length, kv, side)
 
 
 def decode_attention_ref(
@@ -120,11 +124,13 @@ def decode_attention_ref(
     scale: float,
     max_context_len: int | None = None,
     plan: DecodePlanRef | None = None,
+    kv: KVLayout | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Plain-torch reference: the query attends to the first context_lens[b] cached tokens of its sequence.
     Sequences of similar length are attended together (see length_groups), as `plan` (plan_decode's,
     made here when None) says; `max_context_len` is a hint the Triton kernel uses and this reference
-    does not need."""
+    does not need. `kv`: the caches' formats where they do not hold the compute dtype (rows of
+    kernels/kv_format.py: gathered, then dequantized)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if plan is None:
@@ -132,12 +138,12 @@ def decode_attention_ref(
     whole = plan.cascades is None and len(plan.groups) == 1 and isinstance(plan.groups[0].rows, slice)  # in order
     out = None if whole else torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if plan.cascades is not None:
-        out[plan.cascades.rows] = cascade_attention(query, key_cache, value_cache, plan.cascades, scale)
+        out[plan.cascades.rows] = cascade_attention(query, key_cache, value_cache, plan.cascades, scale, kv)
     for g in plan.groups:
         q = query[g.rows]
         n = q.shape[0]
-        k = _gather(key_cache, g.ids, n, g.num_blocks, g.length)  # [n, Hkv, L, D]
-        v = _gather(value_cache, g.ids, n, g.num_blocks, g.length)
+        k = _gather(key_cache, g.ids, n, g.num_blocks, g.length, kv, 0)  # [n, Hkv, L, D]
+        v = _gather(value_cache, g.ids, n, g.num_blocks, g.length, kv, 1)
         q = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # query heads grouped by KV head
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale).reshape(n, num_heads, head_dim)
         if out is None:
@@ -155,6 +161,7 @@ def decode_attention_dense(
     scale: float,
     max_context_len: int | None = None,
     plan: object = None,
+    kv: KVLayout | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """The same attention as decode_attention_ref written without a Python decision that depends on the
     data: every row attends over its table's W blocks with the positions at or past its length masked.
@@ -163,8 +170,8 @@ def decode_attention_dense(
     batch, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads = block_tables.shape[1], key_cache.shape[1], key_cache.shape[2]
     ids = block_tables.reshape(-1).to(torch.int64)
-    k = torch.index_select(key_cache, 0, ids).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
-    v = torch.index_select(value_cache, 0, ids).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+    k = select_blocks(key_cache, ids, kv, 0).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+    v = select_blocks(value_cache, ids, kv, 1).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
     q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
     # both products as broadcast multiplies and sums rather than einsum's batched matmuls: inductor fuses them
     # with the gather above into its own loops, where each bmm was a library call costing more than its few
@@ -177,48 +184,59 @@ def decode_attention_dense(
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
 
-def paged_decode_usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+def paged_decode_usable(query: torch.Tensor, key_cache: torch.Tensor, kv: KVLayout | None = None) -> bool:
     """True where the CPU kernel (attention_cpu.c, as torch.ops.tieredkv.paged_decode) takes this attention:
-    caches on CPU in fp32 or bf16, contiguous, shapes within its limits, and the operator bound (at start, or
-    by the compiled decode path before its trace; kernels/quant_cpu.py: CpuLibrary)."""
+    caches on CPU, contiguous, in a format it reads (every one but fp8), shapes within its limits, and the
+    operator bound (at start, or by the compiled decode path before its trace; kernels/quant_cpu.py: CpuLibrary)."""
     from tieredkv.kernels.quant_cpu import CPU
 
     heads, kv_heads = query.shape[1], key_cache.shape[2]
-    return (key_cache.device.type == "cpu" and key_cache.dtype in (torch.float32, torch.bfloat16)
-            and key_cache.is_contiguous() and heads % kv_heads == 0 and heads // kv_heads <= PAGED_MAX_GROUP
+    return (key_cache.device.type == "cpu" and key_cache.dtype in PAGED_DTYPES
+            and (kv is None or max(kv.codes) <= PAGED_MAX_FORMAT) and key_cache.is_contiguous()
+            and heads % kv_heads == 0 and heads // kv_heads <= PAGED_MAX_GROUP
             and query.shape[2] <= PAGED_MAX_HEAD_DIM and CPU.operators_bound)
 
 
 PAGED_MAX_GROUP, PAGED_MAX_HEAD_DIM = 32, 256  # attention_cpu.c: ATT_MAX_G, ATT_MAX_D
+PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
+PAGED_MAX_FORMAT = 4  # cpu_kernels.h: TKV_KV_I4, the last format the CPU kernels read
+
+
+def _formats(kv: KVLayout | None) -> tuple[int, int]:
+    """paged_decode's k_format, v_format: -1 (from the caches' dtype) where they hold floats alike."""
+    return (-1, -1) if kv is None or kv.storage_dtype != torch.uint8 else kv.codes
 
 
 def decode_attention_compiled(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
-                              plan=None) -> torch.Tensor:
+                              plan=None, kv: KVLayout | None = None) -> torch.Tensor:
     """The compiled decode path's attention: the CPU kernel where it serves (one call a layer from the graph's
     C++ wrapper: each position read once, where it lies), else decode_attention_dense. Decided as the graph
     is traced. The scale multiplies the query in the graph (what the kernel does first): a float argument to
     the operator would be a symbolic float that dynamo can only specialize by tracing again."""
-    if paged_decode_usable(query, key_cache):
+    if paged_decode_usable(query, key_cache, kv):
         q = query.float() * scale  # fp32, as the kernel would scale it
-        out = torch.ops.tieredkv.paged_decode(q, key_cache, value_cache, block_tables, context_lens, 1.0)
+        out = torch.ops.tieredkv.paged_decode(q, key_cache, value_cache, block_tables, context_lens, 1.0,
+                                              *_formats(kv))
         return out.to(query.dtype)
-    return decode_attention_dense(query, key_cache, value_cache, block_tables, context_lens, scale)
+    return decode_attention_dense(query, key_cache, value_cache, block_tables, context_lens, scale, kv=kv)
 
 
 def decode_attention_cpu(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
-                         plan: DecodePlanRef | None = None) -> torch.Tensor:
+                         plan: DecodePlanRef | None = None, kv: KVLayout | None = None) -> torch.Tensor:
     """decode_attention_ref's contract on CPU: the rows that share a prefix as cascades (the plan's), the others
     in one call of the CPU kernel, with no gather and no padding; decode_attention_ref where the kernel does not
     serve."""
-    if not paged_decode_usable(query, key_cache):
+    if not paged_decode_usable(query, key_cache, kv):
         return decode_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale,
-                                    max_context_len, plan)
+                                    max_context_len, plan, kv)
+    formats = _formats(kv)
     paged = torch.ops.tieredkv.paged_decode
     if plan is None or plan.cascades is None:
-        return paged(query, key_cache, value_cache, block_tables, context_lens, scale)
+        return paged(query, key_cache, value_cache, block_tables, context_lens, scale, *formats)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    out[plan.cascades.rows] = cascade_attention(query, key_cache, value_cache, plan.cascades, scale)
+    out[plan.cascades.rows] = cascade_attention(query, key_cache, value_cache, plan.cascades, scale, kv)
     rows = plan.alone
     if rows.numel():
-        out[rows] = paged(query[rows], key_cache, value_cache, block_tables[rows], context_lens[rows], scale)
+        out[rows] = paged(query[rows], key_cache, value_cache, block_tables[rows], context_lens[rows], scale,
+                          *formats)
     return out

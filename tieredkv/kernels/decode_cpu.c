@@ -35,7 +35,7 @@ typedef struct {
     const float *attn_norm, *mlp_norm;  /* [hidden] */
     const float *q_norm, *k_norm;       /* [head_dim] each, or NULL: no per-head norms */
     tkv_proj qkv, o, gate_up, down;     /* q, k, v outputs side by side; gate then up */
-    float *k_cache, *v_cache;           /* the layer's [blocks, block_size, kv_heads, head_dim] fp32 */
+    uint8_t *k_cache, *v_cache;         /* the layer's [blocks, block_size, kv_heads, kv_row bytes] */
 } tkv_layer;
 
 typedef struct {
@@ -46,6 +46,7 @@ typedef struct {
     const float *final_norm;            /* [hidden] */
     tkv_proj head;                      /* the LM head, one part */
     const float *embed;                 /* [vocab, hidden] fp32, or NULL: the head's rows are the embeddings */
+    int64_t kv_fmt, kv_row;             /* K's format | V's format << 4 (cpu_kernels.h: TKV_KV_*); a row's bytes */
 } tkv_model;
 
 static int proj_fits(const tkv_proj *p, int64_t in, int64_t out) {
@@ -62,7 +63,9 @@ static int proj_fits(const tkv_proj *p, int64_t in, int64_t out) {
 int tkv_decode_fits(const tkv_model *m) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads, I = m->inter;
     if (m->layers < 1 || D % 2 || !tkv_attention_fits(Hq, D, m->block_size, Hkv) || m->head.parts != 1 ||
-        !proj_fits(&m->head, H, m->head.part[0].N))
+        !proj_fits(&m->head, H, m->head.part[0].N) || !tkv_kv_row_bytes((int)(m->kv_fmt & 15), D) ||
+        !tkv_kv_row_bytes((int)(m->kv_fmt >> 4), D) || m->kv_row < tkv_kv_row_bytes((int)(m->kv_fmt & 15), D) ||
+        m->kv_row < tkv_kv_row_bytes((int)(m->kv_fmt >> 4), D))
         return 0;
     for (int64_t l = 0; l < m->layers; l++) {
         const tkv_layer *L = m->layer + l;
@@ -184,7 +187,8 @@ int tkv_decode_step(const tkv_model *m, int64_t token, int64_t pos, int64_t slot
         cs[i] = cosf(f);
         sn[i] = sinf(f);
     }
-    const int64_t row = slot * kn;  /* the new K/V row's first element in the layer's caches */
+    const int64_t row = slot * Hkv * m->kv_row;  /* the new K/V rows' first byte in the layer's caches */
+    const int kf = (int)(m->kv_fmt & 15), vf = (int)(m->kv_fmt >> 4);
 
     #pragma omp parallel
     {
@@ -202,11 +206,13 @@ int tkv_decode_step(const tkv_model *m, int64_t token, int64_t pos, int64_t slot
                     for (int64_t j = 0; j < Hkv; j++) rms_norm(k + j * D, L->k_norm, D, m->eps, k + j * D);
                 rotate(q, Hq, D, cs, sn);
                 rotate(k, Hkv, D, cs, sn);
-                memcpy(L->k_cache + row, k, kn * sizeof(float));
-                memcpy(L->v_cache + row, v, kn * sizeof(float));
+                for (int64_t j = 0; j < Hkv; j++) {
+                    tkv_kv_store(k + j * D, kf, D, L->k_cache + row + j * m->kv_row);
+                    tkv_kv_store(v + j * D, vf, D, L->v_cache + row + j * m->kv_row);
+                }
             }
-            tkv_attention_share(qkv, Hq, D, L->k_cache, L->v_cache, 0, m->block_size, Hkv, table, len, m->scale,
-                                splits, parts, att);
+            tkv_attention_share(qkv, Hq, D, L->k_cache, L->v_cache, (int)m->kv_fmt, m->kv_row, m->block_size, Hkv,
+                                table, len, m->scale, splits, parts, att);
             #pragma omp single
             tkv_row_prepare(&L->o.part[0], att, prep);
             project(&L->o, att, prep, o);

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import functools
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from tieredkv.kernels.kv_format import KVLayout
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,8 @@ class KernelOps:
     `plan_decode(block_tables, context_lens, block_size, dtype, prefixes)`, when not None, builds what
     `decode_attention(..., plan=)` reuses in every layer of a step; `prefixes` are the decode rows that
     share leading blocks (kernels/cascade.py), for a kernel set that attends them together.
+    `kv`: the cache's K/V formats where it does not hold the compute dtype (kernels/kv_format.py), bound into
+    store_kv, decode_attention and prefill_attention by `with_kv`; None where it does.
     """
 
     name: str
@@ -32,3 +38,14 @@ class KernelOps:
     pack_linear_weight: Callable[[torch.Tensor], torch.Tensor] | None = None
     packed_attr: str = "packed_weight"  # the layer attribute `linear` reads where weights are packed
     plan_decode: Callable[..., object] | None = None  # per-step decode plan, made once in ModelRunner.prepare
+    kv: "KVLayout | None" = None
+
+
+def with_kv(ops: KernelOps, kv: "KVLayout | None") -> KernelOps:
+    """`ops` whose store and attention functions read and write the cache in the formats `kv` (each is given
+    kv=); `ops` as they are where the cache holds the compute dtype (kv None or plain)."""
+    if kv is None or kv.plain:
+        return ops
+    bind = functools.partial
+    return replace(ops, kv=kv, store_kv=bind(ops.store_kv, kv=kv), decode_attention=bind(ops.decode_attention, kv=kv),
+                   prefill_attention=bind(ops.prefill_attention, kv=kv))

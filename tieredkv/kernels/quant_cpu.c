@@ -38,29 +38,7 @@
 #define INLINE static inline __attribute__((always_inline))
 #define SPAN 2048   /* int32 sums are moved to fp32 at least this often: 2048/16 * 2*127*32767 < 2^31 */
 
-static float h2f(uint16_t h) {
-#ifdef TKV_AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-    if (e == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {
-            e = 113;
-            while (!(man & 0x400u)) { man <<= 1; e--; }
-            bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
-        }
-    } else if (e == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((e + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
+#define h2f tkv_h2f
 
 /* Scratch memory for a call's activations (their integer codes, scales and group sums, attention's partial
  * results): one buffer per calling thread, kept and grown as needed, handed back with the thread. A decode

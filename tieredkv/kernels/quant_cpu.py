@@ -32,7 +32,7 @@ from tieredkv.platform.cpu_features import cpu_info
 
 log = logging.getLogger("tieredkv")
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_cpu.c", "attention_cpu.c", "decode_cpu.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_cpu.c", "attention_cpu.c", "decode_cpu.c", "kv_cpu.c"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 NATIVE = ("-march=native",)
@@ -54,7 +54,10 @@ _SIGNATURES = {
     "tkv_q8t_gemv": ([_P, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
     "tkv_q8t_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "tkv_tiles_native": ([], ctypes.c_int),
-    "tkv_paged_decode": ([_P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_float, _P], ctypes.c_int),
+    "tkv_paged_decode": ([_P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _I, _P, _I, _P, ctypes.c_float, _P],
+                         ctypes.c_int),
+    "tkv_kv_rows": ([_P, ctypes.c_int, _I, _I, _I, _P], None),
+    "tkv_kv_store": ([_P, ctypes.c_int, _I, _P], None),
     "tkv_decode_fits": ([_P], ctypes.c_int),
     "tkv_decode_step": ([_P, _I, _I, _I, _P, ctypes.c_int32, _P], ctypes.c_int),
 }
@@ -157,7 +160,7 @@ def _quant_gemv_shape(x, codes, scales, offsets, group_size, bias):
     return x.new_empty((*x.shape[:-1], codes.shape[0] * (16 if codes.dim() == 3 else 1)))  # tiles of 16 rows
 
 
-def _paged_decode_shape(query, key_cache, value_cache, block_tables, context_lens, scale):
+def _paged_decode_shape(query, key_cache, value_cache, block_tables, context_lens, scale, k_format=-1, v_format=-1):
     return query.new_empty(query.shape)
 
 

@@ -13,6 +13,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -23,7 +24,7 @@ using Q8Gemv = int (*)(const float *, int64_t, const int8_t *, const uint16_t *,
 using Q4Gemv = int (*)(const float *, int64_t, const uint8_t *, const uint16_t *, const uint16_t *, int64_t, int64_t,
                        const float *, float *);
 using PagedDecode = int (*)(const float *, int64_t, int64_t, int64_t, const void *, const void *, int, int64_t,
-                            int64_t, const int32_t *, int64_t, const int32_t *, float, float *);
+                            int64_t, int64_t, const int32_t *, int64_t, const int32_t *, float, float *);
 using PackedRow = int (*)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, const float *, void *);
 Q8Gemv q8_gemv = nullptr;
 Q4Gemv q4_gemv = nullptr, q4t_gemv = nullptr, q8t_gemv = nullptr;  // q8t codes are bytes too (quant_cpu.c)
@@ -79,21 +80,49 @@ at::Tensor quant_gemv(const at::Tensor &x, const at::Tensor &codes, const at::Te
     return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// query [B, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D] (fp32 or bf16, contiguous);
+// The bytes a row of D values takes in KV format `fmt` (cpu_kernels.h: TKV_KV_*; kv_format.py), 0 for none known
+int64_t row_bytes(int64_t fmt, int64_t D) {
+    switch (fmt) {
+    case 0: return 4 * D;
+    case 1: case 2: return 2 * D;
+    case 3: return D + 2;
+    case 4: return D % 4 == 0 ? D / 2 + 4 : 0;
+    default: return 0;
+    }
+}
+
+// A float cache's format from its dtype (fp32, bf16, fp16), -1 for another dtype
+int64_t float_format(const at::Tensor &cache) {
+    switch (cache.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: return -1;
+    }
+}
+
+// query [B, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, row], contiguous: fp32, bf16 or fp16
+// values (row = D; the formats -1: from the dtype), or uint8 rows in k_format / v_format (kv_format.py's codes);
 // block_tables [B, W] and context_lens [B] (int32; int64 is converted). Every context length must be at
 // least 1 and within its table, and every block id it reaches within the cache: checked here, as the kernel
 // reads where they point. Returns [B, Hq, D] in the query's dtype.
 at::Tensor paged_decode(const at::Tensor &query, const at::Tensor &key_cache, const at::Tensor &value_cache,
-                        const at::Tensor &block_tables, const at::Tensor &context_lens, double scale) {
+                        const at::Tensor &block_tables, const at::Tensor &context_lens, double scale,
+                        int64_t k_format, int64_t v_format) {
     TORCH_CHECK(paged_decode_kernel != nullptr, "paged_decode: the kernel is not bound (tkv_bind)");
     TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
-                    key_cache.size(3) == query.size(2),
-                "paged_decode: query ", query.sizes(), " and caches ", key_cache.sizes(), ", ", value_cache.sizes());
-    const bool bf16 = key_cache.scalar_type() == at::kBFloat16;
-    TORCH_CHECK((bf16 || key_cache.scalar_type() == at::kFloat) && value_cache.scalar_type() == key_cache.scalar_type(),
-                "paged_decode: fp32 or bf16 caches, got ", key_cache.scalar_type(), " and ", value_cache.scalar_type());
+                    value_cache.scalar_type() == key_cache.scalar_type(),
+                "paged_decode: query ", query.sizes(), " and caches ", key_cache.sizes(), " ",
+                key_cache.scalar_type(), ", ", value_cache.sizes(), " ", value_cache.scalar_type());
     TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode: contiguous caches");
     const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
+    const bool bytes = key_cache.scalar_type() == at::kByte;
+    if (!bytes) k_format = v_format = float_format(key_cache);
+    const int64_t rb = key_cache.size(3) * key_cache.element_size();
+    TORCH_CHECK(k_format >= 0 && v_format >= 0 && row_bytes(k_format, D) > 0 && row_bytes(v_format, D) > 0 &&
+                    (bytes ? std::max(row_bytes(k_format, D), row_bytes(v_format, D)) <= rb : key_cache.size(3) == D),
+                "paged_decode: caches ", key_cache.sizes(), " ", key_cache.scalar_type(), " in formats ", k_format,
+                " / ", v_format, " do not hold rows of ", D, " values");
     const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), Hkv = key_cache.size(2);
     const at::Tensor tables = block_tables.to(at::kInt).contiguous(), lens = context_lens.to(at::kInt).contiguous();
     TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B,
@@ -111,8 +140,8 @@ at::Tensor paged_decode(const at::Tensor &query, const at::Tensor &key_cache, co
     const at::Tensor q = query.to(at::kFloat).contiguous();
     at::Tensor out = at::empty({B, Hq, D}, query.options().dtype(at::kFloat));
     const int status = paged_decode_kernel(q.data_ptr<float>(), B, Hq, D, key_cache.data_ptr(), value_cache.data_ptr(),
-                                           bf16 ? 1 : 0, bs, Hkv, t, width, l, static_cast<float>(scale),
-                                           out.data_ptr<float>());
+                                           static_cast<int>(k_format | (v_format << 4)), rb, bs, Hkv, t, width, l,
+                                           static_cast<float>(scale), out.data_ptr<float>());
     TORCH_CHECK(status == 0, "paged_decode: ", Hq, " query heads over ", Hkv, " KV heads of ", D,
                 " is not a shape the kernel takes");
     return query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type());
@@ -164,7 +193,7 @@ extern "C" void tkv_bind(void *q8, void *q4, void *paged, void *f32_row, void *b
 TORCH_LIBRARY_FRAGMENT(tieredkv, m) {
     m.def("quant_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group_size, Tensor? bias) -> Tensor");
     m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor context_lens, "
-          "float scale) -> Tensor");
+          "float scale, int k_format=-1, int v_format=-1) -> Tensor");
     m.def("packed_gemv(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }
 

@@ -49,6 +49,7 @@ from tieredkv.cache_dir import artifact_lock, long_work
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_compiled
 from tieredkv.kernels.linear import dense_by_handle
+from tieredkv.kernels.kernel_ops import with_kv
 from tieredkv.kernels.store_kv import store_kv_dense
 from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.models.llama import LlamaModel
@@ -116,9 +117,9 @@ class CompiledDecode:
         handles = ops.pack_linear_weight is not None and model.packed_handles
         linear = dict(linear=dense_by_handle, packed_attr="packed_handle") if handles else \
             dict(linear=F.linear, pack_linear_weight=None)
-        self.ops = replace(ops, name=f"{ops.name}+compiled", plan_decode=None,
-                           decode_attention=decode_attention_compiled,
-                           store_kv=store_kv_dense, **linear)
+        self.ops = with_kv(replace(ops, name=f"{ops.name}+compiled", plan_decode=None,
+                                   decode_attention=decode_attention_compiled,
+                                   store_kv=store_kv_dense, **linear), ops.kv)
         self.cache_dir = cache_dir  # inductor's on-disk cache for this engine
         self.graphs = 0  # graphs compiled (or loaded from the cache): one per kind of run after warmup
         self.steps = 0  # steps this path ran
@@ -363,10 +364,11 @@ class CompiledDecode:
             self._decode_scratch()
 
     def _graph_key(self) -> str:
-        """What the graph depends on: the model's shape, the cache tensor's shape and dtype (stable across
-        starts: sizing.far_extent), torch's version, the runs of layers and their kinds, the weights'
+        """What the graph depends on: the model's shape, the cache tensor's shape, dtype and K/V formats (stable
+        across starts: sizing.far_extent), torch's version, the runs of layers and their kinds, the weights'
         quantization."""
-        identity = repr((self.model.spec, tuple(self.kv_cache.shape), self.kv_cache.dtype, torch.__version__,
+        kv = self.ops.kv.label if self.ops.kv is not None else None
+        identity = repr((self.model.spec, tuple(self.kv_cache.shape), self.kv_cache.dtype, kv, torch.__version__,
                          [len(layers) for layers, _ in self._groups], self._kinds, self.model.quantization))
         return hashlib.sha256(identity.encode()).hexdigest()[:16]
 

@@ -50,6 +50,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.ops = ops
+        # what attention computes in: the cache's dtype, unless it stores K/V in a format of its own (ops.kv)
+        self.dtype = ops.kv.dtype if ops.kv is not None else kv_cache.dtype
         self.device = kv_cache.device
         self.cascade = cascade
         self.compiled = compiled  # what runs a step that decodes one sequence (compiled graph or native step), if on
@@ -122,7 +124,7 @@ class ModelRunner:
         plan = None
         if with_plan and decodes and self.ops.plan_decode is not None:
             prefixes = self._prefixes(decodes, decode_ids) or None
-            plan = self.ops.plan_decode(decode_tables, decode_lens, self.block_size, self.kv_cache.dtype, prefixes,
+            plan = self.ops.plan_decode(decode_tables, decode_lens, self.block_size, self.dtype, prefixes,
                                         host_lens=host_lens, host_tables=decode_ids)
         return AttentionMetadata(
             num_decode_tokens=len(decodes),

@@ -22,6 +22,8 @@ import logging
 
 import torch
 
+from tieredkv.kernels.decode_attention import PAGED_MAX_FORMAT
+from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight
 from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.models.llama import LlamaModel
@@ -50,7 +52,8 @@ class _Layer(ctypes.Structure):  # decode_cpu.c: tkv_layer
 class _Model(ctypes.Structure):  # decode_cpu.c: tkv_model
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
                 ("block_size", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("inv_freq", _P),
-                ("layer", ctypes.POINTER(_Layer)), ("final_norm", _P), ("head", _Proj), ("embed", _P)]
+                ("layer", ctypes.POINTER(_Layer)), ("final_norm", _P), ("head", _Proj), ("embed", _P),
+                ("kv_fmt", _I), ("kv_row", _I)]
 
 
 class Unfit(Exception):
@@ -95,12 +98,17 @@ def _linear(layer: torch.nn.Linear, what: str) -> _Proj:
 class NativeDecode:
     """Runs steps that decode one sequence through decode_cpu.c's tkv_decode_step."""
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, lib: ctypes.CDLL):
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, lib: ctypes.CDLL, kv: KVLayout | None = None):
         self.lib = lib
         self.steps = 0  # steps this path ran
         spec = model.spec
-        if kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu":
-            raise Unfit(f"the KV cache is {kv_cache.dtype} on {kv_cache.device}, not float32 on the CPU")
+        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+            raise Unfit(f"the KV cache is not a contiguous tensor on the CPU ({kv_cache.device})")
+        if kv is None and kv_cache.dtype != torch.float32:
+            raise Unfit(f"the KV cache is {kv_cache.dtype}, not float32")
+        codes = kv.codes if kv is not None else (0, 0)
+        if max(codes) > PAGED_MAX_FORMAT:
+            raise Unfit(f"the kernels do not read KV stored as {kv.label}")
         if model.tp.world > 1:
             raise Unfit("the model is split over ranks")
         if model.quantized_head is None:
@@ -123,7 +131,8 @@ class NativeDecode:
             len(model.layers), spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
             spec.intermediate_size, kv_cache.shape[3], spec.rms_norm_eps, model.layers[0].self_attn.scale,
             _fp32(model.rotary.inv_freq, "the rotary frequencies"), layers, _fp32(model.norm.weight, "a norm"),
-            _proj(model.quantized_head, None, "the LM head"), _fp32(table, "the embedding table"))
+            _proj(model.quantized_head, None, "the LM head"), _fp32(table, "the embedding table"),
+            codes[0] | codes[1] << 4, kv_cache.shape[-1] * kv_cache.element_size())
         self._layers = layers  # the structure points into it
         self._held = (model, kv_cache)  # every pointer above is into these
         self.vocab = model.quantized_head.out_features
@@ -131,7 +140,7 @@ class NativeDecode:
             raise Unfit("the kernels do not take a projection's shape or the attention's heads")
 
     @classmethod
-    def make(cls, model: LlamaModel, kv_cache: torch.Tensor) -> "NativeDecode | None":
+    def make(cls, model: LlamaModel, kv_cache: torch.Tensor, kv: KVLayout | None = None) -> "NativeDecode | None":
         """The native step for this model and cache, or None (logged, with the reason) where it cannot serve."""
         lib = CPU.lib
         if kv_cache.device.type != "cpu" or model.quantization is None:
@@ -140,7 +149,7 @@ class NativeDecode:
             log.info("native decode step off: the CPU kernels are not built")
             return None
         try:
-            return cls(model, kv_cache, lib)
+            return cls(model, kv_cache, lib, kv)
         except Unfit as e:
             log.info("native decode step off, the compiled graph serves: %s", e)
             return None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tieredkv.config import SamplingParams
+from tieredkv.config import KV_CACHE_DTYPES, SamplingParams
 from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.tools.config_flags import add_engine_options, engine_config
 
@@ -55,7 +55,7 @@ def plan_command(args: argparse.Namespace) -> None:
                   parse_bytes(args.cold_bytes), args.seq_len, args.shared_prompt_len, args.max_num_batched_tokens,
                   args.max_num_seqs, activation, quantization=args.quantization,
                   quantization_group_size=args.quantization_group_size or 32,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
     print(json.dumps(result.as_dict(), indent=2) if args.json else format_plan(result))
 
 
@@ -177,6 +177,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--quantization-group-size", type=int, default=None, help="int4: inputs per scale (default 32)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="as the engine's: the weights and KV heads each of N ranks holds")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="as the engine's: how the cache stores K and V (the bytes of a block in every tier)")
     p.set_defaults(func=plan_command)
     p = sub.add_parser("explain", help="where each block of a prompt would come from, or why it is computed")
     p.add_argument("prompt")

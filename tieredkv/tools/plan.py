@@ -14,8 +14,9 @@ import torch
 from tieredkv.config import EngineConfig
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.engine.identity import model_fingerprint
-from tieredkv.engine.resolve import max_model_len, quant_settings, resolve_dtype, resolve_model_dir
-from tieredkv.engine.sizing import STAGE_RESERVE, far_mode, kv_pool_bytes, warm_blocks
+from tieredkv.engine.resolve import max_model_len, quant_settings, resolve_dtype, resolve_kv_layout, resolve_model_dir
+from tieredkv.engine.sizing import STAGE_RESERVE, far_mode, kv_block_bytes, kv_pool_bytes, kv_token_bytes, warm_blocks
+from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.quant import quantized_bytes
 from tieredkv.models.checks import tensor_shapes
 from tieredkv.models.gguf_convert import gguf_weight_bytes
@@ -34,7 +35,8 @@ class Plan:
 
     Attributes:
         model: the checkpoint directory's name.
-        dtype: the dtype of activations and KV.
+        dtype: the dtype of activations (and of KV with kv_cache_dtype "auto").
+        kv_format: how the cache stores K and V (EngineConfig.kv_cache_dtype, kernels/kv_format.py).
         weights: the weights' format: the dtype, or the quantization.
         block_size: tokens per KV block.
         max_model_len: the longest sequence the engine would accept.
@@ -89,6 +91,7 @@ class Plan:
     tensor_parallel_size: int = 1
     rank_weight_bytes: list = field(default_factory=list)
     rank_kv_bytes_per_block: list = field(default_factory=list)
+    kv_format: str = "float32"
 
     @property
     def tokens(self) -> dict[str, int]:
@@ -140,7 +143,8 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
          max_len: int | None = None, warm_bytes: int | None = None, cold_bytes: int = 0, seq_len: int = 4096,
          shared_prompt_len: int = 1024, max_num_batched_tokens: int = 1024, max_num_seqs: int = 64,
          activation_bytes: int | None = None, cpu_kv_cache_bytes: int | None = None,
-         quantization: str | None = None, quantization_group_size: int = 32, tensor_parallel_size: int = 1) -> Plan:
+         quantization: str | None = None, quantization_group_size: int = 32, tensor_parallel_size: int = 1,
+         kv_cache_dtype: str = "auto") -> Plan:
     """Plans a deployment from the checkpoint's config.json and tensor headers, without loading weights. The hot
     pool is sized by the engine's own function (`sizing.kv_pool_bytes`) with the engine's defaults, so on a
     machine the plan's `hot_blocks` is what `AsyncEngine.start` builds there.
@@ -169,20 +173,21 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
     cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size, max_model_len=max_len, warm_bytes=warm_bytes,
                        gpu_memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
                        cpu_kv_cache_bytes=cpu_kv_cache_bytes, quantization=quantization,
-                       quantization_group_size=quantization_group_size, tensor_parallel_size=tensor_parallel_size)
+                       quantization_group_size=quantization_group_size, tensor_parallel_size=tensor_parallel_size,
+                       kv_cache_dtype=kv_cache_dtype)
     quant = quant_settings(cfg, model_dir)
+    kv = resolve_kv_layout(cfg, spec, torch_dtype, torch.device("cuda" if device.startswith("cuda") else "cpu"))
     weights, rank_weights, rank_blocks = _rank_shares(spec, model_dir, torch_dtype, quant, block_size,
-                                                      tensor_parallel_size)
+                                                      tensor_parallel_size, kv)
     memory = device_memory_bytes if device_memory_bytes is not None else device_memory(device)
     measured = activation_bytes is not None
     if activation_bytes is None:
         activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, torch_dtype.itemsize)
-    per_token = spec.kv_elements_per_token * torch_dtype.itemsize
-    per_block = _block_bytes(spec, block_size, torch_dtype)
+    per_token, per_block = kv_token_bytes(spec, kv), kv_block_bytes(spec, block_size, kv)
     hot, staged = _hot_blocks(cfg, spec, torch.device(device), memory, activation_bytes, weights, rank_weights,
-                              rank_blocks, torch_dtype)
-    warm, cold = warm_blocks(cfg, spec, torch_dtype), _cold_blocks(spec, model_dir, torch_dtype, quant, block_size,
-                                                                   cold_bytes)
+                              rank_blocks, kv)
+    warm, cold = warm_blocks(cfg, spec, kv), _cold_blocks(spec, model_dir, torch_dtype, quant, block_size, cold_bytes,
+                                                          kv)
     prompt_blocks, limit = max(shared_prompt_len // block_size, 1), max_model_len(spec, max_len)
     return Plan(
         model=model_dir.name, dtype=str(torch_dtype).removeprefix("torch."),
@@ -196,15 +201,12 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
         shared_prompts={t: n // prompt_blocks for t, n in (("hot", hot), ("warm", warm), ("cold", cold))},
         measured=measured, device=torch.device(device).type,
         staging_bytes=STAGE_RESERVE * hot * per_block // spec.num_layers if staged else 0,
-        tensor_parallel_size=tensor_parallel_size, rank_weight_bytes=rank_weights, rank_kv_bytes_per_block=rank_blocks)
-
-
-def _block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    return spec.kv_elements_per_token * dtype.itemsize * block_size
+        tensor_parallel_size=tensor_parallel_size, rank_weight_bytes=rank_weights, rank_kv_bytes_per_block=rank_blocks,
+        kv_format=kv.label)
 
 
 def _rank_shares(spec: ModelSpec, model_dir, dtype: torch.dtype, quant, block_size: int,
-                 tp_size: int) -> tuple[int, list[int], list[int]]:
+                 tp_size: int, kv: KVLayout) -> tuple[int, list[int], list[int]]:
     """The weights' bytes, each rank's share of them and each rank's bytes of one KV block."""
     shapes = tensor_shapes(weight_files(model_dir))
     weights = weight_bytes(spec, shapes, dtype.itemsize, quant)
@@ -212,17 +214,17 @@ def _rank_shares(spec: ModelSpec, model_dir, dtype: torch.dtype, quant, block_si
         check_shardable(spec, tp_size)
     shards = [Shard(r, tp_size) for r in range(tp_size)]
     rank_weights = [weight_bytes(spec, shapes, dtype.itemsize, quant, s) for s in shards] if tp_size > 1 else [weights]
-    per_block = _block_bytes(spec, block_size, dtype)
+    per_block = kv_block_bytes(spec, block_size, kv)
     return weights, rank_weights, [per_block * n // spec.num_kv_heads for n in shards[0].sizes(spec.num_kv_heads)]
 
 
 def _hot_blocks(cfg: EngineConfig, spec: ModelSpec, device: torch.device, memory: int, activation_bytes: int,
-                weights: int, rank_weights: list[int], rank_blocks: list[int], dtype: torch.dtype) -> tuple[int, int]:
+                weights: int, rank_weights: list[int], rank_blocks: list[int], kv: KVLayout) -> tuple[int, int]:
     """The hot pool's blocks by the engine's own arithmetic (build._build), and the layers staged far blocks
     reserve (0 when none): on CUDA rank 0's device, its weights and its share of each block; on CPU one
     machine's memory for every rank, whole blocks."""
-    per_token, per_block = spec.kv_elements_per_token * dtype.itemsize, _block_bytes(spec, cfg.block_size, dtype)
-    staged = spec.num_layers if device.type == "cuda" and far_mode(cfg, device) and warm_blocks(cfg, spec, dtype) \
+    per_token, per_block = kv_token_bytes(spec, kv), kv_block_bytes(spec, cfg.block_size, kv)
+    staged = spec.num_layers if device.type == "cuda" and far_mode(cfg, device) and warm_blocks(cfg, spec, kv) \
         else 0
     limit = max_model_len(spec, cfg.max_model_len)
     if device.type == "cuda":
@@ -233,11 +235,12 @@ def _hot_blocks(cfg: EngineConfig, spec: ModelSpec, device: torch.device, memory
     return max(pool, 0) // per_block, staged
 
 
-def _cold_blocks(spec: ModelSpec, model_dir, dtype: torch.dtype, quant, block_size: int, cold_bytes: int) -> int:
+def _cold_blocks(spec: ModelSpec, model_dir, dtype: torch.dtype, quant, block_size: int, cold_bytes: int,
+                 kv: KVLayout) -> int:
     """Blocks a cold budget holds, each entry its header (the fingerprint's length) and payload on disk."""
-    block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
-    fingerprint = model_fingerprint(model_dir, dtype, block_size, quant, identity="0" * 64)  # (its length)
-    return cold_bytes // disk_cost(ColdFormat.entry_bytes(block_shape, dtype, fingerprint, block_size))
+    block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, kv.row)
+    fingerprint = model_fingerprint(model_dir, dtype, block_size, quant, identity="0" * 64, kv=kv)  # (its length)
+    return cold_bytes // disk_cost(ColdFormat.entry_bytes(block_shape, kv.storage_dtype, fingerprint, block_size))
 
 
 def profile_activations(model: str, device: str, dtype: str, max_num_batched_tokens: int) -> int:
@@ -282,7 +285,8 @@ def format_plan(p: Plan) -> str:
     """The plan as `tieredkv plan` prints it: a table of tiers, then the sequences that fit."""
     gib = 2**30
     lines = [
-        f"model {p.model}, {p.dtype}, block size {p.block_size}, max_model_len {p.max_model_len:,}",
+        f"model {p.model}, {p.dtype}, KV as {p.kv_format}, block size {p.block_size}, "
+        f"max_model_len {p.max_model_len:,}",
         f"weights            {p.weight_bytes / gib:10.2f} GiB ({p.weights})",
         f"KV per token       {p.kv_bytes_per_token / 1024:10.1f} KiB   "
         f"per block {p.kv_bytes_per_block / 2**20:.2f} MiB",

@@ -1,0 +1,225 @@
+"""The KV cache in fewer bytes (EngineConfig.kv_cache_dtype, kernels/kv_format.py): each format's rows and their
+error, the engine's outputs in each format against the torch reference path, every tier holding the same bytes,
+the fingerprint keeping formats apart, sizing and the errors at start."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from helpers import check_pool_clean, make_checkpoint
+from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv.errors import SnapshotError
+from tieredkv.kernels.kv_format import FORMATS, KVLayout
+from tieredkv.tools.plan import plan
+
+BS = 16
+TINY = dict(layers=3, kv_heads=2, head_dim=16)  # helpers.make_checkpoint's llama
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def rand_ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+SYSTEMS = [rand_ids(96, seed=s) for s in range(3)]  # 6 blocks each
+PROMPTS = [SYSTEMS[i % 3] + rand_ids(7 + i, seed=50 + i) for i in range(6)]
+
+
+def token_bytes(fmt_k, fmt_v=None, layers=TINY["layers"], kv_heads=TINY["kv_heads"], head_dim=TINY["head_dim"]):
+    return KVLayout.resolve(fmt_k, fmt_v or fmt_k, head_dim, torch.float32).bytes_per_token(layers, kv_heads)
+
+
+# -- the formats -------------------------------------------------------------------------------------
+
+
+def test_bytes_per_token_of_the_default_model_in_each_format():
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64; the issue's targets: int8 <= 12.5 KiB, int4 <= 7 KiB
+    sizes = {f: token_bytes(f, layers=30, kv_heads=3, head_dim=64) for f in ("float32", "bfloat16", "int8", "int4")}
+    assert sizes == {"float32": 46_080, "bfloat16": 23_040, "int8": 30 * 2 * 3 * 66, "int4": 30 * 2 * 3 * 36}
+    assert sizes["int8"] <= 12.5 * 1024 and sizes["int4"] <= 7 * 1024
+    # K and V of different widths: the narrower side's rows are padded to the wider's
+    assert token_bytes("int8", "int4", layers=30, kv_heads=3, head_dim=64) == sizes["int8"]
+    assert KVLayout.resolve("int8", "int4", 64, torch.float32).label == "k=int8,v=int4"
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "int8", "int4", "fp8"])
+def test_each_format_holds_a_row_within_its_rounding(name):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 64, generator=g) * torch.logspace(-3, 2, 5)[:, None, None]
+    x[0, 0, 7] = 40.0  # an outlier in one row
+    fmt = FORMATS[name]
+    rows = fmt.encode(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (5, 3, fmt.row_bytes(64))
+    back = fmt.decode(rows, 64, torch.float32)
+    span = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) if name == "int4" else x.abs().amax(-1, keepdim=True)
+    bound = {"bfloat16": x.abs() * 2**-8, "float16": x.abs() * 2**-11 + 1e-7,
+             "int8": span / 127 * 0.5 * 1.001, "int4": span / 15 * 0.5 * 1.01, "fp8": x.abs() * 2**-4 + span * 1e-3}
+    assert ((back - x).abs() <= bound[name]).all()
+    assert torch.equal(fmt.decode(fmt.encode(back), 64, torch.float32), back) or name == "int4"  # stable
+
+
+def test_bad_formats_are_refused_at_start_naming_what_is_supported(llama_dir, tmp_path):
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int2")
+    with pytest.raises(ValueError, match="fp8 runs on CUDA only.*supported here: auto, float32, bfloat16"):
+        asyncio.run(AsyncEngine.start(EngineConfig(model=str(llama_dir), kv_cache_dtype="fp8", device="cpu")))
+    odd = make_checkpoint(tmp_path / "odd", hidden_size=60, num_attention_heads=6, num_key_value_heads=2)  # head 10
+    with pytest.raises(ValueError, match="int4 packs two values a byte and needs head_dim divisible by 4; the "
+                                         "model's is 10"):
+        asyncio.run(AsyncEngine.start(EngineConfig(model=str(odd), kv_cache_dtype_v="int4")))
+    with pytest.raises(ValueError, match="int4"):
+        plan(str(odd), device="cpu", kv_cache_dtype="int4")
+
+
+# -- the engine in each format -----------------------------------------------------------------------
+
+
+async def outputs(model_dir, prompts, params=PARAMS, **cfg):
+    config = EngineConfig(model=str(model_dir), num_blocks=cfg.pop("num_blocks", 128), warm_bytes=cfg.pop(
+        "warm_bytes", 0), **cfg)
+    async with await AsyncEngine.start(config) as engine:
+        res = [await engine.generate(p, params) for p in prompts]
+        await engine.run_in_worker(check_pool_clean, engine.core)
+        return [[o.token_ids for o in r.outputs] for r in res], [r.usage for r in res], engine.stats()
+
+
+FORMAT_CONFIGS = {"bfloat16": dict(kv_cache_dtype="bfloat16"), "float16": dict(kv_cache_dtype="float16"),
+                  "int8": dict(kv_cache_dtype="int8"), "int4": dict(kv_cache_dtype="int4"),
+                  "k=int8,v=int4": dict(kv_cache_dtype="int8", kv_cache_dtype_v="int4")}
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Each format's outputs through the torch references (the caches gathered, then dequantized)."""
+    return {name: asyncio.run(outputs(llama_dir, PROMPTS, attention_backend="torch", **cfg))
+            for name, cfg in FORMAT_CONFIGS.items()}
+
+
+@pytest.mark.parametrize("name", list(FORMAT_CONFIGS))
+async def test_the_cpu_kernels_read_each_format_as_the_torch_reference(llama_dir, reference, name):
+    # the C decode kernel reads the codes where they lie; greedy outputs, prefix hits and the pool's use are the
+    # reference's, and the stats say the format and its bytes
+    got, usage, stats = await outputs(llama_dir, PROMPTS, **FORMAT_CONFIGS[name])
+    want, want_usage, _ = reference[name]
+    assert got == want
+    assert [u.cached_tokens_by_tier for u in usage] == [u.cached_tokens_by_tier for u in want_usage]
+    assert sum(u.cached_prompt_tokens for u in usage) == 3 * 96  # each system prompt computed once
+    k, v = name.removeprefix("k=").split(",v=") if "," in name else (name, name)
+    assert (stats.kv_format, stats.kv_bytes_per_token) == (name, token_bytes(k, v))
+
+
+async def test_a_smaller_kv_stays_close_to_fp32_kv(llama_dir):
+    # the next-token distribution after a prompt, against fp32 KV: 16-bit nearly equal, int8 close, int4 near
+    prompt = SYSTEMS[0] + rand_ids(40, seed=9)
+    params = SamplingParams(max_tokens=1, logprobs=5)
+    top = {}
+    for name in ("float32", "bfloat16", "int8", "int4"):
+        async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0,
+                                                        kv_cache_dtype=name)) as engine:
+            out = await engine.generate(prompt, params)
+            top[name] = dict(out.outputs[0].logprobs[0].top)
+    for name, tol in (("bfloat16", 0.02), ("int8", 0.05), ("int4", 0.5)):
+        for token, logprob in top["float32"].items():
+            assert abs(top[name].get(token, -99.0) - logprob) < tol, (name, token)
+
+
+async def test_samples_beams_and_swaps_work_unchanged_on_int8_blocks(llama_dir):
+    # n > 1 shares the prompt's int8 blocks (CoW of the partial one), beams fork them, preemption swaps them to
+    # warm and back: each gives what the roomy engine in the same format gives
+    params = SamplingParams(max_tokens=6, n=3, temperature=0.8, seed=7, ignore_eos=True)
+    beams = SamplingParams(max_tokens=5, beam_width=3, n=2)
+    want_n, _, _ = await outputs(llama_dir, PROMPTS[:2], params, kv_cache_dtype="int8")
+    want_b, _, _ = await outputs(llama_dir, PROMPTS[:2], beams, kv_cache_dtype="int8")
+    got_n, _, stats = await outputs(llama_dir, PROMPTS[:2], params, kv_cache_dtype="int8", num_blocks=20)
+    assert got_n == want_n and stats.cow_copies > 0
+    got_b, _, _ = await outputs(llama_dir, PROMPTS[:2], beams, kv_cache_dtype="int8", attention_backend="torch")
+    assert got_b == want_b
+    long = [rand_ids(40 + 9 * i, seed=i) for i in range(5)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    block = token_bytes("int8") * BS
+    roomy, _, _ = await outputs(llama_dir, long, params, kv_cache_dtype="int8")
+    async with await AsyncEngine.start(EngineConfig(
+            model=str(llama_dir), kv_cache_dtype="int8", num_blocks=12, warm_bytes=64 * block,
+            enable_prefix_caching=False, offload=False)) as engine:
+        res = await asyncio.gather(*(engine.generate(p, params) for p in long))
+        assert [[r.outputs[0].token_ids] for r in res] == roomy
+        assert engine.stats().num_swaps > 0
+
+
+async def test_native_step_writes_and_reads_each_format_as_the_eager_forward(llama_dir):
+    # quantized weights on CPU: the native C step stores its K/V rows in the cache's format (tkv_kv_store) and
+    # attends over them; its tokens are the eager forward's
+    for name in ("int8", "int4", "bfloat16"):
+        eager, _, _ = await outputs(llama_dir, PROMPTS[:3], kv_cache_dtype=name, quantization="int8")
+        native, _, stats = await outputs(llama_dir, PROMPTS[:3], kv_cache_dtype=name, quantization="int8",
+                                         compile_decode=True)
+        assert stats.decode_path == "native" and native == eager, name
+
+
+# -- every tier holds the same bytes -----------------------------------------------------------------
+
+
+async def test_warm_and_cold_hold_int8_blocks_and_a_restart_serves_them(llama_dir, tmp_path):
+    path = str(tmp_path / "cold")
+    block = token_bytes("int8") * BS
+    want, _, _ = await outputs(llama_dir, PROMPTS, kv_cache_dtype="int8")
+    cfg = EngineConfig(model=str(llama_dir), kv_cache_dtype="int8", num_blocks=14, warm_bytes=8 * block,
+                       cold_path=path)
+    async with await AsyncEngine.start(cfg) as engine:
+        tiers = engine.core.tiers
+        assert tiers.warm.block_bytes == block and tiers.cold.payload_bytes == block  # unconverted bytes
+        assert tiers.warm.slab.dtype == torch.uint8 and tiers.cold.dtype == torch.uint8
+        got = [(await engine.generate(p, PARAMS)).outputs[0].token_ids for p in PROMPTS]
+        stats = engine.stats()
+    assert [[g] for g in got] == want
+    warm, cold = stats.tiers["warm"], stats.tiers["cold"]
+    assert warm.demotions > 0 and cold.demotions > 0 and warm.capacity_bytes == 8 * block
+    again, usage, stats = await outputs(llama_dir, PROMPTS[:3], kv_cache_dtype="int8", cold_path=path)
+    assert again == want[:3] and [u.cached_tokens_by_tier["cold"] for u in usage] == [96] * 3
+    # an fp32 engine on the same path is never served the int8 blocks, and explain says why
+    _, usage, _ = await outputs(llama_dir, PROMPTS[:1], cold_path=path)
+    assert usage[0].cached_tokens_by_tier["cold"] == 0
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0,
+                                                    cold_path=path, kv_cache_dtype="int4")) as engine:
+        report = await engine.explain(SYSTEMS[1])
+        assert report[0].source is None
+        assert "its KV is stored as int8; this engine stores int4" in report[0].reason
+
+
+async def test_a_snapshot_keeps_the_format_and_is_refused_by_another(llama_dir, tmp_path):
+    path = tmp_path / "int4.tkv"
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
+                                                    kv_cache_dtype="int4")) as engine:
+        want = [(await engine.generate(p, PARAMS)).outputs[0].token_ids for p in PROMPTS[:3]]
+        assert await engine.export_cache(path, prompts=SYSTEMS) == 18
+    assert path.stat().st_size < 18 * token_bytes("int4") * BS * 1.1  # int4 bytes, not fp32
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
+                                                    kv_cache_dtype="int4")) as engine:
+        assert (await engine.import_cache(path))["imported"] == 18
+        res = [await engine.generate(p, PARAMS) for p in PROMPTS[:3]]
+        assert [r.outputs[0].token_ids for r in res] == want
+        assert [r.usage.cached_tokens_by_tier["warm"] for r in res] == [96] * 3
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
+                                                    kv_cache_dtype="int8")) as engine:
+        with pytest.raises(SnapshotError, match="another model"):
+            await engine.import_cache(path)
+
+
+# -- sizing --------------------------------------------------------------------------------------------
+
+
+async def test_the_same_budget_holds_proportionally_more_blocks(llama_dir):
+    budget = 1 << 20
+    for name in ("float32", "bfloat16", "int8", "int4"):
+        cfg = EngineConfig(model=str(llama_dir), kv_cache_bytes=budget, warm_bytes=budget, kv_cache_dtype=name)
+        async with await AsyncEngine.start(cfg) as engine:
+            block = token_bytes(name) * BS
+            assert engine.core.num_blocks == budget // block
+            assert engine.core.tiers.warm.capacity == budget // block
+            p = plan(str(llama_dir), device="cpu", kv_cache_dtype=name, warm_bytes=budget)
+            assert (p.kv_format, p.kv_bytes_per_token, p.kv_bytes_per_block, p.warm_blocks) == \
+                (name, token_bytes(name), block, budget // block)

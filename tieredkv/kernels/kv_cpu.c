@@ -1,0 +1,152 @@
+/* The KV cache's rows in their stored formats (cpu_kernels.h: TKV_KV_*; kernels/kv_format.py is the torch
+ * reference): read a few rows at a time into fp32 where attention takes them (attention_cpu.c widens a chunk of at
+ * most 32 rows of one KV head into a buffer that stays in L1), and written one row at a time by the native decode
+ * step (decode_cpu.c). The store rounds as torch does (scale to fp16 first, codes from the rounded scale, ties to
+ * even), so a row written here is the row the torch store writes. Built into the library of quant_cpu.c. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KV_AVX2 1
+#endif
+
+int tkv_kv_format_known(int fmt) {
+    return fmt >= TKV_KV_F32 && fmt <= TKV_KV_I4;
+}
+
+int64_t tkv_kv_row_bytes(int fmt, int64_t D) {
+    switch (fmt) {
+    case TKV_KV_F32: return 4 * D;
+    case TKV_KV_BF16: case TKV_KV_F16: return 2 * D;
+    case TKV_KV_I8: return D + 2;
+    case TKV_KV_I4: return D % 4 == 0 ? D / 2 + 4 : 0;
+    default: return 0;
+    }
+}
+
+static inline uint16_t load16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
+static void bf16_row(const uint8_t *src, int64_t D, float *dst) {
+    int64_t d = 0;
+#ifdef KV_AVX2
+    for (; d + 8 <= D; d += 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 2 * d)));
+        _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+#endif
+    for (; d < D; d++) {
+        const uint32_t u = (uint32_t)load16(src + 2 * d) << 16;
+        memcpy(dst + d, &u, 4);
+    }
+}
+
+static void f16_row(const uint8_t *src, int64_t D, float *dst) {
+    int64_t d = 0;
+#ifdef KV_AVX2
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * d))));
+#endif
+    for (; d < D; d++) dst[d] = tkv_h2f(load16(src + 2 * d));
+}
+
+static void i8_row(const uint8_t *src, int64_t D, float *dst) {
+    const float s = tkv_h2f(load16(src + D));
+    int64_t d = 0;
+#ifdef KV_AVX2
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; d + 8 <= D; d += 8) {
+        const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + d)));
+        _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(c), vs));
+    }
+#endif
+    for (; d < D; d++) dst[d] = (float)(int8_t)src[d] * s;
+}
+
+static void i4_row(const uint8_t *src, int64_t D, float *dst) {
+    const int64_t half = D / 2;
+    const float s = tkv_h2f(load16(src + half)), m = tkv_h2f(load16(src + half + 2));
+    int64_t j = 0;
+#ifdef KV_AVX2
+    const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
+    const __m256i low = _mm256_set1_epi32(15);
+    for (; j + 8 <= half; j += 8) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + j)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+        _mm256_storeu_ps(dst + j, _mm256_fmadd_ps(lo, vs, vm));
+        _mm256_storeu_ps(dst + half + j, _mm256_fmadd_ps(hi, vs, vm));
+    }
+#endif
+    for (; j < half; j++) {
+        dst[j] = (float)(src[j] & 15) * s + m;
+        dst[half + j] = (float)(src[j] >> 4) * s + m;
+    }
+}
+
+void tkv_kv_rows(const uint8_t *src, int fmt, int64_t stride, int64_t n, int64_t D, float *dst) {
+    for (int64_t i = 0; i < n; i++, src += stride, dst += D) {
+        switch (fmt) {
+        case TKV_KV_F32: memcpy(dst, src, D * sizeof(float)); break;
+        case TKV_KV_BF16: bf16_row(src, D, dst); break;
+        case TKV_KV_F16: f16_row(src, D, dst); break;
+        case TKV_KV_I8: i8_row(src, D, dst); break;
+        default: i4_row(src, D, dst); break;
+        }
+    }
+}
+
+/* fp32 -> bf16 rounding to nearest even, as torch converts (a NaN stays a NaN) */
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static inline void store16(uint8_t *p, uint16_t h) {
+    memcpy(p, &h, 2);
+}
+
+void tkv_kv_store(const float *x, int fmt, int64_t D, uint8_t *dst) {
+    if (fmt == TKV_KV_F32) {
+        memcpy(dst, x, D * sizeof(float));
+    } else if (fmt == TKV_KV_BF16 || fmt == TKV_KV_F16) {
+        for (int64_t d = 0; d < D; d++) store16(dst + 2 * d, fmt == TKV_KV_BF16 ? f2bf(x[d]) : tkv_f2h(x[d]));
+    } else if (fmt == TKV_KV_I8) {
+        float top = 0.f;
+        for (int64_t d = 0; d < D; d++) top = fabsf(x[d]) > top ? fabsf(x[d]) : top;
+        const uint16_t h = tkv_f2h(top / 127.f);
+        const float s = tkv_h2f(h), inv = s != 0.f ? 1.f / s : 0.f;
+        for (int64_t d = 0; d < D; d++) {
+            float c = nearbyintf(x[d] * inv);
+            c = c > 127.f ? 127.f : (c < -127.f ? -127.f : c);
+            dst[d] = (uint8_t)(int8_t)c;
+        }
+        store16(dst + D, h);
+    } else {
+        const int64_t half = D / 2;
+        float lo = x[0], hi = x[0];
+        for (int64_t d = 1; d < D; d++) {
+            lo = x[d] < lo ? x[d] : lo;
+            hi = x[d] > hi ? x[d] : hi;
+        }
+        lo += 0.f;  /* -0.0 stored as 0.0 (offset and scale), as the torch store does */
+        const uint16_t hs = tkv_f2h((hi - lo) / 15.f + 0.f), hm = tkv_f2h(lo);
+        const float s = tkv_h2f(hs), m = tkv_h2f(hm), inv = s != 0.f ? 1.f / s : 0.f;
+        for (int64_t j = 0; j < half; j++) {
+            float a = nearbyintf((x[j] - m) * inv), b = nearbyintf((x[half + j] - m) * inv);
+            a = a > 15.f ? 15.f : (a < 0.f ? 0.f : a);
+            b = b > 15.f ? 15.f : (b < 0.f ? 0.f : b);
+            dst[j] = (uint8_t)((int)a | ((int)b << 4));
+        }
+        store16(dst + half, hs);
+        store16(dst + half + 2, hm);
+    }
+}

@@ -1,0 +1,213 @@
+"""How the KV cache stores keys and values: one format per side (K, V), written once and read where it lies.
+
+A format turns one token's head_dim values of one KV head (a *row*) into bytes and back:
+
+    float32, bfloat16, float16   the values themselves at that width (16-bit storage under fp32 compute)
+    int8                          head_dim int8 codes, then one fp16 scale: x ~ code * scale (q8_0's idea)
+    int4                          head_dim 4-bit codes (byte j: value j low, value j + head_dim/2 high), then
+                                  fp16 scale and fp16 offset: x ~ code * scale + offset (q4_1's idea)
+    fp8                           head_dim e4m3 codes, then one fp16 scale (CUDA)
+
+so the group that shares a scale is a row: head_dim values of one token and one KV head. The cache tensor keeps
+its layout [layers, 2, blocks, block_size, kv_heads, row]; what changes is the row's element type and width. When
+both sides store floats of one width the tensor has that dtype and row = head_dim (no bytes to reinterpret);
+otherwise it is uint8 and row = the wider side's bytes (a K/V pair of different widths pads the narrower side).
+Every tier moves these rows as they are: the warm slab, the cold and remote entries and snapshots hold the same
+bytes as the pool.
+
+`KVLayout.encode_k/v` is what the store kernels write; `decode_k/v` turns stored rows back into the compute dtype
+(the torch references dequantize what they gathered; the CPU and Triton kernels read the codes themselves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tieredkv.config import KV_CACHE_DTYPES
+
+INT8_MAX = 127.0
+INT4_MAX = 15.0
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One side's storage: `name` (EngineConfig.kv_cache_dtype's), `code` (the C kernels' enum, attention_cpu.c:
+    KV_F32...), bits per value, and the bytes of the scale/offset each row carries."""
+
+    name: str
+    code: int
+    bits: int
+    extra_bytes: int
+    float_dtype: torch.dtype | None  # the torch dtype of a float format; None for codes with a scale
+
+    def row_bytes(self, head_dim: int) -> int:
+        return head_dim * self.bits // 8 + self.extra_bytes
+
+    @property
+    def quantized(self) -> bool:
+        return self.float_dtype is None
+
+    def check(self, head_dim: int, device: torch.device) -> None:
+        """A clear error where this format cannot hold rows of head_dim values on `device`."""
+        if self.name == "int4" and head_dim % 4:
+            raise ValueError(f"kv_cache_dtype int4 packs two values a byte and needs head_dim divisible by 4; the "
+                             f"model's is {head_dim} (int8, bfloat16 and float16 take any)")
+        if self.name == "fp8" and device.type != "cuda":
+            raise ValueError("kv_cache_dtype fp8 runs on CUDA only; on CPU int8 stores the same bytes per value "
+                             f"(supported here: {', '.join(n for n in KV_CACHE_DTYPES if n != 'fp8')})")
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., D] values -> [..., row_bytes(D)] uint8 (for float formats, the values' own bytes)."""
+        if self.float_dtype is not None:
+            return x.to(self.float_dtype).contiguous().view(torch.uint8)
+        x = x.float()
+        if self.name == "int4":
+            lo, hi = x.amin(-1, keepdim=True) + 0.0, x.amax(-1, keepdim=True)  # + 0.0: -0.0 stored as 0.0
+            scale = ((hi - lo) / INT4_MAX + 0.0).half()
+            offset = lo.half()
+            inv = torch.where(scale != 0, 1.0 / scale.float(), torch.zeros_like(lo))
+            codes = torch.round((x - offset.float()) * inv).clamp_(0, INT4_MAX).to(torch.uint8)
+            half = codes.shape[-1] // 2
+            packed = codes[..., :half] | (codes[..., half:] << 4)
+            return torch.cat((packed, scale.view(torch.uint8), offset.view(torch.uint8)), dim=-1)
+        top = INT8_MAX if self.name == "int8" else FP8_MAX
+        scale = (x.abs().amax(-1, keepdim=True) / top).half()
+        inv = torch.where(scale != 0, 1.0 / scale.float(), torch.zeros_like(x[..., :1]))
+        if self.name == "int8":
+            codes = torch.round(x * inv).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        else:
+            codes = (x * inv).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return torch.cat((codes.view(torch.uint8), scale.view(torch.uint8)), dim=-1)
+
+    def decode(self, rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """[..., >= row_bytes(D)] uint8 rows (any strides with the last one 1) -> [..., D] values in `dtype`."""
+        if self.float_dtype is not None:
+            return _reinterpret(rows[..., : self.row_bytes(head_dim)], self.float_dtype).to(dtype)
+        if self.name == "int4":
+            half = head_dim // 2
+            packed = rows[..., :half]
+            codes = torch.cat((packed & 15, packed >> 4), dim=-1).to(torch.float32)
+            scale = _reinterpret(rows[..., half : half + 2], torch.float16).float()
+            offset = _reinterpret(rows[..., half + 2 : half + 4], torch.float16).float()
+            return (codes * scale + offset).to(dtype)
+        codes = _reinterpret(rows[..., :head_dim], torch.int8 if self.name == "int8" else torch.float8_e4m3fn)
+        scale = _reinterpret(rows[..., head_dim : head_dim + 2], torch.float16).float()
+        return (codes.float() * scale).to(dtype)
+
+
+def _reinterpret(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of uint8 rows as `dtype` (a view where the strides allow, else of a contiguous copy)."""
+    try:
+        return rows.view(dtype)
+    except RuntimeError:
+        return rows.contiguous().view(dtype)
+
+
+FORMATS = {f.name: f for f in (
+    KVFormat("float32", 0, 32, 0, torch.float32),
+    KVFormat("bfloat16", 1, 16, 0, torch.bfloat16),
+    KVFormat("float16", 2, 16, 0, torch.float16),
+    KVFormat("int8", 3, 8, 2, None),
+    KVFormat("int4", 4, 4, 4, None),
+    KVFormat("fp8", 5, 8, 2, None),
+)}
+FLOAT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The K and V formats of one engine's cache, for rows of head_dim values computed in `dtype`."""
+
+    k: KVFormat
+    v: KVFormat
+    head_dim: int
+    dtype: torch.dtype  # the compute dtype: what attention reads the rows as
+
+    @classmethod
+    def resolve(cls, k: str, v: str, head_dim: int, dtype: torch.dtype,
+                device: torch.device | None = None) -> "KVLayout":
+        """From EngineConfig's names ("auto": the compute dtype); raises ValueError naming what is supported."""
+        sides = []
+        for side, name in (("k", k), ("v", v)):
+            if name == "auto":
+                name = str(dtype).removeprefix("torch.")
+            if name not in FORMATS:
+                raise ValueError(f"kv_cache_dtype for {side.upper()} must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                                 f"got {name!r}")
+            sides.append(FORMATS[name])
+        layout = cls(sides[0], sides[1], head_dim, dtype)
+        for fmt in sides:
+            fmt.check(head_dim, device or torch.device("cpu"))
+        return layout
+
+    @property
+    def plain(self) -> bool:
+        """True when the cache holds values in the compute dtype itself (the formats read with no conversion)."""
+        return self.k == self.v and self.k.float_dtype == self.dtype
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensor's element type: the shared float dtype, else uint8."""
+        if self.k == self.v and self.k.float_dtype is not None:
+            return self.k.float_dtype
+        return torch.uint8
+
+    @property
+    def row(self) -> int:
+        """The cache tensor's last dimension, in storage elements."""
+        if self.storage_dtype != torch.uint8:
+            return self.head_dim
+        return max(self.k.row_bytes(self.head_dim), self.v.row_bytes(self.head_dim))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one side's row takes in the tensor (padding included)."""
+        return self.row * self.storage_dtype.itemsize
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int) -> int:
+        """The pool's bytes for one token: K and V rows of every KV head of every layer."""
+        return num_layers * 2 * num_kv_heads * self.row_bytes
+
+    @property
+    def label(self) -> str:
+        """"int8" where both sides agree, else "k=int8,v=int4"."""
+        return self.k.name if self.k == self.v else f"k={self.k.name},v={self.v.name}"
+
+    @property
+    def codes(self) -> tuple[int, int]:
+        """The C kernels' codes of K and V."""
+        return self.k.code, self.v.code
+
+    def encode(self, side: int, x: torch.Tensor) -> torch.Tensor:
+        """[..., D] values of K (side 0) or V (side 1) -> [..., row] stored rows."""
+        if self.storage_dtype != torch.uint8:
+            return x.to(self.storage_dtype)
+        out = (self.k, self.v)[side].encode(x)
+        pad = self.row - out.shape[-1]
+        return torch.nn.functional.pad(out, (0, pad)) if pad else out
+
+    def decode(self, side: int, rows: torch.Tensor) -> torch.Tensor:
+        """[..., row] stored rows of K (side 0) or V (side 1) -> [..., D] values in the compute dtype."""
+        if self.storage_dtype != torch.uint8:
+            return rows.to(self.dtype)
+        return (self.k, self.v)[side].decode(rows, self.head_dim, self.dtype)
+
+
+def values(rows: torch.Tensor, kv: KVLayout | None, side: int) -> torch.Tensor:
+    """What a torch reference reads: stored rows as values in the compute dtype (the rows themselves where the
+    cache holds the compute dtype, kv None)."""
+    return rows if kv is None else kv.decode(side, rows)
+
+
+def select_blocks(cache: torch.Tensor, ids: torch.Tensor, kv: KVLayout | None, side: int) -> torch.Tensor:
+    """The blocks `ids` of one side's cache [num_blocks, bs, Hkv, row] as values [len(ids), bs, Hkv, D]: one
+    gather (index_select is faster than cache[ids] on CPU), dequantized after it."""
+    return values(torch.index_select(cache, 0, ids), kv, side)
+
+
+def plain_layout(head_dim: int, dtype: torch.dtype) -> KVLayout:
+    """The layout that stores values in the compute dtype (kv_cache_dtype "auto")."""
+    return KVLayout.resolve("auto", "auto", head_dim, dtype)
