@@ -163,10 +163,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def llama_bench(binary: str, gguf: str, repeats: int | None = None, depth: int = 0) -> float:
+def llama_bench(binary: str, gguf: str, repeats: int | None = None, depth: int = 0, cache_type: str | None = None) \
+        -> float:
     """llama.cpp's batch-1 decode ms/token: llama-bench -t 2 -p 0 -n 128 (-r repeats: its own default, 5; -d depth:
-    the new tokens follow that many of context)."""
+    the new tokens follow that many of context; cache_type: its KV cache's type for K and V, -ctk/-ctv, with
+    flash attention on, which a quantized V needs)."""
     more = ([] if repeats is None else ["-r", str(repeats)]) + ([] if not depth else ["-d", str(depth)])
+    more += ["-ctk", cache_type, "-ctv", cache_type, "-fa", "1"] if cache_type else []
     out = subprocess.run([binary, "-m", gguf, "-t", "2", "-p", "0", "-n", "128", *more, "-o", "json"], check=True,
                          capture_output=True, text=True).stdout
     return 1000.0 / json.loads(out)[0]["avg_ts"]

@@ -10,6 +10,10 @@ after a 128-token prompt; then llama-bench -t 2 -p 0 -n 128 -r 1 on each file), 
 medians over rounds. With --depth, each round does so at every depth: the engine's prompt that many tokens
 long (128 at depth 0), llama-bench -d depth (the prompt's tokens are random ids; only the context length
 matters to the time). Set LD_LIBRARY_PATH to llama-bench's directory if its libraries live there.
+
+With --kv the engine's variants are the default model's Q4_1 file with the KV cache in fp32, int8 and int4
+(EngineConfig.kv_cache_dtype), and llama-bench runs each file with each of --llama-kv's cache types (-ctk/-ctv,
+flash attention on): the KV formats beside llama.cpp's at each depth.
 """
 
 from __future__ import annotations
@@ -29,30 +33,40 @@ from bench_decode import context_engine, decode_ms, llama_bench  # noqa: E402
 from tieredkv.platform.cpu_features import cpu_info  # noqa: E402
 
 VARIANTS = {"fp32": {}, "int4": {"quantization": "int4"}, "Q4_1 (gguf)": {"quantization": "gguf"}}
+KV_VARIANTS = {"Q4_1, fp32 KV": {"quantization": "gguf"},
+               "Q4_1, int8 KV": {"quantization": "gguf", "kv_cache_dtype": "int8"},
+               "Q4_1, int4 KV": {"quantization": "gguf", "kv_cache_dtype": "int4"}}
 
 
 def main(args) -> dict:
     random.seed(0)
     prompts = {d: [random.randrange(100, 40000) for _ in range(d or 128)] for d in args.depth}
-    cores = {name: context_engine(list(prompts.values()), **kw) for name, kw in VARIANTS.items()}
+    variants = KV_VARIANTS if args.kv else VARIANTS
+    cores = {name: context_engine(list(prompts.values()), **kw) for name, kw in variants.items()}
+    kinds = [(gguf, t) for gguf in args.gguf for t in (args.llama_kv if args.kv else [None])]
+
+    def llama_name(gguf: str, cache_type: str | None) -> str:
+        return f"llama.cpp {Path(gguf).name}" + (f" KV {cache_type}" if cache_type else "")
     rounds: dict[str, list[float]] = {}
     at = (lambda name, d: name) if args.depth == [0] else (lambda name, d: f"{name} @ {d}")
     for r in range(args.rounds):
         for d, prompt in prompts.items():
             for name, core in cores.items():
                 rounds.setdefault(at(name, d), []).append(decode_ms(core, prompt, 128))
-            for gguf in args.gguf:
-                rounds.setdefault(at(f"llama.cpp {Path(gguf).name}", d), []).append(
-                    llama_bench(args.llama_bench, gguf, repeats=1, depth=d))
+            for gguf, cache_type in kinds:
+                rounds.setdefault(at(llama_name(gguf, cache_type), d), []).append(
+                    llama_bench(args.llama_bench, gguf, repeats=1, depth=d, cache_type=cache_type))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rounds.items()), flush=True)
     median = {k: statistics.median(v) for k, v in rounds.items()}
     print("median ms/token: " + ", ".join(f"{k} {v:.2f}" for k, v in median.items()))
+    first, second = list(variants)[0], list(variants)[1:]
     for d in prompts:
-        print(f"{at('int4 / fp32', d)}: {median[at('int4', d)] / median[at('fp32', d)]:.3f}")
-        for gguf in args.gguf:
-            ref = median[at(f"llama.cpp {Path(gguf).name}", d)]
-            print(f"vs {at(f'llama.cpp {Path(gguf).name}', d)}: "
-                  + ", ".join(f"{k} {median[at(k, d)] / ref:.3f}x" for k in VARIANTS))
+        print(at(f"vs {first}", d) + ": " + ", ".join(f"{k} {median[at(k, d)] / median[at(first, d)]:.3f}x"
+                                                       for k in second))
+        for gguf, cache_type in kinds:
+            ref = median[at(llama_name(gguf, cache_type), d)]
+            print(f"vs {at(llama_name(gguf, cache_type), d)}: "
+                  + ", ".join(f"{k} {median[at(k, d)] / ref:.3f}x" for k in variants))
     return {"machine": cpu_info().describe(torch.get_num_threads()), "depths": args.depth, "rounds": rounds,
             "median": median}
 
@@ -65,6 +79,8 @@ if __name__ == "__main__":
     parser.add_argument("--depth", type=int, nargs="+", default=[0],
                         help="context lengths the 128 new tokens follow (llama-bench -d; 0: a 128-token prompt)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--kv", action="store_true", help="the KV cache's formats on the Q4_1 file (see above)")
+    parser.add_argument("--llama-kv", nargs="*", default=["f16", "q8_0"], help="--kv: llama-bench's cache types")
     options = parser.parse_args()
     results = main(options)
     if options.json:

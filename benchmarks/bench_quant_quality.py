@@ -1,6 +1,12 @@
-"""What quantized weights cost in quality, on the default model, in one run:
+"""What quantized weights, or a KV cache in fewer bytes, cost in quality, on the default model, in one run:
 
     .venv/bin/python benchmarks/bench_quant_quality.py [--llama-perplexity BIN --gguf F32.gguf Q4_1.gguf ...]
+    .venv/bin/python benchmarks/bench_quant_quality.py --kv [--llama-perplexity BIN --gguf Q4_1.gguf]
+
+With --kv the variants are the KV cache's formats (EngineConfig.kv_cache_dtype: fp32, bf16, fp16, int8, int4, int8 K
+with int4 V) over the same weights (--kv-weights, by default the default model's own Q4_1 blocks), against fp32 KV;
+llama-perplexity then runs each GGUF with `-ctk X -ctv X -fa on` for X in --llama-kv (f32, f16, q8_0, q4_0), and the
+greedy prompts include long documents (--long-docs) that the decode reads the whole KV of.
 
 For fp32, bf16, int8, int4 (groups of 32, asymmetric; groups of 64; symmetric) and the default model's own
 Q4_1 file (quantization="gguf"), each through the engine:
@@ -53,6 +59,14 @@ VARIANTS = {
     "int8, int8 activations": {"quantization": "int8", "int8_activations": True},
     "int4 g32, int8 activations": {"quantization": "int4", "int8_activations": True},
     "gguf Q4_1, int8 activations": {"quantization": "gguf", "int8_activations": True},
+}
+KV_VARIANTS = {
+    "kv fp32": {},
+    "kv bf16": {"kv_cache_dtype": "bfloat16"},
+    "kv fp16": {"kv_cache_dtype": "float16"},
+    "kv int8": {"kv_cache_dtype": "int8"},
+    "kv int4": {"kv_cache_dtype": "int4"},
+    "kv k=int8,v=int4": {"kv_cache_dtype": "int8", "kv_cache_dtype_v": "int4"},
 }
 SHARED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
@@ -107,8 +121,20 @@ def greedy(core: EngineCore, prompts: list[list[int]], n: int) -> list[list[int]
     return [r.seqs[0].output_token_ids for r in reqs]
 
 
-def llama_perplexity(binary: str, gguf: str, text_file: str) -> dict:
-    out = subprocess.run([binary, "-m", gguf, "-f", text_file, "-c", str(CHUNK), "-t", "2", "-b", str(CHUNK)],
+def long_documents(tokenizer, count: int, tokens: int, skip: int) -> list[list[int]]:
+    """`count` chat prompts, each a document of about `tokens` tokens of the same documentation (after its first
+    `skip` tokens: not the scored text) and a request to summarise it."""
+    from pydoc_data.topics import topics
+
+    ids = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)))[skip:]
+    docs = [tokenizer.decode(ids[i * tokens:(i + 1) * tokens]) for i in range(count)]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": d + "\n\nSummarise the text above."}])
+            for d in docs]
+
+
+def llama_perplexity(binary: str, gguf: str, text_file: str, cache_type: str | None = None) -> dict:
+    kv = ["-ctk", cache_type, "-ctv", cache_type, "-fa", "on"] if cache_type else []
+    out = subprocess.run([binary, "-m", gguf, "-f", text_file, "-c", str(CHUNK), "-t", "2", "-b", str(CHUNK), *kv],
                          capture_output=True, text=True)
     log = out.stdout + out.stderr
     ppl = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
@@ -135,9 +161,14 @@ def main(args) -> dict:
     results: dict = {"machine": cpu_info().describe(torch.get_num_threads()), "variants": {}}
     print(f"machine: {results['machine']}", flush=True)
     ref_logp = ref_greedy = pos = nxt = None
-    variants = {k: v for k, v in VARIANTS.items() if not args.only or k in args.only or k == "fp32"}
+    table = KV_VARIANTS if args.kv else VARIANTS
+    first = next(iter(table))  # the reference
+    variants = {k: v for k, v in table.items() if not args.only or k in args.only or k == first}
+    if args.kv:
+        weights = {"fp32": {}, "gguf": {"quantization": "gguf"}, "int8": {"quantization": "int8"}}[args.kv_weights]
+        variants = {k: {**weights, **v} for k, v in variants.items()}
     links = tempfile.TemporaryDirectory()
-    for gguf in args.gguf:  # the engine on the same files llama-perplexity reads (where it supports their types)
+    for gguf in [] if args.kv else args.gguf:  # the engine on the same files llama-perplexity reads
         if "f32" not in Path(gguf).name.lower():
             where = gguf_model_dir(Path(gguf), resolve_model_dir("default"), Path(links.name))
             variants[f"gguf {Path(gguf).name}"] = {"quantization": "gguf", "model": str(where)}
@@ -155,16 +186,25 @@ def main(args) -> dict:
             rng = random.Random(0)
             prompts = [core.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
             prompts += [[rng.randrange(100, core.spec.vocab_size) for _ in range(64)] for _ in range(8)]
+            prompts += long_documents(core.tokenizer, args.long_docs, args.long_doc_tokens, args.tokens)
         logp = all_logits(core, ids)[pos]
         outs = greedy(core, prompts, args.new)
         nll = -logp.gather(1, nxt[:, None]).mean().item()
-        row = {"ppl": math.exp(nll), "weights": core.stats().weights, "weight_bytes": core.stats().weight_bytes}
+        stats = core.stats()
+        row = {"ppl": math.exp(nll), "weights": stats.weights, "weight_bytes": stats.weight_bytes,
+               "kv_format": stats.kv_format, "kv_bytes_per_token": stats.kv_bytes_per_token}
         if ref_logp is None:
             ref_logp, ref_greedy = logp, outs
         row["top1_agree"] = (logp.argmax(-1) == ref_logp.argmax(-1)).float().mean().item()
         row["kl"] = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean().item()
-        row["greedy_agree"] = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-                                  for x, y in zip(ref_greedy, outs)) / (len(outs) * args.new)
+        def agree(pairs) -> float:  # the share of tokens before the first difference
+            pairs = list(pairs)
+            return sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                       for x, y in pairs) / (len(pairs) * args.new)
+
+        row["greedy_agree"] = agree(zip(ref_greedy, outs))
+        if args.long_docs:
+            row["greedy_agree_long"] = agree(list(zip(ref_greedy, outs))[-args.long_docs:])
         results["variants"][name] = row
         print(f"{name}: {row}", flush=True)
         core.close()
@@ -173,21 +213,30 @@ def main(args) -> dict:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write(text)
         for gguf in args.gguf:
-            results.setdefault("llama_cpp", {})[Path(gguf).name] = llama_perplexity(args.llama_perplexity, gguf, f.name)
-            print(f"llama-perplexity {Path(gguf).name}: {results['llama_cpp'][Path(gguf).name]}", flush=True)
+            for cache_type in args.llama_kv if args.kv else [None]:
+                name = Path(gguf).name + (f" KV {cache_type}" if cache_type else "")
+                results.setdefault("llama_cpp", {})[name] = llama_perplexity(args.llama_perplexity, gguf, f.name,
+                                                                             cache_type)
+                print(f"llama-perplexity {name}: {results['llama_cpp'][name]}", flush=True)
     report(results)
     return results
 
 
 def report(r: dict) -> None:
-    base = r["variants"]["fp32"]["ppl"]
+    ref_name, kv = next(iter(r["variants"])), next(iter(r["variants"])).startswith("kv ")
+    base = r["variants"][ref_name]["ppl"]
     print(f"\n{r['text_tokens']} tokens of text, {r['tokens_scored']} scored, {r.get('step_tokens', CHUNK)} a step; "
           f"{r['machine']}\n")
-    print("| weights | MB | perplexity | vs fp32 | top-1 agree | KL vs fp32 | greedy agree (first 32) |")
-    print("|---|---|---|---|---|---|---|")
+    size, unit = ("KV bytes/token", "kv_bytes_per_token") if kv else ("MB", "weight_bytes")
+    long = any("greedy_agree_long" in v for v in r["variants"].values())
+    print(f"| {'KV cache' if kv else 'weights'} | {size} | perplexity | vs {ref_name} | top-1 agree | KL vs {ref_name} "
+          f"| greedy agree (first 32) |{' long documents |' if long else ''}")
+    print("|---|---|---|---|---|---|---|" + ("---|" if long else ""))
     for name, v in r["variants"].items():
-        print(f"| {name} | {v['weight_bytes'] / 1e6:.0f} | {v['ppl']:.3f} | {100 * (v['ppl'] / base - 1):+.2f}% | "
-              f"{100 * v['top1_agree']:.1f}% | {v['kl']:.4f} | {100 * v['greedy_agree']:.1f}% |")
+        shown = v[unit] if kv else v[unit] / 1e6
+        print(f"| {name} | {shown:,.0f} | {v['ppl']:.3f} | {100 * (v['ppl'] / base - 1):+.2f}% | "
+              f"{100 * v['top1_agree']:.1f}% | {v['kl']:.4f} | {100 * v['greedy_agree']:.1f}% |"
+              + (f" {100 * v['greedy_agree_long']:.1f}% |" if long else ""))
     llama = r.get("llama_cpp", {})
     ref = next((v["ppl"] for k, v in llama.items() if "f32" in k.lower() and v["ppl"]), None)
     for name, v in llama.items():
@@ -205,6 +254,13 @@ if __name__ == "__main__":
     parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-perplexity (F32 first)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--only", nargs="*", default=[], help="run these variants (and fp32, the reference) only")
+    parser.add_argument("--kv", action="store_true", help="the KV cache's formats instead of the weights'")
+    parser.add_argument("--kv-weights", choices=["gguf", "fp32", "int8"], default="gguf",
+                        help="--kv: the weights under every KV format (gguf: the default model's Q4_1 blocks)")
+    parser.add_argument("--llama-kv", nargs="*", default=["f32", "f16", "q8_0", "q4_0"],
+                        help="--kv: llama-perplexity's cache types (-ctk/-ctv, with -fa on)")
+    parser.add_argument("--long-docs", type=int, default=0, help="long documents among the greedy prompts")
+    parser.add_argument("--long-doc-tokens", type=int, default=2000, help="tokens of each long document")
     ns = parser.parse_args()
     res = main(ns)
     if ns.json:

@@ -8,6 +8,7 @@ import torch
 
 from tieredkv.kernels.block_copy import copy_blocks_ref, gather_blocks_ref, scatter_blocks_ref
 from tieredkv.kernels.decode_attention import decode_attention_ref
+from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.prefill_attention import prefill_attention_ref
 from tieredkv.kernels.store_kv import store_kv_ref
 
@@ -127,8 +128,61 @@ def test_block_copy_kernels_match_reference(block_size, head_dim):
     assert torch.equal(kv_tri, kv_ref)
 
 
-async def test_engine_through_triton_kernels_matches_reference_kernels(llama2_dir):
-    """The whole engine, prefill chunks, prefix hits and decodes, through Triton (interpreted on CPU)."""
+KV_PAIRS = [("int8", "int8"), ("int4", "int4"), ("int8", "int4"), ("bfloat16", "bfloat16"), ("float16", "int8")]
+
+
+def stored_cache(num_blocks, block_size, kv_heads, head_dim, kv: KVLayout, seed=0):
+    """A K/V pool in kv's formats (the reference store's rows), as [2, blocks, bs, heads, row]."""
+    k, v = make_cache(num_blocks, block_size, kv_heads, head_dim, seed)
+    return torch.stack((kv.encode(0, k), kv.encode(1, v)))
+
+
+@pytest.mark.parametrize("k,v", KV_PAIRS)
+def test_store_kernel_writes_each_kv_format_as_the_reference(k, v):
+    # the quantizing store writes the reference's bytes: codes from the fp16-rounded scale, ties to even
+    kv = KVLayout.resolve(k, v, 64, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, 40, 2, 64, generator=g).to(DEVICE) * torch.logspace(-2, 2, 40)[:, None, None]
+    slots = torch.randperm(6 * 16, generator=g)[:40].to(DEVICE)
+    slots[5] = -1  # padding: not stored
+    ref = torch.zeros(2, 6, 16, 2, kv.row, dtype=kv.storage_dtype, device=DEVICE)
+    tri = ref.clone()
+    store_kv_ref(key, value, ref, slots, kv=kv)
+    triton_ops.store_kv(key, value, tri, slots, kv=kv)
+    assert torch.equal(tri, ref)
+
+
+@pytest.mark.parametrize("k,v", KV_PAIRS + [("fp8", "fp8")])
+def test_attention_kernels_read_each_kv_format_as_the_reference(k, v):
+    # decode (one split and split-K, with a shared-prefix cascade) and prefill dequantize in registers what the
+    # references dequantize after their gather
+    kv = KVLayout.resolve(k, v, 64, torch.float32, torch.device("cuda"))
+    cache = stored_cache(16, 16, 2, 64, kv)
+    lens = [70, 33, 70]
+    tables = make_tables(lens, 16, 16)
+    tables[2] = tables[0]
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 6, 64, device=DEVICE)
+    want = decode_attention_ref(q, cache[0], cache[1], tables, ctx, 0.125, kv=kv)
+    for split in (None, 32):
+        got = triton_ops.decode_attention(q, cache[0], cache[1], tables, ctx, 0.125, tokens_per_split=split, kv=kv)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+    plan = triton_ops.plan_decode(tables, ctx, 16, torch.float32, [([0, 2], 4)])
+    torch.testing.assert_close(triton_ops.decode_attention(q, cache[0], cache[1], tables, ctx, 0.125, plan=plan,
+                                                           kv=kv), want, atol=ATOL, rtol=1e-5)
+    qp = torch.randn(12, 6, 64, device=DEVICE)
+    starts = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    plens = torch.tensor([40, 7], dtype=torch.int32, device=DEVICE)
+    torch.testing.assert_close(triton_ops.prefill_attention(qp, cache[0], cache[1], tables[:2], starts, plens, 0.125,
+                                                            kv=kv),
+                               prefill_attention_ref(qp, cache[0], cache[1], tables[:2], starts, plens, 0.125, kv=kv),
+                               atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+async def test_engine_through_triton_kernels_matches_reference_kernels(llama2_dir, kv_cache_dtype):
+    """The whole engine, prefill chunks, prefix hits and decodes, through Triton (interpreted on CPU); with int8
+    KV the Triton store and attention against the torch references in the same format."""
     from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 
     prompts = [[5, 17, 33, 2 + 40, 9] * 4, [7] * 23 + [5, 17, 33, 42, 9], [5, 17, 33, 42, 9] * 4 + [11]]
@@ -136,7 +190,7 @@ async def test_engine_through_triton_kernels_matches_reference_kernels(llama2_di
     outs = {}
     for backend in ("torch", "triton"):
         cfg = EngineConfig(model=str(llama2_dir), num_blocks=32, block_size=8, attention_backend=backend,
-                           device=DEVICE, max_num_batched_tokens=16)
+                           device=DEVICE, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
         async with await AsyncEngine.start(cfg) as engine:
             assert engine.core.runner.ops.name == backend
             assert engine.core.runner.warmed_up == (backend == "triton")  # kernels compiled at start-up
@@ -146,6 +200,18 @@ async def test_engine_through_triton_kernels_matches_reference_kernels(llama2_di
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 BF16_ATOL = 2e-2  # bf16 inputs, fp32 accumulation: documented in docs/architecture.md
+
+
+@gpu  # Triton's interpreter converts to e4m3 otherwise than the device (it drops mantissa bits)
+def test_fp8_store_kernel_writes_the_reference_rows():
+    kv = KVLayout.resolve("fp8", "fp8", 64, torch.bfloat16, torch.device("cuda"))
+    key, value = torch.randn(2, 24, 2, 64, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(64, device="cuda")[:24]
+    ref = torch.zeros(2, 4, 16, 2, kv.row, dtype=torch.uint8, device="cuda")
+    tri = ref.clone()
+    store_kv_ref(key, value, ref, slots, kv=kv)
+    triton_ops.store_kv(key, value, tri, slots, kv=kv)
+    torch.testing.assert_close(kv.decode(0, tri[0]).float(), kv.decode(0, ref[0]).float(), rtol=0.07, atol=1e-3)
 
 
 @gpu

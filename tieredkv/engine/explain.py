@@ -77,7 +77,7 @@ def _difference(ours: str, theirs: str) -> str:
     """What tells two fingerprints (identity.model_fingerprint) apart, in words."""
     def kv_format(fingerprint: str) -> str:
         part = next((p for p in fingerprint.split("|") if p.startswith("kv=")), None)
-        return part[3:] if part else "the compute dtype"
+        return part[3:].split("/")[0] if part else "the compute dtype"
 
     if kv_format(ours) != kv_format(theirs):
         return f"its KV is stored as {kv_format(theirs)}; this engine stores {kv_format(ours)}"

@@ -11,7 +11,8 @@ A format turns one token's head_dim values of one KV head (a *row*) into bytes a
 so the group that shares a scale is a row: head_dim values of one token and one KV head. The cache tensor keeps
 its layout [layers, 2, blocks, block_size, kv_heads, row]; what changes is the row's element type and width. When
 both sides store floats of one width the tensor has that dtype and row = head_dim (no bytes to reinterpret);
-otherwise it is uint8 and row = the wider side's bytes (a K/V pair of different widths pads the narrower side).
+otherwise it is uint8 and row = the wider side's bytes (a K/V pair of different widths pads the narrower side; on
+CUDA rows are padded to ROW_ALIGN bytes).
 Every tier moves these rows as they are: the warm slab, the cold and remote entries and snapshots hold the same
 bytes as the pool.
 
@@ -30,6 +31,7 @@ from tieredkv.config import KV_CACHE_DTYPES
 INT8_MAX = 127.0
 INT4_MAX = 15.0
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8_CAPABILITY = (8, 9)  # Ada: the first compute capability that converts to and from e4m3
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ class KVFormat:
         if self.name == "fp8" and device.type != "cuda":
             raise ValueError("kv_cache_dtype fp8 runs on CUDA only; on CPU int8 stores the same bytes per value "
                              f"(supported here: {', '.join(n for n in KV_CACHE_DTYPES if n != 'fp8')})")
+        if self.name == "fp8" and torch.cuda.is_available() and \
+                torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+            raise ValueError("kv_cache_dtype fp8 needs a GPU that converts e4m3 (compute capability 8.9 on: L4, "
+                             "L40S, H100); int8 stores the same bytes per value on this one")
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """[..., D] values -> [..., row_bytes(D)] uint8 (for float formats, the values' own bytes)."""
@@ -114,7 +120,11 @@ FORMATS = {f.name: f for f in (
     KVFormat("int4", 4, 4, 4, None),
     KVFormat("fp8", 5, 8, 2, None),
 )}
-FLOAT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# On CUDA a row of bytes starts on a 16-byte boundary: the Triton kernels' loads of codes are then vectorized.
+# Unaligned (an int8 row of 128 values is 130 bytes), Llama-3-70B's decode kernels spilled 2-12 KB per thread
+# (kernels/resources.py, sm_80-sm_90); aligned, they fit. The price: int8 at head_dim 128 takes 144 bytes a row
+# (bf16 256), at head_dim 64 80 (bf16 128). On CPU rows are packed (the C kernels read bytes where they lie).
+ROW_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,7 @@ class KVLayout:
     v: KVFormat
     head_dim: int
     dtype: torch.dtype  # the compute dtype: what attention reads the rows as
+    align: int = 1  # a row of bytes is padded to a multiple of this (ROW_ALIGN on CUDA)
 
     @classmethod
     def resolve(cls, k: str, v: str, head_dim: int, dtype: torch.dtype,
@@ -138,9 +149,10 @@ class KVLayout:
                 raise ValueError(f"kv_cache_dtype for {side.upper()} must be one of {', '.join(KV_CACHE_DTYPES)}; "
                                  f"got {name!r}")
             sides.append(FORMATS[name])
-        layout = cls(sides[0], sides[1], head_dim, dtype)
+        device = device or torch.device("cpu")
+        layout = cls(sides[0], sides[1], head_dim, dtype, ROW_ALIGN if device.type == "cuda" else 1)
         for fmt in sides:
-            fmt.check(head_dim, device or torch.device("cpu"))
+            fmt.check(head_dim, device)
         return layout
 
     @property
@@ -160,7 +172,8 @@ class KVLayout:
         """The cache tensor's last dimension, in storage elements."""
         if self.storage_dtype != torch.uint8:
             return self.head_dim
-        return max(self.k.row_bytes(self.head_dim), self.v.row_bytes(self.head_dim))
+        widest = max(self.k.row_bytes(self.head_dim), self.v.row_bytes(self.head_dim))
+        return -(-widest // self.align) * self.align
 
     @property
     def row_bytes(self) -> int:

@@ -23,6 +23,7 @@ import torch
 
 from tieredkv.kernels import triton_ops as T
 from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS
+from tieredkv.kernels.kv_format import KVLayout
 
 # shared memory a block may use (the opt-in maximum), by compute capability
 SHARED_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10}
@@ -58,31 +59,50 @@ class KernelResources:
                 and self.shared_bytes <= SHARED_LIMIT[self.cc])
 
 
+# KV formats whose kernels the table compiles beside the cache in the compute dtype: int8 K with int4 V covers both
+# integer codecs in one variant of each kernel; fp8 (e4m3) where the card converts it (sm_89 on)
+KV_LAYOUTS = (("int8", "int4", 75), ("fp8", "fp8", 89))
+
+
 def model_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                    cc: int) -> set:
     """The variant keys (triton_ops.variant_key) of a model with this attention shape on sm_<cc>: its
     warm-up's kernels, launched in a dry run over small tensors laid out as the model's forward lays them
     out (q and k fresh after the rotary embedding, v a view of the fused q/k/v output), with the tiles
-    chosen for that target; and the quantized dense layers' kernel in both formats."""
+    chosen for that target, for the cache in the compute dtype and in the KV formats of KV_LAYOUTS; and the
+    quantized dense layers' kernel in both formats."""
+    seen = _attention_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, cc, None)
+    for k, v, least in KV_LAYOUTS:
+        if cc >= least:
+            kv = KVLayout.resolve(k, v, head_dim, dtype, torch.device("cuda"))
+            seen |= _attention_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, cc, kv)
+    return seen
+
+
+def _attention_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                        cc: int, kv: KVLayout | None) -> set:
     tokens, blocks = 6, 16
+    row, storage = (head_dim, dtype) if kv is None else (kv.row, kv.storage_dtype)
     qkv = torch.zeros(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
     q = torch.zeros(tokens, num_heads, head_dim, dtype=dtype)
     k = torch.zeros(tokens, num_kv_heads, head_dim, dtype=dtype)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
-    kv_cache = torch.zeros(1, 2, blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    kv_cache = torch.zeros(1, 2, blocks, block_size, num_kv_heads, row, dtype=storage)
     key_cache, value_cache = kv_cache[0, 0], kv_cache[0, 1]
     shared = -(-MIN_PREFIX_TOKENS // block_size)
     tables = torch.zeros(2, shared + 1, dtype=torch.int32)
     lens = torch.tensor([shared * block_size + 1] * 2, dtype=torch.int32)
     with T.for_target(cc), T.recording(dry_run=True) as seen:
-        T.store_kv(k, v, kv_cache[0], torch.zeros(tokens, dtype=torch.int64))
+        T.store_kv(k, v, kv_cache[0], torch.zeros(tokens, dtype=torch.int64), kv=kv)
         first = torch.ones(1, dtype=torch.int32)  # one key: one split, which writes the output itself
         T.decode_attention(q[:1], key_cache, value_cache, tables[:1], first, 0.1,
-                           plan=T.plan_decode(tables[:1], first, block_size, dtype))
+                           plan=T.plan_decode(tables[:1], first, block_size, dtype), kv=kv)
         cascade = T.plan_decode(tables, lens, block_size, dtype, [([0, 1], shared)])
-        T.decode_attention(q[:2], key_cache, value_cache, tables, lens, 0.1, plan=cascade)
+        T.decode_attention(q[:2], key_cache, value_cache, tables, lens, 0.1, plan=cascade, kv=kv)
         T.prefill_attention(q[2:], key_cache, value_cache, tables[:1], torch.tensor([0, 4], dtype=torch.int32),
-                            torch.tensor([4], dtype=torch.int32), 0.1, 4)
+                            torch.tensor([4], dtype=torch.int32), 0.1, 4, kv=kv)
+        if kv is not None:  # the block copies and the dense layers do not depend on the KV format
+            return seen
         ids = torch.tensor([1])
         out = torch.empty((1, 1, 2, block_size, num_kv_heads, head_dim), dtype=dtype)
         T.gather_blocks(kv_cache, ids, out)

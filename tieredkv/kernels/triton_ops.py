@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import triton
@@ -16,6 +16,9 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from tieredkv.kernels.kernel_ops import KernelOps
+
+if TYPE_CHECKING:
+    from tieredkv.kernels.kv_format import KVLayout
 
 DECODE_BLOCK_N = 64  # keys per inner iteration of the decode kernel (from Ampere on: see Tiles)
 DECODE_TOKENS_PER_SPLIT = 512  # split-K: one program per (sequence, kv head, 512 keys)
@@ -136,6 +139,57 @@ def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "head_dim must be contiguous"
 
 
+def _formats(kv: "KVLayout | None") -> dict:
+    """The kernels' K_FMT / V_FMT: -1 where the cache's elements are values (read in their dtype, which the
+    query's matches), else the formats' codes (kernels/kv_format.py) for rows of bytes."""
+    if kv is None or kv.storage_dtype != torch.uint8:
+        return dict(K_FMT=-1, V_FMT=-1)
+    return dict(K_FMT=kv.k.code, V_FMT=kv.v.code)
+
+
+def _values_dtype(query: torch.Tensor, key_cache: torch.Tensor, kv: "KVLayout | None") -> None:
+    """The cache's rows hold the query's values: its own dtype, or rows in kv's formats for that dtype."""
+    if kv is None:
+        assert query.dtype == key_cache.dtype and key_cache.shape[3] == query.shape[-1]
+    else:
+        assert kv.dtype == query.dtype and kv.head_dim == query.shape[-1] and key_cache.shape[3] == kv.row
+
+
+@triton.jit
+def _row_values(rows, d, valid, d_ok, FMT: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[len(rows), D_PAD] values of the cache rows that `rows` point at, in fp32 unless FMT is -1 (the cache's
+    elements are values: read as they are). FMT names a row's format (kv_format.py): 0-2 fp32/bf16/fp16 values,
+    3 int8 codes and an fp16 scale, 4 4-bit codes (byte j: value j low, value j + D/2 high) with an fp16 scale
+    and offset, 5 e4m3 codes and an fp16 scale. The codes are dequantized in registers as they are read."""
+    mask = valid[:, None] & d_ok[None, :]
+    if FMT == -1:
+        out = tl.load(rows[:, None] + d[None, :], mask=mask, other=0.0)
+    elif FMT == 0:
+        out = tl.load(rows.to(tl.pointer_type(tl.float32))[:, None] + d[None, :], mask=mask, other=0.0)
+    elif FMT == 1:
+        out = tl.load(rows.to(tl.pointer_type(tl.bfloat16))[:, None] + d[None, :], mask=mask, other=0.0)
+        out = out.to(tl.float32)
+    elif FMT == 2:
+        out = tl.load(rows.to(tl.pointer_type(tl.float16))[:, None] + d[None, :], mask=mask, other=0.0)
+        out = out.to(tl.float32)
+    elif FMT == 4:
+        half: tl.constexpr = HEAD_DIM // 2
+        byte = tl.load(rows[:, None] + (d % half)[None, :], mask=mask, other=0)
+        code = tl.where(d[None, :] < half, byte & 15, byte >> 4).to(tl.float32)
+        scale = tl.load((rows + half).to(tl.pointer_type(tl.float16)), mask=valid, other=0.0).to(tl.float32)
+        offset = tl.load((rows + half + 2).to(tl.pointer_type(tl.float16)), mask=valid, other=0.0).to(tl.float32)
+        out = tl.where(mask, code * scale[:, None] + offset[:, None], 0.0)
+    else:
+        raw = tl.load(rows[:, None] + d[None, :], mask=mask, other=0)
+        if FMT == 3:
+            code = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            code = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load((rows + HEAD_DIM).to(tl.pointer_type(tl.float16)), mask=valid, other=0.0).to(tl.float32)
+        out = code * scale[:, None]
+    return out
+
+
 # -- 1. store K/V through the slot mapping ----------------------------------------------------------
 
 
@@ -161,13 +215,102 @@ def _store_kv_kernel(
         tl.store(value_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=mask)
 
 
-def store_kv(key, value, kv_cache, slot_mapping) -> None:
+@triton.jit
+def _rne(x):
+    """x rounded to the nearest integer, ties to even (as torch.round), for |x| < 2**22: the fp32 addition rounds."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _store_row(src, dst, FMT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
+               HD_PAD: tl.constexpr):
+    """One row of HEAD_DIM values at `src` stored at byte pointer `dst` in format FMT, as kv_format.py's encode
+    writes it (the scale rounded to fp16 first, the codes from the rounded scale)."""
+    if FMT == 4:
+        half: tl.constexpr = HEAD_DIM // 2
+        j = tl.arange(0, HALF_PAD)
+        ok = j < half
+        lo_x = tl.load(src + j, mask=ok, other=0.0).to(tl.float32)
+        hi_x = tl.load(src + half + j, mask=ok, other=0.0).to(tl.float32)
+        lo = tl.minimum(tl.min(tl.where(ok, lo_x, float("inf")), 0), tl.min(tl.where(ok, hi_x, float("inf")), 0))
+        hi = tl.maximum(tl.max(tl.where(ok, lo_x, float("-inf")), 0), tl.max(tl.where(ok, hi_x, float("-inf")), 0))
+        lo = lo + 0.0
+        scale16 = ((hi - lo) / 15.0 + 0.0).to(tl.float16)
+        offset16 = lo.to(tl.float16)
+        scale = scale16.to(tl.float32)
+        inv = tl.where(scale != 0.0, 1.0 / scale, 0.0)
+        a = tl.minimum(tl.maximum(_rne((lo_x - offset16.to(tl.float32)) * inv), 0.0), 15.0).to(tl.int32)
+        b = tl.minimum(tl.maximum(_rne((hi_x - offset16.to(tl.float32)) * inv), 0.0), 15.0).to(tl.int32)
+        tl.store(dst + j, (a | (b << 4)).to(tl.uint8), mask=ok)
+        tl.store((dst + half).to(tl.pointer_type(tl.float16)), scale16)
+        tl.store((dst + half + 2).to(tl.pointer_type(tl.float16)), offset16)
+    else:
+        d = tl.arange(0, HD_PAD)
+        ok = d < HEAD_DIM
+        x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+        if FMT == 0:
+            tl.store(dst.to(tl.pointer_type(tl.float32)) + d, x, mask=ok)
+        elif FMT == 1:
+            tl.store(dst.to(tl.pointer_type(tl.bfloat16)) + d, x.to(tl.bfloat16), mask=ok)
+        elif FMT == 2:
+            tl.store(dst.to(tl.pointer_type(tl.float16)) + d, x.to(tl.float16), mask=ok)
+        else:
+            top: tl.constexpr = 127.0 if FMT == 3 else 448.0
+            scale16 = (tl.max(tl.abs(x), 0) / top).to(tl.float16)
+            scale = scale16.to(tl.float32)
+            inv = tl.where(scale != 0.0, 1.0 / scale, 0.0)
+            if FMT == 3:
+                code = tl.minimum(tl.maximum(_rne(x * inv), -127.0), 127.0).to(tl.int8).to(tl.uint8, bitcast=True)
+            else:
+                code = tl.minimum(tl.maximum(x * inv, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+                code = code.to(tl.uint8, bitcast=True)
+            tl.store(dst + d, code, mask=ok)
+            tl.store((dst + HEAD_DIM).to(tl.pointer_type(tl.float16)), scale16)
+
+
+@triton.jit
+def _store_kv_rows_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, HD_PAD: tl.constexpr,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+):
+    """Program (t, h) stores token t's K and V rows of KV head h as rows of bytes in K_FMT / V_FMT."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        blk = (slot // BLOCK_SIZE).to(tl.int64)
+        off = slot % BLOCK_SIZE
+        _store_row(key_ptr + t * stride_kt + h * stride_kh,
+                   key_cache_ptr + blk * stride_cb + off * stride_cs + h * stride_ch, K_FMT, HEAD_DIM, HALF_PAD, HD_PAD)
+        _store_row(value_ptr + t * stride_vt + h * stride_vh,
+                   value_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch, V_FMT, HEAD_DIM, HALF_PAD,
+                   HD_PAD)
+
+
+def store_kv(key, value, kv_cache, slot_mapping, kv: "KVLayout | None" = None) -> None:
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _check_cache(key_cache, value_cache)
     num_tokens, num_heads, head_dim = key.shape
     assert value.shape == key.shape and key.stride(-1) == 1 and value.stride(-1) == 1
-    assert key_cache.shape[2:] == (num_heads, head_dim), (key_cache.shape, key.shape)
     assert slot_mapping.shape == (num_tokens,) and not slot_mapping.is_floating_point()
+    formats = _formats(kv)
+    if formats["K_FMT"] >= 0:
+        assert key_cache.shape[2:] == (num_heads, kv.row) and kv.head_dim == head_dim, (key_cache.shape, key.shape)
+        if num_tokens:
+            launch(_store_kv_rows_kernel, (num_tokens, num_heads),
+                   key, value, key_cache, value_cache, slot_mapping,
+                   key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                   key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                   value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+                   BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+                   HD_PAD=triton.next_power_of_2(head_dim), **formats)
+        return
+    if kv is not None:  # floats of another width than the values': converted, then stored as they are
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    assert key_cache.shape[2:] == (num_heads, head_dim), (key_cache.shape, key.shape)
     if num_tokens == 0:
         return
     launch(_store_kv_kernel, (num_tokens,),
@@ -183,31 +326,40 @@ def store_kv(key, value, kv_cache, slot_mapping) -> None:
 
 
 @triton.jit
-def _load_kv_tile(key_cache_ptr, value_cache_ptr, table_ptr, offs, valid, kv_head, d, d_ok,
-                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE: tl.constexpr):
-    """K and V [len(offs), D_PAD] of one KV head at token positions offs, read through a block table;
-    columns past the head dim (d_ok false) read as zeros. Block offsets in int64: a large pool's
-    `block id * stride` passes 2**31."""
-    blk = tl.load(table_ptr + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    slot = offs % BLOCK_SIZE
-    mask = valid[:, None] & d_ok[None, :]
-    k = tl.load(key_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-                + d[None, :], mask=mask, other=0.0)
-    v = tl.load(value_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                + d[None, :], mask=mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-    """One online-softmax step: q [M, D] against a tile k, v [N, D] where `allowed` [M, N]."""
+def _scores(q, k, allowed, m_i, l_i, scale, PRECISION: tl.constexpr):
+    """The online softmax's scores of q [M, D] against k [N, D] where `allowed`: (new max, new sum, the
+    weights p [M, N], the old accumulator's factor)."""
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
     qk = tl.where(allowed, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
     p = tl.exp(qk - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
+def _attend_tile(q, key_cache_ptr, value_cache_ptr, table_ptr, offs, valid, allowed, kv_head, d, d_ok, m_i, l_i, acc,
+                 scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE: tl.constexpr,
+                 PRECISION: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One online-softmax step: q [M, D] against the keys and values of one KV head at token positions offs
+    (read through a block table; columns past the head dim, d_ok false, read as zeros) where `allowed` [M, N].
+    Block offsets in int64: a large pool's `block id * stride` passes 2**31. Rows stored in a format of their own
+    (K_FMT, V_FMT >= 0) are dequantized as they are read, into q's dtype (_row_values), V only once the scores
+    are done, so that the two dequantized tiles are never held at once (values in q's dtype are both loaded
+    first: the loads overlap the product, and the variants fit as they are)."""
+    blk = tl.load(table_ptr + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = offs % BLOCK_SIZE
+    k_rows = key_cache_ptr + blk * stride_kb + slot * stride_ks + kv_head * stride_kh
+    v_rows = value_cache_ptr + blk * stride_vb + slot * stride_vs + kv_head * stride_vh
+    if V_FMT == -1:
+        k = _row_values(k_rows, d, valid, d_ok, K_FMT, HEAD_DIM).to(q.dtype)
+        v = _row_values(v_rows, d, valid, d_ok, V_FMT, HEAD_DIM).to(q.dtype)
+        m_new, l_i, p, alpha = _scores(q, k, allowed, m_i, l_i, scale, PRECISION)
+    else:
+        k = _row_values(k_rows, d, valid, d_ok, K_FMT, HEAD_DIM).to(q.dtype)
+        m_new, l_i, p, alpha = _scores(q, k, allowed, m_i, l_i, scale, PRECISION)
+        v = _row_values(v_rows, d, valid, d_ok, V_FMT, HEAD_DIM).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
     return m_new, l_i, acc
 
@@ -216,7 +368,7 @@ def _attend_tile(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION: tl.constexpr
 def _attend_range(q, key_cache_ptr, value_cache_ptr, table_ptr, start, end, kv_head, d, d_ok, scale,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   ROWS: tl.constexpr, HD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Online softmax of q [ROWS, HD_PAD] over key positions [start, end) read through a block table:
     (running max, running sum, unnormalised output)."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -225,9 +377,9 @@ def _attend_range(q, key_cache_ptr, value_cache_ptr, table_ptr, start, end, kv_h
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = offs < end
-        k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, table_ptr, offs, valid, kv_head, d, d_ok,
-                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
-        m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, scale, PRECISION)
+        m_i, l_i, acc = _attend_tile(q, key_cache_ptr, value_cache_ptr, table_ptr, offs, valid, valid[None, :],
+                                     kv_head, d, d_ok, m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
+                                     stride_vb, stride_vs, stride_vh, BLOCK_SIZE, PRECISION, K_FMT, V_FMT, HEAD_DIM)
     return m_i, l_i, acc
 
 
@@ -248,6 +400,7 @@ def _decode_split_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, tokens_per_split,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
 ):
     """Program (b, kv head, split) attends its split of the context; with DIRECT (one split) it writes
     the output itself and no merge runs."""
@@ -267,7 +420,8 @@ def _decode_split_kernel(
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
         m_i, l_i, acc = _attend_range(q, key_cache_ptr, value_cache_ptr, block_tables_ptr + b * stride_bt, start, end,
                                       kv_head, d, d_ok, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                                      stride_vh, GROUP_PAD, HD_PAD, BLOCK_N, BLOCK_SIZE, PRECISION)
+                                      stride_vh, GROUP_PAD, HD_PAD, BLOCK_N, BLOCK_SIZE, PRECISION, K_FMT, V_FMT,
+                                      HEAD_DIM)
         out = acc / l_i[:, None]
         if DIRECT:
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -319,7 +473,7 @@ def _prefix_kernel(
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_pt, stride_mg,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, first_slot, width, row_tiles, tokens_per_split,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, GROUP: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
 ):
     """Program (cascade group x row tile, kv head, split) attends ROWS of the group's queries (rows = member
     x query head of this KV head, `width` members at most) to its split of the shared prefix, whose K/V it
@@ -344,7 +498,8 @@ def _prefix_kernel(
         q = tl.load(q_ptr + row[:, None] * stride_qb + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
         m_i, l_i, acc = _attend_range(q, key_cache_ptr, value_cache_ptr, prefix_tables_ptr + grp * stride_pt, start,
                                       end, kv_head, d, d_ok, scale, stride_kb, stride_ks, stride_kh, stride_vb,
-                                      stride_vs, stride_vh, ROWS, HD_PAD, BLOCK_N, BLOCK_SIZE, PRECISION)
+                                      stride_vs, stride_vh, ROWS, HD_PAD, BLOCK_N, BLOCK_SIZE, PRECISION, K_FMT,
+                                      V_FMT, HEAD_DIM)
         out = acc / l_i[:, None]
         slot = first_slot + split
         tl.store(part_out_ptr + row[:, None] * stride_pb + head[:, None] * stride_ph + slot * stride_ps + d[None, :],
@@ -407,8 +562,9 @@ def choose_split(programs: int, max_context_len: int, device: torch.device) -> i
 
 
 def decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
-                     plan: DecodePlan | None = None, tokens_per_split: int | None = None):
-    _check_decode_args(query, key_cache, value_cache, block_tables, context_lens)
+                     plan: DecodePlan | None = None, tokens_per_split: int | None = None,
+                     kv: "KVLayout | None" = None):
+    _check_decode_args(query, key_cache, value_cache, block_tables, context_lens, kv)
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     plan = plan or DecodePlan(max_context_len if max_context_len is not None else int(context_lens.max()))
@@ -428,7 +584,7 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
     if not direct:
         part_lse.fill_(float("-inf"))  # slots no program writes (past a short context) weigh nothing
     meta = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=triton.next_power_of_2(head_dim), GROUP=group,
-                BLOCK_N=tile, PRECISION=_dot_precision(query.dtype))
+                BLOCK_N=tile, PRECISION=_dot_precision(query.dtype), **_formats(kv))
     first_key = cascade.first_key if cascade is not None else plan.no_offsets
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
            query, key_cache, value_cache, block_tables, context_lens, first_key, part_out, part_lse, out, scale,
@@ -439,7 +595,7 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
            DIRECT=direct, **meta)
     if cascade is not None:
         _launch_prefix(query, key_cache, value_cache, cascade, part_out, part_lse, scale, num_splits, prefix_splits,
-                       tokens_per_split, tiles.prefix_rows, meta)
+                       tokens_per_split, tiles.prefix_rows if meta["V_FMT"] < 0 else tiles.prefix_rows // 2, meta)
     if not direct:
         launch(_decode_merge_kernel, (batch, num_heads),
                part_out, part_lse, out,
@@ -448,11 +604,11 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
     return out
 
 
-def _check_decode_args(query, key_cache, value_cache, block_tables, context_lens) -> None:
+def _check_decode_args(query, key_cache, value_cache, block_tables, context_lens, kv=None) -> None:
     _check_cache(key_cache, value_cache)
     batch, num_heads, head_dim = query.shape
-    assert key_cache.shape[3] == head_dim and num_heads % key_cache.shape[2] == 0
-    assert query.stride(-1) == 1 and query.dtype == key_cache.dtype
+    _values_dtype(query, key_cache, kv)
+    assert num_heads % key_cache.shape[2] == 0 and query.stride(-1) == 1
     assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.stride(-1) == 1
     assert context_lens.shape == (batch,) and not block_tables.is_floating_point()
 
@@ -498,7 +654,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HD_PAD: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -523,26 +679,28 @@ def _prefill_kernel(
         for n0 in range(0, key_end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             valid = offs < key_end
-            k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + b * stride_bt, offs, valid,
-                                 kv_head, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 BLOCK_SIZE)
             allowed = valid[None, :] & (offs[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = _attend_tile(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION)
+            m_i, l_i, acc = _attend_tile(q, key_cache_ptr, value_cache_ptr, block_tables_ptr + b * stride_bt, offs,
+                                         valid, allowed, kv_head, d, d_ok, m_i, l_i, acc, scale, stride_kb, stride_ks,
+                                         stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, PRECISION, K_FMT,
+                                         V_FMT, HEAD_DIM)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-                      max_query_len=None, plan=None):
+                      max_query_len=None, plan=None, kv: "KVLayout | None" = None):
     """(`plan`, the chunks that share a cached prefix, is for the torch path; each chunk runs alone here.)"""
     _check_cache(key_cache, value_cache)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     batch = context_lens.shape[0]
     assert query_start_loc.shape == (batch + 1,) and block_tables.shape[0] == batch
-    assert query.stride(-1) == 1 and query.dtype == key_cache.dtype and block_tables.stride(-1) == 1
-    assert num_heads % num_kv_heads == 0 and key_cache.shape[3] == head_dim
+    assert query.stride(-1) == 1 and block_tables.stride(-1) == 1
+    _values_dtype(query, key_cache, kv)
+    assert num_heads % num_kv_heads == 0
+    formats = _formats(kv)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     out = torch.empty_like(query)
@@ -552,8 +710,9 @@ def prefill_attention(query, key_cache, value_cache, block_tables, query_start_l
            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
            out.stride(0), out.stride(1),
            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HD_PAD=triton.next_power_of_2(head_dim),
-           GROUP=num_heads // num_kv_heads, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-           PRECISION=_dot_precision(query.dtype))
+           GROUP=num_heads // num_kv_heads, BLOCK_M=PREFILL_BLOCK_M,
+           BLOCK_N=PREFILL_BLOCK_N if formats["K_FMT"] < 0 else PREFILL_BLOCK_N // 2,  # dequantizing takes registers
+           PRECISION=_dot_precision(query.dtype), **formats)
     return out
 
 
