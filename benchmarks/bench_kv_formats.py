@@ -10,6 +10,9 @@
    engine, LMDB pages dropped from the page cache) and from remote (a fresh engine on a Valkey server on
    loopback): time to first token (median of --trials) and the bytes each restore moved, per format, beside
    recomputing it.
+3. Throughput with int8 KV against fp32 KV: mixed 32 (bench_engine.py's 32 requests of 64-512 prompt tokens and
+   16-128 new, all at once, output tok/s) and the burst (bench_burst.py: 32 conversations on 4 shared ~1,000-token
+   system prompts), the two formats alternated over --rounds, so that a drifting machine weighs on both.
 
 Quality (perplexity, KL, agreement) is bench_quant_quality.py --kv; decode at depth bench_interleaved.py --kv.
 """
@@ -28,6 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_burst import run_engine  # noqa: E402
+from bench_engine import engine_throughput, make_requests  # noqa: E402
 from bench_tiers import drop_page_cache, ids, ttft  # noqa: E402
 
 from tieredkv import AsyncEngine, EngineConfig  # noqa: E402
@@ -100,11 +105,41 @@ async def restore(fmt: str, trials: int, server_url: str, key: Path) -> dict:
     return {"ttft_s": {k: statistics.median(v) for k, v in times.items()}, "bytes_moved": moved}
 
 
+async def throughput(rounds: int) -> dict:
+    """Output tok/s of mixed 32 and of the burst, fp32 KV and int8 KV alternated, every round's."""
+    got: dict[str, list[float]] = {}
+    engines = {fmt: await AsyncEngine.start(EngineConfig(compile_in_background=False, model="default",
+                                                         kv_cache_bytes=1 << 30, max_num_seqs=64, kv_cache_dtype=fmt))
+               for fmt in ("auto", "int8")}
+    try:
+        requests = make_requests(32, engines["auto"].core.spec.vocab_size)
+        out_tokens = sum(n for _, n in requests)
+        for _ in range(rounds):
+            for fmt, engine in engines.items():
+                got.setdefault(f"mixed 32, {fmt}", []).append(out_tokens / await engine_throughput(engine, requests))
+    finally:
+        for engine in engines.values():
+            await engine.close()
+    for _ in range(rounds):
+        for fmt in ("auto", "int8"):
+            got.setdefault(f"burst, {fmt}", []).append((await run_engine(fmt, kv_cache_dtype=fmt))["tok_s"])
+    print("throughput rounds:", {k: [round(x, 1) for x in v] for k, v in got.items()}, flush=True)
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
 async def main(args) -> dict:
     from tieredkv.tools.local_valkey import LocalValkey
 
     out: dict = {"machine": cpu_info().describe(torch.get_num_threads()), "sizes": {}, "restore": {}}
     print(f"machine: {out['machine']}", flush=True)
+    if args.part in ("all", "throughput"):
+        out["throughput"] = t = await throughput(args.rounds)
+        print("\n| workload | fp32 KV tok/s | int8 KV tok/s | int8 / fp32 |\n|---|---|---|---|")
+        for work in ("mixed 32", "burst"):
+            print(f"| {work} | {t[f'{work}, auto']:.1f} | {t[f'{work}, int8']:.1f} | "
+                  f"{t[f'{work}, int8'] / t[f'{work}, auto']:.2f}x |")
+        if args.part == "throughput":
+            return out
     for fmt in FORMATS:
         out["sizes"][fmt] = sizes(fmt)
     print("\n| KV format | bytes/token | block | cold/remote entry | hot tokens | warm tokens | cold tokens (16 GiB) | "
@@ -139,6 +174,8 @@ async def main(args) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds (each format once a round)")
+    parser.add_argument("--part", choices=["all", "throughput", "tiers"], default="all")
     parser.add_argument("--json", type=Path, default=None)
     ns = parser.parse_args()
     result = asyncio.run(main(ns))

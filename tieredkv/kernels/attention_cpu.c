@@ -25,6 +25,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define ATT_AVX2 1
+#if defined(__AVX512F__)
+#define ATT_AVX512 1  /* scores and weighted sums 16 lanes at a time: what rows stored in fewer bytes wait on */
+#endif
 #endif
 
 #include "cpu_kernels.h"
@@ -57,10 +60,33 @@ static inline __m256 hsum8(__m256 a[8]) {
 }
 #endif
 
+#ifdef ATT_AVX512
+/* a's 16 lanes summed pairwise into 8 */
+static inline __m256 fold512(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+#endif
+
 /* s[g][i] = q_g . k_i for the G query rows q_g = qs + g * D and the n rows k_i = k + i * stride */
 static void scores(const float *qs, int64_t G, const float *k, int64_t stride, int64_t n, int64_t D,
                    float s[][ATT_CHUNK]) {
     int64_t i0 = 0;
+#ifdef ATT_AVX512
+    if (D % 16 == 0)
+        for (; i0 + 8 <= n; i0 += 8)  /* eight rows a pass, 16 lanes each, their sums reduced together */
+            for (int64_t g = 0; g < G; g++) {
+                __m512 a[8];
+                __m256 h[8];
+                for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 16) {
+                    const __m512 qv = _mm512_loadu_ps(qs + g * D + d);
+                    for (int j = 0; j < 8; j++)
+                        a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (i0 + j) * stride + d), a[j]);
+                }
+                for (int j = 0; j < 8; j++) h[j] = fold512(a[j]);
+                _mm256_storeu_ps(s[g] + i0, hsum8(h));
+            }
+#endif
 #ifdef ATT_AVX2
     if (D % 8 == 0)
         for (; i0 + 8 <= n; i0 += 8)  /* eight rows a pass, their sums reduced together */
@@ -84,6 +110,24 @@ static void weigh(float p[][ATT_CHUNK], int64_t G, const float *v, int64_t strid
     for (int64_t g = 0; g < G; g++) {
         float *a = acc + g * (D + 2) + 2;
         int64_t d = 0;
+#ifdef ATT_AVX512
+        for (; d + 64 <= D; d += 64) {  /* 64 outputs in registers over the rows */
+            __m512 a0 = _mm512_loadu_ps(a + d), a1 = _mm512_loadu_ps(a + d + 16);
+            __m512 a2 = _mm512_loadu_ps(a + d + 32), a3 = _mm512_loadu_ps(a + d + 48);
+            for (int64_t i = 0; i < n; i++) {
+                const __m512 w = _mm512_set1_ps(p[g][i]);
+                const float *vi = v + i * stride + d;
+                a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vi), a0);
+                a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vi + 16), a1);
+                a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vi + 32), a2);
+                a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vi + 48), a3);
+            }
+            _mm512_storeu_ps(a + d, a0);
+            _mm512_storeu_ps(a + d + 16, a1);
+            _mm512_storeu_ps(a + d + 32, a2);
+            _mm512_storeu_ps(a + d + 48, a3);
+        }
+#endif
 #ifdef ATT_AVX2
         for (; d + 32 <= D; d += 32) {  /* 32 outputs in registers over the rows */
             __m256 a0 = _mm256_loadu_ps(a + d), a1 = _mm256_loadu_ps(a + d + 8);

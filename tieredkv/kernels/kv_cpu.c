@@ -12,6 +12,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KV_AVX2 1
+#if defined(__AVX512F__)
+#define KV_AVX512 1
+#endif
 #endif
 
 int tkv_kv_format_known(int fmt) {
@@ -36,6 +39,12 @@ static inline uint16_t load16(const uint8_t *p) {
 
 static void bf16_row(const uint8_t *src, int64_t D, float *dst) {
     int64_t d = 0;
+#ifdef KV_AVX512
+    for (; d + 16 <= D; d += 16) {
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 2 * d)));
+        _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+#endif
 #ifdef KV_AVX2
     for (; d + 8 <= D; d += 8) {
         const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 2 * d)));
@@ -50,6 +59,10 @@ static void bf16_row(const uint8_t *src, int64_t D, float *dst) {
 
 static void f16_row(const uint8_t *src, int64_t D, float *dst) {
     int64_t d = 0;
+#ifdef KV_AVX512
+    for (; d + 16 <= D; d += 16)
+        _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * d))));
+#endif
 #ifdef KV_AVX2
     for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * d))));
 #endif
@@ -59,6 +72,13 @@ static void f16_row(const uint8_t *src, int64_t D, float *dst) {
 static void i8_row(const uint8_t *src, int64_t D, float *dst) {
     const float s = tkv_h2f(load16(src + D));
     int64_t d = 0;
+#ifdef KV_AVX512
+    const __m512 ws = _mm512_set1_ps(s);
+    for (; d + 16 <= D; d += 16) {
+        const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + d)));
+        _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(c), ws));
+    }
+#endif
 #ifdef KV_AVX2
     const __m256 vs = _mm256_set1_ps(s);
     for (; d + 8 <= D; d += 8) {
@@ -73,6 +93,15 @@ static void i4_row(const uint8_t *src, int64_t D, float *dst) {
     const int64_t half = D / 2;
     const float s = tkv_h2f(load16(src + half)), m = tkv_h2f(load16(src + half + 2));
     int64_t j = 0;
+#ifdef KV_AVX512
+    const __m512 ws = _mm512_set1_ps(s), wm = _mm512_set1_ps(m);
+    const __m512i low16 = _mm512_set1_epi32(15);
+    for (; j + 16 <= half; j += 16) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
+        _mm512_storeu_ps(dst + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low16)), ws, wm));
+        _mm512_storeu_ps(dst + half + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), ws, wm));
+    }
+#endif
 #ifdef KV_AVX2
     const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
     const __m256i low = _mm256_set1_epi32(15);
