@@ -17,7 +17,7 @@ from tieredkv.kernels.decode_attention import (
     paged_decode_usable,
     plan_decode,
 )
-from tieredkv.kernels.kv_format import FORMATS, KVLayout
+from tieredkv.kernels.kv_format import FORMATS, KVLayout, hadamard, rotates
 
 
 def paged(*args):
@@ -150,11 +150,13 @@ def stored(kc, vc, kv: KVLayout):
 
 
 @pytest.mark.parametrize("k,v", KV_PAIRS)
-def test_kernel_reads_every_kv_format_where_it_lies(lib, k, v):
+@pytest.mark.parametrize("d", [64, 48])  # 48: int4 in one group a row, unturned
+def test_kernel_reads_every_kv_format_where_it_lies(lib, k, v, d):
     # each format against attention over the values its rows stand for: the kernel dequantizes a chunk at a time
-    # as it reads, and gives what attention over the dequantized cache gives
-    q, kc, vc, tables, ctx = paged_batch([70, 9, 33, 1], d=64, pad=0)
-    kv = KVLayout.resolve(k, v, 64, torch.float32)
+    # as it reads (int4 rows turned: it turns the query, and the output back), and gives what attention over the
+    # dequantized cache gives
+    q, kc, vc, tables, ctx = paged_batch([70, 9, 33, 1], d=d, pad=0)
+    kv = KVLayout.resolve(k, v, d, torch.float32)
     kr, vr, kd, vd = stored(kc, vc, kv)
     assert kr.dtype == (torch.uint8 if kv.storage_dtype == torch.uint8 else FORMATS[k].float_dtype)
     want = expected(q, kd, vd, tables, ctx, 0.2)
@@ -174,22 +176,26 @@ def test_kernel_reads_every_kv_format_where_it_lies(lib, k, v):
 
 
 def test_kv_rows_written_in_c_are_the_torch_store_bit_for_bit(lib):
-    # the native step writes its K/V rows with tkv_kv_store: the same bytes as kv_format's encode, so a block is
-    # the same whichever path computed it; tkv_kv_rows reads them back as kv_format's decode does
+    # the native step writes its K/V rows with tkv_kv_store: the same bytes as kv_format's encode (int4's turn
+    # included), so a block is the same whichever path computed it; tkv_kv_rows reads them back as kv_format's
+    # decode does
     from tieredkv.kernels.quant_cpu import CPU
 
     g = torch.Generator().manual_seed(1)
-    rows = [torch.randn(64, generator=g) * 10.0 ** e for e in range(-6, 5)]
-    rows += [torch.zeros(64), -torch.zeros(64), torch.full((64,), 3.5), torch.linspace(-1, 1, 64) * 60000]
-    for fmt in (f for f in FORMATS.values() if f.code <= 4):
-        for x in rows:
-            want = fmt.encode(x)
-            got = torch.zeros(fmt.row_bytes(64), dtype=torch.uint8)
-            CPU.lib.tkv_kv_store(x.data_ptr(), fmt.code, 64, got.data_ptr())
-            assert torch.equal(got, want), (fmt.name, x[:4])
-            back = torch.empty(64)
-            CPU.lib.tkv_kv_rows(got.data_ptr(), fmt.code, fmt.row_bytes(64), 1, 64, back.data_ptr())
-            assert torch.equal(back, fmt.decode(got, 64, torch.float32)), fmt.name
+    for d in (64, 128, 48):
+        rows = [torch.randn(d, generator=g) * 10.0 ** e for e in range(-6, 5)]
+        rows += [torch.zeros(d), -torch.zeros(d), torch.full((d,), 3.5), torch.linspace(-1, 1, d) * 60000]
+        for fmt in (f for f in FORMATS.values() if f.code <= 4):
+            for x in rows:
+                want = fmt.encode(x)
+                got = torch.zeros(fmt.row_bytes(d), dtype=torch.uint8)
+                CPU.lib.tkv_kv_store(x.data_ptr(), fmt.code, d, got.data_ptr())
+                assert torch.equal(got, want), (fmt.name, d, x[:4])
+                back = torch.empty(d)
+                CPU.lib.tkv_kv_rows(got.data_ptr(), fmt.code, fmt.row_bytes(d), 1, d, back.data_ptr())
+                if rotates(fmt, d):  # int4 rows are read turned (attention turns the query instead)
+                    back = hadamard(back)
+                assert torch.equal(back, fmt.decode(got, d, torch.float32)), (fmt.name, d)
 
 
 def test_where_the_kernel_does_not_serve_torch_does(lib, monkeypatch):

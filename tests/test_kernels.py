@@ -138,11 +138,12 @@ def stored_cache(num_blocks, block_size, kv_heads, head_dim, kv: KVLayout, seed=
 
 
 @pytest.mark.parametrize("k,v", KV_PAIRS)
-def test_store_kernel_writes_each_kv_format_as_the_reference(k, v):
+@pytest.mark.parametrize("head_dim", [64, 96])  # 96: int4's groups of 32, unturned (not a power of two)
+def test_store_kernel_writes_each_kv_format_as_the_reference(k, v, head_dim):
     # the quantizing store writes the reference's bytes: codes from the fp16-rounded scale, ties to even
-    kv = KVLayout.resolve(k, v, 64, torch.float32)
+    kv = KVLayout.resolve(k, v, head_dim, torch.float32)
     g = torch.Generator().manual_seed(3)
-    key, value = torch.randn(2, 40, 2, 64, generator=g).to(DEVICE) * torch.logspace(-2, 2, 40)[:, None, None]
+    key, value = torch.randn(2, 40, 2, head_dim, generator=g).to(DEVICE) * torch.logspace(-2, 2, 40)[:, None, None]
     slots = torch.randperm(6 * 16, generator=g)[:40].to(DEVICE)
     slots[5] = -1  # padding: not stored
     ref = torch.zeros(2, 6, 16, 2, kv.row, dtype=kv.storage_dtype, device=DEVICE)

@@ -266,12 +266,33 @@ static void att_item(const float *q, const uint8_t *kc, const uint8_t *vc, int f
     }
 }
 
+/* The floats attention_share's `parts` takes: S splits' partial results of B sequences' Hq heads, then the
+ * queries turned where K's rows are (tkv_kv_rotates) */
+static int64_t parts_floats(int64_t B, int64_t S, int64_t Hq, int64_t D) {
+    return B * S * Hq * (D + 2) + B * Hq * D;
+}
+
+int64_t tkv_attention_parts(int64_t splits, int64_t Hq, int64_t D) {
+    return parts_floats(1, splits, Hq, D);
+}
+
 /* The work of tkv_paged_decode as worksharing loops (every thread of the enclosing region calls it): each
- * sequence's positions in S splits, their partial results in parts [B * S * Hq * (D + 2)], then merged */
+ * sequence's positions in S splits, their partial results in parts (parts_floats), then merged. Where K's rows
+ * are stored turned (int4), the queries are turned the same way first (q . k is unchanged), and where V's
+ * are, each output is turned back. */
 static void attention_share(const float *q, int64_t B, int64_t Hq, int64_t D, const void *kc, const void *vc,
                             int fmt, int64_t rb, int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts,
                             const int32_t *lens, float scale, int64_t S, float *parts, float *out) {
     const int64_t G = Hq / Hkv, items = B * S, G2 = D + 2;
+    if (tkv_kv_rotates(fmt & 15, D)) {
+        float *turned = parts + B * S * Hq * G2;
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * Hq; bh++) {
+            memcpy(turned + bh * D, q + bh * D, D * sizeof(float));
+            tkv_hadamard(turned + bh * D, D);
+        }
+        q = turned;
+    }
     #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
         const int64_t b = it / S, sp = it % S, len = lens[b];
@@ -298,6 +319,7 @@ static void attention_share(const float *q, int64_t B, int64_t Hq, int64_t D, co
         }
         const float inv = 1.f / l;
         for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        if (tkv_kv_rotates(fmt >> 4, D)) tkv_hadamard(o, D);
     }
 }
 
@@ -320,13 +342,13 @@ static int threads_now(void) {
 int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt,
                      int64_t rb, int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts, const int32_t *lens,
                      float scale, float *out) {
-    if (B <= 0 || !tkv_attention_fits(Hq, D, bs, Hkv) || !tkv_kv_format_known(fmt & 15) ||
-        !tkv_kv_format_known(fmt >> 4))
+    if (B <= 0 || !tkv_attention_fits(Hq, D, bs, Hkv) || !tkv_kv_row_bytes(fmt & 15, D) ||
+        !tkv_kv_row_bytes(fmt >> 4, D))
         return -1;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
     const int64_t S = att_splits(B, longest, threads_now());
-    float *parts = (float *)tkv_scratch((size_t)(B * S * Hq * (D + 2)) * sizeof(float));
+    float *parts = (float *)tkv_scratch((size_t)parts_floats(B, S, Hq, D) * sizeof(float));
     if (!parts) return -1;
     #pragma omp parallel
     attention_share(q, B, Hq, D, kc, vc, fmt, rb, bs, Hkv, tables, ts, lens, scale, S, parts, out);

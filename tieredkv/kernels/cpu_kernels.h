@@ -86,11 +86,16 @@ static inline uint16_t tkv_f2h(float f) {
 }
 
 /* The KV cache's formats (kernels/kv_format.py: KVFormat.code). A row is one token's D values of one KV head:
- * fp32, bf16, fp16 values; int8: D codes, then an fp16 scale; int4: D / 2 bytes (byte j: value j in its low
- * nibble, value j + D/2 in its high one), then an fp16 scale and an fp16 offset (kv_cpu.c). */
+ * fp32, bf16, fp16 values; int8: D codes, then an fp16 scale; int4: the row turned (tkv_kv_rotates), then D / 2
+ * bytes (byte j: value j in its low nibble, value j + D/2 in its high one) and an fp16 scale per group of 32
+ * values, x = (code - 8) * scale (kv_cpu.c). */
 enum { TKV_KV_F32 = 0, TKV_KV_BF16 = 1, TKV_KV_F16 = 2, TKV_KV_I8 = 3, TKV_KV_I4 = 4 };
-int tkv_kv_format_known(int fmt);
 int64_t tkv_kv_row_bytes(int fmt, int64_t D);  /* a row's bytes in format fmt, 0 where it cannot hold D values */
+#define TKV_KV_MAX_D 256                          /* the longest row the store takes (attention's ATT_MAX_D) */
+/* Whether format fmt stores rows of D values turned by the orthonormal Walsh-Hadamard transform (int4, D a power
+ * of two), and the transform itself, in place (its own inverse; the same bits as kv_format.py's hadamard) */
+int tkv_kv_rotates(int fmt, int64_t D);
+void tkv_hadamard(float *x, int64_t D);
 /* n stored rows (row i at src + i * stride bytes) as fp32 rows D apart in dst */
 void tkv_kv_rows(const uint8_t *src, int fmt, int64_t stride, int64_t n, int64_t D, float *dst);
 /* one row of D values stored in format fmt at dst, as kv_format.py's encode writes it, bit for bit */
@@ -98,11 +103,12 @@ void tkv_kv_store(const float *x, int fmt, int64_t D, uint8_t *dst);
 
 /* Decode attention for one sequence inside a parallel region (attention_cpu.c: tkv_paged_decode's work):
  * tkv_attention_splits says how many items its positions are split into (the same for every layer of a
- * step), tkv_attention_share runs them, every thread calling it; `parts` holds splits * Hq * (D + 2) floats.
+ * step), tkv_attention_share runs them, every thread calling it; `parts` holds tkv_attention_parts floats.
  * tkv_attention_fits: 0 for heads the kernel does not take (Hq not a multiple of Hkv, too many query heads a KV
  * head, too large a head). */
 int tkv_attention_fits(int64_t Hq, int64_t D, int64_t bs, int64_t Hkv);
 int64_t tkv_attention_splits(int64_t len, int threads);
+int64_t tkv_attention_parts(int64_t splits, int64_t Hq, int64_t D);  /* the floats `parts` holds */
 /* kc, vc: the caches' bytes, rows of rb bytes (kv_heads rows a token); fmt: K's format | V's format << 4 */
 void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt, int64_t rb,
                          int64_t bs, int64_t Hkv, const int32_t *table, int32_t len, float scale, int64_t splits,

@@ -164,7 +164,7 @@ int tkv_decode_step(const tkv_model *m, int64_t token, int64_t pos, int64_t slot
         for (int i = 0; i < 4; i++) prep_bytes = b[i] > prep_bytes ? b[i] : prep_bytes;
     }
     /* after the prepared activations: x, h, qkv, att, o, gate_up, act, down, cos, sin, attention's partial results */
-    const size_t sizes[11] = {H, H, qn + 2 * kn, qn, H, 2 * I, I, H, D / 2, D / 2, (size_t)(splits * Hq * (D + 2))};
+    const size_t sizes[11] = {H, H, qn + 2 * kn, qn, H, 2 * I, I, H, D / 2, D / 2, (size_t)tkv_attention_parts(splits, Hq, D)};
     size_t total = lines64(prep_bytes), at[11];
     for (int i = 0; i < 11; i++) {
         at[i] = total;

@@ -17,8 +17,9 @@
 #endif
 #endif
 
-int tkv_kv_format_known(int fmt) {
-    return fmt >= TKV_KV_F32 && fmt <= TKV_KV_I4;
+/* Values one int4 scale covers: 32, or the whole row where 32 does not divide D (kv_format.py: int4_group) */
+static inline int64_t i4_group(int64_t D) {
+    return D % 32 == 0 ? 32 : D;
 }
 
 int64_t tkv_kv_row_bytes(int fmt, int64_t D) {
@@ -26,9 +27,25 @@ int64_t tkv_kv_row_bytes(int fmt, int64_t D) {
     case TKV_KV_F32: return 4 * D;
     case TKV_KV_BF16: case TKV_KV_F16: return 2 * D;
     case TKV_KV_I8: return D + 2;
-    case TKV_KV_I4: return D % 4 == 0 ? D / 2 + 4 : 0;
+    case TKV_KV_I4: return D % 4 == 0 ? D / 2 + 2 * (D / i4_group(D)) : 0;
     default: return 0;
     }
+}
+
+int tkv_kv_rotates(int fmt, int64_t D) {
+    return fmt == TKV_KV_I4 && D > 0 && (D & (D - 1)) == 0;
+}
+
+void tkv_hadamard(float *x, int64_t D) {
+    for (int64_t h = 1; h < D; h *= 2)
+        for (int64_t i = 0; i < D; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    const float scale = (float)(1.0 / sqrt((double)D));
+    for (int64_t d = 0; d < D; d++) x[d] *= scale;
 }
 
 static inline uint16_t load16(const uint8_t *p) {
@@ -89,33 +106,39 @@ static void i8_row(const uint8_t *src, int64_t D, float *dst) {
     for (; d < D; d++) dst[d] = (float)(int8_t)src[d] * s;
 }
 
+/* An int4 row, still turned (attention turns the query instead): (code - 8) * the scale of the code's group */
 static void i4_row(const uint8_t *src, int64_t D, float *dst) {
-    const int64_t half = D / 2;
-    const float s = tkv_h2f(load16(src + half)), m = tkv_h2f(load16(src + half + 2));
+    const int64_t half = D / 2, g = i4_group(D);
     int64_t j = 0;
 #ifdef KV_AVX512
-    const __m512 ws = _mm512_set1_ps(s), wm = _mm512_set1_ps(m);
-    const __m512i low16 = _mm512_set1_epi32(15);
-    for (; j + 16 <= half; j += 16) {
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
-        _mm512_storeu_ps(dst + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low16)), ws, wm));
-        _mm512_storeu_ps(dst + half + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), ws, wm));
-    }
+    const __m512i low16 = _mm512_set1_epi32(15), eight16 = _mm512_set1_epi32(8);
+    if (g % 16 == 0)
+        for (; j + 16 <= half; j += 16) {  /* 16 values of one group in each half */
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
+            const __m512 lo = _mm512_set1_ps(tkv_h2f(load16(src + half + 2 * (j / g))));
+            const __m512 hi = _mm512_set1_ps(tkv_h2f(load16(src + half + 2 * ((half + j) / g))));
+            _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, low16),
+                                                                                         eight16)), lo));
+            _mm512_storeu_ps(dst + half + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+                _mm512_srli_epi32(b, 4), eight16)), hi));
+        }
 #endif
 #ifdef KV_AVX2
-    const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
-    const __m256i low = _mm256_set1_epi32(15);
-    for (; j + 8 <= half; j += 8) {
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + j)));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-        _mm256_storeu_ps(dst + j, _mm256_fmadd_ps(lo, vs, vm));
-        _mm256_storeu_ps(dst + half + j, _mm256_fmadd_ps(hi, vs, vm));
-    }
+    const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    if (g % 8 == 0)
+        for (; j + 8 <= half; j += 8) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + j)));
+            const __m256 lo = _mm256_set1_ps(tkv_h2f(load16(src + half + 2 * (j / g))));
+            const __m256 hi = _mm256_set1_ps(tkv_h2f(load16(src + half + 2 * ((half + j) / g))));
+            _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low),
+                                                                                         eight)), lo));
+            _mm256_storeu_ps(dst + half + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(
+                _mm256_srli_epi32(b, 4), eight)), hi));
+        }
 #endif
     for (; j < half; j++) {
-        dst[j] = (float)(src[j] & 15) * s + m;
-        dst[half + j] = (float)(src[j] >> 4) * s + m;
+        dst[j] = (float)((src[j] & 15) - 8) * tkv_h2f(load16(src + half + 2 * (j / g)));
+        dst[half + j] = (float)((src[j] >> 4) - 8) * tkv_h2f(load16(src + half + 2 * ((half + j) / g)));
     }
 }
 
@@ -159,23 +182,25 @@ void tkv_kv_store(const float *x, int fmt, int64_t D, uint8_t *dst) {
             dst[d] = (uint8_t)(int8_t)c;
         }
         store16(dst + D, h);
-    } else {
-        const int64_t half = D / 2;
-        float lo = x[0], hi = x[0];
-        for (int64_t d = 1; d < D; d++) {
-            lo = x[d] < lo ? x[d] : lo;
-            hi = x[d] > hi ? x[d] : hi;
+    } else {  /* int4: turned where D is a power of two, then GGUF's Q4_0 in groups of i4_group(D) */
+        const int64_t half = D / 2, g = i4_group(D);
+        float t[TKV_KV_MAX_D];
+        if (D > TKV_KV_MAX_D) return;
+        memcpy(t, x, D * sizeof(float));
+        if (tkv_kv_rotates(fmt, D)) tkv_hadamard(t, D);
+        uint8_t codes[TKV_KV_MAX_D];
+        for (int64_t g0 = 0; g0 < D; g0 += g) {
+            float extreme = t[g0], top = fabsf(t[g0]);  /* the first value of most magnitude, with its sign */
+            for (int64_t d = g0 + 1; d < g0 + g; d++)
+                if (fabsf(t[d]) > top) top = fabsf(t[d]), extreme = t[d];
+            const uint16_t h = tkv_f2h(extreme / -8.f + 0.f);
+            const float s = tkv_h2f(h), inv = s != 0.f ? 1.f / s : 0.f;
+            for (int64_t d = g0; d < g0 + g; d++) {
+                float c = nearbyintf(t[d] * inv) + 8.f;
+                codes[d] = (uint8_t)(c > 15.f ? 15.f : (c < 0.f ? 0.f : c));
+            }
+            store16(dst + half + 2 * (g0 / g), h);
         }
-        lo += 0.f;  /* -0.0 stored as 0.0 (offset and scale), as the torch store does */
-        const uint16_t hs = tkv_f2h((hi - lo) / 15.f + 0.f), hm = tkv_f2h(lo);
-        const float s = tkv_h2f(hs), m = tkv_h2f(hm), inv = s != 0.f ? 1.f / s : 0.f;
-        for (int64_t j = 0; j < half; j++) {
-            float a = nearbyintf((x[j] - m) * inv), b = nearbyintf((x[half + j] - m) * inv);
-            a = a > 15.f ? 15.f : (a < 0.f ? 0.f : a);
-            b = b > 15.f ? 15.f : (b < 0.f ? 0.f : b);
-            dst[j] = (uint8_t)((int)a | ((int)b << 4));
-        }
-        store16(dst + half, hs);
-        store16(dst + half + 2, hm);
+        for (int64_t j = 0; j < half; j++) dst[j] = (uint8_t)(codes[j] | (codes[half + j] << 4));
     }
 }

@@ -4,11 +4,17 @@ A format turns one token's head_dim values of one KV head (a *row*) into bytes a
 
     float32, bfloat16, float16   the values themselves at that width (16-bit storage under fp32 compute)
     int8                          head_dim int8 codes, then one fp16 scale: x ~ code * scale (q8_0's idea)
-    int4                          head_dim 4-bit codes (byte j: value j low, value j + head_dim/2 high), then
-                                  fp16 scale and fp16 offset: x ~ code * scale + offset (q4_1's idea)
+    int4                          the row turned by an orthonormal Walsh-Hadamard transform (a power-of-two
+                                  head_dim), then head_dim 4-bit codes (byte j: value j low, value j +
+                                  head_dim/2 high) and an fp16 scale per 32 values: x ~ (code - 8) * d,
+                                  GGUF's Q4_0 on the turned values
     fp8                           head_dim e4m3 codes, then one fp16 scale (CUDA)
 
-so the group that shares a scale is a row: head_dim values of one token and one KV head. The cache tensor keeps
+so the group that shares a scale is a row of head_dim values of one token and one KV head (int4: 32 of them). The
+turn spreads the few channels of large magnitude that keys carry over every value of the row, which 4 bits need:
+on the default model int4 rows cost +19.8% perplexity unturned in one group of 64 with an offset, +19.4% unturned
+in groups of 32, and +6.5% turned in groups of 32 (benchmarks/bench_quant_quality.py --kv); attention reads turned
+rows by turning the query the same way (q . k is unchanged) and the output back. The cache tensor keeps
 its layout [layers, 2, blocks, block_size, kv_heads, row]; what changes is the row's element type and width. When
 both sides store floats of one width the tensor has that dtype and row = head_dim (no bytes to reinterpret);
 otherwise it is uint8 and row = the wider side's bytes (a K/V pair of different widths pads the narrower side; on
@@ -34,6 +40,35 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_CAPABILITY = (8, 9)  # Ada: the first compute capability that converts to and from e4m3
 
 
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (D a power of two) times the orthonormal Walsh-Hadamard matrix along the last dimension, in fp32:
+    log2(D) stages of butterflies (a + b, a - b over pairs h apart), then a product by 1 / sqrt(D), in the order of
+    kv_cpu.c's tkv_hadamard, so that both give the same bits. Its own inverse."""
+    d = x.shape[-1]
+    y = x.float().reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * rotation_scale(d)).reshape(x.shape)
+
+
+def rotation_scale(d: int) -> float:
+    """1 / sqrt(d) as the fp32 the C kernels multiply by."""
+    return float(torch.tensor(1.0 / d ** 0.5, dtype=torch.float32))
+
+
+def int4_group(head_dim: int) -> int:
+    """Values an int4 scale covers: 32 (as GGUF's Q4_0), or the whole row where 32 does not divide head_dim."""
+    return 32 if head_dim % 32 == 0 else head_dim
+
+
+def rotates(fmt: "KVFormat", head_dim: int) -> bool:
+    """True where a format's rows are stored rotated: int4 with a power-of-two head_dim (kv_format's int4)."""
+    return fmt.name == "int4" and head_dim & (head_dim - 1) == 0
+
+
 @dataclass(frozen=True)
 class KVFormat:
     """One side's storage: `name` (EngineConfig.kv_cache_dtype's), `code` (the C kernels' enum, attention_cpu.c:
@@ -46,6 +81,8 @@ class KVFormat:
     float_dtype: torch.dtype | None  # the torch dtype of a float format; None for codes with a scale
 
     def row_bytes(self, head_dim: int) -> int:
+        if self.name == "int4":
+            return head_dim // 2 + 2 * (head_dim // int4_group(head_dim))
         return head_dim * self.bits // 8 + self.extra_bytes
 
     @property
@@ -69,16 +106,18 @@ class KVFormat:
         """[..., D] values -> [..., row_bytes(D)] uint8 (for float formats, the values' own bytes)."""
         if self.float_dtype is not None:
             return x.to(self.float_dtype).contiguous().view(torch.uint8)
-        x = x.float()
-        if self.name == "int4":
-            lo, hi = x.amin(-1, keepdim=True) + 0.0, x.amax(-1, keepdim=True)  # + 0.0: -0.0 stored as 0.0
-            scale = ((hi - lo) / INT4_MAX + 0.0).half()
-            offset = lo.half()
-            inv = torch.where(scale != 0, 1.0 / scale.float(), torch.zeros_like(lo))
-            codes = torch.round((x - offset.float()) * inv).clamp_(0, INT4_MAX).to(torch.uint8)
-            half = codes.shape[-1] // 2
+        x = hadamard(x) if rotates(self, x.shape[-1]) else x.float()
+        if self.name == "int4":  # groups of int4_group(D) values, symmetric, as GGUF's Q4_0: x ~ (code - 8) * d
+            d_len = x.shape[-1]
+            g = int4_group(d_len)
+            groups = x.reshape(*x.shape[:-1], d_len // g, g)
+            extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))  # the signed value of most magnitude
+            scale = (extreme / -8.0 + 0.0).half()
+            inv = torch.where(scale != 0, 1.0 / scale.float(), torch.zeros_like(extreme))
+            codes = (torch.round(groups * inv) + 8.0).clamp_(0, INT4_MAX).to(torch.uint8).reshape(x.shape)
+            half = d_len // 2
             packed = codes[..., :half] | (codes[..., half:] << 4)
-            return torch.cat((packed, scale.view(torch.uint8), offset.view(torch.uint8)), dim=-1)
+            return torch.cat((packed, scale.reshape(*x.shape[:-1], -1).view(torch.uint8)), dim=-1)
         top = INT8_MAX if self.name == "int8" else FP8_MAX
         scale = (x.abs().amax(-1, keepdim=True) / top).half()
         inv = torch.where(scale != 0, 1.0 / scale.float(), torch.zeros_like(x[..., :1]))
@@ -93,12 +132,12 @@ class KVFormat:
         if self.float_dtype is not None:
             return _reinterpret(rows[..., : self.row_bytes(head_dim)], self.float_dtype).to(dtype)
         if self.name == "int4":
-            half = head_dim // 2
+            half, g = head_dim // 2, int4_group(head_dim)
             packed = rows[..., :half]
-            codes = torch.cat((packed & 15, packed >> 4), dim=-1).to(torch.float32)
-            scale = _reinterpret(rows[..., half : half + 2], torch.float16).float()
-            offset = _reinterpret(rows[..., half + 2 : half + 4], torch.float16).float()
-            return (codes * scale + offset).to(dtype)
+            codes = torch.cat((packed & 15, packed >> 4), dim=-1).to(torch.float32) - 8.0
+            scales = _reinterpret(rows[..., half : half + 2 * head_dim // g], torch.float16).float()
+            values = (codes.reshape(*codes.shape[:-1], head_dim // g, g) * scales[..., None]).reshape(codes.shape)
+            return (hadamard(values) if rotates(self, head_dim) else values).to(dtype)
         codes = _reinterpret(rows[..., :head_dim], torch.int8 if self.name == "int8" else torch.float8_e4m3fn)
         scale = _reinterpret(rows[..., head_dim : head_dim + 2], torch.float16).float()
         return (codes.float() * scale).to(dtype)
@@ -117,7 +156,7 @@ FORMATS = {f.name: f for f in (
     KVFormat("bfloat16", 1, 16, 0, torch.bfloat16),
     KVFormat("float16", 2, 16, 0, torch.float16),
     KVFormat("int8", 3, 8, 2, None),
-    KVFormat("int4", 4, 4, 4, None),
+    KVFormat("int4", 4, 4, 0, None),  # its scales: int4_group
     KVFormat("fp8", 5, 8, 2, None),
 )}
 # On CUDA a row of bytes starts on a 16-byte boundary: the Triton kernels' loads of codes are then vectorized.

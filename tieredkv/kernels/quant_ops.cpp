@@ -86,7 +86,7 @@ int64_t row_bytes(int64_t fmt, int64_t D) {
     case 0: return 4 * D;
     case 1: case 2: return 2 * D;
     case 3: return D + 2;
-    case 4: return D % 4 == 0 ? D / 2 + 4 : 0;
+    case 4: return D % 4 == 0 ? D / 2 + 2 * (D % 32 == 0 ? D / 32 : 1) : 0;  // kv_cpu.c: tkv_kv_row_bytes
     default: return 0;
     }
 }

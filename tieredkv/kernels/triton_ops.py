@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from tieredkv.kernels.kernel_ops import KernelOps
+from tieredkv.kernels.kv_format import hadamard, rotates
 
 if TYPE_CHECKING:
     from tieredkv.kernels.kv_format import KVLayout
@@ -147,6 +148,12 @@ def _formats(kv: "KVLayout | None") -> dict:
     return dict(K_FMT=kv.k.code, V_FMT=kv.v.code)
 
 
+def _turned(x: torch.Tensor, fmt, head_dim: int) -> torch.Tensor:
+    """x turned (kv_format.hadamard, in x's dtype, contiguous) where rows in `fmt` are stored turned, else x: what
+    the store quantizes, the query that meets turned keys, and the output of turned values turned back."""
+    return hadamard(x).to(x.dtype) if rotates(fmt, head_dim) else x
+
+
 def _values_dtype(query: torch.Tensor, key_cache: torch.Tensor, kv: "KVLayout | None") -> None:
     """The cache's rows hold the query's values: its own dtype, or rows in kv's formats for that dtype."""
     if kv is None:
@@ -172,13 +179,14 @@ def _row_values(rows, d, valid, d_ok, FMT: tl.constexpr, HEAD_DIM: tl.constexpr)
     elif FMT == 2:
         out = tl.load(rows.to(tl.pointer_type(tl.float16))[:, None] + d[None, :], mask=mask, other=0.0)
         out = out.to(tl.float32)
-    elif FMT == 4:
+    elif FMT == 4:  # turned values (the wrappers turn the query and the output): (code - 8) * its group's scale
         half: tl.constexpr = HEAD_DIM // 2
+        group: tl.constexpr = 32 if HEAD_DIM % 32 == 0 else HEAD_DIM
         byte = tl.load(rows[:, None] + (d % half)[None, :], mask=mask, other=0)
-        code = tl.where(d[None, :] < half, byte & 15, byte >> 4).to(tl.float32)
-        scale = tl.load((rows + half).to(tl.pointer_type(tl.float16)), mask=valid, other=0.0).to(tl.float32)
-        offset = tl.load((rows + half + 2).to(tl.pointer_type(tl.float16)), mask=valid, other=0.0).to(tl.float32)
-        out = tl.where(mask, code * scale[:, None] + offset[:, None], 0.0)
+        code = (tl.where(d[None, :] < half, byte & 15, byte >> 4).to(tl.int32) - 8).to(tl.float32)
+        scale = tl.load((rows[:, None] + half + 2 * (d // group)[None, :]).to(tl.pointer_type(tl.float16)),
+                        mask=mask, other=0.0).to(tl.float32)
+        out = code * scale
     else:
         raw = tl.load(rows[:, None] + d[None, :], mask=mask, other=0)
         if FMT == 3:
@@ -226,24 +234,33 @@ def _store_row(src, dst, FMT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl
                HD_PAD: tl.constexpr):
     """One row of HEAD_DIM values at `src` stored at byte pointer `dst` in format FMT, as kv_format.py's encode
     writes it (the scale rounded to fp16 first, the codes from the rounded scale)."""
-    if FMT == 4:
+    if FMT == 4:  # the row comes turned (store_kv turns it): GGUF's Q4_0 in groups of 32 (or the whole row)
         half: tl.constexpr = HEAD_DIM // 2
+        group: tl.constexpr = 32 if HEAD_DIM % 32 == 0 else HEAD_DIM
         j = tl.arange(0, HALF_PAD)
         ok = j < half
         lo_x = tl.load(src + j, mask=ok, other=0.0).to(tl.float32)
         hi_x = tl.load(src + half + j, mask=ok, other=0.0).to(tl.float32)
-        lo = tl.minimum(tl.min(tl.where(ok, lo_x, float("inf")), 0), tl.min(tl.where(ok, hi_x, float("inf")), 0))
-        hi = tl.maximum(tl.max(tl.where(ok, lo_x, float("-inf")), 0), tl.max(tl.where(ok, hi_x, float("-inf")), 0))
-        lo = lo + 0.0
-        scale16 = ((hi - lo) / 15.0 + 0.0).to(tl.float16)
-        offset16 = lo.to(tl.float16)
-        scale = scale16.to(tl.float32)
-        inv = tl.where(scale != 0.0, 1.0 / scale, 0.0)
-        a = tl.minimum(tl.maximum(_rne((lo_x - offset16.to(tl.float32)) * inv), 0.0), 15.0).to(tl.int32)
-        b = tl.minimum(tl.maximum(_rne((hi_x - offset16.to(tl.float32)) * inv), 0.0), 15.0).to(tl.int32)
+        lo_scale = tl.zeros([HALF_PAD], tl.float32)
+        hi_scale = tl.zeros([HALF_PAD], tl.float32)
+        for gi in tl.static_range(HEAD_DIM // group):
+            in_lo = ok & (j // group == gi)
+            in_hi = ok & ((half + j) // group == gi)
+            top = tl.maximum(tl.max(tl.where(in_lo, tl.abs(lo_x), -1.0), 0),
+                             tl.max(tl.where(in_hi, tl.abs(hi_x), -1.0), 0))
+            # the first value of most magnitude, with its sign (torch's argmax takes the first)
+            first = tl.minimum(tl.min(tl.where(in_lo & (tl.abs(lo_x) == top), j, 2 * HEAD_DIM), 0),
+                               tl.min(tl.where(in_hi & (tl.abs(hi_x) == top), half + j, 2 * HEAD_DIM), 0))
+            extreme = tl.sum(tl.where(j == first, lo_x, 0.0), 0) + tl.sum(tl.where(half + j == first, hi_x, 0.0), 0)
+            scale16 = (extreme / -8.0 + 0.0).to(tl.float16)
+            tl.store((dst + half + 2 * gi).to(tl.pointer_type(tl.float16)), scale16)
+            lo_scale = tl.where(in_lo, scale16.to(tl.float32), lo_scale)
+            hi_scale = tl.where(in_hi, scale16.to(tl.float32), hi_scale)
+        lo_inv = tl.where(lo_scale != 0.0, 1.0 / lo_scale, 0.0)
+        hi_inv = tl.where(hi_scale != 0.0, 1.0 / hi_scale, 0.0)
+        a = tl.minimum(tl.maximum(_rne(lo_x * lo_inv) + 8.0, 0.0), 15.0).to(tl.int32)
+        b = tl.minimum(tl.maximum(_rne(hi_x * hi_inv) + 8.0, 0.0), 15.0).to(tl.int32)
         tl.store(dst + j, (a | (b << 4)).to(tl.uint8), mask=ok)
-        tl.store((dst + half).to(tl.pointer_type(tl.float16)), scale16)
-        tl.store((dst + half + 2).to(tl.pointer_type(tl.float16)), offset16)
     else:
         d = tl.arange(0, HD_PAD)
         ok = d < HEAD_DIM
@@ -299,6 +316,7 @@ def store_kv(key, value, kv_cache, slot_mapping, kv: "KVLayout | None" = None) -
     formats = _formats(kv)
     if formats["K_FMT"] >= 0:
         assert key_cache.shape[2:] == (num_heads, kv.row) and kv.head_dim == head_dim, (key_cache.shape, key.shape)
+        key, value = _turned(key, kv.k, head_dim), _turned(value, kv.v, head_dim)
         if num_tokens:
             launch(_store_kv_rows_kernel, (num_tokens, num_heads),
                    key, value, key_cache, value_cache, slot_mapping,
@@ -565,6 +583,8 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
                      plan: DecodePlan | None = None, tokens_per_split: int | None = None,
                      kv: "KVLayout | None" = None):
     _check_decode_args(query, key_cache, value_cache, block_tables, context_lens, kv)
+    if kv is not None:  # int4 keys and values are stored turned: the query turned alike, the output turned back
+        query = _turned(query, kv.k, kv.head_dim)
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     plan = plan or DecodePlan(max_context_len if max_context_len is not None else int(context_lens.max()))
@@ -601,7 +621,7 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
                part_out, part_lse, out,
                part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
                out.stride(0), out.stride(1), slots, HEAD_DIM=head_dim, HD_PAD=meta["HD_PAD"], SLOT_TILE=MERGE_SLOT_TILE)
-    return out
+    return _turned(out, kv.v, kv.head_dim) if kv is not None else out
 
 
 def _check_decode_args(query, key_cache, value_cache, block_tables, context_lens, kv=None) -> None:
@@ -701,6 +721,8 @@ def prefill_attention(query, key_cache, value_cache, block_tables, query_start_l
     _values_dtype(query, key_cache, kv)
     assert num_heads % num_kv_heads == 0
     formats = _formats(kv)
+    if kv is not None:  # int4 keys and values are stored turned: the query turned alike, the output turned back
+        query = _turned(query, kv.k, kv.head_dim)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     out = torch.empty_like(query)
@@ -713,7 +735,7 @@ def prefill_attention(query, key_cache, value_cache, block_tables, query_start_l
            GROUP=num_heads // num_kv_heads, BLOCK_M=PREFILL_BLOCK_M,
            BLOCK_N=PREFILL_BLOCK_N if formats["K_FMT"] < 0 else PREFILL_BLOCK_N // 2,  # dequantizing takes registers
            PRECISION=_dot_precision(query.dtype), **formats)
-    return out
+    return _turned(out, kv.v, kv.head_dim) if kv is not None else out
 
 
 # -- 4. whole-block copies: copy-on-write, gather to and scatter from a staging buffer --------------
