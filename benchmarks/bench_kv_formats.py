@@ -87,7 +87,8 @@ async def restore(fmt: str, trials: int, server_url: str, key: Path) -> dict:
             times["warm"].append(t)
         block = engine.core.tiers.warm.block_bytes
         moved["warm"] = block * (engine.stats().tiers["warm"].promotions - before.promotions) // trials
-        await engine.run_in_worker(engine.core.tiers.remote.flush_sync)
+        remote = next(t for t in engine.core.tiers.lower if t.name == "remote")
+        await engine.run_in_worker(remote.flush_sync)
     drop_page_cache(cold_dir)  # closing wrote every cached block to the cold tier
     async with await AsyncEngine.start(EngineConfig(**base, warm_bytes=0, cold_path=str(cold_dir))) as engine:
         for prefix in prefixes:

@@ -198,6 +198,33 @@ def test_kv_rows_written_in_c_are_the_torch_store_bit_for_bit(lib):
                 assert torch.equal(back, fmt.decode(got, d, torch.float32)), (fmt.name, d)
 
 
+@pytest.mark.parametrize("k,v", [("int8", "int8"), ("int4", "int4"), ("int8", "int4"), ("bfloat16", "int8")])
+def test_the_c_store_and_read_back_are_the_torch_ones(lib, k, v):
+    # the eager forward's store on CPU (store_kv_cpu: one C call for every token and head) writes kv_format's
+    # bytes, padding tokens skipped, K and V read from the fused q/k/v output's strided views; the references'
+    # rows read back through the C kernel (select_blocks) are kv_format's values
+    from tieredkv.kernels.kv_format import select_blocks
+    from tieredkv.kernels.store_kv import store_kv_cpu, store_kv_ref
+
+    kv = KVLayout.resolve(k, v, 64, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(37, (9 + 2 * 3) * 64, generator=g) * 3
+    key, value = qkv[:, 9 * 64:12 * 64].view(37, 3, 64), qkv[:, 12 * 64:].view(37, 3, 64)
+    slots = torch.randperm(8 * 16, generator=g)[:37]
+    slots[[3, 20]] = -1
+    want = torch.zeros(2, 8, 16, 3, kv.row, dtype=torch.uint8)
+    got = want.clone()
+    store_kv_ref(key, value, want, slots, kv)
+    store_kv_cpu(key, value, got, slots, kv)
+    assert torch.equal(got, want)
+    ids = torch.tensor([5, 0, 7])
+    for side in (0, 1):
+        torch.testing.assert_close(select_blocks(got[side], ids, kv, side),
+                                   kv.decode(side, torch.index_select(got[side], 0, ids)), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="slot 128 outside"):
+        torch.ops.tieredkv.store_kv_rows(key, value, got, torch.full((37,), 128), *kv.codes)
+
+
 def test_where_the_kernel_does_not_serve_torch_does(lib, monkeypatch):
     q, kc, vc, tables, ctx = paged_batch([40, 9], pad=0)
     assert paged_decode_usable(q, kc)

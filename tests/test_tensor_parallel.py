@@ -187,6 +187,35 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(llama_dir, tmp
         one.close()
 
 
+def test_two_ranks_keep_their_heads_as_int8_rows(llama_dir, tmp_path):
+    """kv_cache_dtype="int8" over two ranks: each rank's pool and warm slab hold its KV head as int8 rows (16 codes
+    and a scale), swaps move them between the two on each rank, whole blocks reach the cold tier; the outputs
+    are one process's in the same format."""
+    one = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0, kv_cache_dtype="int8"))
+    try:
+        expected = run_to_end(one, PROMPTS, [16] * len(PROMPTS))
+    finally:
+        one.close()
+    cold = str(tmp_path / "cold")
+    core = EngineCore(tp_config(llama_dir, num_blocks=7, warm_bytes=1 << 20, cold_path=cold, offload=False,
+                                kv_cache_dtype="int8"))
+    try:
+        assert core.kv_cache.dtype == torch.uint8 and core.kv_cache.shape[-2:] == (1, 16 + 2)
+        assert core.tiers.warm.block_shape[-2:] == (2, 18) and core.tiers.cold.block_shape[-2:] == (2, 18)
+        assert run_to_end(core, PROMPTS, [16] * len(PROMPTS)) == expected
+        assert core.stats().num_swaps > 0 and core.stats().kv_format == "int8"
+        check_pool_clean(core)
+    finally:
+        core.close()
+    again = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0, cold_path=cold,
+                                    kv_cache_dtype="int8"))
+    try:  # what the two ranks persisted, one process reads
+        assert run_to_end(again, PROMPTS[:1], [16]) == expected[:1]
+        assert again.tiers.cold.stats().promotions == len(PROMPTS[0]) // again.block_size
+    finally:
+        again.close()
+
+
 def long_doc() -> list[int]:
     import random
 

@@ -100,6 +100,13 @@ void tkv_hadamard(float *x, int64_t D);
 void tkv_kv_rows(const uint8_t *src, int fmt, int64_t stride, int64_t n, int64_t D, float *dst);
 /* one row of D values stored in format fmt at dst, as kv_format.py's encode writes it, bit for bit */
 void tkv_kv_store(const float *x, int fmt, int64_t D, uint8_t *dst);
+/* T tokens' K and V [T, H, D] (tokens k_stride / v_stride floats apart, heads D) stored at their slots (slot < 0:
+ * not stored) into caches of rows of rb bytes (slot * H + h), K in format fmt & 15, V in fmt >> 4: the eager
+ * forward's store on CPU (quant_ops.cpp: store_kv_rows) */
+void tkv_kv_store_tokens(const float *k, const float *v, int64_t T, int64_t H, int64_t D, int64_t k_stride,
+                         int64_t v_stride, const int64_t *slots, uint8_t *kc, uint8_t *vc, int64_t rb, int fmt);
+/* n rows of rb bytes in format fmt as their D values (int4 turned back): what the torch references read */
+void tkv_kv_values(const uint8_t *rows, int64_t n, int64_t rb, int fmt, int64_t D, float *out);
 
 /* Decode attention for one sequence inside a parallel region (attention_cpu.c: tkv_paged_decode's work):
  * tkv_attention_splits says how many items its positions are split into (the same for every layer of a

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tieredkv.kernels.cascade import CascadePlan, cascade_attention, plan_cascades
-from tieredkv.kernels.kv_format import KVLayout, select_blocks
+from tieredkv.kernels.kv_format import CPU_FORMATS, KVLayout, select_blocks
 
 # One more group (two gathers and an SDPA call per layer) costs about as much as attending this many
 # extra key positions in one sequence, on CPU (tens of microseconds of call overhead per group vs
@@ -192,14 +192,13 @@ def paged_decode_usable(query: torch.Tensor, key_cache: torch.Tensor, kv: KVLayo
 
     heads, kv_heads = query.shape[1], key_cache.shape[2]
     return (key_cache.device.type == "cpu" and key_cache.dtype in PAGED_DTYPES
-            and (kv is None or max(kv.codes) <= PAGED_MAX_FORMAT) and key_cache.is_contiguous()
+            and (kv is None or max(kv.codes) <= CPU_FORMATS) and key_cache.is_contiguous()
             and heads % kv_heads == 0 and heads // kv_heads <= PAGED_MAX_GROUP
             and query.shape[2] <= PAGED_MAX_HEAD_DIM and CPU.operators_bound)
 
 
 PAGED_MAX_GROUP, PAGED_MAX_HEAD_DIM = 32, 256  # attention_cpu.c: ATT_MAX_G, ATT_MAX_D
 PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
-PAGED_MAX_FORMAT = 4  # cpu_kernels.h: TKV_KV_I4, the last format the CPU kernels read
 
 
 def _formats(kv: KVLayout | None) -> tuple[int, int]:

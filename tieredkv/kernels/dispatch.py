@@ -13,7 +13,7 @@ from tieredkv.kernels.kernel_ops import KernelOps, with_kv
 from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.linear import select_linear, select_weight_packing
 from tieredkv.kernels.prefill_attention import prefill_attention_ref
-from tieredkv.kernels.store_kv import store_kv_ref
+from tieredkv.kernels.store_kv import store_kv_cpu, store_kv_ref
 
 
 TORCH_OPS = KernelOps(
@@ -26,8 +26,8 @@ TORCH_OPS = KernelOps(
     scatter_blocks=scatter_blocks_ref,
     plan_decode=plan_decode,
 )
-# on CPU decode attention goes through the CPU kernel where it is bound (decode_attention_cpu)
-CPU_OPS = replace(TORCH_OPS, name="cpu", decode_attention=decode_attention_cpu)
+# on CPU decode attention and the KV formats' store go through the CPU kernels where they are bound
+CPU_OPS = replace(TORCH_OPS, name="cpu", decode_attention=decode_attention_cpu, store_kv=store_kv_cpu)
 
 
 def select_kernels(backend: str, device: torch.device, dtype: torch.dtype = torch.float32,

@@ -256,8 +256,19 @@ def values(rows: torch.Tensor, kv: KVLayout | None, side: int) -> torch.Tensor:
 
 def select_blocks(cache: torch.Tensor, ids: torch.Tensor, kv: KVLayout | None, side: int) -> torch.Tensor:
     """The blocks `ids` of one side's cache [num_blocks, bs, Hkv, row] as values [len(ids), bs, Hkv, D]: one
-    gather (index_select is faster than cache[ids] on CPU), dequantized after it."""
-    return values(torch.index_select(cache, 0, ids), kv, side)
+    gather (index_select is faster than cache[ids] on CPU), dequantized after it: on CPU by the C kernel in one
+    call (torch.ops.tieredkv.kv_values) where it is bound, outside a compiled graph."""
+    rows = torch.index_select(cache, 0, ids)
+    if kv is not None and rows.dtype == torch.uint8 and rows.device.type == "cpu" and kv.dtype == torch.float32 \
+            and not torch.compiler.is_compiling() and (kv.k, kv.v)[side].code <= CPU_FORMATS:
+        from tieredkv.kernels.quant_cpu import CPU
+
+        if CPU.operators_bound:
+            return torch.ops.tieredkv.kv_values(rows, (kv.k, kv.v)[side].code, kv.head_dim)
+    return values(rows, kv, side)
+
+
+CPU_FORMATS = 4  # the last format code the C kernels read (cpu_kernels.h: TKV_KV_I4): all but fp8
 
 
 def plain_layout(head_dim: int, dtype: torch.dtype) -> KVLayout:

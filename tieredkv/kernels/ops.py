@@ -6,7 +6,8 @@ of quant_ops.cpp, loaded with theirs (`load_cpp_operators`). No other module cal
     quant_linear, quant_rows    quantized weights' product and rows (kernels/quant.py)
     dense_packed                a packed weight's product through its handle (kernels/linear.py)
     quant_gemv, paged_decode,   C++ over the CPU library's kernels: one-row quantized and packed products, decode
-    packed_gemv                 attention (quant_ops.cpp, bound by kernels/quant_cpu.py)
+    packed_gemv, store_kv_rows, attention, the KV formats' store and their rows as values (quant_ops.cpp, bound by
+    kv_values                   kernels/quant_cpu.py)
 
 Defined through torch.library's Library rather than custom_op: a call costs ~6 us instead of ~24 (a decode
 step of the default model makes 121 of them)."""

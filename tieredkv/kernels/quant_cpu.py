@@ -58,6 +58,8 @@ _SIGNATURES = {
                          ctypes.c_int),
     "tkv_kv_rows": ([_P, ctypes.c_int, _I, _I, _I, _P], None),
     "tkv_kv_store": ([_P, ctypes.c_int, _I, _P], None),
+    "tkv_kv_store_tokens": ([_P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, ctypes.c_int], None),
+    "tkv_kv_values": ([_P, _I, _I, ctypes.c_int, _I, _P], None),
     "tkv_decode_fits": ([_P], ctypes.c_int),
     "tkv_decode_step": ([_P, _I, _I, _I, _P, ctypes.c_int32, _P], ctypes.c_int),
 }
@@ -164,6 +166,16 @@ def _paged_decode_shape(query, key_cache, value_cache, block_tables, context_len
     return query.new_empty(query.shape)
 
 
+def _store_kv_rows_shape(key, value, kv_cache, slot_mapping, k_format, v_format):
+    return None
+
+
+def _kv_values_shape(rows, fmt, head_dim):
+    import torch
+
+    return rows.new_empty((*rows.shape[:-1], head_dim), dtype=torch.float32)
+
+
 def _packed_gemv_shape(x, packed, bias):
     return x.new_empty((*x.shape[:-1], handle_outputs(packed)))  # the packed buffer is such a handle
 
@@ -236,9 +248,10 @@ class CpuLibrary:
                 from tieredkv.kernels.ops import load_cpp_operators
 
                 load_cpp_operators(path, {"quant_gemv": _quant_gemv_shape, "paged_decode": _paged_decode_shape,
-                                          "packed_gemv": _packed_gemv_shape})
+                                          "packed_gemv": _packed_gemv_shape, "store_kv_rows": _store_kv_rows_shape,
+                                          "kv_values": _kv_values_shape})
                 ops = ctypes.CDLL(str(path))
-                ops.tkv_bind.argtypes, ops.tkv_bind.restype = [ctypes.c_void_p] * 7, None
+                ops.tkv_bind.argtypes, ops.tkv_bind.restype = [ctypes.c_void_p] * 9, None
                 self.operators = ops
             except (RuntimeError, OSError) as e:
                 self.operators_error = str(e)
@@ -249,7 +262,8 @@ class CpuLibrary:
         address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
         self.operators.tkv_bind(address(lib.tkv_q8_gemv), address(lib.tkv_q4_gemv), address(lib.tkv_paged_decode),
                                 address(lib.tkv_f32_packed_row), address(lib.tkv_bf16_packed_row),
-                                address(lib.tkv_q4t_gemv), address(lib.tkv_q8t_gemv))
+                                address(lib.tkv_q4t_gemv), address(lib.tkv_q8t_gemv),
+                                address(lib.tkv_kv_store_tokens), address(lib.tkv_kv_values))
         return True
 
 

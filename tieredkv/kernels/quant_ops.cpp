@@ -26,6 +26,11 @@ using Q4Gemv = int (*)(const float *, int64_t, const uint8_t *, const uint16_t *
 using PagedDecode = int (*)(const float *, int64_t, int64_t, int64_t, const void *, const void *, int, int64_t,
                             int64_t, int64_t, const int32_t *, int64_t, const int32_t *, float, float *);
 using PackedRow = int (*)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, const float *, void *);
+using StoreTokens = void (*)(const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                             const int64_t *, uint8_t *, uint8_t *, int64_t, int);
+using KVValues = void (*)(const uint8_t *, int64_t, int64_t, int, int64_t, float *);
+StoreTokens store_tokens = nullptr;
+KVValues kv_values_kernel = nullptr;
 Q8Gemv q8_gemv = nullptr;
 Q4Gemv q4_gemv = nullptr, q4t_gemv = nullptr, q8t_gemv = nullptr;  // q8t codes are bytes too (quant_cpu.c)
 PagedDecode paged_decode_kernel = nullptr;
@@ -147,6 +152,49 @@ at::Tensor paged_decode(const at::Tensor &query, const at::Tensor &key_cache, co
     return query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type());
 }
 
+// key, value [T, H, D] fp32 (heads contiguous, tokens at any stride); kv_cache [2, blocks, block_size, H, row]
+// uint8 rows in k_format / v_format; slot_mapping [T] (int64; -1: not stored). Each token's rows are encoded as
+// kv_format.py's encode does, into their slots (checked within the cache before anything is written).
+void store_kv_rows(const at::Tensor &key, const at::Tensor &value, at::Tensor &kv_cache, const at::Tensor &slot_mapping,
+                   int64_t k_format, int64_t v_format) {
+    TORCH_CHECK(store_tokens != nullptr, "store_kv_rows: the kernel is not bound (tkv_bind)");
+    TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.scalar_type() == at::kFloat &&
+                    value.scalar_type() == at::kFloat && key.stride(2) == 1 && value.stride(2) == 1 &&
+                    key.stride(1) == key.size(2) && value.stride(1) == value.size(2),
+                "store_kv_rows: fp32 key and value [T, H, D] with contiguous heads, got ", key.sizes(), " and ",
+                value.sizes());
+    const int64_t T = key.size(0), H = key.size(1), D = key.size(2);
+    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == H && kv_cache.is_contiguous() &&
+                    kv_cache.scalar_type() == at::kByte && row_bytes(k_format, D) > 0 && row_bytes(v_format, D) > 0 &&
+                    std::max(row_bytes(k_format, D), row_bytes(v_format, D)) <= kv_cache.size(4),
+                "store_kv_rows: cache ", kv_cache.sizes(), " ", kv_cache.scalar_type(), " in formats ", k_format, " / ",
+                v_format, " does not hold rows of ", D, " values");
+    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    TORCH_CHECK(slots.numel() == T, "store_kv_rows: ", slots.numel(), " slots for ", T, " tokens");
+    const int64_t *s = slots.data_ptr<int64_t>(), limit = kv_cache.size(1) * kv_cache.size(2);
+    for (int64_t t = 0; t < T; t++)
+        TORCH_CHECK(s[t] < limit, "store_kv_rows: slot ", s[t], " outside the cache's ", limit);
+    uint8_t *kc = kv_cache.data_ptr<uint8_t>();
+    store_tokens(key.data_ptr<float>(), value.data_ptr<float>(), T, H, D, key.stride(0), value.stride(0), s, kc,
+                 kc + kv_cache.stride(0), kv_cache.size(4), static_cast<int>(k_format | (v_format << 4)));
+}
+
+// rows [..., row] uint8 in `format` -> [..., head_dim] fp32 values (int4 turned back): what the references read
+at::Tensor kv_values(const at::Tensor &rows, int64_t format, int64_t head_dim) {
+    TORCH_CHECK(kv_values_kernel != nullptr, "kv_values: the kernel is not bound (tkv_bind)");
+    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() >= 1 && row_bytes(format, head_dim) > 0 &&
+                    row_bytes(format, head_dim) <= rows.size(-1),
+                "kv_values: rows ", rows.sizes(), " ", rows.scalar_type(), " in format ", format, " do not hold ",
+                head_dim, " values");
+    const at::Tensor r = rows.contiguous();
+    auto sizes = rows.sizes().vec();
+    sizes.back() = head_dim;
+    at::Tensor out = at::empty(sizes, rows.options().dtype(at::kFloat));
+    kv_values_kernel(r.data_ptr<uint8_t>(), r.numel() / r.size(-1), r.size(-1), static_cast<int>(format), head_dim,
+                     out.data_ptr<float>());
+    return out;
+}
+
 // x: one row [..., K], fp32 or bf16; packed: the weight's packed buffer in x's dtype, viewed as fp32 [blocks, Kp, B]
 // or bf16 [blocks, Kp / 2, 2 B] (B outputs a block, Kp >= K inputs stored, bf16 inputs in pairs: the layouts
 // linear.py's packed_row_layout recognizes); bias: [blocks * B] or none. Returns [..., blocks * B] in x's dtype.
@@ -180,7 +228,10 @@ at::Tensor packed_gemv(const at::Tensor &x, const at::Tensor &packed, const std:
 
 }  // namespace
 
-extern "C" void tkv_bind(void *q8, void *q4, void *paged, void *f32_row, void *bf16_row, void *q4t, void *q8t) {
+extern "C" void tkv_bind(void *q8, void *q4, void *paged, void *f32_row, void *bf16_row, void *q4t, void *q8t,
+                         void *store, void *values) {
+    store_tokens = reinterpret_cast<StoreTokens>(store);
+    kv_values_kernel = reinterpret_cast<KVValues>(values);
     q8_gemv = reinterpret_cast<Q8Gemv>(q8);
     q4_gemv = reinterpret_cast<Q4Gemv>(q4);
     q4t_gemv = reinterpret_cast<Q4Gemv>(q4t);
@@ -195,10 +246,15 @@ TORCH_LIBRARY_FRAGMENT(tieredkv, m) {
     m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor context_lens, "
           "float scale, int k_format=-1, int v_format=-1) -> Tensor");
     m.def("packed_gemv(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+    m.def("store_kv_rows(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, int k_format, "
+          "int v_format) -> ()");
+    m.def("kv_values(Tensor rows, int format, int head_dim) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tieredkv, CPU, m) {
     m.impl("quant_gemv", &quant_gemv);
     m.impl("paged_decode", &paged_decode);
     m.impl("packed_gemv", &packed_gemv);
+    m.impl("store_kv_rows", &store_kv_rows);
+    m.impl("kv_values", &kv_values);
 }

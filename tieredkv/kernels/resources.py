@@ -170,6 +170,17 @@ SHAPES = {"SmolLM2-135M (9/3 heads, d=64)": (9, 3, 64), "Llama-3-8B (32/8, d=128
           "Llama-3-70B (64/8, d=128)": (64, 8, 128)}
 
 
+def kv_label(constexprs: str) -> str:
+    """The K/V formats a variant reads, from its constexprs ("-": the cache in the compute dtype, or no cache)."""
+    from tieredkv.kernels.kv_format import FORMATS
+
+    names = {f.code: f.name for f in FORMATS.values()}
+    found = dict(part.split("=") for part in constexprs.split(", ") if part.startswith(("K_FMT=", "V_FMT=")))
+    if not found or found.get("K_FMT") == "-1":
+        return "-"
+    return f"{names[int(found['K_FMT'])]}/{names[int(found['V_FMT'])]}"
+
+
 def auto_dtype(cc: int) -> torch.dtype:
     """What dtype "auto" picks on such a card (resolve.resolve_dtype)."""
     return torch.bfloat16 if cc >= 80 else torch.float16
@@ -196,12 +207,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps([dict(model=label, fits=r.fits, limit=SHARED_LIMIT[r.cc],
                                                     **dataclasses.asdict(r)) for label, r in rows], indent=1))
-    print("| model | kernel | sm | dtype | registers | spilled bytes | shared memory | limit | fits |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | kernel | sm | dtype | KV (K/V) | registers | spilled bytes | shared memory | limit | fits |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, r in rows:
         dtype = str(auto_dtype(r.cc)).removeprefix("torch.")
-        print(f"| {label} | {r.kernel.strip('_')} | {r.cc} | {dtype} | {r.registers} | {r.spill_bytes} | "
-              f"{r.shared_bytes / 1024:.1f} KiB | {SHARED_LIMIT[r.cc] >> 10} KiB | {'yes' if r.fits else 'NO'} |")
+        print(f"| {label} | {r.kernel.strip('_')} | {r.cc} | {dtype} | {kv_label(r.constexprs)} | {r.registers} | "
+              f"{r.spill_bytes} | {r.shared_bytes / 1024:.1f} KiB | {SHARED_LIMIT[r.cc] >> 10} KiB | "
+              f"{'yes' if r.fits else 'NO'} |")
 
 
 if __name__ == "__main__":

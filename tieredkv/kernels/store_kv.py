@@ -41,3 +41,17 @@ def store_kv_dense(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
     which = torch.arange(2, device=slot_mapping.device)[:, None]
     flat.index_put_((which, slot_mapping[None, :]), torch.stack((key, value)))
+
+
+def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv: KVLayout | None = None) -> None:
+    """store_kv_ref's contract on CPU: rows of bytes (int8, int4, pairs) encoded and stored by the C kernel in one
+    call (torch.ops.tieredkv.store_kv_rows: the same bytes as kv_format's encode, without its dozen torch calls a
+    layer); store_kv_ref where the operator is not bound or the cache holds floats."""
+    from tieredkv.kernels.quant_cpu import CPU
+
+    if (kv is None or kv.storage_dtype != torch.uint8 or not CPU.operators_bound or key.dtype != torch.float32
+            or key.device.type != "cpu" or torch.compiler.is_compiling()):
+        store_kv_ref(key, value, kv_cache, slot_mapping, kv)
+        return
+    torch.ops.tieredkv.store_kv_rows(key, value, kv_cache, slot_mapping, *kv.codes)

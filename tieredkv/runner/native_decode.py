@@ -22,8 +22,7 @@ import logging
 
 import torch
 
-from tieredkv.kernels.decode_attention import PAGED_MAX_FORMAT
-from tieredkv.kernels.kv_format import KVLayout
+from tieredkv.kernels.kv_format import CPU_FORMATS, KVLayout
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight
 from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.models.llama import LlamaModel
@@ -107,7 +106,7 @@ class NativeDecode:
         if kv is None and kv_cache.dtype != torch.float32:
             raise Unfit(f"the KV cache is {kv_cache.dtype}, not float32")
         codes = kv.codes if kv is not None else (0, 0)
-        if max(codes) > PAGED_MAX_FORMAT:
+        if max(codes) > CPU_FORMATS:
             raise Unfit(f"the kernels do not read KV stored as {kv.label}")
         if model.tp.world > 1:
             raise Unfit("the model is split over ranks")
