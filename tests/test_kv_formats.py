@@ -184,6 +184,18 @@ async def test_the_compiled_decode_graph_reads_int4_rows(llama2_dir, tmp_path):
     assert stats.decode_path == "compiled" and compiled == eager
 
 
+@pytest.mark.parametrize("far", ["in_place", "staged"])
+async def test_a_document_past_the_hot_pool_reads_its_int4_far_blocks(llama_dir, far):
+    # a 700-token document on a hot pool of 8 blocks: its older blocks kept in the warm tier as int4 rows, read
+    # in place (the slab is the cache tensor's tail) or staged per layer, as the roomy pool's output
+    doc = [rand_ids(700, seed=77)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want, _, _ = await outputs(llama_dir, doc, params, kv_cache_dtype="int4")
+    got, _, stats = await outputs(llama_dir, doc, params, kv_cache_dtype="int4", num_blocks=8, far_blocks=far,
+                                  warm_bytes=80 * token_bytes("int4") * BS, max_num_batched_tokens=256)
+    assert got == want and stats.blocks_offloaded >= 700 // BS - 8
+
+
 # -- every tier holds the same bytes -----------------------------------------------------------------
 
 

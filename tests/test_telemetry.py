@@ -110,6 +110,7 @@ async def test_a_scripted_scenario_gives_exact_metrics_and_span_events(otel, lla
     usage = by_attr(after["tieredkv.kv_cache.usage"], "tier")
     assert running == stats.num_running == 0 and 0 < usage["hot"] <= 1
     assert by_attr(after["tieredkv.kv_cache.used_bytes"], "tier")["hot"] == stats.tiers["hot"].used_bytes
+    assert by_attr(after["tieredkv.kv_cache.bytes_per_token"], "format") == {"float32": 3 * 2 * 2 * 16 * 4}
     spans = {s.attributes["tieredkv.request_id"]: s for s in exporter.get_finished_spans()
              if s.name == "tieredkv.request"}
     events = [e.name for s in spans.values() if s.attributes.get("tieredkv.completion_tokens") == 6
