@@ -61,8 +61,8 @@ def main(args) -> dict:
     print("median ms/token: " + ", ".join(f"{k} {v:.2f}" for k, v in median.items()))
     first, second = list(variants)[0], list(variants)[1:]
     for d in prompts:
-        print(at(f"vs {first}", d) + ": " + ", ".join(f"{k} {median[at(k, d)] / median[at(first, d)]:.3f}x"
-                                                       for k in second))
+        ratios = ", ".join(f"{k} {median[at(k, d)] / median[at(first, d)]:.3f}x" for k in second)
+        print(f"{at(f'vs {first}', d)}: {ratios}")
         for gguf, cache_type in kinds:
             ref = median[at(llama_name(gguf, cache_type), d)]
             print(f"vs {at(llama_name(gguf, cache_type), d)}: "
