@@ -71,8 +71,8 @@ def rotates(fmt: "KVFormat", head_dim: int) -> bool:
 
 @dataclass(frozen=True)
 class KVFormat:
-    """One side's storage: `name` (EngineConfig.kv_cache_dtype's), `code` (the C kernels' enum, attention_cpu.c:
-    KV_F32...), bits per value, and the bytes of the scale/offset each row carries."""
+    """One side's storage: `name` (EngineConfig.kv_cache_dtype's), `code` (the C and Triton kernels' enum,
+    cpu_kernels.h: TKV_KV_*), bits per value, and the bytes of the scale each row carries (int4's: int4_group)."""
 
     name: str
     code: int
@@ -136,8 +136,8 @@ class KVFormat:
             packed = rows[..., :half]
             codes = torch.cat((packed & 15, packed >> 4), dim=-1).to(torch.float32) - 8.0
             scales = _reinterpret(rows[..., half : half + 2 * head_dim // g], torch.float16).float()
-            values = (codes.reshape(*codes.shape[:-1], head_dim // g, g) * scales[..., None]).reshape(codes.shape)
-            return (hadamard(values) if rotates(self, head_dim) else values).to(dtype)
+            stored = (codes.reshape(*codes.shape[:-1], head_dim // g, g) * scales[..., None]).reshape(codes.shape)
+            return (hadamard(stored) if rotates(self, head_dim) else stored).to(dtype)
         codes = _reinterpret(rows[..., :head_dim], torch.int8 if self.name == "int8" else torch.float8_e4m3fn)
         scale = _reinterpret(rows[..., head_dim : head_dim + 2], torch.float16).float()
         return (codes.float() * scale).to(dtype)
@@ -269,8 +269,3 @@ def select_blocks(cache: torch.Tensor, ids: torch.Tensor, kv: KVLayout | None, s
 
 
 CPU_FORMATS = 4  # the last format code the C kernels read (cpu_kernels.h: TKV_KV_I4): all but fp8
-
-
-def plain_layout(head_dim: int, dtype: torch.dtype) -> KVLayout:
-    """The layout that stores values in the compute dtype (kv_cache_dtype "auto")."""
-    return KVLayout.resolve("auto", "auto", head_dim, dtype)
