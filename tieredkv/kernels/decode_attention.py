@@ -202,8 +202,8 @@ PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
 
 
 def _formats(kv: KVLayout | None) -> tuple[int, int]:
-    """paged_decode's k_format, v_format: -1 (from the caches' dtype) where they hold floats alike."""
-    return (-1, -1) if kv is None or kv.storage_dtype != torch.uint8 else kv.codes
+    """paged_decode's k_format, v_format (-1: from the caches' dtype)."""
+    return (-1, -1) if kv is None else kv.kernel_codes
 
 
 def decode_attention_compiled(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,

@@ -22,8 +22,8 @@ CUDA rows are padded to ROW_ALIGN bytes).
 Every tier moves these rows as they are: the warm slab, the cold and remote entries and snapshots hold the same
 bytes as the pool.
 
-`KVLayout.encode_k/v` is what the store kernels write; `decode_k/v` turns stored rows back into the compute dtype
-(the torch references dequantize what they gathered; the CPU and Triton kernels read the codes themselves).
+`KVLayout.encode` is what the store kernels write; `decode` turns stored rows back into the compute dtype (the
+torch references dequantize what they gathered; the CPU and Triton kernels read the codes themselves).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         y = y.view(-1, d // (2 * h), 2, h)
         y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
         h *= 2
-    return (y.reshape(x.shape) * rotation_scale(d)).reshape(x.shape)
+    return y.reshape(x.shape) * rotation_scale(d)
 
 
 def rotation_scale(d: int) -> float:
@@ -84,10 +84,6 @@ class KVFormat:
         if self.name == "int4":
             return head_dim // 2 + 2 * (head_dim // int4_group(head_dim))
         return head_dim * self.bits // 8 + self.extra_bytes
-
-    @property
-    def quantized(self) -> bool:
-        return self.float_dtype is None
 
     def check(self, head_dim: int, device: torch.device) -> None:
         """A clear error where this format cannot hold rows of head_dim values on `device`."""
@@ -164,6 +160,7 @@ FORMATS = {f.name: f for f in (
 # (kernels/resources.py, sm_80-sm_90); aligned, they fit. The price: int8 at head_dim 128 takes 144 bytes a row
 # (bf16 256), at head_dim 64 80 (bf16 128). On CPU rows are packed (the C kernels read bytes where they lie).
 ROW_ALIGN = 16
+CPU_FORMATS = 4  # the last format code the C kernels read (cpu_kernels.h: TKV_KV_I4): all but fp8
 
 
 @dataclass(frozen=True)
@@ -233,11 +230,21 @@ class KVLayout:
         """The C kernels' codes of K and V."""
         return self.k.code, self.v.code
 
+    @property
+    def kernel_codes(self) -> tuple[int, int]:
+        """What the attention kernels are told of K and V: their codes for rows of bytes, -1 where the cache holds
+        floats (the kernels read them in the cache's dtype)."""
+        return self.codes if self.storage_dtype == torch.uint8 else (-1, -1)
+
+    def side(self, side: int) -> KVFormat:
+        """K's format (side 0) or V's (side 1)."""
+        return self.v if side else self.k
+
     def encode(self, side: int, x: torch.Tensor) -> torch.Tensor:
         """[..., D] values of K (side 0) or V (side 1) -> [..., row] stored rows."""
         if self.storage_dtype != torch.uint8:
             return x.to(self.storage_dtype)
-        out = (self.k, self.v)[side].encode(x)
+        out = self.side(side).encode(x)
         pad = self.row - out.shape[-1]
         return torch.nn.functional.pad(out, (0, pad)) if pad else out
 
@@ -245,7 +252,7 @@ class KVLayout:
         """[..., row] stored rows of K (side 0) or V (side 1) -> [..., D] values in the compute dtype."""
         if self.storage_dtype != torch.uint8:
             return rows.to(self.dtype)
-        return (self.k, self.v)[side].decode(rows, self.head_dim, self.dtype)
+        return self.side(side).decode(rows, self.head_dim, self.dtype)
 
 
 def values(rows: torch.Tensor, kv: KVLayout | None, side: int) -> torch.Tensor:
@@ -260,12 +267,10 @@ def select_blocks(cache: torch.Tensor, ids: torch.Tensor, kv: KVLayout | None, s
     call (torch.ops.tieredkv.kv_values) where it is bound, outside a compiled graph."""
     rows = torch.index_select(cache, 0, ids)
     if kv is not None and rows.dtype == torch.uint8 and rows.device.type == "cpu" and kv.dtype == torch.float32 \
-            and not torch.compiler.is_compiling() and (kv.k, kv.v)[side].code <= CPU_FORMATS:
+            and not torch.compiler.is_compiling() and kv.side(side).code <= CPU_FORMATS:
         from tieredkv.kernels.quant_cpu import CPU
 
         if CPU.operators_bound:
-            return torch.ops.tieredkv.kv_values(rows, (kv.k, kv.v)[side].code, kv.head_dim)
+            return torch.ops.tieredkv.kv_values(rows, kv.side(side).code, kv.head_dim)
     return values(rows, kv, side)
 
-
-CPU_FORMATS = 4  # the last format code the C kernels read (cpu_kernels.h: TKV_KV_I4): all but fp8

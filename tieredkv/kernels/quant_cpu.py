@@ -60,6 +60,7 @@ _SIGNATURES = {
     "tkv_kv_store": ([_P, ctypes.c_int, _I, _P], None),
     "tkv_kv_store_tokens": ([_P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, ctypes.c_int], None),
     "tkv_kv_values": ([_P, _I, _I, ctypes.c_int, _I, _P], None),
+    "tkv_kv_row_bytes": ([ctypes.c_int, _I], _I),
     "tkv_decode_fits": ([_P], ctypes.c_int),
     "tkv_decode_step": ([_P, _I, _I, _I, _P, ctypes.c_int32, _P], ctypes.c_int),
 }
@@ -251,7 +252,7 @@ class CpuLibrary:
                                           "packed_gemv": _packed_gemv_shape, "store_kv_rows": _store_kv_rows_shape,
                                           "kv_values": _kv_values_shape})
                 ops = ctypes.CDLL(str(path))
-                ops.tkv_bind.argtypes, ops.tkv_bind.restype = [ctypes.c_void_p] * 9, None
+                ops.tkv_bind.argtypes, ops.tkv_bind.restype = [ctypes.c_void_p] * 10, None
                 self.operators = ops
             except (RuntimeError, OSError) as e:
                 self.operators_error = str(e)
@@ -263,7 +264,8 @@ class CpuLibrary:
         self.operators.tkv_bind(address(lib.tkv_q8_gemv), address(lib.tkv_q4_gemv), address(lib.tkv_paged_decode),
                                 address(lib.tkv_f32_packed_row), address(lib.tkv_bf16_packed_row),
                                 address(lib.tkv_q4t_gemv), address(lib.tkv_q8t_gemv),
-                                address(lib.tkv_kv_store_tokens), address(lib.tkv_kv_values))
+                                address(lib.tkv_kv_store_tokens), address(lib.tkv_kv_values),
+                                address(lib.tkv_kv_row_bytes))
         return True
 
 

@@ -29,8 +29,10 @@ using PackedRow = int (*)(const void *, int64_t, const void *, int64_t, int64_t,
 using StoreTokens = void (*)(const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t,
                              const int64_t *, uint8_t *, uint8_t *, int64_t, int);
 using KVValues = void (*)(const uint8_t *, int64_t, int64_t, int, int64_t, float *);
+using RowBytes = int64_t (*)(int, int64_t);
 StoreTokens store_tokens = nullptr;
 KVValues kv_values_kernel = nullptr;
+RowBytes kv_row_bytes = nullptr;  // kv_cpu.c: tkv_kv_row_bytes, the one statement of each format's row
 Q8Gemv q8_gemv = nullptr;
 Q4Gemv q4_gemv = nullptr, q4t_gemv = nullptr, q8t_gemv = nullptr;  // q8t codes are bytes too (quant_cpu.c)
 PagedDecode paged_decode_kernel = nullptr;
@@ -85,15 +87,11 @@ at::Tensor quant_gemv(const at::Tensor &x, const at::Tensor &codes, const at::Te
     return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// The bytes a row of D values takes in KV format `fmt` (cpu_kernels.h: TKV_KV_*; kv_format.py), 0 for none known
-int64_t row_bytes(int64_t fmt, int64_t D) {
-    switch (fmt) {
-    case 0: return 4 * D;
-    case 1: case 2: return 2 * D;
-    case 3: return D + 2;
-    case 4: return D % 4 == 0 ? D / 2 + 2 * (D % 32 == 0 ? D / 32 : 1) : 0;  // kv_cpu.c: tkv_kv_row_bytes
-    default: return 0;
-    }
+// True where rows of `row` bytes hold D values in K's format and in V's (formats the kernels know, D they take)
+bool rows_fit(int64_t k_format, int64_t v_format, int64_t D, int64_t row) {
+    if (k_format < 0 || v_format < 0 || kv_row_bytes == nullptr) return false;
+    const int64_t k = kv_row_bytes(static_cast<int>(k_format), D), v = kv_row_bytes(static_cast<int>(v_format), D);
+    return k > 0 && v > 0 && std::max(k, v) <= row;
 }
 
 // A float cache's format from its dtype (fp32, bf16, fp16), -1 for another dtype
@@ -124,8 +122,7 @@ at::Tensor paged_decode(const at::Tensor &query, const at::Tensor &key_cache, co
     const bool bytes = key_cache.scalar_type() == at::kByte;
     if (!bytes) k_format = v_format = float_format(key_cache);
     const int64_t rb = key_cache.size(3) * key_cache.element_size();
-    TORCH_CHECK(k_format >= 0 && v_format >= 0 && row_bytes(k_format, D) > 0 && row_bytes(v_format, D) > 0 &&
-                    (bytes ? std::max(row_bytes(k_format, D), row_bytes(v_format, D)) <= rb : key_cache.size(3) == D),
+    TORCH_CHECK(rows_fit(k_format, v_format, D, rb) && (bytes || key_cache.size(3) == D),
                 "paged_decode: caches ", key_cache.sizes(), " ", key_cache.scalar_type(), " in formats ", k_format,
                 " / ", v_format, " do not hold rows of ", D, " values");
     const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), Hkv = key_cache.size(2);
@@ -165,8 +162,7 @@ void store_kv_rows(const at::Tensor &key, const at::Tensor &value, at::Tensor &k
                 value.sizes());
     const int64_t T = key.size(0), H = key.size(1), D = key.size(2);
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == H && kv_cache.is_contiguous() &&
-                    kv_cache.scalar_type() == at::kByte && row_bytes(k_format, D) > 0 && row_bytes(v_format, D) > 0 &&
-                    std::max(row_bytes(k_format, D), row_bytes(v_format, D)) <= kv_cache.size(4),
+                    kv_cache.scalar_type() == at::kByte && rows_fit(k_format, v_format, D, kv_cache.size(4)),
                 "store_kv_rows: cache ", kv_cache.sizes(), " ", kv_cache.scalar_type(), " in formats ", k_format, " / ",
                 v_format, " does not hold rows of ", D, " values");
     const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
@@ -182,8 +178,8 @@ void store_kv_rows(const at::Tensor &key, const at::Tensor &value, at::Tensor &k
 // rows [..., row] uint8 in `format` -> [..., head_dim] fp32 values (int4 turned back): what the references read
 at::Tensor kv_values(const at::Tensor &rows, int64_t format, int64_t head_dim) {
     TORCH_CHECK(kv_values_kernel != nullptr, "kv_values: the kernel is not bound (tkv_bind)");
-    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() >= 1 && row_bytes(format, head_dim) > 0 &&
-                    row_bytes(format, head_dim) <= rows.size(-1),
+    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() >= 1 &&
+                    rows_fit(format, format, head_dim, rows.size(-1)),
                 "kv_values: rows ", rows.sizes(), " ", rows.scalar_type(), " in format ", format, " do not hold ",
                 head_dim, " values");
     const at::Tensor r = rows.contiguous();
@@ -229,7 +225,8 @@ at::Tensor packed_gemv(const at::Tensor &x, const at::Tensor &packed, const std:
 }  // namespace
 
 extern "C" void tkv_bind(void *q8, void *q4, void *paged, void *f32_row, void *bf16_row, void *q4t, void *q8t,
-                         void *store, void *values) {
+                         void *store, void *values, void *row_bytes) {
+    kv_row_bytes = reinterpret_cast<RowBytes>(row_bytes);
     store_tokens = reinterpret_cast<StoreTokens>(store);
     kv_values_kernel = reinterpret_cast<KVValues>(values);
     q8_gemv = reinterpret_cast<Q8Gemv>(q8);

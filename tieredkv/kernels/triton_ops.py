@@ -141,11 +141,10 @@ def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
 
 
 def _formats(kv: "KVLayout | None") -> dict:
-    """The kernels' K_FMT / V_FMT: -1 where the cache's elements are values (read in their dtype, which the
-    query's matches), else the formats' codes (kernels/kv_format.py) for rows of bytes."""
-    if kv is None or kv.storage_dtype != torch.uint8:
-        return dict(K_FMT=-1, V_FMT=-1)
-    return dict(K_FMT=kv.k.code, V_FMT=kv.v.code)
+    """The kernels' K_FMT / V_FMT (KVLayout.kernel_codes; -1 where the cache's elements are values, read in their
+    dtype)."""
+    k, v = (-1, -1) if kv is None else kv.kernel_codes
+    return dict(K_FMT=k, V_FMT=v)
 
 
 def _turned(x: torch.Tensor, fmt, head_dim: int) -> torch.Tensor:
