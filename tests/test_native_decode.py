@@ -31,8 +31,9 @@ def phi3_dir(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("tiny-phi3"), "phi3", num_hidden_layers=2)
 
 
-def decode_logits(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """The greedy tokens and every step's logits of one request served alone."""
+def decode_logits(core: EngineCore, prompt: list[int], rows: slice = slice(-1, None)
+                  ) -> tuple[list[int], list[torch.Tensor]]:
+    """The greedy tokens and every step's logits (its last row, or `rows`) of one request served alone."""
     captured, inner = [], core.runner.execute
     core.runner.execute = lambda out: captured.append(inner(out)) or captured[-1]
     try:
@@ -42,7 +43,7 @@ def decode_logits(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[
             core.step()
     finally:
         core.runner.execute = inner
-    return req.seqs[0].output_token_ids, [logits[-1].float().clone() for logits, _ in captured]
+    return req.seqs[0].output_token_ids, [logits[rows].float().clone().squeeze(0) for logits, _ in captured]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3"])
@@ -125,3 +126,33 @@ def test_native_step_reads_far_blocks_in_place(llama_dir):
     finally:
         whole.close()
         far.close()
+
+
+@pytest.mark.parametrize("scheme", [dict(quantization="int4"), dict(quantization="int8"),
+                                    dict(quantization="int4", int8_activations=True)],
+                         ids=["int4", "int8", "int4-tiles"])
+def test_native_step_verifies_drafts_as_the_eager_forward(lib, llama_dir, phi3_dir, scheme):
+    """Speculative decoding's verification (a sequence's last token and its drafts, one step): the native step's
+    rows (every product reading its weight once for all of them, kernels/decode_cpu.c tkv_decode_rows) give the
+    eager forward's logits on every row, and both engines the same tokens, for each build of the kernels."""
+    from test_speculative import Oracle
+
+    for path in (llama_dir, phi3_dir):
+        prompt = PROMPTS[1]
+        cfg = dict(model=str(path), num_blocks=32, warm_bytes=0, enable_prefix_caching=False,
+                   speculative={"method": "ngram", "num_speculative_tokens": 5, "adaptive": False}, **scheme)
+        plain = EngineCore(EngineConfig(**{**cfg, "speculative": None}, compile_decode=False))
+        want_tokens, _ = decode_logits(plain, prompt)
+        plain.close()
+        runs = []
+        for compiled in (False, True):
+            core = EngineCore(EngineConfig(**cfg, compile_decode=compiled))
+            core.parts.speculator.proposer = Oracle({tuple(prompt): want_tokens}, 10**6, spoil=2)
+            runs.append(decode_logits(core, prompt, slice(None)) + (core.runner.compiled,))
+            core.close()
+        (eager_tokens, eager, _), (native_tokens, native, path_) = runs
+        assert eager_tokens == native_tokens == want_tokens
+        assert isinstance(path_, NativeDecode) and any(g.dim() == 2 and g.shape[0] > 2 for g in native)
+        for w, g in zip(eager[1:], native[1:]):
+            assert w.shape == g.shape
+            assert (w - g).abs().max() <= 1e-3 * w.abs().max(), (w - g).abs().max()

@@ -19,6 +19,46 @@ MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: transformers' users pick 0.5-2; 1
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: logits / T would overflow long before it mattered
 
 
+SPEC_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16  # drafts verified in one forward (vLLM and llama.cpp propose a few to a few tens)
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (EngineConfig.speculative), in vLLM's shape: a proposer guesses the next tokens of a
+    decoding sequence, and one forward scores them all; greedy output stays token for token what plain decoding
+    gives, sampled output keeps its distribution (rejection sampling)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram", "draft"] = Field(
+        ..., description='"ngram": prompt lookup, the tokens that followed the latest earlier occurrence of the '
+        'sequence\'s last n tokens in its own prompt and output; "draft": a smaller model with the same tokenizer '
+        "proposes greedily (any checkpoint the engine loads, the target's own quantized copy included)")
+    num_speculative_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS,
+                                        description="the most tokens proposed, and verified in one forward, a step")
+    prompt_lookup_min: int = Field(2, ge=1, le=16, description="ngram: the shortest suffix looked up")
+    prompt_lookup_max: int = Field(4, ge=1, le=16, description="ngram: the longest suffix looked up (tried first)")
+    model: str | None = Field(None, description="draft: the draft model (as EngineConfig.model)")
+    quantization: Literal["int8", "int4", "gguf"] | None = Field(
+        None, description="draft: the draft model's weight format (as EngineConfig.quantization)")
+    adaptive: bool = Field(True, description="each sequence's draft length follows its measured acceptance, and "
+                           "a sequence whose drafts are rarely accepted stops proposing for a while")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="no drafts while more sequences than this decode at once (a batch that large is "
+        "compute-bound: verifying drafts costs as much as it saves); None: 8 on CPU, 32 on CUDA")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if self.method == "draft" and not self.model:
+            raise ValueError('speculative method "draft" needs a draft model: {"method": "draft", "model": ...}')
+        if self.method != "draft" and (self.model is not None or self.quantization is not None):
+            raise ValueError(f'speculative "model" and "quantization" apply to method "draft", not "{self.method}"')
+        return self
+
+
 class EngineConfig(BaseModel):
     """Everything the engine needs, validated once and passed whole.
 
@@ -133,6 +173,10 @@ class EngineConfig(BaseModel):
     remote_ttl_s: int | None = Field(86400, gt=0, description="lifetime of a remote entry, renewed by every read; "
                                      "None: none (the server's maxmemory policy alone bounds the tier)")
     max_pinned_fraction: float = Field(0.25, ge=0.0, le=0.9, description="share of the hot pool pin() may hold")
+    speculative: SpeculativeConfig | None = Field(
+        None, description='speculative decoding, a SpeculativeConfig or its dict: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft", '
+        '"model": ..., "num_speculative_tokens": 4}; None: off (docs/guide/speculative.md)')
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="processes the model is split across (Megatron-style: heads, MLP columns and "
         "vocabulary rows), one per device: cuda:0..N-1 (from the device's index), or N CPU processes over gloo; "
@@ -177,6 +221,19 @@ class EngineConfig(BaseModel):
         values.update({k: None if isinstance(v, str) and v.lower() == "none" else v
                        for k, v in given.items() if v is not None})
         return cls.model_validate(values)
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _speculative_json(cls, v: Any) -> Any:
+        """The command line's --speculative (and TIEREDKV_SPECULATIVE) give JSON text."""
+        if isinstance(v, str):
+            import json
+
+            try:
+                return json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"speculative must be a JSON object, e.g. '{{\"method\": \"ngram\"}}': {e}") from e
+        return v
 
     @field_validator("quantization_group_size")
     @classmethod
@@ -237,6 +294,10 @@ class SamplingParams(BaseModel):
         None, description="structured output: only tokens that keep the output a prefix of a JSON document valid "
         "under this JSON schema are sampled ({\"type\": \"object\"}: any JSON object); the output ends once the "
         "document is complete (needs llguidance: the structured extra)")
+    speculative: bool | None = Field(
+        None, description="speculative decoding for this request: None follows the engine (on where it has "
+        "EngineConfig.speculative), False turns it off, True requires it (an engine without a proposer rejects "
+        "the request)")
     early_stopping: bool | Literal["never"] = Field(
         False, description="beam search (transformers' meaning): True stops once beam_width beams finished; False "
         "stops when no running beam can score better by the current length; \"never\" by the longest allowed")
@@ -269,6 +330,8 @@ class SamplingParams(BaseModel):
             self._check_beams()
             if self.json_schema is not None:
                 raise ValueError("json_schema is not applied to beam search")
+            if self.speculative:
+                raise ValueError("speculative decoding is not applied to beam search (it keeps its own path)")
         if self.seed is not None and self.seed + self.n - 1 >= SEED_LIMIT:
             raise ValueError(f"seed + n - 1 must be below 2**64 (sample i uses seed + i); got seed={self.seed}, "
                              f"n={self.n}")

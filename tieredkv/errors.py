@@ -9,7 +9,11 @@ class TieredKVError(Exception):
 
 class RequestError(TieredKVError, ValueError):
     """A request was rejected before anything was allocated for it, or could not be served; the
-    engine and every other request go on."""
+    engine and every other request go on. `param`: the request field at fault, where one is."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class StepError(TieredKVError, RuntimeError):

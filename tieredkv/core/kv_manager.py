@@ -235,6 +235,15 @@ class KVCacheManager:
         child.num_cached_blocks = parent.num_cached_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 
+    def trim(self, seq: Sequence) -> None:
+        """Frees the blocks past seq's computed tokens: those a speculative step took for drafts that were
+        rejected (fresh blocks, never hashed: a block is cached only once full of computed tokens)."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        extra = seq.block_table[keep:]
+        if extra:
+            del seq.block_table[keep:]
+            self.pool.free(reversed(extra))
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks tail-first, so a chain's tail is evicted before its head."""
         self.pool.free(reversed(seq.block_table))

@@ -128,9 +128,22 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this step
                 continue
+            if seq.spec_tokens and self._fit_drafts(seq, step.budget):
+                step.add(seq, 1 + len(seq.spec_tokens))
+                continue
             n = self._fit_running(seq, min(seq.num_tokens - seq.num_computed_tokens, step.budget), step)
             if n:
                 step.add(seq, n)
+
+    def _fit_drafts(self, seq: Sequence, budget: int) -> bool:
+        """Blocks for a decoding sequence's token and its drafts (engine/speculative.py), as many drafts as the
+        budget leaves room for. Drafts never offload or preempt anything: where they do not fit from free blocks,
+        they are dropped and the sequence decodes as usual."""
+        del seq.spec_tokens[max(budget - 1, 0) :]
+        if seq.spec_tokens and self.kv.allocate_slots(seq, 1 + len(seq.spec_tokens)):
+            return True
+        seq.spec_tokens = []
+        return False
 
     def _fit_running(self, seq: Sequence, n: int, step: _Step) -> int:
         """Allocates blocks for n new tokens of seq; returns how many fit (0: seq itself was preempted)."""
@@ -361,6 +374,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.spec_tokens = []
         self._release(seq)
         slots = None
         # with far blocks, or a beam waiting for its siblings (nothing left to compute): recomputed, from the cache

@@ -30,6 +30,12 @@ class SeqStatus(enum.Enum):
 _seq_counter = itertools.count()
 
 
+def step_tokens(token_ids: list[int], spec_tokens: list[int], start: int, n: int) -> list[int]:
+    """The n tokens a step computes from position `start` on: the sequence's own, then its drafts."""
+    own = token_ids[start : start + n]
+    return own + spec_tokens[: n - len(own)] if len(own) < n else own
+
+
 class Sequence:
     """One stream of tokens: the prompt plus what this sample has generated.
 
@@ -60,10 +66,15 @@ class Sequence:
         self.last_token_time: float | None = None
         self.beam_logprob = 0.0  # beam search: summed log-probability of the output so far
         self.beam_row: torch.Tensor | None = None  # beam search: next-token log-probabilities, until the step
+        self.spec_tokens: list[int] = []  # drafts to verify this step after the last token (engine/speculative.py)
+        self.spec_state: Any = None  # the speculator's state for this sequence (its proposer's, its draft length)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def step_token_ids(self, n: int) -> list[int]:
+        return step_tokens(self.token_ids, self.spec_tokens, self.num_computed_tokens, n)
 
     @property
     def num_output_tokens(self) -> int:
@@ -120,6 +131,8 @@ class Request:
     admitted_time: float | None = None
     first_token_time: float | None = None
     beam: "BeamSearch | None" = None  # with beam_width > 1: the search; seqs are then its running beams
+    spec_drafted: int = 0  # speculative decoding: drafts verified for this request's samples
+    spec_accepted: int = 0  # of which accepted
 
     @functools.cached_property
     def stop_ids(self) -> frozenset[int]:

@@ -215,7 +215,8 @@ class AsyncEngine:
         for out, parts in zip(outputs, texts):
             out.text = "".join(parts)
         total = Usage(usage[0].prompt_tokens, usage[0].cached_prompt_tokens,
-                      sum(u.completion_tokens for u in usage), usage[0].cached_tokens_by_tier)
+                      sum(u.completion_tokens for u in usage), usage[0].cached_tokens_by_tier,
+                      usage[-1].draft_tokens, usage[-1].accepted_draft_tokens)  # (the request's, counted so far)
         return RequestOutput(stream.request_id, outputs, total)
 
     async def _prefill(self, prompt: PromptType, pin: bool) -> Usage:

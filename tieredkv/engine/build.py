@@ -22,6 +22,7 @@ from tieredkv.engine.request_factory import RequestFactory
 from tieredkv.engine.resolve import (eos_token_ids, max_model_len, quant_settings, resolve_cache_dir,
                                      resolve_kv_layout, resolve_model_dir)
 from tieredkv.engine.sizing import far_extent, far_mode, kv_block_bytes, num_kv_blocks, warm_blocks
+from tieredkv.engine.speculative import Speculator, make_speculator
 from tieredkv.engine.telemetry import Telemetry
 from tieredkv.hashing import root_hash
 from tieredkv.kernels import KernelOps
@@ -102,6 +103,7 @@ class EngineParts:
     memory: "RankMemory | list[RankMemory] | None" = None  # what loading the weights took, per rank under TP
     process: Hold | None = None  # the process settings it holds (platform/process.py), released at close
     kv_format: KVLayout | None = None  # how the cache stores K and V (kernels/kv_format.py)
+    speculator: Speculator | None = None  # speculative decoding (engine/speculative.py), when configured
 
     @property
     def pool(self) -> BlockPool:
@@ -173,11 +175,12 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
         leader.gather_objects(None)  # every rank has its cache and runner
     runner.compile_now(background=cfg.compile_in_background)
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
-    lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit)
+    speculator = make_speculator(cfg.speculative, device.type, spec.vocab_size) if cfg.speculative is not None else None
+    lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit, speculator)
     weights = weights_label(model, dtype)
     parts = EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
                         factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights, tp, memory,
-                        kv_format=kv_format)
+                        kv_format=kv_format, speculator=speculator)
     _log_ready(cfg, parts, num_warm)
     return parts
 

@@ -75,6 +75,8 @@ class EngineCore:
         that belongs to some requests (a forward error, an unusable logits row, a request that can
         never be scheduled) ends those requests with an error output and nothing else."""
         t0 = time.perf_counter()
+        if self.parts.speculator is not None:  # drafts onto the decoding sequences, for the scheduler to fit
+            self.parts.speculator.propose(self.parts.scheduler.running, self.parts.max_model_len)
         out = self.parts.scheduler.schedule()
         self.parts.telemetry.on_scheduled(out, t0)
         self.parts.tiers.execute(out.moves)
@@ -89,7 +91,10 @@ class EngineCore:
             return self.parts.lifecycle.fail_step(out, e)
         outputs = self.parts.lifecycle.update(out, logits, sampled)
         self._publish()
-        self.parts.telemetry.on_step(out, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.parts.telemetry.on_step(out, seconds)
+        if self.parts.speculator is not None:
+            self.parts.speculator.observe(out.num_tokens, seconds)
         return outputs
 
     def _publish(self) -> None:
@@ -115,4 +120,5 @@ class EngineCore:
         return collect_stats(parts.pool, parts.scheduler, parts.kv, parts.tiers.stats(), parts.pins.num_blocks,
                              parts.runner.decode_path, parts.weights, total_weight_bytes(parts.model, parts.memory),
                              self.dense_formats, parts.kv_format.label,
-                             kv_token_bytes(parts.spec, parts.kv_format))
+                             kv_token_bytes(parts.spec, parts.kv_format),
+                             parts.speculator.counters if parts.speculator is not None else None)

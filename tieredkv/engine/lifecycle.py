@@ -18,6 +18,7 @@ from tieredkv.engine.logits_processors import apply_processors
 from tieredkv.engine.outputs import Output, StreamChunk, TokenLogprob, beam_chunk, make_chunk
 from tieredkv.engine.request_factory import RequestFactory
 from tieredkv.engine.sampler import NOT_FINITE, RowState, Sampled, bad_rows, sample
+from tieredkv.engine.speculative import Speculator
 from tieredkv.engine.telemetry import Telemetry
 from tieredkv.errors import RequestError, SamplingError, StepError, TieredKVError
 from tieredkv.models.detokenizer import IncrementalDetokenizer
@@ -29,7 +30,8 @@ class Lifecycle:
     finishes, when it is aborted, or when it fails. Not thread-safe: the worker thread owns it."""
 
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager, factory: RequestFactory, tokenizer: Tokenizer,
-                 pins: PinTable, telemetry: Telemetry, device: torch.device, max_model_len: int):
+                 pins: PinTable, telemetry: Telemetry, device: torch.device, max_model_len: int,
+                 speculator: "Speculator | None" = None):
         self.scheduler = scheduler
         self.kv = kv
         self.factory = factory
@@ -38,6 +40,7 @@ class Lifecycle:
         self.telemetry = telemetry
         self.device = device
         self.max_model_len = max_model_len
+        self.speculator = speculator  # speculative decoding's controller (engine/speculative.py), or None
         self.requests: dict[str, Request] = {}
 
     # -- entering and ending ------------------------------------------------------------------------
@@ -105,16 +108,19 @@ class Lifecycle:
     # -- after the forward ------------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, logits: torch.Tensor, sampled: list[Sequence]) -> list[Output]:
-        """Computed tokens and newly full blocks cached, then for each sampled sequence (a logits row):
-        the prompt's end for prefill-only requests, or forks and one sampled token per sample."""
+        """Computed tokens and newly full blocks cached, then for each sampled sequence (its first logits row):
+        the prompt's end for prefill-only requests, or forks and one sampled token per sample; then the drafts
+        of sequences that carried some (_verify)."""
         for seq in out.preempted:
             seq.beam_row = None  # a preempted beam computes its row again
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
+        for seq, n in out.scheduled:  # drafts count once verified (_verify)
+            seq.num_computed_tokens += n - max(seq.num_computed_tokens + n - seq.num_tokens, 0)
             self.kv.cache_full_blocks(seq)
+        groups = _row_groups(sampled)
+        verifying = [(seq, rows, seq.num_tokens) for seq, rows in groups if len(rows) > 1]
         outputs, rows, seqs = [], [], []
-        for i, seq in enumerate(sampled):
-            req = seq.request
+        for seq, seq_rows in groups:
+            i, req = seq_rows[0], seq.request
             if req.prefill_only:
                 try:
                     outputs.extend(self._finish_prefill(seq))
@@ -128,15 +134,56 @@ class Lifecycle:
                 continue
             rows.extend([i] * len(family))
             seqs.extend(family)
-        if rows != list(range(len(sampled))):
-            logits = logits[rows]
         if seqs:
-            outputs.extend(self._sample(logits, seqs))
+            first = logits if rows == list(range(len(sampled))) else logits[rows]
+            outputs.extend(self._sample(first, seqs, [s.spec_tokens[0] if s.spec_tokens else None for s in seqs]))
+        if verifying:
+            outputs.extend(self._verify(logits, verifying))
         return outputs
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Output]:
+    def _verify(self, logits: torch.Tensor, verifying: list[tuple[Sequence, list[int], int]]) -> list[Output]:
+        """Speculative decoding: each (sequence, its logits rows, its length before the step) sampled its first
+        row with the rest; row j + 1 is sampled, exactly as a plain decode step would sample it after the tokens
+        so far (grammar, processors, stop rules), only while the token row j gave is draft j. Then the accepted
+        drafts count as computed, the blocks past them are freed, and nothing a rejected draft wrote is ever
+        read or cached (a block is hashed once full of computed tokens)."""
+        outputs, accepted = [], {seq: 0 for seq, _, _ in verifying}
+        for seq, _, _ in verifying:  # (accepted drafts are counted as they are taken: _accept)
+            seq.request.spec_drafted += len(seq.spec_tokens)
+        pending = verifying
+        for j in range(max(len(seq.spec_tokens) for seq, _, _ in verifying)):
+            pending = [(seq, rows, base) for seq, rows, base in pending if self._took_draft(seq, base, j)]
+            for seq, _, _ in pending:
+                accepted[seq] = j + 1
+            pending = [(seq, rows, base) for seq, rows, base in pending
+                       if not seq.is_finished and seq.request.request_id in self.requests]
+            if not pending:
+                break
+            seqs = [seq for seq, _, _ in pending]
+            drafts = [seq.spec_tokens[j + 1] if j + 1 < len(seq.spec_tokens) else None for seq in seqs]
+            outputs.extend(self._sample(logits[[rows[j + 1] for _, rows, _ in pending]], seqs, drafts))
+        for seq, _, _ in verifying:
+            if not seq.is_finished:
+                seq.num_computed_tokens += accepted[seq]
+                self.kv.cache_full_blocks(seq)
+                self.kv.trim(seq)
+            if self.speculator is not None:
+                self.speculator.verified(seq, len(seq.spec_tokens), accepted[seq])
+                self.telemetry.on_verified(self.speculator.proposer.name, len(seq.spec_tokens), accepted[seq])
+            seq.spec_tokens = []
+        return outputs
+
+    @staticmethod
+    def _took_draft(seq: Sequence, base: int, j: int) -> bool:
+        """Whether seq (`base` tokens long before the step) has a token j and it is its draft j."""
+        return (j < len(seq.spec_tokens) and len(seq.token_ids) > base + j
+                and seq.token_ids[base + j] == seq.spec_tokens[j])
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+                drafts: list[int | None] | None = None) -> list[Output]:
         """One token per sequence (beams: one search step per request). Each stage runs batched; one that
-        raises runs again row by row (engine/isolation.py), so that a failure fails only its own request."""
+        raises runs again row by row (engine/isolation.py), so that a failure fails only its own request.
+        `drafts`: the proposed token each row verifies (speculative decoding), or None."""
         outputs = []
         beams = [i for i, s in enumerate(seqs) if s.request.beam is not None]
         if beams:
@@ -151,7 +198,7 @@ class Lifecycle:
                 "structured output", guided, lambda rows: self._mask_by_grammar(logits, seqs, rows),
                 lambda i: seqs[i].request.params)))
         live = [i for i, s in enumerate(seqs) if s.request.request_id in self.requests]
-        states, generators = _row_states(seqs), [s.generator for s in seqs]
+        states, generators = _row_states(seqs, drafts), [s.generator for s in seqs]
         processed = [i for i in live if states[i].has_processors]
         pristine = logits[processed] if processed else None  # a copy: processors change the rows in place
 
@@ -170,11 +217,14 @@ class Lifecycle:
             if not isinstance(got, Sampled):
                 outputs.extend(self.fail(seq.request, got))
             elif seq.request.request_id in self.requests:
-                outputs.extend(self._accept(seq, got))
+                outputs.extend(self._accept(seq, got, states[i].draft))
         return outputs
 
-    def _accept(self, seq: Sequence, got: Sampled) -> list[Output]:
-        """The sampled token through the grammar (when the request has one) and the stop rules."""
+    def _accept(self, seq: Sequence, got: Sampled, draft: int | None = None) -> list[Output]:
+        """The sampled token through the grammar (when the request has one) and the stop rules (a token that is
+        the row's draft counts as an accepted draft, before the chunk that may end the sample reports usage)."""
+        if draft is not None and got.token == draft:
+            seq.request.spec_accepted += 1
         stage = "structured output"
         try:
             if seq.matcher is not None and not seq.matcher.consume_token(got.token):
@@ -321,6 +371,19 @@ class Lifecycle:
         self.telemetry.on_finished(req)
 
 
-def _row_states(seqs: list[Sequence]) -> list[RowState]:
-    """What the logits processors read for each sequence's row."""
-    return [RowState(s.request.params, s.token_ids, s.num_prompt_tokens, s.request.stop_ids) for s in seqs]
+def _row_states(seqs: list[Sequence], drafts: list[int | None] | None = None) -> list[RowState]:
+    """What the logits processors (and, with drafts, the sampler) read for each sequence's row."""
+    drafts = drafts or [None] * len(seqs)
+    return [RowState(s.request.params, s.token_ids, s.num_prompt_tokens, s.request.stop_ids, d)
+            for s, d in zip(seqs, drafts)]
+
+
+def _row_groups(sampled: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    """The logits rows of each sampled sequence, in order (one, or with drafts one more per draft, in a run)."""
+    groups: list[tuple[Sequence, list[int]]] = []
+    for i, seq in enumerate(sampled):
+        if groups and groups[-1][0] is seq:
+            groups[-1][1].append(i)
+        else:
+            groups.append((seq, [i]))
+    return groups

@@ -19,6 +19,7 @@ class RowState(NamedTuple):
     token_ids: list[int]
     num_prompt_tokens: int
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids: masked until min_tokens
+    draft: int | None = None  # speculative decoding: the proposed token this row verifies (sampler.sample_row)
 
     @property
     def num_output_tokens(self) -> int:

@@ -9,6 +9,7 @@ from tieredkv.tiers.base import TIER_NAMES, TierStats
 
 if TYPE_CHECKING:
     from tieredkv.core.beam import Hypothesis
+    from tieredkv.engine.speculative import SpecCounters
     from tieredkv.core.sequence import Request, Sequence
 
 
@@ -25,12 +26,16 @@ class Usage:
         completion_tokens: tokens generated.
         cached_tokens_by_tier: `cached_prompt_tokens` by the tier they came from: "hot", "warm", "remote",
             "cold".
+        draft_tokens: speculative decoding: tokens proposed for the request's samples and verified.
+        accepted_draft_tokens: of which accepted (each is an output token that took no forward of its own).
     """
 
     prompt_tokens: int
     cached_prompt_tokens: int  # the sum of cached_tokens_by_tier
     completion_tokens: int
     cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,8 @@ class EngineStats:
             its products read: "float32 packed" (oneDNN's layout), "q4 g32 (gguf:Q4_1)", ...
         kv_format: how the cache stores K and V in every tier ("float32", "int8", "k=int8,v=int4"; kv_cache_dtype).
         kv_bytes_per_token: one token's K and V over every layer in that format (scales included).
+        speculative: speculative decoding's counters (`SpecCounters`: drafts, draft tokens, accepted tokens,
+            acceptance rate, accepted by position), or None without EngineConfig.speculative.
     """
 
     num_running: int
@@ -173,6 +180,7 @@ class EngineStats:
     dense_formats: dict[str, str] = field(default_factory=dict)  # layer kind -> the format its products read
     kv_format: str = "float32"  # how the cache stores K and V, in every tier
     kv_bytes_per_token: int = 0  # one token's K and V over every layer, in that format
+    speculative: "SpecCounters | None" = None  # speculative decoding's counters, when it is configured
 
 
 def make_chunk(seq: "Sequence", token_ids: list[int], final: bool,
@@ -194,13 +202,14 @@ def beam_chunk(req: "Request", rank: int, hyp: "Hypothesis") -> StreamChunk:
 
 def _usage(req: "Request", completion_tokens: int) -> Usage:
     by_tier = {name: req.cached_tokens_by_tier.get(name, 0) for name in TIER_NAMES}
-    return Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, completion_tokens, by_tier)
+    return Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, completion_tokens, by_tier,
+                 req.spec_drafted, req.spec_accepted)
 
 
 def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
                   decode_path: str = "eager", weights: str = "float32", weight_bytes: int = 0,
                   dense_formats: dict[str, str] | None = None, kv_format: str = "float32",
-                  kv_bytes_per_token: int = 0) -> EngineStats:
+                  kv_bytes_per_token: int = 0, speculative: "SpecCounters | None" = None) -> EngineStats:
     """A snapshot of the engine's counters: every field read at one moment, tier stats copied."""
     return EngineStats(
         num_running=len(scheduler.running),
@@ -227,4 +236,6 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
         dense_formats=dict(dense_formats or {}),
         kv_format=kv_format,
         kv_bytes_per_token=kv_bytes_per_token,
+        speculative=None if speculative is None else replace(
+            speculative, accepted_per_position=list(speculative.accepted_per_position)),
     )

@@ -33,6 +33,7 @@ class RequestFactory:
         self.num_far_blocks = num_far_blocks  # warm blocks a sequence may keep its older KV in
         self.vocab_size = spec.vocab_size
         self.max_num_seqs = config.max_num_seqs
+        self.speculative = config.speculative is not None  # whether a request may ask for speculation
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.max_chars = max_model_len * tokenizer.max_token_chars * _CHARS_PER_TOKEN_SLACK
@@ -43,6 +44,9 @@ class RequestFactory:
         if params.num_seqs > self.max_num_seqs:
             what = f"beam_width={params.beam_width}" if params.beam_search else f"n={params.n}"
             raise RequestError(f"{what} exceeds max_num_seqs={self.max_num_seqs}")
+        if params.speculative and not self.speculative:
+            raise RequestError("speculative: this engine has no proposer (start it with EngineConfig.speculative, "
+                               "--speculative '{\"method\": \"ngram\"}')", "speculative")
         outside = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
         if outside:
             raise RequestError(f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")

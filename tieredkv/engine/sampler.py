@@ -38,12 +38,21 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+               draft: int | None = None) -> int:
     """logits [V] fp32 on CPU -> one token id drawn with `generator` (temperature, then top-k, top-p
-    and min-p)."""
+    and min-p). With a `draft` (speculative decoding, a proposer that guessed one token: q is 1 at it), rejection
+    sampling keeps the distribution p: the draft is taken with probability min(1, p/q) = p(draft), else a token
+    is drawn from the rest, (p - q)+ renormalised, which is p without the draft."""
     logits = apply_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
-    logits = apply_min_p(logits, params.min_p)
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+    probs = apply_min_p(logits, params.min_p).softmax(-1)
+    if draft is not None and 0 <= draft < probs.shape[-1]:
+        p = float(probs[draft])
+        if float(torch.rand((), generator=generator)) < p:
+            return draft
+        probs = probs.clone()
+        probs[draft] = 0.0
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def bad_mask(logits: torch.Tensor) -> torch.Tensor:
@@ -79,7 +88,7 @@ def sample(logits: torch.Tensor, rows: list[RowState],
         picked = logits[random_rows].cpu()
         for j, i in enumerate(random_rows):
             try:
-                out[i] = Sampled(sample_row(picked[j], rows[i].params, generators[i]))
+                out[i] = Sampled(sample_row(picked[j], rows[i].params, generators[i], rows[i].draft))
             except RuntimeError as e:  # e.g. a distribution torch.multinomial rejects
                 out[i] = SamplingError(f"sampling failed: {e}")
     for j, i in enumerate(asked):

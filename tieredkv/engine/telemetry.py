@@ -52,6 +52,14 @@ class Telemetry:
         self.generated_tokens = m.create_counter("tieredkv.generated_tokens", unit="{token}")
         self.preemptions = m.create_counter("tieredkv.preemptions", unit="{sequence}",
                                             description="preempted sequences, by kind (swap, recompute)")
+        # speculative decoding, as vLLM's spec_decode counters
+        self.spec_drafts = m.create_counter("tieredkv.spec_decode.num_drafts", unit="{verification}",
+                                            description="sequence-steps that verified drafts, by proposer")
+        self.spec_draft_tokens = m.create_counter("tieredkv.spec_decode.num_draft_tokens", unit="{token}",
+                                                  description="draft tokens verified, by proposer")
+        self.spec_accepted_tokens = m.create_counter("tieredkv.spec_decode.num_accepted_tokens", unit="{token}",
+                                                     description="draft tokens accepted, by proposer")
+
         def histogram(name: str, unit: str, buckets: list[float]):
             return m.create_histogram(name, unit=unit, explicit_bucket_boundaries_advisory=buckets)
 
@@ -97,6 +105,13 @@ class Telemetry:
     def on_step(self, out, seconds: float) -> None:
         self.step_duration.record(seconds)
         self.step_tokens.record(out.num_tokens)
+
+    def on_verified(self, proposer: str, drafted: int, accepted: int) -> None:
+        """A sequence's drafts were verified: `accepted` of `drafted` taken."""
+        attrs = {"proposer": proposer}
+        self.spec_drafts.add(1, attrs)
+        self.spec_draft_tokens.add(drafted, attrs)
+        self.spec_accepted_tokens.add(accepted, attrs)
 
     def on_preempted(self, seq) -> None:
         kind = "swap" if seq.swapped is not None else "recompute"

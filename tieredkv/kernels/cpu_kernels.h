@@ -33,6 +33,11 @@ int tkv_row_fits(const tkv_qw *w);
 size_t tkv_row_bytes(const tkv_qw *w);
 void tkv_row_prepare(const tkv_qw *w, const float *x, char *mem);
 void tkv_row_share(const tkv_qw *w, const char *mem, float *out);
+/* The same for M rows x [M, K] at once (a step verifying drafts): each weight row is read from memory once for
+ * all of them; out[m * ostride + n]. tkv_rows_bytes(w, 1) == tkv_row_bytes(w). */
+size_t tkv_rows_bytes(const tkv_qw *w, int64_t M);
+void tkv_rows_prepare(const tkv_qw *w, const float *x, int64_t M, char *mem);
+void tkv_rows_share(const tkv_qw *w, const char *mem, int64_t M, int64_t ostride, float *out);
 /* Rows ids[0..count) of such a weight (ids NULL: rows 0..count) dequantized to fp32 [count, K] */
 void tkv_row_dequantize(const tkv_qw *w, const int64_t *ids, int64_t count, float *out);
 

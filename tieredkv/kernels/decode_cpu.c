@@ -76,10 +76,10 @@ int tkv_decode_fits(const tkv_model *m) {
     return 1;
 }
 
-static size_t proj_bytes(const tkv_proj *p) {
+static size_t proj_bytes(const tkv_proj *p, int64_t R) {
     size_t most = 0;
     for (int64_t i = 0; i < p->parts; i++) {
-        const size_t b = tkv_row_bytes(&p->part[i]);
+        const size_t b = tkv_rows_bytes(&p->part[i], R);
         most = b > most ? b : most;
     }
     return most;
@@ -94,13 +94,16 @@ static void rms_norm(const float *x, const float *w, int64_t n, float eps, float
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
 }
 
-/* x += add (add NULL: nothing), then h = x's RMSNorm by weight w, prepared for the next product's weight into prep */
+/* for each of R rows of n: x += add (add NULL: nothing), then h = x's RMSNorm by weight w; then the R rows of h
+ * prepared for the next product's weight into prep */
 static void add_norm_prepare(float *x, const float *add, const float *w, int64_t n, float eps, float *h,
-                             const tkv_qw *next, char *prep) {
-    if (add)
-        for (int64_t i = 0; i < n; i++) x[i] += add[i];
-    rms_norm(x, w, n, eps, h);
-    tkv_row_prepare(next, h, prep);
+                             const tkv_qw *next, char *prep, int64_t R) {
+    for (int64_t r = 0; r < R; r++) {
+        if (add)
+            for (int64_t i = 0; i < n; i++) x[r * n + i] += add[r * n + i];
+        rms_norm(x + r * n, w, n, eps, h + r * n);
+    }
+    tkv_rows_prepare(next, h, R, prep);
 }
 
 /* each head's halves rotated: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) */
@@ -132,39 +135,49 @@ static void silu_mul(const float *gate, const float *up, int64_t n, float *out) 
     for (; i < n; i++) out[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
 }
 
-/* out = p(x), every thread calling it; part 0 was prepared (tkv_row_prepare into prep) by the caller */
-static void project(const tkv_proj *p, const float *x, char *prep, float *out) {
-    int64_t at = 0;
+/* out [R, the parts' outputs] = p(x [R, K]), every thread calling it; part 0 was prepared (tkv_rows_prepare into
+ * prep) by the caller */
+static void project(const tkv_proj *p, const float *x, char *prep, float *out, int64_t R) {
+    int64_t at = 0, N = 0;
+    for (int64_t i = 0; i < p->parts; i++) N += p->part[i].N;
     for (int64_t i = 0; i < p->parts; i++) {
         if (i > 0) {
             #pragma omp single
-            tkv_row_prepare(&p->part[i], x, prep);
+            tkv_rows_prepare(&p->part[i], x, R, prep);
         }
-        tkv_row_share(&p->part[i], prep, out + at);
+        tkv_rows_share(&p->part[i], prep, R, N, out + at);
         at += p->part[i].N;
     }
 }
 
-/* One decode: token `token` at position `pos` (its K/V row into cache slot `slot`: block slot / block_size,
- * row slot % block_size), attending to positions 0..len-1 (len = pos + 1) through the block table `table`;
- * logits [vocab] fp32. Returns 0, or -1 without scratch memory. */
-int tkv_decode_step(const tkv_model *m, int64_t token, int64_t pos, int64_t slot, const int32_t *table, int32_t len,
-                    float *logits) {
+/* R tokens of one sequence in one pass (R = 1: a decode step; more: a step verifying R - 1 drafts): token r at
+ * position pos + r (its K/V rows into cache slot slots[r]: block slot / block_size, row slot % block_size),
+ * attending to positions 0..len + r - 1 (len = pos + 1) through the block table `table`; logits [R, vocab] fp32.
+ * Every product reads its weight once for all R rows. Returns 0, or -1 without scratch memory. */
+int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, int64_t pos, const int64_t *slots,
+                    const int32_t *table, int32_t len, float *logits) {
     const int64_t H = m->hidden, Hq = m->heads, Hkv = m->kv_heads, D = m->head_dim, I = m->inter;
-    const int64_t qn = Hq * D, kn = Hkv * D;
+    const int64_t qn = Hq * D, kn = Hkv * D, qkvn = qn + 2 * kn;
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    const int64_t splits = tkv_attention_splits(len, threads);
-    size_t prep_bytes = proj_bytes(&m->head);
+    int64_t most_splits = 1;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t sp = tkv_attention_splits(len + r, threads);
+        most_splits = sp > most_splits ? sp : most_splits;
+    }
+    size_t prep_bytes = proj_bytes(&m->head, R);
     for (int64_t l = 0; l < m->layers; l++) {
         const tkv_layer *L = m->layer + l;
-        const size_t b[4] = {proj_bytes(&L->qkv), proj_bytes(&L->o), proj_bytes(&L->gate_up), proj_bytes(&L->down)};
+        const size_t b[4] = {proj_bytes(&L->qkv, R), proj_bytes(&L->o, R), proj_bytes(&L->gate_up, R),
+                             proj_bytes(&L->down, R)};
         for (int i = 0; i < 4; i++) prep_bytes = b[i] > prep_bytes ? b[i] : prep_bytes;
     }
-    /* after the prepared activations: x, h, qkv, att, o, gate_up, act, down, cos, sin, attention's partial results */
-    const size_t sizes[11] = {H, H, qn + 2 * kn, qn, H, 2 * I, I, H, D / 2, D / 2, (size_t)tkv_attention_parts(splits, Hq, D)};
+    /* after the prepared activations, R rows of each: x, h, qkv, att, o, gate_up, act, down, cos, sin; then
+     * attention's partial results (one row's at a time) */
+    const size_t sizes[11] = {R * H, R * H, R * qkvn, R * qn, R * H, R * 2 * I, R * I, R * H, R * (D / 2),
+                              R * (D / 2), (size_t)tkv_attention_parts(most_splits, Hq, D)};
     size_t total = lines64(prep_bytes), at[11];
     for (int i = 0; i < 11; i++) {
         at[i] = total;
@@ -178,16 +191,17 @@ int tkv_decode_step(const tkv_model *m, int64_t token, int64_t pos, int64_t slot
     float *act = (float *)(mem + at[6]), *dn = (float *)(mem + at[7]), *cs = (float *)(mem + at[8]);
     float *sn = (float *)(mem + at[9]), *parts = (float *)(mem + at[10]);
 
-    if (m->embed)
-        memcpy(x, m->embed + token * H, H * sizeof(float));
-    else
-        tkv_row_dequantize(&m->head.part[0], &token, 1, x);
-    for (int64_t i = 0; i < D / 2; i++) {
-        const float f = (float)pos * m->inv_freq[i];
-        cs[i] = cosf(f);
-        sn[i] = sinf(f);
+    for (int64_t r = 0; r < R; r++) {
+        if (m->embed)
+            memcpy(x + r * H, m->embed + tokens[r] * H, H * sizeof(float));
+        else
+            tkv_row_dequantize(&m->head.part[0], tokens + r, 1, x + r * H);
+        for (int64_t i = 0; i < D / 2; i++) {
+            const float f = (float)(pos + r) * m->inv_freq[i];
+            cs[r * (D / 2) + i] = cosf(f);
+            sn[r * (D / 2) + i] = sinf(f);
+        }
     }
-    const int64_t row = slot * Hkv * m->kv_row;  /* the new K/V rows' first byte in the layer's caches */
     const int kf = (int)(m->kv_fmt & 15), vf = (int)(m->kv_fmt >> 4);
 
     #pragma omp parallel
@@ -195,40 +209,43 @@ int tkv_decode_step(const tkv_model *m, int64_t token, int64_t pos, int64_t slot
         for (int64_t l = 0; l < m->layers; l++) {
             const tkv_layer *L = m->layer + l;
             #pragma omp single
-            add_norm_prepare(x, l > 0 ? dn : NULL, L->attn_norm, H, m->eps, h, &L->qkv.part[0], prep);
-            project(&L->qkv, h, prep, qkv);
+            add_norm_prepare(x, l > 0 ? dn : NULL, L->attn_norm, H, m->eps, h, &L->qkv.part[0], prep, R);
+            project(&L->qkv, h, prep, qkv, R);
             #pragma omp single
-            {
-                float *q = qkv, *k = qkv + qn, *v = qkv + qn + kn;
+            for (int64_t r = 0; r < R; r++) {
+                float *q = qkv + r * qkvn, *k = q + qn, *v = q + qn + kn;
                 if (L->q_norm)
                     for (int64_t j = 0; j < Hq; j++) rms_norm(q + j * D, L->q_norm, D, m->eps, q + j * D);
                 if (L->k_norm)
                     for (int64_t j = 0; j < Hkv; j++) rms_norm(k + j * D, L->k_norm, D, m->eps, k + j * D);
-                rotate(q, Hq, D, cs, sn);
-                rotate(k, Hkv, D, cs, sn);
+                rotate(q, Hq, D, cs + r * (D / 2), sn + r * (D / 2));
+                rotate(k, Hkv, D, cs + r * (D / 2), sn + r * (D / 2));
+                const int64_t row = slots[r] * Hkv * m->kv_row;  /* the new K/V rows' first byte in the caches */
                 for (int64_t j = 0; j < Hkv; j++) {
                     tkv_kv_store(k + j * D, kf, D, L->k_cache + row + j * m->kv_row);
                     tkv_kv_store(v + j * D, vf, D, L->v_cache + row + j * m->kv_row);
                 }
             }
-            tkv_attention_share(qkv, Hq, D, L->k_cache, L->v_cache, (int)m->kv_fmt, m->kv_row, m->block_size, Hkv,
-                                table, len, m->scale, splits, parts, att);
+            for (int64_t r = 0; r < R; r++)  /* row r sees the rows before it and itself (their K/V are stored) */
+                tkv_attention_share(qkv + r * qkvn, Hq, D, L->k_cache, L->v_cache, (int)m->kv_fmt, m->kv_row,
+                                    m->block_size, Hkv, table, (int32_t)(len + r), m->scale,
+                                    tkv_attention_splits(len + r, threads), parts, att + r * qn);
             #pragma omp single
-            tkv_row_prepare(&L->o.part[0], att, prep);
-            project(&L->o, att, prep, o);
+            tkv_rows_prepare(&L->o.part[0], att, R, prep);
+            project(&L->o, att, prep, o, R);
             #pragma omp single
-            add_norm_prepare(x, o, L->mlp_norm, H, m->eps, h, &L->gate_up.part[0], prep);
-            project(&L->gate_up, h, prep, gu);
+            add_norm_prepare(x, o, L->mlp_norm, H, m->eps, h, &L->gate_up.part[0], prep, R);
+            project(&L->gate_up, h, prep, gu, R);
             #pragma omp single
             {
-                silu_mul(gu, gu + I, I, act);
-                tkv_row_prepare(&L->down.part[0], act, prep);
+                for (int64_t r = 0; r < R; r++) silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, I, act + r * I);
+                tkv_rows_prepare(&L->down.part[0], act, R, prep);
             }
-            project(&L->down, act, prep, dn);
+            project(&L->down, act, prep, dn, R);
         }
         #pragma omp single
-        add_norm_prepare(x, dn, m->final_norm, H, m->eps, h, &m->head.part[0], prep);
-        project(&m->head, h, prep, logits);
+        add_norm_prepare(x, dn, m->final_norm, H, m->eps, h, &m->head.part[0], prep, R);
+        project(&m->head, h, prep, logits, R);
     }
     return 0;
 }

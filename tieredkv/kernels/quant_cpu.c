@@ -926,12 +926,26 @@ static int tile_linear(const int bits, const float *x, int64_t M, int64_t K, con
     return 0;
 }
 
-/* One activation row (prepared by tile_prepare in mem) times a tiled weight, as a worksharing loop: two tiles
- * at once (tiles p and p + H: two streams a thread) with VNNI, else a tile at a time as tile_linear */
-static void tile_share(const int bits, const char *mem, int64_t K, const uint8_t *q, const uint16_t *d,
-                       const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
+/* M activation rows (prepared by tile_prepare in mem) times a tiled weight, as a worksharing loop: out[m *
+ * ostride + n]. One row: two tiles at once (tiles p and p + H: two streams a thread) with VNNI, else a tile at a
+ * time as tile_linear; more rows: each tile's codes from memory once, then from L1 for the rows */
+static void tile_share(const int bits, const char *mem, int64_t M, int64_t ostride, int64_t K, const uint8_t *q,
+                       const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
     const int64_t B = K / 32, G = K / g, T = N / TILE_ROWS, gb = g / 32, stride = B * TILE_BLOCK(bits);
-    const int8_blocks a = int8_blocks_at(mem, 1, K);
+    const int8_blocks a = int8_blocks_at(mem, M, K);
+    if (M > 1) {
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float o[TILE_ROWS];
+            for (int64_t i = 0; i < M; i++) {
+                tile_outputs(bits, q + t * stride, d + t * G * 16, mn ? mn + t * G * 16 : NULL, K, gb, a.xq + i * K,
+                             a.sx + i * B, a.xs + i * B, a.qs + i * B, o);
+                for (int r = 0; r < TILE_ROWS; r++)
+                    out[i * ostride + t * TILE_ROWS + r] = o[r] + (bias ? bias[t * TILE_ROWS + r] : 0.f);
+            }
+        }
+        return;
+    }
     const int8_t *xq = a.xq;
     const float *sx = a.sx, *xs = a.xs;
     const int32_t *qs = a.qs;
@@ -1026,29 +1040,101 @@ int tkv_row_fits(const tkv_qw *w) {
 
 static int tiled(const tkv_qw *w) { return w->fmt == TKV_Q8T || w->fmt == TKV_Q4T; }
 
-size_t tkv_row_bytes(const tkv_qw *w) {
-    return tiled(w) ? tile_bytes(1, w->K) : int16_row_bytes(w->K, w->K / w->g);
+/* M > 1 prepared rows for the block kernels (q8_block, q4_block, q4_block512), as tkv_q4_linear lays them out:
+ * int16 codes [M, K], the same in pair order [M, K], the rows' scales [M], each group's sum of x [M, K / g] */
+typedef struct { int16_t *xq, *xp; float *sx, *xsum; } int16_rows;
+
+static size_t int16_rows_bytes(int64_t M, int64_t K, int64_t G) {
+    return 2 * lines((size_t)(M * K) * sizeof(int16_t)) + lines((size_t)M * sizeof(float)) +
+           (size_t)(M * G) * sizeof(float);
 }
 
-void tkv_row_prepare(const tkv_qw *w, const float *x, char *mem) {
-    if (tiled(w)) {
-        tile_prepare(x, 1, w->K, mem);
-        return;
-    }
-    const int16_row a = int16_row_at(mem, w->K);
-    quantize_rows(x, 1, w->K, w->g, a.xq, a.sx, w->fmt == TKV_Q4 || w->mn ? a.xsum : NULL);
+static int16_rows int16_rows_at(const char *mem, int64_t M, int64_t K) {
+    const size_t a = lines((size_t)(M * K) * sizeof(int16_t)), b = lines((size_t)M * sizeof(float));
+    int16_rows r = {(int16_t *)mem, (int16_t *)(mem + a), (float *)(mem + 2 * a), (float *)(mem + 2 * a + b)};
+    return r;
+}
+
+/* whether the q4 rows take the 512-bit blocks (groups of 32, at least one chunk of eight groups) */
+static int q4_wide(const tkv_qw *w) {
 #ifdef TKV_AVX512
-    if (w->fmt == TKV_Q4 && w->g == 32) pair_order(a.xq, w->K / 32 / 2 * 2, a.xp);  /* as q4_share's pairs read */
+    return w->g == 32 && w->K >= 256;
+#else
+    (void)w;
+    return 0;
 #endif
 }
 
-void tkv_row_share(const tkv_qw *w, const char *mem, float *out) {
-    if (w->fmt == TKV_Q8)
+size_t tkv_row_bytes(const tkv_qw *w) { return tkv_rows_bytes(w, 1); }
+
+size_t tkv_rows_bytes(const tkv_qw *w, int64_t M) {
+    if (tiled(w)) return tile_bytes(M, w->K);
+    return M == 1 ? int16_row_bytes(w->K, w->K / w->g) : int16_rows_bytes(M, w->K, w->K / w->g);
+}
+
+void tkv_row_prepare(const tkv_qw *w, const float *x, char *mem) { tkv_rows_prepare(w, x, 1, mem); }
+
+void tkv_rows_prepare(const tkv_qw *w, const float *x, int64_t M, char *mem) {
+    const int64_t K = w->K;
+    if (tiled(w)) {
+        tile_prepare(x, M, K, mem);
+        return;
+    }
+    if (M > 1) {
+        const int16_rows a = int16_rows_at(mem, M, K);
+        quantize_rows(x, M, K, w->g, a.xq, a.sx, a.xsum);
+#ifdef TKV_AVX512
+        if (w->fmt == TKV_Q4 && q4_wide(w))
+            for (int64_t m = 0; m < M; m++) pair_order(a.xq + m * K, K / 32 / 8 * 8, a.xp + m * K);
+#endif
+        return;
+    }
+    const int16_row a = int16_row_at(mem, K);
+    quantize_rows(x, 1, K, w->g, a.xq, a.sx, w->fmt == TKV_Q4 || w->mn ? a.xsum : NULL);
+#ifdef TKV_AVX512
+    if (w->fmt == TKV_Q4 && w->g == 32) pair_order(a.xq, K / 32 / 2 * 2, a.xp);  /* as q4_share's pairs read */
+#endif
+}
+
+void tkv_row_share(const tkv_qw *w, const char *mem, float *out) { tkv_rows_share(w, mem, 1, w->N, out); }
+
+/* M > 1 rows: tkv_q8_linear's and tkv_q4_linear's blocks (RB weight rows unpacked once for two activation rows),
+ * as a worksharing loop */
+static void blocks_share(const tkv_qw *w, const char *mem, int64_t M, int64_t ostride, float *out) {
+    const int64_t K = w->K, N = w->N, g = w->g;
+    const int16_rows a = int16_rows_at(mem, M, K);
+    const int wide = w->fmt == TKV_Q4 && q4_wide(w);
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n += RB) {
+        const int rows = N - n < RB ? (int)(N - n) : RB;
+        for (int64_t m = 0; m < M; m += 2) {
+            const int mt = M - m >= 2 ? 2 : 1;
+            if (w->fmt == TKV_Q8)
+                q8_block(a.xq, a.sx, w->mn ? a.xsum : NULL, m, mt, K, (const int8_t *)w->q, w->d, w->mn, g, ostride,
+                         n, rows, w->bias, out);
+#ifdef TKV_AVX512
+            else if (wide)
+                q4_block512(a.xq, a.xp, a.sx, a.xsum, m, mt, K, (const uint8_t *)w->q, w->d, w->mn, ostride, n,
+                            rows, w->bias, out);
+#endif
+            else
+                q4_block(a.xq, a.sx, a.xsum, m, mt, K, (const uint8_t *)w->q, w->d, w->mn, g, ostride, n, rows,
+                         w->bias, out);
+        }
+    }
+    (void)wide;
+}
+
+void tkv_rows_share(const tkv_qw *w, const char *mem, int64_t M, int64_t ostride, float *out) {
+    if (tiled(w))
+        tile_share(w->fmt == TKV_Q4T ? 4 : 8, mem, M, ostride, w->K, (const uint8_t *)w->q, w->d, w->mn, w->g, w->N,
+                   w->bias, out);
+    else if (M > 1)
+        blocks_share(w, mem, M, ostride, out);
+    else if (w->fmt == TKV_Q8)
         q8_share(w, mem, out);
-    else if (w->fmt == TKV_Q4)
-        q4_share(w, mem, out);
     else
-        tile_share(w->fmt == TKV_Q4T ? 4 : 8, mem, w->K, (const uint8_t *)w->q, w->d, w->mn, w->g, w->N, w->bias, out);
+        q4_share(w, mem, out);
 }
 
 void tkv_row_dequantize(const tkv_qw *w, const int64_t *ids, int64_t count, float *out) {

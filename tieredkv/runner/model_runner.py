@@ -16,7 +16,7 @@ from tieredkv.models.llama import LlamaModel
 from tieredkv.runner.compiled_decode import CompiledDecode
 from tieredkv.runner.far_stage import StagePlan, plan_stage, reads_slab_in_place, stage_groups
 from tieredkv.runner.native_decode import NativeDecode
-from tieredkv.runner.step_plan import describe, stand_in
+from tieredkv.runner.step_plan import StandIn, describe
 
 
 def warmup_steps(block_size: int) -> tuple:
@@ -81,8 +81,9 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Sequence, int]],
                 with_plan: bool = True) -> tuple[ForwardBatch, list[Sequence]]:
-        """Builds the batch; returns it with the sequences whose next token is sampled this step,
-        in the order of the logits rows. `with_plan=False` leaves out the decode plan (the compiled path
+        """Builds the batch; returns it with the sequences whose next token is sampled this step, in the order
+        of the logits rows (a sequence with drafts once per row: after its last token, then after each draft).
+        `with_plan=False` leaves out the decode plan (the compiled path
         has none)."""
         # decodes sorted by context length, so that the torch decode attention's length groups are runs
         decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: sn[0].num_computed_tokens)
@@ -103,12 +104,13 @@ class ModelRunner:
         """Each scheduled token's id, position and cache slot, in order, and the rows whose logits are sampled."""
         bs, rows = self.block_size, _TokenRows([], [], [], [], [])
         for seq, n in scheduled:
-            start, table = seq.num_computed_tokens, seq.block_table
-            rows.input_ids.extend(seq.token_ids[start : start + n])
+            start, table, at = seq.num_computed_tokens, seq.block_table, len(rows.input_ids)
+            rows.input_ids.extend(seq.step_token_ids(n))
             rows.positions.extend(range(start, start + n))
             rows.slots.extend(table[p // bs].block_id * bs + p % bs for p in range(start, start + n))
-            if start + n == seq.num_tokens:
-                rows.logits_rows.append(len(rows.input_ids) - 1)
+            # a row from the sequence's last token on: its next token, then after each draft the one that follows
+            for p in range(max(start, seq.num_tokens - 1), start + n):
+                rows.logits_rows.append(at + p - start)
                 rows.sampled.append(seq)
         return rows
 
@@ -184,7 +186,7 @@ class ModelRunner:
 
         def seq(num_computed: int, n: int):
             total = num_computed + n
-            return stand_in(num_computed, total, [0] * total, [scratch] * -(-total // bs))
+            return StandIn(num_computed, total, [0] * total, [scratch] * -(-total // bs))
 
         decodes = [(seq(n - 1, 1), 1) for n in sorted(decode_lens)]
         chunks = [(seq(ctx - n, n), n) for n, ctx in prefills]
@@ -248,9 +250,10 @@ class ModelRunner:
         batch, sampled = self.prepare(scheduled, with_plan=not compiled)
         logits = None
         if compiled and batch.attn.stage is None:
-            a = batch.attn
-            logits = self.compiled.run(batch.input_ids, batch.positions, batch.slot_mapping, a.decode_block_tables,
-                                       a.decode_context_lens)
+            a = batch.attn  # one decode, or (the native step) one sequence's last token and drafts as a chunk
+            tables, lens = ((a.decode_block_tables, a.decode_context_lens) if a.num_decode_tokens else
+                            (a.prefill_block_tables, a.prefill_context_lens))
+            logits = self.compiled.run(batch.input_ids, batch.positions, batch.slot_mapping, tables, lens)
         if logits is None:
             logits = self.model.forward(batch, self.kv_cache, self.ops)  # not __call__: llama.py, FORWARD_ONLY
         stage = batch.attn.stage

@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from tieredkv.config import MAX_SPECULATIVE_TOKENS
 from tieredkv.kernels.kv_format import CPU_FORMATS, KVLayout
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight
 from tieredkv.kernels.quant_cpu import CPU
@@ -94,8 +95,12 @@ def _linear(layer: torch.nn.Linear, what: str) -> _Proj:
     return _proj(getattr(layer, "qweight", None), layer.bias, what)
 
 
+MAX_ROWS = MAX_SPECULATIVE_TOKENS + 1  # a verification's rows: the last token and its drafts
+
+
 class NativeDecode:
-    """Runs steps that decode one sequence through decode_cpu.c's tkv_decode_step."""
+    """Runs steps that decode one sequence, or verify its drafts (speculative decoding: up to MAX_ROWS rows), through
+    decode_cpu.c's tkv_decode_rows."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, lib: ctypes.CDLL, kv: KVLayout | None = None):
         self.lib = lib
@@ -154,8 +159,12 @@ class NativeDecode:
             return None
 
     def accepts(self, scheduled: list) -> bool:
-        """True for a step that decodes one sequence (one new token) and nothing else."""
-        return len(scheduled) == 1 and scheduled[0][1] == 1
+        """True for a step that runs one sequence and nothing else: one new token, or its last token and its
+        drafts (every row then gives logits: the verification reads each)."""
+        if len(scheduled) != 1:
+            return False
+        seq, n = scheduled[0]
+        return n == 1 or (n <= MAX_ROWS and seq.num_computed_tokens + 1 == seq.num_tokens)
 
     state = "native"
 
@@ -168,15 +177,19 @@ class NativeDecode:
         """Nothing runs in the background."""
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [1, vocab] for one decode (CompiledDecode.run's arguments); its K/V row is written."""
+            block_tables: torch.Tensor, context_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [R, vocab] for R consecutive tokens of one sequence (CompiledDecode.run's arguments; the
+        context of row r is positions[0] + 1 + r); their K/V rows are written."""
         table = block_tables[0]
         if table.dtype != torch.int32 or not table.is_contiguous():
             table = table.to(torch.int32).contiguous()
-        logits = torch.empty(1, self.vocab)
-        status = self.lib.tkv_decode_step(ctypes.byref(self._model), int(input_ids[0]), int(positions[0]),
-                                          int(slot_mapping[0]), table.data_ptr(), int(context_lens[0]),
-                                          logits.data_ptr())
+        rows = input_ids.shape[0]
+        tokens = input_ids.to(torch.int64).contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        pos = int(positions[0])
+        logits = torch.empty(rows, self.vocab)
+        status = self.lib.tkv_decode_rows(ctypes.byref(self._model), rows, tokens.data_ptr(), pos, slots.data_ptr(),
+                                          table.data_ptr(), pos + 1, logits.data_ptr())
         if status != 0:
             raise MemoryError("native decode step: no memory for its activations")
         self.steps += 1

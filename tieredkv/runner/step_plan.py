@@ -3,23 +3,29 @@ scheduled sequences reduced to what the model runner reads of them."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+from tieredkv.core.sequence import step_tokens
 from tieredkv.tiers.block_pool import KVBlock
 
 
 def describe(scheduled: list) -> list[tuple]:
     """A step's plan as data: per scheduled sequence (computed tokens, tokens this step, its length, the step's
-    token ids, its block ids)."""
-    return [(s.num_computed_tokens, n, s.num_tokens, s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n],
-             [b.block_id for b in s.block_table]) for s, n in scheduled]
+    token ids (drafts after its own), its block ids)."""
+    return [(s.num_computed_tokens, n, s.num_tokens, s.step_token_ids(n), [b.block_id for b in s.block_table])
+            for s, n in scheduled]
 
 
-def stand_in(num_computed: int, num_tokens: int, token_ids: list[int], block_ids: list[int]) -> SimpleNamespace:
+class StandIn:
     """What the model runner reads of a sequence, from plain values (token ids before the step's are never read)."""
-    return SimpleNamespace(num_computed_tokens=num_computed, num_tokens=num_tokens, token_ids=token_ids,
-                           block_table=[KVBlock(i) for i in block_ids])
+
+    def __init__(self, num_computed: int, num_tokens: int, token_ids: list[int], block_ids: list[int],
+                 spec_tokens: list[int] = ()):
+        self.num_computed_tokens, self.num_tokens, self.token_ids = num_computed, num_tokens, token_ids
+        self.block_table = [KVBlock(i) for i in block_ids]
+        self.spec_tokens = list(spec_tokens)
+
+    def step_token_ids(self, n: int) -> list[int]:
+        return step_tokens(self.token_ids, self.spec_tokens, self.num_computed_tokens, n)
 
 
-def rebuild(plan: list[tuple]) -> list[tuple[SimpleNamespace, int]]:
-    return [(stand_in(c, t, [0] * c + ids, blocks), n) for c, n, t, ids, blocks in plan]
+def rebuild(plan: list[tuple]) -> list[tuple[StandIn, int]]:
+    return [(StandIn(c, t, [0] * c + ids[: t - c], blocks, ids[t - c :]), n) for c, n, t, ids, blocks in plan]

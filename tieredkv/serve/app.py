@@ -125,7 +125,7 @@ async def _errors(request: web.Request, handler):
         return web.json_response(BadRequest(f"the request body is larger than {limit} bytes", status=413).body(),
                                  status=413)
     except RequestError as e:
-        return web.json_response(BadRequest(str(e)).body(), status=400)
+        return web.json_response(BadRequest(str(e), e.param).body(), status=400)
     except EngineClosedError as e:
         return web.json_response(BadRequest(str(e), status=503, type_="server_error").body(), status=503)
     except web.HTTPException as e:

@@ -13,7 +13,7 @@ from tieredkv.engine.outputs import TokenLogprob, Usage
 
 # Parameters passed to SamplingParams as they are; the last five are extensions (as vLLM accepts them).
 _PASSED = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
-           "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos")
+           "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "speculative")
 _UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "suffix", "audio", "modalities")
 
 
@@ -165,10 +165,16 @@ def usage_body(usages: list[Usage]) -> dict[str, Any]:
     """OpenAI's usage; cached prompt tokens in its own field, their split by tier as an extension."""
     first = usages[0]
     completion = sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+    body = {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
             "total_tokens": first.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens,
                                       "cached_tokens_by_tier": dict(first.cached_tokens_by_tier)}}
+    last = usages[-1]  # speculative decoding's counts are the request's, as of its last sample's end
+    if last.draft_tokens:  # OpenAI's names for predicted tokens that were (not) used
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": last.accepted_draft_tokens,
+                                             "rejected_prediction_tokens": last.draft_tokens
+                                             - last.accepted_draft_tokens}
+    return body
 
 
 def chat_logprobs(logprobs: list[TokenLogprob] | None, decode) -> dict[str, Any] | None:

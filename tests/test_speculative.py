@@ -1,0 +1,287 @@
+"""Speculative decoding (engine/speculative.py): greedy output token for token what plain decoding gives (and
+transformers), alone, batched, under preemption and offloading; every request option holds; sampled output keeps
+its distribution; rejected drafts leave nothing behind in the cache; bad input is refused at start."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from helpers import check_pool_clean, check_pool_consistent, hf_greedy
+from test_engine_matches_hf import make_prompts
+from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+from tieredkv.config import SpeculativeConfig
+from tieredkv.engine.engine_core import EngineCore
+from tieredkv.engine.sampler import sample_row
+from tieredkv.engine.speculative import NgramIndex, NgramProposer, SpecState
+from tieredkv.runner.step_plan import describe, rebuild
+
+MAX_NEW = 24
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+
+
+class Oracle:
+    """A proposer that knows each prompt's continuation (`expected`, by prompt) and spoils one draft token in
+    every `spoil` proposals (at a position that moves), so that verifications accept all, some and none."""
+
+    name = "oracle"
+
+    def __init__(self, expected: dict[tuple, list[int]], vocab: int, spoil: int = 3):
+        self.expected, self.vocab, self.spoil, self.calls = expected, vocab, spoil, 0
+
+    def propose(self, seqs, lengths):
+        drafts = []
+        for seq, k in zip(seqs, lengths):
+            full = self.expected.get(tuple(seq.token_ids[: seq.num_prompt_tokens]), [])
+            at = seq.num_output_tokens
+            draft = list(full[at : at + k])
+            self.calls += 1
+            if draft and self.calls % self.spoil == 0:
+                j = self.calls % len(draft)
+                draft[j] = (draft[j] + 1) % self.vocab
+            drafts.append(draft)
+        return drafts
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def case(request, llama_dir, qwen2_dir):
+    model_dir = llama_dir if request.param == "llama" else qwen2_dir
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(vocab)
+    return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_NEW), vocab
+
+
+async def run(model_dir, prompts, params, batched=True, proposer=None, **cfg):
+    """Outputs (tokens, finish reasons, logprobs), stats and usages of one engine over the prompts."""
+    async with await AsyncEngine.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
+        if proposer is not None:
+            engine.core.parts.speculator.proposer = proposer
+        if batched:
+            results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        else:
+            results = [await engine.generate(p, params) for p in prompts]
+        await engine.run_in_worker(check_pool_clean, engine.core)
+        outs = [[(o.token_ids, o.finish_reason, o.logprobs, o.text) for o in r.outputs] for r in results]
+        return outs, engine.stats(), [r.usage for r in results]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "oracle"])
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "batched"])
+async def test_greedy_matches_transformers_with_drafts(case, proposer, batched):
+    """Drafts accepted in full, in part and not at all: the output is transformers' greedy output, and the
+    counters add up (stats, usage, per position)."""
+    model_dir, prompts, expected, vocab = case
+    oracle = Oracle({tuple(p): e for p, e in zip(prompts, expected)}, vocab) if proposer == "oracle" else None
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    outs, stats, usage = await run(model_dir, prompts, params, batched, oracle, num_blocks=256,
+                                   max_num_batched_tokens=64, speculative=NGRAM)
+    assert [o[0][0] for o in outs] == expected
+    spec = stats.speculative
+    assert spec.num_draft_tokens == sum(u.draft_tokens for u in usage) > 0
+    assert spec.num_accepted_tokens == sum(u.accepted_draft_tokens for u in usage) > 0
+    assert spec.accepted_per_position[0] >= spec.accepted_per_position[-1]
+    assert sum(spec.accepted_per_position) == spec.num_accepted_tokens
+    if proposer == "oracle":
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # some drafts were rejected
+
+
+@pytest.mark.parametrize("squeeze", [dict(offload=False), dict(warm_bytes=1 << 20)], ids=["preempt", "offload"])
+async def test_drafts_under_a_dry_pool(case, squeeze):
+    """A pool too small for the batch: drafts never take blocks another sequence needs, and preemption or
+    offloading still give transformers' output."""
+    model_dir, prompts, expected, vocab = case
+    oracle = Oracle({tuple(p): e for p, e in zip(prompts, expected)}, vocab)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    outs, stats, _ = await run(model_dir, prompts, params, True, oracle, num_blocks=16, max_num_batched_tokens=128,
+                               speculative=NGRAM, **squeeze)
+    assert [o[0][0] for o in outs] == expected
+    assert stats.num_preemptions + stats.blocks_offloaded > 0 and stats.speculative.num_accepted_tokens > 0
+
+
+def test_rejected_drafts_leave_the_cache_exact(llama_dir):
+    """Step by step: block tables cover the computed tokens and no more once a step is over, reference counts
+    match the tables, and every cached block holds the tokens its hash names (never a rejected draft)."""
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(vocab, seed=5)[:4]
+    expected = hf_greedy(llama_dir, prompts, MAX_NEW)
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, block_size=4, max_num_batched_tokens=64,
+                                   speculative=NGRAM))
+    try:
+        core.parts.speculator.proposer = Oracle({tuple(p): e for p, e in zip(prompts, expected)}, vocab, spoil=2)
+        reqs = [core.factory.make(p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), f"r{i}")
+                for i, p in enumerate(prompts)]
+        for r in reqs:
+            assert core.add_request(r) == []
+        while core.has_work():
+            core.step()
+            check_pool_consistent(core)
+            for seq in core.scheduler.running:
+                assert len(seq.block_table) == -(-seq.num_computed_tokens // 4) and not seq.spec_tokens
+            for block in core.pool.cached.values():
+                assert block.token_ids is None or len(block.token_ids) == 4
+        assert [r.seqs[0].output_token_ids for r in reqs] == expected
+        bs, seqs = 4, [r.seqs[0] for r in reqs]
+        for seq in seqs:  # every full block of every output was cached under the hash of its real tokens
+            keys = core.kv.chain_keys(seq.token_ids)
+            assert len(core.index.pool_prefix(keys)) >= (len(seq.token_ids) - 1) // bs - 1
+        check_pool_clean(core)
+        assert core.stats().speculative.num_accepted_tokens < core.stats().speculative.num_draft_tokens
+    finally:
+        core.close()
+
+
+async def test_every_request_option_holds_with_drafts(llama_dir):
+    """Stop strings and tokens, max and min tokens, logit bias, penalties, logprobs, n > 1: the same outputs,
+    finish reasons and log-probabilities with drafts as without (drafts that run past a stop are cut there)."""
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(vocab, seed=3)[:5]
+    plain_params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    base, _, _ = await run(llama_dir, prompts, plain_params, num_blocks=256)
+    texts = [o[0][3] for o in base]
+    stop = next(t[5:8] for t in texts if len(t) > 8)  # a string some output contains
+    cases = [dict(stop=[stop]), dict(stop_token_ids=[base[0][0][0][6]]), dict(max_tokens=3),
+             dict(logit_bias={base[1][0][0][2]: -5.0, 7: 3.0}), dict(repetition_penalty=1.3),
+             dict(frequency_penalty=0.8, presence_penalty=0.4), dict(logprobs=3), dict(n=2),
+             dict(min_tokens=10, stop_token_ids=[base[0][0][0][1]])]
+    for extra in cases:
+        params = SamplingParams(**{"max_tokens": MAX_NEW, "ignore_eos": True, **extra})
+        want, _, _ = await run(llama_dir, prompts, params, num_blocks=256)
+        oracle = Oracle({tuple(p): w[0][0] for p, w in zip(prompts, want)}, vocab, spoil=4)
+        got, stats, _ = await run(llama_dir, prompts, params, True, oracle, num_blocks=256, speculative=NGRAM)
+        for g, w in zip(got, want):
+            for (gt, gr, gl, gx), (wt, wr, wl, wx) in zip(g, w):
+                assert (gt, gr, gx) == (wt, wr, wx), extra
+                if wl is not None:
+                    assert [lp.token_id for lp in gl] == [lp.token_id for lp in wl]
+                    assert max(abs(a.logprob - b.logprob) for a, b in zip(gl, wl)) < 1e-4, extra
+        assert stats.speculative.num_drafts > 0, extra
+
+
+def test_a_draft_keeps_the_sampled_distribution():
+    """Rejection sampling against a one-token draft: the draft is taken with probability p(draft), else a token
+    from p without it; the token frequencies over 40,000 draws match p (chi-square, 7 degrees of freedom, below
+    its 0.9999 quantile 29.9), for a draft the distribution favours and one it does not."""
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    logits = torch.tensor([2.0, 1.5, 0.2, -0.3, 1.0, -2.0, 0.5, 0.0])
+    from tieredkv.engine.sampler import apply_top_k_top_p
+
+    p = apply_top_k_top_p(logits / params.temperature, 0, params.top_p).softmax(-1)
+    n = 40_000
+    for draft in (0, 5, 2):
+        gen = torch.Generator().manual_seed(draft)
+        counts = torch.bincount(torch.tensor([sample_row(logits, params, gen, draft) for _ in range(n)]),
+                                minlength=8).double()
+        keep = p > 0
+        chi2 = ((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum()
+        assert chi2 < 29.9, (draft, counts, p)
+        assert counts[~keep].sum() == 0  # nothing outside the nucleus, even as a draft
+
+
+async def test_sampled_outputs_keep_their_distribution_with_drafts(llama_dir):
+    """In the engine: 300 seeded samples of the first 3 output tokens with drafts (the greedy continuation,
+    which rejection sampling takes or refuses) and 300 without: each position's token histogram passes a
+    two-sample chi-square test (p > 0.001; categories under 5 expected pooled)."""
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    prompt = make_prompts(vocab, seed=9)[3]
+    greedy = hf_greedy(llama_dir, [prompt], 4)[0]
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.4, seed=s) for s in range(300)]
+
+    async def sample(spec):
+        cfg = dict(model=str(llama_dir), num_blocks=512, max_num_seqs=300)
+        if spec:
+            cfg["speculative"] = {**NGRAM, "disable_by_batch_size": 300}
+        async with await AsyncEngine.start(EngineConfig(**cfg)) as engine:
+            if spec:
+                engine.core.parts.speculator.proposer = Oracle({tuple(prompt): greedy}, vocab, spoil=10**9)
+            results = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
+            return [r.outputs[0].token_ids for r in results], engine.stats()
+
+    plain, _ = await sample(False)
+    drafted, stats = await sample(True)
+    assert 0 < stats.speculative.num_accepted_tokens < stats.speculative.num_draft_tokens  # taken and refused
+    for pos in range(3):
+        a = torch.bincount(torch.tensor([t[pos] for t in plain]), minlength=vocab).double()
+        b = torch.bincount(torch.tensor([t[pos] for t in drafted]), minlength=vocab).double()
+        total = a + b
+        big = total >= 10
+        a = torch.cat([a[big], a[~big].sum().unsqueeze(0)])
+        b = torch.cat([b[big], b[~big].sum().unsqueeze(0)])
+        keep = (a + b) > 0
+        a, b = a[keep], b[keep]
+        expect_a = (a + b) * a.sum() / (a.sum() + b.sum())
+        expect_b = (a + b) * b.sum() / (a.sum() + b.sum())
+        chi2 = float(((a - expect_a) ** 2 / expect_a + (b - expect_b) ** 2 / expect_b).sum())
+        df = len(a) - 1
+        # the 0.999 quantile of chi-square with df degrees of freedom (Wilson-Hilferty)
+        z = 3.09
+        limit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3 if df else 0.0
+        assert chi2 <= limit, (pos, chi2, limit, df)
+
+
+def test_ngram_index_finds_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2]
+    index = NgramIndex(1, 3)
+    index.extend(tokens)
+    assert index.lookup(tokens, 3) == [3, 4, 5]  # "1 2" last seen at 4..5, followed by 3 4 5
+    grown = NgramIndex(1, 3)
+    for n in range(1, len(tokens) + 1):
+        grown.extend(tokens[:n])
+    assert grown.last == index.last
+    assert index.lookup(tokens + [7], 4) == []  # nothing before ever followed 7
+    assert index.lookup([5, 6], 2) == []
+
+
+def test_ngram_proposer_reads_prompt_and_output(llama_dir):
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=32, speculative=NGRAM))
+    try:
+        req = core.factory.make([5, 6, 7, 8, 9, 5, 6], SamplingParams(max_tokens=4))
+        seq = core.lifecycle._new_sequence(req, 0, req.prompt_token_ids)
+        seq.spec_state = SpecState()
+        assert NgramProposer(2, 3).propose([seq], [3]) == [[7, 8, 9]]
+    finally:
+        core.close()
+
+
+def test_the_plan_other_ranks_rebuild_carries_the_drafts():
+    """Tensor parallelism: rank 0's step plan gives the other ranks the drafts as the step's tokens."""
+    class Seq:
+        num_computed_tokens, num_tokens, token_ids, spec_tokens = 5, 6, [1, 2, 3, 4, 5, 6], [7, 8]
+        block_table = []
+
+        def step_token_ids(self, n):
+            from tieredkv.core.sequence import step_tokens
+            return step_tokens(self.token_ids, self.spec_tokens, self.num_computed_tokens, n)
+
+    (stand, n), = rebuild(describe([(Seq(), 3)]))
+    assert n == 3 and stand.step_token_ids(3) == [6, 7, 8] and stand.num_tokens == 6
+
+
+async def test_bad_speculative_settings_are_refused(llama_dir):
+    with pytest.raises(ValidationError, match="ngram"):
+        EngineConfig(speculative={"method": "eagle9"})
+    for bad in ({"num_speculative_tokens": 0}, {"num_speculative_tokens": 17},
+                {"prompt_lookup_min": 5, "prompt_lookup_max": 2}):
+        with pytest.raises(ValidationError):
+            EngineConfig(speculative={"method": "ngram", **bad})
+    with pytest.raises(ValidationError, match="draft model"):
+        EngineConfig(speculative={"method": "draft"})
+    with pytest.raises(ValidationError, match="JSON"):
+        EngineConfig(speculative="{method: ngram")
+    assert EngineConfig.from_env({"TIEREDKV_SPECULATIVE": '{"method": "ngram", "num_speculative_tokens": 6}'}
+                                 ).speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=6)
+    with pytest.raises(ValidationError, match="beam search"):
+        SamplingParams(beam_width=2, speculative=True)
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32)) as engine:
+        with pytest.raises(RequestError, match="speculative") as err:
+            await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, speculative=True))
+        assert err.value.param == "speculative"
+        assert (await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, speculative=False))).outputs
+
+
+async def test_a_request_can_turn_drafts_off(llama_dir):
+    prompts = make_prompts(448, seed=2)[:3]
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, speculative=False)
+    _, stats, usage = await run(llama_dir, prompts, params, num_blocks=64, speculative=NGRAM)
+    assert stats.speculative.num_drafts == 0 and all(u.draft_tokens == 0 for u in usage)
