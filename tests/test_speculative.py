@@ -267,6 +267,8 @@ async def test_bad_speculative_settings_are_refused(llama_dir):
             EngineConfig(speculative={"method": "ngram", **bad})
     with pytest.raises(ValidationError, match="draft model"):
         EngineConfig(speculative={"method": "draft"})
+    with pytest.raises(ValidationError, match="apply to method"):
+        EngineConfig(speculative={"method": "ngram", "model": "default"})
     with pytest.raises(ValidationError, match="JSON"):
         EngineConfig(speculative="{method: ngram")
     assert EngineConfig.from_env({"TIEREDKV_SPECULATIVE": '{"method": "ngram", "num_speculative_tokens": 6}'}
@@ -285,3 +287,33 @@ async def test_a_request_can_turn_drafts_off(llama_dir):
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, speculative=False)
     _, stats, usage = await run(llama_dir, prompts, params, num_blocks=64, speculative=NGRAM)
     assert stats.speculative.num_drafts == 0 and all(u.draft_tokens == 0 for u in usage)
+
+
+@pytest.fixture(scope="module")
+def other_vocab_dir(tmp_path_factory):
+    """A checkpoint whose vocabulary is larger than the tiny tokenizer's (rows no token maps to)."""
+    from helpers import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-llama-600"), "llama", vocab_size=600)
+
+
+@pytest.mark.parametrize("draft", [dict(), dict(quantization="int8")], ids=["same-weights", "int8-self-draft"])
+async def test_a_draft_model_proposes(case, draft):
+    """A draft model (the target's own checkpoint, as it is or quantized): transformers' greedy output, and drafts
+    taken (all of them where the draft is the target itself)."""
+    model_dir, prompts, expected, _ = case
+    spec = {"method": "draft", "model": str(model_dir), "num_speculative_tokens": 3, "adaptive": False, **draft}
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    outs, stats, usage = await run(model_dir, prompts[:5], params, True, None, num_blocks=256, speculative=spec)
+    assert [o[0][0] for o in outs] == expected[:5]
+    s = stats.speculative
+    assert s.method == "draft" and s.num_accepted_tokens > 0
+    if not draft:
+        assert s.num_accepted_tokens == s.num_draft_tokens  # the same weights on the same path guess right
+    assert sum(u.draft_tokens for u in usage) == s.num_draft_tokens
+
+
+def test_a_draft_model_must_share_the_vocabulary(llama_dir, other_vocab_dir):
+    with pytest.raises(ValueError, match="vocabulary of 600 tokens"):
+        EngineCore(EngineConfig(model=str(llama_dir), num_blocks=32,
+                                speculative={"method": "draft", "model": str(other_vocab_dir)}))

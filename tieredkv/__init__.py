@@ -1,6 +1,6 @@
 """tieredkv: an asyncio LLM engine with a paged, prefix-cached, tiered KV cache."""
 
-from tieredkv.config import EngineConfig, SamplingParams
+from tieredkv.config import EngineConfig, SamplingParams, SpeculativeConfig
 from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
 from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RankLostError,
@@ -25,6 +25,7 @@ __all__ = [
     "SamplingError",
     "SnapshotError",
     "StepError",
+    "SpeculativeConfig",
     "StreamChunk",
     "TieredKVError",
     "UnsupportedModelError",

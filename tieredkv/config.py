@@ -19,7 +19,6 @@ MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: transformers' users pick 0.5-2; 1
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: logits / T would overflow long before it mattered
 
 
-SPEC_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16  # drafts verified in one forward (vLLM and llama.cpp propose a few to a few tens)
 
 
@@ -32,17 +31,19 @@ class SpeculativeConfig(BaseModel):
 
     method: Literal["ngram", "draft"] = Field(
         ..., description='"ngram": prompt lookup, the tokens that followed the latest earlier occurrence of the '
-        'sequence\'s last n tokens in its own prompt and output; "draft": a smaller model with the same tokenizer '
-        "proposes greedily (any checkpoint the engine loads, the target's own quantized copy included)")
+        "sequence's last n tokens in its own prompt and output (vLLM's, transformers' prompt lookup); \"draft\": a "
+        "draft model with the target's tokenizer proposes greedily (any checkpoint the engine loads, the target's "
+        "own quantized copy included: model \"default\" with quantization \"gguf\")")
     num_speculative_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS,
                                         description="the most tokens proposed, and verified in one forward, a step")
     prompt_lookup_min: int = Field(2, ge=1, le=16, description="ngram: the shortest suffix looked up")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="ngram: the longest suffix looked up (tried first)")
     model: str | None = Field(None, description="draft: the draft model (as EngineConfig.model)")
     quantization: Literal["int8", "int4", "gguf"] | None = Field(
-        None, description="draft: the draft model's weight format (as EngineConfig.quantization)")
-    adaptive: bool = Field(True, description="each sequence's draft length follows its measured acceptance, and "
-                           "a sequence whose drafts are rarely accepted stops proposing for a while")
+        None, description="draft: the draft model's weights (as EngineConfig.quantization)")
+    adaptive: bool = Field(True, description="each sequence's draft length follows its measured acceptance and the "
+                           "measured cost of longer steps (none where drafts do not pay); False: always "
+                           "num_speculative_tokens where the proposer has them")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="no drafts while more sequences than this decode at once (a batch that large is "
         "compute-bound: verifying drafts costs as much as it saves); None: 8 on CPU, 32 on CUDA")
@@ -176,7 +177,7 @@ class EngineConfig(BaseModel):
     speculative: SpeculativeConfig | None = Field(
         None, description='speculative decoding, a SpeculativeConfig or its dict: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft", '
-        '"model": ..., "num_speculative_tokens": 4}; None: off (docs/guide/speculative.md)')
+        '"model": ..., "quantization": ..., "num_speculative_tokens": 4}; None: off')
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="processes the model is split across (Megatron-style: heads, MLP columns and "
         "vocabulary rows), one per device: cuda:0..N-1 (from the device's index), or N CPU processes over gloo; "

@@ -175,7 +175,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
         leader.gather_objects(None)  # every rank has its cache and runner
     runner.compile_now(background=cfg.compile_in_background)
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
-    speculator = make_speculator(cfg.speculative, device.type, spec.vocab_size) if cfg.speculative is not None else None
+    speculator = make_speculator(cfg, device.type, spec.vocab_size) if cfg.speculative is not None else None
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit, speculator)
     weights = weights_label(model, dtype)
     parts = EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,

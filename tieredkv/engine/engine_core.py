@@ -13,6 +13,7 @@ from tieredkv.engine.build import build_engine
 from tieredkv.engine.outputs import EngineStats, Output, collect_stats
 from tieredkv.engine.rank_build import total_weight_bytes
 from tieredkv.engine.sizing import kv_token_bytes
+from tieredkv.engine.speculative import DraftProposer, draft_config
 from tieredkv.errors import EngineClosedError
 
 log = logging.getLogger("tieredkv")
@@ -26,9 +27,25 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.parts = build_engine(config)
+        if config.speculative is not None and config.speculative.method == "draft":
+            self._add_draft_model(config)
         self.block_size = config.block_size
         self.requests = self.parts.lifecycle.requests  # live requests by id
         self.dense_formats = self.parts.model.dense_formats(self.parts.runner.ops)  # fixed once built
+
+    def _add_draft_model(self, config: EngineConfig) -> None:
+        """Speculative decoding's draft model: an engine of its own, checked to share the target's tokenizer."""
+        try:
+            draft = EngineCore(draft_config(config))
+            try:
+                self.parts.speculator.proposer = DraftProposer(draft, self.parts.tokenizer, self.parts.spec.vocab_size,
+                                                               config.speculative.model)
+            except BaseException:
+                draft.close()
+                raise
+        except BaseException:
+            self.close()
+            raise
 
     def __getattr__(self, name: str) -> Any:  # for readers outside; the core's own methods read self.parts
         parts = self.__dict__.get("parts")
@@ -40,6 +57,9 @@ class EngineCore:
         """Persists cached blocks to the cold tier (when there is one) and closes the tiers; under tensor
         parallelism then ends the other ranks (also when persisting failed because one is gone)."""
         try:
+            speculator = self.parts.speculator
+            if speculator is not None and hasattr(speculator.proposer, "close"):
+                speculator.proposer.close()  # a draft model's engine
             self.parts.pins.release_all()
             self.parts.tiers.persist()
             self.parts.tiers.close()
@@ -78,6 +98,8 @@ class EngineCore:
         if self.parts.speculator is not None:  # drafts onto the decoding sequences, for the scheduler to fit
             self.parts.speculator.propose(self.parts.scheduler.running, self.parts.max_model_len)
         out = self.parts.scheduler.schedule()
+        decode_only = self.parts.speculator is not None and all(  # (for the speculator's costs)
+            n == 1 + len(s.spec_tokens) and s.num_computed_tokens + 1 == s.num_tokens for s, n in out.scheduled)
         self.parts.telemetry.on_scheduled(out, t0)
         self.parts.tiers.execute(out.moves)
         if not out.scheduled:
@@ -93,8 +115,8 @@ class EngineCore:
         self._publish()
         seconds = time.perf_counter() - t0
         self.parts.telemetry.on_step(out, seconds)
-        if self.parts.speculator is not None:
-            self.parts.speculator.observe(out.num_tokens, seconds)
+        if decode_only:
+            self.parts.speculator.observe(len(out.scheduled), out.num_tokens - len(out.scheduled), seconds)
         return outputs
 
     def _publish(self) -> None:

@@ -11,15 +11,25 @@ sequences; any object with `name` and `propose(seqs, lengths)` serves (a suffix 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tieredkv.config import SpeculativeConfig
 from tieredkv.core.sequence import Sequence
+from tieredkv.errors import RequestError
+
+if TYPE_CHECKING:
+    from tieredkv.config import EngineConfig
+
+log = logging.getLogger("tieredkv")
 
 BACKOFF_LIMIT = 32  # the most steps a sequence whose drafts do not pay waits before trying again
-PRIOR_ACCEPTANCE = 0.7  # a sequence's acceptance before its first verification (a proposer's guess is often right)
+PRIOR_ACCEPTANCE = 0.7
+# the draft model's own cache blocks: each call computes again the tokens after its last full block, so small
+# blocks keep that short (its cache is its own: the target's block size does not bind it)
+DRAFT_BLOCK_SIZE = 4  # a sequence's acceptance before its first verification (a proposer's guess is often right)
 
 
 class Proposer(Protocol):
@@ -85,6 +95,7 @@ class SpecState:
     acceptance: float = PRIOR_ACCEPTANCE  # a moving average of the chance that a draft is accepted
     index: NgramIndex | None = None
     skip: int = 0  # steps left without drafts (back-off while drafts do not pay)
+    proposals: int = 0  # steps it asked its proposer for drafts
     failures: int = 0  # back-offs in a row
     drafted: int = 0
     accepted: int = 0
@@ -108,38 +119,40 @@ class SpecCounters:
 
 
 class StepCosts:
-    """A step's measured time by the tokens it computes (moving averages), and an estimate where none was
-    measured: the nearest measured size below plus `slope` of one token's time per token more (optimistic at
-    first, so that longer drafts get tried and measured)."""
+    """The measured time of steps that only decode, by how many sequences decode and how many drafts they carry
+    (moving averages), and an estimate where none was measured: the nearest measured draft count below at that
+    batch size, plus `slope` of a decoding sequence's share of the plain step per draft more (optimistic, so
+    that longer drafts get tried once; a measured cost above it then caps the estimates past it)."""
 
-    def __init__(self, most: int, slope: float = 0.25):
-        self.seconds = [0.0] * (most + 1)  # by tokens in the step; 0: not measured yet
+    def __init__(self, slope: float = 0.25):
+        self.seconds: dict[tuple[int, int], float] = {}  # (decoding sequences, drafts) -> seconds
         self.slope = slope
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if 0 < tokens < len(self.seconds):
-            old = self.seconds[tokens]
-            self.seconds[tokens] = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
+    def observe(self, batch: int, drafts: int, seconds: float) -> None:
+        old = self.seconds.get((batch, drafts))
+        self.seconds[(batch, drafts)] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
-    def estimate(self, tokens: int) -> float:
-        tokens = min(tokens, len(self.seconds) - 1)
-        base = next((n for n in range(tokens, 0, -1) if self.seconds[n]), 0)
-        if base == 0:
-            return float(tokens)  # nothing measured: relative units
-        one = self.seconds[1] or self.seconds[base] / base
-        return self.seconds[base] + (tokens - base) * self.slope * one
+    def estimate(self, batch: int, drafts: int) -> float:
+        below = [d for b, d in self.seconds if b == batch and d <= drafts]
+        if not below:
+            return batch * (1.0 + self.slope * drafts / batch)  # nothing measured at this size: relative units
+        base = max(below)
+        one = self.seconds.get((batch, 0), self.seconds[(batch, base)]) / batch
+        return self.seconds[(batch, base)] + (drafts - base) * self.slope * one
 
 
 class Speculator:
     """Puts drafts on the decoding sequences that should get them this step, and learns from each verification.
 
     Adaptive (SpeculativeConfig.adaptive): each sequence keeps a moving average a of its drafts' acceptance, so k
-    drafts are expected to give 1 + a + ... + a^k tokens; each step size's time is measured (StepCosts), and a
-    sequence gets the k (0..num_speculative_tokens) that gives the step the most tokens a second. Where no k > 0
-    pays, the sequence waits 1, 2, 4, ... steps (at most BACKOFF_LIMIT) and then tries one draft, which measures
-    it again: text with nothing to copy costs a lookup a step and little else. Above `max_batch` decoding
-    sequences nobody drafts (vLLM's disable_by_batch_size): that batch is compute-bound. Not adaptive: every
-    decoding sequence asks its proposer for num_speculative_tokens drafts every step."""
+    drafts are expected to give 1 + a + ... + a^k tokens; the time of steps that only decode is measured by batch
+    size and drafts (StepCosts: a verification's cost depends on the path that serves it, the native rows, an
+    eager chunk beside a compiled decode, a batch of chunks), and each sequence in turn gets the k
+    (0..num_speculative_tokens) that gives the step the most tokens a second. Where no k > 0 pays, the sequence
+    waits 1, 2, 4, ... steps (at most BACKOFF_LIMIT) and then tries again: text with nothing to copy costs a
+    lookup a step and little else. Above `max_batch` decoding sequences nobody drafts (vLLM's
+    disable_by_batch_size): that batch is compute-bound. Not adaptive: every decoding sequence asks its proposer
+    for num_speculative_tokens drafts every step."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_batch: int, vocab_size: int):
         self.config = config
@@ -147,8 +160,9 @@ class Speculator:
         self.proposer = proposer
         self.k = config.num_speculative_tokens
         self.max_batch = max_batch
-        self.costs = StepCosts(max_batch * (self.k + 1) + 1)
-        self.counters = SpecCounters(proposer.name, accepted_per_position=[0] * self.k)
+        self.costs = StepCosts()
+        self.unmeasured = False  # this step's time says nothing of drafts' cost (a proposer's first call for one)
+        self.counters = SpecCounters(config.method, accepted_per_position=[0] * self.k)
 
     @staticmethod
     def wants(seq: Sequence) -> bool:
@@ -156,9 +170,11 @@ class Speculator:
         req = seq.request
         return req.beam is None and not req.prefill_only and req.params.speculative is not False
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """A step that computed `tokens` tokens took `seconds` (what drafts cost, for the adaptive lengths)."""
-        self.costs.observe(tokens, seconds)
+    def observe(self, batch: int, drafts: int, seconds: float) -> None:
+        """A step that only decoded `batch` sequences, with `drafts` drafts among them, took `seconds`."""
+        if not self.unmeasured:
+            self.costs.observe(batch, drafts, seconds)
+        self.unmeasured = False
 
     def propose(self, running: list[Sequence], max_model_len: int) -> None:
         """Sets spec_tokens on every running sequence: drafts on those that decode and should get them, [] on
@@ -171,10 +187,12 @@ class Speculator:
         if len(decoding) > self.max_batch:
             self.counters.skipped_steps += 1
             return
+        if self.config.adaptive and (len(decoding), 0) not in self.costs.seconds:
+            return  # a plain step at this batch size first: what drafts are weighed against
         t0 = time.perf_counter()
         seqs, lengths = [], []
-        step = len(decoding) + sum(s.num_tokens - s.num_computed_tokens for s in running if s not in decoding)
-        gained = float(step)  # tokens the step is expected to give
+        batch, drafts = len(decoding), 0
+        gained = float(batch)  # tokens the step is expected to give
         for seq in decoding:
             state = seq.spec_state
             if state is None:
@@ -185,7 +203,7 @@ class Speculator:
             params = seq.request.params
             # room for the drafts and the token sampled after them, within max_tokens and the context
             room = min(params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens, self.k)
-            k = room if not self.config.adaptive else self._length(state.acceptance, room, step, gained)
+            k = room if not self.config.adaptive else self._length(state.acceptance, room, batch, drafts, gained)
             if k == 0 and room > 0:  # nothing pays now: wait, then try one draft (which measures again)
                 state.skip = min(1 << state.failures, BACKOFF_LIMIT)
                 state.failures += 1
@@ -193,22 +211,27 @@ class Speculator:
             if k > 0:
                 seqs.append(seq)
                 lengths.append(k)
-                step += k
+                drafts += k
                 gained += sum(state.acceptance ** i for i in range(1, k + 1))
         if seqs:
+            # a proposer's first call for a sequence reads its prompt (a draft model computes it): a one-time cost
+            self.unmeasured = any(seq.spec_state.proposals == 0 for seq in seqs)
+            for seq in seqs:
+                seq.spec_state.proposals += 1
             for seq, draft, k in zip(seqs, self.proposer.propose(seqs, lengths), lengths):
                 draft = list(draft[:k])
                 bad = next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), None)
                 seq.spec_tokens = draft if bad is None else draft[:bad]  # a proposer's id the model has not
         self.counters.propose_seconds += time.perf_counter() - t0
 
-    def _length(self, a: float, room: int, step: int, gained: float) -> int:
+    def _length(self, a: float, room: int, batch: int, drafts: int, gained: float) -> int:
         """The k in 0..room that makes the step give the most tokens a second, for a sequence whose drafts are
-        accepted with chance a, in a step of `step` tokens expected to give `gained`."""
-        best, best_rate, expect = 0, gained / self.costs.estimate(step), 0.0
+        accepted with chance a, in a step of `batch` decoding sequences carrying `drafts` drafts so far, expected
+        to give `gained` tokens."""
+        best, best_rate, expect = 0, gained / self.costs.estimate(batch, drafts), 0.0
         for k in range(1, room + 1):
             expect += a ** k
-            rate = (gained + expect) / self.costs.estimate(step + k)
+            rate = (gained + expect) / self.costs.estimate(batch, drafts + k)
             if rate > best_rate * 1.02:  # a clear gain only: an estimate is not a measurement
                 best, best_rate = k, rate
         return best
@@ -231,11 +254,78 @@ class Speculator:
             state.failures = 0
 
 
-def make_speculator(config: SpeculativeConfig, device_type: str, vocab_size: int) -> Speculator:
-    """The controller for an engine's config (the ngram proposer; the draft model comes through its own
-    proposer)."""
-    if config.method != "ngram":
-        raise ValueError(f'speculative method "{config.method}" is not available in this build; supported: "ngram"')
-    max_batch = config.disable_by_batch_size or (32 if device_type == "cuda" else 8)
-    return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), max_batch,
-                      vocab_size)
+class DraftProposer:
+    """A draft model proposes greedily: an engine of its own (`core`, made by the target's EngineCore from
+    draft_config: its own pool and prefix cache, no lower tiers) on the same device, driven on the caller's
+    thread. Each call asks it, for every sequence at once, for k tokens after the sequence's tokens so far; its
+    prefix cache holds each sequence's earlier full blocks (small ones, DRAFT_BLOCK_SIZE), so a call computes the
+    tokens after the last of them, then k decode steps. Rejected drafts need no rollback there: the cache finds
+    blocks by their tokens. A draft model that fails proposes nothing (logged once); the target's requests go
+    on."""
+
+    name = "draft"
+
+    def __init__(self, core, target_tokenizer, target_vocab: int, label: str):
+        from tieredkv.engine.telemetry import Telemetry
+
+        self.core = core
+        core.parts.telemetry = core.parts.lifecycle.telemetry = Telemetry(silent=True)  # its requests are not ours
+        check_same_vocabulary(target_tokenizer, target_vocab, core.tokenizer, core.spec.vocab_size, label)
+        self.failed: BaseException | None = None
+
+    def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
+        from tieredkv.config import SamplingParams
+
+        if self.failed is not None:
+            return [[] for _ in seqs]
+        core, reqs = self.core, []
+        try:
+            for seq, k in zip(seqs, lengths):
+                try:
+                    req = core.factory.make(seq.token_ids, SamplingParams(max_tokens=k, ignore_eos=True))
+                except RequestError:  # past the draft model's own limits (its context): no drafts for it
+                    req = None
+                reqs.append(req if req is not None and not core.add_request(req) else None)
+            while core.has_work():
+                core.step()
+        except Exception as e:  # the draft engine is not the target's: its failure only ends the drafts
+            log.exception("the draft model failed; speculative decoding goes on without drafts")
+            self.failed = e
+            for req in reqs:
+                if req is not None:
+                    core.abort(req.request_id)
+            return [[] for _ in seqs]
+        return [req.seqs[0].output_token_ids if req is not None and req.seqs else [] for req in reqs]
+
+    def close(self) -> None:
+        self.core.close()
+
+
+def draft_config(config: "EngineConfig") -> "EngineConfig":
+    """The draft model's engine: the target's settings with the draft's model and weights, its own small pool
+    blocks and prefix cache, nothing below hot, one rank."""
+    spec = config.speculative
+    return config.model_copy(update={
+        "model": spec.model, "quantization": spec.quantization, "speculative": None, "warm_bytes": 0,
+        "cold_path": None, "remote_url": None, "num_blocks": None, "kv_cache_bytes": None,
+        "enable_prefix_caching": True, "compile_in_background": False, "tensor_parallel_size": 1,
+        "block_size": DRAFT_BLOCK_SIZE, "int8_activations": False})
+
+
+def check_same_vocabulary(target, target_vocab: int, draft, draft_vocab: int, name: str) -> None:
+    """A draft model must number tokens as the target does: the same vocabulary size and the same token strings."""
+    if draft_vocab != target_vocab:
+        raise ValueError(f"the draft model {name!r} has a vocabulary of {draft_vocab} tokens, the target "
+                         f"{target_vocab}: speculative decoding needs a draft model with the target's tokenizer")
+    if draft.hf.get_vocab() != target.hf.get_vocab():
+        raise ValueError(f"the draft model {name!r} numbers its tokens differently from the target: speculative "
+                         "decoding needs a draft model with the target's tokenizer")
+
+
+def make_speculator(config: "EngineConfig", device_type: str, vocab_size: int) -> Speculator:
+    """The controller for an engine's config; for "draft" its proposer comes once the target is built
+    (EngineCore: the draft model's engine is an engine like it)."""
+    spec = config.speculative
+    max_batch = spec.disable_by_batch_size or (32 if device_type == "cuda" else 8)
+    proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram" else None
+    return Speculator(spec, proposer, max_batch, vocab_size)

@@ -37,10 +37,11 @@ class Telemetry:
     """Per-engine instruments. The worker thread records events as they happen (`on_*`); gauges and
     per-tier counters are read from `snapshot`, the stats the worker publishes after every step."""
 
-    def __init__(self) -> None:
+    def __init__(self, silent: bool = False) -> None:
+        """`silent`: instruments that record nothing (an engine serving another's drafts, not requests)."""
         self.snapshot = None  # EngineStats, set by the worker
-        self.tracer = trace.get_tracer(_SCOPE)
-        m = metrics.get_meter(_SCOPE)
+        self.tracer = trace.NoOpTracer() if silent else trace.get_tracer(_SCOPE)
+        m = metrics.NoOpMeter(_SCOPE) if silent else metrics.get_meter(_SCOPE)
         self.requests = m.create_counter("tieredkv.requests", unit="{request}",
                                          description="requests ended, by finish_reason (stop, length, abort, "
                                                      "error, rejected)")
@@ -70,6 +71,8 @@ class Telemetry:
         self.step_duration = histogram("tieredkv.step.duration", "s", TOKEN_LATENCY_BUCKETS)
         self.step_tokens = histogram("tieredkv.step.tokens", "{token}", TOKEN_BUCKETS)
         self.engine_id = str(next(_ids))
+        if silent:
+            return
         _LIVE.add(self)
         with _REGISTERED:
             if not _registered:

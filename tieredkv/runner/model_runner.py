@@ -254,6 +254,8 @@ class ModelRunner:
             tables, lens = ((a.decode_block_tables, a.decode_context_lens) if a.num_decode_tokens else
                             (a.prefill_block_tables, a.prefill_context_lens))
             logits = self.compiled.run(batch.input_ids, batch.positions, batch.slot_mapping, tables, lens)
+            if logits is not None and logits.shape[0] != batch.logits_indices.shape[0]:  # a prompt chunk: its last
+                logits = logits[batch.logits_indices]
         if logits is None:
             logits = self.model.forward(batch, self.kv_cache, self.ops)  # not __call__: llama.py, FORWARD_ONLY
         stage = batch.attn.stage

@@ -1,0 +1,224 @@
+"""Speculative decoding (prompt lookup) on input-grounded tasks and on open chat, beside plain decoding and
+beside llama.cpp's server with and without its own n-gram speculation, on the same file and prompts.
+
+    .venv/bin/python benchmarks/bench_speculative.py [--weights fp32 gguf] [--batch 1 8 32] [--draft]
+        [--tasks repeat quote edit answer chat] [--llama-server BIN --gguf FILE ...] [--json out.json]
+
+Default model, greedy, stopping at EOS (at most --max-tokens). Tasks, each a chat turn built on text of its own:
+  - repeat: "Repeat the following text exactly" and a passage (the model copies it nearly word for word);
+  - quote: project notes (~1,000 tokens), "copy the lines about projects i..j exactly";
+  - edit: a passage with one name to be replaced everywhere;
+  - answer: project notes and a question to answer in the document's words;
+  - chat: an open question with nothing to copy (speculation must cost little here).
+Each engine variant runs every task at batch 1 (one request after another) and at each --batch size above 1
+(that many requests of the task at once), on the main thread (EngineCore), and reports output tokens a second,
+the acceptance, and whether its greedy tokens equal plain decoding's. With --draft, also the default model's own
+Q4_1 file as a draft model for its fp32 weights. Engines are built once and alternate per
+task (plain, speculative), so the ratios come from one sitting. llama-server runs the same prompts (token ids)
+with --parallel 8, plain and with --spec-type ngram-simple / ngram-map-k (n=3, m=8: its best here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_longdoc import document  # noqa: E402
+
+from tieredkv import EngineConfig, SamplingParams  # noqa: E402
+from tieredkv.engine.engine_core import EngineCore  # noqa: E402
+from tieredkv.platform.cpu_features import cpu_info  # noqa: E402
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+DRAFT = {"method": "draft", "model": "default", "quantization": "gguf", "num_speculative_tokens": 4}
+PASSAGES = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+    "metal type, oil-based inks and a wooden press adapted from wine making. Within fifty years, presses operated in "
+    "more than two hundred cities across Europe, and millions of books had been printed. The spread of printed "
+    "material lowered the cost of books, encouraged literacy, and allowed scientific results to be shared and "
+    "checked by readers far from their authors.",
+    "Bees communicate the location of food through a waggle dance performed on the comb. The angle of the dance "
+    "relative to vertical shows the direction of the food relative to the sun, and the length of the waggle run "
+    "shows the distance. Other bees follow the dancer, learn the route, and fly out to the flowers themselves. The "
+    "dance changes through the day as the sun moves across the sky.",
+    "A lighthouse keeper's day started before dawn. The keeper trimmed the wick, polished the lens, and wound the "
+    "clockwork that turned the light. Logs recorded the weather, passing ships and every repair. In storms the "
+    "keeper stayed awake all night, watching the flame and listening to the sea against the rocks below the tower.",
+    "The city library opens at nine on weekdays and at ten on Saturdays. Members may borrow up to twelve books for "
+    "three weeks and renew them twice online. Study rooms can be booked a week ahead for up to two hours. The "
+    "children's section holds story time every Wednesday afternoon, and the reading garden is open in summer.",
+]
+CHAT = ["Write a short poem about autumn rain.", "What are three tips for learning to cook?",
+        "Describe a dragon who loves tea.", "Why do people enjoy music?"]
+
+
+def tasks(tokenizer) -> dict[str, list[list[dict]]]:
+    """Each task's chat turns, four of each (different texts, so that batched requests share no answer)."""
+    def turn(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+    notes = [document(tokenizer, 1000, seed=s) for s in range(4)]
+    return {
+        "repeat": [turn("Repeat the following text exactly, with nothing else:\n\n" + p) for p in PASSAGES],
+        "quote": [turn(f"{d}\n\nCopy the lines about projects {3 + i} to {6 + i} exactly, with nothing else.")
+                  for i, d in enumerate(notes)],
+        "edit": [turn("Rewrite the following text with every 'the' replaced by 'a', changing nothing else:\n\n" + p)
+                 for p in PASSAGES],
+        "answer": [turn(f"{d}\n\nQuestion: who leads project {5 + i}, where, and with what budget? Answer with the "
+                        "document's own words.") for i, d in enumerate(notes)],
+        "chat": [turn(q) for q in CHAT],
+    }
+
+
+def run(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], int, int]:
+    """All prompts at once to the end; (output tokens a second, outputs, drafts, accepted drafts)."""
+    params = SamplingParams(max_tokens=max_tokens)
+    reqs = [core.factory.make(p, params) for p in prompts]
+    t0 = time.perf_counter()
+    for r in reqs:
+        core.add_request(r)
+    while core.has_work():
+        core.step()
+    seconds = time.perf_counter() - t0
+    outs = [r.seqs[0].output_token_ids for r in reqs]
+    return sum(map(len, outs)) / seconds, outs, sum(r.spec_drafted for r in reqs), sum(r.spec_accepted for r in reqs)
+
+
+def measure(cores: dict, prompts: dict[str, list[list[int]]], batches: list[int], max_tokens: int) -> dict:
+    results: dict = {}
+    for task, ps in prompts.items():
+        for batch in batches:
+            groups = [[p] for p in ps] if batch == 1 else [(ps * batch)[:batch]]
+            for name, core in cores.items():
+                for g in groups:  # the prompt computed once before: decode is what is timed
+                    run(core, g[:1], 1)
+                tok_s, outs, drafted, accepted = [], [], 0, 0
+                for g in groups:
+                    rate, out, d, a = run(core, g, max_tokens)
+                    tok_s.append(rate)
+                    outs.extend(out)
+                    drafted, accepted = drafted + d, accepted + a
+                row = results.setdefault(f"{task} @ {batch}", {})
+                row[name] = {"tok_s": sum(tok_s) / len(tok_s), "tokens": sum(map(len, outs)),
+                             "acceptance": accepted / drafted if drafted else None, "outputs": outs}
+            base = next(iter(row.values()))
+            for name, r in row.items():
+                r["same_as_plain"] = r["outputs"] == base["outputs"]
+                r["vs_plain"] = r["tok_s"] / base["tok_s"]
+            print(f"{task} @ {batch}: " + ", ".join(
+                f"{n} {r['tok_s']:.1f} tok/s ({r['vs_plain']:.2f}x" + (f", accept {r['acceptance']:.2f}"
+                                                                    if r["acceptance"] is not None else "")
+                + ("" if r["same_as_plain"] else ", DIFFERS") + ")" for n, r in row.items()), flush=True)
+    for row in results.values():
+        for r in row.values():
+            del r["outputs"]
+    return results
+
+
+async def llama_server(binary: str, gguf: str, prompts: dict[str, list[list[int]]], batches: list[int],
+                       max_tokens: int, spec: list[str]) -> dict:
+    """llama.cpp's server on the same prompts (token ids), --parallel 8; spec: its speculation flags."""
+    import aiohttp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "-m", gguf, "-t", str(torch.get_num_threads()), "-c", str(8 * 4096),
+                             "--parallel", "8", "--port", str(port), *spec],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, results = f"http://127.0.0.1:{port}", {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(600):
+                try:
+                    async with session.get(f"{url}/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.5)
+
+            async def one(prompt, n):
+                body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "cache_prompt": True}
+                async with session.post(f"{url}/completion", json=body) as r:
+                    out = await r.json()
+                t = out.get("timings", {})
+                return out.get("tokens_predicted", 0), t.get("draft_n", 0), t.get("draft_n_accepted", 0)
+
+            for task, ps in prompts.items():
+                for batch in batches:
+                    groups = [[p] for p in ps] if batch == 1 else [(ps * batch)[:batch]]
+                    for g in groups:
+                        await one(g[0], 1)
+                    rates, drafted, accepted = [], 0, 0
+                    for g in groups:
+                        t0 = time.perf_counter()
+                        got = await asyncio.gather(*(one(p, max_tokens) for p in g))
+                        rates.append(sum(x[0] for x in got) / (time.perf_counter() - t0))
+                        drafted += sum(x[1] for x in got)
+                        accepted += sum(x[2] for x in got)
+                    results[f"{task} @ {batch}"] = {"tok_s": sum(rates) / len(rates),
+                                                    "acceptance": accepted / drafted if drafted else None}
+    finally:
+        proc.terminate()
+        proc.wait()
+    return results
+
+
+def main(args) -> dict:
+    random.seed(0)
+    out = {"machine": cpu_info().describe(torch.get_num_threads()), "speculative": SPEC, "engine": {}}
+    if args.draft:
+        out["draft"] = DRAFT
+    for weights in args.weights:
+        quant = {"quantization": "gguf"} if weights == "gguf" else {}
+        cfg = dict(compile_in_background=False, warm_bytes=0, max_model_len=4096, num_blocks=40 * 256 // 16 * 4,
+                   max_num_seqs=max(args.batch), **quant)
+        cores = {"plain": EngineCore(EngineConfig(**cfg)),
+                 "ngram": EngineCore(EngineConfig(**cfg, speculative=SPEC))}
+        if args.draft and weights != "gguf":  # the Q4_1 file drafting for its own fp32 weights
+            cores["Q4_1 self-draft"] = EngineCore(EngineConfig(**cfg, speculative=DRAFT))
+        tok = cores["plain"].tokenizer
+        prompts = {t: [tok.apply_chat_template(m) for m in ms] for t, ms in tasks(tok).items()
+                   if t in args.tasks}
+        print(f"weights {weights}: decode path {cores['plain'].stats().decode_path}", flush=True)
+        out["engine"][weights] = measure(cores, prompts, args.batch, args.max_tokens)
+        for core in cores.values():
+            core.close()
+    if args.llama_server:
+        out["llama.cpp"] = {}
+        for gguf in args.gguf:
+            for label, flags in (("plain", []), ("ngram-simple", ["--spec-type", "ngram-simple"]),
+                                 ("ngram-map-k n3 m8", ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n",
+                                                        "3", "--spec-ngram-map-k-size-m", "8"])):
+                name = f"{Path(gguf).name} {label}"
+                res = asyncio.run(llama_server(args.llama_server, gguf, prompts, args.batch, args.max_tokens, flags))
+                out["llama.cpp"][name] = res
+                print(name + ": " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in res.items()), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", nargs="+", default=["fp32", "gguf"], choices=["fp32", "gguf"])
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--tasks", nargs="+", default=["repeat", "quote", "edit", "answer", "chat"])
+    parser.add_argument("--draft", action="store_true", help="also a draft-model engine (fp32 weights only)")
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary")
+    parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-server")
+    parser.add_argument("--json", help="write the results here")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(parser.parse_args())
