@@ -31,3 +31,26 @@ def test_greedy_matches_transformers(family, variant):
         assert core.runner.compiled.steps == len(PROMPTS) * (NEW - 1)
     else:  # all at once, the shared prefix from the cache
         assert run_to_end(core, PROMPTS, [NEW] * len(PROMPTS)) == expected
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(quantization="int8", compile_decode=True)], ids=["eager", "native"])
+def test_greedy_matches_transformers_with_drafts(family, variant):
+    """Speculative decoding on these families: every draft a proposer that knows the answer offers, spoiled now
+    and then, verified as a chunk (eager) or as the native step's rows; the output is transformers'."""
+    from test_speculative import Oracle
+
+    kind, path, expected = family
+    core = EngineCore(EngineConfig(model=str(path), num_blocks=32, speculative={
+        "method": "ngram", "num_speculative_tokens": 4, "adaptive": False}, **variant))
+    try:
+        core.parts.speculator.proposer = Oracle({tuple(p): e for p, e in zip(PROMPTS, expected)}, 100, spoil=3)
+        got = [run_to_end(core, [p], [NEW])[0] for p in PROMPTS]
+        if variant:  # int8 weights: the native step's own greedy tokens, with and without drafts
+            plain = EngineCore(EngineConfig(model=str(path), num_blocks=32, **variant))
+            expected = [run_to_end(plain, [p], [NEW])[0] for p in PROMPTS]
+            plain.close()
+        assert got == expected
+        counters = core.stats().speculative
+        assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    finally:
+        core.close()

@@ -149,6 +149,8 @@ async def test_models_and_health(server):
      "best_of"),
     ({"model": NAME, "messages": [{"role": "user", "content": "x" * 30_000}]}, 400, "prompt"),
     ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "speculative": True}, 400, "speculative"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "speculative": "often"}, 400, "speculative"),
 ])
 async def test_malformed_requests_get_openai_errors_naming_the_field(server, body, status, param):
     engine, _, url = server

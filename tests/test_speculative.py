@@ -317,3 +317,12 @@ def test_a_draft_model_must_share_the_vocabulary(llama_dir, other_vocab_dir):
     with pytest.raises(ValueError, match="vocabulary of 600 tokens"):
         EngineCore(EngineConfig(model=str(llama_dir), num_blocks=32,
                                 speculative={"method": "draft", "model": str(other_vocab_dir)}))
+
+
+def test_the_server_reports_drafts_as_openai_names_predicted_tokens():
+    from tieredkv.engine.outputs import Usage
+    from tieredkv.serve.protocol import usage_body
+
+    body = usage_body([Usage(10, 0, 20, draft_tokens=12, accepted_draft_tokens=9)])
+    assert body["completion_tokens_details"] == {"accepted_prediction_tokens": 9, "rejected_prediction_tokens": 3}
+    assert "completion_tokens_details" not in usage_body([Usage(10, 0, 20)])

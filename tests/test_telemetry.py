@@ -197,3 +197,22 @@ async def test_the_remote_tiers_bytes_and_round_trips_are_metrics(otel, llama_di
     assert live.demotions == 4 and live.bytes_written > 4 * 3 * 2 * 16 * 2 * 16 * 4 and live.round_trips >= 2
     for name in ("bytes_written", "round_trips", "demotions", "failures"):
         assert by_attr(pts[f"tieredkv.tier.{name}"], "tier")["remote"] == getattr(live, name)
+
+
+async def test_speculative_decoding_counts_drafts_and_a_draft_models_requests_are_not_counted(otel, llama_dir):
+    """vLLM's spec_decode counters by proposer, equal to the engine's stats; the draft model's own engine records
+    nothing (its requests are not the application's)."""
+    _, reader = otel
+    before = metric_sums(reader)
+    spec = {"method": "draft", "model": str(llama_dir), "num_speculative_tokens": 3, "adaptive": False}
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, speculative=spec)) as engine:
+        await engine.generate(list(range(3, 40)), SamplingParams(max_tokens=12, ignore_eos=True))
+        stats = engine.stats().speculative
+    sums = metric_sums(reader)
+    grew = {name: sums.get(name, 0) - before.get(name, 0) for name in sums}
+    assert grew["tieredkv.requests"] == 1 and grew["tieredkv.generated_tokens"] == 12
+    assert grew["tieredkv.spec_decode.num_drafts"] == stats.num_drafts > 0
+    assert grew["tieredkv.spec_decode.num_draft_tokens"] == stats.num_draft_tokens
+    assert grew["tieredkv.spec_decode.num_accepted_tokens"] == stats.num_accepted_tokens > 0
+    drafts = by_attr(points(reader)["tieredkv.spec_decode.num_draft_tokens"], "proposer")
+    assert drafts["draft"] >= stats.num_draft_tokens

@@ -120,9 +120,9 @@ class SpecCounters:
 
 class StepCosts:
     """The measured time of steps that only decode, by how many sequences decode and how many drafts they carry
-    (moving averages), and an estimate where none was measured: the nearest measured draft count below at that
-    batch size, plus `slope` of a decoding sequence's share of the plain step per draft more (optimistic, so
-    that longer drafts get tried once; a measured cost above it then caps the estimates past it)."""
+    (moving averages), and an estimate where none was measured at that batch size: on the line between the
+    nearest measured draft counts below and above; past the last measured, `slope` of a decoding sequence's
+    share of the plain step per draft more (optimistic, so that longer drafts get tried once)."""
 
     def __init__(self, slope: float = 0.25):
         self.seconds: dict[tuple[int, int], float] = {}  # (decoding sequences, drafts) -> seconds
@@ -133,12 +133,17 @@ class StepCosts:
         self.seconds[(batch, drafts)] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def estimate(self, batch: int, drafts: int) -> float:
-        below = [d for b, d in self.seconds if b == batch and d <= drafts]
+        measured = [d for b, d in self.seconds if b == batch]
+        below = [d for d in measured if d <= drafts]
         if not below:
             return batch * (1.0 + self.slope * drafts / batch)  # nothing measured at this size: relative units
-        base = max(below)
-        one = self.seconds.get((batch, 0), self.seconds[(batch, base)]) / batch
-        return self.seconds[(batch, base)] + (drafts - base) * self.slope * one
+        lo, above = max(below), [d for d in measured if d > drafts]
+        t_lo = self.seconds[(batch, lo)]
+        if above:  # between two measured counts: on the line through them
+            hi = min(above)
+            return t_lo + (self.seconds[(batch, hi)] - t_lo) * (drafts - lo) / (hi - lo)
+        one = self.seconds.get((batch, 0), t_lo) / batch
+        return t_lo + (drafts - lo) * self.slope * one
 
 
 class Speculator:
