@@ -19,15 +19,18 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
-from tieredkv.platform.cpu_features import cpu_info
+sys.path.insert(0, str(Path(__file__).parent))
+from llama_server import llama_server  # noqa: E402
+
+from tieredkv import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
+from tieredkv.platform.cpu_features import cpu_info  # noqa: E402
 
 NEW_TOKENS, BS = 32, 16
 
@@ -123,49 +126,28 @@ def run_hf() -> dict:
 
 async def run_llama(binary: str, gguf: str, vocab: int) -> dict:
     """llama.cpp's server with 8 slots and its prompt cache; prompts sent as token ids."""
-    import aiohttp
+    async with llama_server(binary, gguf, "--cache-reuse", "0") as (session, url):
+        systems, convs = workload(vocab)
+        t0, ttfts, computed = time.perf_counter(), [], []
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "-m", gguf, "-t", str(torch.get_num_threads()), "-c", str(8 * 2048),
-                             "--parallel", "8", "--port", str(port), "--cache-reuse", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as session:
-            for _ in range(600):
-                try:
-                    async with session.get(f"{url}/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.5)
-            systems, convs = workload(vocab)
-            t0, ttfts, computed = time.perf_counter(), [], []
+        async def one(prompt):
+            body = {"prompt": prompt, "n_predict": NEW_TOKENS, "ignore_eos": True, "temperature": 0.0,
+                    "stream": True, "cache_prompt": True}
+            first, n = None, 0
+            async with session.post(f"{url}/completion", json=body) as r:
+                async for line in r.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    if event.get("content") is not None and not event.get("stop"):
+                        first, n = first or time.perf_counter() - t0, n + 1
+                    if event.get("stop"):
+                        computed.append(event.get("timings", {}).get("prompt_n", 0))
+            ttfts.append(first)
+            return n
 
-            async def one(prompt):
-                body = {"prompt": prompt, "n_predict": NEW_TOKENS, "ignore_eos": True, "temperature": 0.0,
-                        "stream": True, "cache_prompt": True}
-                first, n = None, 0
-                async with session.post(f"{url}/completion", json=body) as r:
-                    async for line in r.content:
-                        if not line.startswith(b"data: "):
-                            continue
-                        event = json.loads(line[6:])
-                        if event.get("content") is not None and not event.get("stop"):
-                            first, n = first or time.perf_counter() - t0, n + 1
-                        if event.get("stop"):
-                            computed.append(event.get("timings", {}).get("prompt_n", 0))
-                ttfts.append(first)
-                return n
-
-            tokens = sum(await asyncio.gather(*(one(p) for _, p in convs)))
-            seconds = time.perf_counter() - t0
-    finally:
-        proc.terminate()
-        proc.wait()
+        tokens = sum(await asyncio.gather(*(one(p) for _, p in convs)))
+        seconds = time.perf_counter() - t0
     return {"name": f"llama.cpp server 8 slots, {os.path.basename(gguf)}", "tok_s": tokens / seconds,
             "seconds": seconds, "computed": sum(computed), "necessary": necessary_tokens(systems, convs),
             **percentiles(ttfts)}

@@ -2,7 +2,7 @@
 beside llama.cpp's server with and without its own n-gram speculation, on the same file and prompts.
 
     .venv/bin/python benchmarks/bench_speculative.py [--weights fp32 gguf] [--batch 1 8 32] [--draft]
-        [--tasks repeat quote edit answer chat] [--llama-server BIN --gguf FILE ...] [--json out.json]
+        [--tasks repeat quote edit answer chat] [--mixed ROUNDS] [--llama-server BIN --gguf FILE ...] [--json F]
 
 Default model, greedy, stopping at EOS (at most --max-tokens). Tasks, each a chat turn built on text of its own:
   - repeat: "Repeat the following text exactly" and a passage (the model copies it nearly word for word);
@@ -25,8 +25,6 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_longdoc import document  # noqa: E402
+from llama_server import llama_server  # noqa: E402
 
 from tieredkv import EngineConfig, SamplingParams  # noqa: E402
 from tieredkv.engine.engine_core import EngineCore  # noqa: E402
@@ -125,54 +124,57 @@ def measure(cores: dict, prompts: dict[str, list[list[int]]], batches: list[int]
     return results
 
 
-async def llama_server(binary: str, gguf: str, prompts: dict[str, list[list[int]]], batches: list[int],
-                       max_tokens: int, spec: list[str]) -> dict:
+async def run_llama(binary: str, gguf: str, prompts: dict[str, list[list[int]]], batches: list[int],
+                    max_tokens: int, spec: list[str]) -> dict:
     """llama.cpp's server on the same prompts (token ids), --parallel 8; spec: its speculation flags."""
-    import aiohttp
+    results = {}
+    async with llama_server(binary, gguf, *spec, context=8 * 4096) as (session, url):
+        async def one(prompt, n):
+            body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "cache_prompt": True}
+            async with session.post(f"{url}/completion", json=body) as r:
+                out = await r.json()
+            t = out.get("timings", {})
+            return out.get("tokens_predicted", 0), t.get("draft_n", 0), t.get("draft_n_accepted", 0)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "-m", gguf, "-t", str(torch.get_num_threads()), "-c", str(8 * 4096),
-                             "--parallel", "8", "--port", str(port), *spec],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, results = f"http://127.0.0.1:{port}", {}
-    try:
-        async with aiohttp.ClientSession() as session:
-            for _ in range(600):
-                try:
-                    async with session.get(f"{url}/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.5)
-
-            async def one(prompt, n):
-                body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "cache_prompt": True}
-                async with session.post(f"{url}/completion", json=body) as r:
-                    out = await r.json()
-                t = out.get("timings", {})
-                return out.get("tokens_predicted", 0), t.get("draft_n", 0), t.get("draft_n_accepted", 0)
-
-            for task, ps in prompts.items():
-                for batch in batches:
-                    groups = [[p] for p in ps] if batch == 1 else [(ps * batch)[:batch]]
-                    for g in groups:
-                        await one(g[0], 1)
-                    rates, drafted, accepted = [], 0, 0
-                    for g in groups:
-                        t0 = time.perf_counter()
-                        got = await asyncio.gather(*(one(p, max_tokens) for p in g))
-                        rates.append(sum(x[0] for x in got) / (time.perf_counter() - t0))
-                        drafted += sum(x[1] for x in got)
-                        accepted += sum(x[2] for x in got)
-                    results[f"{task} @ {batch}"] = {"tok_s": sum(rates) / len(rates),
-                                                    "acceptance": accepted / drafted if drafted else None}
-    finally:
-        proc.terminate()
-        proc.wait()
+        for task, ps in prompts.items():
+            for batch in batches:
+                groups = [[p] for p in ps] if batch == 1 else [(ps * batch)[:batch]]
+                for g in groups:
+                    await one(g[0], 1)
+                rates, drafted, accepted = [], 0, 0
+                for g in groups:
+                    t0 = time.perf_counter()
+                    got = await asyncio.gather(*(one(p, max_tokens) for p in g))
+                    rates.append(sum(x[0] for x in got) / (time.perf_counter() - t0))
+                    drafted += sum(x[1] for x in got)
+                    accepted += sum(x[2] for x in got)
+                results[f"{task} @ {batch}"] = {"tok_s": sum(rates) / len(rates),
+                                                "acceptance": accepted / drafted if drafted else None}
     return results
+
+
+def mixed(cores: dict, rounds: int) -> dict:
+    """bench_engine.py's mixed workload (32 requests at once, prompts of 64-512 random tokens, 16-128 new tokens,
+    EOS ignored): nothing to copy, and more sequences than disable_by_batch_size until the batch drains; the
+    engines alternate, output tok/s over every round."""
+    from bench_engine import make_requests
+
+    reqs = make_requests(32, next(iter(cores.values())).spec.vocab_size)
+    rates: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, core in cores.items():
+            t0 = time.perf_counter()
+            made = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in reqs]
+            for r in made:
+                core.add_request(r)
+            while core.has_work():
+                core.step()
+            rates.setdefault(name, []).append(sum(n for _, n in reqs) / (time.perf_counter() - t0))
+    base = sum(rates["plain"])
+    out = {name: {"tok_s": sum(v) / len(v), "vs_plain": sum(v) / base} for name, v in rates.items()}
+    print("mixed 32: " + ", ".join(f"{n} {r['tok_s']:.1f} tok/s ({r['vs_plain']:.2f}x)" for n, r in out.items()),
+          flush=True)
+    return out
 
 
 def main(args) -> dict:
@@ -192,7 +194,9 @@ def main(args) -> dict:
         prompts = {t: [tok.apply_chat_template(m) for m in ms] for t, ms in tasks(tok).items()
                    if t in args.tasks}
         print(f"weights {weights}: decode path {cores['plain'].stats().decode_path}", flush=True)
-        out["engine"][weights] = measure(cores, prompts, args.batch, args.max_tokens)
+        out["engine"][weights] = measure(cores, prompts, args.batch, args.max_tokens) if prompts else {}
+        if args.mixed:
+            out.setdefault("mixed", {})[weights] = mixed(cores, args.mixed)
         for core in cores.values():
             core.close()
     if args.llama_server:
@@ -202,7 +206,7 @@ def main(args) -> dict:
                                  ("ngram-map-k n3 m8", ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n",
                                                         "3", "--spec-ngram-map-k-size-m", "8"])):
                 name = f"{Path(gguf).name} {label}"
-                res = asyncio.run(llama_server(args.llama_server, gguf, prompts, args.batch, args.max_tokens, flags))
+                res = asyncio.run(run_llama(args.llama_server, gguf, prompts, args.batch, args.max_tokens, flags))
                 out["llama.cpp"][name] = res
                 print(name + ": " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in res.items()), flush=True)
     if args.json:
@@ -215,8 +219,9 @@ if __name__ == "__main__":
     parser.add_argument("--weights", nargs="+", default=["fp32", "gguf"], choices=["fp32", "gguf"])
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--tasks", nargs="+", default=["repeat", "quote", "edit", "answer", "chat"])
+    parser.add_argument("--tasks", nargs="*", default=["repeat", "quote", "edit", "answer", "chat"])
     parser.add_argument("--draft", action="store_true", help="also a draft-model engine (fp32 weights only)")
+    parser.add_argument("--mixed", type=int, default=0, help="also bench_engine.py's mixed 32, this many rounds")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary")
     parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-server")
     parser.add_argument("--json", help="write the results here")

@@ -157,10 +157,12 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(llama_dir, tmp
     with a shared prefix in a pool so small that sequences are preempted and swapped to warm and back (each
     rank between its pool and its slab); then demoted to warm and promoted again, the same outputs served from
     warm. The cold tier holds whole blocks: what the two ranks persisted at close, one process reads, and its
-    output is still transformers'."""
+    output is still transformers'. Speculative decoding is on: the other ranks compute the drafts rank 0's plan
+    carries, and no rejected draft's KV reaches a tier (the one process's output from cold would show it)."""
     cold = str(tmp_path / "cold")
     expected = hf_greedy(llama_dir, PROMPTS, 24)
-    core = EngineCore(tp_config(llama_dir, num_blocks=7, warm_bytes=1 << 20, cold_path=cold, offload=False))
+    core = EngineCore(tp_config(llama_dir, num_blocks=7, warm_bytes=1 << 20, cold_path=cold, offload=False,
+                                speculative={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}))
     try:
         assert core.tp.world == 2 and core.kv_cache.shape[-2] == 1  # one of the two KV heads here
         assert core.stats().weight_bytes == sum(m.weight_bytes for m in core.memory)  # both ranks' weights
@@ -168,7 +170,7 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(llama_dir, tmp
         assert warm.block_shape[-2] == 2 and warm.slab.shape[-2] == 1  # whole blocks in and out, a rank's heads kept
         assert run_to_end(core, PROMPTS, [24] * len(PROMPTS)) == expected
         stats = core.stats()
-        assert stats.num_preemptions > 0 and stats.num_swaps > 0
+        assert stats.num_preemptions > 0 and stats.num_swaps > 0 and stats.speculative.num_accepted_tokens > 0
         sent = core.tp.commands  # swaps and evictions to warm stayed on each rank: no block crossed processes
         assert sent["hot_to_slab"] > 0 and sent["slab_to_hot"] > 0 and sent["gather"] == sent["scatter"] == 0
         check_pool_clean(core)
