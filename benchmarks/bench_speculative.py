@@ -183,12 +183,13 @@ def main(args) -> dict:
     if args.draft:
         out["draft"] = DRAFT
     for weights in args.weights:
-        quant = {"quantization": "gguf"} if weights == "gguf" else {}
+        quant = {"fp32": {}, "gguf": {"quantization": "gguf"},
+                 "gguf-int8act": {"quantization": "gguf", "int8_activations": True}}[weights]
         cfg = dict(compile_in_background=False, warm_bytes=0, max_model_len=4096, num_blocks=40 * 256 // 16 * 4,
                    max_num_seqs=max(args.batch), **quant)
         cores = {"plain": EngineCore(EngineConfig(**cfg)),
                  "ngram": EngineCore(EngineConfig(**cfg, speculative=SPEC))}
-        if args.draft and weights != "gguf":  # the Q4_1 file drafting for its own fp32 weights
+        if args.draft and weights == "fp32":  # the Q4_1 file drafting for its own fp32 weights
             cores["Q4_1 self-draft"] = EngineCore(EngineConfig(**cfg, speculative=DRAFT))
         tok = cores["plain"].tokenizer
         prompts = {t: [tok.apply_chat_template(m) for m in ms] for t, ms in tasks(tok).items()
@@ -216,7 +217,8 @@ def main(args) -> dict:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", nargs="+", default=["fp32", "gguf"], choices=["fp32", "gguf"])
+    parser.add_argument("--weights", nargs="+", default=["fp32", "gguf"], choices=["fp32", "gguf", "gguf-int8act"],
+                        help="gguf-int8act: the Q4_1 file with int8_activations (VNNI tiles)")
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--tasks", nargs="*", default=["repeat", "quote", "edit", "answer", "chat"])

@@ -133,8 +133,9 @@ def test_rejected_drafts_leave_the_cache_exact(llama_dir):
 
 
 async def test_every_request_option_holds_with_drafts(llama_dir):
-    """Stop strings and tokens, max and min tokens, logit bias, penalties, logprobs, n > 1: the same outputs,
-    finish reasons and log-probabilities with drafts as without (drafts that run past a stop are cut there)."""
+    """Stop strings and tokens, max and min tokens, logit bias, penalties, logprobs, n > 1, a json_schema grammar:
+    the same outputs, finish reasons and log-probabilities with drafts as without (drafts that run past a stop
+    are cut there; a draft the grammar forbids is rejected by the masked row)."""
     vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, seed=3)[:5]
     plain_params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
@@ -144,7 +145,8 @@ async def test_every_request_option_holds_with_drafts(llama_dir):
     cases = [dict(stop=[stop]), dict(stop_token_ids=[base[0][0][0][6]]), dict(max_tokens=3),
              dict(logit_bias={base[1][0][0][2]: -5.0, 7: 3.0}), dict(repetition_penalty=1.3),
              dict(frequency_penalty=0.8, presence_penalty=0.4), dict(logprobs=3), dict(n=2),
-             dict(min_tokens=10, stop_token_ids=[base[0][0][0][1]])]
+             dict(min_tokens=10, stop_token_ids=[base[0][0][0][1]]),
+             dict(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})]
     for extra in cases:
         params = SamplingParams(**{"max_tokens": MAX_NEW, "ignore_eos": True, **extra})
         want, _, _ = await run(llama_dir, prompts, params, num_blocks=256)
@@ -326,3 +328,30 @@ def test_the_server_reports_drafts_as_openai_names_predicted_tokens():
     body = usage_body([Usage(10, 0, 20, draft_tokens=12, accepted_draft_tokens=9)])
     assert body["completion_tokens_details"] == {"accepted_prediction_tokens": 9, "rejected_prediction_tokens": 3}
     assert "completion_tokens_details" not in usage_body([Usage(10, 0, 20)])
+
+
+async def test_drafts_keep_quantized_steps_on_the_integer_kernels(llama_dir):
+    """Quantized weights on CPU: drafts never carry a step past the rows the integer kernels take (past them a
+    dequantized fp32 product, other arithmetic, would serve it), so batched outputs are plain decoding's on the
+    same weights."""
+    from tieredkv.kernels.quant_cpu import GEMV_MAX_ROWS
+
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(vocab, seed=11)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    want, _, _ = await run(llama_dir, prompts, params, num_blocks=256, quantization="int8")
+    oracle = Oracle({tuple(p): w[0][0] for p, w in zip(prompts, want)}, vocab, spoil=5)
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=256, quantization="int8",
+                                                    speculative=NGRAM)) as engine:
+        core = engine.core
+        core.parts.speculator.proposer = oracle
+        rows, inner = [], core.runner.execute
+        core.runner.execute = lambda out: rows.append((out.num_tokens, sum(len(s.spec_tokens) for s, _ in
+                                                                           out.scheduled))) or inner(out)
+        got = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        await engine.run_in_worker(check_pool_clean, core)
+        assert core.scheduler.max_draft_rows == GEMV_MAX_ROWS
+    assert [r.outputs[0].token_ids for r in got] == [w[0][0] for w in want]
+    drafted = [(n, d) for n, d in rows if d]  # within the kernels' rows, or past them without the drafts too
+    assert drafted and all(n <= GEMV_MAX_ROWS or n - d > GEMV_MAX_ROWS for n, d in drafted)
+    assert any(n == GEMV_MAX_ROWS for n, _ in drafted)  # drafts were cut to fit

@@ -80,6 +80,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.offload = offload
         self.policy = policy
+        self.max_draft_rows: int | None = None  # the most rows a step with drafts may compute (_fit_draft_rows)
         self.admit_window = 2 * max_num_seqs  # waiting sequences the policy orders (the rest follow in arrival order)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -110,6 +111,7 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:
             self._admit_waiting(step)
+        self._fit_draft_rows(step)
         if not step.scheduled and not step.preempted and self.waiting and self.running:
             self._unpark(step)
         self.prompt_tokens_computed += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0))
@@ -168,6 +170,28 @@ class Scheduler:
                 return 0
             if self.kv.allocate_slots(seq, n):
                 return n
+
+    def _fit_draft_rows(self, step: _Step) -> None:
+        """With `max_draft_rows` (quantized weights on CPU: the most rows their integer kernels take, more going
+        through a dequantized fp32 product), drafts never carry a step past it: the step's rows then go through
+        the kernels a step without drafts would use, so the tokens come out as plain decoding's. Drafts are cut
+        from the last sequences first; the blocks they took are freed after the step (KVCacheManager.trim)."""
+        if self.max_draft_rows is None:
+            return
+        total = sum(step.scheduled.values())
+        drafts = sum(len(s.spec_tokens) for s in step.scheduled)
+        if not drafts or total <= self.max_draft_rows or total - drafts > self.max_draft_rows:
+            return
+        over = total - self.max_draft_rows
+        for seq in reversed(list(step.scheduled)):
+            cut = min(over, len(seq.spec_tokens))
+            if cut:
+                del seq.spec_tokens[len(seq.spec_tokens) - cut :]
+                step.scheduled[seq] -= cut
+                step.budget += cut
+                over -= cut
+            if not over:
+                return
 
     # -- waiting sequences ------------------------------------------------------------------------
 

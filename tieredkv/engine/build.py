@@ -27,6 +27,7 @@ from tieredkv.engine.telemetry import Telemetry
 from tieredkv.hashing import root_hash
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.kv_format import KVLayout
+from tieredkv.kernels.quant_cpu import CPU, GEMV_MAX_ROWS
 from tieredkv.models.llama import LlamaModel
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tokenizer import Tokenizer
@@ -176,6 +177,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     runner.compile_now(background=cfg.compile_in_background)
     pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
     speculator = make_speculator(cfg, device.type, spec.vocab_size) if cfg.speculative is not None else None
+    if speculator is not None and device.type == "cpu" and model.quantization is not None:
+        scheduler.max_draft_rows = min(CPU.q4_rows, GEMV_MAX_ROWS)  # the integer kernels' rows (quant.kernel_rows)
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit, speculator)
     weights = weights_label(model, dtype)
     parts = EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,

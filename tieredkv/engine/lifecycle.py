@@ -116,6 +116,8 @@ class Lifecycle:
         for seq, n in out.scheduled:  # drafts count once verified (_verify)
             seq.num_computed_tokens += n - max(seq.num_computed_tokens + n - seq.num_tokens, 0)
             self.kv.cache_full_blocks(seq)
+            if not seq.spec_tokens:  # (blocks taken for drafts the scheduler then cut: Scheduler._fit_draft_rows)
+                self.kv.trim(seq)
         groups = _row_groups(sampled)
         verifying = [(seq, rows, seq.num_tokens) for seq, rows in groups if len(rows) > 1]
         outputs, rows, seqs = [], [], []

@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from tieredkv.config import MAX_SPECULATIVE_TOKENS
 from tieredkv.kernels.kv_format import CPU_FORMATS, KVLayout
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight
 from tieredkv.kernels.quant_cpu import CPU
@@ -96,9 +97,12 @@ def _linear(layer: torch.nn.Linear, what: str) -> _Proj:
 
 # the most tokens of one sequence a native step takes: a verification (the last token and its drafts) or the
 # short prompt chunk a draft model computes each call (a partial block and the tokens accepted since). Each row
-# costs the products' arithmetic again (about half a one-row step on 2 Zen 5 cores, the default model's Q4_1
-# file): at 5 rows 0.92x the eager forward's time, at 9 1.02x, at 17 1.14x, at 32 1.28x. Longer chunks go eager.
+# costs the products' arithmetic again. Measured on 2 Zen 5 cores, the default model's Q4_1 file, 200 tokens of
+# context: with int16 activation rows about half a one-row step a row (5 rows 0.92x the eager forward's time, 9
+# 1.02x, 17 1.14x, 32 1.28x): longer chunks go eager; with int8 activations on VNNI tiles (int8_activations) a
+# fifth to a quarter of one (1 row 1.9 ms, 9 rows 6.3, 17 10.3: 0.57x / 0.72x the eager forward's; 32 0.88x).
 MAX_ROWS = 9
+MAX_ROWS_TILED = 2 * (MAX_SPECULATIVE_TOKENS + 1)
 
 
 class NativeDecode:
@@ -143,6 +147,9 @@ class NativeDecode:
         self._layers = layers  # the structure points into it
         self._held = (model, kv_cache)  # every pointer above is into these
         self.vocab = model.quantized_head.out_features
+        tiled = all(proj.part[j].fmt in (FORMATS["q8t"], FORMATS["q4t"]) for layer in layers
+                    for proj in (layer.qkv, layer.o, layer.gate_up, layer.down) for j in range(proj.parts))
+        self.max_rows = MAX_ROWS_TILED if tiled else MAX_ROWS  # the longest chunk it takes (see MAX_ROWS)
         if not lib.tkv_decode_fits(ctypes.byref(self._model)):
             raise Unfit("the kernels do not take a projection's shape or the attention's heads")
 
@@ -162,10 +169,10 @@ class NativeDecode:
             return None
 
     def accepts(self, scheduled: list) -> bool:
-        """True for a step that runs one sequence and nothing else, at most MAX_ROWS tokens: a decode, its last
+        """True for a step that runs one sequence and nothing else, at most max_rows tokens: a decode, its last
         token and its drafts, or a short chunk of its prompt (the tail a cached prefix leaves; a draft model's
         next call)."""
-        return len(scheduled) == 1 and scheduled[0][1] <= MAX_ROWS
+        return len(scheduled) == 1 and scheduled[0][1] <= self.max_rows
 
     state = "native"
 
