@@ -7,9 +7,11 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from helpers import check_pool_clean, check_pool_consistent, hf_greedy
+from helpers import check_pool_clean, check_pool_consistent, hf_greedy, run_to_end
 from test_engine_matches_hf import make_prompts
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
 from tieredkv.config import SpeculativeConfig
@@ -355,3 +357,103 @@ async def test_drafts_keep_quantized_steps_on_the_integer_kernels(llama_dir):
     drafted = [(n, d) for n, d in rows if d]  # within the kernels' rows, or past them without the drafts too
     assert drafted and all(n <= GEMV_MAX_ROWS or n - d > GEMV_MAX_ROWS for n, d in drafted)
     assert any(n == GEMV_MAX_ROWS for n, _ in drafted)  # drafts were cut to fit
+
+
+class RandomDrafts:
+    """Drafts of every kind from one seed: the right continuation, the right one spoiled at a random place,
+    random tokens, empty, of random lengths."""
+
+    name = "random"
+
+    def __init__(self, expected: dict[tuple, list[int]], vocab: int, seed: int):
+        import random
+
+        self.expected, self.vocab, self.rng = expected, vocab, random.Random(seed)
+
+    def propose(self, seqs, lengths):
+        out = []
+        for seq, k in zip(seqs, lengths):
+            full = self.expected.get(tuple(seq.token_ids[: seq.num_prompt_tokens]), [])
+            right = list(full[seq.num_output_tokens : seq.num_output_tokens + self.rng.randint(0, k)])
+            kind = self.rng.random()
+            if kind < 0.3 and right:
+                right[self.rng.randrange(len(right))] = self.rng.randrange(self.vocab)
+            elif kind < 0.45:
+                right = [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(0, k))]
+            out.append(right)
+        return out
+
+
+@pytest.fixture(scope="module")
+def squeezed(llama_dir):
+    """A plain engine and a speculative one on a pool small enough to preempt, shared by the examples."""
+    cfg = dict(model=str(llama_dir), num_blocks=20, max_num_batched_tokens=48, warm_bytes=0, block_size=8)
+    plain = EngineCore(EngineConfig(**cfg))
+    spec = EngineCore(EngineConfig(**cfg, speculative={**NGRAM, "num_speculative_tokens": 6}))
+    yield plain, spec
+    plain.close()
+    spec.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+       new=st.integers(1, 20))
+def test_any_drafts_leave_greedy_output_and_the_pool_as_plain_decoding(squeezed, seed, sizes, new):
+    """Property: whatever a proposer offers, at whatever length, in a pool that preempts, with a request cancelled
+    now and then, the outputs are plain decoding's and the pool is consistent after every step and clean at the
+    end."""
+    import random
+
+    plain, spec = squeezed
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in sizes]
+    want = run_to_end(plain, prompts, [new] * len(prompts))
+    spec.parts.speculator.proposer = RandomDrafts({tuple(p): w for p, w in zip(prompts, want)}, 448, seed)
+    reqs = [spec.factory.make(p, SamplingParams(max_tokens=new, ignore_eos=True)) for p in prompts]
+    for r in reqs:
+        assert spec.add_request(r) == []
+    abort_at = rng.choice([None, 1, 3])  # a request cancelled mid-way frees what it held, drafts' blocks too
+    steps = 0
+    while spec.has_work():
+        spec.step()
+        steps += 1
+        if steps == abort_at:
+            spec.abort(reqs[0].request_id)
+        check_pool_consistent(spec)
+    done = [(r.seqs[0].output_token_ids, w) for r, w in zip(reqs, want) if r.seqs[0].finish_reason != "abort"]
+    assert all(got == w for got, w in done)
+    check_pool_clean(spec)
+
+
+async def test_a_failing_proposer_or_verification_fails_no_request_it_need_not(llama_dir, monkeypatch):
+    """A proposer that raises costs its drafts only (the requests decode on, the same tokens); a fault while
+    verifying fails the requests that drafted, with a StepError each, and the engine serves the next request."""
+    from tieredkv import StepError
+    from tieredkv.engine.lifecycle import Lifecycle
+
+    class Broken:
+        name = "broken"
+
+        def propose(self, seqs, lengths):
+            raise RuntimeError("proposer bug")
+
+    prompts = make_prompts(448, seed=4)[:3]
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    want, _, _ = await run(llama_dir, prompts, params, num_blocks=64)
+    got, stats, _ = await run(llama_dir, prompts, params, True, Broken(), num_blocks=64, speculative=NGRAM)
+    assert got == want and stats.speculative.proposer_errors > 0 and stats.speculative.num_drafts == 0
+
+    def broken_verify(self, logits, verifying):
+        raise RuntimeError("verification bug")
+
+    monkeypatch.setattr(Lifecycle, "_verify", broken_verify)
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64,
+                                                    speculative=NGRAM)) as engine:
+        engine.core.parts.speculator.proposer = Oracle({tuple(prompts[0]): want[0][0][0]}, 448)
+        plain = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, speculative=False)
+        results = await asyncio.gather(engine.generate(prompts[0], params), engine.generate(prompts[1], plain),
+                                       return_exceptions=True)
+        assert isinstance(results[0], StepError) and results[1].outputs[0].token_ids == want[1][0][0]
+        monkeypatch.undo()
+        assert (await engine.generate(prompts[2], plain)).outputs[0].token_ids == want[2][0][0]
+        await engine.run_in_worker(check_pool_clean, engine.core)

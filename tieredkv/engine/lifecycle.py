@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -23,6 +24,8 @@ from tieredkv.engine.telemetry import Telemetry
 from tieredkv.errors import RequestError, SamplingError, StepError, TieredKVError
 from tieredkv.models.detokenizer import IncrementalDetokenizer
 from tieredkv.models.tokenizer import Tokenizer
+
+log = logging.getLogger("tieredkv")
 
 
 class Lifecycle:
@@ -140,7 +143,12 @@ class Lifecycle:
             first = logits if rows == list(range(len(sampled))) else logits[rows]
             outputs.extend(self._sample(first, seqs, [s.spec_tokens[0] if s.spec_tokens else None for s in seqs]))
         if verifying:
-            outputs.extend(self._verify(logits, verifying))
+            try:
+                outputs.extend(self._verify(logits, verifying))
+            except Exception as e:  # a fault in the verification fails the requests that drafted, no others
+                log.exception("verifying drafts failed")
+                for req in {seq.request.request_id: seq.request for seq, _, _ in verifying}.values():
+                    outputs.extend(self.fail(req, StepError([req.request_id], e)))
         return outputs
 
     def _verify(self, logits: torch.Tensor, verifying: list[tuple[Sequence, list[int], int]]) -> list[Output]:

@@ -112,6 +112,7 @@ class SpecCounters:
     accepted_per_position: list[int] = field(default_factory=list)  # drafts accepted at position 0, 1, ...
     skipped_steps: int = 0  # steps with decoding sequences but no drafts because the batch was too large
     propose_seconds: float = 0.0  # time spent proposing
+    proposer_errors: int = 0  # calls of the proposer that raised (their sequences decoded without drafts)
 
     @property
     def acceptance_rate(self) -> float:
@@ -223,7 +224,14 @@ class Speculator:
             self.unmeasured = any(seq.spec_state.proposals == 0 for seq in seqs)
             for seq in seqs:
                 seq.spec_state.proposals += 1
-            for seq, draft, k in zip(seqs, self.proposer.propose(seqs, lengths), lengths):
+            try:
+                drafts_of = self.proposer.propose(seqs, lengths)
+            except Exception:  # a proposer's failure costs its drafts, never a request
+                self.counters.proposer_errors += 1
+                if self.counters.proposer_errors == 1:
+                    log.exception("the %s proposer failed; those sequences decode without drafts", self.proposer.name)
+                drafts_of = [[] for _ in seqs]
+            for seq, draft, k in zip(seqs, drafts_of, lengths):
                 draft = list(draft[:k])
                 bad = next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), None)
                 seq.spec_tokens = draft if bad is None else draft[:bad]  # a proposer's id the model has not
