@@ -90,15 +90,14 @@ class NgramProposer:
 
 @dataclass
 class SpecState:
-    """One sequence's speculation: its proposer's state, its measured acceptance and back-off, its counts."""
+    """One sequence's speculation: its proposer's state, its measured acceptance and back-off."""
 
     acceptance: float = PRIOR_ACCEPTANCE  # a moving average of the chance that a draft is accepted
     index: NgramIndex | None = None
     skip: int = 0  # steps left without drafts (back-off while drafts do not pay)
     proposals: int = 0  # steps it asked its proposer for drafts
     failures: int = 0  # back-offs in a row
-    drafted: int = 0
-    accepted: int = 0
+    probe: bool = False  # when the back-off ends: draft in full once, whatever the estimate (measures it again)
 
 
 @dataclass
@@ -121,11 +120,13 @@ class SpecCounters:
 
 class StepCosts:
     """The measured time of steps that only decode, by how many sequences decode and how many drafts they carry
-    (moving averages), and an estimate where none was measured at that batch size: on the line between the
-    nearest measured draft counts below and above; past the last measured, `slope` of a decoding sequence's
-    share of the plain step per draft more (optimistic, so that longer drafts get tried once)."""
+    (moving averages), and an estimate where none was measured at that batch size (once a plain step of it was:
+    Speculator.propose drafts nothing before): on the line between the nearest measured draft counts below and
+    above; past the last measured, the slope between the two largest measured counts with drafts (the first
+    drafts also pay for the verification itself), or before there are two, `slope` of a decoding sequence's share
+    of the plain step per draft (optimistic, so that longer drafts get tried once)."""
 
-    def __init__(self, slope: float = 0.25):
+    def __init__(self, slope: float = 0.05):
         self.seconds: dict[tuple[int, int], float] = {}  # (decoding sequences, drafts) -> seconds
         self.slope = slope
 
@@ -133,18 +134,24 @@ class StepCosts:
         old = self.seconds.get((batch, drafts))
         self.seconds[(batch, drafts)] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
+    def measured(self, batch: int) -> bool:
+        """Whether a plain step (no drafts) of this batch size was measured: what drafts are weighed against."""
+        return (batch, 0) in self.seconds
+
     def estimate(self, batch: int, drafts: int) -> float:
-        measured = [d for b, d in self.seconds if b == batch]
-        below = [d for d in measured if d <= drafts]
-        if not below:
-            return batch * (1.0 + self.slope * drafts / batch)  # nothing measured at this size: relative units
-        lo, above = max(below), [d for d in measured if d > drafts]
+        measured = sorted(d for b, d in self.seconds if b == batch)
+        lo, above = max(d for d in measured if d <= drafts), [d for d in measured if d > drafts]
         t_lo = self.seconds[(batch, lo)]
         if above:  # between two measured counts: on the line through them
-            hi = min(above)
+            hi = above[0]
             return t_lo + (self.seconds[(batch, hi)] - t_lo) * (drafts - lo) / (hi - lo)
-        one = self.seconds.get((batch, 0), t_lo) / batch
-        return t_lo + (drafts - lo) * self.slope * one
+        drafting = measured[-2:] if len(measured) > 2 else []  # the two largest counts with drafts: their slope
+        if drafting:  # (the first drafts' cost holds a switch of path, a verification's own: not each draft's)
+            per_draft = (self.seconds[(batch, drafting[1])] - self.seconds[(batch, drafting[0])]) / (
+                drafting[1] - drafting[0])
+        else:
+            per_draft = self.slope * self.seconds[(batch, 0)] / batch
+        return t_lo + (drafts - lo) * max(per_draft, 0.0)
 
 
 class Speculator:
@@ -155,8 +162,9 @@ class Speculator:
     size and drafts (StepCosts: a verification's cost depends on the path that serves it, the native rows, an
     eager chunk beside a compiled decode, a batch of chunks), and each sequence in turn gets the k
     (0..num_speculative_tokens) that gives the step the most tokens a second. Where no k > 0 pays, the sequence
-    waits 1, 2, 4, ... steps (at most BACKOFF_LIMIT) and then tries again: text with nothing to copy costs a
-    lookup a step and little else. Above `max_batch` decoding sequences nobody drafts (vLLM's
+    waits 1, 2, 4, ... steps (at most BACKOFF_LIMIT) and then drafts in full once, whatever the estimate, which
+    measures its acceptance again (a document starts being quoted): text with nothing to copy costs a lookup a
+    step and little else. Above `max_batch` decoding sequences nobody drafts (vLLM's
     disable_by_batch_size): that batch is compute-bound. Not adaptive: every decoding sequence asks its proposer
     for num_speculative_tokens drafts every step."""
 
@@ -193,7 +201,7 @@ class Speculator:
         if len(decoding) > self.max_batch:
             self.counters.skipped_steps += 1
             return
-        if self.config.adaptive and (len(decoding), 0) not in self.costs.seconds:
+        if self.config.adaptive and not self.costs.measured(len(decoding)):
             return  # a plain step at this batch size first: what drafts are weighed against
         t0 = time.perf_counter()
         seqs, lengths = [], []
@@ -209,9 +217,12 @@ class Speculator:
             params = seq.request.params
             # room for the drafts and the token sampled after them, within max_tokens and the context
             room = min(params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens, self.k)
-            k = room if not self.config.adaptive else self._length(state.acceptance, room, batch, drafts, gained)
-            if k == 0 and room > 0:  # nothing pays now: wait, then try one draft (which measures again)
-                state.skip = min(1 << state.failures, BACKOFF_LIMIT)
+            if not self.config.adaptive or state.probe:
+                k, state.probe = room, False
+            else:
+                k = self._length(state.acceptance, room, batch, drafts, gained)
+            if k == 0 and room > 0:  # nothing pays now: wait, then draft in full once (text changes: copying starts)
+                state.skip, state.probe = min(1 << state.failures, BACKOFF_LIMIT), True
                 state.failures += 1
                 continue
             if k > 0:
@@ -257,8 +268,6 @@ class Speculator:
         c.num_accepted_tokens += accepted
         for i in range(accepted):
             c.accepted_per_position[i] += 1
-        state.drafted += drafted
-        state.accepted += accepted
         # each draft up to the first rejection is one trial of a: accepted successes, one failure unless all passed
         trials = accepted + (accepted < drafted)
         if trials:
