@@ -34,6 +34,7 @@ DRAFT_BLOCK_SIZE = 4  # a sequence's acceptance before its first verification (a
 
 class Proposer(Protocol):
     name: str
+    free: bool  # whether proposing costs nothing worth weighing (a lookup), or runs a model
 
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
         """At most lengths[i] tokens that may follow seqs[i]'s tokens (fewer, or none, where it has no guess)."""
@@ -73,6 +74,7 @@ class NgramProposer:
     prompt_lookup_max down to prompt_lookup_min. A long document is the best draft a question about it has."""
 
     name = "ngram"
+    free = True  # a lookup costs nothing worth weighing: a back-off may end in a full draft (Speculator)
 
     def __init__(self, lo: int, hi: int):
         self.lo, self.hi = lo, hi
@@ -162,8 +164,9 @@ class Speculator:
     size and drafts (StepCosts: a verification's cost depends on the path that serves it, the native rows, an
     eager chunk beside a compiled decode, a batch of chunks), and each sequence in turn gets the k
     (0..num_speculative_tokens) that gives the step the most tokens a second. Where no k > 0 pays, the sequence
-    waits 1, 2, 4, ... steps (at most BACKOFF_LIMIT) and then drafts in full once, whatever the estimate, which
-    measures its acceptance again (a document starts being quoted): text with nothing to copy costs a lookup a
+    waits 1, 2, 4, ... steps (at most BACKOFF_LIMIT) and then, where proposing costs nothing (`free`: prompt
+    lookup), drafts in full once whatever the estimate, which measures its acceptance again (a document starts
+    being quoted): text with nothing to copy costs a lookup a
     step and little else. Above `max_batch` decoding sequences nobody drafts (vLLM's
     disable_by_batch_size): that batch is compute-bound. Not adaptive: every decoding sequence asks its proposer
     for num_speculative_tokens drafts every step."""
@@ -217,12 +220,13 @@ class Speculator:
             params = seq.request.params
             # room for the drafts and the token sampled after them, within max_tokens and the context
             room = min(params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens, self.k)
-            if not self.config.adaptive or state.probe:
+            if not self.config.adaptive or state.probe:  # (probe: only where proposing is free)
                 k, state.probe = room, False
             else:
                 k = self._length(state.acceptance, room, batch, drafts, gained)
             if k == 0 and room > 0:  # nothing pays now: wait, then draft in full once (text changes: copying starts)
-                state.skip, state.probe = min(1 << state.failures, BACKOFF_LIMIT), True
+                state.skip = min(1 << state.failures, BACKOFF_LIMIT)
+                state.probe = getattr(self.proposer, "free", False)
                 state.failures += 1
                 continue
             if k > 0:
@@ -286,6 +290,7 @@ class DraftProposer:
     on."""
 
     name = "draft"
+    free = False  # each call runs the draft model: no drafts past what the estimate says pays
 
     def __init__(self, core, target_tokenizer, target_vocab: int, label: str):
         from tieredkv.engine.telemetry import Telemetry
