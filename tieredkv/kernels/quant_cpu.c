@@ -1055,15 +1055,10 @@ static int16_rows int16_rows_at(const char *mem, int64_t M, int64_t K) {
     return r;
 }
 
-/* whether the q4 rows take the 512-bit blocks (groups of 32, at least one chunk of eight groups) */
-static int q4_wide(const tkv_qw *w) {
 #ifdef TKV_AVX512
-    return w->g == 32 && w->K >= 256;
-#else
-    (void)w;
-    return 0;
+/* whether the q4 rows take the 512-bit blocks (groups of 32, at least one chunk of eight groups) */
+static int q4_wide(const tkv_qw *w) { return w->g == 32 && w->K >= 256; }
 #endif
-}
 
 size_t tkv_row_bytes(const tkv_qw *w) { return tkv_rows_bytes(w, 1); }
 
@@ -1103,7 +1098,9 @@ void tkv_row_share(const tkv_qw *w, const char *mem, float *out) { tkv_rows_shar
 static void blocks_share(const tkv_qw *w, const char *mem, int64_t M, int64_t ostride, float *out) {
     const int64_t K = w->K, N = w->N, g = w->g;
     const int16_rows a = int16_rows_at(mem, M, K);
+#ifdef TKV_AVX512
     const int wide = w->fmt == TKV_Q4 && q4_wide(w);
+#endif
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n += RB) {
         const int rows = N - n < RB ? (int)(N - n) : RB;
@@ -1122,7 +1119,6 @@ static void blocks_share(const tkv_qw *w, const char *mem, int64_t M, int64_t os
                          w->bias, out);
         }
     }
-    (void)wide;
 }
 
 void tkv_rows_share(const tkv_qw *w, const char *mem, int64_t M, int64_t ostride, float *out) {
