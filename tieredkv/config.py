@@ -273,6 +273,8 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description="tokens that end the output, besides "
                                       "the model's EOS (included in the token ids)")
     ignore_eos: bool = Field(False, description="go on past EOS until max_tokens or a stop rule")
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the output text (False: keep "
+                                      "them, as tool-call formats marked by a special token need)")
     n: int = Field(1, ge=1, le=256, description="parallel samples; they share the prompt's KV blocks (for beam "
                    "search: how many of the best beams come back)")
     logprobs: int | None = Field(None, ge=0, le=20, description="return each sampled token's log-probability "
@@ -296,6 +298,11 @@ class SamplingParams(BaseModel):
         None, description="structured output: only tokens that keep the output a prefix of a JSON document valid "
         "under this JSON schema are sampled ({\"type\": \"object\"}: any JSON object); the output ends once the "
         "document is complete (needs llguidance: the structured extra)")
+    grammar: str | None = Field(
+        None, description="structured output by a grammar: a Lark grammar in llguidance's syntax (JSON schemas "
+        "embedded with %json, lazy lexemes for text before a marker, as the server's tool calls use); only tokens "
+        "that keep the output a prefix of a sentence of it are sampled, and the output ends once nothing can follow "
+        "(not with json_schema)")
     speculative: bool | None = Field(
         None, description="speculative decoding for this request: None follows the engine (on where it has "
         "EngineConfig.speculative), False turns it off, True requires it (an engine without a proposer rejects "
@@ -330,14 +337,25 @@ class SamplingParams(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
         if self.beam_width > 1:
             self._check_beams()
-            if self.json_schema is not None:
-                raise ValueError("json_schema is not applied to beam search")
+            if self.constraint is not None:
+                raise ValueError(f"{self.constraint[0]} is not applied to beam search")
             if self.speculative:
                 raise ValueError("speculative decoding is not applied to beam search (it keeps its own path)")
+        if self.json_schema is not None and self.grammar is not None:
+            raise ValueError("json_schema and grammar cannot both be set: a request follows one grammar")
         if self.seed is not None and self.seed + self.n - 1 >= SEED_LIMIT:
             raise ValueError(f"seed + n - 1 must be below 2**64 (sample i uses seed + i); got seed={self.seed}, "
                              f"n={self.n}")
         return self
+
+    @property
+    def constraint(self) -> tuple[str, Any] | None:
+        """("json_schema", schema), ("grammar", lark text), or None: what structured output follows."""
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return None
 
     def _check_beams(self) -> None:
         if self.n > self.beam_width:

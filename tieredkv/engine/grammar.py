@@ -52,31 +52,35 @@ class Grammars:
         self._executor = llguidance.LLExecutor()
         self._bits = torch.arange(32, dtype=torch.int32)
 
-    def grammar(self, schema: dict[str, Any]) -> str:
-        """The grammar of a JSON schema, made once per schema; a RequestError when the schema is refused."""
-        key = json.dumps(schema, sort_keys=True)
+    def grammar(self, kind: str, source: dict[str, Any] | str) -> str:
+        """The compiled grammar of a JSON schema (kind "json_schema") or a Lark grammar in llguidance's syntax
+        (kind "grammar"), made once per source; a RequestError naming the kind when it is refused."""
+        key = kind + ":" + (json.dumps(source, sort_keys=True) if kind == "json_schema" else source)
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:
                 self._grammars.move_to_end(key)
                 return grammar
         try:
-            grammar = self._ll.LLMatcher.grammar_from_json_schema(bounded(schema), defaults=JSON_LAYOUT)
+            if kind == "json_schema":
+                grammar = self._ll.LLMatcher.grammar_from_json_schema(bounded(source), defaults=JSON_LAYOUT)
+            else:
+                grammar = self._ll.LLMatcher.grammar_from_lark(source)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # ValueError/RuntimeError for what it cannot compile; a Rust panic too
-            raise RequestError(f"json_schema cannot be used: {e}") from None
+            raise RequestError(f"{kind} cannot be used: {e}", param=kind) from None
         is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
-            raise RequestError(f"json_schema cannot be used: {messages[0] if messages else 'invalid'}")
+            raise RequestError(f"{kind} cannot be used: {messages[0] if messages else 'invalid'}", param=kind)
         with self._lock:
             self._grammars[key] = grammar
             if len(self._grammars) > CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
         return grammar
 
-    def matcher(self, schema: dict[str, Any]):
-        return self._ll.LLMatcher(self.tokenizer, self.grammar(schema), log_level=0)
+    def matcher(self, kind: str, source: dict[str, Any] | str):
+        return self._ll.LLMatcher(self.tokenizer, self.grammar(kind, source), log_level=0)
 
     @torch.inference_mode()
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
@@ -123,7 +127,8 @@ def grammars_of(tokenizer, vocab_size: int) -> Grammars:
         import importlib.util
 
         if importlib.util.find_spec("llguidance") is None:
-            raise RequestError("json_schema needs llguidance: pip install 'tieredkv[structured]'")
+            raise RequestError("structured output (json_schema, grammar, tools) needs llguidance: pip install "
+                               "'tieredkv[structured]'")
         grammars = Grammars(tokenizer.hf, vocab_size)
         tokenizer._grammars = grammars
     return grammars

@@ -20,7 +20,7 @@ R = TypeVar("R")
 _PROCESSORS = ("logit_bias", "min_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty")
 STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "logits processors": _PROCESSORS,  # beams' rows (sampling applies a sampled row's processors itself)
-    "structured output": ("json_schema",),
+    "structured output": ("json_schema", "grammar"),
     "sampling": _PROCESSORS + ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs"),
     "beam search": ("beam_width", "length_penalty", "early_stopping", "n"),
     "stop rules": ("stop", "stop_token_ids", "min_tokens", "max_tokens", "ignore_eos"),

@@ -202,7 +202,7 @@ class Lifecycle:
             logits, seqs = logits[rest], [seqs[i] for i in rest]
             if not seqs:
                 return outputs
-        guided = [i for i, s in enumerate(seqs) if s.request.params.json_schema is not None]
+        guided = [i for i, s in enumerate(seqs) if s.request.params.constraint is not None]
         if guided:  # masking is idempotent: rows a failed batched call masked already are masked again alike
             outputs.extend(self._fail_rows(seqs, guided, isolated(
                 "structured output", guided, lambda rows: self._mask_by_grammar(logits, seqs, rows),
@@ -239,8 +239,8 @@ class Lifecycle:
         try:
             if seq.matcher is not None and not seq.matcher.consume_token(got.token):
                 return self.fail(seq.request, RequestError(
-                    f"the output can no longer follow json_schema: {seq.matcher.get_error()}"))
-            done = seq.matcher is not None and seq.matcher.is_stopped()  # the JSON document is complete
+                    f"the output can no longer follow {seq.request.params.constraint[0]}: {seq.matcher.get_error()}"))
+            done = seq.matcher is not None and seq.matcher.is_stopped()  # the document is complete
             stage = "stop rules"
             return [(seq.request.sink, self._append(seq, got, "stop" if done else None))]
         except Exception as e:
@@ -258,7 +258,7 @@ class Lifecycle:
         grammars = grammars_of(self.tokenizer, logits.shape[1])
         for i in rows:
             if seqs[i].matcher is None:  # its first sampled token (samples forked from one prompt each get one)
-                seqs[i].matcher = grammars.matcher(seqs[i].request.params.json_schema)
+                seqs[i].matcher = grammars.matcher(*seqs[i].request.params.constraint)
         grammars.mask(logits, rows, [seqs[i].matcher for i in rows])
         return [None] * len(rows)
 
@@ -275,7 +275,8 @@ class Lifecycle:
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(req, index, list(token_ids), req.make_generator(index, self.device))
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop,
+                                                req.params.skip_special_tokens)
         return seq
 
     def _fork(self, seq: Sequence) -> list[Sequence]:

@@ -10,7 +10,7 @@ from tieredkv.core.kv_manager import cdiv
 from tieredkv.core.sequence import Request
 from tieredkv.errors import RequestError
 from tieredkv.models.spec import ModelSpec
-from tieredkv.models.tokenizer import PromptType, Tokenizer, check_messages, message_chars
+from tieredkv.models.tokenizer import Chat, PromptType, Tokenizer, check_messages, message_chars
 
 # A string of more than this many characters per allowed token cannot fit, whatever it tokenizes to: no
 # token is longer than the tokenizer's longest vocabulary entry (x2 for normalizers that expand text).
@@ -56,6 +56,18 @@ class RequestFactory:
             if len(prompt) > self.max_chars:
                 raise RequestError(f"prompt has {len(prompt):,} characters, more than max_model_len "
                                    f"({self.max_model_len} tokens) can hold; it was not tokenized")
+            return
+        if isinstance(prompt, Chat):
+            chars = message_chars([prompt.messages, prompt.tools or []])
+            if not prompt.messages:
+                raise RequestError("prompt is empty")
+            if chars > self.max_chars:
+                raise RequestError(f"messages and tools have {chars:,} characters, more than max_model_len "
+                                   f"({self.max_model_len} tokens) can hold; they were not tokenized")
+            try:
+                check_messages(prompt.messages)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
             return
         if not isinstance(prompt, (list, tuple)):
             raise TypeError("prompt must be a str, a list of token ids, or a list of chat messages")
@@ -112,10 +124,10 @@ class RequestFactory:
         thread (the async engine prechecks in stream())."""
         if not prechecked:
             self.precheck(prompt, params)
-        if params.json_schema is not None:  # a schema the grammar engine refuses fails here, before anything
+        if params.constraint is not None:  # a schema or grammar the grammar engine refuses fails here, first
             from tieredkv.engine.grammar import grammars_of
 
-            grammars_of(self.tokenizer, self.vocab_size).grammar(params.json_schema)
+            grammars_of(self.tokenizer, self.vocab_size).grammar(*params.constraint)
         if isinstance(prompt, (list, tuple)) and isinstance(prompt[0], int):
             ids = list(prompt)  # token ids: precheck() has checked them and the request's size
         else:

@@ -22,8 +22,9 @@ class IncrementalDetokenizer:
     Text is held back while it could still be the start of a stop string.
     """
 
-    def __init__(self, decoder: Decoder, prompt_ids: list[int], stop: list[str]):
+    def __init__(self, decoder: Decoder, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
         self._decoder = decoder
+        self._skip = skip_special_tokens
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -36,8 +37,8 @@ class IncrementalDetokenizer:
         """Append a token; returns True when a stop string completed (text is then cut before it).
         With check_stop False (min_tokens not reached yet), stop strings are not looked for."""
         self._ids.append(token_id)
-        prefix = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = self._decoder.decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
+        prefix = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
+        full = self._decoder.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return False
         delta = full[len(prefix) :]

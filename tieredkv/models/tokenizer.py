@@ -2,21 +2,44 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PromptType = str | list[int] | list[dict[str, Any]]
+
+@dataclass(frozen=True)
+class Chat:
+    """Chat messages with the tools the template is to render (transformers' `apply_chat_template(tools=...)`):
+    a prompt of its own kind, since a list of messages alone cannot carry them. Messages may carry an
+    assistant's `tool_calls` (then `content` may be None) and `tool` messages with their `tool_call_id`."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+PromptType = str | list[int] | list[dict[str, Any]] | Chat
 
 
 def check_messages(messages: list) -> None:
-    """Raises ValueError unless every message is a dict with string 'role' and 'content', and every string in
-    it is valid Unicode (a chat template renders roles and names as they are, not only the content)."""
+    """Raises ValueError unless every message is a dict with string 'role' and 'content' (None where the
+    message carries tool_calls), and every string in it, at any depth, is valid Unicode (a chat template
+    renders roles, names and calls as they are, not only the content)."""
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"message {i} must be a dict with string 'role' and 'content', got {m!r:.200}")
-        for field, value in m.items():
+        content = m.get("content")
+        if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
+            raise ValueError(f"message {i} must be a dict with string 'role' and 'content', got {m!r:.200}")
+        stack = [(f"message {i} {k}", v) for k, v in m.items()]
+        while stack:
+            what, value = stack.pop()
             if isinstance(value, str):
-                check_text(value, f"message {i} {field}")
+                check_text(value, what)
+            elif isinstance(value, dict):
+                stack.extend((f"{what}.{k}", v) for k, v in value.items())
+            elif isinstance(value, list):
+                stack.extend((what, v) for v in value)
 
 
 def message_chars(messages: list) -> int:
@@ -83,18 +106,31 @@ class Tokenizer:
         check_text(text)
         return list(self.hf(text).input_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            **template_kwargs) -> list[int]:
         check_messages(messages)
+        return list(self.hf(self.render_chat(messages, tools, **template_kwargs), add_special_tokens=False).input_ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    **template_kwargs) -> str:
+        """The chat template's text for the messages (and tools), ending in the assistant's turn."""
         if getattr(self.hf, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; pass a string or token ids")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.hf(text, add_special_tokens=False).input_ids)
+        try:
+            return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                               **template_kwargs)
+        except ValueError:
+            raise
+        except Exception as e:  # jinja2's TemplateError (raise_exception in a template), a template's TypeError
+            raise ValueError(f"the chat template cannot render these messages: {e}") from None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def to_token_ids(self, prompt: PromptType) -> list[int]:
-        """str -> encoded; list of ints -> as is; list of chat messages -> chat template applied."""
+        """str -> encoded; list of ints -> as is; list of chat messages or a Chat -> chat template applied."""
+        if isinstance(prompt, Chat):
+            return self.apply_chat_template(list(prompt.messages), prompt.tools, **prompt.template_kwargs)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")

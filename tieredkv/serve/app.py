@@ -30,6 +30,9 @@ from tieredkv.models.tokenizer import message_chars
 from tieredkv.serve.protocol import (BadRequest, chat_logprobs, chat_messages, completion_logprobs,
                                      completion_prompt, envelope, new_id, sampling_params, stream_flags,
                                      usage_body)
+from tieredkv.serve.responses import ResponseBuilder, ResponseStore, chat_body, conversation_of
+from tieredkv.serve.tools import (Call, ToolError, ToolFormat, ToolStream, check_tool_messages, format_for,
+                                  new_call_id, parse_tool_choice, parse_tools)
 
 log = logging.getLogger("tieredkv")
 access_log = logging.getLogger("tieredkv.access")  # one line per request (INFO; /health and /metrics at DEBUG)
@@ -50,6 +53,12 @@ class ServerSettings:
         metrics: serve `GET /metrics` (the prometheus extra, after `telemetry.install_prometheus()`).
         write_timeout: seconds a stream may wait for its client to read; then it is aborted and its blocks freed.
         shutdown_grace: on SIGTERM or SIGINT, seconds running requests have to finish.
+        tool_call_parser: how the model writes tool calls (`--tool-call-parser`, vLLM's names): "auto" takes
+            the chat template's own format ("hermes", "llama3_json", "mistral"), or "generic" where the template
+            renders no tools.
+        max_stored_responses: Responses API objects kept for `previous_response_id` and GET (oldest dropped
+            first); `store: false` keeps none.
+        max_stored_chars: characters those stored conversations may take in all (oldest dropped first).
     """
 
     model_name: str = "default"
@@ -60,12 +69,17 @@ class ServerSettings:
     metrics: bool = False  # GET /metrics (needs the prometheus extra and telemetry.install_prometheus())
     write_timeout: float = 30.0  # seconds a stream may wait for its client to read; then it is aborted
     shutdown_grace: float = 30.0  # on SIGTERM/SIGINT: seconds running requests have to finish
+    tool_call_parser: str = "auto"
+    max_stored_responses: int = 1024
+    max_stored_chars: int = 16 << 20
 
 
 _ENGINE = web.AppKey("engine", AsyncEngine)
 _SETTINGS = web.AppKey("settings", ServerSettings)
 _ACTIVE = web.AppKey("active", list)
 _DRAINING = web.AppKey("draining", list)
+_TOOLS = web.AppKey("tools", ToolFormat)
+_STORE = web.AppKey("responses", ResponseStore)
 _SERVED = web.RequestKey("output", object)  # the request's _Output, for the access log
 _GONE = web.RequestKey("gone", bool)  # the client closed its connection before the response was written
 
@@ -77,11 +91,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> w
     settings = settings or ServerSettings()
     app = web.Application(middlewares=[_access, _errors, _draining, _auth], client_max_size=settings.max_body_bytes)
     app[_ENGINE], app[_SETTINGS], app[_ACTIVE], app[_DRAINING] = engine, settings, [0], [False]
+    app[_TOOLS] = format_for(engine.tokenizer, settings.tool_call_parser)
+    app[_STORE] = ResponseStore(settings.max_stored_responses, settings.max_stored_chars)
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/responses", _responses)
+    app.router.add_get("/v1/responses/{id}", _get_response)
+    app.router.add_delete("/v1/responses/{id}", _delete_response)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     if settings.metrics:
@@ -252,8 +271,129 @@ def _check_size(request: web.Request, chars: int) -> None:
 async def _chat(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     messages = chat_messages(body)
-    _check_size(request, message_chars(messages))  # roles too: the template renders them
-    return await _serve(request, body, messages, chat=True)
+    _check_size(request, message_chars([messages, body.get("tools") or []]))  # roles too: the template renders them
+    prompt, fmt, constraint = _with_tools(request, messages, body.get("tools"), body.get("tool_choice"),
+                                          body.get("parallel_tool_calls"))
+    return await _serve(request, body, prompt, chat=True, fmt=fmt, constraint=constraint)
+
+
+def _with_tools(request: web.Request, messages: list[dict[str, Any]], tools_field: Any, choice_field: Any,
+                parallel: Any, messages_param: str = "messages"):
+    """(the prompt, the tool format when the model may call tools, the constraint its calls follow)."""
+    try:
+        tools = parse_tools(tools_field)
+        choice = parse_tool_choice(choice_field, tools)
+        if parallel is not None and not isinstance(parallel, bool):
+            raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+        if not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            return messages, None, None
+        check_tool_messages(messages, messages_param)
+    except ToolError as e:
+        raise BadRequest(str(e), e.param) from None
+    fmt = request.app[_TOOLS]
+    offered = tools if choice != "none" else []
+    constraint = fmt.grammar(tools, choice, parallel is not False) if offered else None
+    if constraint is not None:  # a parameter schema the grammar engine refuses: a 400 naming tools, now
+        from tieredkv.engine.grammar import grammars_of
+
+        engine = request.app[_ENGINE]
+        try:
+            grammars_of(engine.tokenizer, engine.core.spec.vocab_size).grammar(*constraint)
+        except RequestError as e:
+            raise BadRequest(f"tools: a function's parameters cannot be used as a schema: {e}", "tools") from None
+    return fmt.chat(messages, offered), (fmt if offered else None), constraint
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses: OpenAI's Responses API (serve/responses.py), one output, tools as in chat."""
+    body = await _body(request)
+    settings, engine = request.app[_SETTINGS], request.app[_ENGINE]
+    store = body.get("store", True)
+    if not isinstance(store, bool):
+        raise BadRequest("store must be true or false", "store")
+    shown, conversation = conversation_of(body, request.app[_STORE])
+    _check_size(request, message_chars([shown, body.get("tools") or []]))
+    prompt, fmt, constraint = _with_tools(request, shown, body.get("tools"), body.get("tool_choice"),
+                                          body.get("parallel_tool_calls"), "input")
+    fields = chat_body(body)
+    params = sampling_params(fields, True, constraint, skip_special_tokens=not (fmt and fmt.keeps_special_tokens))
+    streaming = body.get("stream", False)
+    if not isinstance(streaming, bool):
+        raise BadRequest("stream must be true or false", "stream")
+    rid = new_id("resp").replace("-", "_")
+    out = _Output(rid, settings.model_name, True, 1, engine, fmt, params.constraint is not None)
+    request[_SERVED] = out
+    builder = ResponseBuilder(rid, settings.model_name, body, fmt, body.get("tools") or [])
+
+    def keep() -> None:
+        if store:
+            request.app[_STORE].put(rid, builder.response(builder.status), conversation + [builder.assistant_message()])
+
+    with _admitted(request):
+        engine.core.factory.precheck(prompt, params)
+        ids = await engine.tokenize(prompt)
+        _check_room(engine, len(ids), params, fields)
+        async with engine.stream(ids, params, request_id=rid) as stream:
+            first = await stream.__anext__()
+            if streaming:
+                return await _response_events(request, builder, _chain(first, stream), out, keep)
+            async for chunk in _chain(first, stream):
+                out.add(chunk)
+                builder.add(chunk)
+            keep()
+            return web.json_response(builder.response(builder.status))
+
+
+async def _response_events(request, builder: ResponseBuilder, chunks, out: "_Output", keep) -> web.StreamResponse:
+    """The Responses API's stream: `event: <type>` and its JSON for each event, as the SDK reads them."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    timeout = request.app[_SETTINGS].write_timeout
+
+    async def send(events: list[dict[str, Any]]) -> None:
+        data = b"".join(f"event: {e['type']}\n".encode() + _event(e) for e in events)
+        if data:
+            await asyncio.wait_for(response.write(data), timeout)
+
+    try:
+        await send(builder.start())
+        try:
+            async for chunk in chunks:
+                out.add(chunk)
+                await send(builder.add(chunk))
+            keep()
+        except (asyncio.TimeoutError, ConnectionError):
+            raise
+        except Exception as e:
+            if not isinstance(e, TieredKVError):
+                log.exception("request %s failed while streaming", out.rid)
+            failed = builder.response("failed")
+            failed["error"] = {"code": "server_error", "message": str(e) if isinstance(e, TieredKVError)
+                               else "internal error"}
+            await send([builder._event("response.failed", response=failed)])
+        await asyncio.wait_for(response.write_eof(), timeout)
+    except asyncio.TimeoutError:
+        log.warning("request %s: the client read nothing for %.0f s; the stream was aborted", out.rid, timeout)
+        if request.transport is not None:
+            request.transport.abort()
+    except ConnectionError:
+        request[_GONE] = True
+    return response
+
+
+async def _get_response(request: web.Request) -> web.Response:
+    stored = request.app[_STORE].get(request.match_info["id"])
+    if stored is None:
+        raise BadRequest(f"no stored response has the id {request.match_info['id']!r}", "id", status=404,
+                         code="not_found")
+    return web.json_response(stored.response)
+
+
+async def _delete_response(request: web.Request) -> web.Response:
+    rid = request.match_info["id"]
+    if not request.app[_STORE].delete(rid):
+        raise BadRequest(f"no stored response has the id {rid!r}", "id", status=404, code="not_found")
+    return web.json_response({"id": rid, "object": "response", "deleted": True})
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -288,12 +428,14 @@ def _admitted(request: web.Request):
         active[0] -= 1
 
 
-async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool) -> web.StreamResponse:
+async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool, fmt: ToolFormat | None = None,
+                 constraint=None) -> web.StreamResponse:
     engine = request.app[_ENGINE]
-    params = sampling_params(body, chat)
+    params = sampling_params(body, chat, constraint, skip_special_tokens=not (fmt and fmt.keeps_special_tokens))
     streaming, include_usage = stream_flags(body)
     rid = new_id("chatcmpl" if chat else "cmpl")
-    out = _Output(rid, request.app[_SETTINGS].model_name, chat, params.n, engine)
+    out = _Output(rid, request.app[_SETTINGS].model_name, chat, params.n, engine, fmt,
+                  params.constraint is not None)
     request[_SERVED] = out
     with _admitted(request):
         engine.core.factory.precheck(prompt, params)  # before tokenizing: what a prompt's size alone rules out
@@ -355,8 +497,11 @@ def _event(obj: dict[str, Any]) -> bytes:
 class _Output:
     """Accumulates one request's chunks into OpenAI objects: the whole response or stream chunks."""
 
-    def __init__(self, rid: str, model: str, chat: bool, n: int, engine: AsyncEngine):
+    def __init__(self, rid: str, model: str, chat: bool, n: int, engine: AsyncEngine, fmt: ToolFormat | None = None,
+                 constrained: bool = False):
         self.rid, self.model, self.chat = rid, model, chat
+        self.fmt, self.constrained = fmt, constrained
+        self.tool_streams = [ToolStream(fmt) for _ in range(n)] if fmt is not None else None
         self.created = int(time.time())  # one value for the whole response, every stream chunk included
         self.first_token_at: float | None = None  # perf_counter
         self.kind = "chat.completion" if chat else "text_completion"
@@ -402,9 +547,29 @@ class _Output:
         for i, parts in enumerate(self.texts):
             text = "".join(parts)
             choice = {"index": i, "logprobs": self._logprobs(self.logprobs[i], i), "finish_reason": self.finish[i]}
-            choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            if not self.chat:
+                choice["text"] = text
+            elif self.fmt is None:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                parsed = self.fmt.parse(text, final=True)
+                calls = [c for c in parsed.calls if c.complete]
+                message = {"role": "assistant", "content": parsed.content if parsed.content.strip() or not calls
+                           else None}
+                if calls:
+                    message["tool_calls"] = [_tool_call(c, new_call_id(self.fmt)) for c in calls]
+                choice["message"] = message
+                choice["finish_reason"] = _finish_with_calls(self.finish[i], calls)
+            choice.update(self._incomplete(i))
             choices.append(choice)
         return {**self.envelope(self.kind), "choices": choices, "usage": usage_body(self.usages)}
+
+    def _incomplete(self, i: int) -> dict[str, Any]:
+        """Structured output (a schema, or tool calls) cut before its document closed: said in so many words."""
+        if not self.constrained or self.finish[i] in (None, "stop"):
+            return {}
+        return {"incomplete_details": {"reason": self.finish[i], "structured_output": "incomplete: the output "
+                                       "ended before its JSON document (or tool call) closed"}}
 
     def envelope(self, kind: str) -> dict[str, Any]:
         return envelope(kind, self.rid, self.model, self.created)
@@ -414,18 +579,42 @@ class _Output:
         i = chunk.index
         if chunk.finish_reason is not None:
             self.usages.append(chunk.usage)
+        if chunk.finish_reason is not None:
+            self.finish[i] = chunk.finish_reason
         choice = {"index": i, "logprobs": self._logprobs(chunk.logprobs, i), "finish_reason": chunk.finish_reason}
         if self.chat:
             delta = {"content": chunk.text}
+            if self.tool_streams is not None:  # content and call deltas as the calls are written
+                stream = self.tool_streams[i]
+                delta = {}
+                for d in stream.feed(chunk.text, final=chunk.finish_reason is not None):
+                    if "content" in d:
+                        delta["content"] = delta.get("content", "") + d["content"]
+                    else:
+                        delta.setdefault("tool_calls", []).extend(d["tool_calls"])
+                if chunk.finish_reason is not None:
+                    choice["finish_reason"] = _finish_with_calls(chunk.finish_reason,
+                                                                 [c for c in stream.calls if c.complete])
             if not self.role_sent[i]:
                 delta, self.role_sent[i] = {"role": "assistant", **delta}, True
             choice["delta"] = delta
+            if chunk.finish_reason is not None:
+                choice.update(self._incomplete(i))
             kind = self.kind + ".chunk"
         else:
             choice["text"] = chunk.text
             kind = self.kind
         self.offsets[i] += len(chunk.text)
         return {**self.envelope(kind), "choices": [choice]}
+
+
+def _tool_call(call: Call, call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _finish_with_calls(finish: str | None, calls: list[Call]) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" when the output ended by itself with calls in it."""
+    return "tool_calls" if calls and finish == "stop" else finish
 
 
 async def serve_until_signal(engine: AsyncEngine, settings: ServerSettings, host: str = "127.0.0.1",

@@ -14,7 +14,7 @@ from tieredkv.engine.outputs import TokenLogprob, Usage
 # Parameters passed to SamplingParams as they are; the last five are extensions (as vLLM accepts them).
 _PASSED = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
            "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "speculative")
-_UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "suffix", "audio", "modalities")
+_UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "modalities")
 
 
 class BadRequest(Exception):
@@ -30,19 +30,28 @@ class BadRequest(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
+def sampling_params(body: dict[str, Any], chat: bool, constraint: tuple[str, Any] | None = None,
+                    skip_special_tokens: bool = True) -> SamplingParams:
+    """The request's SamplingParams; `constraint` ("json_schema" or "grammar", source): what its tools demand."""
     for name in _UNSUPPORTED:
         if body.get(name) is not None:
             raise BadRequest(f"{name} is not supported by this server", name)
     if body.get("echo"):
         raise BadRequest("echo is not supported by this server", "echo")
     kw: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
+    if not skip_special_tokens:
+        kw["skip_special_tokens"] = False
     schema = _response_schema(body.get("response_format"))
+    names: dict[str, str] = {}  # SamplingParams field -> the request's name for it, for error messages
+    if schema is not None and constraint is not None:
+        raise BadRequest("response_format cannot be combined with tools the model may call (tool_choice "
+                         '"none" leaves them out)', "response_format")
     if schema is not None:
         kw["json_schema"] = schema
         names = {"json_schema": "response_format"}
-    else:
-        names = {}  # SamplingParams field -> the request's name for it, for error messages
+    elif constraint is not None:
+        kw[constraint[0]] = constraint[1]
+        names = {constraint[0]: "tools"}
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
             kw.setdefault("max_tokens", body[name])
@@ -127,7 +136,9 @@ def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     return True, usage
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages as the engine takes them: role and text content; an assistant's tool_calls (content may then
+    be null) and a tool message's tool_call_id kept (serve/tools.py renders them)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
@@ -135,16 +146,32 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a string role", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
+        content = text_content(m.get("content"), f"messages[{i}].content", "messages", ("text",))
+        calls = m.get("tool_calls")
+        if content is None and not calls:
             raise BadRequest(f"messages[{i}].content must be a string or text parts", "messages")
-        out.append({"role": m["role"], "content": content})
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if calls:
+            if m["role"] != "assistant" or not isinstance(calls, list):
+                raise BadRequest(f"messages[{i}].tool_calls: only an assistant message carries a list of calls",
+                                 "messages")
+            msg["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": c.get("function")}
+                                 if isinstance(c, dict) else c for c in calls]
+        if m["role"] == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id")
+        out.append(msg)
     return out
+
+
+def text_content(content: Any, where: str, param: str, kinds: tuple[str, ...]) -> str | None:
+    """A message's content as one string: a string as it is, text parts (of the given types) joined; None as
+    None; anything else a 400 naming `param`."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in kinds
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise BadRequest(f"{where}: only a string or text parts ({', '.join(kinds)}) are supported", param)
 
 
 def completion_prompt(body: dict[str, Any]) -> str | list[int]:
