@@ -296,7 +296,9 @@ class Lifecycle:
     def _append(self, seq: Sequence, got: Sampled, done: str | None = None) -> StreamChunk:
         """Adds the sampled token; the sequence ends when the token ends it, or with reason `done`."""
         self.telemetry.on_token(seq, time.perf_counter())
-        reason = seq.append(got.token, self.max_model_len) or done
+        reason = seq.append(got.token, self.max_model_len)
+        if done is not None and reason in (None, "length"):  # a document that closed on the last token closed
+            reason = done
         if reason is not None:
             self.scheduler.finish(seq, reason)
             if seq.request.is_finished:

@@ -291,17 +291,21 @@ def _with_tools(request: web.Request, messages: list[dict[str, Any]], tools_fiel
     except ToolError as e:
         raise BadRequest(str(e), e.param) from None
     fmt = request.app[_TOOLS]
-    offered = tools if choice != "none" else []
-    constraint = fmt.grammar(tools, choice, parallel is not False) if offered else None
-    if constraint is not None:  # a parameter schema the grammar engine refuses: a 400 naming tools, now
-        from tieredkv.engine.grammar import grammars_of
+    # tools are shown under "none" too (the grammar then keeps calls out), so every turn shares one prefix
+    constraint = fmt.grammar(tools, choice, parallel is not False)
+    if constraint is not None:  # a parameter schema the grammar engine refuses (one by one: in a choice of
+        from tieredkv.engine.grammar import grammars_of  # several, one that cannot be met would just drop out)
 
         engine = request.app[_ENGINE]
-        try:
-            grammars_of(engine.tokenizer, engine.core.spec.vocab_size).grammar(*constraint)
-        except RequestError as e:
-            raise BadRequest(f"tools: a function's parameters cannot be used as a schema: {e}", "tools") from None
-    return fmt.chat(messages, offered), (fmt if offered else None), constraint
+        grammars = grammars_of(engine.tokenizer, engine.core.spec.vocab_size)
+        for tool in tools:
+            try:
+                grammars.grammar("json_schema", tool.parameters)
+            except RequestError as e:
+                raise BadRequest(f"tools: the parameters of {tool.name!r} cannot be used as a schema: {e}",
+                                 "tools") from None
+        grammars.grammar(*constraint)
+    return fmt.chat(messages, tools), (fmt if tools else None), constraint
 
 
 async def _responses(request: web.Request) -> web.StreamResponse:

@@ -354,7 +354,8 @@ class GenericFormat(ToolFormat):
     name = "generic"
 
     def chat(self, messages, tools):
-        out = []
+        out: list[dict[str, Any]] = []
+        names = {c.get("id"): c["function"]["name"] for m in messages for c in m.get("tool_calls") or []}
         for m in messages:
             if m.get("tool_calls"):
                 calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"] or "{}")}
@@ -362,13 +363,18 @@ class GenericFormat(ToolFormat):
                 out.append({"role": "assistant", "content": _dumps({"tool_calls": calls})})
             elif m.get("role") == "assistant" and tools:
                 out.append({"role": "assistant", "content": _dumps({"response": m.get("content") or ""})})
+            elif m.get("role") == "tool":  # the result beside the name of the function that made it
+                name = names.get(m.get("tool_call_id"), "")
+                out.append({"role": "tool", "content": _dumps({"tool_response": {"name": name,
+                                                                                 "content": m.get("content")}})})
             else:
                 out.append({k: v for k, v in m.items() if k in ("role", "content")})
         if tools:
             intro = ("You can call these tools:\n" + "\n".join(_dumps(t.as_openai()["function"]) for t in tools)
                      + '\n\nAnswer with one JSON object: {"tool_calls": [{"name": <tool name>, "arguments": '
-                     '<its arguments>}]} to call tools, then the results come back in "tool" messages; or '
-                     '{"response": <your answer>} to answer.')
+                     '<its arguments>}]} to call tools (their results come back as tool_response objects), or '
+                     '{"response": <your answer>} to answer the user. Call a tool only for what its results '
+                     'do not tell you yet; once they do, answer.')
             if out and out[0]["role"] == "system":
                 out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + intro}
             else:
@@ -377,16 +383,17 @@ class GenericFormat(ToolFormat):
 
     def grammar(self, tools, choice, parallel):
         allowed, parallel = chosen(tools, choice), not one_call(choice, parallel)
+        answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                  "additionalProperties": False}
         if not allowed:
-            return None
+            return ("json_schema", answer) if tools else None
         calls = {"type": "array", "items": _one_of([_call_schema(t, "arguments") for t in allowed]), "minItems": 1}
         if not parallel:
             calls["maxItems"] = 1
         schema = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
                   "additionalProperties": False}
         if choice == "auto":
-            schema = {"anyOf": [schema, {"type": "object", "properties": {"response": {"type": "string"}},
-                                         "required": ["response"], "additionalProperties": False}]}
+            schema = {"anyOf": [schema, answer]}
         return "json_schema", schema
 
     def parse(self, text, final):
@@ -420,8 +427,8 @@ class HermesFormat(ToolFormat):
 
     def grammar(self, tools, choice, parallel):
         allowed, parallel = chosen(tools, choice), not one_call(choice, parallel)
-        if not allowed:
-            return None
+        if not allowed:  # tool_choice "none": text that never opens a call
+            return ("grammar", f"start: TAIL\nTAIL: {_text_without(self.open)}\n") if tools else None
         call = _lark_json(_one_of([_call_schema(t, self.args_key) for t in allowed]))
         body = f'"\\n" call "\\n{self.close}"'
         if choice == "auto":  # text, then calls; the text never holds a call the grammar did not check
@@ -456,12 +463,13 @@ class Llama3JsonFormat(ToolFormat):
 
     def grammar(self, tools, choice, parallel):
         allowed, parallel = chosen(tools, choice), not one_call(choice, parallel)
+        text = "TEXT: /([^{<](.|\\n)*)?/\n"  # text that does not start as a call does
         if not allowed:
-            return None
+            return ("grammar", "start: TEXT\n" + text) if tools else None
         call = _lark_json(_one_of([_call_schema(t, self.args_key) for t in allowed]))
         calls = 'call ("; " call)*' if parallel else "call"
         if choice == "auto":
-            return "grammar", f"start: {calls} | TEXT\nTEXT: /([^{{<](.|\\n)*)?/\ncall: {call}\n"
+            return "grammar", f"start: {calls} | TEXT\n{text}call: {call}\n"
         return "grammar", f"start: {calls}\ncall: {call}\n"
 
     def parse(self, text, final):
@@ -483,7 +491,7 @@ class MistralFormat(ToolFormat):
     def grammar(self, tools, choice, parallel):
         allowed, parallel = chosen(tools, choice), not one_call(choice, parallel)
         if not allowed:
-            return None
+            return ("grammar", f"start: TAIL\nTAIL: {_text_without(self.tag)}\n") if tools else None
         call = _lark_json(_one_of([_call_schema(t, self.args_key) for t in allowed]))
         calls = f'{self._lit(self.tag)} "[" call' + (' (", " call)*' if parallel else "") + ' "]"'
         if choice == "auto":
