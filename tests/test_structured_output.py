@@ -111,3 +111,19 @@ async def test_an_integer_without_bounds_of_its_own_closes_after_16_digits(engin
     out = await engine.generate(PROMPT, SamplingParams(max_tokens=80, json_schema=schema, logit_bias={one: 100}))
     assert out.outputs[0].finish_reason == "stop", out.text
     assert json.loads(out.text) == {"n": int("1" * digits)}
+
+
+@pytest.mark.parametrize("field", [{"type": "number"}, {"type": "number", "minimum": 0, "maximum": 2}])
+async def test_a_number_closes_after_16_digits_a_part(engine, field):
+    """The same model on a number: its integer part and its fraction each end after 16 digits in a row, and the
+    document closes (a bounded value alone does not bound its fraction's digits)."""
+    one = engine.tokenizer.hf.convert_tokens_to_ids("1")
+    schema = {"type": "object", "properties": {"x": field}, "required": ["x"], "additionalProperties": False}
+    out = await engine.generate(PROMPT, SamplingParams(max_tokens=120, json_schema=schema, logit_bias={one: 100}))
+    assert out.outputs[0].finish_reason == "stop", out.text
+    value = json.loads(out.text)["x"]
+    text = out.text.split(":", 1)[1]
+    runs = [len(r) for r in "".join(c if c.isdigit() else " " for c in text).split()]
+    assert runs and max(runs) <= 16, out.text
+    jsonschema.validate({"x": value}, schema)
+    await engine.run_in_worker(check_pool_clean, engine.core)

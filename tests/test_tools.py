@@ -290,8 +290,8 @@ async def test_responses_function_round_trip_with_previous_response_id(default_s
             assert r.status == 404 and (await r.json())["error"]["param"] == "previous_response_id"
         async with s.post(f"{url}/v1/responses", json={"model": NAME, "input": [{"type": "image"}]}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "input"
-        async with s.post(f"{url}/v1/responses", json={
-                "model": NAME, "input": [{"type": "function_call_output", "call_id": "call_nope", "output": "1"}]}) as r:
+        orphan = [{"type": "function_call_output", "call_id": "call_nope", "output": "1"}]
+        async with s.post(f"{url}/v1/responses", json={"model": NAME, "input": orphan}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "input"
 
 
@@ -312,8 +312,8 @@ async def test_responses_stream_events_as_the_sdk_reads_them(default_server):
     (call,) = [i for i in done.output if i.type == "function_call"]
     (want,) = [i for i in whole.output if i.type == "function_call"]
     assert (call.name, call.arguments) == (want.name, want.arguments) and args == call.arguments
-    text = [e async for e in await client.responses.create(model=NAME, input="Say hello.", max_output_tokens=6,
-                                                            stream=True)]
+    events = await client.responses.create(model=NAME, input="Say hello.", max_output_tokens=6, stream=True)
+    text = [e async for e in events]
     assert text[-1].type == "response.incomplete" and text[-1].response.incomplete_details.reason == \
         "max_output_tokens"
     assert "".join(e.delta for e in text if e.type == "response.output_text.delta") == text[-1].response.output_text
@@ -330,7 +330,8 @@ def _tools_log():
 
     log = []
 
-    def get_weather(city: Annotated[str, Field(max_length=30)], unit: Literal["celsius", "fahrenheit"] = "celsius") -> str:
+    def get_weather(city: Annotated[str, Field(max_length=30)],
+                    unit: Literal["celsius", "fahrenheit"] = "celsius") -> str:
         """The current weather in a city."""
         log.append(("get_weather", city))
         return f"Sunny, 21 degrees {unit} in {city}."

@@ -30,6 +30,7 @@ from tieredkv.errors import RequestError
 CACHED_GRAMMARS = 256
 INTEGER_DIGITS = 16  # an integer without bounds of its own: at most this many digits (llama.cpp's grammars: 16)
 INTEGER_LIMIT = 10**INTEGER_DIGITS - 1
+NUMBER_DIGITS = 16  # digits in a row in a number of a JSON schema's document (llama.cpp's grammars: 16 a part)
 _DATA_KEYS = ("const", "enum", "default", "examples")  # their values are JSON data, not schemas
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 # The document's layout: json.dumps's separators and no other whitespace. With free whitespace, a model could
@@ -51,6 +52,7 @@ class Grammars:
         self._lock = threading.Lock()  # requests are made on callers' threads, matchers on the worker's
         self._executor = llguidance.LLExecutor()
         self._bits = torch.arange(32, dtype=torch.int32)
+        self._leading_digits: torch.Tensor | None = None  # per token, made at first use
 
     def grammar(self, kind: str, source: dict[str, Any] | str) -> str:
         """The compiled grammar of a JSON schema (kind "json_schema") or a Lark grammar in llguidance's syntax
@@ -82,6 +84,40 @@ class Grammars:
     def matcher(self, kind: str, source: dict[str, Any] | str):
         return self._ll.LLMatcher(self.tokenizer, self.grammar(kind, source), log_level=0)
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.tokenizer.decode_bytes([token])
+
+    def leading_digits(self) -> torch.Tensor:
+        """Per token: how many ASCII digits its text starts with."""
+        if self._leading_digits is None:
+            counts = []
+            for t in range(self.tokenizer.vocab_size):
+                b = self.tokenizer.decode_bytes([t])
+                n = 0
+                while n < len(b) and 48 <= b[n] <= 57:
+                    n += 1
+                counts.append(n)
+            self._leading_digits = torch.tensor(counts, dtype=torch.int32)
+        return self._leading_digits
+
+    @torch.inference_mode()
+    def bound_digits(self, logits: torch.Tensor, rows: list[int], runs: list["DigitRun | None"]) -> None:
+        """A number in a JSON document at most NUMBER_DIGITS digits in a row (integer part, fraction and exponent
+        each): a row whose output ends in a run of digits outside a string loses the tokens that would make the run
+        longer, as llama.cpp's schema grammars bound them, unless nothing else is left (a schema's own bounds
+        that need more digits, or a schema whose bounds have more: see digit_limit). JSON schemas only: digits in
+        free text are the model's business."""
+        lead = None
+        for row, run in zip(rows, runs):
+            if run is None or run.in_string or run.run == 0:
+                continue
+            lead = self.leading_digits() if lead is None else lead
+            n = min(lead.shape[0], logits.shape[1])
+            cut = lead[:n].to(logits.device) > run.limit - run.run
+            allowed = logits[row, :n] > float("-inf")
+            if bool((allowed & ~cut).any()):
+                logits[row, :n] = logits[row, :n].masked_fill(cut, float("-inf"))
+
     @torch.inference_mode()
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
         """Sets to -inf, in place, every logit of rows[i] that matchers[i] does not allow next."""
@@ -94,6 +130,49 @@ class Grammars:
         allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).view(len(rows), words * 32)[:, : logits.shape[1]]
         index = torch.tensor(rows, device=logits.device)
         logits[index] = logits[index].masked_fill(allowed.to(logits.device) == 0, float("-inf"))
+
+
+class DigitRun:
+    """The digits a JSON document's text ends in, outside strings, fed token by token (see bound_digits)."""
+
+    __slots__ = ("grammars", "limit", "run", "in_string", "escaped")
+
+    def __init__(self, grammars: Grammars, limit: int = NUMBER_DIGITS):
+        self.grammars, self.limit, self.run, self.in_string, self.escaped = grammars, limit, 0, False, False
+
+    def add(self, token: int) -> None:
+        for c in self.grammars.token_bytes(token):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == 92:  # backslash
+                    self.escaped = True
+                elif c == 34:  # '"'
+                    self.in_string = False
+            elif c == 34:
+                self.in_string, self.run = True, 0
+            elif 48 <= c <= 57:
+                self.run += 1
+            else:
+                self.run = 0
+
+
+def digit_limit(schema: Any) -> int:
+    """The longest run of digits a number of this schema may need: NUMBER_DIGITS, or more where the schema's own
+    bounds (minimum, maximum, exclusive ones) have more digits."""
+    most, stack = NUMBER_DIGITS, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") and \
+                        isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e300:
+                    most = max(most, len(str(int(abs(value)))))
+                elif key not in _DATA_KEYS:
+                    stack.append(value)
+    return most
 
 
 def bounded(schema: Any) -> Any:

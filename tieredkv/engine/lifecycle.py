@@ -240,6 +240,8 @@ class Lifecycle:
             if seq.matcher is not None and not seq.matcher.consume_token(got.token):
                 return self.fail(seq.request, RequestError(
                     f"the output can no longer follow {seq.request.params.constraint[0]}: {seq.matcher.get_error()}"))
+            if seq.digits is not None:
+                seq.digits.add(got.token)
             done = seq.matcher is not None and seq.matcher.is_stopped()  # the document is complete
             stage = "stop rules"
             return [(seq.request.sink, self._append(seq, got, "stop" if done else None))]
@@ -253,13 +255,17 @@ class Lifecycle:
 
     def _mask_by_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[None]:
         """Structured output (engine/grammar.py): each of these rows keeps only the tokens its grammar allows."""
-        from tieredkv.engine.grammar import grammars_of
+        from tieredkv.engine.grammar import DigitRun, digit_limit, grammars_of
 
         grammars = grammars_of(self.tokenizer, logits.shape[1])
         for i in rows:
             if seqs[i].matcher is None:  # its first sampled token (samples forked from one prompt each get one)
                 seqs[i].matcher = grammars.matcher(*seqs[i].request.params.constraint)
+                schema = seqs[i].request.params.json_schema
+                if schema is not None:
+                    seqs[i].digits = DigitRun(grammars, digit_limit(schema))
         grammars.mask(logits, rows, [seqs[i].matcher for i in rows])
+        grammars.bound_digits(logits, rows, [seqs[i].digits for i in rows])
         return [None] * len(rows)
 
     def _finish_prefill(self, seq: Sequence) -> list[Output]:

@@ -237,8 +237,8 @@ class ResponseBuilder:
                              "content": []}
             self.items.append(self._message)
             index = len(self.items) - 1
-            events.append(self._event("response.output_item.added", output_index=index, item=dict(self._message,
-                                                                                                   content=[])))
+            added = dict(self._message, content=[])
+            events.append(self._event("response.output_item.added", output_index=index, item=added))
             self._message["content"] = [{"type": "output_text", "text": "", "annotations": []}]
             events.append(self._event("response.content_part.added", item_id=self._message["id"], output_index=index,
                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
@@ -288,4 +288,3 @@ class ResponseBuilder:
         kind = "response.completed" if self.status == "completed" else "response.incomplete"
         events.append(self._event(kind, response=self.response(self.status)))
         return events
-

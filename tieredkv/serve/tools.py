@@ -574,7 +574,8 @@ def check_tool_messages(messages: list[dict[str, Any]], param: str = "messages")
                 try:
                     args = json.loads(fn.get("arguments") or "{}")
                 except (TypeError, ValueError):
-                    raise ToolError(f"{param}[{i}].tool_calls: arguments of {fn['name']!r} are not JSON", param) from None
+                    raise ToolError(f"{param}[{i}].tool_calls: arguments of {fn['name']!r} are not JSON",
+                                    param) from None
                 if not isinstance(args, dict):
                     raise ToolError(f"{param}[{i}].tool_calls: arguments of {fn['name']!r} must be a JSON object",
                                     param)
