@@ -19,7 +19,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(out_dir: Path, vocab_size: int = 512):
+def make_tokenizer(out_dir: Path, vocab_size: int = 512, extra_special: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -28,23 +28,26 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>"],
+        special_tokens=["<unk>", "<s>", "</s>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    more = {"additional_special_tokens": list(extra_special)} if extra_special else {}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", **more)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
 
 
-def make_checkpoint(out_dir: Path, kind: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A random-initialised model of the given architecture saved as config.json + safetensors."""
+def make_checkpoint(out_dir: Path, kind: str = "llama", seed: int = 0, extra_special: tuple[str, ...] = (),
+                    **overrides) -> Path:
+    """A random-initialised model of the given architecture saved as config.json + safetensors (`extra_special`:
+    more special tokens in its tokenizer)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(out_dir)
+    tok = make_tokenizer(out_dir, extra_special=extra_special)
     common = dict(
         vocab_size=len(tok),
         hidden_size=64,

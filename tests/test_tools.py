@@ -43,6 +43,29 @@ HERMES_TEMPLATE = (
     "{%- elif m['role'] == 'tool' %}<s>tool: {{ m['content'] }}\n"
     "{%- else %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<s>assistant: {% endif %}")
+# Llama 3.1's way (a JSON object with "parameters"; results in the ipython role), written for these tests.
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<s>system: Call a function by answering {\"name\": function name, \"parameters\": its arguments}."
+    "{%- for t in tools %}\n{{ t | tojson }}{% endfor %}\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and m.get('tool_calls') %}<s>assistant: "
+    "{%- for c in m['tool_calls'] %}{\"name\": \"{{ c['function']['name'] }}\", \"parameters\": "
+    "{{ c['function']['arguments'] | tojson }}}{% endfor %}\n"
+    "{%- elif m['role'] == 'tool' %}<s>ipython: {{ m['content'] }}\n"
+    "{%- else %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<s>assistant: {% endif %}")
+# Mistral's way ([TOOL_CALLS], a special token, then a JSON array; tools before the last user turn).
+MISTRAL_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'user' %}{% if loop.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}"
+    "[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m['content'] }}[/INST]"
+    "{%- elif m['role'] == 'assistant' and m.get('tool_calls') %}[TOOL_CALLS]["
+    "{%- for c in m['tool_calls'] %}{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": "
+    "{{ c['function']['arguments'] | tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}]</s>"
+    "{%- elif m['role'] == 'tool' %}[TOOL_RESULTS]{{ m['content'] }}[/TOOL_RESULTS]"
+    "{%- else %}{{ m['content'] }}{% endif %}{%- endfor %}")
+NATIVE = {"hermes": (HERMES_TEMPLATE, ()), "llama3_json": (LLAMA3_TEMPLATE, ()),
+          "mistral": (MISTRAL_TEMPLATE, ("[TOOL_CALLS]",))}
 
 
 async def _served(engine):
@@ -61,22 +84,29 @@ async def default_server():
     await engine.close()
 
 
-@pytest.fixture(scope="module")
-def hermes_dir(tmp_path_factory):
+def native_dir(tmp_path_factory, name: str):
+    """A tiny model whose chat template writes tool calls in format `name`."""
     from transformers import AutoTokenizer
 
-    path = make_checkpoint(tmp_path_factory.mktemp("tiny-hermes"), "llama")
+    template, special = NATIVE[name]
+    path = make_checkpoint(tmp_path_factory.mktemp(f"tiny-{name}"), "llama", extra_special=special)
     tok = AutoTokenizer.from_pretrained(str(path))
-    tok.chat_template = HERMES_TEMPLATE
+    tok.chat_template = template
     tok.save_pretrained(str(path))
     return path
 
 
 @pytest.fixture(scope="module")
-async def hermes_server(hermes_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(hermes_dir), num_blocks=256, max_num_seqs=8))
+def hermes_dir(tmp_path_factory):
+    return native_dir(tmp_path_factory, "hermes")
+
+
+@pytest.fixture(scope="module", params=sorted(NATIVE))
+async def native_server(request, tmp_path_factory):
+    engine = await AsyncEngine.start(EngineConfig(model=str(native_dir(tmp_path_factory, request.param)),
+                                                  num_blocks=256, max_num_seqs=8))
     runner, client, url = await _served(engine)
-    yield engine, client, url
+    yield request.param, engine, client, url
     await client.close()
     await runner.cleanup()
     await engine.close()
@@ -402,23 +432,37 @@ async def test_pydantic_ai_runs_a_two_tool_loop_over_chat_completions(default_se
     assert result.usage.requests == 3
 
 
-async def test_a_native_tool_format_drives_the_same_loops(hermes_server):
-    """The tiny model's template writes Hermes <tool_call> blocks: its calls are constrained and parsed in that
-    format (its weights are random: what it writes beside the calls means nothing)."""
-    engine, client, url = hermes_server
-    assert format_for(engine.tokenizer).name == "hermes"
-    got = await client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "weather?"}],
-                                               tools=TOOLS, tool_choice="required", max_tokens=120)
+async def test_a_native_tool_format_drives_the_same_loops(native_server):
+    """Tiny models whose templates write Hermes <tool_call> blocks, Llama 3 JSON, or Mistral's [TOOL_CALLS] (a
+    special token, kept in the output for the parser and named by id in the grammar): calls constrained and read
+    in that format, whole and streamed, and pydantic-ai's loop over them. Their weights are random: what they
+    write beside the calls means nothing."""
+    name, engine, client, url = native_server
+    fmt = format_for(engine.tokenizer)
+    assert fmt.name == name and fmt.keeps_special_tokens == (name == "mistral")
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, max_tokens=200,
+              parallel_tool_calls=False)
+    got = await client.chat.completions.create(**kw, tool_choice="required")
     assert got.choices[0].finish_reason == "tool_calls"
     for call in got.choices[0].message.tool_calls:
         check_call(call)
-    auto = await client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "weather?"}],
-                                                tools=TOOLS, max_tokens=60)
+        assert len(call.id) == 9 if name == "mistral" else call.id.startswith("call_")
+    stream = await client.chat.completions.create(**kw, tool_choice="required", stream=True)
+    args: dict[int, str] = {}
+    async for event in stream:
+        for c in event.choices[0].delta.tool_calls or []:
+            args[c.index] = args.get(c.index, "") + (c.function.arguments or "")
+    assert list(args.values()) == [c.function.arguments for c in got.choices[0].message.tool_calls]
+    auto = await client.chat.completions.create(**kw)
     for call in auto.choices[0].message.tool_calls or []:  # in auto, whatever it calls is still valid
         check_call(call)
+    none = await client.chat.completions.create(**{**kw, "max_tokens": 12}, tool_choice="none")
+    assert none.choices[0].message.tool_calls is None
     log, result = await _pydantic_ai_loop(url, max_tokens=200, report=True)  # (512 tokens: more tokens a call)
     assert [entry[0] for entry in log] == ["get_weather", "add"]
     assert result.usage.requests == 3 and len(result.output.summary) <= 24
+    await asyncio.sleep(0)
+    check_pool_clean(engine.core)
 
 
 # -- structured output that closes ------------------------------------------------------------------------------

@@ -79,7 +79,8 @@ async def serve(args: argparse.Namespace) -> None:
     settings = ServerSettings(model_name=args.served_model_name or config.model,
                               api_key=args.api_key or os.environ.get("TIEREDKV_API_KEY"),
                               max_queued=args.max_queued, metrics=metrics, write_timeout=args.write_timeout,
-                              shutdown_grace=args.shutdown_grace)
+                              shutdown_grace=args.shutdown_grace, tool_call_parser=args.tool_call_parser,
+                              max_stored_responses=args.max_stored_responses)
 
     def ready(port: int) -> None:
         print(f"serving {settings.model_name!r} on http://{args.host}:{port}/v1"
@@ -138,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a streaming client may read nothing before its request is aborted "
                    "(default: 30)")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=("auto", "generic", "hermes", "llama3_json", "mistral"),
+                   help="how the model writes tool calls (vLLM's names); auto: the chat template's own format, "
+                   "or generic (one JSON object, tools described in the system turn) where it renders no tools")
+    p.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="Responses API objects kept for previous_response_id (oldest dropped first; 0: none)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests have to finish before the server stops "
                    "(default: 30)")

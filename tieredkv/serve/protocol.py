@@ -44,8 +44,8 @@ def sampling_params(body: dict[str, Any], chat: bool, constraint: tuple[str, Any
     schema = _response_schema(body.get("response_format"))
     names: dict[str, str] = {}  # SamplingParams field -> the request's name for it, for error messages
     if schema is not None and constraint is not None:
-        raise BadRequest("response_format cannot be combined with tools the model may call (tool_choice "
-                         '"none" leaves them out)', "response_format")
+        raise BadRequest("response_format cannot be combined with tools: their calls follow a grammar of their "
+                         "own", "response_format")
     if schema is not None:
         kw["json_schema"] = schema
         names = {"json_schema": "response_format"}
