@@ -284,13 +284,16 @@ async def test_tool_results_go_back_and_the_history_is_served_from_cache(default
     ({"tool_choice": "sometimes"}, "tool_choice"),
 ])
 async def test_bad_tool_input_is_a_400_naming_the_field(default_server, body, param):
-    _, _, url = default_server
+    engine, _, url = default_server
     request = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "max_tokens": 4,
                **body}
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{url}/v1/chat/completions", json=request) as r:
             assert r.status == 400, await r.text()
             assert (await r.json())["error"]["param"] == param
+        async with s.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "x", "tools": TOOLS}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "tools"
+    assert not engine.core.requests  # nothing was admitted
 
 
 # -- the Responses API ----------------------------------------------------------------------------------------------
@@ -516,3 +519,19 @@ async def test_json_schema_fuzz_every_answer_validates_or_says_it_was_cut(defaul
             assert choice.finish_reason == "length"
             assert choice.model_extra["incomplete_details"]["reason"] == "length"
     assert closed >= len(schemas) // 3, closed  # most small schemas fit the tokens asked for
+
+
+async def test_a_chat_with_tools_from_python(default_server, hermes_dir):
+    """`Chat(messages, tools)` is a prompt of its own: the template renders the tools; a message that is neither
+    text nor an assistant's calls is refused before anything runs."""
+    from tieredkv import Chat, RequestError, SamplingParams
+    from tieredkv.models.tokenizer import Tokenizer
+
+    tok = Tokenizer(hermes_dir)
+    text = tok.hf.decode(tok.to_token_ids(Chat([{"role": "user", "content": "hi"}], TOOLS)))
+    assert "get_weather" in text and "<tool_call>" in text
+    engine, _, _ = default_server
+    out = await engine.generate(Chat([{"role": "user", "content": "hi"}], TOOLS), SamplingParams(max_tokens=2))
+    assert out.usage.prompt_tokens > 0
+    with pytest.raises(RequestError, match="message 1"):
+        engine.stream(Chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]))

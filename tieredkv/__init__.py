@@ -6,9 +6,11 @@ from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RankLostError,
                              RankStartError, RemoteTierError, RequestError, SamplingError, SnapshotError, StepError,
                              TieredKVError, UnsupportedModelError, WrongLoopError)
+from tieredkv.models.tokenizer import Chat
 
 __all__ = [
     "AsyncEngine",
+    "Chat",
     "CheckpointError",
     "ColdTierError",
     "CompletionOutput",

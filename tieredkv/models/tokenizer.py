@@ -10,8 +10,14 @@ from typing import Any
 @dataclass(frozen=True)
 class Chat:
     """Chat messages with the tools the template is to render (transformers' `apply_chat_template(tools=...)`):
-    a prompt of its own kind, since a list of messages alone cannot carry them. Messages may carry an
-    assistant's `tool_calls` (then `content` may be None) and `tool` messages with their `tool_call_id`."""
+    a prompt of its own kind, since a list of messages alone cannot carry them.
+
+    Attributes:
+        messages: the chat; an assistant message may carry `tool_calls` (then `content` may be None), a `tool`
+            message its `tool_call_id`, as transformers' templates take them.
+        tools: the tools in OpenAI's shape (`{"type": "function", "function": {...}}`), or None.
+        template_kwargs: more variables for the template (`apply_chat_template(**template_kwargs)`).
+    """
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None

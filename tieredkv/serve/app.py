@@ -402,6 +402,9 @@ async def _delete_response(request: web.Request) -> web.Response:
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            raise BadRequest(f"{name} is for chat completions and responses, not text completions", name)
     prompt = completion_prompt(body)
     _check_size(request, len(prompt))
     return await _serve(request, body, prompt, chat=False)
