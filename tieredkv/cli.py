@@ -80,7 +80,7 @@ async def serve(args: argparse.Namespace) -> None:
                               api_key=args.api_key or os.environ.get("TIEREDKV_API_KEY"),
                               max_queued=args.max_queued, metrics=metrics, write_timeout=args.write_timeout,
                               shutdown_grace=args.shutdown_grace, tool_call_parser=args.tool_call_parser,
-                              max_stored_responses=args.max_stored_responses)
+                              max_stored_responses=args.max_stored_responses, load_format=args.load_format)
 
     def ready(port: int) -> None:
         print(f"serving {settings.model_name!r} on http://{args.host}:{port}/v1"
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "or generic (one JSON object, tools described in the system turn) where it renders no tools")
     p.add_argument("--max-stored-responses", type=int, default=1024,
                    help="Responses API objects kept for previous_response_id (oldest dropped first; 0: none)")
+    p.add_argument("--load-format", default="vllm", choices=("vllm", "sglang"),
+                   help="the shape GET /get_load answers in: vllm-router's {\"load\": N} or sglang-router's list "
+                   "per rank (a request's ?format= chooses for itself)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests have to finish before the server stops "
                    "(default: 30)")

@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tieredkv.config import SamplingParams
 from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.errors import EngineClosedError, RequestError, TieredKVError
 from tieredkv.models.tokenizer import message_chars
@@ -59,6 +60,9 @@ class ServerSettings:
         max_stored_responses: Responses API objects kept for `previous_response_id` and GET (oldest dropped
             first); `store: false` keeps none.
         max_stored_chars: characters those stored conversations may take in all (oldest dropped first).
+        load_format: the shape `GET /get_load` answers in (`--load-format`): "vllm" (`{"load": N}`, what
+            vllm-router reads) or "sglang" (a list of `{dp_rank, num_reqs, num_waiting_reqs, num_tokens}`, what
+            sglang-router reads); a request's `?format=` chooses for itself.
     """
 
     model_name: str = "default"
@@ -72,6 +76,7 @@ class ServerSettings:
     tool_call_parser: str = "auto"
     max_stored_responses: int = 1024
     max_stored_chars: int = 16 << 20
+    load_format: str = "vllm"
 
 
 _ENGINE = web.AppKey("engine", AsyncEngine)
@@ -103,6 +108,18 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> w
     app.router.add_delete("/v1/responses/{id}", _delete_response)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
+    # what the routers people run in front of replicas call (vllm-router, sglang-router), in their shapes
+    app.router.add_post("/v1/chat/completions/render", _render_chat)
+    app.router.add_post("/v1/completions/render", _render_completion)
+    app.router.add_get("/health_generate", _health_generate)
+    app.router.add_get("/get_load", _get_load)
+    app.router.add_get("/load", _load)
+    for path in ("/get_server_info", "/server_info"):
+        app.router.add_get(path, _server_info)
+    for path in ("/get_model_info", "/model_info"):
+        app.router.add_get(path, _model_info)
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        app.router.add_post(path, _flush_cache)
     if settings.metrics:
         app.router.add_get("/metrics", _metrics)
     return app
@@ -128,7 +145,7 @@ async def _access(request: web.Request, handler):
             status = 499
         out: _Output | None = request.get(_SERVED)
         tokens = "" if out is None else out.log_fields(t0)
-        level = logging.DEBUG if request.path in ("/health", "/metrics") else logging.INFO
+        level = logging.DEBUG if request.path in _POLLED else logging.INFO
         access_log.log(level, "%s %s %d%s %.3fs", request.method, request.path, status, tokens,
                        time.perf_counter() - t0)
 
@@ -180,10 +197,16 @@ async def _draining(request: web.Request, handler):
     return await handler(request)
 
 
+# Open without the API key: liveness, and the load routers poll (vllm-router and sglang-router send no key on
+# their load checks, as vLLM and SGLang guard only their API); numbers only, nothing a request carried.
+_OPEN = frozenset({"/health", "/get_load", "/load"})
+_POLLED = _OPEN | {"/metrics"}  # logged at DEBUG: load balancers and routers call them every few seconds
+
+
 @web.middleware
 async def _auth(request: web.Request, handler):
     key = request.app[_SETTINGS].api_key
-    if key is not None and request.path != "/health":
+    if key is not None and request.path not in _OPEN:
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise BadRequest("invalid or missing API key", status=401, type_="authentication_error",
@@ -260,6 +283,101 @@ async def _detokenize(request: web.Request) -> web.Response:
         raise BadRequest(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
     text = await asyncio.to_thread(request.app[_ENGINE].tokenizer.decode, ids, False)
     return web.json_response({"prompt": text})
+
+
+async def _render_chat(request: web.Request) -> web.Response:
+    """vLLM's render: the chat as the model is shown it (template, tools) and its token ids, without running it."""
+    body = await _body(request)
+    messages = chat_messages(body)
+    _check_size(request, message_chars([messages, body.get("tools") or []]))
+    prompt, _, _ = _with_tools(request, messages, body.get("tools"), body.get("tool_choice"),
+                               body.get("parallel_tool_calls"))
+    return await _rendered(request, prompt)
+
+
+async def _render_completion(request: web.Request) -> web.Response:
+    body = await _body(request)
+    prompt = completion_prompt(body)
+    _check_size(request, len(prompt))
+    return await _rendered(request, prompt)
+
+
+async def _rendered(request: web.Request, prompt) -> web.Response:
+    engine = request.app[_ENGINE]
+    ids = await engine.tokenize(prompt)
+    text = await asyncio.to_thread(engine.tokenizer.decode, ids, False)
+    return web.json_response({"model": request.app[_SETTINGS].model_name, "token_ids": ids, "prompt": text,
+                              "num_tokens": len(ids), "features": None})
+
+
+async def _health_generate(request: web.Request) -> web.Response:
+    """Healthy only if the engine computes: one token of a one-token prompt."""
+    engine = request.app[_ENGINE]
+    try:
+        await asyncio.wait_for(engine.generate([engine.tokenizer.eos_token_id or 0],
+                                               SamplingParams(max_tokens=1, ignore_eos=True)), 30)
+    except (asyncio.TimeoutError, TieredKVError) as e:
+        raise BadRequest(f"the engine did not generate: {e or 'timed out'}", status=503, type_="server_error")
+    return web.json_response({"status": "ok"})
+
+
+def _load_now(engine: AsyncEngine) -> dict[str, int]:
+    s = engine.stats()
+    return {"running": s.num_running, "waiting": s.num_waiting,
+            "tokens": s.blocks_used * engine.core.config.block_size}
+
+
+async def _get_load(request: web.Request) -> web.Response:
+    """The load in the shape the router asks for: vllm-router's `{"load": N}` or sglang-router's list per rank."""
+    shape = request.query.get("format", request.app[_SETTINGS].load_format)
+    if shape not in ("vllm", "sglang"):
+        raise BadRequest('format must be "vllm" or "sglang"', "format")
+    load = _load_now(request.app[_ENGINE])
+    if shape == "sglang":
+        return web.json_response([{"dp_rank": 0, "num_reqs": load["running"] + load["waiting"],
+                                   "num_waiting_reqs": load["waiting"], "num_tokens": load["tokens"]}])
+    return web.json_response({"load": load["running"] + load["waiting"]})
+
+
+async def _load(request: web.Request) -> web.Response:
+    """vLLM's /load: the requests being served."""
+    load = _load_now(request.app[_ENGINE])
+    return web.json_response({"server_load": load["running"] + load["waiting"]})
+
+
+def _info(request: web.Request) -> dict[str, Any]:
+    from tieredkv import __version__
+
+    engine, settings = request.app[_ENGINE], request.app[_SETTINGS]
+    config = engine.core.config
+    return {"engine": "tieredkv", "version": __version__, "served_model_name": settings.model_name,
+            "model_path": config.model, "tokenizer_path": config.model, "is_generation": True,
+            "max_model_len": engine.core.max_model_len, "block_size": config.block_size,
+            "page_size": config.block_size, "max_num_seqs": config.max_num_seqs, "dp_size": 1,
+            "kv_cache_dtype": config.kv_cache_dtype, "num_blocks": engine.stats().blocks_total}
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    """Both routers' server info: sglang's flat fields and vLLM's `vllm_config` (model, block size) as JSON."""
+    info = _info(request)
+    info["vllm_config"] = {"model_config": {"model": info["served_model_name"],
+                                            "max_model_len": info["max_model_len"]},
+                           "cache_config": {"block_size": info["block_size"], "num_gpu_blocks": info["num_blocks"]},
+                           "scheduler_config": {"max_num_seqs": info["max_num_seqs"]}}
+    return web.json_response(info)
+
+
+async def _model_info(request: web.Request) -> web.Response:
+    info = _info(request)
+    return web.json_response({k: info[k] for k in ("model_path", "tokenizer_path", "is_generation",
+                                                   "served_model_name", "max_model_len")})
+
+
+async def _flush_cache(request: web.Request) -> web.Response:
+    """Empties the prefix cache of the hot and warm tiers (cached blocks no request holds; those in use stay)."""
+    engine = request.app[_ENGINE]
+    removed = await engine.clear_cache("hot") + await engine.clear_cache("warm")
+    return web.json_response({"status": "ok", "blocks_removed": removed})
 
 
 def _check_size(request: web.Request, chars: int) -> None:
