@@ -20,14 +20,13 @@ import openai
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.serve import ServerSettings, start_server
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
-                   "required": ["city"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "add", "description": "Adds two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                       "required": ["a", "b"], "additionalProperties": False}}}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"],
+           "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+       "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Adds two integers.", "parameters": ADD}}]
 SYSTEM = ("You are a careful assistant for a travel company. Use the tools to look up what you do not know, "
           "and keep answers short. ") * 6
 

@@ -135,14 +135,13 @@ async def test_worker_endpoints_in_the_routers_shapes(engines):
         assert status == 200 and rendered["token_ids"] == await engine.tokenize(messages)
         status, rendered = await get("/v1/completions/render", "POST", json={"model": NAME, "prompt": "hello"})
         assert rendered["token_ids"] == await engine.tokenize("hello")
+        request = {"model": NAME, "messages": messages, "max_tokens": 2}
         for _ in range(2):
-            status, body = await get("/v1/chat/completions", "POST", json={"model": NAME, "messages": messages,
-                                                                             "max_tokens": 2})
+            status, body = await get("/v1/chat/completions", "POST", json=request)
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         status, flushed = await get("/flush_cache", "POST")
         assert status == 200 and flushed["blocks_removed"] > 0
-        status, body = await get("/v1/chat/completions", "POST", json={"model": NAME, "messages": messages,
-                                                                         "max_tokens": 2})
+        status, body = await get("/v1/chat/completions", "POST", json=request)
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # flushed: computed again
         assert (await get("/get_load?format=yaml"))[0] == 400
     async with aiohttp.ClientSession() as s, serving(engines[:1]) as (url,):
@@ -175,8 +174,8 @@ ROUTERS = [("vllm_router.launch_router", "vllm", ["--policy", "power_of_two"]),
            ("sglang_router.launch_router", "sglang", ["--policy", "cache_aware"])]
 
 
-@pytest.mark.parametrize("module, shape, policy", ROUTERS, ids=["vllm-power_of_two", "vllm-cache_aware",
-                                                               "sglang-power_of_two", "sglang-cache_aware"])
+@pytest.mark.parametrize("module, shape, policy", ROUTERS,
+                         ids=["vllm-power_of_two", "vllm-cache_aware", "sglang-power_of_two", "sglang-cache_aware"])
 async def test_a_router_from_pypi_drives_two_replicas(engines, access, module, shape, policy):
     """Chats, completions, responses and tokenize through the router; every call it makes to a replica answers
     (no 404), the load it asks for in its own shape; both replicas serve."""
