@@ -159,13 +159,16 @@ async def test_flush_cache_never_drops_blocks_in_use(engines):
     engine = engines[0]
     async with serving(engines[:1]) as (url,), aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {KEY}"}) as s:
-        stream = engine.stream(chat(SYSTEMS[1], "long"), SamplingParams(max_tokens=400, ignore_eos=True))
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        want = (await engine.generate(chat(SYSTEMS[1], "long, alone"), params)).outputs[0].token_ids
+        stream = engine.stream(chat(SYSTEMS[1], "long, alone"), params)
         async with stream:
-            await stream.__anext__()
+            chunks = [await stream.__anext__()]  # running: its blocks are in use
             async with s.post(url + "/flush_cache") as r:
                 assert r.status == 200
-            chunks = [c async for c in stream]
-        assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 399
+            chunks += [c async for c in stream]
+        assert chunks[-1].finish_reason == "length"
+        assert [t for c in chunks for t in c.token_ids] == want  # its blocks stayed what they were
 
 
 ROUTERS = [("vllm_router.launch_router", "vllm", ["--policy", "power_of_two"]),

@@ -447,9 +447,9 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     request[_SERVED] = out
     builder = ResponseBuilder(rid, settings.model_name, body, fmt, body.get("tools") or [])
 
-    def keep() -> None:
+    def keep() -> None:  # once the output ended
         if store:
-            request.app[_STORE].put(rid, builder.response(builder.status), conversation + [builder.assistant_message()])
+            request.app[_STORE].put(rid, builder.final, conversation + [builder.assistant_message()])
 
     with _admitted(request):
         engine.core.factory.precheck(prompt, params)
@@ -463,7 +463,7 @@ async def _responses(request: web.Request) -> web.StreamResponse:
                 out.add(chunk)
                 builder.add(chunk)
             keep()
-            return web.json_response(builder.response(builder.status))
+            return web.json_response(builder.final)
 
 
 async def _response_events(request, builder: ResponseBuilder, chunks, out: "_Output", keep) -> web.StreamResponse:

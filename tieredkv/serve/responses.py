@@ -159,6 +159,7 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.text, self.finish, self.usage = "", None, None
         self.seq = 0
+        self.final: dict[str, Any] | None = None  # the response once the output ended
         self.items: list[dict[str, Any]] = []  # the output items in order, as far as written
         self._message: dict[str, Any] | None = None
         self._calls: dict[int, dict[str, Any]] = {}  # the ToolStream's call index -> its item
@@ -286,5 +287,6 @@ class ResponseBuilder:
         if self.items and not done:  # a call cut before it closed is not handed on to be run
             self.items = [i for i in self.items if i["type"] == "message" or i["status"] == "completed"]
         kind = "response.completed" if self.status == "completed" else "response.incomplete"
-        events.append(self._event(kind, response=self.response(self.status)))
+        self.final = self.response(self.status)
+        events.append(self._event(kind, response=self.final))
         return events
