@@ -443,7 +443,7 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     if not isinstance(streaming, bool):
         raise BadRequest("stream must be true or false", "stream")
     rid = new_id("resp").replace("-", "_")
-    out = _Output(rid, settings.model_name, True, 1, engine, fmt, params.constraint is not None)
+    out = _Output(rid, settings.model_name, True, 1, engine)  # (the access log's counts; the builder reads the text)
     request[_SERVED] = out
     builder = ResponseBuilder(rid, settings.model_name, body, fmt, body.get("tools") or [])
 
@@ -466,41 +466,25 @@ async def _responses(request: web.Request) -> web.StreamResponse:
             return web.json_response(builder.final)
 
 
-async def _response_events(request, builder: ResponseBuilder, chunks, out: "_Output", keep) -> web.StreamResponse:
+def _response_events(request, builder: ResponseBuilder, chunks, out: "_Output", keep):
     """The Responses API's stream: `event: <type>` and its JSON for each event, as the SDK reads them."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    timeout = request.app[_SETTINGS].write_timeout
 
-    async def send(events: list[dict[str, Any]]) -> None:
-        data = b"".join(f"event: {e['type']}\n".encode() + _event(e) for e in events)
-        if data:
-            await asyncio.wait_for(response.write(data), timeout)
+    def encoded(events: list[dict[str, Any]]) -> bytes:
+        return b"".join(f"event: {e['type']}\n".encode() + _event(e) for e in events)
 
-    try:
-        await send(builder.start())
-        try:
-            async for chunk in chunks:
-                out.add(chunk)
-                await send(builder.add(chunk))
-            keep()
-        except (asyncio.TimeoutError, ConnectionError):
-            raise
-        except Exception as e:
-            if not isinstance(e, TieredKVError):
-                log.exception("request %s failed while streaming", out.rid)
-            failed = builder.response("failed")
-            failed["error"] = {"code": "server_error", "message": str(e) if isinstance(e, TieredKVError)
-                               else "internal error"}
-            await send([builder._event("response.failed", response=failed)])
-        await asyncio.wait_for(response.write_eof(), timeout)
-    except asyncio.TimeoutError:
-        log.warning("request %s: the client read nothing for %.0f s; the stream was aborted", out.rid, timeout)
-        if request.transport is not None:
-            request.transport.abort()
-    except ConnectionError:
-        request[_GONE] = True
-    return response
+    async def events():
+        yield encoded(builder.start())
+        async for chunk in chunks:
+            out.add(chunk)
+            yield encoded(builder.add(chunk))
+        keep()
+
+    def failed(message: str) -> bytes:
+        response = builder.response("failed")
+        response["error"] = {"code": "server_error", "message": message}
+        return encoded([builder._event("response.failed", response=response)])
+
+    return _sse(request, out.rid, events(), failed)
 
 
 async def _get_response(request: web.Request) -> web.Response:
@@ -581,37 +565,59 @@ async def _chain(first, stream):
         yield chunk
 
 
-async def _stream_events(request, stream, first, out: "_Output", include_usage: bool) -> web.StreamResponse:
+def _stream_events(request, stream, first, out: "_Output", include_usage: bool):
+    """Chat and text completions' stream: a `data:` event per chunk, usage last when asked for, then [DONE]."""
+
+    def usage_and_done() -> bytes:
+        usage = b""
+        if include_usage and out.usages:
+            usage = _event({**out.envelope(out.kind + ".chunk" if out.chat else out.kind), "choices": [],
+                            "usage": usage_body(out.usages)})
+        return usage + b"data: [DONE]\n\n"
+
+    async def events():
+        async for chunk in _chain(first, stream):
+            yield _event(out.chunk(chunk))
+        yield usage_and_done()
+
+    def failed(message: str) -> bytes:
+        return _event(BadRequest(message, status=500, type_="server_error").body()) + usage_and_done()
+
+    return _sse(request, out.rid, events(), failed)
+
+
+async def _sse(request: web.Request, rid: str, events, failed) -> web.StreamResponse:
+    """Writes the bytes `events` yields as server-sent events, each write bounded by write_timeout. When `events`
+    raises (the status line is gone), `failed(message)` is written instead, then the body ends. A client that reads
+    nothing for write_timeout is dropped; one that went away ends the request (leaving here aborts it)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     timeout = request.app[_SETTINGS].write_timeout
 
     async def send(data: bytes | None) -> None:  # None: the end of the body
-        await asyncio.wait_for(response.write_eof() if data is None else response.write(data), timeout)
+        if data is None:
+            await asyncio.wait_for(response.write_eof(), timeout)
+        elif data:
+            await asyncio.wait_for(response.write(data), timeout)
 
     try:
         try:
-            async for chunk in _chain(first, stream):
-                await send(_event(out.chunk(chunk)))
+            async for data in events:
+                await send(data)
         except (asyncio.TimeoutError, ConnectionError):
             raise
-        except Exception as e:  # the status line is gone: report the error as an event, then end the stream
+        except Exception as e:  # report the error as an event, then end the stream
             if not isinstance(e, TieredKVError):
-                log.exception("request %s failed while streaming", out.rid)
-            message = str(e) if isinstance(e, TieredKVError) else "internal error"
-            await send(_event(BadRequest(message, status=500, type_="server_error").body()))
-        if include_usage and out.usages:
-            await send(_event({**out.envelope(out.kind + ".chunk" if out.chat else out.kind),
-                               "choices": [], "usage": usage_body(out.usages)}))
-        await send(b"data: [DONE]\n\n")
+                log.exception("request %s failed while streaming", rid)
+            await send(failed(str(e) if isinstance(e, TieredKVError) else "internal error"))
         await send(None)
     except asyncio.TimeoutError:  # the client stopped reading: drop it, and the request with it
-        log.warning("request %s: the client read nothing for %.0f s; the stream was aborted", out.rid, timeout)
+        log.warning("request %s: the client read nothing for %.0f s; the stream was aborted", rid, timeout)
         if request.transport is not None:
             request.transport.abort()
     except ConnectionError:  # the client went away mid-write: leaving here aborts the request
         request[_GONE] = True
-        log.debug("request %s: the client closed its connection", out.rid)
+        log.debug("request %s: the client closed its connection", rid)
     return response
 
 
