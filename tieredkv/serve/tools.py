@@ -321,6 +321,10 @@ class ToolFormat:
         """What the output follows: ("json_schema", schema) or ("grammar", Lark text); None: nothing."""
         raise NotImplementedError
 
+    def _call_rule(self, allowed: list[Tool]) -> str:
+        """A Lark rule's body: one call of any of these functions, its arguments under their schema."""
+        return _lark_json(_one_of([_call_schema(t, self.args_key) for t in allowed]))
+
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
 
@@ -429,7 +433,7 @@ class HermesFormat(ToolFormat):
         allowed, parallel = chosen(tools, choice), not one_call(choice, parallel)
         if not allowed:  # tool_choice "none": text that never opens a call
             return ("grammar", f"start: TAIL\nTAIL: {_text_without(self.open)}\n") if tools else None
-        call = _lark_json(_one_of([_call_schema(t, self.args_key) for t in allowed]))
+        call = self._call_rule(allowed)
         body = f'"\\n" call "\\n{self.close}"'
         if choice == "auto":  # text, then calls; the text never holds a call the grammar did not check
             more = "tag*" if parallel else "tag?"
@@ -466,7 +470,7 @@ class Llama3JsonFormat(ToolFormat):
         text = "TEXT: /([^{<](.|\\n)*)?/\n"  # text that does not start as a call does
         if not allowed:
             return ("grammar", "start: TEXT\n" + text) if tools else None
-        call = _lark_json(_one_of([_call_schema(t, self.args_key) for t in allowed]))
+        call = self._call_rule(allowed)
         calls = 'call ("; " call)*' if parallel else "call"
         if choice == "auto":
             return "grammar", f"start: {calls} | TEXT\n{text}call: {call}\n"
@@ -492,7 +496,7 @@ class MistralFormat(ToolFormat):
         allowed, parallel = chosen(tools, choice), not one_call(choice, parallel)
         if not allowed:
             return ("grammar", f"start: TAIL\nTAIL: {_text_without(self.tag)}\n") if tools else None
-        call = _lark_json(_one_of([_call_schema(t, self.args_key) for t in allowed]))
+        call = self._call_rule(allowed)
         calls = f'{self._lit(self.tag)} "[" call' + (' (", " call)*' if parallel else "") + ' "]"'
         if choice == "auto":
             return "grammar", (f"start: calls | TAIL\ncalls: {calls}\nTAIL: {_text_without(self.tag)}\n"
@@ -593,17 +597,16 @@ class ToolStream:
     type and name once, then its argument fragments (their concatenation is the call's arguments)."""
 
     def __init__(self, fmt: ToolFormat):
-        self.fmt, self.text, self.content_sent = fmt, "", 0
+        self.fmt, self.text, self.content = fmt, "", ""  # the content sent so far
         self.calls: list[Call] = []  # ids given, arguments sent so far
 
     def feed(self, piece: str, final: bool = False) -> list[dict[str, Any]]:
         self.text += piece
         parsed = self.fmt.parse(self.text, final)
         deltas: list[dict[str, Any]] = []
-        if len(parsed.content) > self.content_sent and parsed.content.startswith(
-                parsed.content[:self.content_sent]):
-            deltas.append({"content": parsed.content[self.content_sent:]})
-            self.content_sent = len(parsed.content)
+        if len(parsed.content) > len(self.content) and parsed.content.startswith(self.content):
+            deltas.append({"content": parsed.content[len(self.content):]})
+            self.content = parsed.content
         for index, call in enumerate(parsed.calls):
             if index == len(self.calls):
                 self.calls.append(Call(call.name, "", False, new_call_id(self.fmt)))
