@@ -22,6 +22,27 @@ MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: logits / T would overf
 MAX_SPECULATIVE_TOKENS = 16  # drafts verified in one forward (vLLM and llama.cpp propose a few to a few tens)
 
 
+class KVEventsConfig(BaseModel):
+    """KV cache events for KV-aware routers (EngineConfig.kv_events_config), with vLLM's field names and defaults:
+    what the hot pool caches and evicts, published on a ZMQ PUB socket in vLLM's format (engine/kv_events.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enable_kv_cache_events: bool = Field(False, description="publish events (nothing is recorded without it)")
+    publisher: Literal["null", "zmq"] = Field("null", description='"zmq": a ZMQ PUB socket; "null": none')
+    endpoint: str = Field("tcp://*:5557", description="the PUB socket's address: one with a wildcard (tcp://*:5557), "
+                          "ipc:// or inproc:// is bound, any other connected to")
+    replay_endpoint: str | None = Field(None, description="a ROUTER socket that answers a sequence number (8 bytes, "
+                                        "big-endian) with the buffered batches from it on; None: no replay")
+    buffer_steps: int = Field(10_000, ge=1, description="batches kept for replay")
+    hwm: int = Field(100_000, ge=0, description="the PUB socket's high-water mark (messages)")
+    max_queue_size: int = Field(100_000, ge=1, description="batches waiting to be sent before one is dropped")
+    topic: str = Field("", description="the first frame of every message (subscribers filter on its prefix)")
+    event_encoding: Literal["map", "array"] = Field(
+        "map", description='"map": each event a map tagged under "type", as current vLLM sends them (vllm-router '
+        'reads these); "array": the positional arrays of vLLM before it')
+
+
 class SpeculativeConfig(BaseModel):
     """Speculative decoding (EngineConfig.speculative), in vLLM's shape: a proposer guesses the next tokens of a
     decoding sequence, and one forward scores them all; greedy output stays token for token what plain decoding
@@ -179,6 +200,10 @@ class EngineConfig(BaseModel):
         None, description='speculative decoding, a SpeculativeConfig or its dict: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft", '
         '"model": ..., "quantization": ..., "num_speculative_tokens": 4}; None: off')
+    kv_events_config: KVEventsConfig | None = Field(
+        None, description='KV cache events for KV-aware routers, a KVEventsConfig or its dict in vLLM\'s shape: '
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}; None: off. Needs the '
+        "fleet extra (pyzmq)")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="processes the model is split across (Megatron-style: heads, MLP columns and "
         "vocabulary rows), one per device: cuda:0..N-1 (from the device's index), or N CPU processes over gloo; "
@@ -224,17 +249,17 @@ class EngineConfig(BaseModel):
                        for k, v in given.items() if v is not None})
         return cls.model_validate(values)
 
-    @field_validator("speculative", mode="before")
+    @field_validator("speculative", "kv_events_config", mode="before")
     @classmethod
-    def _speculative_json(cls, v: Any) -> Any:
-        """The command line's --speculative (and TIEREDKV_SPECULATIVE) give JSON text."""
+    def _json_object(cls, v: Any, info) -> Any:
+        """The command line's --speculative and --kv-events-config (and their TIEREDKV_ variables) give JSON text."""
         if isinstance(v, str):
             import json
 
             try:
                 return json.loads(v)
             except ValueError as e:
-                raise ValueError(f"speculative must be a JSON object, e.g. '{{\"method\": \"ngram\"}}': {e}") from e
+                raise ValueError(f"{info.field_name} must be a JSON object: {e}") from e
         return v
 
     @field_validator("quantization_group_size")

@@ -71,6 +71,11 @@ class RemoteTierError(TieredKVError, ValueError):
     not one it takes. A server that is down or slow is not an error: its lookups are misses."""
 
 
+class KVEventsError(TieredKVError, ValueError):
+    """`kv_events_config` cannot be used: pyzmq is not installed (the `fleet` extra), or an endpoint cannot be
+    bound (in use, malformed)."""
+
+
 class SnapshotError(TieredKVError, ValueError):
     """The file is not a cache snapshot, or was written for another model, dtype, block size or layout."""
 

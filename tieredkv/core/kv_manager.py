@@ -73,7 +73,8 @@ class KVCacheManager:
             return
         self._extend_hashes(seq, num_full)
         for i in range(seq.num_cached_blocks, num_full):
-            self.pool.cache(seq.block_table[i], seq.block_hashes[i], self._block_tokens(seq, i))
+            self.pool.cache(seq.block_table[i], seq.block_hashes[i], self._block_tokens(seq, i),
+                            seq.block_hashes[i - 1] if i else None)
         seq.num_cached_blocks = num_full
 
     # -- allocation ------------------------------------------------------------------------------
@@ -119,10 +120,11 @@ class KVCacheManager:
             seq.num_computed_tokens += len(cached) * self.block_size
             seq.num_cached_blocks = len(seq.block_table)
         if restore is not None:
+            parent = seq.block_table[-1].block_hash if seq.block_table else None
             fresh = self.allocate(restore.num_blocks)
             seq.block_table.extend(fresh)
             seq.num_computed_tokens += restore.num_tokens
-            self._plan_restore(restore, fresh)
+            self._plan_restore(restore, fresh, parent)
             if restore.keys:  # promoted full blocks are findable from now: their data lands before the forward
                 seq.num_cached_blocks = len(seq.block_table)
         if self._needs_cow(seq):
@@ -188,7 +190,7 @@ class KVCacheManager:
                           for e in evicted)
         return blocks
 
-    def _plan_restore(self, restore: Restore, fresh: list[KVBlock]) -> None:
+    def _plan_restore(self, restore: Restore, fresh: list[KVBlock], parent: BlockHash | None) -> None:
         if restore.swap_slots is not None:
             self.moves.extend(BlockMove(SWAP_IN, slot, b.block_id) for slot, b in zip(restore.swap_slots, fresh))
             restore.swap_slots = None  # released by the move
@@ -197,7 +199,7 @@ class KVCacheManager:
         for part in restore.parts:
             for j in range(part.num_blocks):
                 block, key = fresh[i], restore.keys[i]
-                self.pool.cache(block, key.block_hash, key.token_ids)
+                self.pool.cache(block, key.block_hash, key.token_ids, restore.keys[i - 1].block_hash if i else parent)
                 if part.slots is not None:
                     self.moves.append(BlockMove(PROMOTE, part.slots[j], block.block_id, key, None, part.tier))
                 else:

@@ -15,6 +15,7 @@ from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.pins import PinTable
 from tieredkv.core.scheduler import Scheduler
 from tieredkv.engine.identity import identity_in_background, model_fingerprint
+from tieredkv.engine.kv_events import make_recorder
 from tieredkv.engine.lifecycle import Lifecycle
 from tieredkv.engine.rank_build import (RankMemory, load_share, local_warm, make_kv_cache, prepare_process,
                                         total_weight_bytes, weights_label)
@@ -184,6 +185,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     parts = EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
                         factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights, tp, memory,
                         kv_format=kv_format, speculator=speculator)
+    parts.tiers.hot.pool.events = make_recorder(cfg.kv_events_config, cfg.block_size)  # last: it binds a socket
     _log_ready(cfg, parts, num_warm)
     return parts
 

@@ -66,10 +66,24 @@ class EngineCore:
             if self.parts.runner.compiled is not None:
                 self.parts.runner.compiled.finish()
         finally:
+            self._close_events()
             if self.parts.tp.world > 1:
                 self.parts.tp.close()
             if self.parts.process is not None:
                 self.parts.process.release()  # torch's threads as the process had them
+
+    def flush_events(self) -> None:
+        """Hands the KV events recorded since the last call to their publisher (after each step and command)."""
+        if self.parts.pool.events is not None:
+            self.parts.pool.events.flush()
+
+    def _close_events(self) -> None:
+        """Tells subscribers this engine holds nothing any more, then sends what is queued and closes."""
+        events = self.parts.pool.events
+        if events is not None:
+            events.cleared()
+            events.flush()
+            events.publisher.close()
 
     # -- requests (see engine/lifecycle.py) --------------------------------------------------------------
 

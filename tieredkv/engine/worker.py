@@ -97,6 +97,7 @@ class EngineWorker:
     def _publish(self) -> None:
         """New stats first, then the outputs and command results: a caller that sees a result sees the
         stats of the state that produced it."""
+        self.core.flush_events()
         self.snapshot = self.core.stats()
         self.core.telemetry.snapshot = self.snapshot if self._accepting else None  # a closed engine reports nothing
         if self._outputs or self._settles:

@@ -21,13 +21,14 @@ class Evicted(NamedTuple):
 class KVBlock:
     """Metadata of one block of the pool; the K/V bytes live in the engine's cache tensor at `block_id`."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "parent", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None  # set with block_hash, compared on every hit
+        self.parent: BlockHash | None = None  # the previous block's hash in its chain, where known (KV events)
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -106,6 +107,7 @@ class BlockPool:
         self.num_far = 0  # far blocks in use
         self.num_cached_far = 0  # of which in the hash map
         self.new_cached: list[KVBlock] | None = None  # a list: `cache` records each block it registers there
+        self.events = None  # an EventRecorder (engine/kv_events.py): hot blocks cached and uncached are reported
 
     @property
     def num_blocks(self) -> int:
@@ -214,16 +216,21 @@ class BlockPool:
             self.num_cached_far -= 1
         self.lender.keep(slot, BlockKey(block.block_hash, block.token_ids))
 
-    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
-        """Register a full block under its hash; a hash already held by another block stays with that one."""
+    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...],
+              parent: BlockHash | None = None) -> None:
+        """Register a full block under its hash (`parent`: its chain's previous block, None for the first or
+        where unknown); a hash already held by another block stays with that one."""
         if block_hash in self.cached or block.block_hash is not None:
             return
-        block.block_hash, block.token_ids = block_hash, token_ids
+        block.block_hash, block.token_ids, block.parent = block_hash, token_ids, parent
         self.cached[block_hash] = block
         self.num_cached_free += block.ref_cnt == 0
-        self.num_cached_far += self.is_far(block)
+        far = self.is_far(block)
+        self.num_cached_far += far
         if self.new_cached is not None:
             self.new_cached.append(block)
+        if self.events is not None and not far:
+            self.events.stored(block_hash, parent, token_ids)
 
     def evict_all_cached(self) -> int:
         """Forget every free cached block (in use ones keep their hash), without demotion."""
@@ -235,6 +242,9 @@ class BlockPool:
     def uncache(self, block: KVBlock) -> None:
         """Drop the block's hash from the map; its data is no longer findable."""
         del self.cached[block.block_hash]
-        block.block_hash = block.token_ids = None
+        far = self.is_far(block)
+        if self.events is not None and not far:
+            self.events.removed(block.block_hash)
+        block.block_hash = block.token_ids = block.parent = None
         self.num_cached_free -= block.ref_cnt == 0
-        self.num_cached_far -= self.is_far(block)
+        self.num_cached_far -= far
