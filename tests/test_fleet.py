@@ -40,8 +40,8 @@ async def serving(engines, **settings):
     try:
         urls = []
         for engine in engines:
-            runner, port = await start_server(engine, ServerSettings(model_name=NAME, api_key=KEY, **settings),
-                                              port=0)
+            runner, port = await start_server(engine, ServerSettings(**{"model_name": NAME, "api_key": KEY,
+                                                                        **settings}), port=0)
             runners.append(runner)
             urls.append(f"http://127.0.0.1:{port}")
         yield urls

@@ -49,8 +49,9 @@ def stored_hashes(events: list[dict]) -> list[int]:
 
 
 def config(llama_dir, port: int, **events) -> EngineConfig:
+    """Events on the port (a wildcard address binds, vLLM's rule; subscribers connect to 127.0.0.1)."""
     return EngineConfig(model=str(llama_dir), num_blocks=64, max_num_seqs=4, kv_events_config={
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", **events})  # a wildcard binds (vLLM's rule)
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", **events})
 
 
 async def settle(sub: Subscriber) -> None:

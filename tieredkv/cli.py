@@ -80,7 +80,8 @@ async def serve(args: argparse.Namespace) -> None:
                               api_key=args.api_key or os.environ.get("TIEREDKV_API_KEY"),
                               max_queued=args.max_queued, metrics=metrics, write_timeout=args.write_timeout,
                               shutdown_grace=args.shutdown_grace, tool_call_parser=args.tool_call_parser,
-                              max_stored_responses=args.max_stored_responses, load_format=args.load_format)
+                              max_stored_responses=args.max_stored_responses, load_format=args.load_format,
+                              kv_transfer_timeout=args.kv_transfer_timeout)
 
     def ready(port: int) -> None:
         print(f"serving {settings.model_name!r} on http://{args.host}:{port}/v1"
@@ -148,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="vllm", choices=("vllm", "sglang"),
                    help="the shape GET /get_load answers in: vllm-router's {\"load\": N} or sglang-router's list "
                    "per rank (a request's ?format= chooses for itself)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=5.0,
+                   help="a prefill/decode split (vllm-router --vllm-pd-disaggregation, KV through the shared tier): "
+                   "seconds the prefill replica waits for its blocks to reach the shared tier before it answers, "
+                   "and the decode replica for them before it computes what is missing (default: 5)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests have to finish before the server stops "
                    "(default: 30)")

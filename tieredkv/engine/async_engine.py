@@ -245,6 +245,37 @@ class AsyncEngine:
         fn = self.core.factory.token_ids if check else self.tokenizer.to_token_ids
         return await self._loop.run_in_executor(self._tokenizer, fn, prompt)
 
+    async def share_prefix(self, token_ids: list[int], timeout: float) -> tuple[int, bool]:
+        """Makes the full blocks of a computed prompt available to other engines on the shared (remote) tier: the
+        cached ones it lacks are written through, and this waits (at most `timeout` seconds) until every queued
+        write is sent. Returns (full blocks found cached here, whether the writes were sent in time); (0, False)
+        without a shared tier. A prefill/decode split's prefill replica calls it before it answers."""
+        core = self._worker.core
+        if not core.tiers.shared:
+            return 0, False
+        found = await self._submit(core.tiers.share, core.kv.chain_keys(token_ids))
+        try:
+            await asyncio.wait_for(asyncio.gather(*(t.flush() for t in core.tiers.shared)), timeout)
+        except asyncio.TimeoutError:
+            return found, False
+        return found, True
+
+    async def wait_shared(self, token_ids: list[int], num_blocks: int, timeout: float) -> int:
+        """Waits (at most `timeout` seconds) until the shared tier holds the first `num_blocks` full blocks of the
+        prompt, another engine's writes; returns how many leading blocks it holds (0 without a shared tier). What
+        is still missing when it returns is computed by the request, never waited for again."""
+        core = self._worker.core
+        shared = core.tiers.shared[0] if core.tiers.shared else None
+        keys = core.kv.chain_keys(token_ids)[:num_blocks]
+        if shared is None or not keys:
+            return 0
+        deadline = self._loop.time() + timeout
+        while True:
+            held = await shared.contains(keys)
+            if held >= len(keys) or self._loop.time() >= deadline:
+                return held
+            await asyncio.sleep(min(0.02, max(deadline - self._loop.time(), 0)))
+
     async def explain(self, prompt: PromptType) -> list[BlockReport]:
         """For each block of the prompt: where a request would take it from (hot, warm, remote, cold), or why it
         would be computed. Changes nothing in the cache."""

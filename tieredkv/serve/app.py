@@ -28,6 +28,7 @@ from tieredkv.config import SamplingParams
 from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.errors import EngineClosedError, RequestError, TieredKVError
 from tieredkv.models.tokenizer import message_chars
+from tieredkv.serve import disagg
 from tieredkv.serve.protocol import (BadRequest, chat_logprobs, chat_messages, completion_logprobs,
                                      completion_prompt, envelope, new_id, sampling_params, stream_flags,
                                      usage_body)
@@ -63,6 +64,8 @@ class ServerSettings:
         load_format: the shape `GET /get_load` answers in (`--load-format`): "vllm" (`{"load": N}`, what
             vllm-router reads) or "sglang" (a list of `{dp_rank, num_reqs, num_waiting_reqs, num_tokens}`, what
             sglang-router reads); a request's `?format=` chooses for itself.
+        kv_transfer_timeout: seconds a prefill/decode split waits for the KV to reach the shared tier: the prefill
+            replica before it answers, the decode replica before it computes what has not arrived (serve/disagg.py).
     """
 
     model_name: str = "default"
@@ -77,6 +80,7 @@ class ServerSettings:
     max_stored_responses: int = 1024
     max_stored_chars: int = 16 << 20
     load_format: str = "vllm"
+    kv_transfer_timeout: float = 5.0
 
 
 _ENGINE = web.AppKey("engine", AsyncEngine)
@@ -539,24 +543,29 @@ def _admitted(request: web.Request):
 
 async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool, fmt: ToolFormat | None = None,
                  constraint=None) -> web.StreamResponse:
-    engine = request.app[_ENGINE]
+    engine, settings = request.app[_ENGINE], request.app[_SETTINGS]
     params = sampling_params(body, chat, constraint, skip_special_tokens=not (fmt and fmt.keeps_special_tokens))
     streaming, include_usage = stream_flags(body)
+    transfer = disagg.transfer_params(body)
     rid = new_id("chatcmpl" if chat else "cmpl")
-    out = _Output(rid, request.app[_SETTINGS].model_name, chat, params.n, engine, fmt,
-                  params.constraint is not None)
+    out = _Output(rid, settings.model_name, chat, params.n, engine, fmt, params.constraint is not None)
     request[_SERVED] = out
     with _admitted(request):
         engine.core.factory.precheck(prompt, params)  # before tokenizing: what a prompt's size alone rules out
         ids = await engine.tokenize(prompt)
         _check_room(engine, len(ids), params, body)
+        if transfer is not None:  # a decode replica: the prefill replica's blocks first
+            await disagg.before_decode(engine, ids, transfer, settings.kv_transfer_timeout)
         async with engine.stream(ids, params, request_id=rid) as stream:
             first = await stream.__anext__()  # a request refused once tokenized is still a clean 400
             if streaming:
                 return await _stream_events(request, stream, first, out, include_usage)
             async for chunk in _chain(first, stream):
                 out.add(chunk)
-            return web.json_response(out.whole())
+        whole = out.whole()
+        if transfer is not None and transfer.get("do_remote_decode"):  # a prefill replica: leave the KV for decode
+            whole[disagg.FIELD] = await disagg.after_prefill(engine, ids, settings.kv_transfer_timeout)
+        return web.json_response(whole)
 
 
 async def _chain(first, stream):

@@ -194,6 +194,15 @@ class TierManager:
                 log.exception("writing new blocks to %s failed", tier.name)
                 tier.count(failures=1)
 
+    def share(self, keys: list[BlockKey]) -> int:
+        """Offers the cached blocks of the leading keys (a prompt's, in hot or far blocks) to the shared tiers,
+        which queue the ones they lack: a request's write-through, for a replica that reads them next. Returns
+        how many leading blocks were found here."""
+        blocks = self.hot.pool.cached_prefix(keys)
+        if blocks and self.shared:
+            self.publish(blocks)
+        return len(blocks)
+
     def _pass_down(self, tier: KVTier, victims: Victims) -> None:
         self._admit(self.lower.index(tier) + 1, *victims)
 

@@ -1,0 +1,84 @@
+"""A prefill/decode split behind vllm-router's `--vllm-pd-disaggregation`, its KV carried by the shared tier.
+
+The router sends a request first to a prefill replica with `kv_transfer_params: {"do_remote_decode": true, ...}`
+and `max_tokens: 1`, then to a decode replica with the `kv_transfer_params` the prefill replica answered with.
+Here the KV moves through the Valkey/Redis tier the replicas share (`remote_url`), in its own entry format and
+MAC: the prefill replica computes the prompt, writes its full blocks through to the shared tier (those it lacks)
+and answers once they are sent (at most `kv_transfer_timeout` seconds); the decode replica, given the answer,
+waits (as long at most) until the shared tier holds the blocks still on their way, then serves the request,
+whose prefix lookup reads them there like any other hit. A block that does not arrive in time is computed:
+slower, never wrong, never stuck. Through a store both replicas already use, a transfer needs no connection
+between replicas and survives either side's restart; NIXL-style direct transfers name a host and port instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tieredkv.engine.async_engine import AsyncEngine
+from tieredkv.serve.protocol import BadRequest
+
+log = logging.getLogger("tieredkv.serve")
+
+FIELD = "kv_transfer_params"
+OURS = "tieredkv"  # our entry inside kv_transfer_params, beside vLLM's fields
+
+
+def transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The request's kv_transfer_params (None when absent); a value that is not an object is a 400."""
+    value = body.get(FIELD)
+    if value is not None and not isinstance(value, dict):
+        raise BadRequest(f"{FIELD} must be a JSON object", FIELD)
+    return value
+
+
+def _root(engine: AsyncEngine) -> str:
+    return engine.core.kv.root.hex()[:32]
+
+
+async def before_decode(engine: AsyncEngine, ids: list[int], params: dict[str, Any], timeout: float) -> int:
+    """On a decode replica: waits until the shared tier holds the blocks the prefill replica said it sent, at most
+    `timeout` seconds. Parameters this engine cannot use (another engine's transfer, another model, values out of
+    range) are logged and the prompt is computed. Returns the blocks found."""
+    if not params.get("do_remote_prefill"):
+        return 0
+    ours = params.get(OURS)
+    if not isinstance(ours, dict):
+        log.info("%s without %r (another engine's transfer?): the prompt is computed", FIELD, OURS)
+        return 0
+    num_blocks = ours.get("num_blocks")
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+        log.warning("%s: num_blocks %r is not a count: the prompt is computed", FIELD, num_blocks)
+        return 0
+    if ours.get("root") != _root(engine):
+        log.warning("%s: written for another model or cache layout (root %r, this engine's %s): the prompt is "
+                    "computed", FIELD, ours.get("root"), _root(engine))
+        return 0
+    if not engine.core.tiers.shared:
+        log.warning("%s: this replica has no shared tier (remote_url) to read the prefill's blocks from: the "
+                    "prompt is computed", FIELD)
+        return 0
+    num_blocks = min(num_blocks, len(ids) // engine.core.block_size)
+    held = await engine.wait_shared(ids, num_blocks, timeout if not ours.get("ready") else 0.0)
+    if held < num_blocks:
+        log.info("%s: %d of %d prefilled blocks on the shared tier after %.1f s; the rest is computed", FIELD, held,
+                 num_blocks, timeout)
+    return held
+
+
+async def after_prefill(engine: AsyncEngine, ids: list[int], timeout: float) -> dict[str, Any] | None:
+    """On a prefill replica: writes the prompt's blocks through to the shared tier and returns the
+    kv_transfer_params for the decode replica (None without a shared tier: the decode replica computes)."""
+    if not engine.core.tiers.shared:
+        log.warning("%s asked for a remote decode, but this replica has no shared tier (remote_url) to leave the "
+                    "KV on: the decode replica computes the prompt", FIELD)
+        return None
+    found, ready = await engine.share_prefix(ids, timeout)
+    if not ready:
+        log.warning("%s: the shared tier took longer than %.1f s to receive the prompt's blocks; the decode replica "
+                    "waits for them as long, then computes what is missing", FIELD, timeout)
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": None, "remote_block_ids": None,
+            "remote_host": None, "remote_port": None,
+            OURS: {"via": "shared_tier", "num_blocks": found, "block_size": engine.core.block_size,
+                   "root": _root(engine), "ready": ready}}
