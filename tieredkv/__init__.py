@@ -1,11 +1,11 @@
 """tieredkv: an asyncio LLM engine with a paged, prefix-cached, tiered KV cache."""
 
-from tieredkv.config import EngineConfig, SamplingParams, SpeculativeConfig
+from tieredkv.config import EngineConfig, KVEventsConfig, SamplingParams, SpeculativeConfig
 from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
-from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, ModelNotFoundError, RankLostError,
-                             RankStartError, RemoteTierError, RequestError, SamplingError, SnapshotError, StepError,
-                             TieredKVError, UnsupportedModelError, WrongLoopError)
+from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, KVEventsError, ModelNotFoundError,
+                             RankLostError, RankStartError, RemoteTierError, RequestError, SamplingError, SnapshotError,
+                             StepError, TieredKVError, UnsupportedModelError, WrongLoopError)
 from tieredkv.models.tokenizer import Chat
 
 __all__ = [
@@ -16,6 +16,8 @@ __all__ = [
     "CompletionOutput",
     "EngineClosedError",
     "EngineConfig",
+    "KVEventsConfig",
+    "KVEventsError",
     "EngineStats",
     "ModelNotFoundError",
     "RankLostError",

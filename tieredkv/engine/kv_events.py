@@ -24,8 +24,6 @@ import time
 from collections import deque
 from typing import Any
 
-import msgpack
-
 from tieredkv.errors import KVEventsError
 
 log = logging.getLogger("tieredkv")
@@ -91,6 +89,8 @@ _FIELDS = {  # vLLM's field order, for the positional (array) encoding
 def encode_batch(ts: float, events: list[dict[str, Any]], rank: int, encoding: str = "map") -> bytes:
     """The msgpack payload of one batch: `[ts, events, data_parallel_rank]`, each event a map tagged under
     "type" ("map", current vLLM) or a positional array with the tag first ("array", vLLM before its maps)."""
+    import msgpack  # (only an engine that publishes loads it)
+
     if encoding == "array":
         events = [[e["type"], *(e[f] for f in _FIELDS[e["type"]])] for e in events]
     return msgpack.packb([ts, events, rank], use_bin_type=True)
@@ -98,6 +98,8 @@ def encode_batch(ts: float, events: list[dict[str, Any]], rank: int, encoding: s
 
 def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
     """A payload back as (ts, events as maps, rank), from either encoding: for subscribers and tests."""
+    import msgpack
+
     ts, events, *rest = msgpack.unpackb(payload, raw=False)
     out = []
     for e in events:
