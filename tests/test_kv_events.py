@@ -178,3 +178,62 @@ async def test_vllm_router_kv_aware_follows_the_events(llama_dir):
     finally:
         for engine in engines:
             await engine.close()
+
+
+def replay_media(events: list[dict], media: dict[str, set]) -> None:
+    """What a subscriber concludes each medium holds, from the events in order."""
+    for e in events:
+        if e["type"] == "AllBlocksCleared":
+            for held in media.values():
+                held.clear()
+        elif e["type"] == "BlockStored":
+            media[e["medium"]].update(e["block_hashes"])
+        else:
+            media[e["medium"]].difference_update(e["block_hashes"])
+
+
+async def test_events_describe_every_tier(llama_dir, tmp_path):
+    """Under a small hot pool, a warm and a cold tier (demotions, promotions, evictions, far blocks, flushes), what a
+    subscriber builds from the events is what each tier holds: GPU the hot pool, CPU the warm tier, DISK cold."""
+    from test_tiers_engine import BLOCK_BYTES, PARAMS, WORKLOAD
+
+    port = free_port()
+    cfg = config(llama_dir, port).model_copy(update={
+        "num_blocks": 24, "warm_bytes": 12 * BLOCK_BYTES, "cold_path": str(tmp_path / "cold"),
+        "cold_bytes": 20 * 16384, "cold_secret_path": str(tmp_path / "key")})
+    engine = await AsyncEngine.start(cfg)
+    sub = Subscriber(f"tcp://127.0.0.1:{port}")
+    media = {"GPU": set(), "CPU": set(), "DISK": set()}
+    tiers = engine.core.tiers
+    pool, warm, cold = tiers.hot.pool, tiers.tier("warm"), tiers.tier("cold")
+
+    async def check():
+        await cold.flush()
+        await engine.run_in_worker(lambda: None)  # a command: what the cold writer reported goes out after it
+        replay_media(await asyncio.to_thread(sub.drain), media)
+        on_disk = {external_hash(k.block_hash) for keys, _ in cold.export_sync(64) for k in keys}
+        assert media["GPU"] == {external_hash(h) for h, b in pool.cached.items() if not pool.is_far(b)}
+        assert media["CPU"] == ({external_hash(h) for h, b in pool.cached.items() if pool.is_far(b)}
+                                | {external_hash(h) for h in warm.entries})
+        assert media["DISK"] == on_disk
+        return {m: len(held) for m, held in media.items()}
+
+    try:
+        await settle(sub)
+        for prompt in WORKLOAD:  # 12 prompts on 4 system prompts of 10 blocks: far more than 24 hot blocks hold
+            await engine.generate(prompt, PARAMS)
+        sizes = await check()
+        assert sizes["GPU"] > 0 and sizes["CPU"] > 0 and sizes["DISK"] > 0, sizes
+        for prompt in WORKLOAD[:4]:  # promoted back up
+            await engine.generate(prompt, PARAMS)
+        await check()
+        await engine.clear_cache("hot")
+        await engine.clear_cache("warm")
+        sizes = await check()
+        assert sizes["GPU"] == 0 and sizes["CPU"] == 0 and sizes["DISK"] > 0
+        assert cold.stats().evictions > 0  # (the disk budget evicted too)
+        await engine.clear_cache("cold")
+        assert (await check())["DISK"] == 0
+    finally:
+        sub.close()
+        await engine.close()

@@ -141,7 +141,7 @@ class KVCacheManager:
         cached blocks after them (a document's last blocks often stay hot) and returns those."""
         self.pool.touch(cached)
         seq.block_table.extend(cached)
-        seq.block_table.extend(self._place_far(restore))
+        seq.block_table.extend(self._place_far(restore, seq.block_table[-1].block_hash if seq.block_table else None))
         more = self.pool.cached_prefix(self.lookup_keys(seq)[len(seq.block_table) :])
         self.pool.touch(more)
         seq.block_table.extend(more)
@@ -149,7 +149,7 @@ class KVCacheManager:
         seq.num_cached_blocks = len(seq.block_table)
         return more
 
-    def _place_far(self, restore: Restore) -> list[KVBlock]:
+    def _place_far(self, restore: Restore, parent: BlockHash | None) -> list[KVBlock]:
         """Far blocks over a finished lookup's blocks, registered under its keys, in order: lent warm
         slots are kept where they are; data read from a lower tier goes into newly lent ones (a PROMOTE
         move each). Stops early (releasing what is left) when warm cannot lend more."""
@@ -169,7 +169,8 @@ class KVCacheManager:
                               for j, (b, key) in enumerate(zip(fresh, keys)))
             blocks.extend(fresh)
         for block, key in zip(blocks, restore.keys):
-            self.pool.cache(block, *key)
+            self.pool.cache(block, key.block_hash, key.token_ids, parent)
+            parent = key.block_hash
         return blocks
 
     def _lend(self, n: int) -> list[KVBlock] | None:
@@ -277,9 +278,9 @@ class KVCacheManager:
             refs = holders[hot]
             self.moves.append(BlockMove(OFFLOAD, hot.block_id, far.block_id))
             if hot.block_hash is not None:
-                key = BlockKey(hot.block_hash, hot.token_ids)
+                key, parent = BlockKey(hot.block_hash, hot.token_ids), hot.parent
                 self.pool.uncache(hot)
-                self.pool.cache(far, *key)
+                self.pool.cache(far, key.block_hash, key.token_ids, parent)
             far.ref_cnt = len(refs)
             for seq, i in refs:
                 seq.block_table[i] = far

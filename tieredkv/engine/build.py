@@ -185,7 +185,11 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     parts = EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
                         factory, tiers, kv, index, scheduler, runner, pins, telemetry, lifecycle, weights, tp, memory,
                         kv_format=kv_format, speculator=speculator)
-    parts.tiers.hot.pool.events = make_recorder(cfg.kv_events_config, cfg.block_size)  # last: it binds a socket
+    events = make_recorder(cfg.kv_events_config, cfg.block_size)  # last: it binds a socket
+    parts.tiers.hot.pool.events = events
+    for tier in parts.tiers.lower:
+        if tier.medium is not None:  # warm and cold; the shared remote tier is no replica's own
+            tier.events = events
     _log_ready(cfg, parts, num_warm)
     return parts
 

@@ -1,9 +1,10 @@
 """KV cache events in vLLM's format (vllm/distributed/kv_events.py), for KV-aware routers.
 
-The block pool reports its own transitions to an `EventRecorder` on the engine's thread: a block becomes
-cached (`BlockStored`, with its parent's hash and its token ids) or leaves the pool's hash map
-(`BlockRemoved`). The worker hands what a step or a command recorded to the publisher as one batch
-(`flush`); `ZmqEventPublisher` sends each batch on a ZMQ PUB socket from a thread of its own, as vLLM's does:
+The block pool and the tiers below it report their own transitions to an `EventRecorder`: a block becomes
+cached in the hot pool (`BlockStored`, medium "GPU", with its parent's hash and its token ids) or leaves it
+(`BlockRemoved`), enters or leaves the warm tier ("CPU") or the cold tier ("DISK"). The shared remote tier is not
+reported: no replica owns it. The worker hands what was recorded since its last step or command to the publisher
+as one batch (`flush`); `ZmqEventPublisher` sends each on a ZMQ PUB socket from a thread of its own, as vLLM's does:
 
     multipart [topic, sequence number (8 bytes, big-endian), msgpack payload]
     payload   [timestamp, [event, ...], data_parallel_rank]
@@ -21,15 +22,17 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from tieredkv.errors import KVEventsError
+from tieredkv.tiers.block_pool import MEDIUM_HOT
 
 log = logging.getLogger("tieredkv")
 
-MEDIUM_HOT = "GPU"  # vLLM's name for the pool the model computes from (on every device it runs on)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+PARENTS = 1 << 17  # chain links the recorder keeps for blocks reported below hot (~130k blocks, ~2M tokens)
+_UNKNOWN = object()
 
 
 def external_hash(block_hash: bytes) -> int:
@@ -38,44 +41,74 @@ def external_hash(block_hash: bytes) -> int:
 
 
 class EventRecorder:
-    """Collects the block pool's transitions between two flushes, merging runs: blocks stored one after the
-    other in a chain become one BlockStored (parent of the first, token ids of all), removals of one medium
-    one BlockRemoved. Used from the engine's thread only."""
+    """Collects the transitions between two flushes, merging runs: blocks stored one after the other in a chain
+    become one BlockStored (parent of the first, token ids of all), removals of one medium one BlockRemoved.
+
+    A block reaches the tiers below hot as a key (hash and token ids) without its parent; the recorder keeps the
+    link it saw when the block was cached in hot (the last PARENTS of them), and a block below hot whose link it
+    does not know (one read from a cold store written before this engine started) is not reported stored there:
+    a router anchors a block on its parent. Thread-safe: the cold tier reports from its writer thread."""
 
     def __init__(self, block_size: int, publisher: "ZmqEventPublisher", lora_name: str | None = None):
         self.block_size = block_size
         self.publisher = publisher
         self.lora_name = lora_name
         self.events: list[dict[str, Any]] = []
+        self.parents: OrderedDict[int, int | None] = OrderedDict()
+        self._lock = threading.Lock()
 
     def stored(self, block_hash: bytes, parent: bytes | None, token_ids: tuple[int, ...],
                medium: str = MEDIUM_HOT) -> None:
-        h = external_hash(block_hash)
+        """A block cached in the block pool (a far block's medium is the warm tier's); `parent` is the chain's
+        previous block (None at its start)."""
+        h, p = external_hash(block_hash), None if parent is None else external_hash(parent)
+        with self._lock:
+            self.parents[h] = p
+            self.parents.move_to_end(h)
+            if len(self.parents) > PARENTS:
+                self.parents.popitem(last=False)
+            self._stored(h, p, token_ids, medium)
+
+    def stored_below(self, keys, medium: str) -> None:
+        """Blocks (BlockKeys) a tier below hot took in."""
+        with self._lock:
+            for key in keys:
+                h = external_hash(key.block_hash)
+                parent = self.parents.get(h, _UNKNOWN)
+                if parent is not _UNKNOWN:
+                    self._stored(h, parent, key.token_ids, medium)
+
+    def _stored(self, h: int, parent: int | None, token_ids, medium: str) -> None:
         last = self.events[-1] if self.events else None
         if (last is not None and last["type"] == "BlockStored" and last["medium"] == medium and parent is not None
-                and last["block_hashes"][-1] == external_hash(parent)):
+                and last["block_hashes"][-1] == parent):
             last["block_hashes"].append(h)
             last["token_ids"].extend(token_ids)
             return
-        self.events.append({"type": "BlockStored", "block_hashes": [h],
-                            "parent_block_hash": None if parent is None else external_hash(parent),
+        self.events.append({"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
                             "token_ids": list(token_ids), "block_size": self.block_size, "lora_id": None,
                             "medium": medium, "lora_name": self.lora_name})
 
-    def removed(self, block_hash: bytes, medium: str = MEDIUM_HOT) -> None:
-        last = self.events[-1] if self.events else None
-        if last is not None and last["type"] == "BlockRemoved" and last["medium"] == medium:
-            last["block_hashes"].append(external_hash(block_hash))
-            return
-        self.events.append({"type": "BlockRemoved", "block_hashes": [external_hash(block_hash)], "medium": medium})
+    def removed(self, block_hashes, medium: str = MEDIUM_HOT) -> None:
+        """Blocks (their hashes) that left a tier."""
+        with self._lock:
+            for block_hash in block_hashes:
+                last = self.events[-1] if self.events else None
+                if last is not None and last["type"] == "BlockRemoved" and last["medium"] == medium:
+                    last["block_hashes"].append(external_hash(block_hash))
+                else:
+                    self.events.append({"type": "BlockRemoved", "block_hashes": [external_hash(block_hash)],
+                                        "medium": medium})
 
     def cleared(self) -> None:
-        self.events.append({"type": "AllBlocksCleared"})
+        with self._lock:
+            self.events.append({"type": "AllBlocksCleared"})
 
     def flush(self) -> None:
         """Hands what was recorded since the last flush to the publisher, as one batch."""
-        if self.events:
+        with self._lock:
             events, self.events = self.events, []
+        if events:
             self.publisher.publish(events)
 
 

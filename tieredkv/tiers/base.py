@@ -91,6 +91,8 @@ class KVTier(ABC):
     # shared with other engines (remote): written as blocks are computed (`wanted` says which it lacks),
     # what it admits goes on to the tier below as well, and neither persist nor a snapshot copies it
     shared: ClassVar[bool] = False
+    medium: ClassVar[str | None] = None  # the tier's name in KV events (vLLM's media): None, not reported
+    events = None  # an EventRecorder (engine/kv_events.py) when KV events are on and the tier has a medium
 
     DROPPED_LOG = 1 << 16  # how many dropped block hashes a tier remembers, for explain()
 
@@ -112,6 +114,18 @@ class KVTier(ABC):
         """Whether this tier let the block go for good, among the last DROPPED_LOG it dropped."""
         with self._counter_lock:
             return block_hash in self._dropped
+
+    def report_stored(self, keys: Sequence[BlockKey]) -> None:
+        """KV events: these blocks entered the tier."""
+        if self.events is not None and keys:
+            self.events.stored_below(keys, self.medium)
+
+    def report_removed(self, hashes: Iterable[bytes]) -> None:
+        """KV events: these blocks left the tier."""
+        if self.events is not None:
+            hashes = list(hashes)
+            if hashes:
+                self.events.removed(hashes, self.medium)
 
     def count(self, **deltas: int) -> None:
         """Adds to the counters, thread-safely: `count(hits=16, promotions=1)`."""

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 from tieredkv.hashing import BlockHash, BlockKey
 
+MEDIUM_HOT = "GPU"  # the pool's name in KV events: vLLM's for the pool the model computes from, on every device
+
 if TYPE_CHECKING:
     from tieredkv.tiers.base import SwapSpace, Victims
 
@@ -107,7 +109,7 @@ class BlockPool:
         self.num_far = 0  # far blocks in use
         self.num_cached_far = 0  # of which in the hash map
         self.new_cached: list[KVBlock] | None = None  # a list: `cache` records each block it registers there
-        self.events = None  # an EventRecorder (engine/kv_events.py): hot blocks cached and uncached are reported
+        self.events = None  # an EventRecorder (engine/kv_events.py): blocks cached and uncached are reported
 
     @property
     def num_blocks(self) -> int:
@@ -214,6 +216,8 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             self.num_cached_far -= 1
+            if self.events is not None:  # the warm tier reports it again as its entry
+                self.events.removed([block.block_hash], self.lender.medium)
         self.lender.keep(slot, BlockKey(block.block_hash, block.token_ids))
 
     def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...],
@@ -229,8 +233,8 @@ class BlockPool:
         self.num_cached_far += far
         if self.new_cached is not None:
             self.new_cached.append(block)
-        if self.events is not None and not far:
-            self.events.stored(block_hash, parent, token_ids)
+        if self.events is not None:
+            self.events.stored(block_hash, parent, token_ids, self.lender.medium if far else MEDIUM_HOT)
 
     def evict_all_cached(self) -> int:
         """Forget every free cached block (in use ones keep their hash), without demotion."""
@@ -243,8 +247,8 @@ class BlockPool:
         """Drop the block's hash from the map; its data is no longer findable."""
         del self.cached[block.block_hash]
         far = self.is_far(block)
-        if self.events is not None and not far:
-            self.events.removed(block.block_hash)
+        if self.events is not None:
+            self.events.removed([block.block_hash], self.lender.medium if far else MEDIUM_HOT)
         block.block_hash = block.token_ids = block.parent = None
         self.num_cached_free -= block.ref_cnt == 0
         self.num_cached_far -= far

@@ -46,6 +46,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
     """LMDB store with a byte budget and LRU eviction recorded in the database."""
 
     name = "cold"
+    medium = "DISK"  # (KV events)
     blocking = True
     durable = True
 
@@ -175,10 +176,13 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         byte budget evicts is dropped (nothing lies below cold)."""
         if self._writer.is_alive():
             self._queue.put(("put_blocks", (list(keys), blocks), None))
+            self.report_stored(keys)  # (queued: reported as written, as a router needs no more precision)
         return len(keys), NO_VICTIMS
 
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
-        return self._wait("put", [(self._key(k), self._encode(k, b)) for k, b in zip(keys, blocks)])
+        stored = self._wait("put", [(self._key(k), self._encode(k, b)) for k, b in zip(keys, blocks)])
+        self.report_stored(keys)
+        return stored
 
     def remove_sync(self, keys: Sequence[BlockKey]) -> int:
         return self._wait("remove", [self._key(k) for k in keys])

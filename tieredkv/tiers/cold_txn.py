@@ -70,6 +70,8 @@ class ColdTxnOps:
         value = txn.pop(key, db=self.db_blocks)
         if value is None:
             return 0
+        if key.startswith(self.prefix):  # (KV events: this engine's entries, never another model's)
+            self.report_removed([key[len(self.prefix):]])
         seq = txn.pop(key, db=self.db_lru)
         if seq is not None:
             txn.delete(seq + key, db=self.db_order)

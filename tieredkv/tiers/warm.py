@@ -40,6 +40,7 @@ class WarmTier(KVTier, SwapSpace):
     """
 
     name = "warm"
+    medium = "CPU"  # vLLM's name for host memory (its CPU offloading tier)
 
     def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
                  slab: torch.Tensor | None = None, layer_major: bool | None = None):
@@ -85,6 +86,7 @@ class WarmTier(KVTier, SwapSpace):
         slots = self.slots_of(keys)
         for key in keys[: len(slots)]:
             del self.entries[key.block_hash]
+        self.report_removed(k.block_hash for k in keys[: len(slots)])
         return slots
 
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
@@ -124,6 +126,7 @@ class WarmTier(KVTier, SwapSpace):
                 overflow: list[int], picked: torch.Tensor | None) -> tuple[int, Victims]:
         for i, slot in zip(new, slots):
             self.entries[keys[i].block_hash] = (slot, keys[i].token_ids)
+        self.report_stored([keys[i] for i in new])
         victim_keys, victim_data = victims
         if overflow:
             picked = picked.to("cpu", self.slab.dtype)
@@ -161,6 +164,7 @@ class WarmTier(KVTier, SwapSpace):
             victims.append((BlockKey(block_hash, tokens), slot))
         if not victims:
             return NO_VICTIMS
+        self.report_removed(k.block_hash for k, _ in victims)
         data = self.read([s for _, s in victims])
         self.release([s for _, s in victims])
         self.count(evictions=len(victims))
@@ -172,12 +176,14 @@ class WarmTier(KVTier, SwapSpace):
             entry = self.entries.pop(key.block_hash, None)
             if entry is not None:
                 self.release([entry[0]])
+                self.report_removed([key.block_hash])
                 n += 1
         return n
 
     def clear_sync(self) -> int:
         n = len(self.entries)
         self.release([slot for slot, _ in self.entries.values()])
+        self.report_removed(list(self.entries))
         self.entries.clear()
         return n
 
@@ -214,6 +220,7 @@ class WarmTier(KVTier, SwapSpace):
             self.release([slot])
         else:
             self.entries[key.block_hash] = (slot, key.token_ids)
+            self.report_stored([key])
 
     def release(self, slots: list[int]) -> None:
         self.free_slots.extend(sorted(slots, reverse=True))
