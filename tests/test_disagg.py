@@ -111,3 +111,36 @@ async def test_transfer_parameters_that_cannot_be_used_are_computed(pair, llama_
             status, got = await post(s, f"{url}/v1/chat/completions", {**body, "max_tokens": 1, "kv_transfer_params": {
                 "do_remote_decode": True}})
             assert status == 200 and got["kv_transfer_params"] is None
+
+
+async def test_sglang_router_pairs_prefill_and_decode(pair):
+    """sglang-router sends each request to both replicas at once with its bootstrap fields; the prefill replica
+    (--disaggregation-mode prefill) computes and writes the prompt through, the decode replica waits for it."""
+    from tieredkv.serve import ServerSettings, start_server
+
+    prefill, decode = pair
+    runners, urls = [], []
+    try:
+        for engine, mode in zip(pair, ("prefill", "decode")):
+            runner, port = await start_server(engine, ServerSettings(model_name=NAME, disaggregation_mode=mode,
+                                                                     kv_transfer_timeout=5.0), port=0)
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{port}")
+        messages = chat(system_prompt(), "Which replica decodes?")
+        n_prompt = len(await prefill.tokenize(messages))
+        before = [e.stats().prefix_cache_hits for e in pair]
+        async with router("sglang_router.launch_router", ["--pd-disaggregation", "--prefill", urls[0], "--decode",
+                                                          urls[1], "--policy", "round_robin"]) as url:
+            import openai
+
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            got = await client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+            await client.close()
+        hits = [e.stats().prefix_cache_hits - b for e, b in zip(pair, before)]
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert hits[1] >= n_prompt - 16, hits  # the decode replica read the prompt the prefill replica computed
+    alone = await prefill.generate(messages, SamplingParams(max_tokens=12, temperature=0))
+    assert got.choices[0].message.content == alone.outputs[0].text
+    assert got.usage.completion_tokens == len(alone.outputs[0].token_ids)

@@ -81,7 +81,8 @@ async def serve(args: argparse.Namespace) -> None:
                               max_queued=args.max_queued, metrics=metrics, write_timeout=args.write_timeout,
                               shutdown_grace=args.shutdown_grace, tool_call_parser=args.tool_call_parser,
                               max_stored_responses=args.max_stored_responses, load_format=args.load_format,
-                              kv_transfer_timeout=args.kv_transfer_timeout)
+                              kv_transfer_timeout=args.kv_transfer_timeout,
+                              disaggregation_mode=args.disaggregation_mode)
 
     def ready(port: int) -> None:
         print(f"serving {settings.model_name!r} on http://{args.host}:{port}/v1"
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prefill/decode split (vllm-router --vllm-pd-disaggregation, KV through the shared tier): "
                    "seconds the prefill replica waits for its blocks to reach the shared tier before it answers, "
                    "and the decode replica for them before it computes what is missing (default: 5)")
+    p.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"),
+                   help="this replica's part behind sglang-router --pd-disaggregation (SGLang's flag; the KV goes "
+                   "through the shared tier, --remote): prefill computes and writes the prompt through, decode waits "
+                   "for it; null serves requests whole (default)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests have to finish before the server stops "
                    "(default: 30)")

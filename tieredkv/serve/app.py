@@ -66,6 +66,8 @@ class ServerSettings:
             sglang-router reads); a request's `?format=` chooses for itself.
         kv_transfer_timeout: seconds a prefill/decode split waits for the KV to reach the shared tier: the prefill
             replica before it answers, the decode replica before it computes what has not arrived (serve/disagg.py).
+        disaggregation_mode: this replica's part in sglang-router's prefill/decode pairs (`--disaggregation-mode`,
+            SGLang's flag): "prefill", "decode", or "null" (requests with bootstrap fields are served whole).
     """
 
     model_name: str = "default"
@@ -81,6 +83,7 @@ class ServerSettings:
     max_stored_chars: int = 16 << 20
     load_format: str = "vllm"
     kv_transfer_timeout: float = 5.0
+    disaggregation_mode: str = "null"
 
 
 _ENGINE = web.AppKey("engine", AsyncEngine)
@@ -556,6 +559,11 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
         _check_room(engine, len(ids), params, body)
         if transfer is not None:  # a decode replica: the prefill replica's blocks first
             await disagg.before_decode(engine, ids, transfer, settings.kv_transfer_timeout)
+        elif disagg.bootstrapped(body) and settings.disaggregation_mode == "prefill":  # sglang-router's pairs
+            await disagg.prefill_for_pair(engine, ids, settings.kv_transfer_timeout)
+            params = params.model_copy(update={"max_tokens": 1, "min_tokens": 0})
+        elif disagg.bootstrapped(body) and settings.disaggregation_mode == "decode":
+            await disagg.decode_for_pair(engine, ids, settings.kv_transfer_timeout)
         async with engine.stream(ids, params, request_id=rid) as stream:
             first = await stream.__anext__()  # a request refused once tokenized is still a clean 400
             if streaming:

@@ -9,6 +9,12 @@ waits (as long at most) until the shared tier holds the blocks still on their wa
 whose prefix lookup reads them there like any other hit. A block that does not arrive in time is computed:
 slower, never wrong, never stuck. Through a store both replicas already use, a transfer needs no connection
 between replicas and survives either side's restart; NIXL-style direct transfers name a host and port instead.
+
+sglang-router's `--pd-disaggregation` sends the same request to a prefill and a decode replica at once, with
+`bootstrap_host`, `bootstrap_port` and `bootstrap_room` added. The same mechanism serves it, each replica told its
+part by `--disaggregation-mode` (SGLang's flag): a prefill replica computes the prompt, writes it through and
+answers with one token; a decode replica waits (at most `kv_transfer_timeout`) until the shared tier holds the
+prompt's full blocks, then serves the request.
 """
 
 from __future__ import annotations
@@ -64,6 +70,41 @@ async def before_decode(engine: AsyncEngine, ids: list[int], params: dict[str, A
     if held < num_blocks:
         log.info("%s: %d of %d prefilled blocks on the shared tier after %.1f s; the rest is computed", FIELD, held,
                  num_blocks, timeout)
+    return held
+
+
+MODES = ("null", "prefill", "decode")  # --disaggregation-mode, SGLang's values
+
+
+def bootstrapped(body: dict[str, Any]) -> bool:
+    """Whether sglang-router sent the request to a prefill/decode pair (it adds the bootstrap fields)."""
+    return body.get("bootstrap_room") is not None
+
+
+async def prefill_for_pair(engine: AsyncEngine, ids: list[int], timeout: float) -> None:
+    """sglang-router, on the prefill replica: the prompt computed and written through before it answers."""
+    await engine.prefill(ids)
+    if not engine.core.tiers.shared:
+        log.warning("a prefill/decode pair's request, but this replica has no shared tier (remote_url) to leave the "
+                    "KV on: the decode replica computes the prompt")
+        return
+    found, ready = await engine.share_prefix(ids, timeout)
+    if not ready:
+        log.warning("the shared tier took longer than %.1f s to receive the prompt's %d blocks", timeout, found)
+
+
+async def decode_for_pair(engine: AsyncEngine, ids: list[int], timeout: float) -> int:
+    """sglang-router, on the decode replica: waits until the shared tier holds the prompt's full blocks (those a
+    lookup may cover), at most `timeout` seconds; what has not arrived is computed."""
+    if not engine.core.tiers.shared:
+        log.warning("a prefill/decode pair's request, but this replica has no shared tier (remote_url) to read the "
+                    "prefill's blocks from: the prompt is computed")
+        return 0
+    want = (len(ids) - 1) // engine.core.block_size
+    held = await engine.wait_shared(ids, want, timeout)
+    if held < want:
+        log.info("a prefill/decode pair's request: %d of %d prompt blocks on the shared tier after %.1f s; the rest "
+                 "is computed", held, want, timeout)
     return held
 
 
