@@ -187,6 +187,9 @@ async def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware", "power_of_two"])
+    p.add_argument("--warmed", nargs="*", default=["cache_aware", "kv_aware"],
+                   help="policies also run after each system prompt was asked once directly of one replica, "
+                   "alternating (traffic the router did not route: another router, a restart)")
     p.add_argument("--pd", action="store_true", help="also the prefill/decode split against one replica")
     p.add_argument("--pd-chats", type=int, default=16)
     p.add_argument("--pd-max-tokens", type=int, default=64)
@@ -198,7 +201,8 @@ async def main() -> None:
     port = free_port()
     async with processes([replica(port, args.model, os.cpu_count() or 2)]):
         results["one replica"] = await send(f"http://127.0.0.1:{port}", chats, args.max_tokens, args.concurrency)
-    for policy in args.policies:
+    runs = [(policy, False) for policy in args.policies] + [(policy, True) for policy in args.warmed]
+    for policy, warmed in runs:
         ports, event_ports = [free_port(), free_port()], [free_port(), free_port()]
         urls = [f"http://127.0.0.1:{q}" for q in ports]
         kv = policy == "kv_aware"
@@ -208,13 +212,20 @@ async def main() -> None:
         async with processes([replica(q, args.model, 1, *(events_flag(e) if kv else []))
                               for q, e in zip(ports, event_ports)] + [router]):
             await asyncio.sleep(1.0)  # (kv_aware: the router's subscriptions join)
-            results[f"2 replicas, {policy}"] = await send(router[1], chats, args.max_tokens, args.concurrency)
+            if warmed:
+                systems = list(dict.fromkeys(c[0]["content"] for c in chats))
+                for i, system in enumerate(systems):
+                    first = [{"role": "system", "content": system}, {"role": "user", "content": "hello"}]
+                    await send(urls[i % 2], [first], 1, 1)
+                await asyncio.sleep(0.5)
+            name = f"2 replicas, {policy}" + (", warmed directly" if warmed else "")
+            results[name] = await send(router[1], chats, args.max_tokens, args.concurrency)
     base = results["one replica"]["output_tokens_per_s"]
     print(f"{args.chats} chats over {args.systems} system prompts, max_tokens {args.max_tokens}, "
           f"concurrency {args.concurrency}, model {args.model}")
-    print(f"{'setup':<28} {'cached share':>12} {'output tok/s':>13} {'vs one':>7}")
+    print(f"{'setup':<44} {'cached share':>12} {'output tok/s':>13} {'vs one':>7}")
     for name, r in results.items():
-        print(f"{name:<28} {r['cached_share']:>12.1%} {r['output_tokens_per_s']:>13.1f} "
+        print(f"{name:<44} {r['cached_share']:>12.1%} {r['output_tokens_per_s']:>13.1f} "
               f"{r['output_tokens_per_s'] / base:>6.2f}x")
     pd = None
     if args.pd:
