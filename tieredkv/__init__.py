@@ -3,7 +3,7 @@
 from tieredkv.config import EngineConfig, KVEventsConfig, SamplingParams, SpeculativeConfig
 from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
-from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, KVEventsError, ModelNotFoundError,
+from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, KVEventsError, LoRAError, ModelNotFoundError,
                              RankLostError, RankStartError, RemoteTierError, RequestError, SamplingError, SnapshotError,
                              StepError, TieredKVError, UnsupportedModelError, WrongLoopError)
 from tieredkv.models.tokenizer import Chat
@@ -18,6 +18,7 @@ __all__ = [
     "EngineConfig",
     "KVEventsConfig",
     "KVEventsError",
+    "LoRAError",
     "EngineStats",
     "ModelNotFoundError",
     "RankLostError",

@@ -82,7 +82,8 @@ async def serve(args: argparse.Namespace) -> None:
                               shutdown_grace=args.shutdown_grace, tool_call_parser=args.tool_call_parser,
                               max_stored_responses=args.max_stored_responses, load_format=args.load_format,
                               kv_transfer_timeout=args.kv_transfer_timeout,
-                              disaggregation_mode=args.disaggregation_mode)
+                              disaggregation_mode=args.disaggregation_mode,
+                              require_cache_salt=args.require_cache_salt)
 
     def ready(port: int) -> None:
         print(f"serving {settings.model_name!r} on http://{args.host}:{port}/v1"
@@ -158,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this replica's part behind sglang-router --pd-disaggregation (SGLang's flag; the KV goes "
                    "through the shared tier, --remote): prefill computes and writes the prompt through, decode waits "
                    "for it; null serves requests whole (default)")
+    p.add_argument("--require-cache-salt", action="store_true",
+                   help="refuse completion requests without a cache_salt: on a server tenants share, cached blocks "
+                   "are then shared only within a tenant (see the LoRA and tenants guide)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests have to finish before the server stops "
                    "(default: 30)")

@@ -200,6 +200,13 @@ class EngineConfig(BaseModel):
         None, description='speculative decoding, a SpeculativeConfig or its dict: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft", '
         '"model": ..., "quantization": ..., "num_speculative_tokens": 4}; None: off')
+    lora_adapters: dict[str, str] | None = Field(
+        None, description="LoRA adapters in PEFT's format served beside the base model, by name: {name: folder}; "
+        "on the command line --lora name=folder[,name=folder]. A request picks one by name (the server: its "
+        '"model"); load_adapter / unload_adapter change them at run time')
+    max_loras: int = Field(8, ge=1, description="LoRA adapters held in memory at once; using another reads it "
+                           "again from its folder, dropping the least recently used")
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="the largest LoRA rank an adapter may have")
     kv_events_config: KVEventsConfig | None = Field(
         None, description='KV cache events for KV-aware routers, a KVEventsConfig or its dict in vLLM\'s shape: '
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}; None: off. Needs the '
@@ -220,6 +227,8 @@ class EngineConfig(BaseModel):
     def _check_parallel(self) -> "EngineConfig":
         if self.tensor_parallel_size == 1:
             return self
+        if self.lora_adapters:
+            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
         if self.compile_decode:
             raise ValueError("compile_decode is not supported with tensor_parallel_size > 1")
         if self.quantization == "gguf":
@@ -248,6 +257,21 @@ class EngineConfig(BaseModel):
         values.update({k: None if isinstance(v, str) and v.lower() == "none" else v
                        for k, v in given.items() if v is not None})
         return cls.model_validate(values)
+
+    @field_validator("lora_adapters", mode="before")
+    @classmethod
+    def _lora_pairs(cls, v: Any) -> Any:
+        """The command line's --lora gives "name=folder[,name=folder]" (or a JSON object)."""
+        if isinstance(v, str):
+            import json
+
+            if v.lstrip().startswith("{"):
+                return json.loads(v)
+            pairs = [p.strip() for p in v.split(",") if p.strip()]
+            if not all("=" in p for p in pairs):
+                raise ValueError(f"lora_adapters takes name=folder[,name=folder], not {v!r}")
+            return dict(p.split("=", 1) for p in pairs)
+        return v
 
     @field_validator("speculative", "kv_events_config", mode="before")
     @classmethod

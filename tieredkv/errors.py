@@ -71,6 +71,11 @@ class RemoteTierError(TieredKVError, ValueError):
     not one it takes. A server that is down or slow is not an error: its lookups are misses."""
 
 
+class LoRAError(TieredKVError, ValueError):
+    """A LoRA adapter cannot be served: its folder or files are missing or malformed, it targets a module the
+    engine does not change, its shapes or rank do not fit the base model, or its name is unknown or taken."""
+
+
 class KVEventsError(TieredKVError, ValueError):
     """`kv_events_config` cannot be used: pyzmq is not installed (the `fleet` extra), or an endpoint cannot be
     bound (in use, malformed)."""

@@ -46,12 +46,12 @@ class KVCacheManager:
     def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
         hashes = seq.block_hashes
         while len(hashes) < num_full:
-            parent = hashes[-1] if hashes else self.root
+            parent = hashes[-1] if hashes else (seq.request.root or self.root)
             hashes.append(hash_block(parent, self._block_tokens(seq, len(hashes))))
 
-    def chain_keys(self, token_ids: list[int]) -> list[BlockKey]:
-        """Keys of every full block of token_ids, hashed from the root."""
-        return chain_keys(self.root, token_ids, self.block_size)
+    def chain_keys(self, token_ids: list[int], root: BlockHash | None = None) -> list[BlockKey]:
+        """Keys of every full block of token_ids, hashed from `root` (the engine's by default)."""
+        return chain_keys(root or self.root, token_ids, self.block_size)
 
     # -- prefix cache ----------------------------------------------------------------------------
 

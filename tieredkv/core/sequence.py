@@ -134,6 +134,10 @@ class Request:
     beam: "BeamSearch | None" = None  # with beam_width > 1: the search; seqs are then its running beams
     spec_drafted: int = 0  # speculative decoding: drafts verified for this request's samples
     spec_accepted: int = 0  # of which accepted
+    adapter_name: str | None = None  # the LoRA adapter asked for (None: the base model)
+    cache_salt: str | None = None  # blocks are shared only among requests with the same salt (and adapter)
+    adapter: Any = None  # models/lora.LoRAAdapter: the LoRA adapter its rows take, None for the base model
+    root: BlockHash | None = None  # its block-hash chain's seed, when not the engine's (an adapter, a cache salt)
 
     @functools.cached_property
     def stop_ids(self) -> frozenset[int]:

@@ -138,19 +138,29 @@ class AsyncEngine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def stream(self, prompt: PromptType, params: SamplingParams | None = None, *,
-               request_id: str | None = None) -> RequestStream:
+    def stream(self, prompt: PromptType, params: SamplingParams | None = None, *, request_id: str | None = None,
+               adapter: str | None = None, cache_salt: str | None = None) -> RequestStream:
         """Checks what can be checked without tokenizing now (raising RequestError or TypeError, nothing
         allocated); the request starts at the first iteration, where a prompt that turns out too long
-        once tokenized raises RequestError. See RequestStream for how a stream ends."""
-        return self._open(prompt, params or SamplingParams(), request_id, {})
+        once tokenized raises RequestError. See RequestStream for how a stream ends.
 
-    def _open(self, prompt, params, request_id: str | None, flags: dict[str, bool]) -> RequestStream:
+        `adapter`: a loaded LoRA adapter's name (None: the base model). `cache_salt`: the request shares cached
+        blocks only with requests of the same salt (and adapter); None shares with every request without one."""
+        return self._open(prompt, params or SamplingParams(), request_id,
+                          {"adapter": adapter, "cache_salt": cache_salt})
+
+    def _open(self, prompt, params, request_id: str | None, flags: dict[str, Any]) -> RequestStream:
         self._check_open()
         if self._draining:
             raise EngineClosedError("engine shutting down: it takes no new requests")
         try:
             self.core.factory.precheck(prompt, params)
+            adapter, salt = flags.get("adapter"), flags.get("cache_salt")
+            if adapter is not None and adapter not in self.core.adapters.paths:
+                raise RequestError(f"no LoRA adapter named {adapter!r} is loaded (loaded: "
+                                   f"{', '.join(self.core.adapters.names()) or 'none'})")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise RequestError("cache_salt must be a non-empty string")
         except (RequestError, TypeError):
             self.core.telemetry.on_rejected()
             raise
@@ -181,6 +191,7 @@ class AsyncEngine:
         req.sink, req.span = channel, span
         req.prefill_only = flags.get("prefill_only", False)
         req.pin = flags.get("pin", False)
+        req.adapter_name, req.cache_salt = flags.get("adapter"), flags.get("cache_salt")
         if not self._worker.post(self._worker.add, req):
             self._worker.call_loop(channel.push, EngineClosedError("engine closed"))
 
@@ -195,13 +206,16 @@ class AsyncEngine:
             self._worker.post(self._worker.abort, channel.request_id, channel)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None, *,
-                       request_id: str | None = None) -> RequestOutput:
-        """The whole result of one request: all n samples, or with beam search the n best beams, best first."""
+                       request_id: str | None = None, adapter: str | None = None,
+                       cache_salt: str | None = None) -> RequestOutput:
+        """The whole result of one request: all n samples, or with beam search the n best beams, best first.
+        `adapter` and `cache_salt` as in stream()."""
         params = params or SamplingParams()
         outputs = [CompletionOutput(i) for i in range(params.n)]
         texts: list[list[str]] = [[] for _ in range(params.n)]
         usage = []
-        async with self.stream(prompt, params, request_id=request_id) as stream:
+        async with self.stream(prompt, params, request_id=request_id, adapter=adapter,
+                               cache_salt=cache_salt) as stream:
             async for chunk in stream:
                 out = outputs[chunk.index]
                 texts[chunk.index].append(chunk.text)
@@ -244,6 +258,21 @@ class AsyncEngine:
         self._check_open()
         fn = self.core.factory.token_ids if check else self.tokenizer.to_token_ids
         return await self._loop.run_in_executor(self._tokenizer, fn, prompt)
+
+    async def load_adapter(self, name: str, path) -> dict[str, Any]:
+        """Reads a LoRA adapter in PEFT's format (a folder with adapter_config.json and adapter_model.safetensors)
+        and serves it under `name` from the next request on; LoRAError when it does not fit the base model, its
+        files are missing, or the name is taken. Returns what was loaded (modules, rank, bytes)."""
+        adapter = await self._submit(self._worker.core.adapters.register, name, str(path))
+        return {"name": adapter.name, "modules": adapter.modules, "rank": adapter.rank, "bytes": adapter.nbytes}
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stops serving the adapter (requests running with it finish with it); LoRAError for an unknown name."""
+        await self._submit(self._worker.core.adapters.unregister, name)
+
+    def adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return self.core.adapters.names()
 
     async def share_prefix(self, token_ids: list[int], timeout: float) -> tuple[int, bool]:
         """Makes the full blocks of a computed prompt available to other engines on the shared (remote) tier: the

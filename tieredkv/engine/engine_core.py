@@ -9,12 +9,13 @@ from typing import Any
 
 from tieredkv.config import EngineConfig
 from tieredkv.core.sequence import Request
+from tieredkv.engine.adapters import Adapters
 from tieredkv.engine.build import build_engine
 from tieredkv.engine.outputs import EngineStats, Output, collect_stats
 from tieredkv.engine.rank_build import total_weight_bytes
 from tieredkv.engine.sizing import kv_token_bytes
 from tieredkv.engine.speculative import DraftProposer, draft_config
-from tieredkv.errors import EngineClosedError
+from tieredkv.errors import EngineClosedError, LoRAError, RequestError
 
 log = logging.getLogger("tieredkv")
 
@@ -27,6 +28,15 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.parts = build_engine(config)
+        parts = self.parts
+        self.adapters = Adapters(parts.spec, parts.dtype, parts.device, parts.kv.root, config.max_loras,
+                                 config.max_lora_rank, parts.tp.world)
+        try:
+            for name, path in (config.lora_adapters or {}).items():
+                self.adapters.register(name, path)
+        except BaseException:
+            self.close()
+            raise
         if config.speculative is not None and config.speculative.method == "draft":
             self._add_draft_model(config)
         self.block_size = config.block_size
@@ -88,6 +98,13 @@ class EngineCore:
     # -- requests (see engine/lifecycle.py) --------------------------------------------------------------
 
     def add_request(self, req: Request) -> list[Output]:
+        if req.adapter_name is not None:
+            try:
+                req.adapter = self.adapters.acquire(req.adapter_name)
+            except LoRAError as e:  # unloaded after the request was checked, or its folder is gone
+                self.parts.telemetry.on_rejected()
+                return [(req.sink, RequestError(str(e)))]
+        req.root = self.adapters.root_for(req.adapter, req.cache_salt)
         return self.parts.lifecycle.add(req)
 
     def abort(self, request_id: str, sink: Any = None) -> list[Output]:

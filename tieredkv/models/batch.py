@@ -36,6 +36,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding
     logits_indices: torch.Tensor  # [S] int64: rows whose next-token logits are needed
     attn: AttentionMetadata
+    lora: object = None  # models/lora.LoRABatch: the adapters of the step's rows, when any row has one
 
     @property
     def num_tokens(self) -> int:

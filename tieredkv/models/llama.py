@@ -137,6 +137,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = dense(ops, self.qkv_proj, x)
+        if batch.lora is not None:
+            qkv = batch.lora.add(qkv, x, self.layer_id, "qkv")
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -165,21 +167,33 @@ class Attention(nn.Module):
                     meta.prefill_context_lens, self.scale, meta.max_prefill_query_len, plan=meta.prefill_plan,
                 )
             )
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return self.tp.all_reduce(dense(ops, self.o_proj, out.reshape(num_tokens, self.q_size)))
+        out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)).reshape(num_tokens, self.q_size)
+        o = dense(ops, self.o_proj, out)
+        if batch.lora is not None:
+            o = batch.lora.add(o, out, self.layer_id, "o")
+        return self.tp.all_reduce(o)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPGroup):
+    def __init__(self, spec: ModelSpec, tp: TPGroup, layer_id: int = 0):
         super().__init__()
         self.tp = tp
+        self.layer_id = layer_id
         self.intermediate = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        gate, up = dense(ops, self.gate_up_proj, x).split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(dense(ops, self.down_proj, F.silu(gate) * up))
+    def forward(self, x: torch.Tensor, ops: KernelOps, lora=None) -> torch.Tensor:
+        """`lora`: the step's LoRABatch (models/lora.py), when adapters run in it."""
+        gate_up = dense(ops, self.gate_up_proj, x)
+        if lora is not None:
+            gate_up = lora.add(gate_up, x, self.layer_id, "gate_up")
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        h = F.silu(gate) * up
+        down = dense(ops, self.down_proj, h)
+        if lora is not None:
+            down = lora.add(down, h, self.layer_id, "down")
+        return self.tp.all_reduce(down)
 
 
 class DecoderLayer(nn.Module):
@@ -188,13 +202,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec, tp)
+        self.mlp = MLP(spec, tp, layer_id)
 
     def forward(self, x, batch, rotary, layer_cache, ops):
         """Reads no per-layer Python value (the layer's cache comes in), so that one compiled graph serves
         every layer (compiled_decode.py). Submodules are called through `forward` (FORWARD_ONLY)."""
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), batch, rotary, layer_cache, ops)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x), ops)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x), ops, batch.lora)
 
 
 class LlamaModel(nn.Module):

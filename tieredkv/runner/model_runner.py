@@ -13,10 +13,16 @@ from tieredkv.kernels import KernelOps
 from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS, shared_prefixes
 from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.models.llama import LlamaModel
+from tieredkv.models.lora import LoRABatch
 from tieredkv.runner.compiled_decode import CompiledDecode
 from tieredkv.runner.far_stage import StagePlan, plan_stage, reads_slab_in_place, stage_groups
 from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.runner.step_plan import StandIn, describe
+
+
+def adapter_of(seq) -> object:
+    """The LoRA adapter a sequence's rows take (None: the base model; a stand-in or a warm-up row has none)."""
+    return getattr(getattr(seq, "request", None), "adapter", None)
 
 
 def warmup_steps(block_size: int) -> tuple:
@@ -97,8 +103,23 @@ class ModelRunner:
             slot_mapping=self._tensor(tokens.slots, torch.int64),
             logits_indices=self._tensor(tokens.logits_rows, torch.int64),
             attn=attn,
+            lora=self._lora(decodes + prefills),
         )
         return batch, tokens.sampled
+
+    def _lora(self, rows: list[tuple[Sequence, int]]) -> LoRABatch | None:
+        """The step's adapters and the token rows of each (rows in the order _token_rows lays them out)."""
+        groups: dict[int, tuple[object, list[int]]] = {}
+        at = 0
+        for seq, n in rows:
+            adapter = adapter_of(seq)
+            if adapter is not None:
+                groups.setdefault(id(adapter), (adapter, []))[1].extend(range(at, at + n))
+            at += n
+        if not groups:
+            return None
+        return LoRABatch([(adapter, None if len(ids) == at else self._tensor(ids, torch.int64))
+                          for adapter, ids in groups.values()])
 
     def _token_rows(self, scheduled: list[tuple[Sequence, int]]) -> "_TokenRows":
         """Each scheduled token's id, position and cache slot, in order, and the rows whose logits are sampled."""
@@ -246,7 +267,8 @@ class ModelRunner:
                                 "tensor-parallel ranks are out of step") from e
 
     def _forward_rows(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
-        compiled = self.compiled is not None and self.compiled.accepts(scheduled)
+        compiled = (self.compiled is not None and self.compiled.accepts(scheduled)  # (adapters: the eager forward)
+                    and all(adapter_of(s) is None for s, _ in scheduled))
         batch, sampled = self.prepare(scheduled, with_plan=not compiled)
         logits = None
         if compiled and batch.attn.stage is None:

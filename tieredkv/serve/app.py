@@ -26,7 +26,7 @@ from aiohttp import web
 
 from tieredkv.config import SamplingParams
 from tieredkv.engine.async_engine import AsyncEngine
-from tieredkv.errors import EngineClosedError, RequestError, TieredKVError
+from tieredkv.errors import EngineClosedError, LoRAError, RequestError, TieredKVError
 from tieredkv.models.tokenizer import message_chars
 from tieredkv.serve import disagg
 from tieredkv.serve.protocol import (BadRequest, chat_logprobs, chat_messages, completion_logprobs,
@@ -66,6 +66,8 @@ class ServerSettings:
             sglang-router reads); a request's `?format=` chooses for itself.
         kv_transfer_timeout: seconds a prefill/decode split waits for the KV to reach the shared tier: the prefill
             replica before it answers, the decode replica before it computes what has not arrived (serve/disagg.py).
+        require_cache_salt: every completion request must carry a `cache_salt` (`--require-cache-salt`): on a
+            server that tenants share, none can learn from cached tokens or timing what another one sent.
         disaggregation_mode: this replica's part in sglang-router's prefill/decode pairs (`--disaggregation-mode`,
             SGLang's flag): "prefill", "decode", or "null" (requests with bootstrap fields are served whole).
     """
@@ -84,6 +86,7 @@ class ServerSettings:
     load_format: str = "vllm"
     kv_transfer_timeout: float = 5.0
     disaggregation_mode: str = "null"
+    require_cache_salt: bool = False
 
 
 _ENGINE = web.AppKey("engine", AsyncEngine)
@@ -109,6 +112,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> w
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
     app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/load_lora_adapter", _load_lora)
+    app.router.add_post("/v1/unload_lora_adapter", _unload_lora)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/responses", _responses)
     app.router.add_get("/v1/responses/{id}", _get_response)
@@ -225,21 +230,61 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "tieredkv"}
+def _model_card(name: str, parent: str | None = None, root: str | None = None) -> dict[str, Any]:
+    """A /v1/models entry; a LoRA adapter's names its base model (`parent`) and its folder (`root`), as vLLM's."""
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "tieredkv"}
+    return card if parent is None else {**card, "parent": parent, "root": root}
+
+
+def _cards(request: web.Request) -> dict[str, dict[str, Any]]:
+    """The base model's card and each loaded LoRA adapter's, by name."""
+    name, engine = request.app[_SETTINGS].model_name, request.app[_ENGINE]
+    paths = engine.core.adapters.paths
+    return {name: _model_card(name), **{a: _model_card(a, name, paths.get(a)) for a in engine.adapters()}}
 
 
 async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[_SETTINGS].model_name)]})
+    return web.json_response({"object": "list", "data": list(_cards(request).values())})
 
 
 async def _model(request: web.Request) -> web.Response:
-    """GET /v1/models/{model}: the served model, or a 404 naming the one that is served."""
-    name, asked = request.app[_SETTINGS].model_name, request.match_info["model"]
-    if asked != name:
-        raise BadRequest(f"model {asked!r} is not served here; this server serves {name!r}", "model",
-                         status=404, code="model_not_found")
-    return web.json_response(_model_card(name))
+    """GET /v1/models/{model}: the served model or one of its adapters, or a 404 naming what is served."""
+    cards, asked = _cards(request), request.match_info["model"]
+    if asked not in cards:
+        raise BadRequest(f"model {asked!r} is not served here; this server serves {', '.join(map(repr, cards))}",
+                         "model", status=404, code="model_not_found")
+    return web.json_response(cards[asked])
+
+
+def _adapter(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model)."""
+    model = body.get("model")
+    return None if model in (None, request.app[_SETTINGS].model_name) else model
+
+
+async def _load_lora(request: web.Request) -> web.Response:
+    """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: serves the adapter from the next request on."""
+    body = await _body(request)
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not isinstance(path, str):
+        raise BadRequest("lora_name and lora_path must be strings", "lora_name" if not isinstance(name, str)
+                         else "lora_path")
+    try:
+        await request.app[_ENGINE].load_adapter(name, path)
+    except LoRAError as e:
+        raise BadRequest(str(e), "lora_path") from None
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _unload_lora(request: web.Request) -> web.Response:
+    """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: stops serving it (running requests finish with it)."""
+    body = await _body(request)
+    name = body.get("lora_name")
+    try:
+        await request.app[_ENGINE].unload_adapter(name)
+    except LoRAError as e:
+        raise BadRequest(str(e), "lora_name", status=404, code="model_not_found") from None
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -260,9 +305,10 @@ async def _body(request: web.Request) -> dict[str, Any]:
         raise BadRequest(f"the body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    name = request.app[_SETTINGS].model_name
-    if body.get("model") not in (None, name):
-        raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {name!r}", "model",
+    name, engine = request.app[_SETTINGS].model_name, request.app[_ENGINE]
+    if body.get("model") not in (None, name) and body.get("model") not in engine.core.adapters.paths:
+        served = ", ".join(map(repr, [name, *engine.adapters()]))
+        raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {served}", "model",
                          status=404, code="model_not_found")
     return body
 
@@ -450,9 +496,10 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     if not isinstance(streaming, bool):
         raise BadRequest("stream must be true or false", "stream")
     rid = new_id("resp").replace("-", "_")
-    out = _Output(rid, settings.model_name, True, 1, engine)  # (the access log's counts; the builder reads the text)
+    adapter = _adapter(request, body)
+    out = _Output(rid, adapter or settings.model_name, True, 1, engine)  # (the access log's counts)
     request[_SERVED] = out
-    builder = ResponseBuilder(rid, settings.model_name, body, fmt, body.get("tools") or [])
+    builder = ResponseBuilder(rid, adapter or settings.model_name, body, fmt, body.get("tools") or [])
 
     def keep() -> None:  # once the output ended
         if store:
@@ -462,7 +509,8 @@ async def _responses(request: web.Request) -> web.StreamResponse:
         engine.core.factory.precheck(prompt, params)
         ids = await engine.tokenize(prompt)
         _check_room(engine, len(ids), params, fields)
-        async with engine.stream(ids, params, request_id=rid) as stream:
+        async with engine.stream(ids, params, request_id=rid, adapter=adapter,
+                                 cache_salt=_salt(request, body)) as stream:
             first = await stream.__anext__()
             if streaming:
                 return await _response_events(request, builder, _chain(first, stream), out, keep)
@@ -551,7 +599,8 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
     streaming, include_usage = stream_flags(body)
     transfer = disagg.transfer_params(body)
     rid = new_id("chatcmpl" if chat else "cmpl")
-    out = _Output(rid, settings.model_name, chat, params.n, engine, fmt, params.constraint is not None)
+    adapter = _adapter(request, body)
+    out = _Output(rid, adapter or settings.model_name, chat, params.n, engine, fmt, params.constraint is not None)
     request[_SERVED] = out
     with _admitted(request):
         engine.core.factory.precheck(prompt, params)  # before tokenizing: what a prompt's size alone rules out
@@ -564,7 +613,8 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
             params = params.model_copy(update={"max_tokens": 1, "min_tokens": 0})
         elif disagg.bootstrapped(body) and settings.disaggregation_mode == "decode":
             await disagg.decode_for_pair(engine, ids, settings.kv_transfer_timeout)
-        async with engine.stream(ids, params, request_id=rid) as stream:
+        async with engine.stream(ids, params, request_id=rid, adapter=adapter,
+                                 cache_salt=_salt(request, body)) as stream:
             first = await stream.__anext__()  # a request refused once tokenized is still a clean 400
             if streaming:
                 return await _stream_events(request, stream, first, out, include_usage)
@@ -574,6 +624,16 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
         if transfer is not None and transfer.get("do_remote_decode"):  # a prefill replica: leave the KV for decode
             whole[disagg.FIELD] = await disagg.after_prefill(engine, ids, settings.kv_transfer_timeout)
         return web.json_response(whole)
+
+
+def _salt(request: web.Request, body: dict[str, Any]) -> str | None:
+    """vLLM's `cache_salt`: the request shares cached blocks only with requests of the same salt."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
+    if salt is None and request.app[_SETTINGS].require_cache_salt:
+        raise BadRequest("this server requires a cache_salt in every request (one per tenant)", "cache_salt")
+    return salt
 
 
 async def _chain(first, stream):

@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal
 
 from tieredkv.config import ENV_PREFIX, EngineConfig
 
-ALIASES = {"quantization": ("--weights",), "remote_url": ("--remote",)}
+ALIASES = {"quantization": ("--weights",), "remote_url": ("--remote",), "lora_adapters": ("--lora",)}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -1,0 +1,228 @@
+"""LoRA adapters in PEFT's format: greedy output equal to peft's PeftModel on transformers, alone and in one mixed batch
+with the base model; blocks never shared across adapters or cache salts; bad adapters refused clearly."""
+
+import asyncio
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import make_checkpoint
+from tieredkv import AsyncEngine, EngineConfig, LoRAError, RequestError, SamplingParams
+
+ADAPTERS = {  # name -> peft LoraConfig arguments
+    "qv": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+    "all": {"r": 8, "lora_alpha": 16, "use_rslora": True,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+}
+NEW = 12
+
+
+def make_adapter(base: Path, out: Path, seed: int, **lora) -> Path:
+    """A PEFT adapter of random low-rank weights (B is not zero: the adapter changes the output)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(out))
+    return out
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=NEW,
+                               min_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+            out.append(y[0, len(ids):].tolist())
+    return out
+
+
+def prompts(n: int, seed: int, length: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(length + 7 * i)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: make_adapter(llama_dir, root / name, seed=i + 1, **cfg) for i, (name, cfg) in
+            enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def references(llama_dir, adapter_dirs):
+    ps = prompts(3, seed=7)
+    return ps, {name: peft_greedy(llama_dir, adapter_dirs.get(name), ps) for name in (None, *ADAPTERS)}
+
+
+@pytest.fixture(scope="module")
+async def engine(llama_dir, adapter_dirs):
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=8,
+                       lora_adapters={name: str(path) for name, path in adapter_dirs.items()})
+    async with await AsyncEngine.start(cfg) as engine:
+        yield engine
+
+
+PARAMS = SamplingParams(max_tokens=NEW, ignore_eos=True)
+
+
+async def test_each_adapter_alone_matches_peft(engine, references):
+    ps, want = references
+    assert want["qv"] != want[None] and want["all"] != want[None]  # the adapters change the output
+    for name in (None, *ADAPTERS):
+        for p, w in zip(ps, want[name]):
+            await engine.clear_cache("hot")
+            got = await engine.generate(p, PARAMS, adapter=name)
+            assert got.outputs[0].token_ids == w, name
+
+
+async def test_one_mixed_batch_matches_peft(engine, references):
+    """Every prompt under the base model and both adapters at once: one step holds rows of all three."""
+    ps, want = references
+    await engine.clear_cache("hot")
+    jobs = [(name, i) for name in (None, *ADAPTERS) for i in range(len(ps))]
+    got = await asyncio.gather(*(engine.generate(ps[i], PARAMS, adapter=name) for name, i in jobs))
+    for (name, i), g in zip(jobs, got):
+        assert g.outputs[0].token_ids == want[name][i], (name, i)
+
+
+async def test_blocks_never_cross_adapters_or_salts(engine):
+    system = prompts(1, seed=99, length=96)[0]  # 6 full blocks
+    await engine.clear_cache("hot")
+
+    async def cached(**kw) -> int:
+        return (await engine.generate(system + [5, 6, 7], SamplingParams(max_tokens=1), **kw)).usage.cached_prompt_tokens
+
+    assert await cached(adapter="qv") == 0
+    assert await cached(adapter="all") == 0  # the same prompt under another adapter: computed again
+    assert await cached() == 0  # and under the base model
+    assert await cached(adapter="qv") == 96  # under the same adapter: every full block from cache
+    assert await cached(adapter="all") == 96
+    assert await cached(cache_salt="tenant-1") == 0  # a salt: a chain of its own
+    assert await cached(cache_salt="tenant-2") == 0
+    assert await cached(cache_salt="tenant-1") == 96
+    assert await cached(adapter="qv", cache_salt="tenant-1") == 0
+    assert await cached(adapter="qv", cache_salt="tenant-1") == 96
+    assert await cached() == 96
+
+
+async def test_bad_adapters_and_names(engine, llama_dir, adapter_dirs, tmp_path):
+    with pytest.raises(RequestError, match="no LoRA adapter named 'nope'"):
+        await engine.generate([1, 2, 3], PARAMS, adapter="nope")
+    with pytest.raises(RequestError, match="cache_salt"):
+        await engine.generate([1, 2, 3], PARAMS, cache_salt="")
+    with pytest.raises(LoRAError, match="not a folder"):
+        await engine.load_adapter("x", tmp_path / "missing")
+    with pytest.raises(LoRAError, match="loaded already"):
+        await engine.load_adapter("qv", adapter_dirs["qv"])
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter_dirs["qv"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(LoRAError, match="DoRA"):
+        await engine.load_adapter("bad", bad)
+    other = make_adapter(llama_dir, tmp_path / "wide", seed=5, r=4, lora_alpha=8, target_modules=["lm_head"])
+    with pytest.raises(LoRAError, match="lm_head"):
+        await engine.load_adapter("wide", other)
+    (bad / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(LoRAError, match="cannot read"):
+        await engine.load_adapter("bad", bad)
+    narrow_base = make_checkpoint(tmp_path / "narrow-llama", "llama", hidden_size=32, intermediate_size=64)
+    narrow = make_adapter(narrow_base, tmp_path / "narrow", seed=6, r=4, lora_alpha=8, target_modules=["q_proj"])
+    with pytest.raises(LoRAError, match="this model needs"):
+        await engine.load_adapter("narrow", narrow)
+    assert sorted(engine.adapters()) == ["all", "qv"]  # nothing half-loaded
+    got = await engine.generate([1, 2, 3], PARAMS, adapter="qv")  # and the engine serves on
+    assert len(got.outputs[0].token_ids) == NEW
+
+
+async def test_load_and_unload_at_run_time(engine, adapter_dirs, references):
+    ps, want = references
+    info = await engine.load_adapter("qv2", adapter_dirs["qv"])
+    assert info["rank"] == 4 and info["modules"] == ["q_proj", "v_proj"]
+    got = await engine.generate(ps[0], PARAMS, adapter="qv2")
+    assert got.outputs[0].token_ids == want["qv"][0]
+    await engine.unload_adapter("qv2")
+    with pytest.raises(RequestError):
+        await engine.generate(ps[0], PARAMS, adapter="qv2")
+    with pytest.raises(LoRAError):
+        await engine.unload_adapter("qv2")
+
+
+async def test_the_server_serves_adapters_by_model_name(engine, adapter_dirs, references):
+    """`model` picks an adapter; /v1/models lists them; vLLM's load/unload endpoints; cache_salt per request."""
+    import aiohttp
+    import openai
+
+    from tieredkv.serve import ServerSettings, start_server
+
+    ps, _ = references
+    want = {name: (await engine.generate(ps[0], PARAMS, adapter=name)).outputs[0].text  # (tokens: checked above)
+            for name in (None, "qv", "all")}
+    runner, port = await start_server(engine, ServerSettings(model_name="base", api_key="k"), port=0)
+    url = f"http://127.0.0.1:{port}"
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+    try:
+        models = {m.id: m for m in (await client.models.list()).data}
+        assert set(models) == {"base", "qv", "all"} and models["qv"].parent == "base"
+        for name in ("base", "qv", "all"):
+            got = await client.completions.create(model=name, prompt=ps[0], max_tokens=NEW, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+            assert got.model == name
+            assert got.choices[0].text == want[None if name == "base" else name]
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="nope", prompt="hi", max_tokens=1)
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as s:
+            async with s.post(url + "/v1/load_lora_adapter", json={"lora_name": "late",
+                                                                   "lora_path": str(adapter_dirs["qv"])}) as r:
+                assert r.status == 200 and "late" in await r.text()
+            async with s.post(url + "/v1/load_lora_adapter", json={"lora_name": "late2", "lora_path": "/nope"}) as r:
+                assert r.status == 400 and "not a folder" in (await r.json())["error"]["message"]
+            async with aiohttp.ClientSession() as anonymous:  # behind the API key
+                async with anonymous.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "y"}) as r:
+                    assert r.status == 401
+            got = await client.completions.create(model="late", prompt=ps[0], max_tokens=NEW, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+            assert got.choices[0].text == want["qv"]
+            async with s.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}) as r:
+                assert r.status == 200
+            async with s.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}) as r:
+                assert r.status == 404
+        system = prompts(1, seed=5, length=64)[0]
+        cached = []
+        for salt in ("a", "b", "a"):
+            got = await client.completions.create(model="base", prompt=system + [9], max_tokens=1,
+                                                  extra_body={"cache_salt": salt})
+            cached.append(got.usage.prompt_tokens_details.cached_tokens)
+        assert cached == [0, 0, 64]
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            await client.completions.create(model="base", prompt="hi", max_tokens=1, extra_body={"cache_salt": 5})
+    finally:
+        await client.close()
+        await runner.cleanup()
+    runner, port = await start_server(engine, ServerSettings(model_name="base", require_cache_salt=True), port=0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 1}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "cache_salt"
+    finally:
+        await runner.cleanup()

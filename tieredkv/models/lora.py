@@ -1,0 +1,209 @@
+"""LoRA adapters in PEFT's format on a Llama-family model: loading, checking against the base model, and the
+low-rank products of a mixed batch.
+
+An adapter is a folder with `adapter_config.json` and `adapter_model.safetensors` (what `PeftModel.save_pretrained`
+writes). Its tensors `...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in] and `...lora_B.weight` [out, r] change
+one projection: `y = x W^T + scale * (x A^T) B^T`, with scale `lora_alpha / r` (`lora_alpha / sqrt(r)` under
+rsLoRA; `rank_pattern` and `alpha_pattern` per module). The engine's projections are fused (q, k and v in one
+`qkv_proj`, gate and up in one `gate_up_proj`), so an adapter's modules of one fused projection are kept as one
+stacked A and one B per module, each writing its slice of the fused output.
+
+In a step, the rows of each adapter (`LoRABatch`: its groups of token rows) take their low-rank products beside
+the shared base product, which every row takes whatever its adapter (as S-LoRA and Punica batch them); rows of
+the base model take none. The base weights may be in any format (quantized included): the adapter adds to what
+the base product gives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tieredkv.errors import LoRAError
+from tieredkv.models.spec import ModelSpec
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+MODULES = {  # PEFT's module name -> (the fused projection it is part of, its part's index)
+    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
+}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+@dataclass
+class FusedDelta:
+    """One adapter's change to one fused projection of one layer: `a` stacks the A of its modules [sum r, in];
+    module j reads columns `ranks[j]` of x A^T and writes `b[j]` (scale folded in) [out_j, r_j] into output
+    columns `outs[j]`."""
+
+    a: torch.Tensor
+    ranks: list[tuple[int, int]]
+    b: list[torch.Tensor]
+    outs: list[tuple[int, int]]
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """out[rows] += the adapter's product of x[rows] (rows None: every row)."""
+        h = (x if rows is None else x.index_select(0, rows)) @ self.a.t()
+        for (r0, r1), b, (o0, o1) in zip(self.ranks, self.b, self.outs):
+            delta = h[:, r0:r1] @ b.t()
+            if rows is None:
+                out[:, o0:o1] += delta
+            else:
+                out[:, o0:o1].index_add_(0, rows, delta)
+
+
+@dataclass
+class LoRAAdapter:
+    """An adapter loaded for one base model: its deltas per (layer, fused projection)."""
+
+    name: str
+    path: str
+    digest: str  # SHA-256 of its config and weights: part of its block-hash chain
+    rank: int  # the largest of its modules' ranks
+    modules: list[str]
+    deltas: dict[tuple[int, str], FusedDelta] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.a.nbytes + sum(b.nbytes for b in d.b) for d in self.deltas.values())
+
+
+def _pattern_value(patterns: dict, module_path: str, default):
+    """PEFT's rank_pattern / alpha_pattern: the value of the first key that names the module (a suffix match)."""
+    for key, value in (patterns or {}).items():
+        if re.search(rf"(^|\.){key}$", module_path):
+            return value
+    return default
+
+
+def _read_config(folder: Path) -> dict:
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except FileNotFoundError:
+        raise LoRAError(f"{folder} has no {CONFIG}: not a PEFT adapter folder") from None
+    except ValueError as e:
+        raise LoRAError(f"{folder / CONFIG} is not valid JSON: {e}") from None
+    if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise LoRAError(f"{folder}: only LoRA adapters are served (peft_type {config.get('peft_type')!r})")
+    for key, bad, why in (("use_dora", True, "DoRA"), ("fan_in_fan_out", True, "fan_in_fan_out weights")):
+        if config.get(key) == bad:
+            raise LoRAError(f"{folder}: {why} is not supported")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"{folder}: adapters that train biases (bias={config['bias']!r}) are not supported")
+    if config.get("modules_to_save"):
+        raise LoRAError(f"{folder}: modules_to_save ({config['modules_to_save']}) replaces whole layers; only "
+                        "low-rank deltas are supported")
+    return config
+
+
+def _spec_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """Each module's [out, in] in the whole (unsharded) model."""
+    h, q, kv, i = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
+        spec.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+            "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def load_adapter(name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 max_rank: int) -> LoRAAdapter:
+    """Reads and checks a PEFT adapter folder against the base model; LoRAError names what does not fit."""
+    from safetensors import safe_open
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise LoRAError(f"adapter {name!r}: {folder} is not a folder")
+    config = _read_config(folder)
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        raise LoRAError(f"adapter {name!r}: {folder} has no {WEIGHTS}")
+    digest = hashlib.sha256((folder / CONFIG).read_bytes())
+    with open(weights, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    shapes = _spec_shapes(spec)
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            for key in f.keys():
+                m = _KEY.search(key)
+                if m is None:
+                    raise LoRAError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a decoder "
+                                    f"layer's projection (targets: {', '.join(MODULES)})")
+                layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+                if module not in MODULES:
+                    raise LoRAError(f"adapter {name!r} targets {module!r}; supported: {', '.join(MODULES)}")
+                if layer >= spec.num_layers:
+                    raise LoRAError(f"adapter {name!r} changes layer {layer}; the model has {spec.num_layers}")
+                parts.setdefault((layer, module), {})[which] = f.get_tensor(key)
+    except LoRAError:
+        raise
+    except Exception as e:
+        raise LoRAError(f"adapter {name!r}: cannot read {weights}: {e}") from e
+    if not parts:
+        raise LoRAError(f"adapter {name!r}: {weights} holds no LoRA weights")
+    use_rslora = bool(config.get("use_rslora", False))
+    fused: dict[tuple[int, str], list] = {}
+    rank = 0
+    for (layer, module), ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"adapter {name!r}: layer {layer} {module} lacks lora_{'A' if 'A' not in ab else 'B'}")
+        a, b = ab["A"], ab["B"]
+        out, inp = shapes[module]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, r):
+            raise LoRAError(f"adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
+                            f"{tuple(b.shape)}; this model needs A [r, {inp}] and B [{out}, r]")
+        if r > max_rank:
+            raise LoRAError(f"adapter {name!r}: rank {r} exceeds max_lora_rank ({max_rank})")
+        rank = max(rank, r)
+        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        module_path = f"model.layers.{layer}.{block}.{module}"
+        r_cfg = _pattern_value(config.get("rank_pattern"), module_path, config.get("r", r))
+        alpha = float(_pattern_value(config.get("alpha_pattern"), module_path, config.get("lora_alpha", r_cfg)))
+        scale = alpha / math.sqrt(r) if use_rslora else alpha / r
+        group, index = MODULES[module]
+        fused.setdefault((layer, group), []).append((index, a.to(device, dtype), (b * scale).to(device, dtype)))
+    adapter = LoRAAdapter(name, str(folder), digest.hexdigest(), rank, sorted({m for _, m in parts}))
+    offsets = {"qkv": _offsets([shapes["q_proj"][0], shapes["k_proj"][0], shapes["v_proj"][0]]),
+               "gate_up": _offsets([shapes["gate_proj"][0], shapes["up_proj"][0]]),
+               "o": _offsets([shapes["o_proj"][0]]), "down": _offsets([shapes["down_proj"][0]])}
+    for (layer, group), items in fused.items():
+        items.sort(key=lambda t: t[0])
+        ranks, r0 = [], 0
+        for _, a, _ in items:
+            ranks.append((r0, r0 + a.shape[0]))
+            r0 += a.shape[0]
+        adapter.deltas[(layer, group)] = FusedDelta(torch.cat([a for _, a, _ in items]).contiguous(), ranks,
+                                                    [b.contiguous() for _, _, b in items],
+                                                    [offsets[group][i] for i, _, _ in items])
+    return adapter
+
+
+def _offsets(sizes: list[int]) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for n in sizes:
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+class LoRABatch:
+    """A step's adapters: (adapter, the token rows it owns; None for every row) for each adapter in the step."""
+
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]]):
+        self.groups = groups
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
+        """out (the base product of x for this projection) plus each adapter's low-rank product on its rows."""
+        for adapter, rows in self.groups:
+            delta = adapter.deltas.get((layer, projection))
+            if delta is not None:
+                delta.add_to(out, x, rows)
+        return out
