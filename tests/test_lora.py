@@ -109,7 +109,8 @@ async def test_blocks_never_cross_adapters_or_salts(engine):
     await engine.clear_cache("hot")
 
     async def cached(**kw) -> int:
-        return (await engine.generate(system + [5, 6, 7], SamplingParams(max_tokens=1), **kw)).usage.cached_prompt_tokens
+        out = await engine.generate(system + [5, 6, 7], SamplingParams(max_tokens=1), **kw)
+        return out.usage.cached_prompt_tokens
 
     assert await cached(adapter="qv") == 0
     assert await cached(adapter="all") == 0  # the same prompt under another adapter: computed again
@@ -198,7 +199,8 @@ async def test_the_server_serves_adapters_by_model_name(engine, adapter_dirs, re
             async with s.post(url + "/v1/load_lora_adapter", json={"lora_name": "late2", "lora_path": "/nope"}) as r:
                 assert r.status == 400 and "not a folder" in (await r.json())["error"]["message"]
             async with aiohttp.ClientSession() as anonymous:  # behind the API key
-                async with anonymous.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "y"}) as r:
+                async with anonymous.post(url + "/v1/load_lora_adapter",
+                                          json={"lora_name": "x", "lora_path": "y"}) as r:
                     assert r.status == 401
             got = await client.completions.create(model="late", prompt=ps[0], max_tokens=NEW, temperature=0,
                                                   extra_body={"ignore_eos": True})
@@ -226,3 +228,115 @@ async def test_the_server_serves_adapters_by_model_name(engine, adapter_dirs, re
                 assert r.status == 400 and (await r.json())["error"]["param"] == "cache_salt"
     finally:
         await runner.cleanup()
+
+
+async def test_isolation_in_every_tier_and_across_restarts(llama_dir, adapter_dirs, valkey_server, fleet_key,
+                                                           tmp_path):
+    """The same prompt under two adapters and two salts: computed once per chain, found again in warm, cold and
+    remote (another engine, a restart) only under its own adapter and salt."""
+    system = prompts(1, seed=123, length=96)[0] + [11, 12]
+    full = 96
+    loras = {name: str(path) for name, path in adapter_dirs.items()}
+
+    def config(**kw):
+        return EngineConfig(**{"model": str(llama_dir), "num_blocks": 64, "max_num_seqs": 4, "lora_adapters": loras,
+                               "cold_path": str(tmp_path / "cold"), "cold_secret_path": str(fleet_key),
+                               "remote_url": valkey_server.url, **kw})
+
+    async def cached(engine, **kw):
+        usage = (await engine.generate(system, SamplingParams(max_tokens=1), **kw)).usage
+        return usage.cached_prompt_tokens, {t: n for t, n in usage.cached_tokens_by_tier.items() if n}
+
+    chains = [{"adapter": "qv"}, {"adapter": "all"}, {"cache_salt": "t1"}, {"adapter": "qv", "cache_salt": "t1"}]
+    async with await AsyncEngine.start(config()) as engine:
+        for kw in chains:
+            assert (await cached(engine, **kw))[0] == 0, kw  # each chain computes the prompt once
+        await asyncio.to_thread(engine.core.tiers.tier("remote").flush_sync)
+        for tier in ("hot", "warm"):
+            await engine.clear_cache(tier, demote=True)  # down to cold (and warm on the way)
+        await asyncio.to_thread(engine.core.tiers.tier("cold").flush_sync)
+        for kw in chains:
+            n, tiers = await cached(engine, **kw)
+            assert n == full and set(tiers) <= {"cold", "remote"}, (kw, tiers)
+    async with await AsyncEngine.start(config()) as again:  # a restart: the cold store serves each chain again
+        for kw in chains:
+            n, tiers = await cached(again, **kw)
+            assert n == full and set(tiers) <= {"cold", "remote"}, (kw, tiers)
+        assert (await cached(again, cache_salt="t2"))[0] == 0  # a salt nobody used: nothing to find
+    async with await AsyncEngine.start(config(cold_path=None)) as other:  # another replica: the remote tier
+        for kw in chains:
+            n, tiers = await cached(other, **kw)
+            assert n == full and set(tiers) == {"remote"}, (kw, tiers)
+
+
+async def test_adapters_with_quantized_weights_samples_beams_and_speculation(llama_dir, adapter_dirs):
+    """A quantized base model's adapter rows; n samples and beams of one adapter share its prompt blocks; prompt
+    lookup speculation leaves greedy output as it is."""
+    loras = {name: str(path) for name, path in adapter_dirs.items()}
+    p = prompts(1, seed=3, length=48)[0]
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=96, quantization="int8",
+                                                    lora_adapters=loras)) as engine:
+        alone = {name: (await engine.generate(p, PARAMS, adapter=name)).outputs[0].token_ids
+                 for name in (None, "qv", "all")}
+        assert alone["qv"] != alone[None] and alone["all"] != alone[None]
+        await engine.clear_cache("hot")
+        mixed = await asyncio.gather(*(engine.generate(p, PARAMS, adapter=name) for name in (None, "qv", "all")))
+        assert [m.outputs[0].token_ids for m in mixed] == [alone[None], alone["qv"], alone["all"]]
+        sampled = await engine.generate(p, SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=1), adapter="qv")
+        assert len(sampled.outputs) == 3
+        assert sampled.usage.cached_prompt_tokens == 32  # every full block but the one with the last token
+        beam = SamplingParams(max_tokens=NEW, beam_width=2, ignore_eos=True)
+        beams = (await engine.generate(p, beam, adapter="all")).outputs[0].token_ids
+        base_beams = (await engine.generate(p, beam)).outputs[0].token_ids
+        assert beams != base_beams  # the beams ran under the adapter
+        together = await asyncio.gather(engine.generate(p, beam, adapter="all"), engine.generate(p, beam))
+        assert [t.outputs[0].token_ids for t in together] == [beams, base_beams]  # each beam row with its own
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    repeat = p[:24] * 3  # a prompt that repeats itself: prompt lookup has drafts to offer
+    plain_cfg = EngineConfig(model=str(llama_dir), num_blocks=96, lora_adapters=loras)
+    async with await AsyncEngine.start(plain_cfg) as plain, \
+            await AsyncEngine.start(EngineConfig(**{**plain_cfg.model_dump(), "speculative": spec})) as fast:
+        for name in ("qv", "all"):
+            want = (await plain.generate(repeat, PARAMS, adapter=name)).outputs[0].token_ids
+            got = await fast.generate(repeat, PARAMS, adapter=name)
+            assert got.outputs[0].token_ids == want, name
+        assert fast.stats().speculative.num_drafts > 0
+
+
+def test_stacked_products_equal_the_grouped_ones(llama_dir, adapter_dirs):
+    """A step of few rows takes every adapter's product at once (LoRAStack); a large one groups rows by adapter:
+    both give the same output, row for row, on every projection."""
+    from tieredkv.models.lora import PROJECTIONS, LoRABatch, LoRAStack, load_adapter
+    from tieredkv.models.spec import ModelSpec
+
+    spec = ModelSpec.from_file(llama_dir / "config.json")
+    adapters = [load_adapter(n, p, spec, torch.float32, torch.device("cpu"), 64) for n, p in adapter_dirs.items()]
+    stack = LoRAStack(adapters, spec.num_layers)
+    rng = random.Random(0)
+    owner = [rng.choice([None, *adapters]) for _ in range(37)]
+    grouped = LoRABatch([(a, torch.tensor([i for i, o in enumerate(owner) if o is a])) for a in adapters])
+    stacked = LoRABatch([], stack, stack.layout(owner, torch.device("cpu")))
+    widths = {"qkv": (64, 128), "o": (64, 64), "gate_up": (64, 256), "down": (128, 64)}  # (in, out) of the tiny model
+    for layer in range(spec.num_layers):
+        for proj in PROJECTIONS:
+            x = torch.randn(len(owner), widths[proj][0])
+            base = torch.randn(len(owner), widths[proj][1])
+            want = grouped.add(base.clone(), x, layer, proj)
+            got = stacked.add(base.clone(), x, layer, proj)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            rows = [i for i, o in enumerate(owner) if o is None]
+            assert torch.equal(got[rows], base[rows])  # the base model's rows untouched
+
+
+def test_the_lora_option_takes_pairs_or_json():
+    from tieredkv.cli import build_parser
+    from tieredkv.tools.config_flags import engine_config
+
+    args = build_parser().parse_args(["generate", "hi", "--lora", "a=/x/a,b=/x/b", "--max-loras", "2"])
+    cfg = engine_config(args)
+    assert cfg.lora_adapters == {"a": "/x/a", "b": "/x/b"} and cfg.max_loras == 2
+    assert EngineConfig(lora_adapters='{"c": "/x/c"}').lora_adapters == {"c": "/x/c"}
+    with pytest.raises(ValueError, match="name=folder"):
+        EngineConfig(lora_adapters="just-a-path")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(lora_adapters={"a": "/x"}, tensor_parallel_size=2)

@@ -19,10 +19,12 @@ import torch
 
 from tieredkv.errors import LoRAError
 from tieredkv.hashing import BlockHash
-from tieredkv.models.lora import LoRAAdapter, load_adapter
+from tieredkv.models.lora import LoRAAdapter, LoRAStack, load_adapter
 from tieredkv.models.spec import ModelSpec
 
 log = logging.getLogger("tieredkv")
+
+STACKS = 2  # stacked adapter sets kept (each holds a copy of its adapters' deltas)
 
 
 class Adapters:
@@ -33,6 +35,19 @@ class Adapters:
         self.paths: dict[str, str] = {}  # every registered adapter's folder
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # in memory, least recently used first
         self.loads = 0  # reads of adapter folders (at registration and again after an eviction)
+        self._stacks: OrderedDict[tuple[int, ...], LoRAStack] = OrderedDict()  # by the adapters a step holds
+
+    def stack(self, adapters: list[LoRAAdapter]) -> LoRAStack:
+        """These adapters' deltas stacked (models/lora.py), for steps of few rows over several adapters; the last
+        STACKS sets are kept, so that a run of steps over the same adapters builds theirs once."""
+        key = tuple(sorted(id(a) for a in adapters))
+        stack = self._stacks.get(key)
+        if stack is None:
+            stack = self._stacks[key] = LoRAStack(sorted(adapters, key=id), self.spec.num_layers)
+            while len(self._stacks) > STACKS:
+                self._stacks.popitem(last=False)
+        self._stacks.move_to_end(key)
+        return stack
 
     def names(self) -> list[str]:
         return list(self.paths)
@@ -57,6 +72,7 @@ class Adapters:
             raise LoRAError(f"no adapter named {name!r} is loaded")
         del self.paths[name]
         self.loaded.pop(name, None)  # requests running with it keep their reference until they end
+        self._stacks.clear()
 
     def acquire(self, name: str) -> LoRAAdapter:
         """The adapter a new request runs with, read from its folder again when it was evicted."""
@@ -78,6 +94,7 @@ class Adapters:
         self.loaded[adapter.name] = adapter
         while len(self.loaded) > self.max_loras:
             name, _ = self.loaded.popitem(last=False)
+            self._stacks.clear()
             log.info("LoRA adapter %r evicted from memory (max_loras %d); read again when used", name,
                      self.max_loras)
 

@@ -31,6 +31,7 @@ class EngineCore:
         parts = self.parts
         self.adapters = Adapters(parts.spec, parts.dtype, parts.device, parts.kv.root, config.max_loras,
                                  config.max_lora_rank, parts.tp.world)
+        parts.runner.lora_stack = self.adapters.stack
         try:
             for name, path in (config.lora_adapters or {}).items():
                 self.adapters.register(name, path)

@@ -39,24 +39,23 @@ _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])
 
 @dataclass
 class FusedDelta:
-    """One adapter's change to one fused projection of one layer: `a` stacks the A of its modules [sum r, in];
-    module j reads columns `ranks[j]` of x A^T and writes `b[j]` (scale folded in) [out_j, r_j] into output
-    columns `outs[j]`."""
+    """One adapter's change to one fused projection of one layer: `a` stacks the A of its modules [sum r, in],
+    `bt` their B (scale folded in) transposed into one block-diagonal [sum r, lo:hi of the fused output]: module
+    j's rows of `bt` are its ranks, its columns its slice of the output, so two products and one add serve every
+    module of the projection."""
 
     a: torch.Tensor
-    ranks: list[tuple[int, int]]
-    b: list[torch.Tensor]
-    outs: list[tuple[int, int]]
+    bt: torch.Tensor
+    lo: int  # the output columns the adapter's modules cover: [lo, hi)
+    hi: int
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> None:
         """out[rows] += the adapter's product of x[rows] (rows None: every row)."""
-        h = (x if rows is None else x.index_select(0, rows)) @ self.a.t()
-        for (r0, r1), b, (o0, o1) in zip(self.ranks, self.b, self.outs):
-            delta = h[:, r0:r1] @ b.t()
-            if rows is None:
-                out[:, o0:o1] += delta
-            else:
-                out[:, o0:o1].index_add_(0, rows, delta)
+        delta = ((x if rows is None else x.index_select(0, rows)) @ self.a.t()) @ self.bt
+        if rows is None:
+            out[:, self.lo:self.hi] += delta
+        else:
+            out[:, self.lo:self.hi].index_add_(0, rows, delta)
 
 
 @dataclass
@@ -72,7 +71,7 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(d.a.nbytes + sum(b.nbytes for b in d.b) for d in self.deltas.values())
+        return sum(d.a.nbytes + d.bt.nbytes for d in self.deltas.values())
 
 
 def _pattern_value(patterns: dict, module_path: str, default):
@@ -176,13 +175,14 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtyp
                "o": _offsets([shapes["o_proj"][0]]), "down": _offsets([shapes["down_proj"][0]])}
     for (layer, group), items in fused.items():
         items.sort(key=lambda t: t[0])
-        ranks, r0 = [], 0
-        for _, a, _ in items:
-            ranks.append((r0, r0 + a.shape[0]))
+        lo, hi = offsets[group][items[0][0]][0], offsets[group][items[-1][0]][1]
+        bt = torch.zeros(sum(a.shape[0] for _, a, _ in items), hi - lo, dtype=dtype, device=device)
+        r0 = 0
+        for index, a, b in items:
+            o0, o1 = offsets[group][index]
+            bt[r0 : r0 + a.shape[0], o0 - lo : o1 - lo] = b.t()
             r0 += a.shape[0]
-        adapter.deltas[(layer, group)] = FusedDelta(torch.cat([a for _, a, _ in items]).contiguous(), ranks,
-                                                    [b.contiguous() for _, _, b in items],
-                                                    [offsets[group][i] for i, _, _ in items])
+        adapter.deltas[(layer, group)] = FusedDelta(torch.cat([a for _, a, _ in items]).contiguous(), bt, lo, hi)
     return adapter
 
 
@@ -194,14 +194,75 @@ def _offsets(sizes: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-class LoRABatch:
-    """A step's adapters: (adapter, the token rows it owns; None for every row) for each adapter in the step."""
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
-    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]]):
-        self.groups = groups
+
+class LoRAStack:
+    """Several adapters' deltas stacked per (layer, projection): A [adapters, rank, in] and B^T [adapters, rank, out
+    of the whole fused projection], zero where an adapter's rank is smaller than the largest or where it leaves a
+    projection alone. A step of few rows over several adapters lays its rows out per adapter ([adapters, m], m the
+    most rows any adapter has, padded) and takes two batched products per projection (as Punica's and S-LoRA's
+    kernels gather them), whatever the number of adapters: on CPU each operation costs tens of microseconds however
+    small, so four per adapter and projection cost more than the arithmetic."""
+
+    def __init__(self, adapters: list[LoRAAdapter], num_layers: int):
+        self.adapters = adapters
+        self.index = {id(a): k for k, a in enumerate(adapters)}
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.bt: dict[tuple[int, str], torch.Tensor] = {}
+        for proj in PROJECTIONS:
+            rank = max((d.a.shape[0] for a in adapters for (_, p), d in a.deltas.items() if p == proj), default=0)
+            for layer in range(num_layers):
+                deltas = [a.deltas.get((layer, proj)) for a in adapters]
+                present = [d for d in deltas if d is not None]
+                if not present:
+                    continue
+                like, width = present[0], max(d.hi for d in present)
+                a3 = like.a.new_zeros(len(adapters), rank, like.a.shape[1])
+                bt3 = like.bt.new_zeros(len(adapters), rank, width)
+                for k, d in enumerate(deltas):
+                    if d is not None:
+                        a3[k, : d.a.shape[0]] = d.a
+                        bt3[k, : d.a.shape[0], d.lo : d.hi] = d.bt
+                self.a[(layer, proj)], self.bt[(layer, proj)] = a3, bt3
+
+    def layout(self, row_adapters: list[LoRAAdapter | None], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows per adapter: indices [adapters, m] (padding: row 0) and a mask [adapters, m, 1] (0 on
+        padding), m the most rows one adapter has."""
+        per = [[] for _ in self.adapters]
+        for row, adapter in enumerate(row_adapters):
+            if adapter is not None:
+                per[self.index[id(adapter)]].append(row)
+        m = max(len(rows) for rows in per)
+        index = torch.tensor([rows + [0] * (m - len(rows)) for rows in per], dtype=torch.int64)
+        mask = torch.tensor([[1.0] * len(rows) + [0.0] * (m - len(rows)) for rows in per]).unsqueeze(-1)
+        return index.to(device), mask.to(device)
+
+
+class LoRABatch:
+    """A step's adapters: (adapter, the token rows it owns; None for every row) for each adapter in the step; or,
+    for a step of few rows, a LoRAStack of them all with each projection's row masks."""
+
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]], stack: LoRAStack | None = None,
+                 layout: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.groups, self.stack = groups, stack
+        if layout is not None:
+            self.index, self.mask = layout
+            self.flat = self.index.flatten()
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
         """out (the base product of x for this projection) plus each adapter's low-rank product on its rows."""
+        if self.stack is not None:
+            a3 = self.stack.a.get((layer, projection))
+            if a3 is not None:
+                if self.mask.dtype != x.dtype:  # (built in fp32; once a step)
+                    self.mask = self.mask.to(x.dtype)
+                k, m = self.index.shape
+                g = x.index_select(0, self.flat).view(k, m, x.shape[1])
+                delta = torch.bmm(torch.bmm(g, a3.transpose(1, 2)), self.stack.bt[(layer, projection)])
+                delta.mul_(self.mask)
+                out[:, : delta.shape[2]].index_add_(0, self.flat, delta.view(k * m, -1))
+            return out
         for adapter, rows in self.groups:
             delta = adapter.deltas.get((layer, projection))
             if delta is not None:

@@ -20,6 +20,9 @@ from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.runner.step_plan import StandIn, describe
 
 
+STACK_ROWS = 256  # steps of at most this many rows over several adapters take the stacked products (models/lora.py)
+
+
 def adapter_of(seq) -> object:
     """The LoRA adapter a sequence's rows take (None: the base model; a stand-in or a warm-up row has none)."""
     return getattr(getattr(seq, "request", None), "adapter", None)
@@ -61,6 +64,7 @@ class ModelRunner:
         self.device = kv_cache.device
         self.cascade = cascade
         self.compiled = compiled  # what runs a step that decodes one sequence (compiled graph or native step), if on
+        self.lora_stack = None  # (adapters) -> their LoRAStack (engine/adapters.py), when the engine serves adapters
         self.warmed_up = False
         # far: where far blocks (ids >= base) are not in the cache tensor, the first far id and the warm slab;
         # steps that use them stage them (far_stage.py), at most a hot pool's worth (base) of far blocks
@@ -118,6 +122,10 @@ class ModelRunner:
             at += n
         if not groups:
             return None
+        if len(groups) > 1 and at <= STACK_ROWS and self.lora_stack is not None:
+            stack = self.lora_stack([adapter for adapter, _ in groups.values()])
+            per_row = [adapter_of(seq) for seq, n in rows for _ in range(n)]
+            return LoRABatch([], stack, stack.layout(per_row, self.device))
         return LoRABatch([(adapter, None if len(ids) == at else self._tensor(ids, torch.int64))
                           for adapter, ids in groups.values()])
 
