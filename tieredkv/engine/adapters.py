@@ -68,7 +68,7 @@ class Adapters:
         return adapter
 
     def unregister(self, name: str) -> None:
-        if name not in self.paths:
+        if not isinstance(name, str) or name not in self.paths:
             raise LoRAError(f"no adapter named {name!r} is loaded")
         del self.paths[name]
         self.loaded.pop(name, None)  # requests running with it keep their reference until they end

@@ -280,6 +280,8 @@ async def _unload_lora(request: web.Request) -> web.Response:
     """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: stops serving it (running requests finish with it)."""
     body = await _body(request)
     name = body.get("lora_name")
+    if not isinstance(name, str):
+        raise BadRequest("lora_name must be a string", "lora_name")
     try:
         await request.app[_ENGINE].unload_adapter(name)
     except LoRAError as e:
@@ -306,6 +308,8 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     name, engine = request.app[_SETTINGS].model_name, request.app[_ENGINE]
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise BadRequest("model must be a string", "model")
     if body.get("model") not in (None, name) and body.get("model") not in engine.core.adapters.paths:
         served = ", ".join(map(repr, [name, *engine.adapters()]))
         raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {served}", "model",
