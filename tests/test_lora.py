@@ -340,3 +340,55 @@ def test_the_lora_option_takes_pairs_or_json():
         EngineConfig(lora_adapters="just-a-path")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(lora_adapters={"a": "/x"}, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+async def test_the_default_model_with_adapters_matches_peft(tmp_path):
+    """The default model (30 layers, grouped heads, tied embeddings) with two adapters and without, alone and in
+    one batch: greedy output equal to peft's PeftModel on transformers."""
+    from tieredkv.engine.resolve import resolve_cache_dir, resolve_model_dir
+
+    base = resolve_model_dir("default", resolve_cache_dir(EngineConfig()))
+    made = {"attn": make_adapter(base, tmp_path / "attn", seed=11, r=8, lora_alpha=16,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+            "mlp": make_adapter(base, tmp_path / "mlp", seed=12, r=4, lora_alpha=4,
+                                target_modules=["gate_proj", "up_proj", "down_proj"])}
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Name three primary colours."}]]
+    async with await AsyncEngine.start(EngineConfig(num_blocks=64, lora_adapters={k: str(v) for k, v in made.items()})
+                                       ) as engine:
+        ids = [await engine.tokenize(c) for c in chats]
+        want = {name: peft_greedy(base, made.get(name), ids) for name in (None, *made)}
+        assert want["attn"] != want[None] and want["mlp"] != want[None]
+        jobs = [(name, i) for name in (None, *made) for i in range(len(ids))]
+        alone = [await engine.generate(ids[i], PARAMS, adapter=name) for name, i in jobs]
+        await engine.clear_cache("hot")
+        mixed = await asyncio.gather(*(engine.generate(ids[i], PARAMS, adapter=name) for name, i in jobs))
+    for (name, i), a, m in zip(jobs, alone, mixed):
+        assert a.outputs[0].token_ids == want[name][i], (name, i)
+        assert m.outputs[0].token_ids == want[name][i], (name, i)
+
+
+@pytest.mark.parametrize("r, width", [(8, 96), (24, 200)])
+def test_the_triton_kernel_matches_its_torch_reference(r, width):
+    """The CUDA path's kernel (kernels/lora_triton.py), through Triton's interpreter on CPU, against lora_rows_ref:
+    adapters with unequal row counts (one with none), padding rows, an output wider than the adapters write."""
+    from tieredkv.kernels.lora_rows import lora_rows_ref
+    from tieredkv.kernels.lora_triton import lora_rows
+
+    torch.manual_seed(r)
+    rows, num_k, inp = 45, 4, 72
+    owner = [random.Random(r + i).randrange(-1, num_k - 1) for i in range(rows)]  # -1: a base-model row
+    per = [[i for i, o in enumerate(owner) if o == k] for k in range(num_k)]
+    m = max(len(p) for p in per)
+    index = torch.tensor([p + [0] * (m - len(p)) for p in per])
+    counts = torch.tensor([len(p) for p in per], dtype=torch.int32)
+    assert counts[-1] == 0  # an adapter of the stack with no row this step
+    x = torch.randn(rows, inp)
+    a3, bt3 = torch.randn(num_k, r, inp), torch.randn(num_k, r, width)
+    out = torch.randn(rows, width + 16)
+    want = lora_rows_ref(out.clone(), x, index, counts, a3, bt3)
+    got = lora_rows(out.clone(), x, index, counts, a3, bt3)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    base_rows = [i for i, o in enumerate(owner) if o == -1]
+    assert torch.equal(got[base_rows], out[base_rows]) and torch.equal(got[:, width:], out[:, width:])

@@ -226,17 +226,18 @@ class LoRAStack:
                         bt3[k, : d.a.shape[0], d.lo : d.hi] = d.bt
                 self.a[(layer, proj)], self.bt[(layer, proj)] = a3, bt3
 
-    def layout(self, row_adapters: list[LoRAAdapter | None], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's rows per adapter: indices [adapters, m] (padding: row 0) and a mask [adapters, m, 1] (0 on
-        padding), m the most rows one adapter has."""
+    def layout(self, row_adapters: list[LoRAAdapter | None],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows per adapter: indices [adapters, m] (padding: row 0) and each adapter's count of rows
+        [adapters] int32, m the most rows one adapter has."""
         per = [[] for _ in self.adapters]
         for row, adapter in enumerate(row_adapters):
             if adapter is not None:
                 per[self.index[id(adapter)]].append(row)
         m = max(len(rows) for rows in per)
         index = torch.tensor([rows + [0] * (m - len(rows)) for rows in per], dtype=torch.int64)
-        mask = torch.tensor([[1.0] * len(rows) + [0.0] * (m - len(rows)) for rows in per]).unsqueeze(-1)
-        return index.to(device), mask.to(device)
+        counts = torch.tensor([len(rows) for rows in per], dtype=torch.int32)
+        return index.to(device), counts.to(device)
 
 
 class LoRABatch:
@@ -247,21 +248,29 @@ class LoRABatch:
                  layout: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.groups, self.stack = groups, stack
         if layout is not None:
-            self.index, self.mask = layout
-            self.flat = self.index.flatten()
+            self.index, self.counts = layout
+            if self.index.is_cuda:  # the Triton kernel (kernels/lora_triton.py); its torch reference elsewhere
+                from tieredkv.kernels.lora_triton import lora_rows
+
+                self.rows_product = lora_rows
+            else:
+                from tieredkv.kernels.lora_rows import lora_rows_ref, padding_mask
+
+                keep = {}  # the padding mask by dtype, made once a step
+
+                def rows_product(out, x, index, counts, a3, bt3):
+                    if x.dtype not in keep:
+                        keep[x.dtype] = padding_mask(index, counts, x.dtype)
+                    return lora_rows_ref(out, x, index, counts, a3, bt3, keep[x.dtype])
+
+                self.rows_product = rows_product
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
         """out (the base product of x for this projection) plus each adapter's low-rank product on its rows."""
         if self.stack is not None:
             a3 = self.stack.a.get((layer, projection))
             if a3 is not None:
-                if self.mask.dtype != x.dtype:  # (built in fp32; once a step)
-                    self.mask = self.mask.to(x.dtype)
-                k, m = self.index.shape
-                g = x.index_select(0, self.flat).view(k, m, x.shape[1])
-                delta = torch.bmm(torch.bmm(g, a3.transpose(1, 2)), self.stack.bt[(layer, projection)])
-                delta.mul_(self.mask)
-                out[:, : delta.shape[2]].index_add_(0, self.flat, delta.view(k * m, -1))
+                self.rows_product(out, x, self.index, self.counts, a3, self.stack.bt[(layer, projection)])
             return out
         for adapter, rows in self.groups:
             delta = adapter.deltas.get((layer, projection))
