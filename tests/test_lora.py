@@ -338,8 +338,6 @@ def test_the_lora_option_takes_pairs_or_json():
     assert EngineConfig(lora_adapters='{"c": "/x/c"}').lora_adapters == {"c": "/x/c"}
     with pytest.raises(ValueError, match="name=folder"):
         EngineConfig(lora_adapters="just-a-path")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(lora_adapters={"a": "/x"}, tensor_parallel_size=2)
 
 
 @pytest.mark.slow
@@ -392,3 +390,24 @@ def test_the_triton_kernel_matches_its_torch_reference(r, width):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     base_rows = [i for i, o in enumerate(owner) if o == -1]
     assert torch.equal(got[base_rows], out[base_rows]) and torch.equal(got[:, width:], out[:, width:])
+
+
+async def test_two_ranks_split_each_adapter_as_its_layers(llama_dir, adapter_dirs, references):
+    """tensor_parallel_size 2: each rank keeps its part of every adapter (B's rows of its q/k/v/gate/up outputs, A's
+    columns of its o/down inputs) and the output is peft's, alone and mixed; an adapter loaded at run time reaches
+    the other rank too."""
+    ps, want = references
+    cfg = EngineConfig(model=str(llama_dir), tensor_parallel_size=2, num_threads=1, num_blocks=64,
+                       lora_adapters={"qv": str(adapter_dirs["qv"])})
+    async with await AsyncEngine.start(cfg) as engine:
+        await engine.load_adapter("all", adapter_dirs["all"])
+        jobs = [(name, i) for name in (None, *ADAPTERS) for i in range(len(ps))]
+        alone = [await engine.generate(ps[i], PARAMS, adapter=name) for name, i in jobs]
+        await engine.clear_cache("hot")
+        mixed = await asyncio.gather(*(engine.generate(ps[i], PARAMS, adapter=name) for name, i in jobs))
+        for (name, i), a, m in zip(jobs, alone, mixed):
+            assert a.outputs[0].token_ids == want[name][i], (name, i)
+            assert m.outputs[0].token_ids == want[name][i], (name, i)
+        assert engine.core.tp.commands["lora"] == 2
+        await engine.unload_adapter("all")
+        assert engine.core.tp.commands["lora"] == 3

@@ -227,8 +227,6 @@ class EngineConfig(BaseModel):
     def _check_parallel(self) -> "EngineConfig":
         if self.tensor_parallel_size == 1:
             return self
-        if self.lora_adapters:
-            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
         if self.compile_decode:
             raise ValueError("compile_decode is not supported with tensor_parallel_size > 1")
         if self.quantization == "gguf":

@@ -21,6 +21,7 @@ from tieredkv.errors import LoRAError
 from tieredkv.hashing import BlockHash
 from tieredkv.models.lora import LoRAAdapter, LoRAStack, load_adapter
 from tieredkv.models.spec import ModelSpec
+from tieredkv.models.tp_shard import Shard
 
 log = logging.getLogger("tieredkv")
 
@@ -28,10 +29,12 @@ STACKS = 2  # stacked adapter sets kept (each holds a copy of its adapters' delt
 
 
 class Adapters:
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, root: BlockHash, max_loras: int,
-                 max_rank: int, tp_world: int = 1):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, root: BlockHash | None,
+                 max_loras: int, max_rank: int, shard: Shard = Shard(), leader=None):
+        """`spec`: the whole model's; `shard`: this rank's part under tensor parallelism; `leader`: rank 0's
+        group, which tells the other ranks to register and unregister adapters as this one does."""
         self.spec, self.dtype, self.device, self.root = spec, dtype, device, root
-        self.max_loras, self.max_rank, self.tp_world = max_loras, max_rank, tp_world
+        self.max_loras, self.max_rank, self.shard, self.leader = max_loras, max_rank, shard, leader
         self.paths: dict[str, str] = {}  # every registered adapter's folder
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # in memory, least recently used first
         self.loads = 0  # reads of adapter folders (at registration and again after an eviction)
@@ -58,11 +61,11 @@ class Adapters:
             raise LoRAError(f"adapter name {name!r} is empty or the base model's")
         if name in self.paths:
             raise LoRAError(f"an adapter named {name!r} is loaded already (unload it first)")
-        if self.tp_world > 1:
-            raise LoRAError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
         adapter = self._read(name, path)
         self.paths[name] = str(path)
         self._keep(adapter)
+        if self.leader is not None:  # checked here first: the other ranks read the same folder
+            self.leader.command("lora", "register", name, str(path))
         log.info("LoRA adapter %r loaded from %s: modules %s, rank %d, %.1f MiB", name, path,
                  ",".join(adapter.modules), adapter.rank, adapter.nbytes / 2**20)
         return adapter
@@ -73,6 +76,8 @@ class Adapters:
         del self.paths[name]
         self.loaded.pop(name, None)  # requests running with it keep their reference until they end
         self._stacks.clear()
+        if self.leader is not None:
+            self.leader.command("lora", "unregister", name)
 
     def acquire(self, name: str) -> LoRAAdapter:
         """The adapter a new request runs with, read from its folder again when it was evicted."""
@@ -88,7 +93,7 @@ class Adapters:
 
     def _read(self, name: str, path: str) -> LoRAAdapter:
         self.loads += 1
-        return load_adapter(name, path, self.spec, self.dtype, self.device, self.max_rank)
+        return load_adapter(name, path, self.spec, self.dtype, self.device, self.max_rank, self.shard)
 
     def _keep(self, adapter: LoRAAdapter) -> None:
         self.loaded[adapter.name] = adapter

@@ -30,7 +30,7 @@ class EngineCore:
         self.parts = build_engine(config)
         parts = self.parts
         self.adapters = Adapters(parts.spec, parts.dtype, parts.device, parts.kv.root, config.max_loras,
-                                 config.max_lora_rank, parts.tp.world)
+                                 config.max_lora_rank, parts.tp.shard, parts.tp if parts.tp.world > 1 else None)
         parts.runner.lora_stack = self.adapters.stack
         try:
             for name, path in (config.lora_adapters or {}).items():

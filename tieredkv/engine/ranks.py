@@ -187,6 +187,14 @@ class Follower:
         self.model, self.ops, _ = load_share(cfg, Path(cfg.model), device, tp)  # the steps rank 0 takes too
         self.runner, self.warm = rank_runner(cfg, self.model, self.ops, tp.broadcast(), device, tp)
         self.kv_heads = tp.shard.sizes(self.model.spec.num_kv_heads)
+        from tieredkv.engine.adapters import Adapters
+        from tieredkv.engine.resolve import resolve_dtype
+        from tieredkv.models.spec import ModelSpec
+
+        whole = ModelSpec.from_file(Path(cfg.model) / "config.json")
+        self.adapters = Adapters(whole, resolve_dtype(cfg.dtype, device), device, None, cfg.max_loras,
+                                 cfg.max_lora_rank, tp.shard)
+        self.runner.lora_stack = self.adapters.stack
         tp.gather_objects(None)  # ready
 
     def serve(self) -> None:
@@ -197,7 +205,14 @@ class Follower:
             getattr(self, "do_" + name)(*args)
 
     def do_step(self, plan: list[tuple]) -> None:
-        self.runner.forward_rows(rebuild(plan))
+        self.runner.forward_rows(rebuild(plan, self.adapters.acquire))
+
+    def do_lora(self, op: str, name: str, path: str | None = None) -> None:
+        """Rank 0 registered (having checked it) or unregistered an adapter: this rank keeps its part."""
+        if op == "register":
+            self.adapters.register(name, path)
+        else:
+            self.adapters.unregister(name)
 
     def do_warmup(self) -> None:
         self.runner.warmup()

@@ -27,6 +27,7 @@ import torch
 
 from tieredkv.errors import LoRAError
 from tieredkv.models.spec import ModelSpec
+from tieredkv.models.tp_shard import Shard
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -111,8 +112,11 @@ def _spec_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
 
 
 def load_adapter(name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 max_rank: int) -> LoRAAdapter:
-    """Reads and checks a PEFT adapter folder against the base model; LoRAError names what does not fit."""
+                 max_rank: int, shard: Shard = Shard()) -> LoRAAdapter:
+    """Reads and checks a PEFT adapter folder against the base model (`spec`: the whole model's); LoRAError names
+    what does not fit. Under tensor parallelism (`shard`) a rank keeps its part, as it does of the layer the
+    adapter changes: B's rows of its outputs for q, k, v, gate and up (column-parallel), A's columns of its inputs
+    for o and down (row-parallel: its partial sums are all-reduced with the layer's)."""
     from safetensors import safe_open
 
     folder = Path(path).expanduser()
@@ -164,12 +168,20 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtyp
         rank = max(rank, r)
         block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
         module_path = f"model.layers.{layer}.{block}.{module}"
+        where = shard.ranges(f"layers.{layer}.{block}.{module}.weight", spec)
+        if where is not None:  # this rank's part of the layer: B's output rows, or A's input columns
+            dim, runs = where
+            if dim == 0:
+                b = torch.cat([b[r0:r1] for r0, r1 in runs])
+            else:
+                a = torch.cat([a[:, c0:c1] for c0, c1 in runs], dim=1)
         r_cfg = _pattern_value(config.get("rank_pattern"), module_path, config.get("r", r))
         alpha = float(_pattern_value(config.get("alpha_pattern"), module_path, config.get("lora_alpha", r_cfg)))
         scale = alpha / math.sqrt(r) if use_rslora else alpha / r
         group, index = MODULES[module]
         fused.setdefault((layer, group), []).append((index, a.to(device, dtype), (b * scale).to(device, dtype)))
     adapter = LoRAAdapter(name, str(folder), digest.hexdigest(), rank, sorted({m for _, m in parts}))
+    shapes = _spec_shapes(shard.local_spec(spec))  # the fused outputs as this rank holds them
     offsets = {"qkv": _offsets([shapes["q_proj"][0], shapes["k_proj"][0], shapes["v_proj"][0]]),
                "gate_up": _offsets([shapes["gate_proj"][0], shapes["up_proj"][0]]),
                "o": _offsets([shapes["o_proj"][0]]), "down": _offsets([shapes["down_proj"][0]])}

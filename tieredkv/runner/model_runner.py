@@ -24,8 +24,10 @@ STACK_ROWS = 256  # steps of at most this many rows over several adapters take t
 
 
 def adapter_of(seq) -> object:
-    """The LoRA adapter a sequence's rows take (None: the base model; a stand-in or a warm-up row has none)."""
-    return getattr(getattr(seq, "request", None), "adapter", None)
+    """The LoRA adapter a sequence's rows take (None: the base model; a warm-up row has none; a tensor-parallel
+    rank's stand-in carries its own)."""
+    request = getattr(seq, "request", None)
+    return getattr(seq, "adapter", None) if request is None else request.adapter
 
 
 def warmup_steps(block_size: int) -> tuple:
