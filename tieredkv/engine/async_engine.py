@@ -274,28 +274,37 @@ class AsyncEngine:
         """The names of the loaded LoRA adapters."""
         return self.core.adapters.names()
 
-    async def share_prefix(self, token_ids: list[int], timeout: float) -> tuple[int, bool]:
-        """Makes the full blocks of a computed prompt available to other engines on the shared (remote) tier: the
+    def _root(self, adapter: str | None, cache_salt: str | None):
+        """The block-hash chain seed of requests under this adapter and salt (engine/adapters.py), read without
+        changing the registry (an adapter not in memory now: the engine's seed, which finds nothing of it)."""
+        adapters = self.core.adapters
+        return adapters.root_for(adapters.loaded.get(adapter) if adapter is not None else None, cache_salt)
+
+    async def share_prefix(self, token_ids: list[int], timeout: float, adapter: str | None = None,
+                           cache_salt: str | None = None) -> tuple[int, bool]:
+        """Makes the full blocks of a computed prompt (under `adapter` and `cache_salt`, as the request ran) available
+        to other engines on the shared (remote) tier: the
         cached ones it lacks are written through, and this waits (at most `timeout` seconds) until every queued
         write is sent. Returns (full blocks found cached here, whether the writes were sent in time); (0, False)
         without a shared tier. A prefill/decode split's prefill replica calls it before it answers."""
         core = self._worker.core
         if not core.tiers.shared:
             return 0, False
-        found = await self._submit(core.tiers.share, core.kv.chain_keys(token_ids))
+        found = await self._submit(core.tiers.share, core.kv.chain_keys(token_ids, self._root(adapter, cache_salt)))
         try:
             await asyncio.wait_for(asyncio.gather(*(t.flush() for t in core.tiers.shared)), timeout)
         except asyncio.TimeoutError:
             return found, False
         return found, True
 
-    async def wait_shared(self, token_ids: list[int], num_blocks: int, timeout: float) -> int:
+    async def wait_shared(self, token_ids: list[int], num_blocks: int, timeout: float, adapter: str | None = None,
+                          cache_salt: str | None = None) -> int:
         """Waits (at most `timeout` seconds) until the shared tier holds the first `num_blocks` full blocks of the
         prompt, another engine's writes; returns how many leading blocks it holds (0 without a shared tier). What
         is still missing when it returns is computed by the request, never waited for again."""
         core = self._worker.core
         shared = core.tiers.shared[0] if core.tiers.shared else None
-        keys = core.kv.chain_keys(token_ids)[:num_blocks]
+        keys = core.kv.chain_keys(token_ids, self._root(adapter, cache_salt))[:num_blocks]
         if shared is None or not keys:
             return 0
         deadline = self._loop.time() + timeout

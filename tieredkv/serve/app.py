@@ -603,7 +603,8 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
     streaming, include_usage = stream_flags(body)
     transfer = disagg.transfer_params(body)
     rid = new_id("chatcmpl" if chat else "cmpl")
-    adapter = _adapter(request, body)
+    adapter, salt = _adapter(request, body), _salt(request, body)
+    chain = {"adapter": adapter, "cache_salt": salt}  # (what seeds the request's block hashes)
     out = _Output(rid, adapter or settings.model_name, chat, params.n, engine, fmt, params.constraint is not None)
     request[_SERVED] = out
     with _admitted(request):
@@ -611,14 +612,13 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
         ids = await engine.tokenize(prompt)
         _check_room(engine, len(ids), params, body)
         if transfer is not None:  # a decode replica: the prefill replica's blocks first
-            await disagg.before_decode(engine, ids, transfer, settings.kv_transfer_timeout)
+            await disagg.before_decode(engine, ids, transfer, settings.kv_transfer_timeout, chain)
         elif disagg.bootstrapped(body) and settings.disaggregation_mode == "prefill":  # sglang-router's pairs
-            await disagg.prefill_for_pair(engine, ids, settings.kv_transfer_timeout)
+            await disagg.prefill_for_pair(engine, ids, settings.kv_transfer_timeout, chain)
             params = params.model_copy(update={"max_tokens": 1, "min_tokens": 0})
         elif disagg.bootstrapped(body) and settings.disaggregation_mode == "decode":
-            await disagg.decode_for_pair(engine, ids, settings.kv_transfer_timeout)
-        async with engine.stream(ids, params, request_id=rid, adapter=adapter,
-                                 cache_salt=_salt(request, body)) as stream:
+            await disagg.decode_for_pair(engine, ids, settings.kv_transfer_timeout, chain)
+        async with engine.stream(ids, params, request_id=rid, **chain) as stream:
             first = await stream.__anext__()  # a request refused once tokenized is still a clean 400
             if streaming:
                 return await _stream_events(request, stream, first, out, include_usage)
@@ -626,7 +626,7 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
                 out.add(chunk)
         whole = out.whole()
         if transfer is not None and transfer.get("do_remote_decode"):  # a prefill replica: leave the KV for decode
-            whole[disagg.FIELD] = await disagg.after_prefill(engine, ids, settings.kv_transfer_timeout)
+            whole[disagg.FIELD] = await disagg.after_prefill(engine, ids, settings.kv_transfer_timeout, chain)
         return web.json_response(whole)
 
 

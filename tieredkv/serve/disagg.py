@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tieredkv.config import SamplingParams
 from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.serve.protocol import BadRequest
 
@@ -43,7 +44,8 @@ def _root(engine: AsyncEngine) -> str:
     return engine.core.kv.root.hex()[:32]
 
 
-async def before_decode(engine: AsyncEngine, ids: list[int], params: dict[str, Any], timeout: float) -> int:
+async def before_decode(engine: AsyncEngine, ids: list[int], params: dict[str, Any], timeout: float,
+                        chain: dict[str, str | None]) -> int:
     """On a decode replica: waits until the shared tier holds the blocks the prefill replica said it sent, at most
     `timeout` seconds. Parameters this engine cannot use (another engine's transfer, another model, values out of
     range) are logged and the prompt is computed. Returns the blocks found."""
@@ -66,7 +68,7 @@ async def before_decode(engine: AsyncEngine, ids: list[int], params: dict[str, A
                     "prompt is computed", FIELD)
         return 0
     num_blocks = min(num_blocks, len(ids) // engine.core.block_size)
-    held = await engine.wait_shared(ids, num_blocks, timeout if not ours.get("ready") else 0.0)
+    held = await engine.wait_shared(ids, num_blocks, timeout if not ours.get("ready") else 0.0, **chain)
     if held < num_blocks:
         log.info("%s: %d of %d prefilled blocks on the shared tier after %.1f s; the rest is computed", FIELD, held,
                  num_blocks, timeout)
@@ -81,19 +83,20 @@ def bootstrapped(body: dict[str, Any]) -> bool:
     return body.get("bootstrap_room") is not None
 
 
-async def prefill_for_pair(engine: AsyncEngine, ids: list[int], timeout: float) -> None:
-    """sglang-router, on the prefill replica: the prompt computed and written through before it answers."""
-    await engine.prefill(ids)
+async def prefill_for_pair(engine: AsyncEngine, ids: list[int], timeout: float, chain: dict[str, str | None]) -> None:
+    """sglang-router, on the prefill replica: the prompt computed and written through before it answers (`chain`:
+    the request's adapter and cache_salt)."""
+    await engine.generate(ids, SamplingParams(max_tokens=1), **chain)
     if not engine.core.tiers.shared:
         log.warning("a prefill/decode pair's request, but this replica has no shared tier (remote_url) to leave the "
                     "KV on: the decode replica computes the prompt")
         return
-    found, ready = await engine.share_prefix(ids, timeout)
+    found, ready = await engine.share_prefix(ids, timeout, **chain)
     if not ready:
         log.warning("the shared tier took longer than %.1f s to receive the prompt's %d blocks", timeout, found)
 
 
-async def decode_for_pair(engine: AsyncEngine, ids: list[int], timeout: float) -> int:
+async def decode_for_pair(engine: AsyncEngine, ids: list[int], timeout: float, chain: dict[str, str | None]) -> int:
     """sglang-router, on the decode replica: waits until the shared tier holds the prompt's full blocks (those a
     lookup may cover), at most `timeout` seconds; what has not arrived is computed."""
     if not engine.core.tiers.shared:
@@ -101,21 +104,22 @@ async def decode_for_pair(engine: AsyncEngine, ids: list[int], timeout: float) -
                     "prefill's blocks from: the prompt is computed")
         return 0
     want = (len(ids) - 1) // engine.core.block_size
-    held = await engine.wait_shared(ids, want, timeout)
+    held = await engine.wait_shared(ids, want, timeout, **chain)
     if held < want:
         log.info("a prefill/decode pair's request: %d of %d prompt blocks on the shared tier after %.1f s; the rest "
                  "is computed", held, want, timeout)
     return held
 
 
-async def after_prefill(engine: AsyncEngine, ids: list[int], timeout: float) -> dict[str, Any] | None:
+async def after_prefill(engine: AsyncEngine, ids: list[int], timeout: float,
+                        chain: dict[str, str | None]) -> dict[str, Any] | None:
     """On a prefill replica: writes the prompt's blocks through to the shared tier and returns the
     kv_transfer_params for the decode replica (None without a shared tier: the decode replica computes)."""
     if not engine.core.tiers.shared:
         log.warning("%s asked for a remote decode, but this replica has no shared tier (remote_url) to leave the "
                     "KV on: the decode replica computes the prompt", FIELD)
         return None
-    found, ready = await engine.share_prefix(ids, timeout)
+    found, ready = await engine.share_prefix(ids, timeout, **chain)
     if not ready:
         log.warning("%s: the shared tier took longer than %.1f s to receive the prompt's blocks; the decode replica "
                     "waits for them as long, then computes what is missing", FIELD, timeout)
