@@ -17,17 +17,10 @@ from tieredkv.models.lora import LoRABatch
 from tieredkv.runner.compiled_decode import CompiledDecode
 from tieredkv.runner.far_stage import StagePlan, plan_stage, reads_slab_in_place, stage_groups
 from tieredkv.runner.native_decode import NativeDecode
-from tieredkv.runner.step_plan import StandIn, describe
+from tieredkv.runner.step_plan import StandIn, adapter_of, describe
 
 
 STACK_ROWS = 256  # steps of at most this many rows over several adapters take the stacked products (models/lora.py)
-
-
-def adapter_of(seq) -> object:
-    """The LoRA adapter a sequence's rows take (None: the base model; a warm-up row has none; a tensor-parallel
-    rank's stand-in carries its own)."""
-    request = getattr(seq, "request", None)
-    return getattr(seq, "adapter", None) if request is None else request.adapter
 
 
 def warmup_steps(block_size: int) -> tuple:

@@ -7,11 +7,18 @@ from tieredkv.core.sequence import step_tokens
 from tieredkv.tiers.block_pool import KVBlock
 
 
+def adapter_of(seq) -> object:
+    """The LoRA adapter a sequence's rows take (None: the base model; a warm-up row has none; a tensor-parallel
+    rank's stand-in carries its own)."""
+    request = getattr(seq, "request", None)
+    return getattr(seq, "adapter", None) if request is None else request.adapter
+
+
 def describe(scheduled: list) -> list[tuple]:
     """A step's plan as data: per scheduled sequence (computed tokens, tokens this step, its length, the step's
     token ids (drafts after its own), its block ids, its LoRA adapter's name or None)."""
     return [(s.num_computed_tokens, n, s.num_tokens, s.step_token_ids(n), [b.block_id for b in s.block_table],
-             None if s.request.adapter is None else s.request.adapter.name) for s, n in scheduled]
+             getattr(adapter_of(s), "name", None)) for s, n in scheduled]
 
 
 class StandIn:
