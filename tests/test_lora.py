@@ -84,24 +84,25 @@ async def engine(llama_dir, adapter_dirs):
 PARAMS = SamplingParams(max_tokens=NEW, ignore_eos=True)
 
 
-async def test_each_adapter_alone_matches_peft(engine, references):
+async def check_alone_and_mixed(engine, ps: list[list[int]], want: dict) -> None:
+    """Every prompt under the base model and each adapter of `want`, one request at a time and then all in one
+    batch (the cache emptied in between): each gives want[adapter][prompt]."""
+    jobs = [(name, i) for name in want for i in range(len(ps))]
+    alone = [await engine.generate(ps[i], PARAMS, adapter=name) for name, i in jobs]
+    await engine.clear_cache("hot")
+    mixed = await asyncio.gather(*(engine.generate(ps[i], PARAMS, adapter=name) for name, i in jobs))
+    for (name, i), a, m in zip(jobs, alone, mixed):
+        assert a.outputs[0].token_ids == want[name][i], (name, i)
+        assert m.outputs[0].token_ids == want[name][i], (name, i)
+
+
+async def test_each_adapter_alone_and_in_one_mixed_batch_matches_peft(engine, references):
+    """Each prompt under the base model and both adapters, one at a time, then all at once: one step holds rows of
+    all three."""
     ps, want = references
     assert want["qv"] != want[None] and want["all"] != want[None]  # the adapters change the output
-    for name in (None, *ADAPTERS):
-        for p, w in zip(ps, want[name]):
-            await engine.clear_cache("hot")
-            got = await engine.generate(p, PARAMS, adapter=name)
-            assert got.outputs[0].token_ids == w, name
-
-
-async def test_one_mixed_batch_matches_peft(engine, references):
-    """Every prompt under the base model and both adapters at once: one step holds rows of all three."""
-    ps, want = references
     await engine.clear_cache("hot")
-    jobs = [(name, i) for name in (None, *ADAPTERS) for i in range(len(ps))]
-    got = await asyncio.gather(*(engine.generate(ps[i], PARAMS, adapter=name) for name, i in jobs))
-    for (name, i), g in zip(jobs, got):
-        assert g.outputs[0].token_ids == want[name][i], (name, i)
+    await check_alone_and_mixed(engine, ps, want)
 
 
 async def test_blocks_never_cross_adapters_or_salts(engine):
@@ -358,13 +359,7 @@ async def test_the_default_model_with_adapters_matches_peft(tmp_path):
         ids = [await engine.tokenize(c) for c in chats]
         want = {name: peft_greedy(base, made.get(name), ids) for name in (None, *made)}
         assert want["attn"] != want[None] and want["mlp"] != want[None]
-        jobs = [(name, i) for name in (None, *made) for i in range(len(ids))]
-        alone = [await engine.generate(ids[i], PARAMS, adapter=name) for name, i in jobs]
-        await engine.clear_cache("hot")
-        mixed = await asyncio.gather(*(engine.generate(ids[i], PARAMS, adapter=name) for name, i in jobs))
-    for (name, i), a, m in zip(jobs, alone, mixed):
-        assert a.outputs[0].token_ids == want[name][i], (name, i)
-        assert m.outputs[0].token_ids == want[name][i], (name, i)
+        await check_alone_and_mixed(engine, ids, want)
 
 
 @pytest.mark.parametrize("r, width", [(8, 96), (24, 200)])
@@ -401,13 +396,7 @@ async def test_two_ranks_split_each_adapter_as_its_layers(llama_dir, adapter_dir
                        lora_adapters={"qv": str(adapter_dirs["qv"])})
     async with await AsyncEngine.start(cfg) as engine:
         await engine.load_adapter("all", adapter_dirs["all"])
-        jobs = [(name, i) for name in (None, *ADAPTERS) for i in range(len(ps))]
-        alone = [await engine.generate(ps[i], PARAMS, adapter=name) for name, i in jobs]
-        await engine.clear_cache("hot")
-        mixed = await asyncio.gather(*(engine.generate(ps[i], PARAMS, adapter=name) for name, i in jobs))
-        for (name, i), a, m in zip(jobs, alone, mixed):
-            assert a.outputs[0].token_ids == want[name][i], (name, i)
-            assert m.outputs[0].token_ids == want[name][i], (name, i)
+        await check_alone_and_mixed(engine, ps, want)
         assert engine.core.tp.commands["lora"] == 2
         await engine.unload_adapter("all")
         assert engine.core.tp.commands["lora"] == 3
