@@ -143,7 +143,8 @@ async def test_a_slow_server_delays_no_step_beyond_the_timeout(llama_dir, server
         got, usage = await answers(engine, [SYSTEM + QUESTIONS[0]])  # its lookup waits on the paused server
         took = time.monotonic() - t0
         await running
-        assert remote(engine).stats().failures >= 1
+        stats = remote(engine).stats()  # given up at the read's deadline (computing is faster), or its timeout
+        assert stats.late + stats.failures >= 1
     assert got == reference[:1] and usage[0].cached_prompt_tokens == 0
     assert took < 2.5  # the read gave up after 0.3 s; the pause lasts 3 s
     assert max(b - a for a, b in zip(stamps, stamps[1:])) < 1.5  # steps went on while it waited
@@ -318,3 +319,36 @@ async def test_clearing_all_leaves_the_shared_tier_alone(llama_dir, valkey_serve
         assert await remote(engine).contains(keys) == len(keys)
         assert await engine.clear_cache("remote") >= len(keys)  # named: gone for every engine
         assert await remote(engine).contains(keys) == 0
+
+
+async def test_a_slow_tier_is_read_only_where_it_beats_computing(llama_dir, valkey_server, fleet_key):
+    """Load or recompute (tiers/rates.py): reads of a remote tier made slow (0.4 s a call, injected) pass their
+    deadline (the time computing the blocks takes) and are given up; measured slow, the tier is then not read at
+    all; once it is fast again and due for a probe, it serves again. Output is the same throughout."""
+    prompts = [rand_ids(320, seed=500 + i) + q for i, q in enumerate(QUESTIONS)]  # 20 blocks each, none shared
+    async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as writer:
+        reference, _ = await answers(writer, prompts)
+        await flushed(writer)
+    async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as engine:
+        tier, rates = remote(engine), engine.core.tiers.rates
+        assert rates.prefill_tokens_per_s > 0  # measured at start: decisions hold from the first request
+        fast_get = tier.get_sync
+
+        def slow_get(keys):
+            time.sleep(0.4)
+            return fast_get(keys)
+
+        tier.get_sync = slow_get
+        got, usage = await answers(engine, prompts[:1])  # unmeasured: read, given up at its deadline, computed
+        assert got == reference[:1] and usage[0].cached_tokens_by_tier["remote"] == 0
+        assert tier.stats().late == 1
+        await asyncio.sleep(0.5)  # the dropped read finishes in its thread: the tier is measured slow
+        assert rates.seconds_per_block["remote"] > 0.01
+        before = tier.stats()
+        got, usage = await answers(engine, prompts[1:3])  # not read at all now
+        assert got == reference[1:3] and all(u.cached_tokens_by_tier["remote"] == 0 for u in usage)
+        after = tier.stats()
+        assert after.late == before.late and after.skipped - before.skipped == 2 * 20
+        tier.get_sync, rates.probe_s = fast_get, 0.0  # fast again, and due for a probe
+        got, usage = await answers(engine, prompts[3:4])
+        assert got == reference[3:4] and usage[0].cached_tokens_by_tier["remote"] == 20 * BS

@@ -189,8 +189,10 @@ class EngineConfig(BaseModel):
         None, description="Valkey or Redis server whose KV tier engines share (redis://host:port/db, rediss://, "
         "valkey://, unix:///path.sock; a cluster: any node's URL); None turns it off. The MAC key is "
         "cold_secret_path's: engines sharing a server must share it. Needs the remote extra")
-    remote_timeout_s: float = Field(0.5, gt=0, description="limit of each call to the remote server; a call over "
-                                    "it is a miss and opens the circuit breaker")
+    remote_timeout_s: float = Field(0.5, gt=0, description="limit of each call to the remote server: each socket "
+                                    "read, and a lookup or read as a whole (one more round trip of at most 64 "
+                                    "blocks may finish past it); a read over it is a miss and a failure, and a "
+                                    "server that does not answer opens the circuit breaker")
     remote_retry_s: float = Field(10.0, gt=0, description="after a failed call, the remote tier makes no call for "
                                   "this long: lookups are misses, writes are dropped")
     remote_ttl_s: int | None = Field(86400, gt=0, description="lifetime of a remote entry, renewed by every read; "

@@ -32,6 +32,8 @@ class EngineCore:
         self.adapters = Adapters(parts.spec, parts.dtype, parts.device, parts.kv.root, config.max_loras,
                                  config.max_lora_rank, parts.tp.shard, parts.tp if parts.tp.world > 1 else None)
         parts.runner.lora_stack = self.adapters.stack
+        if any(t.blocking for t in parts.tiers.lower):  # load or recompute needs a prefill rate from the start
+            parts.tiers.rates.prefill(*parts.runner.time_prefill(4 * config.block_size))
         try:
             for name, path in (config.lora_adapters or {}).items():
                 self.adapters.register(name, path)
@@ -137,7 +139,9 @@ class EngineCore:
         if not out.scheduled:
             return self._idle(out)
         try:
+            t_forward = time.perf_counter()
             logits, sampled = self.parts.runner.execute(out)
+            self.parts.tiers.rates.prefill(out.num_tokens, time.perf_counter() - t_forward)
         except EngineClosedError:  # a tensor-parallel rank is gone: the engine cannot go on
             raise
         except Exception as e:

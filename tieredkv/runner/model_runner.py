@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -201,6 +202,16 @@ class ModelRunner:
         self.ops.scatter_blocks(kv, ids, out)
         self.ops.copy_blocks(kv, ids, ids)
         self.warmed_up = True
+
+    @torch.inference_mode()
+    def time_prefill(self, tokens: int) -> tuple[int, float]:
+        """(tokens, seconds) of one forward of a `tokens`-long prompt chunk over the scratch block (no request's
+        KV): the prefill rate before any request has been measured."""
+        batch = self.synthetic_step([], [(tokens, tokens)])
+        self.model.forward(batch, self.kv_cache, self.ops)  # once to warm up, then timed
+        t0 = time.perf_counter()
+        self.model.forward(batch, self.kv_cache, self.ops)
+        return tokens, time.perf_counter() - t0
 
     def synthetic_step(self, decode_lens: list[int], prefills: list[tuple[int, int]] = ()) -> ForwardBatch:
         """A batch shaped like a step with these decodes (context lengths, >= 1) and prefill chunks (tokens,

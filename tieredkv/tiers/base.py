@@ -37,6 +37,9 @@ class TierStats:
         bytes_read: bytes a tier that moves data over a network (remote) received.
         bytes_written: bytes such a tier sent.
         round_trips: its requests to the server (a pipelined batch is one).
+        skipped: blocks of prompts this blocking tier held (or might) that were computed instead of read, because
+            reading them was expected to take longer than computing them (tiers/rates.py).
+        late: reads of this tier given up at their deadline (the time computing the blocks takes).
     """
 
     name: str
@@ -51,6 +54,8 @@ class TierStats:
     bytes_read: int = 0
     bytes_written: int = 0
     round_trips: int = 0
+    skipped: int = 0
+    late: int = 0
 
 
 def next_batch(ops: "queue.Queue", first, limit: int) -> list:

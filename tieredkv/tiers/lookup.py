@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,10 +24,22 @@ class Lookup:
     keys: list[BlockKey]
     found: list[tuple[KVTier, int]]  # leading hits per non-blocking tier, in order
     below: Future | None  # -> [(tier name, blocks)] from the blocking tiers
+    deadline: float | None = None  # monotonic: past it, a read still in flight is given up and the rest computed
+    decision: dict = field(default_factory=dict)  # why the blocking tiers were read or not (explain, the log)
+
+    @property
+    def late(self) -> bool:
+        """The blocking tiers' read is still in flight past its deadline: computing is faster."""
+        return (self.below is not None and not self.below.done() and self.deadline is not None
+                and time.monotonic() > self.deadline)
 
     @property
     def ready(self) -> bool:
-        return self.below is None or self.below.done()
+        return self.below is None or self.below.done() or self.late
+
+    def give_up_below(self) -> None:
+        """Stops waiting for the blocking tiers (their read finishes in its thread and is dropped)."""
+        self.below = None
 
     def num_blocks(self) -> int:
         """Blocks the lookup found (once ready); admission may get fewer if some were evicted since."""
@@ -36,10 +49,12 @@ class Lookup:
         return n
 
 
-def _read_below(tiers: list[KVTier], keys: list[BlockKey]) -> list[tuple[str, torch.Tensor]]:
+def _read_below(tiers: list[KVTier], keys: list[BlockKey], rates) -> list[tuple[str, torch.Tensor]]:
     out = []
     for tier in tiers:
+        t0 = time.monotonic()
         data = tier.get_sync(keys) if keys else None
+        rates.read(tier.name, data.shape[0] if data is not None else 0, time.monotonic() - t0)
         if data is None:
             break
         out.append((tier.name, data))
@@ -47,9 +62,10 @@ def _read_below(tiers: list[KVTier], keys: list[BlockKey]) -> list[tuple[str, to
     return out
 
 
-def start_lookup(lower: list[KVTier], reader, rest: list[BlockKey], start: int) -> Lookup | None:
+def start_lookup(lower: list[KVTier], reader, rest: list[BlockKey], start: int, rates) -> Lookup | None:
     """Walks `rest` (keys from block `start` on) through the lower tiers, each continuing where the one
-    above stopped: non-blocking tiers are counted now, the blocking ones read by `reader`."""
+    above stopped: non-blocking tiers are counted now, the blocking ones read by `reader` when `rates` (a
+    LoadRates) expects the read to beat computing those blocks, with that computing time as its deadline."""
     if not rest or not lower:
         return None
     found, i, tiers = [], 0, list(lower)
@@ -58,8 +74,19 @@ def start_lookup(lower: list[KVTier], reader, rest: list[BlockKey], start: int) 
         n = tier.contains_sync(rest[i:])
         found.append((tier, n))
         i += n
-    below = reader.submit(_read_below, tiers, rest[i:]) if tiers and i < len(rest) else None
-    return Lookup(start, rest, found, below)
+    below, deadline, decision = None, None, {}
+    if tiers and i < len(rest):
+        load, compute = rates.estimate([t.name for t in tiers], len(rest) - i)
+        decision = {"blocks": len(rest) - i, "read_s": load, "compute_s": compute}
+        if rates.skip(load, compute) and not rates.probe_due(tiers[0].name):
+            decision["read"] = False  # expected slower than computing: not even tried
+            for tier in tiers:
+                tier.count(skipped=(len(rest) - i))
+        else:
+            decision["read"] = True
+            below = reader.submit(_read_below, tiers, rest[i:], rates)
+            deadline = rates.deadline(compute)
+    return Lookup(start, rest, found, below, deadline, decision)
 
 
 def finish_lookup(lookup: Lookup, block_size: int, bottom: KVTier) -> Restore | None:
@@ -82,6 +109,11 @@ def finish_lookup(lookup: Lookup, block_size: int, bottom: KVTier) -> Restore | 
         if got < n:
             complete = False
             break
+    if lookup.late:  # the read would finish after computing the blocks would: they are computed
+        log.info("a prefix read below hot passed its deadline (%.3f s to compute %d blocks): computed instead",
+                 lookup.decision.get("compute_s") or 0.0, lookup.decision.get("blocks", 0))
+        lookup.decision["late"] = True
+        lookup.give_up_below()
     if complete and lookup.below is not None:
         try:
             for name, data in lookup.below.result():

@@ -20,6 +20,7 @@ from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.lookup import Lookup, finish_lookup, start_lookup
 from tieredkv.tiers.moves import (COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore,
                                   runs)
+from tieredkv.tiers.rates import LoadRates
 
 log = logging.getLogger("tieredkv")
 _BATCH = 256  # blocks per transfer when a whole tier moves
@@ -39,6 +40,7 @@ class TierManager:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._last_copy = None  # CUDA event after the last moves' copies
         self._unreleased: list[tuple[SwapSpace, list[int]]] = []  # slots read by copies maybe still in flight
+        self.rates = LoadRates(block_size)  # load or recompute, for the blocking tiers (tiers/rates.py)
 
     @property
     def warm(self) -> KVTier | None:
@@ -210,7 +212,7 @@ class TierManager:
 
     def start_lookup(self, keys: list[BlockKey], start: int) -> Lookup | None:
         """Looks keys[start:] up below hot, head first (see lookup.start_lookup)."""
-        return start_lookup(self.lower, self._reader, keys[start:], start)
+        return start_lookup(self.lower, self._reader, keys[start:], start, self.rates)
 
     def wait(self, lookups: list[Lookup], timeout: float) -> None:
         """Blocks until one of the pending reads finishes (used only when nothing can compute)."""
@@ -222,6 +224,11 @@ class TierManager:
         """The promotion that continues the hot hits, or None (see lookup.finish_lookup)."""
         if num_hot != lookup.start:  # hot changed while we waited: no gap allowed
             return None
+        if lookup.late:
+            for tier in self.lower:
+                if tier.blocking:
+                    tier.count(late=1)
+                    break
         return finish_lookup(lookup, self.block_size, self.lower[-1])
 
     # -- swap -------------------------------------------------------------------------------------

@@ -257,8 +257,11 @@ class RemoteTier(ColdFormat, KVTier):
     def contains_sync(self, keys: Sequence[BlockKey]) -> int:
         """Leading keys whose entry's header matches (only the head of each entry is read; the payload is
         authenticated when read)."""
-        n = 0
+        n, deadline = 0, time.monotonic() + self._timeout_s
         for start in range(0, len(keys), _CHUNK):
+            if start and time.monotonic() > deadline:  # remote_timeout_s bounds the whole call, not each read
+                self.count(failures=1)
+                return n
             chunk = keys[start : start + _CHUNK]
             replies = self._pipeline([("GETRANGE", self._key(k), 0, _HEAD - 1) for k in chunk]) or [None]
             for key, value in zip(chunk, replies):
@@ -272,8 +275,11 @@ class RemoteTier(ColdFormat, KVTier):
     def get_sync(self, keys: Sequence[BlockKey]) -> torch.Tensor | None:
         """The blocks of the longest present prefix of keys, [n, *block_shape], or None; read in pipelined
         chunks, stopping at the first miss. Assembled with plain memory copies, as the cold tier's."""
-        data, found = bytearray(), 0
+        data, found, deadline = bytearray(), 0, time.monotonic() + self._timeout_s
         for start in range(0, len(keys), _CHUNK):
+            if start and time.monotonic() > deadline:  # remote_timeout_s bounds the whole call: what came is served
+                self.count(failures=1)
+                break
             chunk = keys[start : start + _CHUNK]
             replies = self._pipeline([self._get_command(k) for k in chunk])
             if replies is None:
