@@ -32,8 +32,9 @@ class EngineCore:
         self.adapters = Adapters(parts.spec, parts.dtype, parts.device, parts.kv.root, config.max_loras,
                                  config.max_lora_rank, parts.tp.shard, parts.tp if parts.tp.world > 1 else None)
         parts.runner.lora_stack = self.adapters.stack
-        if any(t.blocking for t in parts.tiers.lower):  # load or recompute needs a prefill rate from the start
-            parts.tiers.rates.prefill(*parts.runner.time_prefill(4 * config.block_size))
+        if any(t.blocking for t in parts.tiers.lower) and parts.tp.world == 1:  # load or recompute: a prefill rate
+            parts.tiers.rates.prefill(*parts.runner.time_prefill(4 * config.block_size))  # from the first request
+            # (under tensor parallelism a forward needs every rank: the first request's forward measures it)
         try:
             for name, path in (config.lora_adapters or {}).items():
                 self.adapters.register(name, path)
