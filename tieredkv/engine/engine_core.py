@@ -16,6 +16,7 @@ from tieredkv.engine.rank_build import total_weight_bytes
 from tieredkv.engine.sizing import kv_token_bytes
 from tieredkv.engine.speculative import DraftProposer, draft_config
 from tieredkv.errors import EngineClosedError, LoRAError, RequestError
+from tieredkv.tiers.rates import RATE_TOKENS
 
 log = logging.getLogger("tieredkv")
 
@@ -33,7 +34,7 @@ class EngineCore:
                                  config.max_lora_rank, parts.tp.shard, parts.tp if parts.tp.world > 1 else None)
         parts.runner.lora_stack = self.adapters.stack
         if any(t.blocking for t in parts.tiers.lower) and parts.tp.world == 1:  # load or recompute: a prefill rate
-            parts.tiers.rates.prefill(*parts.runner.time_prefill(4 * config.block_size))  # from the first request
+            parts.tiers.rates.prefill(*parts.runner.time_prefill(RATE_TOKENS))  # from the first request on
             # (under tensor parallelism a forward needs every rank: the first request's forward measures it)
         try:
             for name, path in (config.lora_adapters or {}).items():

@@ -6,7 +6,8 @@ time too), and the engine's prefill rate as it computes (tokens per second of fo
 where the read is expected to beat computing the same blocks, and gives the read a deadline of that computing
 time: a read still in flight then is dropped and the blocks are computed, so a tier that turns slow costs at most
 one request that much. A tier not read for `probe_s` is read again (with the deadline), so that one that recovers
-is used again. Before the first forward is measured, a short one is timed at start (ModelRunner.time_prefill).
+is used again. Before a request's forward is measured, one of RATE_TOKENS tokens is timed at start
+(ModelRunner.time_prefill).
 Below `floor_s` nothing is decided: a read expected to take less than that is always tried, and a read always has
 at least that long (a few tens of milliseconds of TTFT are not worth a wrong guess from a noisy estimate)."""
 
@@ -16,6 +17,7 @@ import threading
 import time
 
 _ALPHA = 0.3  # weight of the newest measurement
+RATE_TOKENS = 256  # forwards of fewer tokens do not inform the prefill rate: their fixed costs would make it low
 
 
 class LoadRates:
@@ -27,8 +29,9 @@ class LoadRates:
         self._lock = threading.Lock()
 
     def prefill(self, tokens: int, seconds: float) -> None:
-        """A forward computed `tokens` in `seconds` (only forwards of at least a block inform the rate)."""
-        if tokens < self.block_size or seconds <= 0:
+        """A forward computed `tokens` in `seconds` (only forwards of RATE_TOKENS or more inform the rate: the
+        prefixes worth deciding about are long, and a short forward's fixed costs would understate the rate)."""
+        if tokens < RATE_TOKENS or seconds <= 0:
             return
         rate = tokens / seconds
         with self._lock:
