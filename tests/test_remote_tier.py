@@ -344,6 +344,8 @@ async def test_a_slow_tier_is_read_only_where_it_beats_computing(llama_dir, valk
         assert tier.stats().late == 1
         await asyncio.sleep(0.5)  # the dropped read finishes in its thread: the tier is measured slow
         assert rates.seconds_per_block["remote"] > 0.01
+        reports = await engine.explain(prompts[1])  # explain() says so, with its numbers
+        assert reports[0].source is None and "from remote would take" in reports[0].reason
         before = tier.stats()
         got, usage = await answers(engine, prompts[1:3])  # not read at all now
         assert got == reference[1:3] and all(u.cached_tokens_by_tier["remote"] == 0 for u in usage)

@@ -48,10 +48,28 @@ def explain(core, token_ids: list[int]) -> list[BlockReport]:
             source, reason = None, _why(core, keys, i)
         served = served and source is not None
         reports.append(BlockReport(i, i * bs, (i + 1) * bs, source, reason))
+    reports = _load_or_recompute(core, reports)
     if len(token_ids) % bs:
         n = len(keys)
         reports.append(BlockReport(n, n * bs, len(token_ids), None, "a partial block is never cached"))
     return reports
+
+
+def _load_or_recompute(core, reports: list[BlockReport]) -> list[BlockReport]:
+    """The blocks a blocking tier (cold, remote) holds, computed instead where reading them is expected to take
+    longer than computing them (tiers/rates.py), with both estimates in the reason."""
+    blocking = [t.name for t in core.tiers.lower if t.blocking]
+    below = [r for r in reports if r.source in blocking]
+    if not below:
+        return reports
+    rates = core.tiers.rates
+    tiers = list(dict.fromkeys(r.source for r in below))
+    load, compute = rates.estimate(tiers, len(below))
+    if not rates.skip(load, compute) or rates.probe_due(tiers[0]):
+        return reports
+    why = (f"reading {len(below)} blocks from {tiers[0]} would take {load:.2f} s (measured), computing them "
+           f"{compute:.2f} s: they are computed")
+    return [BlockReport(r.index, r.start, r.end, None, why) if r.source in blocking else r for r in reports]
 
 
 def _why(core, keys: list[BlockKey], i: int) -> str:
