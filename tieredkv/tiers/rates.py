@@ -1,8 +1,8 @@
 """Load or recompute: the measured rates that decide whether a prefix found in a blocking tier (cold, remote) is
 read or computed again.
 
-Each blocking tier's seconds per block are measured as it serves reads (an exponential average; a miss costs its
-time too), and the engine's prefill rate as it computes (tokens per second of forward). A lookup reads a tier only
+Each blocking tier's seconds per block are measured as it serves reads that find blocks (an exponential average),
+and the engine's prefill rate as it computes (tokens per second of forward). A lookup reads a tier only
 where the read is expected to beat computing the same blocks, and gives the read a deadline of that computing
 time: a read still in flight then is dropped and the blocks are computed, so a tier that turns slow costs at most
 one request that much. A tier not read for `probe_s` is read again (with the deadline), so that one that recovers
@@ -39,10 +39,12 @@ class LoadRates:
             self.prefill_tokens_per_s = rate if old is None else old + _ALPHA * (rate - old)
 
     def read(self, tier: str, blocks: int, seconds: float) -> None:
-        """A read of `tier` returned `blocks` (0: a miss, which still cost its time) in `seconds`."""
+        """A read of `tier` returned `blocks` in `seconds` (a miss, 0 blocks, says nothing of a block's cost)."""
         with self._lock:
             self.last_read[tier] = time.monotonic()
-            per = seconds / max(blocks, 1)
+            if not blocks:
+                return
+            per = seconds / blocks
             old = self.seconds_per_block.get(tier)
             self.seconds_per_block[tier] = per if old is None else old + _ALPHA * (per - old)
 
