@@ -55,10 +55,10 @@ class Adapters:
     def names(self) -> list[str]:
         return list(self.paths)
 
-    def register(self, name: str, path: str, base_name: str | None = None) -> LoRAAdapter:
+    def register(self, name: str, path: str) -> LoRAAdapter:
         """Reads and checks the adapter, then serves it under `name` (LoRAError when it cannot be)."""
-        if not isinstance(name, str) or not name or name in (base_name, "default"):
-            raise LoRAError(f"adapter name {name!r} is empty or the base model's")
+        if not isinstance(name, str) or not name or name == "default":
+            raise LoRAError(f"adapter name {name!r} is empty or the default model's")
         if name in self.paths:
             raise LoRAError(f"an adapter named {name!r} is loaded already (unload it first)")
         adapter = self._read(name, path)

@@ -6,11 +6,12 @@ writes). Its tensors `...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in] and 
 one projection: `y = x W^T + scale * (x A^T) B^T`, with scale `lora_alpha / r` (`lora_alpha / sqrt(r)` under
 rsLoRA; `rank_pattern` and `alpha_pattern` per module). The engine's projections are fused (q, k and v in one
 `qkv_proj`, gate and up in one `gate_up_proj`), so an adapter's modules of one fused projection are kept as one
-stacked A and one B per module, each writing its slice of the fused output.
+stacked A and one block-diagonal B^T whose columns are the fused output's (FusedDelta).
 
-In a step, the rows of each adapter (`LoRABatch`: its groups of token rows) take their low-rank products beside
-the shared base product, which every row takes whatever its adapter (as S-LoRA and Punica batch them); rows of
-the base model take none. The base weights may be in any format (quantized included): the adapter adds to what
+In a step, the rows of each adapter take their low-rank products beside the shared base product, which every row
+takes whatever its adapter (as S-LoRA and Punica batch them); rows of the base model take none. `LoRABatch` groups
+the rows per adapter, or for a step of few rows lays them out over a `LoRAStack` of the step's adapters and takes
+one batched product for all (kernels/lora_rows.py; on CUDA kernels/lora_triton.py). The base weights may be in any format (quantized included): the adapter adds to what
 the base product gives.
 """
 
