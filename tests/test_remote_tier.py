@@ -342,6 +342,7 @@ async def test_a_slow_tier_is_read_only_where_it_beats_computing(llama_dir, valk
         got, usage = await answers(engine, prompts[:1])  # unmeasured: read, given up at its deadline, computed
         assert got == reference[:1] and usage[0].cached_tokens_by_tier["remote"] == 0
         assert tier.stats().late == 1
+        assert usage[0].cache_decision.startswith(f"recomputed up to {20 * BS:,} tokens: the remote read passed")
         await asyncio.sleep(0.5)  # the dropped read finishes in its thread: the tier is measured slow
         assert rates.seconds_per_block["remote"] > 0.01
         reports = await engine.explain(prompts[1])  # explain() says so, with its numbers
@@ -351,6 +352,9 @@ async def test_a_slow_tier_is_read_only_where_it_beats_computing(llama_dir, valk
         assert got == reference[1:3] and all(u.cached_tokens_by_tier["remote"] == 0 for u in usage)
         after = tier.stats()
         assert after.late == before.late and after.skipped - before.skipped == 2 * 20
+        assert all(u.cache_decision.startswith(f"recomputed up to {20 * BS:,} tokens: remote read ") and " > prefill "
+                   in u.cache_decision for u in usage)  # the request says why, with both estimates
         tier.get_sync, rates.probe_s = fast_get, 0.0  # fast again, and due for a probe
         got, usage = await answers(engine, prompts[3:4])
         assert got == reference[3:4] and usage[0].cached_tokens_by_tier["remote"] == 20 * BS
+        assert usage[0].cache_decision.startswith(f"read up to {20 * BS:,} tokens from remote")

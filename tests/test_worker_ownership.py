@@ -91,15 +91,16 @@ def test_a_request_that_can_never_be_scheduled_fails_instead_of_spinning(llama_d
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, max_pinned_fraction=0.5, warm_bytes=0))
     req = core.factory.make(list(range(3, 100)), SamplingParams(max_tokens=20))  # 8 blocks: fits the pool
     assert core.add_request(req) == []
-    core.pins.pins[(1,)] = core.pool.allocate(4)[0]  # pinned behind admission's back: it can never run now
-    core.pins.num_blocks = 4
+    held = core.pool.allocate(4)[0]  # pinned behind admission's back: it can never run now
+    core.pins._held.update((b, 1) for b in held)
     outputs = []
     for _ in range(3):
         outputs += core.step()
     assert len(outputs) == 1 and isinstance(outputs[0][1], RequestError)
     assert "cannot be scheduled" in str(outputs[0][1]) and "4 are pinned" in str(outputs[0][1])
     assert not core.has_work()
-    core.pins.unpin([1])
+    core.pins._held.clear()
+    core.pool.free(held)
     check_pool_clean(core)
 
 

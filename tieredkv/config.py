@@ -198,6 +198,28 @@ class EngineConfig(BaseModel):
     remote_ttl_s: int | None = Field(86400, gt=0, description="lifetime of a remote entry, renewed by every read; "
                                      "None: none (the server's maxmemory policy alone bounds the tier)")
     max_pinned_fraction: float = Field(0.25, ge=0.0, le=0.9, description="share of the hot pool pin() may hold")
+    max_pinned_per_client: float = Field(
+        1.0, gt=0.0, le=1.0, description="share of the pinned budget one client may hold: a cache_salt (a tenant); "
+        "requests without one are one client. Past it a pin is refused (the server: a 400). 1.0: no share below "
+        "the budget; a server for several tenants sets less (0.25: four tenants can each pin their share)")
+    idle_sleep_s: float | None = Field(
+        None, gt=0, description="after this many seconds without a request or command, the engine sleeps "
+        "(AsyncEngine.sleep at idle_sleep_level: its memory goes back to the system) until the next one, which "
+        "wakes it (llama.cpp's --sleep-idle-seconds); None: never")
+    idle_sleep_level: Literal[1, 2] = Field(1, description="how deep idle_sleep_s sleeps: 1 the hot pool's memory, "
+                                            "2 the weights' too (read back from a file on wake)")
+    eviction_policy: Literal["lru", "lfu"] = Field(
+        "lru", description='which cached blocks hot and warm give up first: "lru", the least recently used; '
+        '"lfu", the least used, with dynamic aging (a use count per block, halved as the counts add up, plus the '
+        "priority of the last block evicted: what was popular long ago does not stay forever). A chain's tail "
+        "always leaves before its head")
+    admit_min_uses: int = Field(
+        1, ge=1, description="a block is written to the cold and remote tiers only once it has been used this many "
+        "times (computed, or found by a prompt), or when a client marked it (pin, cache_control, prompt_cache_key); "
+        "1: every block. Blocks refused are dropped where they would have gone down (TierStats.refused)")
+    admit_output_blocks: bool = Field(
+        True, description="blocks holding generated tokens go to the cold and remote tiers too; False: only prompt "
+        "blocks (vLLM's offload_prompt_only), unless a prompt finds them later")
     speculative: SpeculativeConfig | None = Field(
         None, description='speculative decoding, a SpeculativeConfig or its dict: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft", '

@@ -72,9 +72,11 @@ class KVCacheManager:
         if num_full <= seq.num_cached_blocks:
             return
         self._extend_hashes(seq, num_full)
+        prompt_blocks = seq.num_prompt_tokens // self.block_size
         for i in range(seq.num_cached_blocks, num_full):
             self.pool.cache(seq.block_table[i], seq.block_hashes[i], self._block_tokens(seq, i),
                             seq.block_hashes[i - 1] if i else None)
+            self.pool.popularity.computed(seq.block_hashes[i], output=i >= prompt_blocks)
         seq.num_cached_blocks = num_full
 
     # -- allocation ------------------------------------------------------------------------------
@@ -116,6 +118,7 @@ class KVCacheManager:
             return False
         if cached:
             self.pool.touch(cached)
+            self.pool.popularity.use(b.block_hash for b in cached)
             seq.block_table.extend(cached)
             seq.num_computed_tokens += len(cached) * self.block_size
             seq.num_cached_blocks = len(seq.block_table)
@@ -125,6 +128,7 @@ class KVCacheManager:
             seq.block_table.extend(fresh)
             seq.num_computed_tokens += restore.num_tokens
             self._plan_restore(restore, fresh, parent)
+            self.pool.popularity.use(k.block_hash for k in restore.keys)
             if restore.keys:  # promoted full blocks are findable from now: their data lands before the forward
                 seq.num_cached_blocks = len(seq.block_table)
         if self._needs_cow(seq):
@@ -144,6 +148,7 @@ class KVCacheManager:
         seq.block_table.extend(self._place_far(restore, seq.block_table[-1].block_hash if seq.block_table else None))
         more = self.pool.cached_prefix(self.lookup_keys(seq)[len(seq.block_table) :])
         self.pool.touch(more)
+        self.pool.popularity.use(b.block_hash for b in seq.block_table if b.block_hash is not None)
         seq.block_table.extend(more)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_cached_blocks = len(seq.block_table)

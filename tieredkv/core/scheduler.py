@@ -11,7 +11,7 @@ from tieredkv.core.cache_index import CacheIndex
 from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.sequence import Sequence, SeqStatus
 from tieredkv.hashing import BlockHash
-from tieredkv.tiers.lookup import Lookup, count_lookup
+from tieredkv.tiers.lookup import Lookup, count_lookup, describe
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.moves import BlockMove, Restore
 
@@ -252,7 +252,10 @@ class Scheduler:
                 return False  # the finished lookup stays for the next attempt
             far = not fits_hot
             seq.lookup = None
+            decision = restore.decision, restore.blocking
             restore = self.tiers.finish_lookup(restore, len(cached))  # at most what it found
+            if seq.request.cache_decision is None:
+                seq.request.cache_decision = describe(decision[0], decision[1], self.kv.block_size)
         hits = cached
         if far and restore is not None:
             hits = cached + self.kv.adopt_far(seq, cached, restore)

@@ -124,8 +124,11 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache at first admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    cache_decision: str | None = None  # load or recompute below hot, in words (tiers/lookup.describe)
     prefill_only: bool = False  # compute and cache the prompt, generate nothing
-    pin: bool = False  # with prefill_only: pin the prompt's full blocks when it is computed
+    keep: list[tuple[int, float | None]] | None = None  # prefixes (tokens, time to live or None) to pin once the
+    # prompt is computed (pin(), cache_control); a prefill-only request fails when they cannot be pinned
+    mark_prompt: bool = False  # a client's hint (prompt_cache_key): its prompt blocks are admitted below warm
     sink: Any = None  # where the async front delivers this request's chunks (opaque to the core)
     span: Any = None  # the request's trace span, when the async front made one
     arrival_time: float | None = None  # perf_counter at add; then first admission, first token

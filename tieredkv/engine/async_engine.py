@@ -139,15 +139,20 @@ class AsyncEngine:
     # -- requests --------------------------------------------------------------------------------
 
     def stream(self, prompt: PromptType, params: SamplingParams | None = None, *, request_id: str | None = None,
-               adapter: str | None = None, cache_salt: str | None = None) -> RequestStream:
+               adapter: str | None = None, cache_salt: str | None = None,
+               keep: list[tuple[int, float | None]] | None = None, mark_prompt: bool = False) -> RequestStream:
         """Checks what can be checked without tokenizing now (raising RequestError or TypeError, nothing
         allocated); the request starts at the first iteration, where a prompt that turns out too long
         once tokenized raises RequestError. See RequestStream for how a stream ends.
 
         `adapter`: a loaded LoRA adapter's name (None: the base model). `cache_salt`: the request shares cached
-        blocks only with requests of the same salt (and adapter); None shares with every request without one."""
+        blocks only with requests of the same salt (and adapter); None shares with every request without one.
+        `keep`: prefixes of the prompt to pin once it is computed, as (tokens, seconds to live or None), within the
+        pinned budget and the client's (cache_salt's) share: a prefix that does not fit is logged, not pinned
+        (check_pin() asks first). `mark_prompt`: the prompt's blocks are admitted to the cold and remote tiers
+        whatever their uses (the server's prompt_cache_key)."""
         return self._open(prompt, params or SamplingParams(), request_id,
-                          {"adapter": adapter, "cache_salt": cache_salt})
+                          {"adapter": adapter, "cache_salt": cache_salt, "keep": keep, "mark_prompt": mark_prompt})
 
     def _open(self, prompt, params, request_id: str | None, flags: dict[str, Any]) -> RequestStream:
         self._check_open()
@@ -190,7 +195,7 @@ class AsyncEngine:
             return
         req.sink, req.span = channel, span
         req.prefill_only = flags.get("prefill_only", False)
-        req.pin = flags.get("pin", False)
+        req.keep, req.mark_prompt = flags.get("keep"), flags.get("mark_prompt", False)
         req.adapter_name, req.cache_salt = flags.get("adapter"), flags.get("cache_salt")
         if not self._worker.post(self._worker.add, req):
             self._worker.call_loop(channel.push, EngineClosedError("engine closed"))
@@ -230,26 +235,41 @@ class AsyncEngine:
             out.text = "".join(parts)
         total = Usage(usage[0].prompt_tokens, usage[0].cached_prompt_tokens,
                       sum(u.completion_tokens for u in usage), usage[0].cached_tokens_by_tier,
-                      usage[-1].draft_tokens, usage[-1].accepted_draft_tokens)  # (the request's, counted so far)
+                      usage[-1].draft_tokens, usage[-1].accepted_draft_tokens,  # (the request's, counted so far)
+                      usage[0].cache_decision)
         return RequestOutput(stream.request_id, outputs, total)
 
-    async def _prefill(self, prompt: PromptType, pin: bool) -> Usage:
+    async def _prefill(self, prompt: PromptType, flags: dict[str, Any]) -> Usage:
         usage = None
-        async with self._open(prompt, SamplingParams(max_tokens=1), None, {"prefill_only": True, "pin": pin}) as s:
+        async with self._open(prompt, SamplingParams(max_tokens=1), None, {"prefill_only": True, **flags}) as s:
             async for chunk in s:
                 usage = chunk.usage
         return usage
 
     async def prefill(self, prompt: PromptType) -> Usage:
         """Computes and caches the prompt's KV without generating; returns its usage."""
-        return await self._prefill(prompt, pin=False)
+        return await self._prefill(prompt, {})
 
-    async def pin(self, prompt: PromptType) -> int:
-        """Keeps the prompt's full blocks in the hot tier until unpin, within max_pinned_fraction of the
-        pool: prefills what is missing and pins in the same step, so nothing can evict it in between.
+    async def pin(self, prompt: PromptType, ttl: float | None = None, cache_salt: str | None = None) -> int:
+        """Keeps the prompt's full blocks in the hot tier until unpin, or for `ttl` seconds, within
+        max_pinned_fraction of the pool and max_pinned_per_client of that for the client (`cache_salt`: pinned
+        under it, counted in its share): prefills what is missing and pins in the same step, so nothing can evict
+        it in between. Pinning a pinned prompt again renews it. RequestError past the budget or the share.
         Returns the number of tokens pinned."""
-        usage = await self._prefill(prompt, pin=True)
+        if ttl is not None and not ttl > 0:
+            raise RequestError("ttl must be a positive number of seconds (None: until unpin)")
+        usage = await self._prefill(prompt, {"cache_salt": cache_salt, "keep": [(1 << 62, ttl)]})
         return usage.prompt_tokens // self.core.block_size * self.core.block_size
+
+    async def check_pin(self, token_ids: list[int], cache_salt: str | None = None, adapter: str | None = None) -> None:
+        """Raises RequestError when pinning this prefix now would exceed the pinned budget or the client's share;
+        what a server asks before a request whose prefix it will pin starts."""
+        core = self._worker.core
+        await self._submit(core.pins.check, token_ids, self._root(adapter, cache_salt), cache_salt)
+
+    async def pins(self) -> list[dict[str, Any]]:
+        """The pinned prefixes: tokens, blocks, client (its cache_salt), seconds left (None: until unpinned)."""
+        return await self._submit(self._worker.core.pins.listing)
 
     async def tokenize(self, prompt: PromptType, check: bool = True) -> list[int]:
         """The prompt's token ids (messages through the chat template), on the engine's tokenizer thread.
@@ -352,11 +372,22 @@ class AsyncEngine:
                 progress(len(keys))
         return {"imported": imported, **report}
 
-    async def unpin(self, prompt: PromptType) -> int:
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Gives the engine's memory back while it serves nothing (engine/sleep.py): level 1 the hot pool, whose
+        cached blocks go down to the next tier first (pins are released), level 2 the weights too (written to a
+        file under cache_dir and read back on wake). The next request, or wake(), wakes it. RequestError with
+        requests in flight. Returns what was released and the process's resident memory after."""
+        return await self._submit(self._worker.core.sleep, level)
+
+    async def wake(self) -> dict[str, Any]:
+        """Takes back what sleep() released (the next request does it too); returns how long it took."""
+        return await self._submit(self._worker.core.wake)
+
+    async def unpin(self, prompt: PromptType, cache_salt: str | None = None) -> int:
         """Releases what pin(prompt) pinned, so that its blocks can be evicted again. Returns the number of
         tokens released (0 when the prompt was not pinned)."""
         ids = await self.tokenize(prompt)
-        return await self._submit(self._worker.core.pins.unpin, ids)
+        return await self._submit(self._worker.core.pins.unpin, ids, self._root(None, cache_salt))
 
     async def clear_cache(self, tier: str = "all", demote: bool = False) -> int:
         """Empties a tier ("hot", "warm", "remote", "cold" or "all"); returns how many entries left it. "all"

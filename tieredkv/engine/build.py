@@ -41,6 +41,7 @@ from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.tiers.block_pool import BlockPool
 from tieredkv.tiers.hot import HotTier, ShardedHotTier
 from tieredkv.tiers.manager import TierManager
+from tieredkv.tiers.policy import Admission, Popularity
 from tieredkv.tiers.warm import ShardedWarmTier
 
 log = logging.getLogger("tieredkv")
@@ -57,7 +58,10 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
     if warm is not None and sharded:  # this rank's heads in its slab, whole blocks in and out (tiers/warm.py)
         warm = ShardedWarmTier(num_warm_blocks, block_shape, warm.slab, warm.layer_major, tp,
                                tp.shard.sizes(spec.num_kv_heads))
-    pool = BlockPool(num_blocks, warm if far else None)
+    popularity = Popularity(16 * (num_blocks + num_warm_blocks))
+    pool = BlockPool(num_blocks, warm if far else None, cfg.eviction_policy, popularity)
+    if warm is not None:
+        warm.set_eviction(cfg.eviction_policy, popularity)
     if sharded:  # whole blocks below hot: every rank's heads (tiers/hot.py)
         hot = ShardedHotTier(pool, kv_cache, ops, tp, tp.shard.sizes(spec.num_kv_heads))
     else:
@@ -74,7 +78,8 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
         remote = RemoteTier(cfg.remote_url, fingerprint, block_shape, kv_cache.dtype, cfg.cold_secret_path,
                             cfg.remote_timeout_s, cfg.remote_retry_s, cfg.remote_ttl_s)
         hot.pool.new_cached = []  # new full blocks are written to the remote tier as they are computed
-    return TierManager(hot, warm, cold, cfg.block_size, remote)
+    return TierManager(hot, warm, cold, cfg.block_size, remote,
+                       Admission(popularity, cfg.admit_min_uses, cfg.admit_output_blocks))
 
 
 @dataclass
@@ -176,7 +181,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     if leader is not None:
         leader.gather_objects(None)  # every rank has its cache and runner
     runner.compile_now(background=cfg.compile_in_background)
-    pins, telemetry = PinTable(index, int(num_blocks * cfg.max_pinned_fraction)), Telemetry()
+    pinned = int(num_blocks * cfg.max_pinned_fraction)
+    pins, telemetry = PinTable(index, pinned, int(pinned * cfg.max_pinned_per_client)), Telemetry()
     speculator = make_speculator(cfg, device.type, spec.vocab_size) if cfg.speculative is not None else None
     if speculator is not None and device.type == "cpu" and model.quantization is not None:
         scheduler.max_draft_rows = min(CPU.q4_rows, GEMV_MAX_ROWS)  # the integer kernels' rows (quant.kernel_rows)

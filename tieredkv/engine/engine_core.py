@@ -13,6 +13,8 @@ from tieredkv.engine.adapters import Adapters
 from tieredkv.engine.build import build_engine
 from tieredkv.engine.outputs import EngineStats, Output, collect_stats
 from tieredkv.engine.rank_build import total_weight_bytes
+from tieredkv.engine.resolve import resolve_cache_dir
+from tieredkv.engine.sleep import Sleeper
 from tieredkv.engine.sizing import kv_token_bytes
 from tieredkv.engine.speculative import DraftProposer, draft_config
 from tieredkv.errors import EngineClosedError, LoRAError, RequestError
@@ -46,6 +48,10 @@ class EngineCore:
             self._add_draft_model(config)
         self.block_size = config.block_size
         self.requests = self.parts.lifecycle.requests  # live requests by id
+        warm = parts.tiers.warm
+        in_place = warm is not None and warm.slab.untyped_storage().data_ptr() == \
+            parts.kv_cache.untyped_storage().data_ptr()
+        self.sleeper = Sleeper(parts.kv_cache, parts.num_blocks, in_place, resolve_cache_dir(config) / "sleep")
         self.dense_formats = self.parts.model.dense_formats(self.parts.runner.ops)  # fixed once built
 
     def _add_draft_model(self, config: EngineConfig) -> None:
@@ -86,6 +92,50 @@ class EngineCore:
                 self.parts.tp.close()
             if self.parts.process is not None:
                 self.parts.process.release()  # torch's threads as the process had them
+
+    # -- sleep (engine/sleep.py) -------------------------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        return self.sleeper.asleep
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Gives the engine's memory back while it has no request: level 1 the hot pool (its cached blocks demoted
+        to the tier below first, pins released), level 2 the weights too. RequestError with requests in flight or
+        under tensor parallelism. Returns what it released and the process's resident memory after."""
+        if level not in (1, 2):
+            raise RequestError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.parts.tp.world > 1:
+            raise RequestError("sleep is not supported with tensor_parallel_size > 1")
+        if self.requests:
+            raise RequestError(f"cannot sleep with {len(self.requests)} requests in flight")
+        sleeper, released = self.sleeper, {}
+        if sleeper.level >= level:
+            return sleeper.last
+        if sleeper.level == 0:
+            released["pins_released"] = len(self.parts.pins.pins)
+            self.parts.pins.release_all()
+            released["blocks_demoted"] = self.parts.tiers.clear("hot", demote=True)
+            released["kv_bytes_released"] = sleeper.release_cache()
+        if level == 2:
+            compiled = self.parts.runner.compiled
+            if compiled is not None and hasattr(compiled, "wait_ready"):
+                compiled.wait_ready()  # a compile still running reads the weights
+            released["weight_bytes_released"] = sleeper.release_weights(self.parts.model)
+        return sleeper.settle(level, released)
+
+    def wake(self) -> dict[str, Any]:
+        """Takes back what sleep released (level 2: reads the weights back); a no-op when awake. Returns how long
+        it took."""
+        if not self.sleeper.asleep:
+            return {"level": 0, "wake_s": 0.0}
+        t0, level = time.perf_counter(), self.sleeper.level
+        self.sleeper.restore_weights()
+        self.sleeper.restore_cache()
+        self.sleeper.level = 0
+        seconds = time.perf_counter() - t0
+        log.info("engine awake (from level %d) in %.3f s", level, seconds)
+        return {"level": 0, "was_level": level, "wake_s": seconds}
 
     def flush_events(self) -> None:
         """Hands the KV events recorded since the last call to their publisher (after each step and command)."""
@@ -131,6 +181,9 @@ class EngineCore:
         that belongs to some requests (a forward error, an unusable logits row, a request that can
         never be scheduled) ends those requests with an error output and nothing else."""
         t0 = time.perf_counter()
+        if self.sleeper.asleep:  # a request came: everything it needs comes back first
+            self.wake()
+        self.parts.pins.expire()
         if self.parts.speculator is not None:  # drafts onto the decoding sequences, for the scheduler to fit
             self.parts.speculator.propose(self.parts.scheduler.running, self.parts.max_model_len)
         out = self.parts.scheduler.schedule()
@@ -181,4 +234,5 @@ class EngineCore:
                              parts.runner.decode_path, parts.weights, total_weight_bytes(parts.model, parts.memory),
                              self.dense_formats, parts.kv_format.label,
                              kv_token_bytes(parts.spec, parts.kv_format),
-                             parts.speculator.counters if parts.speculator is not None else None)
+                             parts.speculator.counters if parts.speculator is not None else None,
+                             self.sleeper.level)

@@ -126,6 +126,11 @@ class Lifecycle:
         outputs, rows, seqs = [], [], []
         for seq, seq_rows in groups:
             i, req = seq_rows[0], seq.request
+            if req.keep is not None or req.mark_prompt:
+                failed = self._keep(seq)
+                if failed is not None:
+                    outputs.extend(failed)
+                    continue
             if req.prefill_only:
                 try:
                     outputs.extend(self._finish_prefill(seq))
@@ -268,13 +273,26 @@ class Lifecycle:
         grammars.bound_digits(logits, rows, [seqs[i].digits for i in rows])
         return [None] * len(rows)
 
+    def _keep(self, seq: Sequence) -> list[Output] | None:
+        """The prompt is computed: pins the prefixes the request asked to keep and marks its prompt blocks for
+        admission below warm (once). A pin that fails fails a prefill-only request (pin()), and is logged for one
+        that generates (the server checked the budget before it started)."""
+        req = seq.request
+        keep, req.keep = req.keep or [], None
+        if req.mark_prompt:
+            req.mark_prompt = False
+            self.kv.pool.popularity.mark(seq.block_hashes[: seq.num_prompt_tokens // self.kv.block_size])
+        for tokens, ttl in keep:
+            try:
+                self.pins.pin(req.prompt_token_ids[:tokens], req.root, ttl, req.cache_salt)
+            except RequestError as e:
+                if req.prefill_only:
+                    return self.fail(req, e)
+                log.warning("request %s: its prefix of %d tokens was not pinned: %s", req.request_id, tokens, e)
+        return None
+
     def _finish_prefill(self, seq: Sequence) -> list[Output]:
         req = seq.request
-        if req.pin:
-            try:
-                self.pins.pin(req.prompt_token_ids)
-            except RequestError as e:
-                return self.fail(req, e)
         self.scheduler.finish(seq, "prefill")
         self._finish_request(req)
         return [(req.sink, make_chunk(seq, [], final=True))]

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 from tieredkv.config import EngineConfig
@@ -54,6 +55,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._accepting = True
         self._running = True
+        self._last_active = time.monotonic()  # the last step or command (idle_sleep_s counts from it)
         self._outputs: list[Output] = []  # what the current step or command batch produced, sent in one go
         self._settles: list[tuple] = []
         self.thread = threading.Thread(target=self._main, name="tieredkv-worker", daemon=True)
@@ -127,20 +129,41 @@ class EngineWorker:
                     # while requests run; once none does, they go back to the OS
                     release_free_memory(collect=False)
                 stepped = busy
-                self._run_commands(block=not busy)
+                self._run_commands(block=not busy, timeout=None if busy else self._idle_timeout())
                 if self._running and self.core.has_work():
                     self._step()
+                    self._last_active = time.monotonic()
         except BaseException as e:  # a bug in the engine itself: end cleanly rather than hang callers
             log.exception("engine worker failed")
             error = e
         finally:
             self._shutdown(error)
 
-    def _run_commands(self, block: bool) -> None:
-        try:
-            cmd = self._inbox.get(block=block)
-        except queue.Empty:
+    def _idle_timeout(self) -> float | None:
+        """How long an idle worker waits for a command before it sleeps (None: for good)."""
+        after = self.config.idle_sleep_s
+        if after is None or self.core.asleep or self.core.parts.tp.world > 1:
+            return None
+        return max(self._last_active + after - time.monotonic(), 0.0)
+
+    def _sleep_if_idle(self) -> None:
+        if self.core.requests or self.core.has_work():
             return
+        try:
+            self.core.sleep(self.config.idle_sleep_level)
+        except Exception:
+            log.exception("sleeping after %s s idle failed", self.config.idle_sleep_s)
+            self._last_active = time.monotonic()  # not again at once
+        self._publish()
+
+    def _run_commands(self, block: bool, timeout: float | None = None) -> None:
+        try:
+            cmd = self._inbox.get(block=block, timeout=timeout if block else None)
+        except queue.Empty:
+            if block and timeout is not None:
+                self._sleep_if_idle()
+            return
+        self._last_active = time.monotonic()
         while True:
             fn, args, future = cmd
             try:

@@ -29,9 +29,9 @@ from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.errors import EngineClosedError, LoRAError, RequestError, TieredKVError
 from tieredkv.models.tokenizer import message_chars
 from tieredkv.serve import disagg
-from tieredkv.serve.protocol import (BadRequest, chat_logprobs, chat_messages, completion_logprobs,
-                                     completion_prompt, envelope, new_id, sampling_params, stream_flags,
-                                     usage_body)
+from tieredkv.serve.protocol import (BadRequest, cache_breakpoints, chat_logprobs, chat_messages,
+                                     completion_logprobs, completion_prompt, envelope, new_id, prompt_cache_key,
+                                     sampling_params, stream_flags, usage_body)
 from tieredkv.serve.responses import ResponseBuilder, ResponseStore, chat_body, conversation_of
 from tieredkv.serve.tools import (Call, ToolError, ToolFormat, ToolStream, check_tool_messages, format_for,
                                   new_call_id, parse_tool_choice, parse_tools)
@@ -132,6 +132,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> w
         app.router.add_get(path, _model_info)
     for path in ("/flush_cache", "/reset_prefix_cache"):
         app.router.add_post(path, _flush_cache)
+    app.router.add_post("/sleep", _sleep)
+    app.router.add_post("/wake_up", _wake_up)
+    app.router.add_get("/is_sleeping", _is_sleeping)
     if settings.metrics:
         app.router.add_get("/metrics", _metrics)
     return app
@@ -227,7 +230,27 @@ async def _auth(request: web.Request, handler):
 
 
 async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    """200 while the engine serves; asleep it still serves (the next request wakes it), and says so."""
+    level = request.app[_ENGINE].stats().sleep_level
+    return web.json_response({"status": "ok", **({"sleeping": True, "sleep_level": level} if level else {})})
+
+
+async def _sleep(request: web.Request) -> web.Response:
+    """vLLM's POST /sleep?level=1|2: the engine gives its memory back until the next request or /wake_up."""
+    try:
+        level = int(request.query.get("level", "1"))
+    except ValueError:
+        raise BadRequest("level must be 1 or 2", "level") from None
+    released = await request.app[_ENGINE].sleep(level)
+    return web.json_response({"status": "ok", **released})
+
+
+async def _wake_up(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", **await request.app[_ENGINE].wake()})
+
+
+async def _is_sleeping(request: web.Request) -> web.Response:
+    return web.json_response({"is_sleeping": request.app[_ENGINE].stats().sleep_level > 0})
 
 
 def _model_card(name: str, parent: str | None = None, root: str | None = None) -> dict[str, Any]:
@@ -447,9 +470,19 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     messages = chat_messages(body)
     _check_size(request, message_chars([messages, body.get("tools") or []]))  # roles too: the template renders them
-    prompt, fmt, constraint = _with_tools(request, messages, body.get("tools"), body.get("tool_choice"),
-                                          body.get("parallel_tool_calls"))
-    return await _serve(request, body, prompt, chat=True, fmt=fmt, constraint=constraint)
+    tool_fields = (body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    prompt, fmt, constraint = _with_tools(request, messages, *tool_fields)
+    keep = []  # (the prompt up to each cache_control mark, its time to live)
+    for mark in cache_breakpoints(body):
+        part = messages[: mark.message + 1]
+        if mark.parts is not None:
+            content = body["messages"][mark.message]["content"][: mark.parts]
+            part[-1] = {**part[-1], "content": "".join(p.get("text", "") for p in content)}
+        try:
+            keep.append((_with_tools(request, part, *tool_fields)[0], mark.ttl))
+        except BadRequest:  # a cut the tool rules refuse (a call without its result): nothing to keep there
+            continue
+    return await _serve(request, body, prompt, chat=True, fmt=fmt, constraint=constraint, keep=keep)
 
 
 def _with_tools(request: web.Request, messages: list[dict[str, Any]], tools_field: Any, choice_field: Any,
@@ -597,20 +630,22 @@ def _admitted(request: web.Request):
 
 
 async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool, fmt: ToolFormat | None = None,
-                 constraint=None) -> web.StreamResponse:
+                 constraint=None, keep: list[tuple[Any, float]] = ()) -> web.StreamResponse:
     engine, settings = request.app[_ENGINE], request.app[_SETTINGS]
     params = sampling_params(body, chat, constraint, skip_special_tokens=not (fmt and fmt.keeps_special_tokens))
     streaming, include_usage = stream_flags(body)
     transfer = disagg.transfer_params(body)
     rid = new_id("chatcmpl" if chat else "cmpl")
     adapter, salt = _adapter(request, body), _salt(request, body)
-    chain = {"adapter": adapter, "cache_salt": salt}  # (what seeds the request's block hashes)
+    marked = prompt_cache_key(body) is not None
     out = _Output(rid, adapter or settings.model_name, chat, params.n, engine, fmt, params.constraint is not None)
     request[_SERVED] = out
     with _admitted(request):
         engine.core.factory.precheck(prompt, params)  # before tokenizing: what a prompt's size alone rules out
         ids = await engine.tokenize(prompt)
         _check_room(engine, len(ids), params, body)
+        pins = await _pins(engine, ids, keep, salt, adapter) if keep else None
+        chain = {"adapter": adapter, "cache_salt": salt}  # (what seeds the request's block hashes)
         if transfer is not None:  # a decode replica: the prefill replica's blocks first
             await disagg.before_decode(engine, ids, transfer, settings.kv_transfer_timeout, chain)
         elif disagg.bootstrapped(body) and settings.disaggregation_mode == "prefill":  # sglang-router's pairs
@@ -618,7 +653,7 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
             params = params.model_copy(update={"max_tokens": 1, "min_tokens": 0})
         elif disagg.bootstrapped(body) and settings.disaggregation_mode == "decode":
             await disagg.decode_for_pair(engine, ids, settings.kv_transfer_timeout, chain)
-        async with engine.stream(ids, params, request_id=rid, **chain) as stream:
+        async with engine.stream(ids, params, request_id=rid, keep=pins, mark_prompt=marked, **chain) as stream:
             first = await stream.__anext__()  # a request refused once tokenized is still a clean 400
             if streaming:
                 return await _stream_events(request, stream, first, out, include_usage)
@@ -628,6 +663,22 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
         if transfer is not None and transfer.get("do_remote_decode"):  # a prefill replica: leave the KV for decode
             whole[disagg.FIELD] = await disagg.after_prefill(engine, ids, settings.kv_transfer_timeout, chain)
         return web.json_response(whole)
+
+
+async def _pins(engine: AsyncEngine, ids: list[int], keep: list[tuple[Any, float]], salt: str | None,
+                adapter: str | None) -> list[tuple[int, float]]:
+    """The prefixes of `ids` that cache_control marks end (each mark's prompt tokenized: where it agrees with the
+    whole prompt), with their times to live; a 400 when pinning them would pass the pinned budget or the client's
+    share (RequestError)."""
+    out = []
+    for prompt, ttl in keep:
+        part = await engine.tokenize(prompt, check=False)
+        n = next((i for i, (a, b) in enumerate(zip(part, ids)) if a != b), min(len(part), len(ids)))
+        if n >= engine.core.block_size:
+            out.append((n, ttl))
+    if out:
+        await engine.check_pin(ids[: max(n for n, _ in out)], salt, adapter)
+    return out
 
 
 def _salt(request: web.Request, body: dict[str, Any]) -> str | None:

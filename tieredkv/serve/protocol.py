@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -174,6 +174,53 @@ def text_content(content: Any, where: str, param: str, kinds: tuple[str, ...]) -
     raise BadRequest(f"{where}: only a string or text parts ({', '.join(kinds)}) are supported", param)
 
 
+CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # Anthropic's cache_control lifetimes
+
+
+class Breakpoint(NamedTuple):
+    """A `cache_control` mark: the prompt up to the end of messages[message] (of its first `parts` text parts,
+    when its content is a list) is to be kept for `ttl` seconds."""
+
+    message: int
+    parts: int | None
+    ttl: float
+
+
+def cache_breakpoints(body: dict[str, Any]) -> list[Breakpoint]:
+    """Anthropic-style `cache_control` marks on messages or on their text parts ({"type": "ephemeral", "ttl":
+    "5m" | "1h"}, ttl "5m" when left out), in prompt order; a malformed one is a 400."""
+    out = []
+    for i, m in enumerate(body.get("messages") or []):
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("cache_control") is not None:
+                out.append(Breakpoint(i, j + 1, _ttl(part["cache_control"], f"messages[{i}].content[{j}]")))
+        if m.get("cache_control") is not None:
+            out.append(Breakpoint(i, None, _ttl(m["cache_control"], f"messages[{i}]")))
+    return out
+
+
+def _ttl(mark: Any, where: str) -> float:
+    if not isinstance(mark, dict) or mark.get("type") != "ephemeral":
+        raise BadRequest(f'{where}.cache_control must be {{"type": "ephemeral"}} with an optional "ttl" of '
+                         f'{" or ".join(map(repr, CACHE_TTLS))}', "messages")
+    ttl = mark.get("ttl", "5m")
+    if ttl not in CACHE_TTLS:
+        raise BadRequest(f"{where}.cache_control.ttl must be one of {', '.join(map(repr, CACHE_TTLS))}; got {ttl!r}",
+                         "messages")
+    return CACHE_TTLS[ttl]
+
+
+def prompt_cache_key(body: dict[str, Any]) -> str | None:
+    """OpenAI's `prompt_cache_key`: requests that share one share a prefix; a string or nothing."""
+    key = body.get("prompt_cache_key")
+    if key is not None and (not isinstance(key, str) or not key):
+        raise BadRequest("prompt_cache_key must be a non-empty string", "prompt_cache_key")
+    return key
+
+
 def completion_prompt(body: dict[str, Any]) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -196,6 +243,8 @@ def usage_body(usages: list[Usage]) -> dict[str, Any]:
             "total_tokens": first.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens,
                                       "cached_tokens_by_tier": dict(first.cached_tokens_by_tier)}}
+    if first.cache_decision is not None:
+        body["prompt_tokens_details"]["cache_decision"] = first.cache_decision
     last = usages[-1]  # speculative decoding's counts are the request's, as of its last sample's end
     if last.draft_tokens:  # OpenAI's names for predicted tokens that were (not) used
         body["completion_tokens_details"] = {"accepted_prediction_tokens": last.accepted_draft_tokens,

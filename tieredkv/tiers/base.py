@@ -40,6 +40,8 @@ class TierStats:
         skipped: blocks of prompts this blocking tier held (or might) that were computed instead of read, because
             reading them was expected to take longer than computing them (tiers/rates.py).
         late: reads of this tier given up at their deadline (the time computing the blocks takes).
+        refused: blocks that would have been written here that admission kept out (cold and remote: not used
+            admit_min_uses times, or an output block with admit_output_blocks off; tiers/policy.py).
     """
 
     name: str
@@ -56,6 +58,7 @@ class TierStats:
     round_trips: int = 0
     skipped: int = 0
     late: int = 0
+    refused: int = 0
 
 
 def next_batch(ops: "queue.Queue", first, limit: int) -> list:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 from tieredkv.hashing import BlockHash, BlockKey
+from tieredkv.tiers.policy import LFUQueue, Popularity
 
 MEDIUM_HOT = "GPU"  # the pool's name in KV events: vLLM's for the pool the model computes from, on every device
 
@@ -82,6 +83,41 @@ class FreeBlockQueue:
             block = block.next_free
 
 
+class LFUFreeQueue:
+    """FreeBlockQueue's interface in LFU-DA order (tiers/policy.py): blocks without a hash first, then cached
+    ones by their uses plus the clock when freed. O(log n) per operation."""
+
+    _UNCACHED = -(1 << 40)
+
+    def __init__(self, blocks: Iterable[KVBlock], popularity: Popularity):
+        self.popularity = popularity
+        self._queue: LFUQueue[KVBlock] = LFUQueue(self._weight)
+        for block in blocks:
+            self.append(block)
+
+    def _weight(self, block: KVBlock) -> int:
+        return self._UNCACHED if block.block_hash is None else self.popularity.uses(block.block_hash)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._queue)
+
+    def popleft(self) -> KVBlock:
+        try:
+            return self._queue.pop()
+        except IndexError:
+            raise IndexError("no free block") from None
+
+    def append(self, block: KVBlock) -> None:
+        self._queue.push(block)
+
+    def remove(self, block: KVBlock) -> None:
+        self._queue.discard(block)
+
+    def __iter__(self):
+        return iter(self._queue)
+
+
 class BlockPool:
     """All blocks a block table can hold, in one id space with one reference count and one hash map.
 
@@ -97,12 +133,21 @@ class BlockPool:
     (ref_cnt 0, in the free queue). A far block exists only while in use. `cached` maps a hash to its
     block: any cached hot block, and far blocks in use. Reusing cached free hot blocks evicts their
     hashes: `allocate` returns them, and lending slots returns what the warm tier evicted; the caller
-    turns both into block moves. Every method only changes metadata, O(1) per block.
+    turns both into block moves. Every method only changes metadata, O(1) per block (O(log n) under "lfu").
+
+    `eviction` orders the free hot blocks: "lru" (the least recently freed first) or "lfu" (LFU with dynamic
+    aging over `popularity`'s use counts: tiers/policy.py).
     """
 
-    def __init__(self, num_blocks: int, lender: "SwapSpace | None" = None):
+    def __init__(self, num_blocks: int, lender: "SwapSpace | None" = None, eviction: str = "lru",
+                 popularity: Popularity | None = None):
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.popularity = popularity or Popularity(16 * num_blocks)
+        if eviction not in ("lru", "lfu"):
+            raise ValueError(f'eviction must be "lru" or "lfu", got {eviction!r}')
+        self.eviction = eviction
+        self.free_queue = (FreeBlockQueue(self.blocks) if eviction == "lru"
+                           else LFUFreeQueue(self.blocks, self.popularity))
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_cached_free = 0  # cached blocks with ref_cnt 0 (kept in step, so stats are O(1))
         self.lender = lender  # the warm tier, when far blocks are on
@@ -229,6 +274,8 @@ class BlockPool:
         block.block_hash, block.token_ids, block.parent = block_hash, token_ids, parent
         self.cached[block_hash] = block
         self.num_cached_free += block.ref_cnt == 0
+        if block.ref_cnt == 0 and self.eviction == "lfu":  # ranked again as the cached block it is now
+            self.free_queue.append(block)
         far = self.is_far(block)
         self.num_cached_far += far
         if self.new_cached is not None:

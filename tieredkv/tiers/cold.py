@@ -38,6 +38,7 @@ log = logging.getLogger("tieredkv")
 
 _MAX_BATCH = 256
 _MIN_MAP = 64 << 20
+MAX_PENDING = 256 << 20  # bytes of queued block writes; beyond that new ones are dropped (counted as failures)
 
 __all__ = ["ColdTier", "ColdTierError", "disk_cost"]
 
@@ -75,6 +76,8 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         super().__init__(budget_bytes)
         self._used = 0  # bytes (whole pages) stored, as of the writer's last transaction
         self._queue: queue.Queue = queue.Queue()
+        self._pending = 0  # bytes of blocks queued for the writer (bounded by MAX_PENDING)
+        self._pending_lock = threading.Lock()
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="tieredkv-lmdb-writer", daemon=True)
         self._writer.start()
@@ -173,10 +176,21 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
 
     def admit(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> tuple[int, Victims]:
         """Queues the blocks for the writer thread (which encodes them) and returns at once; what the
-        byte budget evicts is dropped (nothing lies below cold)."""
-        if self._writer.is_alive():
-            self._queue.put(("put_blocks", (list(keys), blocks), None))
-            self.report_stored(keys)  # (queued: reported as written, as a router needs no more precision)
+        byte budget evicts is dropped (nothing lies below cold). When more than MAX_PENDING bytes already wait
+        (a disk slower than the demotions), the blocks are dropped and counted as a failure: the queue stays
+        bounded."""
+        size = blocks.numel() * blocks.element_size()
+        with self._pending_lock:
+            queued = self._writer.is_alive() and self._pending + size <= MAX_PENDING
+            self._pending += size if queued else 0
+        if not queued:
+            if self._writer.is_alive():
+                log.warning("cold tier: %d MiB of writes wait for the disk; %d blocks dropped", self._pending >> 20,
+                            len(keys))
+                self.count(failures=1)
+            return 0, NO_VICTIMS
+        self._queue.put(("put_blocks", (list(keys), blocks), None))
+        self.report_stored(keys)  # (queued: reported as written, as a router needs no more precision)
         return len(keys), NO_VICTIMS
 
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
@@ -227,6 +241,10 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
                 log.exception("cold tier: a write batch failed")
                 self.count(failures=1)
                 results = [0] * len(batch)
+            finally:
+                done_bytes = sum(p[1].numel() * p[1].element_size() for kind, p, _ in batch if kind == "put_blocks")
+                with self._pending_lock:
+                    self._pending -= done_bytes
             for (_, _, done), result in zip(batch, results):
                 if done is not None and not done.done():
                     done.set_result(result)

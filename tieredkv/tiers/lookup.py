@@ -26,6 +26,7 @@ class Lookup:
     below: Future | None  # -> [(tier name, blocks)] from the blocking tiers
     deadline: float | None = None  # monotonic: past it, a read still in flight is given up and the rest computed
     decision: dict = field(default_factory=dict)  # why the blocking tiers were read or not (explain, the log)
+    blocking: str | None = None  # the first blocking tier weighed, by name
 
     @property
     def late(self) -> bool:
@@ -86,7 +87,7 @@ def start_lookup(lower: list[KVTier], reader, rest: list[BlockKey], start: int, 
             decision["read"] = True
             below = reader.submit(_read_below, tiers, rest[i:], rates)
             deadline = rates.deadline(compute)
-    return Lookup(start, rest, found, below, deadline, decision)
+    return Lookup(start, rest, found, below, deadline, decision, tiers[0].name if decision else None)
 
 
 def finish_lookup(lookup: Lookup, block_size: int, bottom: KVTier) -> Restore | None:
@@ -125,6 +126,21 @@ def finish_lookup(lookup: Lookup, block_size: int, bottom: KVTier) -> Restore | 
     if not parts:
         return None
     return Restore(lookup.start, i * block_size, lookup.keys[:i], parts)
+
+
+def describe(decision: dict, tier: str, block_size: int) -> str | None:
+    """A lookup's load-or-recompute decision in words, for the request's usage: "recomputed 2,048 tokens: cold
+    read 1.9 s > prefill 0.8 s"; None when no blocking tier was weighed."""
+    if not decision:
+        return None
+    tokens, read, compute = decision["blocks"] * block_size, decision.get("read_s"), decision.get("compute_s")
+    expected = (f"{tier} read {read:.3g} s" if read is not None else f"{tier} read unmeasured") + \
+        (f" vs prefill {compute:.3g} s" if compute is not None else "")
+    if decision.get("late"):
+        return f"recomputed up to {tokens:,} tokens: the {tier} read passed its deadline ({expected})"
+    if not decision.get("read"):
+        return f"recomputed up to {tokens:,} tokens: {expected.replace(' vs ', ' > ')}"
+    return f"read up to {tokens:,} tokens from {tier} ({expected})"
 
 
 def count_lookup(tiers: list[KVTier], by_tier: dict[str, int], num_queried_tokens: int, block_size: int) -> None:

@@ -20,6 +20,7 @@ from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.lookup import Lookup, finish_lookup, start_lookup
 from tieredkv.tiers.moves import (COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore,
                                   runs)
+from tieredkv.tiers.policy import Admission
 from tieredkv.tiers.rates import LoadRates
 
 log = logging.getLogger("tieredkv")
@@ -28,7 +29,7 @@ _BATCH = 256  # blocks per transfer when a whole tier moves
 
 class TierManager:
     def __init__(self, hot: HotTier, warm: KVTier | None, cold: KVTier | None, block_size: int,
-                 remote: KVTier | None = None):
+                 remote: KVTier | None = None, admission: Admission | None = None):
         self.hot = hot
         self.lower: list[KVTier] = [t for t in (warm, remote, cold) if t is not None]  # top to bottom
         self.shared = [t for t in self.lower if t.shared]
@@ -41,6 +42,7 @@ class TierManager:
         self._last_copy = None  # CUDA event after the last moves' copies
         self._unreleased: list[tuple[SwapSpace, list[int]]] = []  # slots read by copies maybe still in flight
         self.rates = LoadRates(block_size)  # load or recompute, for the blocking tiers (tiers/rates.py)
+        self.admission = admission or Admission(hot.pool.popularity)  # what cold and remote take (tiers/policy.py)
 
     @property
     def warm(self) -> KVTier | None:
@@ -158,7 +160,8 @@ class TierManager:
         while level < len(self.lower) and keys:
             tier = self.lower[level]
             try:
-                stored, victims = tier.admit(keys, blocks)
+                taken, data = self._admitted(tier, keys, blocks)
+                stored, victims = tier.admit(taken, data) if taken else (0, ([], None))
                 tier.count(demotions=stored)
             except Exception:
                 log.exception("demotion to %s failed", tier.name)
@@ -169,8 +172,25 @@ class TierManager:
                 if not tier.shared:  # a shared tier stands beside the next: it gets the blocks too
                     keys, blocks = victims
             level += 1
-        if keys and not self.lower[-1].shared:  # evicted from the bottom tier: gone (a shared one holds them)
-            self.lower[-1].note_dropped(k.block_hash for k in keys)
+        if keys and (not self.lower or not self.lower[-1].shared):  # evicted from the bottom tier (or no tier
+            # below hot): gone; a shared one holds them
+            (self.lower[-1] if self.lower else self.hot).note_dropped(k.block_hash for k in keys)
+
+    def _admitted(self, tier: KVTier, keys: list[BlockKey], blocks: torch.Tensor | None,
+                  force: bool = False) -> tuple[list[BlockKey], torch.Tensor | None]:
+        """The keys (and their blocks) that `tier` admits: all of them for warm, the ones that have earned it for
+        the tiers below (tiers/policy.py Admission); the others are counted refused and dropped there."""
+        if force or tier is self.swap or self.admission.admits_all:
+            return keys, blocks
+        keep = [i for i, k in enumerate(keys) if self.admission.admits(k.block_hash)]
+        if len(keep) == len(keys):
+            return keys, blocks
+        tier.count(refused=len(keys) - len(keep))
+        kept = set(keep)
+        tier.note_dropped(k.block_hash for i, k in enumerate(keys) if i not in kept)
+        if not keep:
+            return [], None
+        return [keys[i] for i in keep], None if blocks is None else blocks[torch.tensor(keep)]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Host copies [n, layers, 2, block_size, kv_heads, head_dim] of blocks by id, hot or far (a far
@@ -180,12 +200,14 @@ class TierManager:
                else self.hot.gather(part).cpu() for part in runs(block_ids, pool.is_far_id)]
         return torch.cat(out) if out else torch.empty(0)
 
-    def publish(self, blocks: list) -> None:
+    def publish(self, blocks: list, force: bool = False) -> None:
         """Offers blocks that just became full of computed tokens (KVBlocks of the pool) to the shared
-        tiers, which queue the ones they lack (write-behind): other engines find them from now on."""
+        tiers, which queue the ones they lack and admit (write-behind; `force`: whatever admission says): other
+        engines find them from now on."""
         keys = [BlockKey(b.block_hash, b.token_ids) for b in blocks]
         for tier in self.shared:
-            want = tier.wanted(keys)
+            admitted = {k.block_hash for k in self._admitted(tier, keys, None, force)[0]}
+            want = [i for i in tier.wanted(keys) if keys[i].block_hash in admitted]
             if not want:
                 continue
             try:
@@ -202,7 +224,7 @@ class TierManager:
         how many leading blocks were found here."""
         blocks = self.hot.pool.cached_prefix(keys)
         if blocks and self.shared:
-            self.publish(blocks)
+            self.publish(blocks, force=True)
         return len(blocks)
 
     def _pass_down(self, tier: KVTier, victims: Victims) -> None:
@@ -296,7 +318,9 @@ class TierManager:
         n = 0
         for tier in (self.hot, *(t for t in self.lower[: self.lower.index(durable)] if not t.shared)):
             for keys, data in tier.export_sync(_BATCH):
-                durable.admit(keys, data)
+                keys, data = self._admitted(durable, keys, data)
+                if keys:
+                    durable.admit(keys, data)
                 n += len(keys)
         return n
 

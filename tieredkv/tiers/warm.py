@@ -10,6 +10,7 @@ import torch
 
 from tieredkv.hashing import BlockHash
 from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, SwapSpace, Victims
+from tieredkv.tiers.policy import LFUQueue, Popularity
 
 
 def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -43,7 +44,8 @@ class WarmTier(KVTier, SwapSpace):
     medium = "CPU"  # vLLM's name for host memory (its CPU offloading tier)
 
     def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
-                 slab: torch.Tensor | None = None, layer_major: bool | None = None):
+                 slab: torch.Tensor | None = None, layer_major: bool | None = None, eviction: str = "lru",
+                 popularity: Popularity | None = None):
         self.capacity = capacity_blocks
         self.layer_major = slab is not None if layer_major is None else layer_major
         if slab is None:
@@ -55,6 +57,18 @@ class WarmTier(KVTier, SwapSpace):
         super().__init__(capacity_blocks * self.block_bytes)
         self.entries: OrderedDict[BlockHash, tuple[int, tuple[int, ...]]] = OrderedDict()
         self.free_slots = list(range(capacity_blocks - 1, -1, -1))  # popped from the end: lowest first
+        self.set_eviction(eviction, popularity)
+
+    def set_eviction(self, eviction: str, popularity: Popularity | None) -> None:
+        """How entries leave: "lru" in LRU order (`entries` is kept in it); "lfu": by LFU-DA over `popularity`'s use
+        counts (tiers/policy.py)."""
+        if eviction not in ("lru", "lfu"):
+            raise ValueError(f'eviction must be "lru" or "lfu", got {eviction!r}')
+        self.lfu: LFUQueue[BlockHash] | None = None
+        if eviction == "lfu":
+            self.lfu = LFUQueue(popularity.uses)
+            for block_hash in self.entries:
+                self.lfu.push(block_hash)
 
     def _used_bytes(self) -> int:
         """Cached entries and lent slots (swap space, far blocks of running sequences)."""
@@ -74,6 +88,8 @@ class WarmTier(KVTier, SwapSpace):
         n = self.contains_sync(keys)
         for key in keys[:n]:
             self.entries.move_to_end(key.block_hash)
+            if self.lfu is not None:
+                self.lfu.push(key.block_hash)
         return [self.entries[k.block_hash][0] for k in keys[:n]]
 
     def get_sync(self, keys: Sequence[BlockKey]) -> torch.Tensor | None:
@@ -85,7 +101,7 @@ class WarmTier(KVTier, SwapSpace):
         their data has been read): promotion moves a block up rather than copying it."""
         slots = self.slots_of(keys)
         for key in keys[: len(slots)]:
-            del self.entries[key.block_hash]
+            self._forget(key.block_hash)
         self.report_removed(k.block_hash for k in keys[: len(slots)])
         return slots
 
@@ -125,7 +141,7 @@ class WarmTier(KVTier, SwapSpace):
     def _record(self, keys: Sequence[BlockKey], present: int, new: list[int], slots: list[int], victims: Victims,
                 overflow: list[int], picked: torch.Tensor | None) -> tuple[int, Victims]:
         for i, slot in zip(new, slots):
-            self.entries[keys[i].block_hash] = (slot, keys[i].token_ids)
+            self._enter(keys[i], slot)
         self.report_stored([keys[i] for i in new])
         victim_keys, victim_data = victims
         if overflow:
@@ -160,7 +176,11 @@ class WarmTier(KVTier, SwapSpace):
         """Evicts the oldest entries until n slots are free (or nothing is left to evict)."""
         victims = []
         while len(self.free_slots) + len(victims) < n and self.entries:
-            block_hash, (slot, tokens) = self.entries.popitem(last=False)
+            if self.lfu is None:
+                block_hash, (slot, tokens) = self.entries.popitem(last=False)
+            else:
+                block_hash = self.lfu.pop()
+                slot, tokens = self.entries.pop(block_hash)
             victims.append((BlockKey(block_hash, tokens), slot))
         if not victims:
             return NO_VICTIMS
@@ -173,7 +193,7 @@ class WarmTier(KVTier, SwapSpace):
     def remove_sync(self, keys: Sequence[BlockKey]) -> int:
         n = 0
         for key in keys:
-            entry = self.entries.pop(key.block_hash, None)
+            entry = self._forget(key.block_hash)
             if entry is not None:
                 self.release([entry[0]])
                 self.report_removed([key.block_hash])
@@ -185,7 +205,19 @@ class WarmTier(KVTier, SwapSpace):
         self.release([slot for slot, _ in self.entries.values()])
         self.report_removed(list(self.entries))
         self.entries.clear()
+        if self.lfu is not None:
+            self.lfu = LFUQueue(self.lfu.weight)
         return n
+
+    def _enter(self, key: BlockKey, slot: int) -> None:
+        self.entries[key.block_hash] = (slot, key.token_ids)
+        if self.lfu is not None:
+            self.lfu.push(key.block_hash)
+
+    def _forget(self, block_hash: BlockHash) -> tuple[int, tuple[int, ...]] | None:
+        if self.lfu is not None:
+            self.lfu.discard(block_hash)
+        return self.entries.pop(block_hash, None)
 
     def export_sync(self, batch: int) -> Iterator[tuple[list[BlockKey], torch.Tensor]]:
         items = list(self.entries.items())
@@ -219,7 +251,7 @@ class WarmTier(KVTier, SwapSpace):
         if key.block_hash in self.entries:
             self.release([slot])
         else:
-            self.entries[key.block_hash] = (slot, key.token_ids)
+            self._enter(key, slot)
             self.report_stored([key])
 
     def release(self, slots: list[int]) -> None:

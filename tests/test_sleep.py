@@ -1,0 +1,132 @@
+"""An idle engine gives its memory back (engine/sleep.py): sleep levels 1 and 2, waking on the next request with
+the same output and the prefix from the tier it went to, idle_sleep_s, and the server's endpoints."""
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from helpers import check_pool_clean
+from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+from tieredkv.engine.sleep import _host_bytes, release_pages, weight_memory
+
+from test_tiers_engine import BLOCK_BYTES, rand_ids
+
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+PROMPT = rand_ids(200, seed=77)  # 12 full blocks
+
+
+async def answer(engine, prompt=PROMPT):
+    out = await engine.generate(prompt, PARAMS)
+    return out.outputs[0].token_ids, out.usage
+
+
+@pytest.mark.parametrize("tiers", ["warm", "cold"])
+async def test_level_1_gives_the_pool_back_and_the_next_request_reads_its_prefix_below(llama_dir, tmp_path, tiers):
+    extra = {"warm_bytes": 64 * BLOCK_BYTES}
+    if tiers == "cold":
+        extra = {"warm_bytes": 0, "cold_path": str(tmp_path / "cold")}
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, **extra)) as engine:
+        want, _ = await answer(engine)
+        await engine.pin(rand_ids(48, seed=78))
+        released = await engine.sleep(1)
+        assert released["level"] == 1 and released["pins_released"] == 1
+        assert released["blocks_demoted"] >= 12 and released["kv_bytes_released"] > 0
+        stats = engine.stats()
+        assert stats.sleep_level == 1 and stats.blocks_cached == 0 and stats.blocks_pinned == 0
+        assert await engine.sleep(1) == released  # asleep already: nothing more to do
+        if tiers == "cold":
+            await asyncio.to_thread(engine.core.tiers.cold.flush_sync)
+        got, usage = await answer(engine)  # wakes it
+        assert got == want and usage.cached_tokens_by_tier[tiers] == 12 * 16
+        assert engine.stats().sleep_level == 0
+        check_pool_clean(engine.core)
+
+
+async def test_level_2_gives_the_weights_back_and_reads_them_back_unchanged(llama_dir, tmp_path):
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, cache_dir=str(tmp_path / "cache"))
+    async with await AsyncEngine.start(cfg) as engine:
+        want, _ = await answer(engine)
+        regions = weight_memory(engine.core.model)
+        assert sum(n for _, n, _ in regions) >= engine.stats().weight_bytes
+        before = [bytes(_host_bytes(a, n)) for a, n, _ in regions]
+        released = await engine.sleep(2)
+        assert released["weight_bytes_released"] >= engine.stats().weight_bytes > 0
+        assert list((tmp_path / "cache" / "sleep").glob("weights-*.bin"))  # the spill file, while asleep
+        woke = await engine.wake()
+        assert woke["was_level"] == 2 and not list((tmp_path / "cache" / "sleep").glob("weights-*.bin"))
+        assert [bytes(_host_bytes(a, n)) for a, n, _ in regions] == before
+        got, usage = await answer(engine)
+        assert got == want and usage.cached_prompt_tokens == 0  # no tier below: the prefix is computed again
+        await engine.sleep(1)
+        assert (await engine.sleep(2))["level"] == 2  # deeper from level 1
+        assert (await answer(engine))[0] == want  # the request wakes it from level 2
+
+
+async def test_sleep_is_refused_while_requests_run(llama_dir):
+    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0)) as engine:
+        async with engine.stream(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True)) as stream:
+            await stream.__anext__()
+            with pytest.raises(RequestError, match="in flight"):
+                await engine.sleep(1)
+        with pytest.raises(RequestError, match="level"):
+            await engine.sleep(3)
+
+
+async def test_idle_sleep_then_the_next_request_wakes_it(llama_dir):
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=64 * BLOCK_BYTES, idle_sleep_s=0.2)
+    async with await AsyncEngine.start(cfg) as engine:
+        want, _ = await answer(engine)
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if engine.stats().sleep_level:
+                break
+        assert engine.stats().sleep_level == 1
+        got, usage = await answer(engine)
+        assert got == want and usage.cached_tokens_by_tier["warm"] == 12 * 16 and engine.stats().sleep_level == 0
+
+
+def test_released_pages_read_as_zeros_and_stay_usable():
+    import torch
+
+    from tieredkv.platform.malloc_tuning import anonymous_memory
+
+    t = anonymous_memory(64 << 10)
+    t.fill_(7)
+    assert release_pages(t.data_ptr() + 100, 32 << 10) == 28 << 10  # whole pages inside the range only
+    page = 4096
+    assert int(t[: page].sum()) == 7 * page and int(t[page : 8 * page].sum()) == 0
+    t[page : 2 * page] = 3
+    assert int(t[page : 2 * page].sum()) == 3 * page and torch.all(t[-page:] == 7)
+
+
+async def test_the_server_says_it_sleeps_and_wakes_on_a_request(llama_dir):
+    from tieredkv.serve import ServerSettings, start_server
+
+    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0))
+    runner, port = await start_server(engine, ServerSettings(model_name="tiny"), port=0)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{base}/sleep?level=1") as r:
+                assert r.status == 200 and (await r.json())["level"] == 1
+            async with http.get(f"{base}/health") as r:
+                assert r.status == 200 and await r.json() == {"status": "ok", "sleeping": True, "sleep_level": 1}
+            async with http.get(f"{base}/is_sleeping") as r:
+                assert (await r.json()) == {"is_sleeping": True}
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+            async with http.post(f"{base}/v1/completions", json=body) as r:
+                assert r.status == 200
+            async with http.get(f"{base}/is_sleeping") as r:
+                assert (await r.json()) == {"is_sleeping": False}
+            async with http.post(f"{base}/sleep?level=x") as r:
+                assert r.status == 400
+            async with http.post(f"{base}/sleep?level=2") as r:
+                assert r.status == 200
+            async with http.post(f"{base}/wake_up") as r:
+                assert r.status == 200 and (await r.json())["was_level"] == 2
+            async with http.get(f"{base}/health") as r:
+                assert await r.json() == {"status": "ok"}
+    finally:
+        await runner.cleanup()
+        await engine.close()

@@ -1,0 +1,176 @@
+"""An idle engine gives its memory back: `sleep(level)` and `wake()` (EngineCore), in the spirit of vLLM's sleep
+mode and llama.cpp's --sleep-idle-seconds.
+
+Level 1: the hot pool's cached blocks go down to the next tier (warm, else cold or remote; dropped without one),
+pins are released, and the pool's memory goes back to the system: on CPU its pages are handed back in place
+(madvise MADV_DONTNEED on the cache tensor's hot range; every address stays valid, and a page reads as zeros
+until written again), on CUDA the cache tensor's storage is freed and allocated again on wake. The warm tier
+keeps its entries (on CPU it is the tail of the same tensor: only the hot range is released). Level 2: the
+weights as well, written to a file under the cache directory first and read back into the same memory on wake
+(on CUDA: into storage allocated again), so every kernel handle and the native step's pointers stay valid.
+Nothing is rebuilt either way; waking level 1 on CPU costs nothing (pages come back as blocks are written).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tieredkv.platform.malloc_tuning import _libc, process_status_bytes, release_free_memory
+
+log = logging.getLogger("tieredkv")
+
+_MADV_DONTNEED = 4
+PAGE = mmap.PAGESIZE
+
+
+def release_pages(address: int, nbytes: int) -> int:
+    """Hands the whole pages of [address, address + nbytes) back to the system (anonymous private memory: they
+    read as zeros when touched again). Returns the bytes released (0 where madvise is not available)."""
+    start, end = -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
+    if end <= start:
+        return 0
+    try:
+        libc = _libc()
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return end - start
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over a storage's bytes (on its device)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _host_bytes(address: int, nbytes: int) -> memoryview:
+    """Process memory [address, address + nbytes) as a writable buffer."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def weight_memory(model: torch.nn.Module) -> list[tuple[int, int, torch.Tensor]]:
+    """The distinct memory the model's weights take in every form it holds them, as (address, bytes, a tensor that
+    keeps it alive): parameters, buffers, tensors kept as attributes of its modules (packed and quantized
+    layouts, oneDNN's opaque blocked tensors included), and the packed copies the CPU linear kernels keep beside
+    them (kernels/linear.py)."""
+    from tieredkv.kernels import linear
+
+    seen: dict[int, tuple[int, int, torch.Tensor]] = {}
+
+    def add(t) -> None:
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            return
+        if t.is_mkldnn:
+            address, nbytes = torch.ops.mkldnn.data_ptr(t), torch.ops.mkldnn._nbytes(t)
+        else:
+            storage = t.untyped_storage()
+            address, nbytes = storage.data_ptr(), storage.nbytes()
+        seen.setdefault(address, (address, nbytes, t))
+
+    for module in model.modules():
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            add(t)
+        for value in vars(module).values():
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                add(t)
+    for packed, _ in list(linear._HANDLES.values()):
+        add(packed)
+    return list(seen.values())
+
+
+class Sleeper:
+    """What a sleeping engine released and how to take it back. Owned by the EngineCore's thread."""
+
+    def __init__(self, kv_cache: torch.Tensor, num_blocks: int, warm_in_place: bool, spill_dir: Path):
+        self.kv_cache = kv_cache
+        self.num_blocks = num_blocks
+        self.warm_in_place = warm_in_place
+        self.spill_dir = spill_dir
+        self.level = 0  # 0: awake
+        self._kv_bytes = 0  # CUDA: the cache storage's size, to allocate again
+        self._spill: Path | None = None
+        self._weights: list[tuple[int, int, torch.Tensor]] = []  # (address, bytes, the tensor keeping it)
+        self.last: dict = {}
+
+    @property
+    def asleep(self) -> bool:
+        return self.level > 0
+
+    def release_cache(self) -> int:
+        """The hot pool's memory (its blocks must hold nothing anyone reads: all demoted, none in use)."""
+        cache = self.kv_cache
+        if cache.device.type == "cuda":
+            storage = cache.untyped_storage()
+            self._kv_bytes = storage.nbytes()
+            storage.resize_(0)
+            torch.cuda.empty_cache()
+            return self._kv_bytes
+        if not self.warm_in_place:  # the whole tensor is the pool (and the scratch block)
+            return release_pages(cache.data_ptr(), cache.numel() * cache.element_size())
+        block_bytes = cache.stride(2) * cache.element_size()
+        return sum(release_pages(cache[layer, kv].data_ptr(), self.num_blocks * block_bytes)
+                   for layer in range(cache.shape[0]) for kv in range(cache.shape[1]))
+
+    def restore_cache(self) -> None:
+        if self.kv_cache.device.type == "cuda" and self._kv_bytes:
+            self.kv_cache.untyped_storage().resize_(self._kv_bytes)
+            self.kv_cache.zero_()
+            self._kv_bytes = 0
+
+    def release_weights(self, model: torch.nn.Module) -> int:
+        """Writes the weights' memory to a file, then releases it; returns the bytes."""
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="weights-", suffix=".bin", dir=self.spill_dir)
+        self._spill, self._weights = Path(name), weight_memory(model)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for address, nbytes, t in self._weights:
+                    if t.device.type == "cuda":
+                        f.write(memoryview(_bytes_of(t.untyped_storage()).cpu().numpy()))
+                    else:
+                        f.write(_host_bytes(address, nbytes))
+            for address, nbytes, t in self._weights:
+                if t.device.type == "cuda":
+                    t.untyped_storage().resize_(0)
+                else:
+                    release_pages(address, nbytes)
+        except BaseException:
+            self._spill.unlink(missing_ok=True)
+            self._spill, self._weights = None, []
+            raise
+        if self.kv_cache.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return sum(nbytes for _, nbytes, _ in self._weights)
+
+    def restore_weights(self) -> None:
+        if self._spill is None:
+            return
+        with open(self._spill, "rb") as f:
+            for address, nbytes, t in self._weights:
+                if t.device.type == "cuda":
+                    host = torch.empty(nbytes, dtype=torch.uint8)
+                    f.readinto(memoryview(host.numpy()))
+                    t.untyped_storage().resize_(nbytes)
+                    _bytes_of(t.untyped_storage()).copy_(host)
+                else:
+                    f.readinto(_host_bytes(address, nbytes))
+        self._spill.unlink(missing_ok=True)
+        self._spill, self._weights = None, []
+
+    def settle(self, level: int, released: dict) -> dict:
+        """Records a finished sleep: its level, what it released, the process's resident memory now."""
+        release_free_memory()
+        self.level = level
+        self.last = {"level": level, **released, "rss_bytes": process_status_bytes("VmRSS"),
+                     "asleep_since": time.time()}
+        log.info("engine asleep (level %d): %s", level, ", ".join(f"{k}={v}" for k, v in released.items()))
+        return self.last
