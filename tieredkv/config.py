@@ -206,7 +206,7 @@ class EngineConfig(BaseModel):
         None, gt=0, description="after this many seconds without a request or command, the engine sleeps "
         "(AsyncEngine.sleep at idle_sleep_level: its memory goes back to the system) until the next one, which "
         "wakes it (llama.cpp's --sleep-idle-seconds); None: never")
-    idle_sleep_level: Literal[1, 2] = Field(1, description="how deep idle_sleep_s sleeps: 1 the hot pool's memory, "
+    idle_sleep_level: int = Field(1, ge=1, le=2, description="how deep idle_sleep_s sleeps: 1 the hot pool's memory, "
                                             "2 the weights' too (read back from a file on wake)")
     eviction_policy: Literal["lru", "lfu"] = Field(
         "lru", description='which cached blocks hot and warm give up first: "lru", the least recently used; '

@@ -79,6 +79,9 @@ def _why(core, keys: list[BlockKey], i: int) -> str:
         return "its cold entry failed authentication (damaged or changed), so it is not used"
     for tier in reversed([core.tiers.hot, *core.tiers.lower]):
         if tier.dropped(key.block_hash):
+            refused = tier.refused_why(key.block_hash)
+            if refused is not None:
+                return f"{tier.name} did not admit it: {refused}"
             return f"it was evicted from {tier.name}, and no tier below kept it"
     if cold is not None:
         tokens = [t for k in keys[: i + 1] for t in k.token_ids]

@@ -9,7 +9,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from collections import OrderedDict
-from typing import ClassVar, Iterable, Iterator, Sequence
+from typing import Callable, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 
@@ -107,13 +107,14 @@ class KVTier(ABC):
     def __init__(self, capacity_bytes: int):
         self._counters = TierStats(self.name, capacity_bytes)
         self._counter_lock = threading.Lock()
-        self._dropped: OrderedDict[bytes, None] = OrderedDict()
+        self._dropped: OrderedDict[bytes, str | None] = OrderedDict()
 
-    def note_dropped(self, hashes: Iterable[bytes]) -> None:
-        """Remembers (the last DROPPED_LOG) blocks this tier let go for good: no tier below kept them."""
+    def note_dropped(self, hashes: Iterable[bytes], refused: Callable[[bytes], str] | None = None) -> None:
+        """Remembers (the last DROPPED_LOG) blocks this tier let go for good: no tier below kept them; with
+        `refused` (a block's hash -> why), blocks this tier did not admit."""
         with self._counter_lock:
             for h in hashes:
-                self._dropped[h] = None
+                self._dropped[h] = None if refused is None else refused(h)
                 self._dropped.move_to_end(h)
             while len(self._dropped) > self.DROPPED_LOG:
                 self._dropped.popitem(last=False)
@@ -122,6 +123,11 @@ class KVTier(ABC):
         """Whether this tier let the block go for good, among the last DROPPED_LOG it dropped."""
         with self._counter_lock:
             return block_hash in self._dropped
+
+    def refused_why(self, block_hash: bytes) -> str | None:
+        """Why this tier did not admit the block, when that is how it let it go."""
+        with self._counter_lock:
+            return self._dropped.get(block_hash)
 
     def report_stored(self, keys: Sequence[BlockKey]) -> None:
         """KV events: these blocks entered the tier."""

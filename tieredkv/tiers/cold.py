@@ -176,9 +176,21 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
 
     def admit(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> tuple[int, Victims]:
         """Queues the blocks for the writer thread (which encodes them) and returns at once; what the
-        byte budget evicts is dropped (nothing lies below cold). When more than MAX_PENDING bytes already wait
+        byte budget evicts is dropped (nothing lies below cold). Blocks on disk already are only touched (their LRU
+        position renewed), not encoded and written again. When more than MAX_PENDING bytes already wait
         (a disk slower than the demotions), the blocks are dropped and counted as a failure: the queue stays
         bounded."""
+        keys = list(keys)
+        with self.handle.transaction(db=self.db_blocks, buffers=True) as txn:  # a block on disk already is not
+            present = [txn.get(self._key(k)) is not None for k in keys]  # encoded and written again: touched
+        if any(present):
+            if self._writer.is_alive():
+                self._queue.put(("touch", [self._key(k) for k, p in zip(keys, present) if p], None))
+            new = [i for i, p in enumerate(present) if not p]
+            if not new:
+                return len(keys), NO_VICTIMS
+            blocks = blocks[torch.tensor(new)]
+            keys = [keys[i] for i in new]
         size = blocks.numel() * blocks.element_size()
         with self._pending_lock:
             queued = self._writer.is_alive() and self._pending + size <= MAX_PENDING
@@ -189,9 +201,9 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
                             len(keys))
                 self.count(failures=1)
             return 0, NO_VICTIMS
-        self._queue.put(("put_blocks", (list(keys), blocks), None))
+        self._queue.put(("put_blocks", (keys, blocks), None))
         self.report_stored(keys)  # (queued: reported as written, as a router needs no more precision)
-        return len(keys), NO_VICTIMS
+        return len(keys) + sum(present), NO_VICTIMS
 
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
         stored = self._wait("put", [(self._key(k), self._encode(k, b)) for k, b in zip(keys, blocks)])

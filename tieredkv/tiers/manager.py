@@ -187,7 +187,7 @@ class TierManager:
             return keys, blocks
         tier.count(refused=len(keys) - len(keep))
         kept = set(keep)
-        tier.note_dropped(k.block_hash for i, k in enumerate(keys) if i not in kept)
+        tier.note_dropped((k.block_hash for i, k in enumerate(keys) if i not in kept), self.admission.why_not)
         if not keep:
             return [], None
         return [keys[i] for i in keep], None if blocks is None else blocks[torch.tensor(keep)]
