@@ -21,13 +21,18 @@ async def answer(engine, prompt=PROMPT):
     return out.outputs[0].token_ids, out.usage
 
 
-@pytest.mark.parametrize("tiers", ["warm", "cold"])
+@pytest.mark.parametrize("tiers", ["warm", "cold", "warm+cold"])
 async def test_level_1_gives_the_pool_back_and_the_next_request_reads_its_prefix_below(llama_dir, tmp_path, tiers):
+    """Without a tier outside memory, hot's blocks go to warm; with cold, hot's and warm's go there (the warm+cold
+    case: the prompt's blocks sit in warm, evicted from hot by others, before it sleeps)."""
     extra = {"warm_bytes": 64 * BLOCK_BYTES}
-    if tiers == "cold":
-        extra = {"warm_bytes": 0, "cold_path": str(tmp_path / "cold")}
+    if tiers != "warm":
+        extra = {"warm_bytes": 64 * BLOCK_BYTES if tiers == "warm+cold" else 0, "cold_path": str(tmp_path / "cold")}
     async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, **extra)) as engine:
         want, _ = await answer(engine)
+        if tiers == "warm+cold":
+            await engine.clear_cache("hot", demote=True)  # into warm
+            assert engine.core.tiers.warm.contains_sync(engine.core.kv.chain_keys(PROMPT)) == 12
         await engine.pin(rand_ids(48, seed=78))
         released = await engine.sleep(1)
         assert released["level"] == 1 and released["pins_released"] == 1
@@ -35,10 +40,10 @@ async def test_level_1_gives_the_pool_back_and_the_next_request_reads_its_prefix
         stats = engine.stats()
         assert stats.sleep_level == 1 and stats.blocks_cached == 0 and stats.blocks_pinned == 0
         assert await engine.sleep(1) == released  # asleep already: nothing more to do
-        if tiers == "cold":
-            await asyncio.to_thread(engine.core.tiers.cold.flush_sync)
-        got, usage = await answer(engine)  # wakes it
-        assert got == want and usage.cached_tokens_by_tier[tiers] == 12 * 16
+        if tiers == "warm+cold":
+            assert not engine.core.tiers.warm.entries
+        got, usage = await answer(engine)  # wakes it; the blocks were written before sleep returned
+        assert got == want and usage.cached_tokens_by_tier[tiers.split("+")[-1]] == 12 * 16
         assert engine.stats().sleep_level == 0
         check_pool_clean(engine.core)
 

@@ -18,6 +18,7 @@ from tieredkv.engine.sleep import Sleeper
 from tieredkv.engine.sizing import kv_token_bytes
 from tieredkv.engine.speculative import DraftProposer, draft_config
 from tieredkv.errors import EngineClosedError, LoRAError, RequestError
+from tieredkv.platform.malloc_tuning import release_free_memory
 from tieredkv.tiers.rates import RATE_TOKENS
 
 log = logging.getLogger("tieredkv")
@@ -100,9 +101,11 @@ class EngineCore:
         return self.sleeper.asleep
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
-        """Gives the engine's memory back while it has no request: level 1 the hot pool (its cached blocks demoted
-        to the tier below first, pins released), level 2 the weights too. RequestError with requests in flight or
-        under tensor parallelism. Returns what it released and the process's resident memory after."""
+        """Gives the engine's memory back while it has no request: level 1 the KV cache's (pins released; the
+        cached blocks of hot, and of warm, go to the tiers outside this process's memory, cold and remote, written
+        before this returns; with none, hot's go to warm, which keeps its memory), level 2 the weights' too.
+        RequestError with requests in flight or under tensor parallelism. Returns what it released and the
+        process's resident memory after."""
         if level not in (1, 2):
             raise RequestError(f"sleep level must be 1 or 2, got {level!r}")
         if self.parts.tp.world > 1:
@@ -113,10 +116,18 @@ class EngineCore:
         if sleeper.level >= level:
             return sleeper.last
         if sleeper.level == 0:
+            tiers = self.parts.tiers
             released["pins_released"] = len(self.parts.pins.pins)
             self.parts.pins.release_all()
-            released["blocks_demoted"] = self.parts.tiers.clear("hot", demote=True)
-            released["kv_bytes_released"] = sleeper.release_cache()
+            released["blocks_demoted"] = tiers.clear("hot", demote=True)
+            outside = [t for t in tiers.lower if t is not tiers.warm]  # tiers outside this process's memory
+            with_warm = tiers.warm is not None and bool(outside)
+            if with_warm:  # warm's memory goes back too, its entries to the tiers outside
+                released["blocks_demoted"] += tiers.clear("warm", demote=True)
+            release_free_memory()  # the blocks' copies on their way down: trimmed now, the heap's top stays free
+            for tier in outside:
+                tier.flush_sync()  # the next request finds them there
+            released["kv_bytes_released"] = sleeper.release_cache(tiers.warm if with_warm else None)
         if level == 2:
             compiled = self.parts.runner.compiled
             if compiled is not None and hasattr(compiled, "wait_ready"):

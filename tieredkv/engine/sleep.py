@@ -1,11 +1,12 @@
 """An idle engine gives its memory back: `sleep(level)` and `wake()` (EngineCore), in the spirit of vLLM's sleep
 mode and llama.cpp's --sleep-idle-seconds.
 
-Level 1: the hot pool's cached blocks go down to the next tier (warm, else cold or remote; dropped without one),
-pins are released, and the pool's memory goes back to the system: on CPU its pages are handed back in place
-(madvise MADV_DONTNEED on the cache tensor's hot range; every address stays valid, and a page reads as zeros
-until written again), on CUDA the cache tensor's storage is freed and allocated again on wake. The warm tier
-keeps its entries (on CPU it is the tail of the same tensor: only the hot range is released). Level 2: the
+Level 1: pins are released, the cached blocks in this process's memory go to the tiers outside it (hot's and
+warm's to cold and remote, written before sleep returns; with neither, hot's go to warm, which keeps its
+memory, and without warm they are dropped), and that memory goes back to the system: on CPU its pages are handed
+back in place (madvise MADV_DONTNEED on the cache tensor, or on its hot range where warm keeps its entries; every
+address stays valid, and a page reads as zeros until written again), on CUDA the cache tensor's storage is
+freed and allocated again on wake. Level 2: the
 weights as well, written to a file under the cache directory first and read back into the same memory on wake
 (on CUDA: into storage allocated again), so every kernel handle and the native step's pointers stay valid.
 Nothing is rebuilt either way; waking level 1 on CPU costs nothing (pages come back as blocks are written).
@@ -20,10 +21,14 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tieredkv.platform.malloc_tuning import _libc, process_status_bytes, release_free_memory
+
+if TYPE_CHECKING:
+    from tieredkv.tiers.warm import WarmTier
 
 log = logging.getLogger("tieredkv")
 
@@ -105,17 +110,22 @@ class Sleeper:
     def asleep(self) -> bool:
         return self.level > 0
 
-    def release_cache(self) -> int:
-        """The hot pool's memory (its blocks must hold nothing anyone reads: all demoted, none in use)."""
+    def release_cache(self, warm: "WarmTier | None" = None) -> int:
+        """The hot pool's memory, and `warm`'s slab (their blocks must hold nothing anyone reads: all demoted, none
+        in use). A pinned (CUDA) warm slab stays: page-locked memory cannot be handed back this way."""
         cache = self.kv_cache
+        slab = 0
+        if warm is not None and not self.warm_in_place and warm.slab.device.type == "cpu" and \
+                not warm.slab.is_pinned():
+            slab = release_pages(warm.slab.data_ptr(), warm.slab.numel() * warm.slab.element_size())
         if cache.device.type == "cuda":
             storage = cache.untyped_storage()
             self._kv_bytes = storage.nbytes()
             storage.resize_(0)
             torch.cuda.empty_cache()
-            return self._kv_bytes
-        if not self.warm_in_place:  # the whole tensor is the pool (and the scratch block)
-            return release_pages(cache.data_ptr(), cache.numel() * cache.element_size())
+            return self._kv_bytes + slab
+        if not self.warm_in_place or warm is not None:  # the whole tensor: the pool, the warm tail, the scratch
+            return release_pages(cache.data_ptr(), cache.numel() * cache.element_size()) + slab
         block_bytes = cache.stride(2) * cache.element_size()
         return sum(release_pages(cache[layer, kv].data_ptr(), self.num_blocks * block_bytes)
                    for layer in range(cache.shape[0]) for kv in range(cache.shape[1]))
