@@ -77,7 +77,7 @@ async def main() -> None:
     p.add_argument("--hot-prompts", type=float, default=8, help="the hot pool's blocks, in system prompts")
     p.add_argument("--warm-prompts", type=float, default=8, help="the warm tier's blocks, in system prompts")
     p.add_argument("--only", default=None, help="run only the setups whose names contain one of these "
-                   "(comma-separated)")
+                   "(separated by ';')")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     trace = make_trace(args.seed, args.requests, args.systems, args.system_tokens, args.question_tokens, args.zipf)
@@ -98,7 +98,7 @@ async def main() -> None:
                 admit_min_uses=2, admit_output_blocks=False),
         }
         for name, cfg in setups.items():
-            if args.only and not any(part in name for part in args.only.split(",")):
+            if args.only and not any(part in name for part in args.only.split(";")):
                 continue
             results[name] = await replay(cfg, trace, args.max_tokens)
             r = results[name]

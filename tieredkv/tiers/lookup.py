@@ -86,7 +86,7 @@ def start_lookup(lower: list[KVTier], reader, rest: list[BlockKey], start: int, 
         else:
             decision["read"] = True
             below = reader.submit(_read_below, tiers, rest[i:], rates)
-            deadline = rates.deadline(compute)
+            deadline = rates.deadline(compute, known=load is not None and not rates.skip(load, compute))
     return Lookup(start, rest, found, below, deadline, decision, tiers[0].name if decision else None)
 
 

@@ -4,9 +4,9 @@ read or computed again.
 Each blocking tier's seconds per block are measured as it serves reads that find blocks (an exponential average),
 and the engine's prefill rate as it computes (tokens per second of forward). A lookup reads a tier only
 where the read is expected to beat computing the same blocks, and gives the read a deadline of that computing
-time: a read still in flight then is dropped and the blocks are computed, so a tier that turns slow costs at most
-one request that much. A tier not read for `probe_s` is read again (with the deadline), so that one that recovers
-is used again. Before a request's forward is measured, one of RATE_TOKENS tokens is timed at start
+time (half of it while the tier's cost is not known: its first read, a probe): a read still in flight then is
+dropped and the blocks are computed, so a tier that turns slow costs at most one request that much. A tier not
+read for `probe_s` is read again (with the deadline), so that one that recovers is used again. Before a request's forward is measured, one of RATE_TOKENS tokens is timed at start
 (ModelRunner.time_prefill).
 Below `floor_s` nothing is decided: a read expected to take less than that is always tried, and a read always has
 at least that long (a few tens of milliseconds of TTFT are not worth a wrong guess from a noisy estimate)."""
@@ -60,9 +60,14 @@ class LoadRates:
         """Whether a read expected to take `load` seconds should not even start, computing taking `compute`."""
         return load is not None and compute is not None and load > max(compute, self.floor_s)
 
-    def deadline(self, compute: float | None) -> float | None:
-        """When a read started now stops being worth waiting for (None: no estimate yet, wait for it)."""
-        return None if compute is None else time.monotonic() + max(compute, self.floor_s)
+    def deadline(self, compute: float | None, known: bool = True) -> float | None:
+        """When a read started now stops being worth waiting for (None: no estimate yet, wait for it): computing's
+        time where the read is expected to beat it (`known`); half of it for a read whose cost is not known (a
+        tier's first read, or a probe of one measured slower), so such a read costs a request at most 1.5 times
+        its computing."""
+        if compute is None:
+            return None
+        return time.monotonic() + max(compute if known else compute / 2, self.floor_s)
 
     def probe_due(self, tier: str) -> bool:
         """Whether `tier` has gone unread for probe_s: read it (with a deadline) to measure it again."""
