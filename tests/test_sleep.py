@@ -66,6 +66,8 @@ async def test_level_2_gives_the_weights_back_and_reads_them_back_unchanged(llam
         await engine.sleep(1)
         assert (await engine.sleep(2))["level"] == 2  # deeper from level 1
         assert (await answer(engine))[0] == want  # the request wakes it from level 2
+        await engine.sleep(2)
+    assert not list((tmp_path / "cache" / "sleep").glob("weights-*.bin"))  # closed asleep: the file is gone
 
 
 async def test_sleep_is_refused_while_requests_run(llama_dir):

@@ -33,6 +33,10 @@ class EngineCore:
         self.config = config
         self.parts = build_engine(config)
         parts = self.parts
+        warm = parts.tiers.warm
+        in_place = warm is not None and warm.slab.untyped_storage().data_ptr() == \
+            parts.kv_cache.untyped_storage().data_ptr()
+        self.sleeper = Sleeper(parts.kv_cache, parts.num_blocks, in_place, resolve_cache_dir(config) / "sleep")
         self.adapters = Adapters(parts.spec, parts.dtype, parts.device, parts.kv.root, config.max_loras,
                                  config.max_lora_rank, parts.tp.shard, parts.tp if parts.tp.world > 1 else None)
         parts.runner.lora_stack = self.adapters.stack
@@ -49,10 +53,7 @@ class EngineCore:
             self._add_draft_model(config)
         self.block_size = config.block_size
         self.requests = self.parts.lifecycle.requests  # live requests by id
-        warm = parts.tiers.warm
-        in_place = warm is not None and warm.slab.untyped_storage().data_ptr() == \
-            parts.kv_cache.untyped_storage().data_ptr()
-        self.sleeper = Sleeper(parts.kv_cache, parts.num_blocks, in_place, resolve_cache_dir(config) / "sleep")
+
         self.dense_formats = self.parts.model.dense_formats(self.parts.runner.ops)  # fixed once built
 
     def _add_draft_model(self, config: EngineConfig) -> None:
@@ -82,6 +83,7 @@ class EngineCore:
             speculator = self.parts.speculator
             if speculator is not None and hasattr(speculator.proposer, "close"):
                 speculator.proposer.close()  # a draft model's engine
+            self.sleeper.discard()
             self.parts.pins.release_all()
             self.parts.tiers.persist()
             self.parts.tiers.close()

@@ -176,6 +176,12 @@ class Sleeper:
         self._spill.unlink(missing_ok=True)
         self._spill, self._weights = None, []
 
+    def discard(self) -> None:
+        """At close: the weights' file goes (what it held is not needed any more)."""
+        if self._spill is not None:
+            self._spill.unlink(missing_ok=True)
+            self._spill, self._weights = None, []
+
     def settle(self, level: int, released: dict) -> dict:
         """Records a finished sleep: its level, what it released, the process's resident memory now."""
         release_free_memory()
