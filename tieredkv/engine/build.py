@@ -58,7 +58,8 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
     if warm is not None and sharded:  # this rank's heads in its slab, whole blocks in and out (tiers/warm.py)
         warm = ShardedWarmTier(num_warm_blocks, block_shape, warm.slab, warm.layer_major, tp,
                                tp.shard.sizes(spec.num_kv_heads))
-    popularity = Popularity(16 * (num_blocks + num_warm_blocks))
+    read = cfg.eviction_policy == "lfu" or cfg.admit_min_uses > 1 or not cfg.admit_output_blocks
+    popularity = Popularity(16 * (num_blocks + num_warm_blocks), active=read)  # counted only where read
     pool = BlockPool(num_blocks, warm if far else None, cfg.eviction_policy, popularity)
     if warm is not None:
         warm.set_eviction(cfg.eviction_policy, popularity)

@@ -30,8 +30,9 @@ T = TypeVar("T", bound=Hashable)
 class Popularity:
     """Uses and flags of block hashes, aged (see the module's docstring)."""
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, active: bool = True):
         self.window = max(window, 64)
+        self.active = active  # off where nothing reads the counts (LRU, every block admitted): nothing is counted
         self._uses: dict[BlockHash, int] = {}
         self._flags: dict[BlockHash, int] = {}
         self._total = 0
@@ -41,6 +42,8 @@ class Popularity:
 
     def use(self, hashes: Iterable[BlockHash]) -> None:
         """One more use of each block, found in the cache by a prompt (which makes it a prompt block)."""
+        if not self.active:
+            return
         uses, flags = self._uses, self._flags
         for h in hashes:
             uses[h] = uses.get(h, 0) + 1
@@ -52,6 +55,8 @@ class Popularity:
 
     def computed(self, block_hash: BlockHash, output: bool) -> None:
         """A block that became full of computed tokens: one use; `output`: it holds generated tokens."""
+        if not self.active:
+            return
         self._uses[block_hash] = self._uses.get(block_hash, 0) + 1
         self._total += 1
         flags = self._flags.get(block_hash, 0)
@@ -73,6 +78,8 @@ class Popularity:
     def mark(self, hashes: Iterable[BlockHash], marked: bool = True) -> None:
         """A client asked to keep these blocks (a pin, cache_control, prompt_cache_key): admitted below warm
         whatever their uses; `marked=False` takes the mark away."""
+        if not self.active:
+            return
         for h in hashes:
             flags = self._flags.get(h, 0)
             self._set(h, flags | _MARKED if marked else flags & ~_MARKED)
