@@ -93,18 +93,36 @@ async def test_idle_sleep_then_the_next_request_wakes_it(llama_dir):
         assert got == want and usage.cached_tokens_by_tier["warm"] == 12 * 16 and engine.stats().sleep_level == 0
 
 
+def test_a_read_only_file_mapping_is_never_taken_for_memory_to_release(tmp_path):
+    import numpy as np
+    import torch
+
+    from tieredkv.engine.sleep import writable_private
+    from tieredkv.platform.malloc_tuning import anonymous_memory
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\1" * (64 << 10))
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")  # as a loader reading a file in place would hold it
+    anon, heap = anonymous_memory(64 << 10), torch.ones(1000)
+    assert writable_private([(mapped.ctypes.data, 4096), (anon.data_ptr(), 4096), (heap.data_ptr(), 4000)]) == \
+        [False, True, True]
+
+
 def test_released_pages_read_as_zeros_and_stay_usable():
+    import mmap
+
     import torch
 
     from tieredkv.platform.malloc_tuning import anonymous_memory
 
-    t = anonymous_memory(64 << 10)
+    page = mmap.PAGESIZE
+    t = anonymous_memory(16 * page)
     t.fill_(7)
-    assert release_pages(t.data_ptr() + 100, 32 << 10) == 28 << 10  # whole pages inside the range only
-    page = 4096
-    assert int(t[: page].sum()) == 7 * page and int(t[page : 8 * page].sum()) == 0
+    assert release_pages(t.data_ptr() + 100, 8 * page) == 7 * page  # whole pages inside the range only
+    assert int(t[:page].sum()) == 7 * page and int(t[page : 8 * page].sum()) == 0
+    assert torch.all(t[8 * page :] == 7)
     t[page : 2 * page] = 3
-    assert int(t[page : 2 * page].sum()) == 3 * page and torch.all(t[-page:] == 7)
+    assert int(t[page : 2 * page].sum()) == 3 * page
 
 
 async def test_the_server_says_it_sleeps_and_wakes_on_a_request(llama_dir):

@@ -52,6 +52,28 @@ def release_pages(address: int, nbytes: int) -> int:
     return end - start
 
 
+def writable_private(regions: list[tuple[int, int]]) -> list[bool]:
+    """For each (address, bytes): whether it lies in a writable private mapping of no file (the heap, an anonymous
+    mapping), the memory whose pages can be handed back and written again; False where /proc/self/maps cannot
+    tell (a read-only file mapping must be neither released nor written)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = []
+            for line in f:
+                fields = line.split()
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                path = fields[5] if len(fields) > 5 else ""
+                maps.append((start, end, fields[1].startswith("rw") and fields[1][3] == "p" and
+                             (not path or path.startswith("["))))
+    except (OSError, ValueError, IndexError):
+        return [False] * len(regions)
+    out = []
+    for address, nbytes in regions:
+        inside = [ok for start, end, ok in maps if start <= address and address + nbytes <= end]
+        out.append(bool(inside) and inside[0])
+    return out
+
+
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over a storage's bytes (on its device)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -140,7 +162,10 @@ class Sleeper:
         """Writes the weights' memory to a file, then releases it; returns the bytes."""
         self.spill_dir.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix="weights-", suffix=".bin", dir=self.spill_dir)
-        self._spill, self._weights = Path(name), weight_memory(model)
+        regions = weight_memory(model)
+        host = writable_private([(a, n) for a, n, t in regions if t.device.type != "cuda"])
+        ok = iter(host)  # a weight in a file's mapping stays where it is: its pages are the page cache's
+        self._spill, self._weights = Path(name), [r for r in regions if r[2].device.type == "cuda" or next(ok)]
         try:
             with os.fdopen(fd, "wb") as f:
                 for address, nbytes, t in self._weights:
