@@ -174,7 +174,7 @@ async def test_only_prompt_blocks_used_twice_reach_the_disk(llama_dir, tmp_path)
         assert cold.stats().refused == 12 * 2
         reports = await engine.explain(SYSTEMS[0] + rand_ids(20, seed=300))
         assert reports[10].source is None and reports[10].reason == \
-            "cold did not admit it: used 1 times, below admit_min_uses=2"
+            "cold did not admit it: used once, below admit_min_uses=2"
         check_pool_clean(engine.core)
 
 

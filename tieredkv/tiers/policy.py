@@ -114,7 +114,8 @@ class Admission:
         """Why admits() refused a block (for logs and explain)."""
         if not self.output_blocks and self.popularity.is_output(block_hash):
             return "an output block (admit_output_blocks is off)"
-        return f"used {self.popularity.uses(block_hash)} times, below admit_min_uses={self.min_uses}"
+        uses = self.popularity.uses(block_hash)
+        return f"used {'once' if uses == 1 else f'{uses} times'}, below admit_min_uses={self.min_uses}"
 
 
 class LFUQueue(Generic[T]):
