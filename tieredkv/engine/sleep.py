@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import os
 import tempfile
 import time
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tieredkv.platform.malloc_tuning import _libc, process_status_bytes, release_free_memory
+from tieredkv.platform.malloc_tuning import PAGE, _libc, process_status_bytes, release_free_memory
 
 if TYPE_CHECKING:
     from tieredkv.tiers.warm import WarmTier
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tieredkv")
 
 _MADV_DONTNEED = 4
-PAGE = mmap.PAGESIZE
 
 
 def release_pages(address: int, nbytes: int) -> int:

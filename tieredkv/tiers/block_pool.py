@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 from tieredkv.hashing import BlockHash, BlockKey
-from tieredkv.tiers.policy import EVICTION_POLICIES, LFUQueue, Popularity
+from tieredkv.tiers.policy import LFUQueue, Popularity, check_eviction
 
 MEDIUM_HOT = "GPU"  # the pool's name in KV events: vLLM's for the pool the model computes from, on every device
 
@@ -143,8 +143,7 @@ class BlockPool:
                  popularity: Popularity | None = None):
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.popularity = popularity or Popularity(16 * num_blocks)
-        if eviction not in EVICTION_POLICIES:
-            raise ValueError(f'eviction must be "lru" or "lfu", got {eviction!r}')
+        check_eviction(eviction)
         self.eviction = eviction
         self.free_queue = (FreeBlockQueue(self.blocks) if eviction == "lru"
                            else LFUFreeQueue(self.blocks, self.popularity))

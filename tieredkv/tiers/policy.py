@@ -22,6 +22,11 @@ from typing import Callable, Generic, Hashable, Iterable, Iterator, TypeVar
 from tieredkv.hashing import BlockHash
 
 EVICTION_POLICIES = ("lru", "lfu")
+
+
+def check_eviction(eviction: str) -> None:
+    if eviction not in EVICTION_POLICIES:
+        raise ValueError(f'eviction must be "lru" or "lfu", got {eviction!r}')
 _OUTPUT, _MARKED = 1, 2
 
 T = TypeVar("T", bound=Hashable)
@@ -42,25 +47,21 @@ class Popularity:
 
     def use(self, hashes: Iterable[BlockHash]) -> None:
         """One more use of each block, found in the cache by a prompt (which makes it a prompt block)."""
-        if not self.active:
-            return
-        uses, flags = self._uses, self._flags
-        for h in hashes:
-            uses[h] = uses.get(h, 0) + 1
-            self._total += 1
-            if flags.get(h, 0) & _OUTPUT:
-                self._set(h, flags[h] & ~_OUTPUT)
-        if self._total >= self.window:
-            self._age()
+        if self.active:
+            for h in hashes:
+                self._count(h, output=False)
 
     def computed(self, block_hash: BlockHash, output: bool) -> None:
         """A block that became full of computed tokens: one use; `output`: it holds generated tokens."""
-        if not self.active:
-            return
+        if self.active:
+            self._count(block_hash, output)
+
+    def _count(self, block_hash: BlockHash, output: bool) -> None:
         self._uses[block_hash] = self._uses.get(block_hash, 0) + 1
         self._total += 1
         flags = self._flags.get(block_hash, 0)
-        self._set(block_hash, flags | _OUTPUT if output else flags & ~_OUTPUT)
+        if bool(flags & _OUTPUT) != output:
+            self._set(block_hash, flags ^ _OUTPUT)
         if self._total >= self.window:
             self._age()
 
@@ -132,9 +133,6 @@ class LFUQueue(Generic[T]):
     def __len__(self) -> int:
         return len(self._live)
 
-    def __contains__(self, item: T) -> bool:
-        return item in self._live
-
     def push(self, item: T) -> None:
         """Inserts the item, or re-ranks it (a hit) at its current weight."""
         seq = next(self._seq)
@@ -157,14 +155,6 @@ class LFUQueue(Generic[T]):
                 self.clock = max(self.clock, priority)
                 return item
         raise IndexError("empty")
-
-    def peek(self) -> T:
-        heap, live = self._heap, self._live
-        while heap and live.get(heap[0][2]) != heap[0][1]:
-            heapq.heappop(heap)
-        if not heap:
-            raise IndexError("empty")
-        return heap[0][2]
 
     def __iter__(self) -> Iterator[T]:
         """The items, lowest priority first (O(n log n))."""

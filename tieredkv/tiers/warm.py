@@ -10,7 +10,7 @@ import torch
 
 from tieredkv.hashing import BlockHash
 from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, SwapSpace, Victims
-from tieredkv.tiers.policy import EVICTION_POLICIES, LFUQueue, Popularity
+from tieredkv.tiers.policy import LFUQueue, Popularity, check_eviction
 
 
 def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -62,8 +62,7 @@ class WarmTier(KVTier, SwapSpace):
     def set_eviction(self, eviction: str, popularity: Popularity | None) -> None:
         """How entries leave: "lru" in LRU order (`entries` is kept in it); "lfu": by LFU-DA over `popularity`'s use
         counts (tiers/policy.py)."""
-        if eviction not in EVICTION_POLICIES:
-            raise ValueError(f'eviction must be "lru" or "lfu", got {eviction!r}')
+        check_eviction(eviction)
         self.lfu: LFUQueue[BlockHash] | None = None
         if eviction == "lfu":
             self.lfu = LFUQueue(popularity.uses)
