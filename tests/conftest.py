@@ -32,6 +32,10 @@ EngineConfig.model_fields["compile_decode"].default = False
 # Where a test compiles, start() waits for the graph, so that the test knows which path serves
 # (test_compiled_decode.py tests the background compile itself).
 EngineConfig.model_fields["compile_in_background"].default = False
+# Engines here run their core in the test's process unless a test asks for a process of its own
+# (core_process=True: test_core_process.py, and every server the tests start with `tieredkv serve`, whose
+# default it is): most tests read the core's state through AsyncEngine.core, which only that mode has.
+EngineConfig.model_fields["core_process"].default = False
 EngineConfig.model_rebuild(force=True)
 os.environ.setdefault("TIEREDKV_COMPILE_DECODE", "0")
 # the cold tier's key file lives under XDG_CONFIG_HOME: keep the tests' key out of the user's home

@@ -66,7 +66,9 @@ def by_attr(pts, key) -> dict:
     return {p.attributes.get(key): p.value for p in pts}
 
 
-async def test_a_scripted_scenario_gives_exact_metrics_and_span_events(otel, llama_dir):
+@pytest.mark.parametrize("core_process", [False, True], ids=["in-process", "core process"])
+async def test_a_scripted_scenario_gives_exact_metrics_and_span_events(otel, llama_dir, core_process):
+    """The same figures whichever process runs the core (its records reach the application's providers)."""
     import pytest as _pytest
 
     from tieredkv import RequestError
@@ -75,7 +77,7 @@ async def test_a_scripted_scenario_gives_exact_metrics_and_span_events(otel, lla
     before = points(reader)
     exporter.clear()
     shared = list(range(3, 3 + 64))  # 64 tokens: 4 full blocks
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0)
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, core_process=core_process)
     async with await AsyncEngine.start(cfg) as engine:
         await engine.generate(shared + [200, 201], SamplingParams(max_tokens=4, ignore_eos=True))
         second = await engine.generate(shared + [300, 301, 302], SamplingParams(max_tokens=6, ignore_eos=True))
@@ -85,7 +87,7 @@ async def test_a_scripted_scenario_gives_exact_metrics_and_span_events(otel, lla
             break
         with _pytest.raises(RequestError):
             engine.stream([], SamplingParams())
-        await engine.run_in_worker(lambda: None)
+        await engine.pins()  # a call after the request: the core's records of it have arrived
         after = points(reader)
         stats = engine.stats()
 
@@ -138,7 +140,7 @@ async def main():
     port = serve_metrics(0)
     async with await AsyncEngine.start(EngineConfig(model=sys.argv[1], num_blocks=32, compile_decode=False)) as engine:
         await engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
-        await engine.run_in_worker(lambda: None)
+        await engine.pins()  # a call after the request: the core's records of it have arrived
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
         print(text.decode())
 

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from importlib.resources import files
 
 from pydantic import ValidationError
@@ -49,9 +50,9 @@ async def demo(args: argparse.Namespace) -> None:
           "speed; later starts load it)...", flush=True)
     t0 = time.perf_counter()
     async with await AsyncEngine.start(config) as engine:
-        core = engine.core
-        print(f"{core.model_dir.name}: {core.dtype} on {core.device}, {core.num_blocks} KV blocks "
-              f"of {core.block_size} tokens, ready in {time.perf_counter() - t0:.1f} s\n")
+        info = engine.info
+        print(f"{Path(info.model_dir).name}: {info.dtype} on {info.device}, {info.num_blocks} KV blocks "
+              f"of {info.block_size} tokens, ready in {time.perf_counter() - t0:.1f} s\n")
         params = SamplingParams(max_tokens=args.max_tokens)
         for question in DEMO_QUESTIONS:
             print(f">>> {question}\n")

@@ -208,6 +208,11 @@ class EngineConfig(BaseModel):
         "wakes it (llama.cpp's --sleep-idle-seconds); None: never")
     idle_sleep_level: int = Field(1, ge=1, le=2, description="how deep idle_sleep_s sleeps: 1 the hot pool's memory, "
                                             "2 the weights' too (read back from a file on wake)")
+    core_process: bool = Field(
+        True, description="AsyncEngine runs the engine core (the model, the KV pool and tiers, every step) in a "
+        "process of its own and talks to it over a socket, so that the application's own Python and torch work "
+        "cannot slow a step (they would share the GIL and the cores' OpenMP threads with it). False: on a thread "
+        "of the application's process, where AsyncEngine.core and run_in_worker(any callable) reach it")
     eviction_policy: Literal["lru", "lfu"] = Field(
         "lru", description='which cached blocks hot and warm give up first: "lru", the least recently used; '
         '"lfu", the least used, with dynamic aging (a use count per block, halved as the counts add up, plus the '

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 
 class TieredKVError(Exception):
-    """Base of the engine's own errors."""
+    """Base of the engine's own errors. Each pickles as it is, whatever its constructor takes (they cross from the
+    engine's core process to the application's: core_process.py)."""
+
+    def __reduce__(self):
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> TieredKVError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class RequestError(TieredKVError, ValueError):

@@ -7,12 +7,12 @@ import signal
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.engine.explain import BlockReport, explain
-from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
+from tieredkv.engine.outputs import CompletionOutput, EngineInfo, EngineStats, RequestOutput, Usage
 from tieredkv.engine.stream import Channel, RequestStream
 from tieredkv.engine.worker import EngineWorker
 from tieredkv.errors import EngineClosedError, RequestError, WrongLoopError
@@ -23,6 +23,10 @@ __all__ = ["AsyncEngine", "EngineClosedError"]
 
 class AsyncEngine:
     """An engine served on the event loop that started it.
+
+    Where the core runs: by default (EngineConfig.core_process) in a process of its own, which `start` launches
+    and which this object talks to (engine/core_client.py: the same methods, the same errors); with
+    core_process=False, in this process, as described below.
 
     Threads: that event loop (the only one the engine serves: a call from another loop or thread
     raises WrongLoopError at once, except `abort` and `stats`, which work from anywhere); one worker
@@ -40,6 +44,13 @@ class AsyncEngine:
     `run_in_worker` for the same reason.
     """
 
+    _process_front: ClassVar[type | None] = None  # the class serving core_process=True (core_client.py)
+
+    def __init_subclass__(cls, process_front: bool = False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if process_front:
+            AsyncEngine._process_front = cls
+
     def __init__(self, worker: EngineWorker):
         self._worker = worker
         self._loop = worker.loop
@@ -55,21 +66,47 @@ class AsyncEngine:
 
     @classmethod
     async def start(cls, config: EngineConfig | None = None, **kwargs) -> "AsyncEngine":
-        """Loads the model (on the worker thread) and starts serving on the running loop. kwargs build an
-        EngineConfig when none is given."""
-        worker = EngineWorker(config or EngineConfig(**kwargs), asyncio.get_running_loop())
+        """Loads the model (in the engine's core process, or with core_process=False on the worker thread) and
+        starts serving on the running loop. kwargs build an EngineConfig when none is given."""
+        config = config or EngineConfig(**kwargs)
+        if config.core_process and cls is AsyncEngine:
+            return await AsyncEngine._process_front.launch(config)
+        worker = EngineWorker(config, asyncio.get_running_loop())
         await worker.started
         return cls(worker)
 
     @property
     def core(self) -> EngineCore:
-        """The worker's engine core. Read it only through `run_in_worker` while requests are in flight."""
+        """The worker's engine core (core_process=False only). Read it only through `run_in_worker` while requests
+        are in flight."""
         return self._worker.core
 
     @property
     def tokenizer(self):
         """The model's tokenizer (encode, decode, apply_chat_template), as the engine uses it."""
-        return self._worker.core.tokenizer
+        return self._factory.tokenizer
+
+    @property
+    def info(self) -> EngineInfo:
+        """What stays fixed while the engine runs: the model's folder, device, dtype, block size and count,
+        max_model_len, the vocabulary's size, the config, whether a shared tier is attached."""
+        return self._worker.core.info()
+
+    def precheck(self, prompt: PromptType, params: SamplingParams) -> None:
+        """What stream() checks before it returns, without tokenizing: RequestError (or TypeError for a wrong
+        type) for a request that cannot be served; a server asks it before it reads the rest of a request."""
+        self._factory.precheck(prompt, params)
+
+    @property
+    def _factory(self):
+        return self._worker.core.factory
+
+    @property
+    def _telemetry(self):
+        return self._worker.core.telemetry
+
+    def _adapter_paths(self) -> dict[str, str]:
+        return self._worker.core.adapters.paths
 
     async def __aenter__(self) -> "AsyncEngine":
         return self
@@ -91,10 +128,16 @@ class AsyncEngine:
                 pass
         if not self._closing:
             self._closing = True
-            self._worker.post(self._worker.stop)
+            self._stop_core(grace)
         await asyncio.shield(self._worker.closed)
-        self._worker.thread.join(timeout=10)  # it settled `closed` as its last act: this returns at once
+        await self._join_core()
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
+
+    def _stop_core(self, grace: float) -> None:
+        self._worker.post(self._worker.stop)
+
+    async def _join_core(self) -> None:
+        self._worker.thread.join(timeout=10)  # it settled `closed` as its last act: this returns at once
 
     def close_on_signals(self, grace: float = 30.0,
                          signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
@@ -159,15 +202,15 @@ class AsyncEngine:
         if self._draining:
             raise EngineClosedError("engine shutting down: it takes no new requests")
         try:
-            self.core.factory.precheck(prompt, params)
+            self._factory.precheck(prompt, params)
             adapter, salt = flags.get("adapter"), flags.get("cache_salt")
-            if adapter is not None and adapter not in self.core.adapters.paths:
+            if adapter is not None and adapter not in self._adapter_paths():
                 raise RequestError(f"no LoRA adapter named {adapter!r} is loaded (loaded: "
-                                   f"{', '.join(self.core.adapters.names()) or 'none'})")
+                                   f"{', '.join(self.adapters()) or 'none'})")
             if salt is not None and (not isinstance(salt, str) or not salt):
                 raise RequestError("cache_salt must be a non-empty string")
         except (RequestError, TypeError):
-            self.core.telemetry.on_rejected()
+            self._telemetry.on_rejected()
             raise
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
@@ -179,7 +222,7 @@ class AsyncEngine:
 
     def _start(self, channel: Channel, prompt, params, flags: dict[str, bool]):
         """A stream's first iteration: tokenize on the tokenizer thread, then queue it for the worker."""
-        span = self._worker.core.telemetry.start_request_span(channel.request_id, params)
+        span = self._telemetry.start_request_span(channel.request_id, params)
         try:
             self._tokenizer.submit(self._prepare, channel, prompt, params, flags, span)
         except RuntimeError:  # the tokenizer pool is shut down: the engine closed
@@ -259,7 +302,8 @@ class AsyncEngine:
         if ttl is not None and not ttl > 0:
             raise RequestError("ttl must be a positive number of seconds (None: until unpin)")
         usage = await self._prefill(prompt, {"cache_salt": cache_salt, "keep": [(1 << 62, ttl)]})
-        return usage.prompt_tokens // self.core.block_size * self.core.block_size
+        block_size = self.info.block_size
+        return usage.prompt_tokens // block_size * block_size
 
     async def check_pin(self, token_ids: list[int], cache_salt: str | None = None, adapter: str | None = None) -> None:
         """Raises RequestError when pinning this prefix now would exceed the pinned budget or the client's share;
@@ -276,7 +320,7 @@ class AsyncEngine:
         With `check`, checked as a request's are (RequestError when longer than max_model_len allows or
         outside the vocabulary); without, any text is tokenized (ValueError when the template fails)."""
         self._check_open()
-        fn = self.core.factory.token_ids if check else self.tokenizer.to_token_ids
+        fn = self._factory.token_ids if check else self.tokenizer.to_token_ids
         return await self._loop.run_in_executor(self._tokenizer, fn, prompt)
 
     async def load_adapter(self, name: str, path) -> dict[str, Any]:
@@ -292,7 +336,11 @@ class AsyncEngine:
 
     def adapters(self) -> list[str]:
         """The names of the loaded LoRA adapters."""
-        return self.core.adapters.names()
+        return list(self._adapter_paths())
+
+    def adapter_path(self, name: str) -> str | None:
+        """The folder a loaded adapter was read from (None: no adapter of that name)."""
+        return self._adapter_paths().get(name)
 
     def _root(self, adapter: str | None, cache_salt: str | None):
         """The block-hash chain seed of requests under this adapter and salt (engine/adapters.py), read without

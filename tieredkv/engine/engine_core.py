@@ -11,7 +11,7 @@ from tieredkv.config import EngineConfig
 from tieredkv.core.sequence import Request
 from tieredkv.engine.adapters import Adapters
 from tieredkv.engine.build import build_engine
-from tieredkv.engine.outputs import EngineStats, Output, collect_stats
+from tieredkv.engine.outputs import EngineInfo, EngineStats, Output, collect_stats
 from tieredkv.engine.rank_build import total_weight_bytes
 from tieredkv.engine.resolve import resolve_cache_dir
 from tieredkv.engine.sleep import Sleeper
@@ -69,6 +69,12 @@ class EngineCore:
         except BaseException:
             self.close()
             raise
+
+    def info(self) -> EngineInfo:
+        parts = self.parts
+        return EngineInfo(str(parts.model_dir), str(parts.device), str(parts.dtype).removeprefix("torch."),
+                          parts.num_blocks, self.block_size, parts.max_model_len, parts.spec.vocab_size, self.config,
+                          parts.kv.root.hex(), bool(parts.tiers.shared))
 
     def __getattr__(self, name: str) -> Any:  # for readers outside; the core's own methods read self.parts
         parts = self.__dict__.get("parts")

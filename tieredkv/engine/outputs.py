@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from tieredkv.config import EngineConfig
 from tieredkv.tiers.base import TIER_NAMES, TierStats
 
 if TYPE_CHECKING:
@@ -122,6 +123,23 @@ class RequestOutput:
     def text(self) -> str:
         """The first output's text (the only one unless n > 1)."""
         return self.outputs[0].text
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What stays fixed while an engine runs (`AsyncEngine.info`), in the application's process whichever process
+    runs the core."""
+
+    model_dir: str  # the checkpoint's folder, as resolved (the default model's converted copy, a hub snapshot)
+    device: str
+    dtype: str  # the weights' and compute dtype
+    num_blocks: int  # the hot pool's KV blocks
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    config: EngineConfig  # as the engine was started
+    kv_root: str  # the block-hash chain's seed (hex): engines with the same one can share cached blocks
+    shared_tier: bool  # whether a remote tier (remote_url) is shared with other engines
 
 
 @dataclass(frozen=True)

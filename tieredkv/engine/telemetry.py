@@ -14,6 +14,7 @@ import itertools
 import threading
 import time
 import weakref
+from typing import Any, Callable
 
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import Observation
@@ -78,6 +79,31 @@ class Telemetry:
             if not _registered:
                 _register_observables(m)
                 _registered.append(True)
+
+    # -- another process's records (an engine core in a process of its own: core_process.py) ------------------
+
+    def relay(self, send: Callable[[tuple], None]) -> None:
+        """From now on, instruments and request spans record nothing in this process: each record goes to
+        `send` as ("metric", instrument, value, attributes) and each span event as ("event", request_id, name,
+        attributes), for the application's Telemetry to `replay`; this engine's gauges are the application's
+        too (it reads them from the stats the core process sends)."""
+        _LIVE.discard(self)
+        for name in INSTRUMENTS:
+            setattr(self, name, _Relay(name, send))
+        self.tracer = _RelayTracer(send)
+
+    def replay(self, record: tuple, spans: dict[str, Any]) -> None:
+        """Records what relay() sent in another process: a metric, or an event of one of `spans` (by request id;
+        a span already ended takes none)."""
+        if record[0] == "metric":
+            _, name, value, attrs = record
+            instrument = getattr(self, name)
+            (instrument.add if hasattr(instrument, "add") else instrument.record)(value, attrs or None)
+        else:
+            _, request_id, name, attrs = record
+            span = spans.get(request_id)
+            if span is not None and span.is_recording():
+                span.add_event(name, attrs)
 
     # -- events, on the worker thread -------------------------------------------------------------
 
@@ -158,6 +184,53 @@ class Telemetry:
             "tieredkv.n": params.n,
             "tieredkv.max_tokens": params.max_tokens,
         })
+
+
+INSTRUMENTS = ("requests", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "preemptions", "spec_drafts",
+               "spec_draft_tokens", "spec_accepted_tokens", "ttft", "itl", "e2e", "queue_time", "step_duration",
+               "step_tokens")
+
+
+class _Relay:
+    """A counter or histogram whose records go to another process (Telemetry.relay)."""
+
+    def __init__(self, name: str, send: Callable[[tuple], None]):
+        self.name, self.send = name, send
+
+    def add(self, value, attributes=None) -> None:
+        self.send(("metric", self.name, value, attributes))
+
+    record = add
+
+
+class _RelaySpan:
+    """A request's span in the core process: its events go to the application's span of the same request."""
+
+    def __init__(self, request_id: str, send: Callable[[tuple], None]):
+        self.request_id, self.send = request_id, send
+
+    def is_recording(self) -> bool:
+        return True
+
+    def add_event(self, name: str, attributes=None) -> None:
+        self.send(("event", self.request_id, name, attributes or {}))
+
+    def set_attributes(self, attributes) -> None:  # the application's stream sets them on its own span
+        pass
+
+    def record_exception(self, exception) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+class _RelayTracer:
+    def __init__(self, send: Callable[[tuple], None]):
+        self.send = send
+
+    def start_span(self, name: str, attributes=None) -> _RelaySpan:
+        return _RelaySpan((attributes or {}).get("tieredkv.request_id", ""), self.send)
 
 
 def _event(req, name: str, attributes: dict) -> None:

@@ -262,8 +262,7 @@ def _model_card(name: str, parent: str | None = None, root: str | None = None) -
 def _cards(request: web.Request) -> dict[str, dict[str, Any]]:
     """The base model's card and each loaded LoRA adapter's, by name."""
     name, engine = request.app[_SETTINGS].model_name, request.app[_ENGINE]
-    paths = engine.core.adapters.paths
-    return {name: _model_card(name), **{a: _model_card(a, name, paths.get(a)) for a in engine.adapters()}}
+    return {name: _model_card(name), **{a: _model_card(a, name, engine.adapter_path(a)) for a in engine.adapters()}}
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -333,7 +332,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
     name, engine = request.app[_SETTINGS].model_name, request.app[_ENGINE]
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise BadRequest("model must be a string", "model")
-    if body.get("model") not in (None, name) and body.get("model") not in engine.core.adapters.paths:
+    if body.get("model") not in (None, name) and body.get("model") not in engine.adapters():
         served = ", ".join(map(repr, [name, *engine.adapters()]))
         raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {served}", "model",
                          status=404, code="model_not_found")
@@ -351,13 +350,13 @@ async def _tokenize(request: web.Request) -> web.Response:
         ids = await engine.tokenize(prompt, check=False)
     except (ValueError, UnicodeError) as e:
         raise BadRequest(f"cannot tokenize the prompt: {e}", "messages" if "messages" in body else "prompt") from None
-    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len})
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_model_len})
 
 
 async def _detokenize(request: web.Request) -> web.Response:
     """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}; ids outside the vocabulary are a 400."""
     body = await _body(request)
-    ids, vocab = body.get("tokens"), request.app[_ENGINE].core.spec.vocab_size
+    ids, vocab = body.get("tokens"), request.app[_ENGINE].info.vocab_size
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                                             for t in ids):
         raise BadRequest(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
@@ -404,7 +403,7 @@ async def _health_generate(request: web.Request) -> web.Response:
 def _load_now(engine: AsyncEngine) -> dict[str, int]:
     s = engine.stats()
     return {"running": s.num_running, "waiting": s.num_waiting,
-            "tokens": s.blocks_used * engine.core.config.block_size}
+            "tokens": s.blocks_used * engine.info.block_size}
 
 
 async def _get_load(request: web.Request) -> web.Response:
@@ -429,10 +428,11 @@ def _info(request: web.Request) -> dict[str, Any]:
     from tieredkv import __version__
 
     engine, settings = request.app[_ENGINE], request.app[_SETTINGS]
-    config = engine.core.config
+    info = engine.info
+    config = info.config
     return {"engine": "tieredkv", "version": __version__, "served_model_name": settings.model_name,
             "model_path": config.model, "tokenizer_path": config.model, "is_generation": True,
-            "max_model_len": engine.core.max_model_len, "block_size": config.block_size,
+            "max_model_len": info.max_model_len, "block_size": config.block_size,
             "page_size": config.block_size, "max_num_seqs": config.max_num_seqs, "dp_size": 1,
             "kv_cache_dtype": config.kv_cache_dtype, "num_blocks": engine.stats().blocks_total}
 
@@ -505,7 +505,7 @@ def _with_tools(request: web.Request, messages: list[dict[str, Any]], tools_fiel
         from tieredkv.engine.grammar import grammars_of  # several, one that cannot be met would just drop out)
 
         engine = request.app[_ENGINE]
-        grammars = grammars_of(engine.tokenizer, engine.core.spec.vocab_size)
+        grammars = grammars_of(engine.tokenizer, engine.info.vocab_size)
         for tool in tools:
             try:
                 grammars.grammar("json_schema", tool.parameters)
@@ -543,7 +543,7 @@ async def _responses(request: web.Request) -> web.StreamResponse:
             request.app[_STORE].put(rid, builder.final, conversation + [builder.assistant_message()])
 
     with _admitted(request):
-        engine.core.factory.precheck(prompt, params)
+        engine.precheck(prompt, params)
         ids = await engine.tokenize(prompt)
         _check_room(engine, len(ids), params, fields)
         async with engine.stream(ids, params, request_id=rid, adapter=adapter,
@@ -608,7 +608,7 @@ def _check_room(engine: AsyncEngine, num_prompt_tokens: int, params, body: dict[
     """A max_tokens (or max_completion_tokens) the request set that the context cannot hold is a 400
     naming the numbers, as vLLM answers; left unset, generation stops at the context's end."""
     field = next((f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None), None)
-    limit = engine.core.max_model_len
+    limit = engine.info.max_model_len
     if field is not None and num_prompt_tokens + params.max_tokens > limit:
         raise BadRequest(f"this model's context holds {limit} tokens and the prompt takes {num_prompt_tokens}, so "
                          f"at most {limit - num_prompt_tokens} can be generated; {field} asks for "
@@ -619,7 +619,7 @@ def _check_room(engine: AsyncEngine, num_prompt_tokens: int, params, body: dict[
 def _admitted(request: web.Request):
     """Counts the requests being served; beyond what runs plus max_queued, a 429 with Retry-After."""
     active, engine = request.app[_ACTIVE], request.app[_ENGINE]
-    if active[0] >= engine.core.config.max_num_seqs + request.app[_SETTINGS].max_queued:
+    if active[0] >= engine.info.config.max_num_seqs + request.app[_SETTINGS].max_queued:
         raise BadRequest("the server is busy; retry shortly", status=429, type_="rate_limit_error",
                          headers={"Retry-After": "1"})
     active[0] += 1
@@ -641,7 +641,7 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
     out = _Output(rid, adapter or settings.model_name, chat, params.n, engine, fmt, params.constraint is not None)
     request[_SERVED] = out
     with _admitted(request):
-        engine.core.factory.precheck(prompt, params)  # before tokenizing: what a prompt's size alone rules out
+        engine.precheck(prompt, params)  # before tokenizing: what a prompt's size alone rules out
         ids = await engine.tokenize(prompt)
         _check_room(engine, len(ids), params, body)
         pins = await _pins(engine, ids, keep, salt, adapter) if keep else None
@@ -674,7 +674,7 @@ async def _pins(engine: AsyncEngine, ids: list[int], keep: list[tuple[Any, float
     for prompt, ttl in keep:
         part = await engine.tokenize(prompt, check=False)
         n = next((i for i, (a, b) in enumerate(zip(part, ids)) if a != b), min(len(part), len(ids)))
-        if n >= engine.core.block_size:
+        if n >= engine.info.block_size:
             out.append((n, ttl))
     if out:
         await engine.check_pin(ids[: max(n for n, _ in out)], salt, adapter)

@@ -41,7 +41,7 @@ def transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _root(engine: AsyncEngine) -> str:
-    return engine.core.kv.root.hex()[:32]
+    return engine.info.kv_root[:32]
 
 
 async def before_decode(engine: AsyncEngine, ids: list[int], params: dict[str, Any], timeout: float,
@@ -63,11 +63,11 @@ async def before_decode(engine: AsyncEngine, ids: list[int], params: dict[str, A
         log.warning("%s: written for another model or cache layout (root %r, this engine's %s): the prompt is "
                     "computed", FIELD, ours.get("root"), _root(engine))
         return 0
-    if not engine.core.tiers.shared:
+    if not engine.info.shared_tier:
         log.warning("%s: this replica has no shared tier (remote_url) to read the prefill's blocks from: the "
                     "prompt is computed", FIELD)
         return 0
-    num_blocks = min(num_blocks, len(ids) // engine.core.block_size)
+    num_blocks = min(num_blocks, len(ids) // engine.info.block_size)
     held = await engine.wait_shared(ids, num_blocks, timeout if not ours.get("ready") else 0.0, **chain)
     if held < num_blocks:
         log.info("%s: %d of %d prefilled blocks on the shared tier after %.1f s; the rest is computed", FIELD, held,
@@ -87,7 +87,7 @@ async def prefill_for_pair(engine: AsyncEngine, ids: list[int], timeout: float, 
     """sglang-router, on the prefill replica: the prompt computed and written through before it answers (`chain`:
     the request's adapter and cache_salt)."""
     await engine.generate(ids, SamplingParams(max_tokens=1), **chain)
-    if not engine.core.tiers.shared:
+    if not engine.info.shared_tier:
         log.warning("a prefill/decode pair's request, but this replica has no shared tier (remote_url) to leave the "
                     "KV on: the decode replica computes the prompt")
         return
@@ -99,11 +99,11 @@ async def prefill_for_pair(engine: AsyncEngine, ids: list[int], timeout: float, 
 async def decode_for_pair(engine: AsyncEngine, ids: list[int], timeout: float, chain: dict[str, str | None]) -> int:
     """sglang-router, on the decode replica: waits until the shared tier holds the prompt's full blocks (those a
     lookup may cover), at most `timeout` seconds; what has not arrived is computed."""
-    if not engine.core.tiers.shared:
+    if not engine.info.shared_tier:
         log.warning("a prefill/decode pair's request, but this replica has no shared tier (remote_url) to read the "
                     "prefill's blocks from: the prompt is computed")
         return 0
-    want = (len(ids) - 1) // engine.core.block_size
+    want = (len(ids) - 1) // engine.info.block_size
     held = await engine.wait_shared(ids, want, timeout, **chain)
     if held < want:
         log.info("a prefill/decode pair's request: %d of %d prompt blocks on the shared tier after %.1f s; the rest "
@@ -115,7 +115,7 @@ async def after_prefill(engine: AsyncEngine, ids: list[int], timeout: float,
                         chain: dict[str, str | None]) -> dict[str, Any] | None:
     """On a prefill replica: writes the prompt's blocks through to the shared tier and returns the
     kv_transfer_params for the decode replica (None without a shared tier: the decode replica computes)."""
-    if not engine.core.tiers.shared:
+    if not engine.info.shared_tier:
         log.warning("%s asked for a remote decode, but this replica has no shared tier (remote_url) to leave the "
                     "KV on: the decode replica computes the prompt", FIELD)
         return None
@@ -125,5 +125,5 @@ async def after_prefill(engine: AsyncEngine, ids: list[int], timeout: float,
                     "waits for them as long, then computes what is missing", FIELD, timeout)
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": None, "remote_block_ids": None,
             "remote_host": None, "remote_port": None,
-            OURS: {"via": "shared_tier", "num_blocks": found, "block_size": engine.core.block_size,
+            OURS: {"via": "shared_tier", "num_blocks": found, "block_size": engine.info.block_size,
                    "root": _root(engine), "ready": ready}}

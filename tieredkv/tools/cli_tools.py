@@ -83,7 +83,8 @@ async def cache_command(args: argparse.Namespace) -> None:
         sys.exit(f"cache {args.action}: --cold-path is required")
     if args.action != "import" and not Path(args.cold_path).is_dir():
         sys.exit(f"cache {args.action}: there is no cold folder at {args.cold_path}")
-    config = engine_config(args, warm_bytes=0, num_blocks=64, compile_decode=False)
+    # it reads the cold tier itself: the core in this process (a short command: nothing else runs beside it)
+    config = engine_config(args, warm_bytes=0, num_blocks=64, compile_decode=False, core_process=False)
     async with await AsyncEngine.start(config) as engine:
         cold = engine.core.tiers.cold
         if args.action == "inspect":
