@@ -42,7 +42,8 @@ def hf_beams(model, ids: list[int], k: int, new: int) -> list[list[int]]:
 async def throughput(k: int, new: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    async with await AsyncEngine.start(EngineConfig(compile_in_background=False, model="default")) as engine:
+    async with await AsyncEngine.start(EngineConfig(compile_in_background=False, model="default",
+                                                    core_process=False))  # transformers on its worker thread as engine:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
         params = SamplingParams(max_tokens=new, beam_width=k, n=k)
         await engine.generate(prompts[0], SamplingParams(max_tokens=2, beam_width=k))  # warm-up
@@ -55,7 +56,7 @@ async def throughput(k: int, new: int) -> None:
         for p in prompts:
             await engine.generate(p, params)
         t_alone = time.perf_counter() - t
-        model = AutoModelForCausalLM.from_pretrained(str(engine.core.model_dir), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(engine.info.model_dir, dtype=torch.float32).eval()
         t = time.perf_counter()
         expected = [await engine.run_in_worker(hf_beams, model, p, k, new) for p in prompts]
         t_hf = time.perf_counter() - t

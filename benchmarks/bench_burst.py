@@ -62,7 +62,7 @@ def percentiles(ttfts: list[float]) -> dict:
 async def run_engine(name: str, **overrides) -> dict:
     cfg = EngineConfig(model="default", max_num_seqs=64, warm_bytes=0, compile_in_background=False, **overrides)
     async with await AsyncEngine.start(cfg) as engine:
-        vocab = engine.core.spec.vocab_size
+        vocab = engine.info.vocab_size
         rng = random.Random(1)
         await engine.generate([rng.randrange(100, vocab) for _ in range(64)], SamplingParams(max_tokens=4))
         fresh = [rng.randrange(100, vocab) for _ in range(1024)]

@@ -30,9 +30,10 @@ def workload(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
 
 async def run_engine(cascade: bool) -> dict:
     cfg = EngineConfig(
-        compile_in_background=False, model="default", max_num_seqs=64, cascade_attention=cascade, warm_bytes=0)
+        compile_in_background=False, model="default", max_num_seqs=64, cascade_attention=cascade, warm_bytes=0,
+        core_process=False)  # it reads the core's steps
     async with await AsyncEngine.start(cfg) as engine:
-        systems, convs = workload(engine.core.spec.vocab_size)
+        systems, convs = workload(engine.info.vocab_size)
         for s in systems:  # the system prompts are cached, as a chatbot's are
             await engine.generate(s + [5], SamplingParams(max_tokens=1))
         core, steps = engine.core, []

@@ -137,7 +137,8 @@ def hf_decode_ms(model, prompt: list[int], n: int) -> float:
 
 async def main(args) -> dict:
     results: dict[str, float] = {}
-    cfg = EngineConfig(compile_in_background=False, model="default", kv_cache_bytes=args.kv_bytes, max_num_seqs=64)
+    cfg = EngineConfig(compile_in_background=False, model="default", kv_cache_bytes=args.kv_bytes, max_num_seqs=64,
+                       core_process=False)  # transformers shares the engine's worker thread (run_in_worker)
     engine = await AsyncEngine.start(cfg)
     core = engine.core
     vocab = core.spec.vocab_size

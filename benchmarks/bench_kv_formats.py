@@ -68,13 +68,13 @@ async def restore(fmt: str, trials: int, server_url: str, key: Path) -> dict:
     """TTFT of a 4,096-token prefix recomputed and restored from each tier, and the bytes each restore moved."""
     rng = random.Random(1)
     cold_dir = Path(tempfile.mkdtemp(prefix="tieredkv-bench-kv-cold-"))
-    base = dict(compile_in_background=False, model="default", kv_cache_bytes=1 << 30, kv_cache_dtype=fmt,
+    base = dict(core_process=False, compile_in_background=False, model="default", kv_cache_bytes=1 << 30, kv_cache_dtype=fmt,
                 cold_secret_path=str(key))
     times: dict[str, list[float]] = {"recompute": [], "warm": [], "cold (dropped)": [], "remote": []}
     moved: dict[str, int] = {}
     async with await AsyncEngine.start(EngineConfig(**base, warm_bytes=1 << 30, cold_path=str(cold_dir),
                                                     remote_url=server_url)) as engine:
-        vocab = engine.core.spec.vocab_size
+        vocab = engine.info.vocab_size
         prefixes = [ids(rng, PREFIX, vocab) for _ in range(trials)]
         before = engine.stats().tiers["warm"]
         for prefix in prefixes:
@@ -113,7 +113,7 @@ async def throughput(rounds: int) -> dict:
                                                          kv_cache_bytes=1 << 30, max_num_seqs=64, kv_cache_dtype=fmt))
                for fmt in ("auto", "int8")}
     try:
-        requests = make_requests(32, engines["auto"].core.spec.vocab_size)
+        requests = make_requests(32, engines["auto"].info.vocab_size)
         out_tokens = sum(n for _, n in requests)
         for _ in range(rounds):
             for fmt, engine in engines.items():

@@ -50,7 +50,7 @@ async def main() -> None:
     async with await AsyncEngine.start(EngineConfig(
         compile_in_background=False, model="default", max_num_seqs=64)) as engine:
         rng = random.Random(0)
-        vocab = engine.core.spec.vocab_size
+        vocab = engine.info.vocab_size
 
         async def long_prompt():
             await engine.generate([rng.randrange(100, vocab) for _ in range(6000)], SamplingParams(max_tokens=1))

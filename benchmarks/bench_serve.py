@@ -1,17 +1,20 @@
-"""The HTTP layer's cost: 64 concurrent streaming clients through the OpenAI-compatible server (the
-official `openai` client) vs the same requests through the Python API, side by side in one run.
+"""The HTTP layer's cost: concurrent streaming clients through the OpenAI-compatible server (the official
+`openai` client) vs the same requests through the Python API, side by side in one run, with the engine core in a
+process of its own (core_process=True, the default) and on a thread of the server's process.
 
-    .venv/bin/python benchmarks/bench_serve.py            # default model, 64 clients
-    .venv/bin/python benchmarks/bench_serve.py --quick    # 16 clients
+    .venv/bin/python benchmarks/bench_serve.py              # default model, 64 clients, both core modes
+    .venv/bin/python benchmarks/bench_serve.py --clients 32 --modes process thread --out docs/bench/serve_zen5.json
+    .venv/bin/python benchmarks/bench_serve.py --quick      # 16 clients
 
-Reports output tokens/s and time to first token (p50, p99) for both, and the throughput overhead of the
-HTTP layer (target <= 10%). Each side runs twice, alternating, from an empty cache.
+Reports output tokens/s and time to first token (p50, p99) for each path and mode, and the throughput overhead
+of the HTTP layer (target <= 10%). Each side runs twice, alternating, from an empty cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import time
 
@@ -62,13 +65,14 @@ async def through_http(client: openai.AsyncOpenAI, requests) -> tuple[float, lis
     return time.perf_counter() - t0, [f for f, _ in results], sum(c for _, c in results)
 
 
-async def main(args) -> None:
+async def one_mode(args, core_process: bool) -> dict[str, float]:
     async with await AsyncEngine.start(EngineConfig(
-        compile_in_background=False, model="default", max_num_seqs=64, warm_bytes=0)) as engine:
+            compile_in_background=False, model="default", max_num_seqs=64, warm_bytes=0,
+            core_process=core_process)) as engine:
         runner, port = await start_server(engine, ServerSettings(max_queued=1024), port=0)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
                                     timeout=3600)
-        requests = workload(args.clients, engine.core.spec.vocab_size)
+        requests = workload(args.clients, engine.info.vocab_size)
         await through_api(engine, requests[:4])  # warm up both paths
         await through_http(client, requests[:4])
         runs = {"python API": [], "HTTP server": []}
@@ -76,7 +80,9 @@ async def main(args) -> None:
             for name, fn, target in (("python API", through_api, engine), ("HTTP server", through_http, client)):
                 await engine.clear_cache("all")
                 runs[name].append(await fn(target, requests))
-        print(f"{args.clients} concurrent streaming clients, {sum(n for _, n in requests)} output tokens each run")
+        mode = "core process" if core_process else "core thread"
+        print(f"{mode}: {args.clients} concurrent streaming clients, {sum(n for _, n in requests)} output tokens "
+              "each run")
         print(f"{'path':<14}{'tok/s':>10}{'TTFT p50 s':>12}{'TTFT p99 s':>12}")
         rates = {}
         for name, results in runs.items():
@@ -89,11 +95,25 @@ async def main(args) -> None:
         print(f"HTTP layer throughput overhead: {overhead:.1%} (target <= 10%)")
         await client.close()
         await runner.cleanup()
+        return rates
+
+
+async def main(args) -> None:
+    from tieredkv.platform.cpu_features import cpu_info
+
+    results = {mode: await one_mode(args, mode == "process") for mode in args.modes}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": cpu_info().describe(None), "clients": args.clients, "output_tok_s": results}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--clients", type=int, default=None)
+    parser.add_argument("--modes", nargs="+", choices=("process", "thread"), default=["process", "thread"])
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    args.clients = 16 if args.quick else 64
+    args.clients = args.clients or (16 if args.quick else 64)
     asyncio.run(main(args))

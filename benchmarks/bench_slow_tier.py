@@ -66,12 +66,12 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = LocalValkey(Path(tmp) / "valkey", maxmemory="2gb", maxmemory_policy="allkeys-lru").start()
         try:
-            remote = dict(remote_url=server.url, cold_secret_path=str(Path(tmp) / "key"), warm_bytes=0)
+            remote = dict(core_process=False, remote_url=server.url, cold_secret_path=str(Path(tmp) / "key"), warm_bytes=0)
             async with await AsyncEngine.start(EngineConfig(**remote)) as writer:
                 for q in prompts:
                     await writer.generate(q, SamplingParams(max_tokens=1))
                 await asyncio.to_thread(writer.core.tiers.tier("remote").flush_sync)
-            results["no remote tier"] = await ttfts(EngineConfig(warm_bytes=0), prompts)
+            results["no remote tier"] = await ttfts(EngineConfig(warm_bytes=0, core_process=False), prompts)
             results["remote tier"] = await ttfts(EngineConfig(**remote), prompts)
             results[f"remote tier, reads +{args.delay:g} s"] = await ttfts(EngineConfig(**remote), prompts,
                                                                            args.delay)

@@ -37,7 +37,7 @@ if sys.argv[1] == "on":
 async def main():
     async with await AsyncEngine.start(EngineConfig(
         compile_in_background=False, model="default", max_num_seqs=64)) as engine:
-        requests = make_requests(32, engine.core.spec.vocab_size)
+        requests = make_requests(32, engine.info.vocab_size)
         await engine.generate(requests[0][0], SamplingParams(max_tokens=2))
         await engine.clear_cache("all")
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ async def measure(num_threads: int | None) -> tuple[float, float]:
         compile_in_background=False, model="default", num_threads=num_threads, kv_cache_bytes=256 << 20, warm_bytes=0)
     async with await AsyncEngine.start(cfg) as engine:
         rng = random.Random(0)
-        vocab = engine.core.spec.vocab_size
+        vocab = engine.info.vocab_size
         await engine.generate([rng.randrange(100, vocab) for _ in range(64)], SamplingParams(max_tokens=4))
         ttfts, decode = [], []
         for _ in range(3):

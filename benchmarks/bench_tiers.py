@@ -58,7 +58,7 @@ async def restore_ttft(trials: int) -> dict[str, float]:
         compile_in_background=False, model="default", kv_cache_bytes=1 << 30, warm_bytes=1 << 30,
         cold_path=str(cold_dir))
     async with await AsyncEngine.start(cfg) as engine:
-        vocab = engine.core.spec.vocab_size
+        vocab = engine.info.vocab_size
         prefixes = [ids(rng, 4096, vocab) for _ in range(trials)]
         for prefix in prefixes:
             t, tiers = await ttft(engine, prefix + ids(rng, 32, vocab))
@@ -89,7 +89,7 @@ async def rotating_chatbot(tiers_on: bool, systems: int, questions: int, concurr
         compile_in_background=False, model="default", num_blocks=hot_blocks,
         warm_bytes=(2 << 30) if tiers_on else 0, cold_path=None)
     async with await AsyncEngine.start(cfg) as engine:
-        vocab = engine.core.spec.vocab_size
+        vocab = engine.info.vocab_size
         rng = random.Random(1)
         prompts = [ids(rng, 1024, vocab) for _ in range(systems)]
         work = [(s, ids(rng, 32, vocab)) for s in range(systems) for _ in range(questions)]
