@@ -76,7 +76,7 @@ async def _decode(engine, n: int, streams: int, limit: float) -> dict:
 async def _run_case(case: str, core_process: bool, n: int, limit: float) -> dict:
     import torch
 
-    from tieredkv import AsyncEngine, EngineConfig
+    from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 
     if case == "torch op":
         torch.ones(1 << 22).sum()  # a parallel op: the main thread's OpenMP team now exists
@@ -85,7 +85,7 @@ async def _run_case(case: str, core_process: bool, n: int, limit: float) -> dict
     t0 = time.perf_counter()
     engine = await AsyncEngine.start(config)
     started = time.perf_counter() - t0
-    await engine.generate(PROMPT, __import__("tieredkv").SamplingParams(max_tokens=8))  # warm
+    await engine.generate(PROMPT, SamplingParams(max_tokens=8))  # warm
     stop = asyncio.Event()
     app = asyncio.ensure_future(_application(case, stop)) if case.startswith("loop") else None
     out = await _decode(engine, n, 4 if case == "loop busy" else 1, limit)
@@ -98,7 +98,6 @@ async def _run_case(case: str, core_process: bool, n: int, limit: float) -> dict
 
 def _core_alone(n: int) -> dict:
     from tieredkv import EngineConfig, SamplingParams
-    from tieredkv.core.sequence import Request  # noqa: F401  (the core's own API)
     from tieredkv.engine.engine_core import EngineCore
 
     core = EngineCore(EngineConfig(core_process=False, enable_prefix_caching=False, warm_bytes=0,

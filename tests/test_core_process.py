@@ -127,6 +127,11 @@ async def test_cancellation_frees_the_cores_blocks(engine):
     assert reasons == {0: "abort", 1: "abort"}
     await wait_for(lambda: engine.stats().blocks_used == 0)
 
+    early = engine.stream(list(range(3, 30)), SamplingParams(max_tokens=400, ignore_eos=True), request_id="early")
+    engine.abort("early")  # before its first iteration: it ends as soon as it starts
+    assert [c.finish_reason async for c in early][-1] == "abort"
+    await wait_for(lambda: engine.stats().blocks_used == 0)
+
 
 async def _enumerate(stream):
     i = 0

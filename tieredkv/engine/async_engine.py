@@ -468,7 +468,10 @@ class AsyncEngine:
         channel = self._streams.get(request_id)
         if channel is not None:
             channel.aborted = True
-            self._worker.post(self._worker.abort, request_id, channel)
+            self._abort(request_id, channel)
+
+    def _abort(self, request_id: str, channel: Channel) -> None:
+        self._worker.post(self._worker.abort, request_id, channel)
 
     def stats(self) -> EngineStats:
         """The counters published after the last step or command: from any thread, never blocks."""

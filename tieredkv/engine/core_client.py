@@ -23,7 +23,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from typing import Any, Callable
 
 from tieredkv.config import EngineConfig
@@ -242,6 +241,8 @@ class ProcessEngine(AsyncEngine, process_front=True):
         self._link.spans[channel.request_id] = span
         if not self._link.send("open", channel.request_id, prompt, params, flags):
             channel.push(self._link.close_reason or EngineClosedError("engine closed"))
+        elif channel.aborted:  # abort() came before the first iteration: the core aborts it as it arrives
+            self._link.send("abort", channel.request_id)
         return span
 
     def _forget(self, channel: Channel, abort: bool) -> None:
@@ -257,11 +258,8 @@ class ProcessEngine(AsyncEngine, process_front=True):
                 channel.aborted = True
                 self._link.send("forget", rid)
 
-    def abort(self, request_id: str) -> None:
-        if threading.get_ident() != self._loop_thread:
-            self._link.call_loop(self.abort, request_id)
-            return
-        if request_id in self._streams:
+    def _abort(self, request_id: str, channel: Channel) -> None:
+        if request_id in self._link.sinks:  # started; else _start sends it after the request
             self._link.send("abort", request_id)
 
     # -- every other call: the same method, run by the core process's engine ----------------------------------
