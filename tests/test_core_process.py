@@ -77,6 +77,8 @@ async def test_errors_are_the_same_types_with_their_fields(engine):
         engine.stream(list(range(3, 10)) * 5000, SamplingParams(max_tokens=4))
     with pytest.raises(TypeError):
         engine.stream("hi", {"max_tokens": 3})
+    with pytest.raises(RequestError, match="exceeds max_num_seqs"):
+        engine.precheck("hi", SamplingParams(n=9))
     with pytest.raises(RequestError, match="no LoRA adapter named 'nope'"):
         engine.stream("hi", adapter="nope")
     with pytest.raises(RequestError, match="already in use"):
@@ -184,7 +186,7 @@ async def test_adapters_load_and_serve_through_the_process(engine, llama_dir, tm
     folder = make_adapter(llama_dir, tmp_path / "a", seed=1, r=4, target_modules=["q_proj", "v_proj"])
     loaded = await engine.load_adapter("a1", folder)
     assert loaded["name"] == "a1" and loaded["rank"] == 4
-    assert engine.adapters() == ["a1"]
+    assert engine.adapters() == ["a1"] and engine.adapter_path("a1") == str(folder)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     base = (await engine.generate(PROMPTS[0], params)).outputs[0].token_ids
     tuned = (await engine.generate(PROMPTS[0], params, adapter="a1")).outputs[0].token_ids
