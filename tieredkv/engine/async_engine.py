@@ -128,12 +128,12 @@ class AsyncEngine:
                 pass
         if not self._closing:
             self._closing = True
-            self._stop_core(grace)
+            self._stop_core()
         await asyncio.shield(self._worker.closed)
         await self._join_core()
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
-    def _stop_core(self, grace: float) -> None:
+    def _stop_core(self) -> None:
         self._worker.post(self._worker.stop)
 
     async def _join_core(self) -> None:
@@ -251,6 +251,11 @@ class AsyncEngine:
                 self._idle.set()
         if abort:
             channel.aborted = True
+        self._release(channel, abort)
+
+    def _release(self, channel: Channel, abort: bool) -> None:
+        """The core's side of _forget: abort the request if it still runs."""
+        if abort:
             self._worker.post(self._worker.abort, channel.request_id, channel)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None, *,

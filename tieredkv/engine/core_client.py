@@ -227,7 +227,7 @@ class ProcessEngine(AsyncEngine, process_front=True):
     def _adapter_paths(self) -> dict[str, str]:
         return self._link.adapters
 
-    def _stop_core(self, grace: float) -> None:
+    def _stop_core(self) -> None:
         self._link.send("close")
 
     async def _join_core(self) -> None:
@@ -245,17 +245,12 @@ class ProcessEngine(AsyncEngine, process_front=True):
             self._link.send("abort", channel.request_id)
         return span
 
-    def _forget(self, channel: Channel, abort: bool) -> None:
+    def _release(self, channel: Channel, abort: bool) -> None:
         rid = channel.request_id
-        if self._streams.get(rid) is channel:
-            del self._streams[rid]
-            if not self._streams:
-                self._idle.set()
         if self._link.sinks.get(rid) is channel:
             del self._link.sinks[rid]
             self._link.spans.pop(rid, None)
             if abort:
-                channel.aborted = True
                 self._link.send("forget", rid)
 
     def _abort(self, request_id: str, channel: Channel) -> None:
