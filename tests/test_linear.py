@@ -1,6 +1,7 @@
-"""The dense-layer function: on CPU in fp32 (and bf16 where the processor has bf16 units) oneDNN (with weights
-packed at load time) or the swapped MKL product, F.linear elsewhere; the compiled graph's reading of packed
-weights through handles, and the measured choice of layout."""
+"""The full-precision dense-weight formats (kernels/dense.py): on CPU in fp32 (and bf16 where the processor has bf16
+units) oneDNN's packed copy or the plain weight's swapped MKL / oneDNN products, F.linear elsewhere, each matching
+F.linear in and out of a graph; the compiled graph's reading of packed weights through handles; the one choice of
+layout (choose_layout) and the measurement behind it."""
 
 import gc
 import json
@@ -14,41 +15,42 @@ import torch.nn.functional as F
 from tieredkv import EngineConfig
 from tieredkv.engine.engine_core import EngineCore
 from helpers import hf_greedy, run_to_end
-from tieredkv.kernels import select_kernels
-from tieredkv.kernels import linear, quant_cpu
+from tieredkv.kernels import dense, linear, quant_cpu
+from tieredkv.kernels.dense import PLAIN, DenseLayout, PackedWeight, PlainWeight, choose_layout
 from tieredkv.kernels.linear import (
     SWAP_MAX_OUT,
     SWAP_MAX_ROWS,
-    _cpu_onednn_linear,
     dense_by_handle,
     graph_reads_packed,
     onednn_linear,
     onednn_linear_usable,
     pack_onednn_weight,
     packed_handle,
-    select_linear,
-    select_weight_packing,
 )
+from tieredkv.models.llama import Projection
 from tieredkv.platform.malloc_tuning import PAGE, collapse_into_huge_pages, huge_page_stretches
 
 CPU = torch.device("cpu")
 
 
-def check_against_f_linear(fn, rows, out_features, with_bias, seed=0, pack=None):
+def check_against_f_linear(make, rows, out_features, with_bias, seed=0):
+    """make(w): w [out_features, 96] in a format; its eager and graph products match F.linear."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 96, generator=g)
     w = torch.randn(out_features, 96, generator=g)
     b = torch.randn(out_features, generator=g) if with_bias else None
     with torch.inference_mode():
-        fw = w if pack is None else pack(w)
-        got = fn(x, fw, b)
-        assert got.shape == (rows, out_features) and got.is_contiguous()
-        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-        # a strided view and a 3-d input, as the model may hand them over
-        xt = torch.randn(96, rows, generator=g).t()
-        torch.testing.assert_close(fn(xt, fw, b), F.linear(xt, w, b), rtol=1e-5, atol=1e-4)
-        x3 = x.view(1, rows, 96)
-        torch.testing.assert_close(fn(x3, fw, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
+        fw = make(w)
+        assert (fw.out_features, fw.in_features) == (out_features, 96) and fw.nbytes >= w.numel() * 4
+        for fn in (fw.forward, fw.graph_forward):
+            got = fn(x, b)
+            assert got.shape == (rows, out_features) and got.is_contiguous()
+            torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+            # a strided view and a 3-d input, as the model may hand them over
+            xt = torch.randn(96, rows, generator=g).t()
+            torch.testing.assert_close(fn(xt, b), F.linear(xt, w, b), rtol=1e-5, atol=1e-4)
+            x3 = x.view(1, rows, 96)
+            torch.testing.assert_close(fn(x3, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
 
 
 # row counts on both sides of the swapped product's limit, output widths on both sides of the LM-head limit
@@ -58,40 +60,68 @@ CASES = [(1, 160), (3, 160), (SWAP_MAX_ROWS, 160), (SWAP_MAX_ROWS + 1, 160), (5,
 @pytest.mark.parametrize("rows, out_features", CASES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("use_onednn", [False, True])
-def test_cpu_linear_matches_f_linear(rows, out_features, with_bias, use_onednn):
+def test_plain_weights_cpu_products_match_f_linear(rows, out_features, with_bias, use_onednn):
     if use_onednn and not onednn_linear_usable():
         pytest.skip("this torch build has no usable oneDNN linear")
-    check_against_f_linear(_cpu_onednn_linear(use_onednn), rows, out_features, with_bias, seed=rows)
+    fmt = lambda w: PlainWeight(w, cpu=True, onednn=use_onednn)  # noqa: E731
+    assert fmt(torch.zeros(3, 2)).label == "float32"
+    check_against_f_linear(fmt, rows, out_features, with_bias, seed=rows)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_onednn_linear_matches_f_linear():
     assert onednn_linear_usable()  # x86 and aarch64 builds of torch carry oneDNN
-    check_against_f_linear(onednn_linear, 7, 160, with_bias=True)
+    w, x, b = torch.randn(160, 96), torch.randn(7, 96), torch.randn(160)
+    torch.testing.assert_close(onednn_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("rows, out_features", CASES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_weights_match_f_linear(rows, out_features, with_bias):
-    packed = pack_onednn_weight(torch.randn(out_features, 96))
-    assert packed.is_mkldnn and packed.shape == (out_features, 96)
-    check_against_f_linear(_cpu_onednn_linear(True), rows, out_features, with_bias, seed=rows, pack=pack_onednn_weight)
+@pytest.mark.parametrize("graph_reads", ["handle", "plain"])
+def test_packed_weights_match_f_linear(rows, out_features, with_bias, graph_reads):
+    fmt = lambda w: PackedWeight(w, keep_plain=graph_reads == "plain", handle=graph_reads == "handle")  # noqa: E731
+    packed = fmt(torch.randn(out_features, 96))
+    assert packed.packed.is_mkldnn and packed.packed.shape == (out_features, 96) and packed.label == "float32 packed"
+    assert (packed.plain is None) == (graph_reads == "handle") and (packed.handle is None) == (graph_reads == "plain")
+    check_against_f_linear(fmt, rows, out_features, with_bias, seed=rows)
+    with pytest.raises(RuntimeError, match="cannot serve in a graph"):
+        PackedWeight(torch.randn(8, 16)).graph_forward(torch.randn(1, 16))
 
 
 @pytest.mark.parametrize("bf16_units", [False, True], ids=["avx2", "avx512_bf16"])
-def test_packing_is_selected_for_cpu_fp32_and_for_bf16_where_the_processor_has_bf16_units(monkeypatch, bf16_units):
+def test_the_layout_is_chosen_once_cpu_products_for_fp32_and_bf16_with_bf16_units_else_f_linear(monkeypatch,
+                                                                                               bf16_units):
     monkeypatch.setattr(linear, "bf16_units", lambda: bf16_units)
-    want = pack_onednn_weight if onednn_linear_usable() else None
-    assert select_weight_packing(CPU, torch.float32) is want
-    assert select_kernels("auto", CPU, torch.float32).pack_linear_weight is want
-    want_bf16 = want if bf16_units and onednn_linear_usable(torch.bfloat16) else None
-    assert select_weight_packing(CPU, torch.bfloat16) is want_bf16
-    assert select_weight_packing(CPU, torch.float16) is None
-    assert select_weight_packing(torch.device("cuda"), torch.float32) is None
-    assert select_weight_packing(CPU, torch.float32, "torch") is None
-    assert select_weight_packing(CPU, torch.bfloat16, "torch") is None
-    assert select_kernels("auto", CPU, torch.float32, "torch").pack_linear_weight is None
+    monkeypatch.setattr(dense, "bf16_units", lambda: bf16_units)
+    usable = onednn_linear_usable()
+    packed = DenseLayout(cpu=True, onednn=True, packed=True) if usable else DenseLayout(cpu=True)
+    assert choose_layout(CPU, torch.float32) == packed
+    assert choose_layout(CPU, torch.bfloat16) == (packed if bf16_units and onednn_linear_usable(torch.bfloat16)
+                                                  else PLAIN)
+    for device, dtype, cpu_linear in [(CPU, torch.float16, "auto"), (torch.device("cuda"), torch.float32, "auto"),
+                                      (CPU, torch.float32, "torch"), (CPU, torch.bfloat16, "torch")]:
+        assert choose_layout(device, dtype, cpu_linear) == PLAIN
+    assert PLAIN.label == "F.linear" and isinstance(PLAIN.hold(torch.zeros(2, 3)), PlainWeight)
+    assert isinstance(packed.hold(torch.zeros(8, 16)), PackedWeight if usable else PlainWeight)
+
+
+@pytest.mark.parametrize("graph_packed", [False, True])
+@pytest.mark.parametrize("cpu_linear", ["auto", "packed"])
+def test_with_the_compiled_path_the_layout_follows_the_measurement(monkeypatch, graph_packed, cpu_linear):
+    if not onednn_linear_usable():
+        pytest.skip("this torch build has no usable oneDNN linear")
+    asked = []
+    monkeypatch.setattr(dense, "graph_reads_packed", lambda *a: asked.append(a) or graph_packed)
+    got = choose_layout(CPU, torch.float32, cpu_linear, compiled=True, shapes=[(8, 16)])
+    assert len(asked) == 1
+    if graph_packed:
+        assert got == DenseLayout(cpu=True, onednn=True, packed=True, handles=True)
+    elif cpu_linear == "packed":
+        assert got == DenseLayout(cpu=True, onednn=True, packed=True, keep_plain=True)
+    else:
+        assert got == DenseLayout(cpu=True, onednn=True)
+    assert choose_layout(CPU, torch.float32, cpu_linear, compiled=True, shapes=[]).handles is False  # quantized
 
 
 @pytest.mark.skipif(not onednn_linear_usable(torch.bfloat16), reason="this torch build has no usable oneDNN bf16")
@@ -99,9 +129,10 @@ def test_packing_is_selected_for_cpu_fp32_and_for_bf16_where_the_processor_has_b
 def test_bf16_weights_packed_and_plain_match_f_linear(rows):
     g = torch.Generator().manual_seed(rows)
     x, w, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((rows, 96), (160, 96), (160,)))
-    for weight in (pack_onednn_weight(w), w):  # packed, and plain (the compiled path's where plain reads faster)
-        got = _cpu_onednn_linear(True)(x, weight, b)
-        assert got.dtype == torch.bfloat16
+    # packed, and plain (the compiled path's where plain reads faster)
+    for weight in (PackedWeight(w, handle=True), PlainWeight(w, cpu=True, onednn=True)):
+        got = weight.forward(x, b)
+        assert got.dtype == torch.bfloat16 and weight.label.startswith("bfloat16")
         torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=5e-2)
 
 
@@ -280,41 +311,45 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
     """"auto" holds the weights once: packed where only the eager forward reads them; with the compiled decode
     path plain where its one-row products read plain weights faster on this processor (the eager forward then
     reads them plain too), else packed, the graph reading them through handles. "packed" keeps a packed copy
-    beside the plain weights a plain-reading compiled path reads."""
+    beside the plain weights a plain-reading compiled path reads. Every dense layer holds one format object."""
     import tieredkv.engine.rank_build as setup
 
-    monkeypatch.setattr(setup, "graph_reads_packed", lambda dtype, shapes, cache_dir: graph_packed)
+    monkeypatch.setattr(dense, "graph_reads_packed", lambda dtype, shapes, cache_dir: graph_packed)
     collapsed = []
     monkeypatch.setattr(setup, "collapse_into_huge_pages", lambda ranges: collapsed.append(sorted(ranges)) or 0)
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, compile_decode=compiled, cpu_linear=force))
     for thread in threading.enumerate():
         if thread.name == "tieredkv-huge-pages":
             thread.join()
-    model, ops = core.model, core.runner.ops
+    model = core.model
     usable = force != "torch" and onednn_linear_usable()
     packed = usable and (force == "packed" or not compiled or graph_packed)
     plain_beside = packed and compiled and not graph_packed
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(linears) == 4 * model.spec.num_layers + (model.lm_head is not None)
-    assert all(hasattr(m, "packed_weight") == packed for m in linears)
-    assert all(m.weight.is_mkldnn == (packed and not plain_beside) for m in linears)
-    assert all(hasattr(m, "packed_handle") == (usable and bool(graph_packed)) for m in linears)
-    assert model.lm_head_weight(ops).is_mkldnn == packed
+    dense_layers = [m for m in model.modules() if isinstance(m, Projection)]
+    assert len(dense_layers) == 4 * model.spec.num_layers + 1 and model.lm_head in dense_layers
+    assert all(m.weight is None for m in dense_layers)  # the loaded weight went into the format
+    formats = [m.format for m in dense_layers]
+    assert all(isinstance(f, PackedWeight if packed else PlainWeight) for f in formats)
+    assert all((f.handle is not None) == (usable and bool(graph_packed)) for f in formats if packed)
+    assert all((f.plain is not None) == plain_beside for f in formats if packed)
+    assert all(f.cpu == usable for f in formats if not packed)
+    assert set(core.stats().dense_formats.values()) == {"float32 packed" if packed else "float32"}
     assert not model.embed_tokens.weight.is_mkldnn
-    if compiled:
-        graph_ops = core.runner.compiled.ops
-        head = model.lm_head_weight(graph_ops)
-        assert not head.is_mkldnn
-        assert (graph_ops.linear is dense_by_handle) == (usable and bool(graph_packed))
-        if graph_ops.linear is dense_by_handle:
-            assert quant_cpu.handle_outputs(head) == model.spec.vocab_size and not head.is_mkldnn
-            prompt = list(range(5, 14))
-            assert run_to_end(core, [prompt], [8]) == hf_greedy(llama_dir, [prompt], 8)
-            assert core.runner.compiled.steps == 7
+    if model.spec.tie_word_embeddings and not packed:  # the tied head is the table itself, counted once
+        assert model.lm_head.format.weight is model.embed_tokens.weight
+    params = {t.data_ptr(): t.numel() * 4 for t in model.parameters()}
+    extra = sum(f.nbytes for f in formats if packed)  # the packed copies are memory of their own
+    assert model.weight_bytes() == sum(params.values()) + extra - sum(
+        f.plain.numel() * 4 for f in formats if packed and f.plain is not None and f.plain.data_ptr() in params)
+    if compiled and usable and graph_packed:  # the graph reads the packed weights through their handles
+        assert quant_cpu.handle_outputs(model.lm_head.format.handle) == model.spec.vocab_size
+        prompt = list(range(5, 14))
+        assert run_to_end(core, [prompt], [8]) == hf_greedy(llama_dir, [prompt], 8)
+        assert core.runner.compiled.steps == 7
     if packed:  # each packed weight carries its one-row layout (None where oneDNN chose one the kernels lack)
-        weights = list({id(w): w for w in [m.packed_weight for m in linears] + [model.packed_lm_head]}.values())
+        weights = [f.packed for f in formats]
         assert collapsed == [sorted(linear.packed_range(w) for w in weights)]  # all asked into huge pages, once
-        layouts = [w.row_layout for w in weights]
+        layouts = [f.row_layout for f in formats]
         assert all(lay is None or lay[2] == torch.ops.mkldnn.data_ptr(w) for lay, w in zip(layouts, weights))
         if not compiled and any(layouts):  # eager batch-1 steps run the one-row kernels, tokens unchanged
             calls = []
@@ -331,24 +366,10 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
         assert str(core.model_dir) not in maps.read_text()
 
 
-def test_cpu_fp32_gets_cpu_linear_and_others_keep_f_linear(monkeypatch):
-    monkeypatch.setattr(linear, "bf16_units", lambda: False)
-    cpu_linear = _cpu_onednn_linear(onednn_linear_usable())
-    assert select_linear(CPU, torch.float32) is cpu_linear
-    assert select_kernels("auto", CPU, torch.float32).linear is cpu_linear
-    assert select_linear(CPU, torch.bfloat16) is F.linear
-    assert select_linear(torch.device("cuda"), torch.float32) is F.linear
-    assert select_linear(CPU, torch.float32, "torch") is F.linear
-    assert select_kernels("auto", CPU, torch.float32, "torch").linear is F.linear
-    monkeypatch.setattr(linear, "bf16_units", lambda: True)
-    if onednn_linear_usable(torch.bfloat16):
-        assert select_linear(CPU, torch.bfloat16) is cpu_linear
-
-
 def test_bad_cpu_linear_value_is_refused():
     import pydantic
 
     with pytest.raises(ValueError, match="cpu_linear"):
-        select_linear(CPU, torch.float32, "blas")
+        choose_layout(CPU, torch.float32, "blas")
     with pytest.raises(pydantic.ValidationError, match="cpu_linear"):
         EngineConfig(cpu_linear="blas")

@@ -15,6 +15,7 @@ from tieredkv.errors import CheckpointError
 from tieredkv.kernels import quant
 from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.models import gguf_blocks
+from tieredkv.models.llama import Projection
 
 
 def weights(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
@@ -360,7 +361,7 @@ def test_fused_pieces_in_different_formats_are_served_side_by_side(lib):
     parts = [gguf_tensor("Q4_K", 8, 256, 1), gguf_tensor("Q4_K", 4, 256, 2), gguf_tensor("Q6_K", 4, 256, 3)]
     fused = quant.cat_rows(parts, "layers.0.self_attn.qkv_proj.weight")
     assert isinstance(fused, quant.QuantizedParts) and fused.scheme == "gguf:Q4_K+Q6_K"
-    assert fused.format_label == "q4 g32 (gguf:Q4_K) + q8 g16 (gguf:Q6_K)"  # stats().dense_formats names it so
+    assert fused.label == "q4 g32 (gguf:Q4_K) + q8 g16 (gguf:Q6_K)"  # stats().dense_formats names it so
     assert fused.out_features == 16 and fused.nbytes == sum(p.nbytes for p in parts)
     w = fused.dequantize()
     assert torch.equal(w, torch.cat([p.dequantize() for p in parts]))
@@ -444,8 +445,8 @@ def test_engine_matches_transformers_on_the_dequantized_weights(scheme, llama_di
         stats = core.stats()
         assert stats.weights == f"{scheme} (float32 activations)"
         full = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=0))
-        mats = [m.weight.shape for m in full.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-        head = full.model.lm_head.weight.shape
+        mats = [(m.out_features, m.in_features) for m in full.model.layers.modules() if isinstance(m, Projection)]
+        head = (full.model.lm_head.out_features, full.model.lm_head.in_features)
         per = (lambda n, k: n * k + 2 * n) if scheme == "int8" else (lambda n, k: n * k // 2 + 4 * n * k // 32)
         expected = (full.stats().weight_bytes - 4 * sum(n * k for n, k in [*mats, head])
                     + sum(per(n, k) for n, k in mats) + head[0] * head[1] + 2 * head[0])
@@ -642,9 +643,9 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
                                        native_decode=path == "native"))
         try:
             attn, mlp = core.model.layers[0].self_attn, core.model.layers[0].mlp
-            assert isinstance(attn.qkv_proj.qweight, quant.QuantizedParts) and attn.qkv_proj.weight is None
-            assert attn.qkv_proj.qweight.scheme == "gguf:Q4_K+Q6_K"
-            assert mlp.gate_up_proj.qweight.scheme == "gguf:Q4_K+Q5_0"
+            assert isinstance(attn.qkv_proj.format, quant.QuantizedParts) and attn.qkv_proj.weight is None
+            assert attn.qkv_proj.format.scheme == "gguf:Q4_K+Q6_K"
+            assert mlp.gate_up_proj.format.scheme == "gguf:Q4_K+Q5_0"
             assert core.model.quantization == "gguf:Q4_K+Q6_K+Q5_0"
             assert core.stats().decode_path == path
             assert path == "native" or core.runner.compiled.graphs == 2

@@ -92,7 +92,7 @@ def test_int4_shards_are_the_whole_models_codes(llama_dir):
             part = load_model(llama_dir, spec, torch.float32, cpu, QuantSettings(scheme),
                               tp=TPGroup(Shard(rank, 2))).layers[1]
             (q0, q1), d = Shard(rank, 2).q_heads(spec), spec.head_dim
-            a, b = whole.self_attn.o_proj.qweight, part.self_attn.o_proj.qweight  # row-parallel: input columns
+            a, b = whole.self_attn.o_proj.format, part.self_attn.o_proj.format  # row-parallel: input columns
             if scheme == "int4":
                 cols = slice(q0 * d // 2, q1 * d // 2)  # two codes a byte
                 groups = slice(q0 * d // 32, q1 * d // 32)

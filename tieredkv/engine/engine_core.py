@@ -54,7 +54,7 @@ class EngineCore:
         self.block_size = config.block_size
         self.requests = self.parts.lifecycle.requests  # live requests by id
 
-        self.dense_formats = self.parts.model.dense_formats(self.parts.runner.ops)  # fixed once built
+        self.dense_formats = self.parts.model.dense_formats()  # fixed once built
         # fixed once built too (the formats' bytes, asleep or not); summed over every tensor it took 0.4 ms, which
         # the stats published after every step paid: 3% of a default-model decode step on an AMD EPYC Zen 5
         self.weight_bytes = total_weight_bytes(self.parts.model, self.parts.memory)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +17,8 @@ from tieredkv.engine.resolve import quant_settings, resolve_cache_dir, resolve_d
 from tieredkv.errors import RankStartError
 from tieredkv.kernels import KernelOps, select_kernels
 from tieredkv.kernels.kv_format import KVLayout
-from tieredkv.kernels.linear import graph_reads_packed, packed_range
+from tieredkv.kernels.dense import choose_layout
+from tieredkv.kernels.linear import packed_range
 from tieredkv.kernels.quant import QuantizedWeight, gather_quantized_weights, tile_quantized_weights
 from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.models.llama import LlamaModel
@@ -152,32 +153,22 @@ def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tup
 
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,
                          compiled: bool, kv: KVLayout | None = None) -> KernelOps:
-    """The kernel set, with the weights in the layout its dense layers read, held once (docs/architecture.md:
-    Kernels): packed where the kernel set packs; with the compiled decode path, packed too unless its one-row
-    products read the plain weights clearly faster on this processor (measured once, kernels/linear.py:
-    graph_reads_packed), else plain, for it and for the eager steps. cpu_linear="packed" keeps a packed copy
-    beside plain weights."""
-    ops = select_kernels(cfg.attention_backend, device, dtype, cfg.cpu_linear, kv)
-    if ops.pack_linear_weight is None:
-        return ops
-    if not compiled:
-        _pack_weights(model, ops.pack_linear_weight)
-        return ops
-    shapes = model.linear_shapes()  # none where the projections are quantized
-    graph_packed = bool(shapes) and graph_reads_packed(dtype, shapes, resolve_cache_dir(cfg))
-    if not graph_packed and cfg.cpu_linear != "packed":
-        return replace(ops, pack_linear_weight=None)
-    _pack_weights(model, ops.pack_linear_weight, keep_plain=not graph_packed, handles=graph_packed)
-    return ops
+    """The kernel set, with every full-precision weight held in the layout kernels/dense.py chooses for this
+    device, dtype and decode path (docs/architecture.md: Kernels), its packed copies moved into huge pages."""
+    layout = choose_layout(device, dtype, cfg.cpu_linear, compiled, model.linear_shapes(), resolve_cache_dir(cfg))
+    model.hold_weights(layout)
+    _collapse(model.packed_weights())
+    return select_kernels(cfg.attention_backend, device, kv)
 
 
-def _pack_weights(model: LlamaModel, pack, **options) -> None:
-    """model.pack_linear_weights(pack, **options), then the packed buffers moved into huge pages where they lie
-    (malloc_tuning.collapse_into_huge_pages; oneDNN allocated them, so they cannot join an arena uncopied), on a
-    thread of its own: about 1 s for the fp32 default model's 538 MB on 2 cores, which no start waits for (the
-    kernel keeps the contents while it moves them, and memory freed meanwhile is left as it is or refused)."""
-    model.pack_linear_weights(pack, **options)
-    ranges = [packed_range(w) for w in model.packed_weights()]
+def _collapse(packed: list[torch.Tensor]) -> None:
+    """The packed buffers moved into huge pages where they lie (malloc_tuning.collapse_into_huge_pages; oneDNN
+    allocated them, so they cannot join an arena uncopied), on a thread of its own: about 1 s for the fp32 default
+    model's 538 MB on 2 cores, which no start waits for (the kernel keeps the contents while it moves them, and
+    memory freed meanwhile is left as it is or refused)."""
+    if not packed:
+        return
+    ranges = [packed_range(w) for w in packed]
 
     def collapse() -> None:
         log.debug("packed weights: %d MB in huge pages", collapse_into_huge_pages(ranges) >> 20)

@@ -11,7 +11,6 @@ from tieredkv.kernels.block_copy import copy_blocks_ref, gather_blocks_ref, scat
 from tieredkv.kernels.decode_attention import decode_attention_cpu, decode_attention_ref, plan_decode
 from tieredkv.kernels.kernel_ops import KernelOps, with_kv
 from tieredkv.kernels.kv_format import KVLayout
-from tieredkv.kernels.linear import select_linear, select_weight_packing
 from tieredkv.kernels.prefill_attention import prefill_attention_ref
 from tieredkv.kernels.store_kv import store_kv_cpu, store_kv_ref
 
@@ -30,16 +29,11 @@ TORCH_OPS = KernelOps(
 CPU_OPS = replace(TORCH_OPS, name="cpu", decode_attention=decode_attention_cpu, store_kv=store_kv_cpu)
 
 
-def select_kernels(backend: str, device: torch.device, dtype: torch.dtype = torch.float32,
-                   cpu_linear: str = "auto", kv: KVLayout | None = None) -> KernelOps:
-    """"auto" takes Triton on CUDA and torch elsewhere (EngineConfig.attention_backend). The dense layers
-    get the best `linear` for `dtype` on `device` (kernels/linear.py; EngineConfig.cpu_linear), whatever
-    the backend. `kv`: the cache's formats (kernels/kv_format.py), bound into the store and attention ops."""
-    ops = with_kv(_attention_kernels(backend, device), kv)
-    linear, pack = select_linear(device, dtype, cpu_linear), select_weight_packing(device, dtype, cpu_linear)
-    if linear is ops.linear and pack is ops.pack_linear_weight:
-        return ops
-    return replace(ops, linear=linear, pack_linear_weight=pack)
+def select_kernels(backend: str, device: torch.device, kv: KVLayout | None = None) -> KernelOps:
+    """"auto" takes Triton on CUDA, the CPU kernels on CPU and torch elsewhere (EngineConfig.attention_backend).
+    `kv`: the cache's formats (kernels/kv_format.py), bound into the store and attention ops. (Dense layers are
+    chosen per weight at load: kernels/dense.py.)"""
+    return with_kv(_attention_kernels(backend, device), kv)
 
 
 def _attention_kernels(backend: str, device: torch.device) -> KernelOps:

@@ -16,10 +16,8 @@ if TYPE_CHECKING:
 class KernelOps:
     """The kernel set one engine uses; every op has the signature of its torch reference.
 
-    `linear` is the dense-layer function (F.linear's signature) picked for the weights' device and dtype;
-    `pack_linear_weight`, when not None, turns a weight into the layout `linear` reads best, once at
-    load time (see LlamaModel.pack_linear_weights); `packed_attr` names what `linear` is given then (the
-    compiled graph reads "packed_handle", kernels/linear.py: dense_by_handle).
+    Dense layers are not in it: each weight's format carries its product (kernels/dense.py); `graph` says the
+    forward runs in the compiled decode graph, where each format's graph_forward serves.
     `plan_decode(block_tables, context_lens, block_size, dtype, prefixes)`, when not None, builds what
     `decode_attention(..., plan=)` reuses in every layer of a step; `prefixes` are the decode rows that
     share leading blocks (kernels/cascade.py), for a kernel set that attends them together.
@@ -34,11 +32,9 @@ class KernelOps:
     copy_blocks: Callable[..., None]
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
-    linear: Callable[..., torch.Tensor] = torch.nn.functional.linear
-    pack_linear_weight: Callable[[torch.Tensor], torch.Tensor] | None = None
-    packed_attr: str = "packed_weight"  # the layer attribute `linear` reads where weights are packed
     plan_decode: Callable[..., object] | None = None  # per-step decode plan, made once in ModelRunner.prepare
     kv: "KVLayout | None" = None
+    graph: bool = False  # the dense layers' products as the compiled graph takes them (DenseWeight.graph_forward)
 
 
 def with_kv(ops: KernelOps, kv: "KVLayout | None") -> KernelOps:

@@ -5,7 +5,7 @@ project is measured on, `F.linear` (MKL sgemm with the weight as the transposed 
 up to twice as slow on such shapes as the alternatives:
   - oneDNN's matmul with the weight reordered once, at load time, into oneDNN's blocked layout
     (`pack_onednn_weight`): no per-call packing of the weight, which for a few rows is most of the
-    work. The engine packs every projection and the LM head this way (`LlamaModel.pack_linear_weights`);
+    work. The engine packs every projection and the LM head this way (kernels/dense.py: PackedWeight);
   - for a plain weight: with few rows and a layer-sized output, the same MKL product with the operands
     swapped, (W @ x.T).T, which MKL splits across threads along the weight rather than along the few
     rows; otherwise (many rows, or the vocabulary-wide LM head) oneDNN's matmul.
@@ -14,7 +14,8 @@ oneDNN ships inside every x86 and aarch64 build of torch, but its linear entry p
 after a self-check on this very torch build. Measured on the engine benchmark's workload: plain
 oneDNN/swapped products take about 15% off the engine's time against `F.linear`, and packed weights
 another 11% (the numbers are in docs/architecture.md). `F.linear` serves everywhere else: CUDA, other dtypes,
-or `EngineConfig(cpu_linear="torch")`.
+or `EngineConfig(cpu_linear="torch")`. Which of these a weight is held for is chosen once, at load
+(kernels/dense.py: choose_layout); this module holds the products and the measurement behind that choice.
 
 One row on a packed weight (a batch-1 decode step in the compiled graph, through its handle) is not
 oneDNN's: its one-row product reads the weight well below the memory's speed, so quant_cpu.c's one-row
@@ -32,7 +33,6 @@ import math
 import time
 import weakref
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +42,6 @@ from tieredkv.kernels.ops import implement
 from tieredkv.kernels.quant_cpu import CPU, handle_outputs
 from tieredkv.platform.cpu_features import cpu_info
 
-LinearFn = Callable[..., torch.Tensor]  # (x [..., K], weight [N, K], bias [N] | None) -> [..., N]
-PackFn = Callable[[torch.Tensor], torch.Tensor]  # weight [N, K] -> the same weight in the layout LinearFn reads best
 SWAP_MAX_ROWS = 256  # up to this many rows the swapped product wins (decode steps, small prefill chunks)
 SWAP_MAX_OUT = 8192  # wider outputs (the LM head) go to oneDNN at any row count
 
@@ -58,22 +56,10 @@ def pack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-def _swapped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def swapped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(weight @ x.T).T: MKL splits the product across threads along the weight rather than along the few rows."""
     out = torch.mm(weight, x.t()).t().contiguous()
     return out if bias is None else out.add_(bias)
-
-
-def _cpu_linear(large: LinearFn) -> LinearFn:
-    def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if weight.is_mkldnn:  # packed at load time (with its one-row layout: with_row_layout)
-            return one_row_or_onednn(x, weight, getattr(weight, "row_layout", None), bias)
-        if x.dim() == 2 and x.shape[0] <= SWAP_MAX_ROWS and weight.shape[0] <= SWAP_MAX_OUT \
-                and x.dtype == torch.float32:  # bf16 swapped: up to 1.8x slower than oneDNN (AVX512_BF16)
-            return _swapped_linear(x, weight, bias)
-        return large(x, weight, bias)
-
-    cpu_linear.__name__ = f"cpu_linear[swapped|{large.__name__}]"
-    return cpu_linear
 
 
 @functools.cache
@@ -104,36 +90,6 @@ def bf16_units() -> bool:
     read half the bytes of fp32 at fp32's arithmetic rate; elsewhere each one converts to fp32 first."""
     info = cpu_info()
     return info.has("avx512_bf16") or info.has("amx_bf16")
-
-
-@functools.cache
-def _cpu_onednn_linear(use_onednn: bool) -> LinearFn:
-    return _cpu_linear(onednn_linear if use_onednn else F.linear)
-
-
-def _cpu_onednn(device: torch.device, dtype: torch.dtype, cpu_linear: str) -> bool:
-    """True when the CPU oneDNN dense layers apply (EngineConfig.cpu_linear "auto" or "packed"; "torch" turns
-    them off): fp32 everywhere, bf16 on processors with bf16 units."""
-    if cpu_linear not in ("auto", "packed", "torch"):
-        raise ValueError(f"cpu_linear must be auto, packed or torch, got {cpu_linear!r}")
-    if cpu_linear == "torch" or device.type != "cpu":
-        return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_units() and onednn_linear_usable(dtype))
-
-
-def select_linear(device: torch.device, dtype: torch.dtype, cpu_linear: str = "auto") -> LinearFn:
-    """The dense-layer function for weights of `dtype` on `device`."""
-    if _cpu_onednn(device, dtype, cpu_linear):
-        return _cpu_onednn_linear(onednn_linear_usable())
-    return F.linear
-
-
-def select_weight_packing(device: torch.device, dtype: torch.dtype, cpu_linear: str = "auto") -> PackFn | None:
-    """How to pack weights of `dtype` on `device` once at load time for select_linear's function;
-    None where they are best left as they are."""
-    if _cpu_onednn(device, dtype, cpu_linear) and onednn_linear_usable():
-        return pack_onednn_weight
-    return None
 
 
 # The compiled decode graph cannot take oneDNN's packed tensors (opaque, without storage) as inputs, so it

@@ -33,12 +33,15 @@ from torch import nn
 
 from tieredkv.config import INT4_GROUP_SIZES
 from tieredkv.errors import CheckpointError
+from tieredkv.kernels.dense import DenseWeight
+from tieredkv.kernels.linear import onednn_linear, onednn_linear_usable
 from tieredkv.kernels.ops import implement
 from tieredkv.kernels.quant_cpu import CPU, GEMV_MAX_ROWS
 
 
-class QuantizedWeight(nn.Module):
-    """A dense layer's weight [out_features, in_features] in the "q8" or "q4" format (module docstring)."""
+class QuantizedWeight(DenseWeight):
+    """A dense layer's weight [out_features, in_features] in the "q8" or "q4" format (module docstring), or their
+    tiles; its product (in and out of a graph) is quant_linear."""
 
     def __init__(self, fmt: str, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                  group_size: int, in_features: int, scheme: str):
@@ -54,9 +57,12 @@ class QuantizedWeight(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
 
     @property
-    def format_label(self) -> str:
+    def label(self) -> str:
         """ "q4 g32 (gguf:Q4_1)": the codes' format, the inputs a scale covers, the scheme the weights came from."""
         return f"{self.fmt} g{self.group_size} ({self.scheme})"
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return quant_linear(x, self, bias)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its `rows`) in fp32, by the format's definition: the reference every kernel matches."""
@@ -161,7 +167,7 @@ def cat_rows(parts: list, what: str) -> "QuantizedWeight | torch.Tensor":
                            offsets, first.group_size, first.in_features, scheme)
 
 
-class QuantizedParts(nn.Module):
+class QuantizedParts(DenseWeight):
     """A fused weight (q/k/v, gate/up) whose pieces a GGUF file stores in formats that do not share a layout
     (Q4_K beside Q6_K, as Q4_K_M files have): each piece kept in its own format, their products side by side
     (quant_linear runs one per piece and concatenates the outputs)."""
@@ -178,9 +184,12 @@ class QuantizedParts(nn.Module):
         return sum(p.nbytes for p in self.parts)
 
     @property
-    def format_label(self) -> str:
+    def label(self) -> str:
         """The pieces' formats, each once: "q4 g32 (gguf:Q4_K) + q8 g16 (gguf:Q6_K)"."""
-        return " + ".join(dict.fromkeys(p.format_label for p in self.parts))
+        return " + ".join(dict.fromkeys(p.label for p in self.parts))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return quant_linear(x, self, bias)
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
@@ -400,8 +409,6 @@ def _dequantize_fast(codes, scales, offsets, group_size, ids) -> torch.Tensor:
 
 
 def _fp32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    from tieredkv.kernels.linear import onednn_linear, onednn_linear_usable
-
     b = None if bias is None else bias.float()
     if x.device.type == "cpu" and onednn_linear_usable():
         return onednn_linear(x, w, b)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tieredkv.kernels import KernelOps
-from tieredkv.kernels.linear import packed_handle, with_row_layout
-from tieredkv.kernels.quant import QuantizedWeight, quant_embedding, quant_linear
+from tieredkv.kernels.dense import DenseLayout, DenseWeight, PackedWeight
+from tieredkv.kernels.quant import QuantizedWeight, quant_embedding
 from tieredkv.models.batch import ForwardBatch
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tp_group import TPGroup
@@ -55,29 +55,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def dense(ops: KernelOps, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) through the kernel set's dense function, reading the weight in the layout that function
-    takes: the packed copy (LlamaModel.pack_linear_weights) when the kernel set packs, else the plain one;
-    a quantized weight (LlamaModel.quantize_weights) through the quantized op."""
-    qweight = getattr(layer, "qweight", None)
-    if qweight is not None:
-        return quant_linear(x, qweight, layer.bias)
-    weight = layer.weight if ops.pack_linear_weight is None else getattr(layer, ops.packed_attr)
-    return ops.linear(x, weight, layer.bias)
-
-
-def _dense_format(layer: nn.Linear, ops: KernelOps) -> str:
-    qweight = getattr(layer, "qweight", None)
-    if qweight is not None:
-        return qweight.format_label
-    return _float_format(layer.weight, ops)
-
-
-def _float_format(weight: torch.Tensor, ops: KernelOps) -> str:
-    """ "float32", or "float32 packed" where the kernel set reads oneDNN's packed layout."""
-    return str(weight.dtype).removeprefix("torch.") + (" packed" if ops.pack_linear_weight is not None else "")
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + _rotate_half(x) * sin
 
@@ -107,6 +84,34 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class Projection(nn.Module):
+    """A dense layer, x @ W.T (+ b). The checkpoint's weight is loaded into `weight` (None where it is stored
+    quantized, or for a tied LM head, which multiplies by the embedding table); `hold` then gives the layer its
+    weight in one format (kernels/dense.py: DenseWeight), which every product goes through, and `weight` is
+    dropped. `forward(x, graph)`: the format's product, or the one a compiled graph takes."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tied: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = None if tied else nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.format: DenseWeight | None = None
+
+    def hold(self, weight: DenseWeight) -> None:
+        """Serves from `weight` (the loaded one dropped)."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"a {weight.out_features}x{weight.in_features} weight for a "
+                             f"{self.out_features}x{self.in_features} layer")
+        self.format = weight
+        self.weight = None
+
+    def forward(self, x: torch.Tensor, graph: bool = False) -> torch.Tensor:
+        return self.format.graph_forward(x, self.bias) if graph else self.format.forward(x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, bias={self.bias is not None}"
+
+
 class Attention(nn.Module):
     """`spec` is this rank's (Shard.local_spec): its heads only; o_proj's partial sums are all-reduced."""
 
@@ -120,8 +125,8 @@ class Attention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.qkv_proj = Projection(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = Projection(self.q_size, spec.hidden_size)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -136,7 +141,7 @@ class Attention(nn.Module):
         ops: KernelOps,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = dense(ops, self.qkv_proj, x)
+        qkv = self.qkv_proj.forward(x, ops.graph)
         if batch.lora is not None:
             qkv = batch.lora.add(qkv, x, self.layer_id, "qkv")
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -168,7 +173,7 @@ class Attention(nn.Module):
                 )
             )
         out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)).reshape(num_tokens, self.q_size)
-        o = dense(ops, self.o_proj, out)
+        o = self.o_proj.forward(out, ops.graph)
         if batch.lora is not None:
             o = batch.lora.add(o, out, self.layer_id, "o")
         return self.tp.all_reduce(o)
@@ -180,17 +185,17 @@ class MLP(nn.Module):
         self.tp = tp
         self.layer_id = layer_id
         self.intermediate = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj = Projection(spec.hidden_size, 2 * spec.intermediate_size)
+        self.down_proj = Projection(spec.intermediate_size, spec.hidden_size)
 
     def forward(self, x: torch.Tensor, ops: KernelOps, lora=None) -> torch.Tensor:
         """`lora`: the step's LoRABatch (models/lora.py), when adapters run in it."""
-        gate_up = dense(ops, self.gate_up_proj, x)
+        gate_up = self.gate_up_proj.forward(x, ops.graph)
         if lora is not None:
             gate_up = lora.add(gate_up, x, self.layer_id, "gate_up")
         gate, up = gate_up.split(self.intermediate, dim=-1)
         h = F.silu(gate) * up
-        down = dense(ops, self.down_proj, h)
+        down = self.down_proj.forward(h, ops.graph)
         if lora is not None:
             down = lora.add(down, h, self.layer_id, "down")
         return self.tp.all_reduce(down)
@@ -230,96 +235,81 @@ class LlamaModel(nn.Module):
                                          _weight=torch.empty(local.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(local, i, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, local.vocab_size, bias=False)
+        # a tied head multiplies by the embedding table (held in its format at hold_weights); quantized, it is the
+        # table too (lookups dequantize its rows)
+        self.lm_head = Projection(spec.hidden_size, local.vocab_size, tied=spec.tie_word_embeddings)
         self.rotary = RotaryEmbedding(spec)
-        self.packed_lm_head: torch.Tensor | None = None
-        self.packed_handles = False  # pack_linear_weights gave the packed weights handles
-        self.quantized_head: QuantizedWeight | None = None  # the LM head, when quantized (the table too, if tied)
+
+    def projections(self) -> list[Projection]:
+        """Every dense layer: each layer's projections, then the LM head."""
+        return [m for m in self.layers.modules() if isinstance(m, Projection)] + [self.lm_head]
 
     @property
     def quantization(self) -> str | None:
         """The scheme of the projections' weights ("int8", "int4", "gguf:Q4_1", ...; a GGUF file's types in
         the order met, "gguf:Q5_0+Q8_0+Q4_K+Q6_K", where they differ), None when not quantized."""
-        schemes = [m.qweight.scheme for m in self.layers.modules() if getattr(m, "qweight", None) is not None]
+        schemes = [m.format.scheme for m in self.projections()[:-1] if hasattr(m.format, "scheme")]
         if not schemes:
             return None
         kinds = list(dict.fromkeys(t for s in schemes for t in s.removeprefix("gguf:").split("+")))
         return schemes[0] if len(kinds) == 1 else "gguf:" + "+".join(kinds)
 
-    def dense_formats(self, ops: KernelOps) -> dict[str, str]:
+    @property
+    def quantized_head(self) -> QuantizedWeight | None:
+        """The LM head's weight where it is quantized (then the embedding table too, if tied), else None."""
+        head = self.lm_head.format
+        return head if isinstance(head, QuantizedWeight) else None
+
+    def dense_formats(self) -> dict[str, str]:
         """Each kind of dense layer (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) -> the format its products
-        read, as `dense` and `head` choose it with this kernel set: "q4 g32 (gguf:Q4_1)", "q8 g16 + q4 g32" for
-        pieces in two formats, "float32 packed" (oneDNN's layout), "float32"; kinds whose layers differ list
-        each format once, joined by " / "."""
+        read (DenseWeight.label): "q4 g32 (gguf:Q4_1)", "q8 g16 + q4 g32" for pieces in two formats, "float32
+        packed" (oneDNN's layout), "float32"; kinds whose layers differ list each format once, joined by " / "."""
         found: dict[str, list[str]] = {}
-        for name, module in self.layers.named_modules():
-            if isinstance(module, nn.Linear):
-                found.setdefault(name.rsplit(".", 1)[-1], []).append(_dense_format(module, ops))
-        head = self.quantized_head  # a float head is in the table's dtype (it is the table, when tied)
-        found["lm_head"] = [head.format_label if head is not None else
-                            _float_format(self.embed_tokens.weight, ops)]
+        for name, module in [*self.layers.named_modules(), ("lm_head", self.lm_head)]:
+            if isinstance(module, Projection):
+                found.setdefault(name.rsplit(".", 1)[-1], []).append(module.format.label)
         return {kind: " / ".join(dict.fromkeys(formats)) for kind, formats in found.items()}
 
     def weight_bytes(self) -> int:
-        """The bytes the weights take, in their own formats (quantized ones included), the LM head counted once."""
-        quantized = sum(m.nbytes for m in self.modules() if isinstance(m, QuantizedWeight))
-        return quantized + sum(t.numel() * t.element_size() for t in self.parameters())
+        """The bytes the weights take, in their own formats (a packed copy and a plain one kept beside it both
+        count; a tensor two formats share counts once)."""
+        formats = [m.format for m in self.projections() if m.format is not None]
+        inside = {t.data_ptr() for f in formats for t in f.parameters()}
+        rest = sum(t.numel() * t.element_size() for t in self.parameters() if t.data_ptr() not in inside)
+        return rest + sum(f.nbytes for f in {id(f): f for f in formats}.values())
 
     def quantize_weights(self, quantize: Callable[[torch.Tensor], QuantizedWeight],
                          head: Callable[[torch.Tensor], QuantizedWeight]) -> None:
-        """Replaces every projection's weight by quantize(weight), and the LM head's by head(weight) (when the
-        head is the embedding table, the table is held once, quantized, and lookups dequantize its rows). Each
+        """Holds every projection's weight as quantize(weight), and the LM head's as head(weight) (when the head
+        is the embedding table, the table is held once, quantized, and lookups dequantize its rows). Each
         full-precision weight is dropped as soon as its quantized form exists."""
-        for module in self.layers.modules():
-            if isinstance(module, nn.Linear):
-                module.qweight = quantize(module.weight)
-                module.weight = None
-        self.set_quantized_head(head(self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight))
+        for module in self.projections()[:-1]:
+            module.hold(quantize(module.weight))
+        self.set_quantized_head(head(self.embed_tokens.weight if self.spec.tie_word_embeddings
+                                     else self.lm_head.weight))
 
     def set_quantized_head(self, qw: QuantizedWeight) -> None:
-        self.quantized_head = qw
-        if self.lm_head is None:
+        self.lm_head.hold(qw)
+        if self.spec.tie_word_embeddings:
             self.embed_tokens.weight = None
-        else:
-            self.lm_head.weight = None
 
-    def lm_head_weight(self, ops: KernelOps) -> torch.Tensor:
-        if ops.pack_linear_weight is not None:
-            return self.packed_lm_head if ops.packed_attr == "packed_weight" else self.packed_lm_head_handle
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def pack_linear_weights(self, pack: Callable[[torch.Tensor], torch.Tensor], keep_plain: bool = False,
-                            handles: bool = False) -> None:
-        """Gives every projection, and the LM head, a `packed_weight`: pack(weight), a layout only the
-        packing kernel set's `linear` reads (see kernels/linear.py), in place of the plain weight, so the
-        weights are held once; with `keep_plain` the plain weights stay too (twice the memory), for the
-        compiled decode path where it reads them. With `handles` each also gets a `packed_handle` buffer
-        (and the model a `packed_lm_head_handle`): the plain tensor through which a compiled graph reads
-        the packed weight (kernels/linear.py: dense_by_handle). The embedding table stays plain: lookups
-        need it."""
-        self.packed_handles = handles
-        for module in self.modules():
-            if isinstance(module, nn.Linear) and module.weight is not None:
-                module.packed_weight = with_row_layout(pack(module.weight))
-                if not keep_plain:
-                    module.weight = nn.Parameter(module.packed_weight, requires_grad=False)
-                if handles:
-                    module.register_buffer("packed_handle", packed_handle(module.packed_weight), persistent=False)
-        if self.quantized_head is None:
-            self.packed_lm_head = (self.lm_head.packed_weight if self.lm_head is not None
-                                   else with_row_layout(pack(self.embed_tokens.weight)))
-            if handles:
-                self.register_buffer("packed_lm_head_handle", packed_handle(self.packed_lm_head), persistent=False)
+    def hold_weights(self, layout: DenseLayout) -> None:
+        """Every dense layer not yet held (the quantized ones are) in `layout` (kernels/dense.py: choose_layout),
+        the tied LM head over the embedding table, which stays plain: lookups need it."""
+        for module in self.projections():
+            if module.format is None:
+                tied = module is self.lm_head and self.spec.tie_word_embeddings
+                module.hold(layout.hold(self.embed_tokens.weight if tied else module.weight))
 
     def packed_weights(self) -> list[torch.Tensor]:
-        """Every packed weight pack_linear_weights gave (the projections', the LM head's), each once."""
-        found = [getattr(m, "packed_weight", None) for m in self.modules()] + [getattr(self, "packed_lm_head", None)]
-        return list({id(t): t for t in found if t is not None}.values())
+        """Every packed copy hold_weights made (the projections', the LM head's)."""
+        return [m.format.packed for m in self.projections() if isinstance(m.format, PackedWeight)]
 
     def linear_shapes(self) -> list[tuple[int, int]]:
-        """The distinct [out, in] shapes of one layer's projections (plain weights: before packing)."""
-        return sorted({tuple(m.weight.shape) for m in self.layers[0].modules()
-                       if isinstance(m, nn.Linear) and m.weight is not None})
+        """The distinct [out, in] shapes of one layer's full-precision projections (none where they are quantized)."""
+        return sorted({(m.out_features, m.in_features) for m in self.layers[0].modules()
+                       if isinstance(m, Projection) and not hasattr(m.format, "scheme")
+                       and (m.weight is not None or m.format is not None)})
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor | None:
         """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices (None on
@@ -342,7 +332,7 @@ class LlamaModel(nn.Module):
             outside = (ids < 0) | (ids >= self.local_vocab)
             ids = ids.masked_fill(outside, 0)
         if self.embed_tokens.weight is None:  # the table is the quantized LM head
-            x = quant_embedding(self.quantized_head, ids, self.norm.weight.dtype)
+            x = quant_embedding(self.lm_head.format, ids, self.norm.weight.dtype)
         else:
             x = self.embed_tokens.forward(ids)
         if outside is not None:
@@ -361,8 +351,5 @@ class LlamaModel(nn.Module):
 
     def head(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor | None:
         """`logits` from the final norm's output h [S, hidden] on."""
-        if self.quantized_head is not None:
-            logits = quant_linear(h, self.quantized_head).float()
-        else:
-            logits = ops.linear(h, self.lm_head_weight(ops)).float()
+        logits = self.lm_head.forward(h, ops.graph).float()
         return self.tp.gather_last(logits, self.tp.shard.sizes(self.spec.vocab_size))

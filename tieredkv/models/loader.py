@@ -131,7 +131,7 @@ def _load_gguf(gguf_path: Path, spec: ModelSpec, dtype: torch.dtype, device: tor
         elif isinstance(value, QuantizedWeight) and name == "embed_tokens.weight":
             module.weight = nn.Parameter(value.dequantize().to(device=device, dtype=dtype), requires_grad=False)
         elif isinstance(value, (QuantizedWeight, QuantizedParts)):
-            module.qweight, module.weight = value.to(device), None
+            module.hold(value.to(device))
         else:
             setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))
     unused = sorted(k for k in parts if not (k == "lm_head.weight" and spec.tie_word_embeddings))

@@ -43,12 +43,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from tieredkv.cache_dir import artifact_lock, long_work
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.decode_attention import decode_attention_compiled
-from tieredkv.kernels.linear import dense_by_handle
 from tieredkv.kernels.kernel_ops import with_kv
 from tieredkv.kernels.store_kv import store_kv_dense
 from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
@@ -112,14 +110,10 @@ class CompiledDecode:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps, cache_dir: Path):
         self.model = model
         self.kv_cache = kv_cache
-        # the dense layers: through the packed weights' handles where the weights were packed for this path
-        # (rank_build._kernels_and_weights), else F.linear on the plain weights
-        handles = ops.pack_linear_weight is not None and model.packed_handles
-        linear = dict(linear=dense_by_handle, packed_attr="packed_handle") if handles else \
-            dict(linear=F.linear, pack_linear_weight=None)
-        self.ops = with_kv(replace(ops, name=f"{ops.name}+compiled", plan_decode=None,
-                                   decode_attention=decode_attention_compiled,
-                                   store_kv=store_kv_dense, **linear), ops.kv)
+        # the dense layers: each weight's graph_forward (kernels/dense.py: a packed weight through its handle, a plain
+        # one through F.linear, quantized ones through their op)
+        self.ops = with_kv(replace(ops, name=f"{ops.name}+compiled", plan_decode=None, graph=True,
+                                   decode_attention=decode_attention_compiled, store_kv=store_kv_dense), ops.kv)
         self.cache_dir = cache_dir  # inductor's on-disk cache for this engine
         self.graphs = 0  # graphs compiled (or loaded from the cache): one per kind of run after warmup
         self.steps = 0  # steps this path ran

@@ -26,7 +26,7 @@ from tieredkv.config import MAX_SPECULATIVE_TOKENS
 from tieredkv.kernels.kv_format import CPU_FORMATS, KVLayout
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight
 from tieredkv.kernels.quant_cpu import CPU
-from tieredkv.models.llama import LlamaModel
+from tieredkv.models.llama import LlamaModel, Projection
 
 log = logging.getLogger("tieredkv")
 
@@ -91,8 +91,8 @@ def _proj(qw, bias: torch.Tensor | None, what: str) -> _Proj:
     return proj
 
 
-def _linear(layer: torch.nn.Linear, what: str) -> _Proj:
-    return _proj(getattr(layer, "qweight", None), layer.bias, what)
+def _linear(layer: Projection, what: str) -> _Proj:
+    return _proj(layer.format, layer.bias, what)
 
 
 # the most tokens of one sequence a native step takes: a verification (the last token and its drafts) or the
