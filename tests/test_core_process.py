@@ -283,3 +283,44 @@ async def test_close_writes_back_and_ends_the_process(llama_dir, tmp_path):
             pass
     with pytest.raises(EngineClosedError):
         await engine.pins()
+
+
+def rank_pids(core_pid: int) -> list[int]:
+    """The tensor-parallel ranks a core process started (its children that multiprocessing spawned)."""
+    found = []
+    for task in os.listdir(f"/proc/{core_pid}/task"):
+        with open(f"/proc/{core_pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    ranks = []
+    for pid in found:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                ranks.append(pid)
+    return ranks
+
+
+async def test_tensor_parallel_ranks_live_in_the_core_process_and_end_with_it(llama_dir):
+    """Under tensor parallelism the core process starts the ranks (one construction path): outputs equal one
+    process's in-process engine; close() ends the core and its ranks, and a core killed outright takes its ranks
+    with it (each loses rank 0's connection), no process left behind."""
+    tp = dict(tensor_parallel_size=2, num_threads=1, compile_decode=False)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    async with await AsyncEngine.start(config(llama_dir, core_process=False)) as alone:
+        want = [(await alone.generate(p, params)).outputs[0].token_ids for p in PROMPTS]
+    for end in ("close", "SIGKILL"):
+        engine = await AsyncEngine.start(config(llama_dir, core_process=True, **tp))
+        core = await engine.run_in_worker(os.getpid)
+        ranks = rank_pids(core)
+        assert len(ranks) == 1 and engine.info.config.tensor_parallel_size == 2
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+        assert [o.outputs[0].token_ids for o in outs] == want
+        if end == "close":
+            await engine.close()
+        else:
+            os.kill(core, signal.SIGKILL)
+            await asyncio.wait_for(engine.closed(), 5)
+            await engine.close()
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in [core, *ranks]):
+            assert time.monotonic() < deadline, f"left behind after {end}: {[p for p in ranks if alive(p)]}"
+            await asyncio.sleep(0.1)

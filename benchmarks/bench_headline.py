@@ -1,0 +1,164 @@
+"""The README's headline workloads as an application runs them, through `AsyncEngine.stream` with the engine core
+in a process of its own (the default), beside the same workload on the engine core alone (EngineCore.step on the
+main thread: what most other benchmarks time), default model, one sitting:
+
+    .venv/bin/python benchmarks/bench_headline.py [--rounds 3] [--out docs/bench/headline_zen5.json]
+
+Workloads (greedy, EOS ignored, compiled decode as the CPU default, compile finished before timing):
+  decode fp32     batch-1 decode after a 128-token prompt, 48 timed tokens: ms/token
+  decode Q4_1     the same on the default model's own Q4_1 weights (quantization="gguf"): ms/token
+  mixed 32        32 requests at once, prompts of 64-512 tokens, 16-128 new tokens (bench_engine.py's): output tok/s
+  burst           4 system prompts of ~1,000 tokens x 8 conversations, all at once, 32 new tokens each
+                  (bench_burst.py's): output tok/s
+Each (workload, mode) runs in a fresh process; modes alternate within a round and rounds alternate their order;
+ratios of medians. Quote the ratios: the machine's speed drifts between sittings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+WORKLOADS = ["decode fp32", "decode Q4_1", "mixed 32", "burst"]
+MODES = ["stream", "core alone"]
+DECODE_TOKENS = 48
+WARM = [11 + 3 * i for i in range(64)]  # a first request that shares nothing with the workloads' prompts
+
+
+def _config(workload: str, core_process: bool):
+    from tieredkv import EngineConfig
+
+    extra = {"quantization": "gguf"} if workload == "decode Q4_1" else {}
+    return EngineConfig(model="default", core_process=core_process, compile_in_background=False, warm_bytes=0,
+                        max_num_seqs=64, enable_prefix_caching=workload == "burst", **extra)
+
+
+def _requests(workload: str, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt, new tokens) of the workload, in arrival order."""
+    import random
+
+    if workload.startswith("decode"):
+        rng = random.Random(1)
+        return [([rng.randrange(100, vocab) for _ in range(128)], DECODE_TOKENS + 4)]
+    if workload == "mixed 32":
+        from bench_engine import make_requests
+
+        return make_requests(32, vocab)
+    from bench_burst import NEW_TOKENS, workload as burst
+
+    return [(prompt, NEW_TOKENS) for _, prompt in burst(vocab)[1]]
+
+
+def _summary(workload: str, stamps: list[list[float]], t0: float) -> dict:
+    if workload.startswith("decode"):
+        s = stamps[0][4:]  # after the prompt and the first tokens
+        return {"ms_per_token": (s[-1] - s[0]) / (len(s) - 1) * 1000}
+    tokens, end = sum(len(s) for s in stamps), max(s[-1] for s in stamps)
+    return {"tok_s": tokens / (end - t0)}
+
+
+async def _through_stream(workload: str) -> dict:
+    from tieredkv import AsyncEngine, SamplingParams
+
+    async with await AsyncEngine.start(_config(workload, core_process=True)) as engine:
+        requests = _requests(workload, engine.info.vocab_size)
+        await engine.generate(WARM, SamplingParams(max_tokens=8, ignore_eos=True))
+        stamps: list[list[float]] = [[] for _ in requests]
+
+        async def one(i: int, prompt: list[int], n: int) -> None:
+            async for chunk in engine.stream(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+                stamps[i].extend([time.perf_counter()] * len(chunk.token_ids))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(requests)))
+    assert [len(s) for s in stamps] == [n for _, n in requests]
+    return _summary(workload, stamps, t0)
+
+
+def _core_alone(workload: str) -> dict:
+    from tieredkv import SamplingParams
+    from tieredkv.engine.engine_core import EngineCore
+
+    core = EngineCore(_config(workload, core_process=False))
+    try:
+        requests = _requests(workload, core.spec.vocab_size)
+        core.add_request(core.factory.make(WARM, SamplingParams(max_tokens=8, ignore_eos=True), "warm"))
+        while core.has_work():
+            core.step()
+        reqs = [core.factory.make(prompt, SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}")
+                for i, (prompt, n) in enumerate(requests)]
+        stamps: list[list[float]] = [[] for _ in requests]
+        seen = [0] * len(requests)
+        t0 = time.perf_counter()
+        for req in reqs:
+            core.add_request(req)
+        while core.has_work():
+            core.step()
+            now = time.perf_counter()
+            for i, req in enumerate(reqs):
+                got = len(req.seqs[0].output_token_ids) if req.seqs else 0
+                stamps[i].extend([now] * (got - seen[i]))
+                seen[i] = got
+    finally:
+        core.close()
+    assert [len(s) for s in stamps] == [n for _, n in requests]
+    return _summary(workload, stamps, t0)
+
+
+def run_child(workload: str, mode: str) -> dict:
+    cmd = [sys.executable, __file__, "--workload", workload, "--mode", mode]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{workload} ({mode}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main(args) -> dict:
+    from tieredkv.platform.cpu_features import cpu_info
+
+    runs = [(w, m) for w in args.workloads for m in MODES]
+    raw: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        for workload, mode in runs if r % 2 == 0 else reversed(runs):
+            got = run_child(workload, mode)
+            raw.setdefault(f"{workload} | {mode}", []).append(got)
+            print(f"round {r}: {workload:12s} {mode:10s} {got}", flush=True)
+    table = {}
+    for workload in args.workloads:
+        field = "ms_per_token" if workload.startswith("decode") else "tok_s"
+        got = {m: statistics.median(g[field] for g in raw[f"{workload} | {m}"]) for m in MODES}
+        # a ratio above 1 is the stream slower: more ms a token, or fewer tokens a second
+        slower = got["stream"] / got["core alone"] if field == "ms_per_token" else got["core alone"] / got["stream"]
+        table[workload] = {field: got, "stream_time_vs_core_alone": slower}
+        print(f"| {workload} | {field} | stream {got['stream']:.2f} | core alone {got['core alone']:.2f} | "
+              f"{slower:.3f}x the time |", flush=True)
+    result = {"machine": cpu_info().describe(None), "rounds": args.rounds, "workloads": table, "raw": raw}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=WORKLOADS)
+    p.add_argument("--out", default=None)
+    p.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.workload:
+        result = asyncio.run(_through_stream(args.workload)) if args.mode == "stream" else _core_alone(args.workload)
+        print("RESULT " + json.dumps(result), flush=True)
+    else:
+        main(args)
