@@ -7,7 +7,7 @@ import signal
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
@@ -198,6 +198,11 @@ class AsyncEngine:
                           {"adapter": adapter, "cache_salt": cache_salt, "keep": keep, "mark_prompt": mark_prompt})
 
     def _open(self, prompt, params, request_id: str | None, flags: dict[str, Any]) -> RequestStream:
+        return RequestStream(self, self._admit(prompt, params, request_id, flags), prompt, params, flags)
+
+    def _admit(self, prompt, params, request_id: str | None, flags: dict[str, Any],
+               channel_type: Callable[[str, int], Channel] = Channel) -> Channel:
+        """Checks a new stream and registers its channel under its request id (started by _start)."""
         self._check_open()
         if self._draining:
             raise EngineClosedError("engine shutting down: it takes no new requests")
@@ -215,10 +220,10 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
-        channel = Channel(request_id, params.n)
+        channel = channel_type(request_id, params.n)
         self._streams[request_id] = channel
         self._idle.clear()
-        return RequestStream(self, channel, prompt, params, flags)
+        return channel
 
     def _start(self, channel: Channel, prompt, params, flags: dict[str, bool]):
         """A stream's first iteration: tokenize on the tokenizer thread, then queue it for the worker."""

@@ -31,7 +31,7 @@ from tieredkv.engine.explain import BlockReport
 from tieredkv.engine.outputs import EngineInfo
 from tieredkv.engine.stream import Channel
 from tieredkv.engine.telemetry import Telemetry
-from tieredkv.engine.wire import encode, read_frame
+from tieredkv.engine.wire import FrameProtocol, encode
 from tieredkv.errors import EngineClosedError
 
 log = logging.getLogger("tieredkv")
@@ -42,8 +42,9 @@ class CoreLink:
     """The application's end of the socket, in the shape AsyncEngine reads of its worker: `loop`, `closed` (a
     future of the loop), `close_reason`, `snapshot`, `call_loop`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, process: subprocess.Popen, reader, writer):
-        self.loop, self.process, self.reader, self.writer = loop, process, reader, writer
+    def __init__(self, loop: asyncio.AbstractEventLoop, process: subprocess.Popen):
+        self.loop, self.process = loop, process
+        self.transport: asyncio.Transport | None = None
         self.closed: asyncio.Future = loop.create_future()
         self.close_reason: EngineClosedError | None = None
         self.snapshot = None
@@ -53,7 +54,11 @@ class CoreLink:
         self.calls: dict[int, tuple[asyncio.Future, Callable | None]] = {}
         self.adapters: dict[str, str] = {}
         self._ids = itertools.count()
-        self._pump: asyncio.Task | None = None
+        self._first: asyncio.Future = loop.create_future()
+        self._reason: EngineClosedError | None = None  # what the core's "closed" said
+
+    async def connect(self, sock: socket.socket) -> None:
+        self.transport, _ = await self.loop.create_unix_connection(lambda: FrameProtocol(self._frames), sock=sock)
 
     def call_loop(self, fn: Callable, *args) -> None:
         try:
@@ -63,9 +68,9 @@ class CoreLink:
 
     def send(self, *message) -> bool:
         """Queues one message for the core; False once the link is down."""
-        if self.closed.done() or self.writer.is_closing():
+        if self.closed.done() or self.transport.is_closing():
             return False
-        self.writer.write(encode([list(message)]))
+        self.transport.write(encode([list(message)]))
         return True
 
     def call(self, name: str, args: tuple, kwargs: dict, progress: Callable | None = None) -> asyncio.Future:
@@ -79,22 +84,25 @@ class CoreLink:
 
     async def first(self) -> list:
         """The core's first message: "started" or "failed" (None: it exited before it said)."""
-        messages = await read_frame(self.reader)
-        return messages[0] if messages else None
+        return await self._first
 
-    def serve(self) -> None:
-        self._pump = self.loop.create_task(self._read())
-
-    async def _read(self) -> None:
-        reason = None
-        try:
-            while (messages := await read_frame(self.reader)) is not None:
-                for message in messages:
-                    reason = self._handle(message) or reason
-        except Exception as e:  # a frame that does not decode: the link cannot go on
-            log.exception("reading from the engine's core process failed")
-            reason = EngineClosedError(f"the link to the engine's core process failed: {e!r}")
-        self._down(reason)
+    def _frames(self, messages: list | BaseException | None) -> None:
+        """A frame from the core (wire.FrameProtocol, in the callback that read it), its end (None), or bytes
+        that did not decode."""
+        if isinstance(messages, BaseException):
+            log.error("reading from the engine's core process failed: %r", messages)
+            messages, self._reason = None, EngineClosedError(
+                f"the link to the engine's core process failed: {messages!r}")
+            self.transport.close()
+        if not self._first.done():  # "started" or "failed" comes alone in its frame
+            self._first.set_result(messages[0] if messages else None)
+            if messages:
+                return
+        if messages is None:
+            self._down(self._reason)
+            return
+        for message in messages:
+            self._reason = self._handle(message) or self._reason
 
     def _handle(self, message: list) -> EngineClosedError | None:
         kind = message[0]
@@ -134,7 +142,7 @@ class CoreLink:
             if not future.done():
                 future.set_exception(reason)
         self.calls.clear()
-        self.writer.close()
+        self.transport.close()
         if not self.closed.done():
             self.closed.set_result(None)
 
@@ -146,8 +154,7 @@ class CoreLink:
             log.warning("the engine's core process did not exit %.0f s after close: killed", JOIN_TIMEOUT_S)
             self.process.kill()
             await asyncio.to_thread(self.process.wait)
-        if self._pump is not None:
-            await asyncio.shield(self._pump)
+        await asyncio.shield(self.closed)  # the socket's end read, and every call and stream ended
 
 
 def _spawn(config: EngineConfig) -> tuple[subprocess.Popen, socket.socket]:
@@ -176,24 +183,24 @@ class ProcessEngine(AsyncEngine, process_front=True):
     async def launch(cls, config: EngineConfig) -> "ProcessEngine":
         loop = asyncio.get_running_loop()
         process, sock = _spawn(config)
+        link = CoreLink(loop, process)
         try:
-            reader, writer = await asyncio.open_unix_connection(sock=sock)
+            await link.connect(sock)
         except BaseException:
             process.kill()
             sock.close()
             raise
-        link = CoreLink(loop, process, reader, writer)
-        writer.write(encode([["config", config.model_copy(update={"core_process": False}),
-                              logging.getLogger("tieredkv").getEffectiveLevel()]]))
+        link.send("config", config.model_copy(update={"core_process": False}),
+                  logging.getLogger("tieredkv").getEffectiveLevel())
         try:
             first = await link.first()
         except BaseException:  # cancelled while the core starts: it must not outlive this
-            writer.close()
+            link.transport.close()
             process.kill()
             await asyncio.to_thread(process.wait)
             raise
         if first is None or first[0] != "started":
-            writer.close()
+            link.transport.close()
             code = await asyncio.to_thread(process.wait)
             if first is not None and first[0] == "failed":
                 raise first[1]
@@ -201,7 +208,6 @@ class ProcessEngine(AsyncEngine, process_front=True):
         _, info, factory, adapters, snapshot = first
         link.adapters, link.snapshot = adapters, snapshot
         link.telemetry.snapshot = snapshot
-        link.serve()
         return cls(link, info, factory)
 
     # -- what the front reads of the core -------------------------------------------------------------------

@@ -3,8 +3,9 @@
 and serves the application's messages (core_client.py says which) until the application closes it, its end of
 the socket closes, or SIGTERM; then it closes the engine (the cold tier's write-back included) and exits.
 
-Outgoing messages of one turn of the loop go in one frame, the stats first when they changed: what a step
-produced for every stream, and the counters that include it."""
+What a step produced for every stream goes in one frame from the worker thread as the step publishes it, the
+step's stats first (the counters that include it): a token reaches the application without waking this process's
+event loop. The loop's own messages (call results, progress) go once a turn of the loop, in one frame."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import asyncio
 import collections
 import logging
 import os
+import select
 import signal
 import socket
 import sys
+import threading
 from typing import Any
 
 from tieredkv.engine.async_engine import AsyncEngine
+from tieredkv.engine.stream import Channel
 from tieredkv.engine.wire import encode, read_frame
 
 log = logging.getLogger("tieredkv")
@@ -27,19 +31,23 @@ CALLS = frozenset({"check_pin", "pins", "load_adapter", "unload_adapter", "share
 
 
 class Outbox:
-    """Messages for the application, sent once a turn of the loop. Telemetry records come from the worker thread
-    too (a deque takes them from any thread)."""
+    """Messages for the application. The loop's own (call results, progress, errors, the stats ticks) go once a turn
+    of the loop; the streams' chunks go from the worker thread as each step publishes them, with that step's stats,
+    without waking the loop (Host.forward). Writes from either thread go whole, in order, under one lock, straight
+    to the socket (the asyncio transport only reads). Telemetry records come from the worker thread too (a deque
+    takes them from any thread) and ride along with the next frame."""
 
-    def __init__(self, writer: asyncio.StreamWriter):
-        self.writer = writer
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
         self.loop = asyncio.get_running_loop()
         self.pending: list[list] = []
         self.records: collections.deque = collections.deque()
         self.engine: AsyncEngine | None = None
         self._sent_stats = None
         self._scheduled = False
+        self._lock = threading.Lock()
 
-    def send(self, *message) -> None:
+    def send(self, *message) -> None:  # the loop thread
         self.pending.append(list(message))
         if not self._scheduled:
             self._scheduled = True
@@ -48,21 +56,63 @@ class Outbox:
     def record(self, record: tuple) -> None:  # any thread (Telemetry.relay)
         self.records.append(record)
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # the loop thread
         self._scheduled = False
-        head = []
-        stats = None if self.engine is None else self.engine.stats()
-        if stats is not None and stats is not self._sent_stats:
-            head.append(["stats", stats])
-            self._sent_stats = stats
-        if self.records:
-            records = []
-            while self.records:
-                records.append(self.records.popleft())
-            head.append(["tel", records])
-        messages, self.pending = head + self.pending, []
-        if messages and not self.writer.is_closing():
-            self.writer.write(encode(messages))
+        messages, self.pending = self.pending, []
+        self.write(messages, None if self.engine is None else self.engine.stats())
+
+    def write(self, messages: list[list], stats=None) -> None:
+        """One frame: the stats first where they changed since the last frame, the telemetry records, then
+        `messages`; any thread."""
+        with self._lock:
+            head = []
+            if stats is not None and stats is not self._sent_stats:
+                head.append(["stats", stats])
+                self._sent_stats = stats
+            if self.records:
+                records = []
+                while self.records:
+                    records.append(self.records.popleft())
+                head.append(["tel", records])
+            if head or messages:
+                self._send(encode(head + messages))
+
+    def _send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:  # the application has not read yet: wait until it does
+                select.select([], [self.sock], [], 1.0)
+            except OSError:  # the application is gone: its end reads nothing more
+                return
+
+
+class Forward(Channel):
+    """A stream the core process forwards to the application chunk by chunk: from the worker thread as steps
+    publish (Host.forward), or from the loop for what ends it there (an error before the worker took the request,
+    the engine closing). `done` once its last chunk (or error) went; `closed` once the application forgot it."""
+
+    def __init__(self, request_id: str, n: int, host: "Host"):
+        super().__init__(request_id, n)
+        self.host, self.span, self.done = host, None, False
+
+    def take(self, item) -> bool:
+        """False where the stream ended or was forgotten (the item is dropped); counts its ends."""
+        if self.done or self.closed:
+            return False
+        if isinstance(item, BaseException):
+            self.done = True
+        elif item.finish_reason is not None:
+            self.remaining -= 1
+            self.done = self.remaining == 0
+        return True
+
+    def push(self, item) -> None:  # the loop thread
+        if self.take(item):
+            self.host.out.send("chunk", self.request_id, item)
+            if self.done:
+                self.host.end(self, abort=False)
 
 
 class Host:
@@ -70,7 +120,7 @@ class Host:
 
     def __init__(self, engine: AsyncEngine, out: Outbox):
         self.engine, self.out = engine, out
-        self.streams: dict[str, asyncio.Task] = {}
+        self.streams: dict[str, Forward] = {}
         self.tasks: set[asyncio.Task] = set()
 
     def handle(self, message: list) -> bool:
@@ -81,9 +131,9 @@ class Host:
         elif kind == "abort":
             self.engine.abort(message[1])
         elif kind == "forget":
-            task = self.streams.pop(message[1], None)
-            if task is not None:
-                task.cancel()  # the stream's wait is cancelled: it aborts its request (RequestStream)
+            channel = self.streams.get(message[1])
+            if channel is not None:
+                self.end(channel, abort=True)
         elif kind == "call":
             self._spawn(self._call(*message[1:]))
         elif kind == "close":
@@ -98,23 +148,41 @@ class Host:
 
     def _open(self, request_id: str, prompt, params, flags: dict[str, Any]) -> None:
         try:
-            stream = self.engine._open(prompt, params, request_id, flags)
+            channel = self.engine._admit(prompt, params, request_id, flags, lambda rid, n: Forward(rid, n, self))
         except Exception as e:  # checked in the application already: only a state it could not see (closing)
             self.out.send("chunk", request_id, e)
             return
-        self.streams[request_id] = self._spawn(self._pump(request_id, stream))
+        self.streams[request_id] = channel
+        channel.span = self.engine._start(channel, prompt, params, flags)
 
-    async def _pump(self, request_id: str, stream) -> None:
-        try:
-            async for chunk in stream:
-                self.out.send("chunk", request_id, chunk)
-        except asyncio.CancelledError:
+    def forward(self, outputs: list, stats) -> list:
+        """The worker thread's outputs for forwarded streams, sent at once in one frame with the step's stats;
+        returns the others (for the loop). A stream that ended is closed on the loop."""
+        frame, ended, rest = [], [], []
+        for sink, item in outputs:
+            if not isinstance(sink, Forward):
+                rest.append((sink, item))
+            elif sink.take(item):
+                frame.append(["chunk", sink.request_id, item])
+                if sink.done:
+                    ended.append(sink)
+        if frame:
+            self.out.write(frame, stats)
+        for channel in ended:
+            self.out.loop.call_soon_threadsafe(self.end, channel, False)
+        return rest
+
+    def end(self, channel: Forward, abort: bool) -> None:
+        """A stream is over for the application (its last chunk went, or it forgot the stream): the id is free and,
+        if it still runs and `abort`, the request is aborted."""
+        if self.streams.get(channel.request_id) is channel:
+            del self.streams[channel.request_id]
+        if channel.closed:
             return
-        except Exception as e:
-            self.out.send("chunk", request_id, e)
-        finally:
-            if self.streams.get(request_id) is asyncio.current_task():
-                del self.streams[request_id]
+        channel.closed = True
+        self.engine._forget(channel, abort=abort and not channel.done)
+        if channel.span is not None:
+            channel.span.end()
 
     async def _call(self, cid: int, name: str, args: list, kwargs: dict, with_progress: bool) -> None:
         try:
@@ -139,7 +207,7 @@ async def _stats_ticks(out: Outbox) -> None:
 
 async def serve(sock: socket.socket) -> int:
     reader, writer = await asyncio.open_unix_connection(sock=sock)
-    out = Outbox(writer)
+    out = Outbox(sock)
     messages = await read_frame(reader)
     if not messages or messages[0][0] != "config":
         return 2  # the application went away before it said what to run
@@ -160,6 +228,7 @@ async def serve(sock: socket.socket) -> int:
     out.flush()  # alone in its frame: the application reads it before anything else
     out.engine = engine
     host = Host(engine, out)
+    engine._worker.direct = host.forward
     ticks = asyncio.get_running_loop().create_task(_stats_ticks(out))
     incoming = asyncio.get_running_loop().create_task(_serve_messages(reader, host))
     closed = asyncio.get_running_loop().create_task(engine.closed())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import struct
-from typing import Any
+from typing import Any, Callable
 
 PICKLED = 1
 HEADER = struct.Struct("<I")
@@ -57,3 +57,37 @@ async def read_frame(reader: asyncio.StreamReader) -> list | None:
         return decode(await reader.readexactly(size))
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
+
+
+class FrameProtocol(asyncio.Protocol):
+    """Reads frames as they arrive and hands each one's messages to `deliver` on the loop, in the callback that
+    received its bytes (no task in between: one wake of the loop a frame); `deliver(None)` once the other end
+    closed, `deliver(error)` for bytes that do not decode (nothing more is read)."""
+
+    def __init__(self, deliver: Callable[[list | BaseException | None], None]):
+        self.deliver = deliver
+        self.buffer = bytearray()
+        self.failed = False
+
+    def data_received(self, data: bytes) -> None:
+        if self.failed:
+            return
+        self.buffer += data
+        while len(self.buffer) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self.buffer)
+            end = HEADER.size + size
+            if len(self.buffer) < end:
+                return
+            body = bytes(self.buffer[HEADER.size:end])
+            del self.buffer[:end]
+            try:
+                messages = decode(body)
+            except Exception as e:
+                self.failed = True
+                self.deliver(e)
+                return
+            self.deliver(messages)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.failed:
+            self.deliver(None)
