@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from child import report, run_child  # noqa: E402
 
 WORKLOADS = ["decode fp32", "decode Q4_1", "mixed 32", "burst"]
 MODES = ["stream", "core alone"]
@@ -114,16 +113,6 @@ def _core_alone(workload: str) -> dict:
     return _summary(workload, stamps, t0)
 
 
-def run_child(workload: str, mode: str) -> dict:
-    cmd = [sys.executable, __file__, "--workload", workload, "--mode", mode]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{workload} ({mode}) failed:\n{done.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
-
-
 def main(args) -> dict:
     from tieredkv.platform.cpu_features import cpu_info
 
@@ -131,7 +120,7 @@ def main(args) -> dict:
     raw: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         for workload, mode in runs if r % 2 == 0 else reversed(runs):
-            got = run_child(workload, mode)
+            got = run_child(__file__, ["--workload", workload, "--mode", mode], timeout=900)
             raw.setdefault(f"{workload} | {mode}", []).append(got)
             print(f"round {r}: {workload:12s} {mode:10s} {got}", flush=True)
     table = {}
@@ -159,6 +148,6 @@ if __name__ == "__main__":
     args = p.parse_args()
     if args.workload:
         result = asyncio.run(_through_stream(args.workload)) if args.mode == "stream" else _core_alone(args.workload)
-        print("RESULT " + json.dumps(result), flush=True)
+        report(result)
     else:
         main(args)
