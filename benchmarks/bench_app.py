@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from child import report, run_child as child_run  # noqa: E402
+from child import report, run_child as child_run, save  # noqa: E402
 
 CASES = ["core alone", "clean", "torch op", "loop 13%", "loop 40%", "loop busy"]
 PROMPT = list(range(1000, 1064))
@@ -168,9 +168,7 @@ def main(args) -> dict:
               "core_alone_ms_per_token": core, "core_alone_best_ms_per_token": core_best, "cases": table,
               "raw": rounds}
     print(json.dumps({k: v for k, v in result.items() if k != "raw"}, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from child import report, run_child  # noqa: E402
+from child import report, run_child, save  # noqa: E402
 
 WORKLOADS = ["decode fp32", "decode Q4_1", "mixed 32", "burst"]
 MODES = ["stream", "core alone"]
@@ -133,9 +132,7 @@ def main(args) -> dict:
         print(f"| {workload} | {field} | stream {got['stream']:.2f} | core alone {got['core alone']:.2f} | "
               f"{slower:.3f}x the time |", flush=True)
     result = {"machine": cpu_info().describe(None), "rounds": args.rounds, "workloads": table, "raw": raw}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return save(result, args.out)
 
 
 if __name__ == "__main__":

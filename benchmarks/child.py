@@ -25,3 +25,10 @@ def run_child(script: str, argv: list[str], timeout: float) -> dict:
 def report(result: dict) -> None:
     """The child's side: its result, for run_child."""
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def save(result: dict, path: str | None) -> dict:
+    """The parent's side: `result` written to `path` as JSON (where one is given); returns it."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
