@@ -8,7 +8,7 @@ shares no GIL with the application's, and its OpenMP threads no team with any to
 One socket between them carries frames (wire.py). To the core: "open" a stream, "abort" one (its final chunk
 says so), "forget" one (its consumer left), "call" a public method by name, "close". From the core: "started"
 (or "failed"), stream chunks and errors, call results, progress, the adapters loaded, telemetry records, stats
-(before a stream's last chunk, which they count; otherwise every 50 ms at most), "closed". The core ends when the application closes the engine, when its end of
+(before the outputs they count), "closed". The core ends when the application closes the engine, when its end of
 the socket closes (the application exited, however: no core outlives it for long) or on SIGTERM; it writes the
 cold tier's blocks back first. The application sees a core that died (OOM, SIGKILL) within the moment its socket
 closes: every open stream and pending call ends with EngineClosedError, and the next `start` starts afresh.

@@ -4,8 +4,8 @@ and serves the application's messages (core_client.py says which) until the appl
 the socket closes, or SIGTERM; then it closes the engine (the cold tier's write-back included) and exits.
 
 What a step produced for every stream goes in one frame from the worker thread as the step publishes it, the
-step's stats first where a stream ended or STATS_INTERVAL_S passed (a stream's end comes with counters that
-include it): a token reaches the application without waking this process's event loop. The loop's own messages (call results, progress) go once a turn of the loop, in one frame."""
+step's stats first (the counters that include it): a token reaches the application without waking this process's
+event loop. The loop's own messages (call results, progress) go once a turn of the loop, in one frame."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from typing import Any
 
 from tieredkv.engine.async_engine import AsyncEngine
@@ -26,7 +25,7 @@ from tieredkv.engine.stream import Channel
 from tieredkv.engine.wire import encode, read_frame
 
 log = logging.getLogger("tieredkv")
-STATS_INTERVAL_S = 0.05  # stats that changed go out at least this often (and with every stream's end)
+STATS_INTERVAL_S = 0.05  # stats that changed without any output (a prefill chunk, a sleep) go out this often
 CALLS = frozenset({"check_pin", "pins", "load_adapter", "unload_adapter", "share_prefix", "wait_shared", "explain",
                    "export_cache", "import_cache", "sleep", "wake", "unpin", "clear_cache", "run_in_worker"})
 
@@ -47,7 +46,6 @@ class Outbox:
         self._sent_stats = None
         self._scheduled = False
         self._lock = threading.Lock()
-        self.stats_at = 0.0  # when stats last went
 
     def send(self, *message) -> None:  # the loop thread
         self.pending.append(list(message))
@@ -70,7 +68,7 @@ class Outbox:
             head = []
             if stats is not None and stats is not self._sent_stats:
                 head.append(["stats", stats])
-                self._sent_stats, self.stats_at = stats, time.monotonic()
+                self._sent_stats = stats
             if self.records:
                 records = []
                 while self.records:
@@ -168,10 +166,8 @@ class Host:
                 frame.append(["chunk", sink.request_id, item])
                 if sink.done:
                     ended.append(sink)
-        if frame:  # the stats with a stream's end, else at most every STATS_INTERVAL_S (a token's worth of
-            # unpickling in the application costs as much as the token's own handling)
-            due = ended or time.monotonic() - self.out.stats_at >= STATS_INTERVAL_S
-            self.out.write(frame, stats if due else None)
+        if frame:
+            self.out.write(frame, stats)
         for channel in ended:
             self.out.loop.call_soon_threadsafe(self.end, channel, False)
         return rest
