@@ -59,13 +59,15 @@ class Outbox:
     def flush(self) -> None:  # the loop thread
         self._scheduled = False
         messages, self.pending = self.pending, []
-        self.write(messages, None if self.engine is None else self.engine.stats())
+        self.write(messages)
 
-    def write(self, messages: list[list], stats=None) -> None:
+    def write(self, messages: list[list]) -> None:
         """One frame: the stats first where they changed since the last frame, the telemetry records, then
-        `messages`; any thread."""
+        `messages`; any thread. The stats are read under the lock, so frames never carry them out of order (the
+        worker publishes a step's stats before its outputs)."""
         with self._lock:
             head = []
+            stats = None if self.engine is None else self.engine.stats()
             if stats is not None and stats is not self._sent_stats:
                 head.append(["stats", stats])
                 self._sent_stats = stats
@@ -155,8 +157,8 @@ class Host:
         self.streams[request_id] = channel
         channel.span = self.engine._start(channel, prompt, params, flags)
 
-    def forward(self, outputs: list, stats) -> list:
-        """The worker thread's outputs for forwarded streams, sent at once in one frame with the step's stats;
+    def forward(self, outputs: list) -> list:
+        """The worker thread's outputs for forwarded streams, sent at once in one frame after the step's stats;
         returns the others (for the loop). A stream that ended is closed on the loop."""
         frame, ended, rest = [], [], []
         for sink, item in outputs:
@@ -167,7 +169,7 @@ class Host:
                 if sink.done:
                     ended.append(sink)
         if frame:
-            self.out.write(frame, stats)
+            self.out.write(frame)
         for channel in ended:
             self.out.loop.call_soon_threadsafe(self.end, channel, False)
         return rest

@@ -58,9 +58,9 @@ class EngineWorker:
         self._running = True
         self._last_active = time.monotonic()  # the last step or command (idle_sleep_s counts from it)
         self._outputs: list[Output] = []  # what the current step or command batch produced, sent in one go
-        # outputs some sinks take on this thread, as they are published: direct(outputs, stats) returns the others,
-        # which go to the loop (the core process forwards its streams so: core_process.Host.forward)
-        self.direct: Callable[[list[Output], Any], list[Output]] | None = None
+        # outputs some sinks take on this thread, as they are published (after the snapshot that counts them):
+        # direct(outputs) returns the others, which go to the loop (the core process's streams: Host.forward)
+        self.direct: Callable[[list[Output]], list[Output]] | None = None
         self._settles: list[tuple] = []
         self.thread = threading.Thread(target=self._main, name="tieredkv-worker", daemon=True)
         self.thread.start()
@@ -107,7 +107,7 @@ class EngineWorker:
         self.snapshot = self.core.stats()
         self.core.telemetry.snapshot = self.snapshot if self._accepting else None  # a closed engine reports nothing
         if self._outputs and self.direct is not None:
-            self._outputs = self.direct(self._outputs, self.snapshot)
+            self._outputs = self.direct(self._outputs)
         if self._outputs or self._settles:
             outputs, self._outputs = self._outputs, []
             settles, self._settles = self._settles, []
