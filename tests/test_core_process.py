@@ -299,27 +299,26 @@ def rank_pids(core_pid: int) -> list[int]:
     return ranks
 
 
-async def test_tensor_parallel_ranks_live_in_the_core_process_and_end_with_it(llama_dir):
+async def test_tensor_parallel_ranks_live_in_the_core_process_and_end_with_it(engine, llama_dir):
     """Under tensor parallelism the core process starts the ranks (one construction path): outputs equal one
-    process's in-process engine; close() ends the core and its ranks, and a core killed outright takes its ranks
-    with it (each loses rank 0's connection), no process left behind."""
+    rank's; close() ends the core and its ranks, and a core killed outright takes its ranks with it (each loses
+    rank 0's connection), no process left behind."""
     tp = dict(tensor_parallel_size=2, num_threads=1, compile_decode=False)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    async with await AsyncEngine.start(config(llama_dir, core_process=False)) as alone:
-        want = [(await alone.generate(p, params)).outputs[0].token_ids for p in PROMPTS]
+    want = [(await engine.generate(p, params)).outputs[0].token_ids for p in PROMPTS]  # one rank
     for end in ("close", "SIGKILL"):
-        engine = await AsyncEngine.start(config(llama_dir, core_process=True, **tp))
-        core = await engine.run_in_worker(os.getpid)
+        split = await AsyncEngine.start(config(llama_dir, core_process=True, **tp))
+        core = await split.run_in_worker(os.getpid)
         ranks = rank_pids(core)
-        assert len(ranks) == 1 and engine.info.config.tensor_parallel_size == 2
-        outs = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+        assert len(ranks) == 1 and split.info.config.tensor_parallel_size == 2
+        outs = await asyncio.gather(*(split.generate(p, params) for p in PROMPTS))
         assert [o.outputs[0].token_ids for o in outs] == want
         if end == "close":
-            await engine.close()
+            await split.close()
         else:
             os.kill(core, signal.SIGKILL)
-            await asyncio.wait_for(engine.closed(), 5)
-            await engine.close()
+            await asyncio.wait_for(split.closed(), 5)
+            await split.close()
         deadline = time.monotonic() + 30
         while any(alive(p) for p in [core, *ranks]):
             assert time.monotonic() < deadline, f"left behind after {end}: {[p for p in ranks if alive(p)]}"
