@@ -132,7 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
     add_engine_options(p)
     p.set_defaults(func=generate)
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    _add_serve(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)"))
+    add_parsers(sub)
+    return parser
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    """The serve command's options."""
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on; 0.0.0.0 for every interface (in a container, say)")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on (default: 8000; 0: any free one)")
@@ -168,8 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: 30)")
     add_engine_options(p)
     p.set_defaults(func=serve)
-    add_parsers(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -207,6 +207,13 @@ class Speculator:
         if self.config.adaptive and not self.costs.measured(len(decoding)):
             return  # a plain step at this batch size first: what drafts are weighed against
         t0 = time.perf_counter()
+        seqs, lengths = self._lengths(decoding, max_model_len)
+        if seqs:
+            self._draft(seqs, lengths)
+        self.counters.propose_seconds += time.perf_counter() - t0
+
+    def _lengths(self, decoding: list[Sequence], max_model_len: int) -> tuple[list[Sequence], list[int]]:
+        """The sequences that get drafts this step, and how many each: as many as fit (or, adaptive, as pay)."""
         seqs, lengths = [], []
         batch, drafts = len(decoding), 0
         gained = float(batch)  # tokens the step is expected to give
@@ -234,23 +241,26 @@ class Speculator:
                 lengths.append(k)
                 drafts += k
                 gained += sum(state.acceptance ** i for i in range(1, k + 1))
-        if seqs:
-            # a proposer's first call for a sequence reads its prompt (a draft model computes it): a one-time cost
-            self.unmeasured = any(seq.spec_state.proposals == 0 for seq in seqs)
-            for seq in seqs:
-                seq.spec_state.proposals += 1
-            try:
-                drafts_of = self.proposer.propose(seqs, lengths)
-            except Exception:  # a proposer's failure costs its drafts, never a request
-                self.counters.proposer_errors += 1
-                if self.counters.proposer_errors == 1:
-                    log.exception("the %s proposer failed; those sequences decode without drafts", self.proposer.name)
-                drafts_of = [[] for _ in seqs]
-            for seq, draft, k in zip(seqs, drafts_of, lengths):
-                draft = list(draft[:k])
-                bad = next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), None)
-                seq.spec_tokens = draft if bad is None else draft[:bad]  # a proposer's id the model has not
-        self.counters.propose_seconds += time.perf_counter() - t0
+        return seqs, lengths
+
+    def _draft(self, seqs: list[Sequence], lengths: list[int]) -> None:
+        """The proposer's drafts set on `seqs` (at most `lengths` each, cut at the first id outside the vocabulary);
+        a proposer that fails costs its drafts, never a request."""
+        # a proposer's first call for a sequence reads its prompt (a draft model computes it): a one-time cost
+        self.unmeasured = any(seq.spec_state.proposals == 0 for seq in seqs)
+        for seq in seqs:
+            seq.spec_state.proposals += 1
+        try:
+            drafts_of = self.proposer.propose(seqs, lengths)
+        except Exception:
+            self.counters.proposer_errors += 1
+            if self.counters.proposer_errors == 1:
+                log.exception("the %s proposer failed; those sequences decode without drafts", self.proposer.name)
+            drafts_of = [[] for _ in seqs]
+        for seq, draft, k in zip(seqs, drafts_of, lengths):
+            draft = list(draft[:k])
+            bad = next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), None)
+            seq.spec_tokens = draft if bad is None else draft[:bad]  # a proposer's id the model has not
 
     def _length(self, a: float, room: int, batch: int, drafts: int, gained: float) -> int:
         """The k in 0..room that makes the step give the most tokens a second, for a sequence whose drafts are

@@ -229,37 +229,44 @@ def _rne(x):
 
 
 @triton.jit
+def _store_row_q4(src, dst, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr):
+    """A turned row (store_kv turns it) stored as GGUF's Q4_0 in groups of 32 (or the whole row): the codes of
+    the row's halves side by side in each byte, then a scale per group."""
+    half: tl.constexpr = HEAD_DIM // 2
+    group: tl.constexpr = 32 if HEAD_DIM % 32 == 0 else HEAD_DIM
+    j = tl.arange(0, HALF_PAD)
+    ok = j < half
+    lo_x = tl.load(src + j, mask=ok, other=0.0).to(tl.float32)
+    hi_x = tl.load(src + half + j, mask=ok, other=0.0).to(tl.float32)
+    lo_scale = tl.zeros([HALF_PAD], tl.float32)
+    hi_scale = tl.zeros([HALF_PAD], tl.float32)
+    for gi in tl.static_range(HEAD_DIM // group):
+        in_lo = ok & (j // group == gi)
+        in_hi = ok & ((half + j) // group == gi)
+        top = tl.maximum(tl.max(tl.where(in_lo, tl.abs(lo_x), -1.0), 0),
+                         tl.max(tl.where(in_hi, tl.abs(hi_x), -1.0), 0))
+        # the first value of most magnitude, with its sign (torch's argmax takes the first)
+        first = tl.minimum(tl.min(tl.where(in_lo & (tl.abs(lo_x) == top), j, 2 * HEAD_DIM), 0),
+                           tl.min(tl.where(in_hi & (tl.abs(hi_x) == top), half + j, 2 * HEAD_DIM), 0))
+        extreme = tl.sum(tl.where(j == first, lo_x, 0.0), 0) + tl.sum(tl.where(half + j == first, hi_x, 0.0), 0)
+        scale16 = (extreme / -8.0 + 0.0).to(tl.float16)
+        tl.store((dst + half + 2 * gi).to(tl.pointer_type(tl.float16)), scale16)
+        lo_scale = tl.where(in_lo, scale16.to(tl.float32), lo_scale)
+        hi_scale = tl.where(in_hi, scale16.to(tl.float32), hi_scale)
+    lo_inv = tl.where(lo_scale != 0.0, 1.0 / lo_scale, 0.0)
+    hi_inv = tl.where(hi_scale != 0.0, 1.0 / hi_scale, 0.0)
+    a = tl.minimum(tl.maximum(_rne(lo_x * lo_inv) + 8.0, 0.0), 15.0).to(tl.int32)
+    b = tl.minimum(tl.maximum(_rne(hi_x * hi_inv) + 8.0, 0.0), 15.0).to(tl.int32)
+    tl.store(dst + j, (a | (b << 4)).to(tl.uint8), mask=ok)
+
+
+@triton.jit
 def _store_row(src, dst, FMT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
                HD_PAD: tl.constexpr):
     """One row of HEAD_DIM values at `src` stored at byte pointer `dst` in format FMT, as kv_format.py's encode
     writes it (the scale rounded to fp16 first, the codes from the rounded scale)."""
-    if FMT == 4:  # the row comes turned (store_kv turns it): GGUF's Q4_0 in groups of 32 (or the whole row)
-        half: tl.constexpr = HEAD_DIM // 2
-        group: tl.constexpr = 32 if HEAD_DIM % 32 == 0 else HEAD_DIM
-        j = tl.arange(0, HALF_PAD)
-        ok = j < half
-        lo_x = tl.load(src + j, mask=ok, other=0.0).to(tl.float32)
-        hi_x = tl.load(src + half + j, mask=ok, other=0.0).to(tl.float32)
-        lo_scale = tl.zeros([HALF_PAD], tl.float32)
-        hi_scale = tl.zeros([HALF_PAD], tl.float32)
-        for gi in tl.static_range(HEAD_DIM // group):
-            in_lo = ok & (j // group == gi)
-            in_hi = ok & ((half + j) // group == gi)
-            top = tl.maximum(tl.max(tl.where(in_lo, tl.abs(lo_x), -1.0), 0),
-                             tl.max(tl.where(in_hi, tl.abs(hi_x), -1.0), 0))
-            # the first value of most magnitude, with its sign (torch's argmax takes the first)
-            first = tl.minimum(tl.min(tl.where(in_lo & (tl.abs(lo_x) == top), j, 2 * HEAD_DIM), 0),
-                               tl.min(tl.where(in_hi & (tl.abs(hi_x) == top), half + j, 2 * HEAD_DIM), 0))
-            extreme = tl.sum(tl.where(j == first, lo_x, 0.0), 0) + tl.sum(tl.where(half + j == first, hi_x, 0.0), 0)
-            scale16 = (extreme / -8.0 + 0.0).to(tl.float16)
-            tl.store((dst + half + 2 * gi).to(tl.pointer_type(tl.float16)), scale16)
-            lo_scale = tl.where(in_lo, scale16.to(tl.float32), lo_scale)
-            hi_scale = tl.where(in_hi, scale16.to(tl.float32), hi_scale)
-        lo_inv = tl.where(lo_scale != 0.0, 1.0 / lo_scale, 0.0)
-        hi_inv = tl.where(hi_scale != 0.0, 1.0 / hi_scale, 0.0)
-        a = tl.minimum(tl.maximum(_rne(lo_x * lo_inv) + 8.0, 0.0), 15.0).to(tl.int32)
-        b = tl.minimum(tl.maximum(_rne(hi_x * hi_inv) + 8.0, 0.0), 15.0).to(tl.int32)
-        tl.store(dst + j, (a | (b << 4)).to(tl.uint8), mask=ok)
+    if FMT == 4:
+        _store_row_q4(src, dst, HEAD_DIM, HALF_PAD)
     else:
         d = tl.arange(0, HD_PAD)
         ok = d < HEAD_DIM

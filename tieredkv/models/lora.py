@@ -118,9 +118,25 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtyp
     what does not fit. Under tensor parallelism (`shard`) a rank keeps its part, as it does of the layer the
     adapter changes: B's rows of its outputs for q, k, v, gate and up (column-parallel), A's columns of its inputs
     for o and down (row-parallel: its partial sums are all-reduced with the layer's)."""
+    folder = Path(path).expanduser()
+    config, parts, digest = _read_folder(name, folder, spec)
+    shapes = _spec_shapes(spec)
+    fused: dict[tuple[int, str], list] = {}
+    rank = 0
+    for (layer, module), ab in sorted(parts.items()):
+        a, b = _module_pair(name, layer, module, ab, shapes[module], max_rank, config, spec, shard)
+        rank = max(rank, ab["A"].shape[0])
+        group, index = MODULES[module]
+        fused.setdefault((layer, group), []).append((index, a.to(device, dtype), b.to(device, dtype)))
+    adapter = LoRAAdapter(name, str(folder), digest, rank, sorted({m for _, m in parts}))
+    _fuse(adapter, fused, _spec_shapes(shard.local_spec(spec)), dtype, device)  # the outputs as this rank holds them
+    return adapter
+
+
+def _read_folder(name: str, folder: Path, spec: ModelSpec) -> tuple[dict, dict, str]:
+    """The adapter's config, its A and B tensors by (layer, module), and the digest of its files."""
     from safetensors import safe_open
 
-    folder = Path(path).expanduser()
     if not folder.is_dir():
         raise LoRAError(f"adapter {name!r}: {folder} is not a folder")
     config = _read_config(folder)
@@ -131,7 +147,6 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtyp
     with open(weights, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    shapes = _spec_shapes(spec)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(weights), framework="pt") as f:
@@ -152,37 +167,42 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtyp
         raise LoRAError(f"adapter {name!r}: cannot read {weights}: {e}") from e
     if not parts:
         raise LoRAError(f"adapter {name!r}: {weights} holds no LoRA weights")
-    use_rslora = bool(config.get("use_rslora", False))
-    fused: dict[tuple[int, str], list] = {}
-    rank = 0
-    for (layer, module), ab in sorted(parts.items()):
-        if set(ab) != {"A", "B"}:
-            raise LoRAError(f"adapter {name!r}: layer {layer} {module} lacks lora_{'A' if 'A' not in ab else 'B'}")
-        a, b = ab["A"], ab["B"]
-        out, inp = shapes[module]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, r):
-            raise LoRAError(f"adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
-                            f"{tuple(b.shape)}; this model needs A [r, {inp}] and B [{out}, r]")
-        if r > max_rank:
-            raise LoRAError(f"adapter {name!r}: rank {r} exceeds max_lora_rank ({max_rank})")
-        rank = max(rank, r)
-        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        module_path = f"model.layers.{layer}.{block}.{module}"
-        where = shard.ranges(f"layers.{layer}.{block}.{module}.weight", spec)
-        if where is not None:  # this rank's part of the layer: B's output rows, or A's input columns
-            dim, runs = where
-            if dim == 0:
-                b = torch.cat([b[r0:r1] for r0, r1 in runs])
-            else:
-                a = torch.cat([a[:, c0:c1] for c0, c1 in runs], dim=1)
-        r_cfg = _pattern_value(config.get("rank_pattern"), module_path, config.get("r", r))
-        alpha = float(_pattern_value(config.get("alpha_pattern"), module_path, config.get("lora_alpha", r_cfg)))
-        scale = alpha / math.sqrt(r) if use_rslora else alpha / r
-        group, index = MODULES[module]
-        fused.setdefault((layer, group), []).append((index, a.to(device, dtype), (b * scale).to(device, dtype)))
-    adapter = LoRAAdapter(name, str(folder), digest.hexdigest(), rank, sorted({m for _, m in parts}))
-    shapes = _spec_shapes(shard.local_spec(spec))  # the fused outputs as this rank holds them
+    return config, parts, digest.hexdigest()
+
+
+def _module_pair(name: str, layer: int, module: str, ab: dict[str, torch.Tensor], shape: tuple[int, int],
+                 max_rank: int, config: dict, spec: ModelSpec, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """One module's A and B, checked against the layer's shape, this rank's part of them, B scaled by the
+    adapter's alpha / r (or alpha / sqrt(r) with rsLoRA), each module's pattern taken into account."""
+    if set(ab) != {"A", "B"}:
+        raise LoRAError(f"adapter {name!r}: layer {layer} {module} lacks lora_{'A' if 'A' not in ab else 'B'}")
+    a, b = ab["A"], ab["B"]
+    out, inp = shape
+    r = a.shape[0]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, r):
+        raise LoRAError(f"adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
+                        f"{tuple(b.shape)}; this model needs A [r, {inp}] and B [{out}, r]")
+    if r > max_rank:
+        raise LoRAError(f"adapter {name!r}: rank {r} exceeds max_lora_rank ({max_rank})")
+    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    module_path = f"model.layers.{layer}.{block}.{module}"
+    where = shard.ranges(f"layers.{layer}.{block}.{module}.weight", spec)
+    if where is not None:  # this rank's part of the layer: B's output rows, or A's input columns
+        dim, runs = where
+        if dim == 0:
+            b = torch.cat([b[r0:r1] for r0, r1 in runs])
+        else:
+            a = torch.cat([a[:, c0:c1] for c0, c1 in runs], dim=1)
+    r_cfg = _pattern_value(config.get("rank_pattern"), module_path, config.get("r", r))
+    alpha = float(_pattern_value(config.get("alpha_pattern"), module_path, config.get("lora_alpha", r_cfg)))
+    scale = alpha / math.sqrt(r) if bool(config.get("use_rslora", False)) else alpha / r
+    return a, b * scale
+
+
+def _fuse(adapter: LoRAAdapter, fused: dict[tuple[int, str], list], shapes: dict, dtype: torch.dtype,
+          device: torch.device) -> None:
+    """Each fused projection's modules as one delta (adapter.deltas): A stacked, B^T placed at each module's
+    outputs within the projection's, for `shapes` (this rank's)."""
     offsets = {"qkv": _offsets([shapes["q_proj"][0], shapes["k_proj"][0], shapes["v_proj"][0]]),
                "gate_up": _offsets([shapes["gate_proj"][0], shapes["up_proj"][0]]),
                "o": _offsets([shapes["o_proj"][0]]), "down": _offsets([shapes["down_proj"][0]])}
@@ -196,7 +216,6 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtyp
             bt[r0 : r0 + a.shape[0], o0 - lo : o1 - lo] = b.t()
             r0 += a.shape[0]
         adapter.deltas[(layer, group)] = FusedDelta(torch.cat([a for _, a, _ in items]).contiguous(), bt, lo, hi)
-    return adapter
 
 
 def _offsets(sizes: list[int]) -> list[tuple[int, int]]:

@@ -30,6 +30,27 @@ class BadRequest(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _bias_and_logprobs(body: dict[str, Any], chat: bool, kw: dict[str, Any], names: dict[str, str]) -> None:
+    """logit_bias (token ids as the JSON object's keys) and logprobs (chat: a flag and top_logprobs; completions:
+    a count) into `kw`."""
+    if body.get("logit_bias") is not None:
+        bias = body["logit_bias"]
+        if not isinstance(bias, dict):
+            raise BadRequest("logit_bias must map token ids to numbers", "logit_bias")
+        try:
+            kw["logit_bias"] = {int(t): b for t, b in bias.items()}
+        except (TypeError, ValueError):
+            raise BadRequest("logit_bias keys must be token ids", "logit_bias") from None
+    if chat:
+        if body.get("top_logprobs") is not None and not body.get("logprobs"):
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        if body.get("logprobs"):
+            kw["logprobs"] = body.get("top_logprobs") or 0
+            names["logprobs"] = "top_logprobs"
+    elif body.get("logprobs") is not None:
+        kw["logprobs"] = body["logprobs"]
+
+
 def sampling_params(body: dict[str, Any], chat: bool, constraint: tuple[str, Any] | None = None,
                     skip_special_tokens: bool = True) -> SamplingParams:
     """The request's SamplingParams; `constraint` ("json_schema" or "grammar", source): what its tools demand."""
@@ -58,22 +79,7 @@ def sampling_params(body: dict[str, Any], chat: bool, constraint: tuple[str, Any
             names.setdefault("max_tokens", name)
     kw.update(_beam_fields(body))
     names["beam_width"] = "best_of"
-    if body.get("logit_bias") is not None:
-        bias = body["logit_bias"]
-        if not isinstance(bias, dict):
-            raise BadRequest("logit_bias must map token ids to numbers", "logit_bias")
-        try:
-            kw["logit_bias"] = {int(t): b for t, b in bias.items()}
-        except (TypeError, ValueError):
-            raise BadRequest("logit_bias keys must be token ids", "logit_bias") from None
-    if chat:
-        if body.get("top_logprobs") is not None and not body.get("logprobs"):
-            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        if body.get("logprobs"):
-            kw["logprobs"] = body.get("top_logprobs") or 0
-            names["logprobs"] = "top_logprobs"
-    elif body.get("logprobs") is not None:
-        kw["logprobs"] = body["logprobs"]
+    _bias_and_logprobs(body, chat, kw, names)
     try:
         return SamplingParams(**kw)
     except ValidationError as e:

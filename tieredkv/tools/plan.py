@@ -168,18 +168,24 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
     """
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device  # as the engine
     model_dir = resolve_model_dir(model)
-    spec = ModelSpec.from_file(model_dir / "config.json")
-    torch_dtype = resolve_dtype(dtype, torch.device(device))
     cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size, max_model_len=max_len, warm_bytes=warm_bytes,
                        gpu_memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
                        cpu_kv_cache_bytes=cpu_kv_cache_bytes, quantization=quantization,
                        quantization_group_size=quantization_group_size, tensor_parallel_size=tensor_parallel_size,
                        kv_cache_dtype=kv_cache_dtype)
+    return _plan(cfg, model_dir, device, device_memory_bytes, activation_bytes, max_num_batched_tokens, cold_bytes,
+                 seq_len, shared_prompt_len)
+
+
+def _plan(cfg: EngineConfig, model_dir, device: str, memory: int | None, activation_bytes: int | None,
+          max_num_batched_tokens: int, cold_bytes: int, seq_len: int, shared_prompt_len: int) -> Plan:
+    spec = ModelSpec.from_file(model_dir / "config.json")
+    block_size, max_num_seqs, tp_size = cfg.block_size, cfg.max_num_seqs, cfg.tensor_parallel_size
+    torch_dtype = resolve_dtype(cfg.dtype, torch.device(device))
     quant = quant_settings(cfg, model_dir)
     kv = resolve_kv_layout(cfg, spec, torch_dtype, torch.device("cuda" if device.startswith("cuda") else "cpu"))
-    weights, rank_weights, rank_blocks = _rank_shares(spec, model_dir, torch_dtype, quant, block_size,
-                                                      tensor_parallel_size, kv)
-    memory = device_memory_bytes if device_memory_bytes is not None else device_memory(device)
+    weights, rank_weights, rank_blocks = _rank_shares(spec, model_dir, torch_dtype, quant, block_size, tp_size, kv)
+    memory = memory if memory is not None else device_memory(device)
     measured = activation_bytes is not None
     if activation_bytes is None:
         activation_bytes = estimate_activations(spec, max_num_batched_tokens, max_num_seqs, torch_dtype.itemsize)
@@ -188,12 +194,12 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
                               rank_blocks, kv)
     warm, cold = warm_blocks(cfg, spec, kv), _cold_blocks(spec, model_dir, torch_dtype, quant, block_size, cold_bytes,
                                                           kv)
-    prompt_blocks, limit = max(shared_prompt_len // block_size, 1), max_model_len(spec, max_len)
+    prompt_blocks, limit = max(shared_prompt_len // block_size, 1), max_model_len(spec, cfg.max_model_len)
     return Plan(
         model=model_dir.name, dtype=str(torch_dtype).removeprefix("torch."),
         weights=str(torch_dtype).removeprefix("torch.") if quant is None else quant.label, block_size=block_size,
         max_model_len=limit, weight_bytes=weights, kv_bytes_per_token=per_token,
-        kv_bytes_per_block=per_block, device_memory=memory, memory_utilization=memory_utilization,
+        kv_bytes_per_block=per_block, device_memory=memory, memory_utilization=cfg.gpu_memory_utilization,
         activation_bytes=activation_bytes, hot_blocks=hot, warm_blocks=warm, cold_blocks=cold,
         seq_len=seq_len, seqs_before_preemption=hot // cdiv(seq_len, block_size),
         seqs_with_offload=min((hot + warm) // cdiv(seq_len, block_size), hot),
@@ -201,7 +207,7 @@ def plan(model: str = "default", device: str = "auto", device_memory_bytes: int 
         shared_prompts={t: n // prompt_blocks for t, n in (("hot", hot), ("warm", warm), ("cold", cold))},
         measured=measured, device=torch.device(device).type,
         staging_bytes=STAGE_RESERVE * hot * per_block // spec.num_layers if staged else 0,
-        tensor_parallel_size=tensor_parallel_size, rank_weight_bytes=rank_weights, rank_kv_bytes_per_block=rank_blocks,
+        tensor_parallel_size=tp_size, rank_weight_bytes=rank_weights, rank_kv_bytes_per_block=rank_blocks,
         kv_format=kv.label)
 
 
