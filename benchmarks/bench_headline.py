@@ -6,7 +6,8 @@ main thread: what most other benchmarks time), default model, one sitting:
 
 Workloads (greedy, EOS ignored, compiled decode as the CPU default, compile finished before timing):
   decode fp32     batch-1 decode after a 128-token prompt, 48 timed tokens: ms/token
-  decode Q4_1     the same on the default model's own Q4_1 weights (quantization="gguf"): ms/token
+  decode bf16, int8, int4, Q4_1   the same with dtype="bfloat16", quantization="int8", "int4", and the default
+                  model's own Q4_1 weights (quantization="gguf")
   mixed 32        32 requests at once, prompts of 64-512 tokens, 16-128 new tokens (bench_engine.py's): output tok/s
   burst           4 system prompts of ~1,000 tokens x 8 conversations, all at once, 32 new tokens each
                   (bench_burst.py's): output tok/s
@@ -26,7 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from child import report, run_child, save  # noqa: E402
 
-WORKLOADS = ["decode fp32", "decode Q4_1", "mixed 32", "burst"]
+WORKLOADS = ["decode fp32", "decode bf16", "decode int8", "decode int4", "decode Q4_1", "mixed 32", "burst"]
+DECODE_WEIGHTS = {"decode fp32": {}, "decode bf16": {"dtype": "bfloat16"}, "decode int8": {"quantization": "int8"},
+                  "decode int4": {"quantization": "int4"}, "decode Q4_1": {"quantization": "gguf"}}
 MODES = ["stream", "core alone"]
 DECODE_TOKENS = 48
 WARM = [11 + 3 * i for i in range(64)]  # a first request that shares nothing with the workloads' prompts
@@ -35,7 +38,7 @@ WARM = [11 + 3 * i for i in range(64)]  # a first request that shares nothing wi
 def _config(workload: str, core_process: bool):
     from tieredkv import EngineConfig
 
-    extra = {"quantization": "gguf"} if workload == "decode Q4_1" else {}
+    extra = DECODE_WEIGHTS.get(workload, {})
     return EngineConfig(model="default", core_process=core_process, compile_in_background=False, warm_bytes=0,
                         max_num_seqs=64, enable_prefix_caching=workload == "burst", **extra)
 
@@ -138,7 +141,8 @@ def main(args) -> dict:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=WORKLOADS)
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS,
+                   default=["decode fp32", "decode Q4_1", "mixed 32", "burst"])
     p.add_argument("--out", default=None)
     p.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)

@@ -323,3 +323,22 @@ async def test_tensor_parallel_ranks_live_in_the_core_process_and_end_with_it(en
         while any(alive(p) for p in [core, *ranks]):
             assert time.monotonic() < deadline, f"left behind after {end}: {[p for p in ranks if alive(p)]}"
             await asyncio.sleep(0.1)
+
+
+async def test_a_late_chunk_of_a_forgotten_stream_does_not_reach_a_new_one_under_its_id():
+    """The application may forget a stream and open another under the same request id before the core has seen
+    "forget": chunks the core sent for the first in the meantime carry its number and are dropped."""
+    from tieredkv.engine.core_client import CoreLink
+    from tieredkv.engine.outputs import StreamChunk
+    from tieredkv.engine.stream import Channel
+
+    link = CoreLink(asyncio.get_running_loop(), None)
+    new = Channel("x", 1)
+    new.serial = next(link.serials) + 1  # the second stream the link opened under "x"
+    link.sinks["x"] = new
+    late = StreamChunk("x", 0, "old", [5], None)
+    link._handle(["chunk", "x", late, new.serial - 1])
+    assert not new.pending
+    mine = StreamChunk("x", 0, "new", [6], None)
+    link._handle(["chunk", "x", mine, new.serial])
+    assert list(new.pending.values()) == [mine]

@@ -54,6 +54,7 @@ class CoreLink:
         self.calls: dict[int, tuple[asyncio.Future, Callable | None]] = {}
         self.adapters: dict[str, str] = {}
         self._ids = itertools.count()
+        self.serials = itertools.count()  # each stream's number, which its chunks carry back
         self._first: asyncio.Future = loop.create_future()
         self._reason: EngineClosedError | None = None  # what the core's "closed" said
 
@@ -108,7 +109,7 @@ class CoreLink:
         kind = message[0]
         if kind == "chunk":
             sink = self.sinks.get(message[1])
-            if sink is not None:
+            if sink is not None and sink.serial == message[3]:  # not a late chunk of a stream forgotten under its id
                 sink.push(message[2])
         elif kind == "stats":
             self.snapshot = self.telemetry.snapshot = message[1]
@@ -245,7 +246,8 @@ class ProcessEngine(AsyncEngine, process_front=True):
         span = self._telemetry.start_request_span(channel.request_id, params)
         self._link.sinks[channel.request_id] = channel
         self._link.spans[channel.request_id] = span
-        if not self._link.send("open", channel.request_id, prompt, params, flags):
+        channel.serial = next(self._link.serials)
+        if not self._link.send("open", channel.request_id, prompt, params, flags, channel.serial):
             channel.push(self._link.close_reason or EngineClosedError("engine closed"))
         elif channel.aborted:  # abort() came before the first iteration: the core aborts it as it arrives
             self._link.send("abort", channel.request_id)

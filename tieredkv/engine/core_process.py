@@ -112,7 +112,7 @@ class Forward(Channel):
 
     def push(self, item) -> None:  # the loop thread
         if self.take(item):
-            self.host.out.send("chunk", self.request_id, item)
+            self.host.out.send("chunk", self.request_id, item, self.serial)
             if self.done:
                 self.host.end(self, abort=False)
 
@@ -148,11 +148,14 @@ class Host:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def _open(self, request_id: str, prompt, params, flags: dict[str, Any]) -> None:
+    def _open(self, request_id: str, prompt, params, flags: dict[str, Any], serial: int) -> None:
+        """`serial`: the application's number for this stream, sent back with each chunk (a stream it opens under
+        a request id it forgot a moment ago takes none of the forgotten one's late chunks)."""
         try:
             channel = self.engine._admit(prompt, params, request_id, flags, lambda rid, n: Forward(rid, n, self))
+            channel.serial = serial
         except Exception as e:  # checked in the application already: only a state it could not see (closing)
-            self.out.send("chunk", request_id, e)
+            self.out.send("chunk", request_id, e, serial)
             return
         self.streams[request_id] = channel
         channel.span = self.engine._start(channel, prompt, params, flags)
@@ -165,7 +168,7 @@ class Host:
             if not isinstance(sink, Forward):
                 rest.append((sink, item))
             elif sink.take(item):
-                frame.append(["chunk", sink.request_id, item])
+                frame.append(["chunk", sink.request_id, item, sink.serial])
                 if sink.done:
                     ended.append(sink)
         if frame:

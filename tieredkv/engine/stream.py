@@ -41,6 +41,7 @@ class Channel:
         self.closed = False
         self.aborted = False  # read by the worker thread: an add that arrives after this is aborted at once
         self._waiter: asyncio.Future | None = None
+        self.serial: int | None = None  # the stream's number on the link to a core process (core_client.py)
 
     def push(self, item: StreamChunk | BaseException) -> None:
         if self.closed:
