@@ -11,7 +11,7 @@ from torch import nn
 
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.dense import DenseLayout, DenseWeight, PackedWeight
-from tieredkv.kernels.quant import QuantizedWeight, quant_embedding
+from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight, quant_embedding
 from tieredkv.models.batch import ForwardBatch
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tp_group import TPGroup
@@ -248,7 +248,8 @@ class LlamaModel(nn.Module):
     def quantization(self) -> str | None:
         """The scheme of the projections' weights ("int8", "int4", "gguf:Q4_1", ...; a GGUF file's types in
         the order met, "gguf:Q5_0+Q8_0+Q4_K+Q6_K", where they differ), None when not quantized."""
-        schemes = [m.format.scheme for m in self.projections()[:-1] if hasattr(m.format, "scheme")]
+        schemes = [m.format.scheme for m in self.projections()[:-1]
+                   if isinstance(m.format, (QuantizedWeight, QuantizedParts))]
         if not schemes:
             return None
         kinds = list(dict.fromkeys(t for s in schemes for t in s.removeprefix("gguf:").split("+")))
@@ -306,10 +307,10 @@ class LlamaModel(nn.Module):
         return [m.format.packed for m in self.projections() if isinstance(m.format, PackedWeight)]
 
     def linear_shapes(self) -> list[tuple[int, int]]:
-        """The distinct [out, in] shapes of one layer's full-precision projections (none where they are quantized)."""
+        """The distinct [out, in] shapes of one layer's full-precision weights as loaded, before hold_weights (none
+        where they are quantized)."""
         return sorted({(m.out_features, m.in_features) for m in self.layers[0].modules()
-                       if isinstance(m, Projection) and not hasattr(m.format, "scheme")
-                       and (m.weight is not None or m.format is not None)})
+                       if isinstance(m, Projection) and m.weight is not None})
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: KernelOps) -> torch.Tensor | None:
         """Runs every token of the batch and returns fp32 logits [S, vocab] for batch.logits_indices (None on
