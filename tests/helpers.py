@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import torch
@@ -186,3 +187,20 @@ def naive_decode(q, kc, vc, tables, lens, scale):
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * scale, dim=-1)
         out.append(torch.einsum("hn,nhd->hd", p, v))
     return torch.stack(out)
+
+
+async def cancel_midstream(engine, prompt: list[int], params) -> None:
+    """Consumes a stream in a task and cancels the task once the first chunk came; the cancellation reaches it."""
+    import pytest
+
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in engine.stream(prompt, params):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from helpers import check_pool_clean
+from helpers import cancel_midstream, check_pool_clean
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 
 
@@ -34,17 +34,7 @@ async def test_break_frees_blocks(engine):
 
 
 async def test_cancelled_task_frees_blocks(engine):
-    started = asyncio.Event()
-
-    async def consume():
-        async for _ in engine.stream(list(range(3, 40)), SamplingParams(max_tokens=500, ignore_eos=True)):
-            started.set()
-
-    task = asyncio.create_task(consume())
-    await started.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_midstream(engine, list(range(3, 40)), SamplingParams(max_tokens=500, ignore_eos=True))
     await wait_idle(engine)
     check_pool_clean(engine.core)
 

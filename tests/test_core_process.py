@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from helpers import cancel_midstream
 from tieredkv import (AsyncEngine, EngineClosedError, EngineConfig, LoRAError, RequestError, SamplingParams,
                       SnapshotError)
 from tieredkv.engine.explain import BlockReport
@@ -106,17 +107,7 @@ async def test_cancellation_frees_the_cores_blocks(engine):
             break
     await wait_for(lambda: engine.stats().blocks_used == 0)
 
-    started = asyncio.Event()
-
-    async def consume():
-        async for _ in engine.stream(list(range(5, 50)), params):
-            started.set()
-
-    task = asyncio.create_task(consume())
-    await started.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_midstream(engine, list(range(5, 50)), params)
     await wait_for(lambda: engine.stats().blocks_used == 0 and engine.stats().num_running == 0)
 
     reasons = {}
