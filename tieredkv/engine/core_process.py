@@ -22,7 +22,7 @@ from typing import Any
 
 from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.engine.stream import Channel
-from tieredkv.engine.wire import encode, read_frame
+from tieredkv.engine.wire import FrameProtocol, encode
 
 log = logging.getLogger("tieredkv")
 STATS_INTERVAL_S = 0.05  # stats that changed without any output (a prefill chunk, a sleep) go out this often
@@ -211,9 +211,11 @@ async def _stats_ticks(out: Outbox) -> None:
 
 
 async def serve(sock: socket.socket) -> int:
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    frames: asyncio.Queue = asyncio.Queue()  # the application's frames (wire.FrameProtocol), None at its end
+    transport, _ = await asyncio.get_running_loop().create_unix_connection(
+        lambda: FrameProtocol(frames.put_nowait), sock=sock)  # it only reads: Outbox writes to the socket itself
     out = Outbox(sock)
-    messages = await read_frame(reader)
+    messages = await _next_frame(frames)
     if not messages or messages[0][0] != "config":
         return 2  # the application went away before it said what to run
     _, config, level = messages[0]
@@ -223,8 +225,7 @@ async def serve(sock: socket.socket) -> int:
     except BaseException as e:
         out.send("failed", e)
         out.flush()
-        await writer.drain()
-        writer.close()
+        transport.close()
         return 1
     engine.core.telemetry.relay(out.record)
     engine.close_on_signals(grace=0.0, signals=(signal.SIGTERM,))
@@ -235,7 +236,7 @@ async def serve(sock: socket.socket) -> int:
     host = Host(engine, out)
     engine._worker.direct = host.forward
     ticks = asyncio.get_running_loop().create_task(_stats_ticks(out))
-    incoming = asyncio.get_running_loop().create_task(_serve_messages(reader, host))
+    incoming = asyncio.get_running_loop().create_task(_serve_messages(frames, host))
     closed = asyncio.get_running_loop().create_task(engine.closed())
     await asyncio.wait([incoming, closed], return_when=asyncio.FIRST_COMPLETED)
     incoming.cancel()
@@ -243,16 +244,21 @@ async def serve(sock: socket.socket) -> int:
     await engine.close()  # the application closed it, went away, or the engine closed itself
     out.send("closed", engine._worker.close_reason)
     out.flush()
-    try:
-        await writer.drain()
-    except ConnectionError:
-        pass
-    writer.close()
+    transport.close()
     return 0
 
 
-async def _serve_messages(reader: asyncio.StreamReader, host: Host) -> None:
-    while (messages := await read_frame(reader)) is not None:
+async def _next_frame(frames: asyncio.Queue) -> list | None:
+    """The application's next frame; None once its end closed (or sent bytes that do not decode)."""
+    messages = await frames.get()
+    if isinstance(messages, BaseException):
+        log.error("a frame from the application did not decode: %r", messages)
+        return None
+    return messages
+
+
+async def _serve_messages(frames: asyncio.Queue, host: Host) -> None:
+    while (messages := await _next_frame(frames)) is not None:
         for message in messages:
             if not host.handle(message):
                 return

@@ -50,15 +50,6 @@ def decode(body: bytes) -> list:
     return msgpack.unpackb(body, ext_hook=_ext, raw=False, strict_map_key=False)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> list | None:
-    """The next frame's messages; None at the end of the stream (the other process closed it or died)."""
-    try:
-        (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-        return decode(await reader.readexactly(size))
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-
-
 class FrameProtocol(asyncio.Protocol):
     """Reads frames as they arrive and hands each one's messages to `deliver` on the loop, in the callback that
     received its bytes (no task in between: one wake of the loop a frame); `deliver(None)` once the other end
