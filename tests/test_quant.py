@@ -60,6 +60,15 @@ FORMATS = ["int8", "int4-g32", "int4-g128", "int4-sym", "q8-g32", "gguf-Q4_K", "
            "gguf-Q2_K"]
 
 
+def int8_block_bound(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """What activations rounded to int8 in blocks of 32 (scale max|x| / 127 of the block) may move each output:
+    half a step of each block times the block's sum of |w|, plus fp32 rounding."""
+    rows, k = x.shape
+    step = x.view(rows, k // 32, 32).abs().amax(-1) / 127  # [rows, blocks]
+    wsum = w.abs().view(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
+    return 0.5 * step @ wsum.T + 1e-4 * want.abs() + 1e-4
+
+
 def check_against_reference(qw, rows: int, seed: int = 1) -> None:
     """quant_linear on `rows` activation rows (one outlier channel) against F.linear on the dequantized weight."""
     n, k = qw.codes.shape[0], qw.in_features
@@ -70,9 +79,11 @@ def check_against_reference(qw, rows: int, seed: int = 1) -> None:
     want = F.linear(x, w, bias)
     got = quant.quant_linear(x, qw, bias)
     assert got.shape == want.shape and got.dtype == torch.float32
-    # the kernels quantize each activation row to int16: error <= half a step times sum |w|, per output
-    step = x.abs().amax(dim=1, keepdim=True) / 32767
-    bound = 0.5 * step * w.abs().sum(dim=1)[None, :] + 1e-4 * want.abs() + 1e-5
+    if rows > quant.kernel_rows(qw.codes) and quant.many_rows_int8(qw.codes, qw.group_size):
+        bound = int8_block_bound(x, w, want)  # more rows on q4: int8 activation blocks (gemm_cpu.c)
+    else:  # the kernels quantize each activation row to int16: error <= half a step times sum |w|, per output
+        step = x.abs().amax(dim=1, keepdim=True) / 32767
+        bound = 0.5 * step * w.abs().sum(dim=1)[None, :] + 1e-4 * want.abs() + 1e-5
     assert bool(((got - want).abs() <= bound).all()), float((got - want).abs().max())
 
 
@@ -87,6 +98,29 @@ def test_kernel_matches_dequantized_reference(lib, fmt, rows):
     # leading dimensions and bf16 activations come back in their own shape and dtype
     got3 = quant.quant_linear(torch.randn(1, rows, k).bfloat16(), qw)
     assert got3.shape == (1, rows, n) and got3.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g128", "int4-sym", "gguf-Q4_K"])
+@pytest.mark.parametrize("tiles", [False, True])
+def test_many_rows_on_4bit_weights_are_int8_blocks_times_the_weight(lib, fmt, tiles):
+    """Past the one-row kernels' rows, q4 weights (row-major or in tiles) multiply on int8 (gemm_cpu.c): the
+    activations as int8 blocks of 32 (quant.as_int8_blocks, the reference) times the dequantized weight, to fp32's
+    rounding; a short last panel of output rows (37), rows not a multiple of the kernel's four, a bias. A build
+    without AVX2 dequantizes into the fp32 product instead: F.linear's result."""
+    n = 48 if tiles else 37
+    qw = tiled_weights(fmt, n, 512)[1] if tiles else weights(fmt, n, 512)
+    w = qw.dequantize().double()
+    bias = torch.randn(n)
+    for rows in (quant.kernel_rows(qw.codes) + 1, quant.kernel_rows(qw.codes) + 6, 70):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
+        x[:, 7] = 30.0  # an outlier channel
+        got = quant.quant_linear(x, qw, bias).double()
+        assert quant.many_rows_int8(qw.codes, qw.group_size) == (lib == "native")
+        seen = quant.as_int8_blocks(x) if lib == "native" else x
+        want = F.linear(seen.double(), w, bias.double())
+        bound = 2e-6 * (seen.double().abs() @ w.abs().T) + 1e-5
+        assert bool(((got - want).abs() <= bound).all()), float((got - want).abs().max())
+    assert ("int8 blocks x q4 (AVX2) above" in quant.arithmetic(qw)) == (lib == "native")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -184,21 +218,13 @@ def tiled_weights(fmt: str, n: int, k: int) -> tuple[quant.QuantizedWeight, quan
     return plain, tiled
 
 
-def int8_block_bound(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """What activations rounded to int8 in blocks of 32 (scale max|x| / 127 of the block) may move each output:
-    half a step of each block times the block's sum of |w|, plus fp32 rounding."""
-    rows, k = x.shape
-    step = x.view(rows, k // 32, 32).abs().amax(-1) / 127  # [rows, blocks]
-    wsum = w.abs().view(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
-    return 0.5 * step @ wsum.T + 1e-4 * want.abs() + 1e-4
-
-
 @pytest.mark.parametrize("fmt", TILED)
 @pytest.mark.parametrize("rows", [1, 2, 5, 19, "past the kernels"])
 def test_tiled_kernels_match_the_dequantized_reference(lib, fmt, rows):
     """q4t and q8t (EngineConfig.int8_activations): the same weights as q4 and q8, bit for bit once dequantized;
     their products against F.linear on them within what int8 activation blocks allow, one row, several, and
-    past the kernels' rows (dequantized into the fp32 product: exact); every row dequantized exactly."""
+    past the kernels' rows (q4t: the many-row int8 products; q8t: dequantized into the fp32 product); every row
+    dequantized exactly."""
     n, k = 48, 512
     plain, tiled = tiled_weights(fmt, n, k)
     w = plain.dequantize()
@@ -583,10 +609,11 @@ def test_gguf_float_tensors_read_as_stored(type_name, dtype):
 def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weights(tmp_path, monkeypatch):
     """A GGUF file of a tiny Llama whose projections are Q4_K, Q6_K and Q5_0 as a Q4_K_M file mixes them (q and k
     Q4_K with v Q6_K, gate Q4_K with up Q5_0: fused pieces in two formats; one layer's down projection Q6_K,
-    the other's Q5_0), the LM head Q8_0: the engine's greedy output is transformers' on the weights read from
-    that file (q/k rows back in Hugging Face's rotary order), and the weights stay quantized (none in fp32).
-    The native decode step serves it, and so does the compiled graph with that step off, one graph per kind of
-    layer (a graph traced on one layer and run on the other failed at start)."""
+    the other's Q5_0), the LM head Q8_0: the engine's greedy output (activations never rounded to int8) is
+    transformers' on the weights read from that file (q/k rows back in Hugging Face's rotary order), and the
+    weights stay quantized (none in fp32). The native decode step serves it, and so does the compiled graph with
+    that step off, one graph per kind of layer (a graph traced on one layer and run on the other failed at
+    start)."""
     import shutil
 
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -640,7 +667,7 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
     for path in ("native", "compiled"):  # the native step takes the parts too; with it off, the graphs
         core = EngineCore(EngineConfig(model=str(model_dir), quantization="gguf", num_blocks=32, warm_bytes=0,
                                        compile_decode=True, compile_in_background=False,
-                                       native_decode=path == "native"))
+                                       native_decode=path == "native", int8_activations=False))
         try:
             attn, mlp = core.model.layers[0].self_attn, core.model.layers[0].mlp
             assert isinstance(attn.qkv_proj.format, quant.QuantizedParts) and attn.qkv_proj.weight is None
@@ -695,11 +722,12 @@ def test_quantized_op_on_cuda_runs_the_triton_kernel_within_bf16_tolerance(fmt, 
     torch.testing.assert_close(quant.quant_linear(x, qw), want, rtol=1e-4, atol=1e-3)  # fp32: ieee products
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "gguf-Q6_K"])
+@pytest.mark.parametrize("fmt", ["int8", "q8-g32", "gguf-Q6_K"])
 def test_many_rows_dequantize_a_large_weight_in_tiles(lib, fmt, monkeypatch):
-    """Above kernel_rows a weight larger than DEQUANT_TILE_BYTES of fp32 (an LM head) is dequantized and
-    multiplied a tile of rows at a time (here tiles of 16 rows over 37: two whole and a ragged one), bias
-    included, with the same result as the whole weight at once."""
+    """Above kernel_rows a weight larger than DEQUANT_TILE_BYTES of fp32 (an LM head) that does not multiply on
+    int8 (q8 weights; q4 without AVX2: test_many_rows_on_4bit_weights_...) is dequantized and multiplied a tile
+    of rows at a time (here tiles of 16 rows over 37: two whole and a ragged one), bias included, with the same
+    result as the whole weight at once."""
     qw = weights(fmt, 37, 256)
     monkeypatch.setattr(quant, "DEQUANT_TILE_BYTES", 16 * 256 * 4)
     calls = []
@@ -711,14 +739,32 @@ def test_many_rows_dequantize_a_large_weight_in_tiles(lib, fmt, monkeypatch):
 
 
 def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir):
+    """stats() names each kind of dense layer's format and what its products multiply on here: by default int8
+    blocks past the one-row kernels' rows on 4-bit weights (where the CPU kernels have AVX2), never with
+    int8_activations=False; the two compute other keys and values, so their prefix caches' identities differ."""
+    from tieredkv.engine.identity import model_fingerprint
+    from tieredkv.engine.resolve import quant_settings
+
     kinds = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0))
-    try:
-        assert core.stats().dense_formats == {**{k: "q4 g32 (int4)" for k in kinds}, "lm_head": "q8 g64 (int8)"}
-    finally:
-        core.close()
+    rows = quant.kernel_rows(torch.zeros(1, 1, dtype=torch.uint8))
+    prints = set()
+    for setting in (None, False):
+        cfg = EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0,
+                           int8_activations=setting)
+        core = EngineCore(cfg)
+        try:
+            stats = core.stats()
+            assert stats.dense_formats == {**{k: "q4 g32 (int4)" for k in kinds}, "lm_head": "q8 g64 (int8)"}
+            above = "int8 blocks x q4 (AVX2)" if setting is None and CPU.q4_gemm else "dequantized float32"
+            assert stats.dense_arithmetic == {**{k: f"int16 rows x q4 to {rows} rows, {above} above" for k in kinds},
+                                              "lm_head": "int16 rows x q8 to 16 rows, dequantized float32 above"}
+            prints.add(model_fingerprint(llama_dir, torch.float32, 16, quant_settings(cfg, llama_dir)))
+        finally:
+            core.close()
+    assert len(prints) == 2
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, warm_bytes=0, cpu_linear="torch"))
     try:
-        assert core.stats().dense_formats == {k: "float32" for k in (*kinds, "lm_head")}
+        stats = core.stats()
+        assert stats.dense_formats == stats.dense_arithmetic == {k: "float32" for k in (*kinds, "lm_head")}
     finally:
         core.close()

@@ -117,13 +117,16 @@ class EngineConfig(BaseModel):
     quantization_group_size: int = Field(32, description="int4: inputs per scale (32, 64, 128 or 256)")
     quantization_symmetric: bool = Field(False, description="int4: a scale per group and codes centred on 8 (else "
                                          "a scale and an offset per group)")
-    int8_activations: bool = Field(
-        False, description="CPU, quantized weights in groups of 32 inputs or more (int8, int4, GGUF's Q8_0, Q4_0, "
-        "Q4_1, Q4_K, Q5_0, Q5_1, ...): steps of up to 32 rows take the activations as int8 in blocks of 32 inputs, "
-        "as llama.cpp multiplies its blocks, with the weights held in tiles of 16 rows for AVX-512 VNNI: batch-1 "
-        "decode 0.86-0.89x the time on an Intel Xeon, for perplexity +0.5% (the Q4_1 file) to +0.9% (int4) from fp32 "
-        "through the decode kernels, where the default int16 rows give +0.0% to +0.2% (docs/guide/quantization.md). "
-        "Without AVX-512 VNNI it changes nothing")
+    int8_activations: bool | None = Field(
+        None, description="CPU, quantized weights: when the activations are rounded to int8 in blocks of 32 inputs, "
+        "as llama.cpp multiplies its blocks. None (default): in products of more rows than the one-row kernels "
+        "take (prefill, long verification chunks, batched steps past 16 rows, 32 with AVX-512), on 4-bit weights "
+        "(int4, GGUF's Q4_0, Q4_1, Q4_K) where the CPU kernels have AVX2: 1.5-2.5x the dequantized fp32 "
+        "product's speed for perplexity +0.6% (the Q4_1 file) from the int16 rows; smaller steps keep int16 "
+        "rows. True: also steps of up to 32 rows, with the weights held in tiles of 16 rows for AVX-512 VNNI "
+        "(without it as None). False: never: int16 rows and, for more rows, the dequantized weight in the fp32 "
+        "product (the closest to the weights' own product: greedy output as transformers' on the dequantized "
+        "weights). See docs/guide/quantization.md")
     device: str = Field("auto", description='"auto", "cpu", "cuda" or "cuda:N"')
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: int | None = Field(None, ge=2, description="KV blocks in the hot pool (wins over every byte budget)")

@@ -207,12 +207,13 @@ def _log_ready(cfg: EngineConfig, parts: EngineParts, num_warm: int) -> None:
         parts.memory, parts.runner.ops
     rank_gib = " / ".join(f"{m.weight_bytes / 2**30:.2f}" for m in memory) if tp.world > 1 else ""
     log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens in %s (%d bytes a token; "
-             "hot %.2f GiB, warm %.2f GiB%s), kernels=%s, dense layers=%s, decode path=%s%s%s",
+             "hot %.2f GiB, warm %.2f GiB%s), kernels=%s, dense layers=%s (%s), decode path=%s%s%s",
              parts.model_dir.name, parts.weights, total_weight_bytes(parts.model, memory) / 2**30, parts.device,
              parts.num_blocks, cfg.block_size, parts.kv_format.label, block_bytes // cfg.block_size,
              parts.num_blocks * block_bytes / 2**30, num_warm * block_bytes / 2**30,
              "; taken as written" if parts.device.type == "cpu" else "", ops.name,
-             " / ".join(dict.fromkeys(parts.model.dense_formats().values())), parts.runner.decode_path,
+             " / ".join(dict.fromkeys(parts.model.dense_formats().values())),
+             " / ".join(dict.fromkeys(parts.model.dense_arithmetic().values())), parts.runner.decode_path,
              f", tensor parallel over {tp.world} ranks ({rank_gib} GiB of the weights each)" if tp.world > 1 else "",
              _speculative_label(cfg))
 

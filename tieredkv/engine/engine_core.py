@@ -55,6 +55,7 @@ class EngineCore:
         self.requests = self.parts.lifecycle.requests  # live requests by id
 
         self.dense_formats = self.parts.model.dense_formats()  # fixed once built
+        self.dense_arithmetic = self.parts.model.dense_arithmetic()
         # fixed once built too (the formats' bytes, asleep or not); summed over every tensor it took 0.4 ms, which
         # the stats published after every step paid: 3% of a default-model decode step on an AMD EPYC Zen 5
         self.weight_bytes = total_weight_bytes(self.parts.model, self.parts.memory)
@@ -257,4 +258,4 @@ class EngineCore:
                              self.dense_formats, parts.kv_format.label,
                              kv_token_bytes(parts.spec, parts.kv_format),
                              parts.speculator.counters if parts.speculator is not None else None,
-                             self.sleeper.level)
+                             self.sleeper.level, self.dense_arithmetic)

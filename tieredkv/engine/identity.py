@@ -37,7 +37,7 @@ def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int, quan
     (quantized weights compute other keys and values). Two engines share cold, remote and snapshot entries
     only when their fingerprints match."""
     identity = identity or model_identity(model_dir, quant, cache_dir)
-    weights = "" if quant is None else f"|w={quant.label}"
+    weights = "" if quant is None else f"|w={quant.fingerprint}"
     formats = "" if kv is None or kv.plain else f"|kv={kv.label}/{kv.row_bytes}"
     return f"{identity}|{dtype}|bs={block_size}|{KV_LAYOUT}{formats}{weights}"
 

@@ -172,6 +172,8 @@ class EngineStats:
         weight_bytes: what the weights take in that format (over every rank under tensor parallelism).
         dense_formats: each kind of dense layer (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) -> the format
             its products read: "float32 packed" (oneDNN's layout), "q4 g32 (gguf:Q4_1)", ...
+        dense_arithmetic: each kind of dense layer -> what its products multiply on, on this processor: "float32",
+            "int16 rows x q4 to 16 rows, int8 blocks x q4 (AVX2) above", ...
         kv_format: how the cache stores K and V in every tier ("float32", "int8", "k=int8,v=int4"; kv_cache_dtype).
         kv_bytes_per_token: one token's K and V over every layer in that format (scales included).
         speculative: speculative decoding's counters (`SpecCounters`: drafts, draft tokens, accepted tokens,
@@ -201,6 +203,7 @@ class EngineStats:
     weights: str = "float32"  # the weights' format: the dtype, or the quantization ("int4 (float32 activations)")
     weight_bytes: int = 0  # what the weights take in that format
     dense_formats: dict[str, str] = field(default_factory=dict)  # layer kind -> the format its products read
+    dense_arithmetic: dict[str, str] = field(default_factory=dict)  # layer kind -> what its products multiply on
     kv_format: str = "float32"  # how the cache stores K and V, in every tier
     kv_bytes_per_token: int = 0  # one token's K and V over every layer, in that format
     speculative: "SpecCounters | None" = None  # speculative decoding's counters, when it is configured
@@ -234,7 +237,7 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
                   decode_path: str = "eager", weights: str = "float32", weight_bytes: int = 0,
                   dense_formats: dict[str, str] | None = None, kv_format: str = "float32",
                   kv_bytes_per_token: int = 0, speculative: "SpecCounters | None" = None,
-                  sleep_level: int = 0) -> EngineStats:
+                  sleep_level: int = 0, dense_arithmetic: dict[str, str] | None = None) -> EngineStats:
     """A snapshot of the engine's counters: every field read at one moment, tier stats copied."""
     return EngineStats(
         num_running=len(scheduler.running),
@@ -259,6 +262,7 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
         weights=weights,
         weight_bytes=weight_bytes,
         dense_formats=dict(dense_formats or {}),
+        dense_arithmetic=dict(dense_arithmetic or {}),
         kv_format=kv_format,
         kv_bytes_per_token=kv_bytes_per_token,
         speculative=None if speculative is None else replace(

@@ -106,6 +106,10 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
             tiled = tile_quantized_weights(model)  # where the kernels multiply tiles with AVX-512 VNNI
             log.info("int8 activations: %d quantized weights held in tiles of 16 rows%s", tiled,
                      "" if tiled else " (none: no build of the CPU kernels with AVX-512 VNNI here)")
+        if quant is not None and quant.int8_activations is False:
+            for weight in model.modules():
+                if isinstance(weight, QuantizedWeight):
+                    weight.many_int8 = False  # int16 rows, and the fp32 product past them
         gather_quantized_weights(model)  # one stream in the order they are read
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled, kv)
     if device.type == "cpu":

@@ -41,6 +41,15 @@ void tkv_rows_share(const tkv_qw *w, const char *mem, int64_t M, int64_t ostride
 /* Rows ids[0..count) of such a weight (ids NULL: rows 0..count) dequantized to fp32 [count, K] */
 void tkv_row_dequantize(const tkv_qw *w, const int64_t *ids, int64_t count, float *out);
 
+/* Activation rows as int8 blocks of 32 inputs (GGUF's Q8_1: codes, each block's scale max|x| / 127, its codes'
+ * sum times the scale, and the codes' sum), as the tiled and many-row products multiply them (quant_cpu.c):
+ * tkv_int8_blocks_bytes(M, K) bytes of `mem` hold M rows, tkv_int8_blocks_at finds the pieces, and
+ * tkv_int8_blocks_row quantizes row i of x [M, K] into them (K a multiple of 32). */
+typedef struct { int8_t *xq; float *sx, *xs; int32_t *qs; } tkv_int8_rows;
+size_t tkv_int8_blocks_bytes(int64_t M, int64_t K);
+tkv_int8_rows tkv_int8_blocks_at(const char *mem, int64_t M, int64_t K);
+void tkv_int8_blocks_row(const float *x, int64_t K, const tkv_int8_rows *a, int64_t i);
+
 /* fp16 <-> fp32, rounding to nearest even (F16C's instructions where the processor has them) */
 static inline float tkv_h2f(uint16_t h) {
 #if defined(__F16C__)

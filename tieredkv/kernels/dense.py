@@ -49,6 +49,11 @@ class DenseWeight(nn.Module):
         raise NotImplementedError
 
     @property
+    def arithmetic(self) -> str:
+        """What its products multiply on (stats()'s `dense_arithmetic`): full-precision weights in their dtype."""
+        return self.label.removesuffix(" packed")
+
+    @property
     def nbytes(self) -> int:
         raise NotImplementedError
 

@@ -17,8 +17,10 @@ scales in tiles of 16 output rows that one vpdpbusd multiplies together, the act
 
 `quant_linear` calls a torch library op (tieredkv::quant_linear, declared in kernels/ops.py), so the compiled
 decode graph calls it like any library product. On CPU it runs quant_cpu.c's kernels for up to `kernel_rows`
-rows (decode steps), and above that dequantizes the weight into fp32 and runs the fp32 product (prefill, where
-the product's arithmetic dominates). On CUDA it runs triton_ops.quant_linear (the weight dequantized tile by tile in
+rows (decode steps: int16 activation rows). Above that (prefill, where the product's arithmetic dominates) 4-bit
+weights multiply on int8 (gemm_cpu.c: the activations as int8 blocks of 32, vpmaddubsw across 16 output rows;
+AVX2) unless the weight's `many_int8` is off (EngineConfig.int8_activations=False), and everything else is
+dequantized into fp32 and run through the fp32 product. On CUDA it runs triton_ops.quant_linear (the weight dequantized tile by tile in
 registers, the product on the tensor cores in the activations' dtype). Without a C compiler, or without
 Triton on CUDA, it runs the reference: dequantize, then F.linear.
 """
@@ -47,6 +49,7 @@ class QuantizedWeight(DenseWeight):
                  group_size: int, in_features: int, scheme: str):
         super().__init__()
         self.fmt, self.group_size, self.in_features, self.scheme = fmt, group_size, in_features, scheme
+        self.many_int8 = True  # products of more rows than the one-row kernels take may run on int8 (gemm_cpu.c)
         self.out_features = _out_features(codes)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
@@ -60,6 +63,10 @@ class QuantizedWeight(DenseWeight):
     def label(self) -> str:
         """ "q4 g32 (gguf:Q4_1)": the codes' format, the inputs a scale covers, the scheme the weights came from."""
         return f"{self.fmt} g{self.group_size} ({self.scheme})"
+
+    @property
+    def arithmetic(self) -> str:
+        return arithmetic(self)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return quant_linear(x, self, bias)
@@ -188,6 +195,10 @@ class QuantizedParts(DenseWeight):
         """The pieces' formats, each once: "q4 g32 (gguf:Q4_K) + q8 g16 (gguf:Q6_K)"."""
         return " + ".join(dict.fromkeys(p.label for p in self.parts))
 
+    @property
+    def arithmetic(self) -> str:
+        return " + ".join(dict.fromkeys(p.arithmetic for p in self.parts))
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return quant_linear(x, self, bias)
 
@@ -307,7 +318,7 @@ def _triton_quant_linear():
     return quant_linear
 
 
-def _quant_linear(x, codes, scales, offsets, group_size, bias):
+def _quant_linear(x, codes, scales, offsets, group_size, bias, many_int8=True):
     if codes.is_cuda and _triton_quant_linear() is not None:
         return _triton_quant_linear()(x, codes, scales, offsets, group_size, bias)
     k, n = x.shape[-1], _out_features(codes)
@@ -336,6 +347,14 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias):
                       CPU.lib.tkv_q4_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         if status != 0:
             raise MemoryError("quantized linear: no memory for the activations' integer copy")
+    elif many_int8 and many_rows_int8(codes, group_size):
+        out = torch.empty(m, n)
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.float().contiguous()
+        if CPU.lib.tkv_q4_gemm(x2.data_ptr(), m, k, codes.data_ptr(), int(codes.dim() == 3), scales.data_ptr(),
+                               offsets.data_ptr(), group_size, n, None if bias is None else bias.data_ptr(),
+                               out.data_ptr()) != 0:
+            raise MemoryError("quantized linear: no memory for the activations' int8 blocks")
     else:
         out = _dequantized_linear(x2, codes, scales, offsets, group_size, bias)
     if out.dtype != x.dtype:
@@ -347,6 +366,36 @@ def kernel_rows(codes: torch.Tensor) -> int:
     """The most activation rows the int kernels take for weights in `codes`' format (more are dequantized into
     the fp32 product): GEMV_MAX_ROWS, or for q4 what the loaded build says (quant_cpu.c: tkv_q4_max_rows)."""
     return GEMV_MAX_ROWS if CPU.lib is None or _is_q8(codes) else CPU.q4_rows
+
+
+def many_rows_int8(codes: torch.Tensor, group_size: int) -> bool:
+    """True where more than kernel_rows rows on weights in `codes`' format run on int8 arithmetic (gemm_cpu.c:
+    q4 and q4t codes, groups whole blocks of 32, a build with AVX2), rather than dequantized into fp32."""
+    return CPU.q4_gemm and not _is_q8(codes) and not codes.is_cuda and group_size % 32 == 0
+
+
+def as_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of 32) as the int8 products see it: each block of 32 inputs rounded to codes of
+    max|x| / 127 of the block (to nearest even, as the kernels' conversion), times that scale. The reference the
+    many-row and tiled kernels are held to: their outputs are this times the dequantized weight."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return (torch.round(blocks * (1 / scale)) * scale).view(x.shape)
+
+
+def arithmetic(qw: "QuantizedWeight") -> str:
+    """What a quantized weight's products multiply on this process's kernels, for stats() and the start-up line:
+    "int16 x q4 to 32 rows, int8 x q4 above (AVX2)"."""
+    if qw.codes.is_cuda:
+        return "activations' dtype x dequantized tiles (Triton)" if _triton_quant_linear() else "dequantized, F.linear"
+    if CPU.lib is None or not _kernel_fits(qw.codes, qw.group_size):
+        return "dequantized float32"
+    bits = "q8" if _is_q8(qw.codes) else "q4"
+    rows = "int8 blocks (VNNI tiles)" if qw.codes.dim() == 3 else "int16 rows"
+    many = qw.many_int8 and many_rows_int8(qw.codes, qw.group_size)
+    above = f"int8 blocks x {bits} (AVX2)" if many else "dequantized float32"
+    return f"{rows} x {bits} to {kernel_rows(qw.codes)} rows, {above} above"
 
 
 DEQUANT_TILE_BYTES = 8 << 20  # a larger weight is dequantized and multiplied this many bytes of fp32 rows at a time
@@ -374,7 +423,7 @@ def _quant_rows(codes, scales, offsets, group_size, ids):
     return _dequantize_fast(codes, scales, offsets, group_size, ids)
 
 
-def _quant_linear_shape(x, codes, scales, offsets, group_size, bias):
+def _quant_linear_shape(x, codes, scales, offsets, group_size, bias, many_int8=True):
     return x.new_empty((*x.shape[:-1], _out_features(codes)))
 
 
@@ -420,9 +469,16 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     goes through the C++ operator tieredkv::quant_gemv where it was built (quant_ops.cpp: the same kernels,
     without Python in the call), anything else through tieredkv::quant_linear."""
     if isinstance(qw, QuantizedParts):
-        out = torch.cat([_linear_op(x, p)(x, p.codes, p.scales, p.offsets, p.group_size, None) for p in qw.parts], -1)
+        out = torch.cat([_product(x, p, None) for p in qw.parts], -1)
         return out if bias is None else out + bias
-    return _linear_op(x, qw)(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias)
+    return _product(x, qw, bias)
+
+
+def _product(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    op = _linear_op(x, qw)
+    if op is _LINEAR_OP:
+        return op(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias, qw.many_int8)
+    return op(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias)
 
 
 def _linear_op(x: torch.Tensor, qw: QuantizedWeight):

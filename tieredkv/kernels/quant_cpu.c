@@ -771,6 +771,17 @@ static void q8_blocks(const float *x, int64_t K, int8_t *xq, float *sx, float *x
         const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16), zero = _mm512_setzero_ps();
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const int finite = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_mul_ps(v0, zero), _mm512_mul_ps(v1, zero))) == 0.f;
+#elif defined(TKV_AVX2)  /* the same on four registers */
+        __m256 v[4], vmax = _mm256_setzero_ps(), probe = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            vmax = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), v[j]), vmax);
+            probe = _mm256_add_ps(probe, _mm256_mul_ps(v[j], _mm256_setzero_ps()));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        const int finite = hsum(probe) == 0.f;
 #else
         float amax = 0.f;
         int finite = 1;
@@ -792,6 +803,16 @@ static void q8_blocks(const float *x, int64_t K, int8_t *xq, float *sx, float *x
             _mm_storeu_si128((__m128i *)qb, _mm512_cvtsepi32_epi8(c0));
             _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtsepi32_epi8(c1));
             codes = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+#elif defined(TKV_AVX2)
+            __m256i c[4];
+            for (int j = 0; j < 4; j++) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+            _mm256_storeu_si256((__m256i *)qb,  /* the packs interleave the halves: put the codes back in order */
+                                _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+            codes = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
 #else
             for (int j = 0; j < 32; j++) {
                 qb[j] = (int8_t)lrintf(xb[j] * inv);
@@ -880,24 +901,26 @@ INLINE void tile_store(const float *o, const float *bias, int64_t N, int64_t t, 
     for (int r = 0; r < TILE_ROWS; r++) out[i * N + t * TILE_ROWS + r] = o[r] + (bias ? bias[t * TILE_ROWS + r] : 0.f);
 }
 
-/* The int8 blocks of M activation rows (q8_blocks) in `mem` (tile_bytes): codes [M, K], then the blocks'
- * scales, scaled sums and code sums [M, K/32] each */
-typedef struct { int8_t *xq; float *sx, *xs; int32_t *qs; } int8_blocks;
-
-static size_t tile_bytes(int64_t M, int64_t K) {
+/* The int8 blocks of M activation rows (q8_blocks) in `mem` (tkv_int8_blocks_bytes): codes [M, K], then the
+ * blocks' scales, scaled sums and code sums [M, K/32] each (cpu_kernels.h: tkv_int8_rows) */
+size_t tkv_int8_blocks_bytes(int64_t M, int64_t K) {
     return lines((size_t)(M * K)) + 3 * lines((size_t)(M * (K / 32)) * sizeof(float));
 }
 
-static int8_blocks int8_blocks_at(const char *mem, int64_t M, int64_t K) {
+tkv_int8_rows tkv_int8_blocks_at(const char *mem, int64_t M, int64_t K) {
     const size_t a = lines((size_t)(M * K)), b = lines((size_t)(M * (K / 32)) * sizeof(float));
-    int8_blocks r = {(int8_t *)mem, (float *)(mem + a), (float *)(mem + a + b), (int32_t *)(mem + a + 2 * b)};
+    tkv_int8_rows r = {(int8_t *)mem, (float *)(mem + a), (float *)(mem + a + b), (int32_t *)(mem + a + 2 * b)};
     return r;
 }
 
-static void tile_prepare(const float *x, int64_t M, int64_t K, char *mem) {
+void tkv_int8_blocks_row(const float *x, int64_t K, const tkv_int8_rows *a, int64_t i) {
     const int64_t B = K / 32;
-    const int8_blocks a = int8_blocks_at(mem, M, K);
-    for (int64_t i = 0; i < M; i++) q8_blocks(x + i * K, K, a.xq + i * K, a.sx + i * B, a.xs + i * B, a.qs + i * B);
+    q8_blocks(x + i * K, K, a->xq + i * K, a->sx + i * B, a->xs + i * B, a->qs + i * B);
+}
+
+static void tile_prepare(const float *x, int64_t M, int64_t K, char *mem) {
+    const tkv_int8_rows a = tkv_int8_blocks_at(mem, M, K);
+    for (int64_t i = 0; i < M; i++) tkv_int8_blocks_row(x, K, &a, i);
 }
 
 static int tile_fits(int64_t K, int64_t g, int64_t N) {
@@ -910,10 +933,10 @@ static int tile_linear(const int bits, const float *x, int64_t M, int64_t K, con
                        const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
     if (!tile_fits(K, g, N)) return -1;
     const int64_t B = K / 32, G = K / g, T = N / TILE_ROWS, stride = B * TILE_BLOCK(bits);
-    char *mem = tkv_scratch(tile_bytes(M, K));
+    char *mem = tkv_scratch(tkv_int8_blocks_bytes(M, K));
     if (!mem) return -1;
     tile_prepare(x, M, K, mem);
-    const int8_blocks a = int8_blocks_at(mem, M, K);
+    const tkv_int8_rows a = tkv_int8_blocks_at(mem, M, K);
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {  /* each tile's codes read from memory once, then from L1 for the rows */
         float o[TILE_ROWS];
@@ -932,7 +955,7 @@ static int tile_linear(const int bits, const float *x, int64_t M, int64_t K, con
 static void tile_share(const int bits, const char *mem, int64_t M, int64_t ostride, int64_t K, const uint8_t *q,
                        const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
     const int64_t B = K / 32, G = K / g, T = N / TILE_ROWS, gb = g / 32, stride = B * TILE_BLOCK(bits);
-    const int8_blocks a = int8_blocks_at(mem, M, K);
+    const tkv_int8_rows a = tkv_int8_blocks_at(mem, M, K);
     if (M > 1) {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
@@ -1063,7 +1086,7 @@ static int q4_wide(const tkv_qw *w) { return w->g == 32 && w->K >= 256; }
 size_t tkv_row_bytes(const tkv_qw *w) { return tkv_rows_bytes(w, 1); }
 
 size_t tkv_rows_bytes(const tkv_qw *w, int64_t M) {
-    if (tiled(w)) return tile_bytes(M, w->K);
+    if (tiled(w)) return tkv_int8_blocks_bytes(M, w->K);
     return M == 1 ? int16_row_bytes(w->K, w->K / w->g) : int16_rows_bytes(M, w->K, w->K / w->g);
 }
 

@@ -265,11 +265,19 @@ class LlamaModel(nn.Module):
         """Each kind of dense layer (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) -> the format its products
         read (DenseWeight.label): "q4 g32 (gguf:Q4_1)", "q8 g16 + q4 g32" for pieces in two formats, "float32
         packed" (oneDNN's layout), "float32"; kinds whose layers differ list each format once, joined by " / "."""
+        return self._by_kind("label")
+
+    def dense_arithmetic(self) -> dict[str, str]:
+        """Each kind of dense layer -> what its products multiply on, on this processor (DenseWeight.arithmetic):
+        "float32", "int16 rows x q4 to 16 rows, int8 blocks x q4 (AVX2) above", ..."""
+        return self._by_kind("arithmetic")
+
+    def _by_kind(self, attribute: str) -> dict[str, str]:
         found: dict[str, list[str]] = {}
         for name, module in [*self.layers.named_modules(), ("lm_head", self.lm_head)]:
             if isinstance(module, Projection):
-                found.setdefault(name.rsplit(".", 1)[-1], []).append(module.format.label)
-        return {kind: " / ".join(dict.fromkeys(formats)) for kind, formats in found.items()}
+                found.setdefault(name.rsplit(".", 1)[-1], []).append(getattr(module.format, attribute))
+        return {kind: " / ".join(dict.fromkeys(values)) for kind, values in found.items()}
 
     def weight_bytes(self) -> int:
         """The bytes the weights take, in their own formats (a packed copy and a plain one kept beside it both

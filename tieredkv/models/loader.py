@@ -30,17 +30,22 @@ class QuantSettings:
     symmetric: bool = False
     gguf_path: Path | None = None
     cache_dir: Path | None = None  # where the GGUF file's header index is kept (gguf_convert.gguf_index)
-    int8_activations: bool = False  # EngineConfig.int8_activations (4-bit products in tiles, where the CPU can)
+    int8_activations: bool | None = None  # EngineConfig.int8_activations: always, for many rows (None), never
 
     @property
     def label(self) -> str:
-        """What the weights are, for the fingerprint of the KV they produce and the start-up line (int8
-        activations compute other keys and values too)."""
+        """What the weights are, for stats() and the start-up line ("+a8": int8 activations in every step)."""
         if self.scheme == "int4":
             label = f"int4-g{self.group_size}-{'sym' if self.symmetric else 'asym'}"
         else:
             label = self.scheme if self.gguf_path is None else f"gguf:{self.gguf_path.name}"
         return f"{label}+a8" if self.int8_activations else label
+
+    @property
+    def fingerprint(self) -> str:
+        """The label, and where products of many rows round the activations to int8 (the default), that too: the
+        keys and values computed differ."""
+        return self.label + ("+a8p" if self.int8_activations is None else "")
 
 
 _FUSED = {

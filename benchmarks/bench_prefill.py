@@ -1,0 +1,168 @@
+"""Compute-bound work per weight format, default model, one sitting: a roofline of this processor's products, the
+prefill rate of each format against it, and a mixed batch of many streams.
+
+    .venv/bin/python benchmarks/bench_prefill.py [--rounds 3] [--mixed] [--out docs/bench/prefill_zen3.json]
+
+  roofline   the products' peak here, 2 threads, large shapes (2048 x 2048 x 2048 and the default model's 512-row
+             ones): fp32 and bf16 through oneDNN (bf16 where oneDNN's bf16 product checks out on this torch), int8
+             x q4 on the project's many-row kernel (gemm_cpu.c; ops counted as 2 x M x N x K like the others)
+  prefill    one 512-token prompt (prefix caching off), whole, 1 new token: prompt tok/s, best of the rounds, and
+             as a fraction of its arithmetic's peak (2 x the dense layers' weights a token, attention excluded)
+  mixed 32   (--mixed) 32 requests at once, prompts of 64-512 tokens, 16-128 new tokens (bench_engine.py's):
+             output tok/s
+Formats: fp32, bf16 (dtype="bfloat16"), int8 and int4 (quantization=...), the default model's own Q4_1 file
+(quantization="gguf"); each quantized one with its default arithmetic (int8_activations=None: int8 blocks past
+the one-row kernels' rows, where the CPU can) and with int8_activations=False (the dequantized fp32 product) in
+the same rounds. Formats alternate within a round, every engine kept; ratios come from the same sitting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tieredkv import EngineConfig, SamplingParams
+from tieredkv.engine.engine_core import EngineCore
+from tieredkv.platform.cpu_features import cpu_info
+
+FORMATS = {
+    "fp32": {},
+    "bf16": {"dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+    "int8 (fp32 products)": {"quantization": "int8", "int8_activations": False},
+    "int4": {"quantization": "int4"},
+    "int4 (fp32 products)": {"quantization": "int4", "int8_activations": False},
+    "Q4_1": {"quantization": "gguf"},
+    "Q4_1 (fp32 products)": {"quantization": "gguf", "int8_activations": False},
+}
+PROMPT = 512
+
+
+def best_seconds(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def roofline() -> dict:
+    """GFLOP/s of the products on this processor (2 x M x N x K a call), best of five, per shape and the best."""
+    from tieredkv.cache_dir import default_cache_dir
+    from tieredkv.kernels.linear import onednn_linear, onednn_linear_usable, pack_onednn_weight
+    from tieredkv.kernels.quant import many_rows_int8, quant_linear, quantize_int4
+    from tieredkv.kernels.quant_cpu import CPU
+
+    CPU.use(default_cache_dir())
+
+    shapes = [(2048, 2048, 2048), (512, 576, 1536), (512, 1536, 576)]
+    out: dict = {}
+    for m, k, n in shapes:
+        x, w = torch.randn(m, k), torch.randn(n, k)
+        flops = 2 * m * n * k / 1e9
+        row = {"fp32": flops / best_seconds(lambda: onednn_linear(x, pack_onednn_weight(w)))}
+        packed = pack_onednn_weight(w)
+        row["fp32"] = max(row["fp32"], flops / best_seconds(lambda: onednn_linear(x, packed)))
+        if onednn_linear_usable(torch.bfloat16):
+            xb, wb = x.bfloat16(), w.bfloat16()
+            row["bf16"] = flops / best_seconds(lambda: onednn_linear(xb, wb))
+        qw = quantize_int4(w, 32)
+        if many_rows_int8(qw.codes, qw.group_size):
+            row["int8 x q4"] = flops / best_seconds(lambda: quant_linear(x, qw))
+        out[f"{m}x{k}x{n}"] = {key: round(v, 1) for key, v in row.items()}
+    out["peak"] = {key: max(r[key] for r in out.values() if key in r) for key in ("fp32", "bf16", "int8 x q4")
+                   if any(key in r for r in out.values())}
+    return out
+
+
+def engine(config: dict) -> EngineCore:
+    return EngineCore(EngineConfig(enable_prefix_caching=False, warm_bytes=0, compile_in_background=False,
+                                   max_num_batched_tokens=max(PROMPT, 2048), **config))
+
+
+def serve(core: EngineCore, prompts: list[list[int]], new: list[int]) -> float:
+    """Seconds to serve the prompts at once to the end."""
+    reqs = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new)]
+    t0 = time.perf_counter()
+    for r in reqs:
+        if core.add_request(r):
+            raise RuntimeError("request refused")
+    while core.has_work():
+        core.step()
+    return time.perf_counter() - t0
+
+
+def dense_flops_per_token(core: EngineCore) -> float:
+    """2 x the dense layers' weights (the projections and the LM head): a token's products."""
+    return 2.0 * sum(m.format.in_features * m.format.out_features for m in core.model.projections())
+
+
+def mixed_workload(vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(64, 512))] for _ in range(32)]
+    return prompts, [rng.randint(16, 128) for _ in range(32)]
+
+
+def peak_for(name: str, core: EngineCore, peaks: dict) -> float | None:
+    arithmetic = " ".join(core.model.dense_arithmetic().values())
+    if "int8 blocks" in arithmetic and "fp32 products" not in name:
+        return peaks.get("int8 x q4") if "q4" in arithmetic else None
+    return peaks.get("bf16" if name == "bf16" else "fp32")
+
+
+def main(args) -> dict:
+    torch.manual_seed(0)
+    results: dict = {"machine": cpu_info().describe(torch.get_num_threads()), "roofline_gflops": roofline()}
+    print(f"machine: {results['machine']}\nroofline GFLOP/s: {results['roofline_gflops']}", flush=True)
+    cores = {name: engine(cfg) for name, cfg in FORMATS.items()}
+    vocab = next(iter(cores.values())).spec.vocab_size
+    rng = random.Random(1)
+    prompt = [rng.randrange(100, vocab) for _ in range(PROMPT)]
+    mixed = mixed_workload(vocab)
+    prefill = {name: [] for name in cores}
+    output = {name: [] for name in cores}
+    for r in range(args.rounds):
+        order = list(cores) if r % 2 == 0 else list(reversed(cores))
+        for name in order:
+            prefill[name].append(PROMPT / serve(cores[name], [prompt], [1]))
+            if args.mixed:
+                output[name].append(sum(mixed[1]) / serve(cores[name], *mixed))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {prefill[n][-1]:.0f}" for n in order), flush=True)
+    peaks = results["roofline_gflops"]["peak"]
+    table = {}
+    for name, core in cores.items():
+        rate = max(prefill[name])
+        peak = peak_for(name, core, peaks)
+        table[name] = {"prefill_tok_s": round(rate, 1), "vs_fp32": round(rate / max(prefill["fp32"]), 3),
+                       "arithmetic": core.stats().dense_arithmetic.get("gate_up_proj"),
+                       "fraction_of_peak": None if peak is None else
+                       round(rate * dense_flops_per_token(core) / 1e9 / peak, 3)}
+        if args.mixed:
+            table[name]["mixed32_out_tok_s"] = round(max(output[name]), 1)
+            table[name]["mixed32_vs_fp32"] = round(max(output[name]) / max(output["fp32"]), 3)
+        print(f"{name:22s} {json.dumps(table[name])}", flush=True)
+    results["formats"] = table
+    results["rounds"] = {"prefill": prefill, "mixed": output if args.mixed else None}
+    for core in cores.values():
+        core.close()
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mixed", action="store_true", help="the mixed 32 workload too")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    res = main(args)
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+    sys.exit(0)
