@@ -1,7 +1,7 @@
 """Compute-bound work per weight format, default model, one sitting: a roofline of this processor's products, the
 prefill rate of each format against it, and a mixed batch of many streams.
 
-    .venv/bin/python benchmarks/bench_prefill.py [--rounds 3] [--mixed] [--out docs/bench/prefill_zen3.json]
+    .venv/bin/python benchmarks/bench_prefill.py [--rounds 3] [--mixed] [--formats ...] [--out FILE.json]
 
   roofline   the products' peak here, 2 threads, large shapes (2048 x 2048 x 2048 and the default model's 512-row
              ones): fp32 and bf16 through oneDNN (bf16 where oneDNN's bf16 product checks out on this torch), int8
@@ -9,7 +9,7 @@ prefill rate of each format against it, and a mixed batch of many streams.
   prefill    one 512-token prompt (prefix caching off), whole, 1 new token: prompt tok/s, best of the rounds, and
              as a fraction of its arithmetic's peak (2 x the dense layers' weights a token, attention excluded)
   mixed 32   (--mixed) 32 requests at once, prompts of 64-512 tokens, 16-128 new tokens (bench_engine.py's):
-             output tok/s
+             output tok/s, best of the rounds (not bf16)
 Formats: fp32, bf16 (dtype="bfloat16"), int8 and int4 (quantization=...), the default model's own Q4_1 file
 (quantization="gguf"); each quantized one with its default arithmetic (int8_activations=None: int8 blocks past
 the one-row kernels' rows, where the CPU can) and with int8_activations=False (the dequantized fp32 product) in
@@ -101,8 +101,11 @@ def serve(core: EngineCore, prompts: list[list[int]], new: list[int]) -> float:
 
 
 def dense_flops_per_token(core: EngineCore) -> float:
-    """2 x the dense layers' weights (the projections and the LM head): a token's products."""
-    return 2.0 * sum(m.format.in_features * m.format.out_features for m in core.model.projections())
+    """2 x the layers' dense weights: a prompt token's products (the LM head runs for the last token only)."""
+    from tieredkv.models.llama import Projection
+
+    return 2.0 * sum(m.format.in_features * m.format.out_features for m in core.model.layers.modules()
+                     if isinstance(m, Projection))
 
 
 def mixed_workload(vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -115,14 +118,15 @@ def peak_for(name: str, core: EngineCore, peaks: dict) -> float | None:
     arithmetic = " ".join(core.model.dense_arithmetic().values())
     if "int8 blocks" in arithmetic and "fp32 products" not in name:
         return peaks.get("int8 x q4") if "q4" in arithmetic else None
-    return peaks.get("bf16" if name == "bf16" else "fp32")
+    return peaks.get("bf16" if name == "bf16" and "widened" not in arithmetic else "fp32")
 
 
 def main(args) -> dict:
     torch.manual_seed(0)
     results: dict = {"machine": cpu_info().describe(torch.get_num_threads()), "roofline_gflops": roofline()}
     print(f"machine: {results['machine']}\nroofline GFLOP/s: {results['roofline_gflops']}", flush=True)
-    cores = {name: engine(cfg) for name, cfg in FORMATS.items()}
+    names = args.formats or list(FORMATS)
+    cores = {name: engine(FORMATS[name]) for name in ["fp32", *[n for n in names if n != "fp32"]]}
     vocab = next(iter(cores.values())).spec.vocab_size
     rng = random.Random(1)
     prompt = [rng.randrange(100, vocab) for _ in range(PROMPT)]
@@ -133,7 +137,7 @@ def main(args) -> dict:
         order = list(cores) if r % 2 == 0 else list(reversed(cores))
         for name in order:
             prefill[name].append(PROMPT / serve(cores[name], [prompt], [1]))
-            if args.mixed:
+            if args.mixed and name != "bf16":  # (bf16 without bf16 units: F.linear at a sixth of fp32's rate)
                 output[name].append(sum(mixed[1]) / serve(cores[name], *mixed))
         print(f"round {r + 1}: " + ", ".join(f"{n} {prefill[n][-1]:.0f}" for n in order), flush=True)
     peaks = results["roofline_gflops"]["peak"]
@@ -145,7 +149,7 @@ def main(args) -> dict:
                        "arithmetic": core.stats().dense_arithmetic.get("gate_up_proj"),
                        "fraction_of_peak": None if peak is None else
                        round(rate * dense_flops_per_token(core) / 1e9 / peak, 3)}
-        if args.mixed:
+        if output[name]:
             table[name]["mixed32_out_tok_s"] = round(max(output[name]), 1)
             table[name]["mixed32_vs_fp32"] = round(max(output[name]) / max(output["fp32"]), 3)
         print(f"{name:22s} {json.dumps(table[name])}", flush=True)
@@ -160,6 +164,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mixed", action="store_true", help="the mixed 32 workload too")
+    parser.add_argument("--formats", nargs="*", choices=list(FORMATS), help="these formats only (fp32 always)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     res = main(args)

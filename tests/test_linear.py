@@ -97,13 +97,37 @@ def test_the_layout_is_chosen_once_cpu_products_for_fp32_and_bf16_with_bf16_unit
     usable = onednn_linear_usable()
     packed = DenseLayout(cpu=True, onednn=True, packed=True) if usable else DenseLayout(cpu=True)
     assert choose_layout(CPU, torch.float32) == packed
+    widen = DenseLayout(widen=True)  # 16-bit weights without 16-bit products: widened for many rows
     assert choose_layout(CPU, torch.bfloat16) == (packed if bf16_units and onednn_linear_usable(torch.bfloat16)
-                                                  else PLAIN)
-    for device, dtype, cpu_linear in [(CPU, torch.float16, "auto"), (torch.device("cuda"), torch.float32, "auto"),
-                                      (CPU, torch.float32, "torch"), (CPU, torch.bfloat16, "torch")]:
+                                                  else widen)
+    assert choose_layout(CPU, torch.float16) == widen
+    for device, dtype, cpu_linear in [(torch.device("cuda"), torch.float32, "auto"), (torch.device("cuda"),
+                                      torch.bfloat16, "auto"), (CPU, torch.float32, "torch"),
+                                      (CPU, torch.bfloat16, "torch")]:
         assert choose_layout(device, dtype, cpu_linear) == PLAIN
     assert PLAIN.label == "F.linear" and isinstance(PLAIN.hold(torch.zeros(2, 3)), PlainWeight)
     assert isinstance(packed.hold(torch.zeros(8, 16)), PackedWeight if usable else PlainWeight)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_widened_16_bit_weight_multiplies_many_rows_in_fp32_tiles(dtype, monkeypatch):
+    """A 16-bit weight held for widening (no 16-bit products on the processor): fewer than WIDEN_MIN_ROWS rows
+    through F.linear in its dtype, more widened to fp32 a tile at a time (here tiles of 16 rows over 37: two
+    whole, a ragged one), the result in the activations' dtype, as F.linear's within that dtype's rounding; its
+    arithmetic says so."""
+    monkeypatch.setattr(dense, "WIDEN_TILE_BYTES", 16 * 64 * 4)
+    g = torch.Generator().manual_seed(3)
+    w, b = (torch.randn(37, 64, generator=g) * 0.1).to(dtype), torch.randn(37, generator=g).to(dtype)
+    held = DenseLayout(widen=True).hold(w)
+    assert held.arithmetic == f"{str(dtype)[6:]} to 3 rows, float32 above (widened)"
+    for rows in (1, dense.WIDEN_MIN_ROWS, 19):
+        x = torch.randn(2, rows, 64, generator=g).to(dtype)
+        got = held(x, b)
+        want = F.linear(x.float(), w.float(), b.float())
+        assert got.dtype == dtype and got.shape == (2, rows, 37)
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2)
+        if rows >= dense.WIDEN_MIN_ROWS:  # the fp32 product, rounded once
+            assert torch.equal(got, want.to(dtype))
 
 
 @pytest.mark.parametrize("graph_packed", [False, True])

@@ -100,6 +100,21 @@ def test_kernel_matches_dequantized_reference(lib, fmt, rows):
     assert got3.shape == (1, rows, n) and got3.dtype == torch.bfloat16
 
 
+def test_int8_blocks_serve_many_rows_only_where_measured_clearly_faster(monkeypatch, tmp_path):
+    """The choice for many rows on 4-bit weights (quant.int8_many_rows_win) is measured once per processor and
+    shapes, kept in the cache directory, and goes to int8 blocks only by a clear margin (they cost accuracy)."""
+    layer = [weights("int4-g32", 32, 64), weights("int4-g32", 48, 64)]
+    real = quant._measure_many_rows(layer)
+    assert set(real) == {"int8_ms", "fp32_ms"} and min(real.values()) > 0
+    calls = []
+    timings = {"int8_ms": 10.0, "fp32_ms": 10.0 * quant.INT8_MARGIN * 1.01}
+    monkeypatch.setattr(quant, "_measure_many_rows", lambda weights: calls.append(1) or dict(timings))
+    assert quant.int8_many_rows_win(layer, tmp_path) and quant.int8_many_rows_win(layer, tmp_path)
+    assert len(calls) == 1 and (tmp_path / "kernels" / "many-rows.json").exists()  # the second one read the file
+    timings["fp32_ms"] = 10.0 * quant.INT8_MARGIN * 0.99  # faster, but not by the margin
+    assert not quant.int8_many_rows_win(layer[:1], tmp_path) and len(calls) == 2  # other shapes: measured again
+
+
 @pytest.mark.parametrize("fmt", ["int4-g32", "int4-g128", "int4-sym", "gguf-Q4_K"])
 @pytest.mark.parametrize("tiles", [False, True])
 def test_many_rows_on_4bit_weights_are_int8_blocks_times_the_weight(lib, fmt, tiles):
@@ -738,13 +753,17 @@ def test_many_rows_dequantize_a_large_weight_in_tiles(lib, fmt, monkeypatch):
         list(range(0, 16)), list(range(16, 32)), list(range(32, 37))]
 
 
-def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir):
+@pytest.mark.parametrize("faster", [True, False])
+def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeypatch, faster):
     """stats() names each kind of dense layer's format and what its products multiply on here: by default int8
-    blocks past the one-row kernels' rows on 4-bit weights (where the CPU kernels have AVX2), never with
-    int8_activations=False; the two compute other keys and values, so their prefix caches' identities differ."""
+    blocks past the one-row kernels' rows on 4-bit weights where the CPU kernels have AVX2 and they were measured
+    clearly faster (here: said to be, or not), never with int8_activations=False; the two compute other keys and
+    values, so their prefix caches' identities differ."""
+    from tieredkv.engine import rank_build
     from tieredkv.engine.identity import model_fingerprint
     from tieredkv.engine.resolve import quant_settings
 
+    monkeypatch.setattr(rank_build, "int8_many_rows_win", lambda weights, cache_dir: faster)
     kinds = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     rows = quant.kernel_rows(torch.zeros(1, 1, dtype=torch.uint8))
     prints = set()
@@ -755,7 +774,8 @@ def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir):
         try:
             stats = core.stats()
             assert stats.dense_formats == {**{k: "q4 g32 (int4)" for k in kinds}, "lm_head": "q8 g64 (int8)"}
-            above = "int8 blocks x q4 (AVX2)" if setting is None and CPU.q4_gemm else "dequantized float32"
+            int8 = setting is None and CPU.q4_gemm and faster
+            above = "int8 blocks x q4 (AVX2)" if int8 else "dequantized float32"
             assert stats.dense_arithmetic == {**{k: f"int16 rows x q4 to {rows} rows, {above} above" for k in kinds},
                                               "lm_head": "int16 rows x q8 to 16 rows, dequantized float32 above"}
             prints.add(model_fingerprint(llama_dir, torch.float32, 16, quant_settings(cfg, llama_dir)))

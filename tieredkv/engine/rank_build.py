@@ -19,7 +19,8 @@ from tieredkv.kernels import KernelOps, select_kernels
 from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.dense import choose_layout
 from tieredkv.kernels.linear import packed_range
-from tieredkv.kernels.quant import QuantizedWeight, gather_quantized_weights, tile_quantized_weights
+from tieredkv.kernels.quant import (QuantizedWeight, gather_quantized_weights, int8_many_rows_win, many_rows_int8,
+                                    tile_quantized_weights)
 from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.models.llama import LlamaModel
 from tieredkv.models.loader import load_model
@@ -42,6 +43,22 @@ def weights_label(model: LlamaModel, dtype: torch.dtype) -> str:
         return dt
     tiled = any(isinstance(m, QuantizedWeight) and m.fmt in ("q4t", "q8t") for m in model.modules())
     return f"{model.quantization} ({dt} activations{'; int8 blocks in tiled products' if tiled else ''})"
+
+
+def many_rows_arithmetic(model: LlamaModel, setting: bool | None, cache_dir: Path) -> None:
+    """Whether products of many rows on the model's quantized weights take int8 activation blocks (where the
+    kernels can: 4-bit weights, AVX2): with EngineConfig.int8_activations True, yes; False, no; None (the default)
+    where that is clearly faster on this processor than the fp32 product (quant.int8_many_rows_win, measured once
+    per processor on the first layer's shapes)."""
+    weights = [w for w in model.modules() if isinstance(w, QuantizedWeight)]
+    layer = [w for w in model.layers[0].modules() if isinstance(w, QuantizedWeight) and
+             many_rows_int8(w.codes, w.group_size)]
+    use = bool(layer) and (setting is True or (setting is None and int8_many_rows_win(layer, cache_dir)))
+    for w in weights:
+        w.many_int8 = use
+    if layer and setting is None:
+        log.info("products of many rows on 4-bit weights: %s", "int8 activation blocks (measured faster here)" if use
+                 else "the fp32 product (int8 blocks not clearly faster on this processor)")
 
 
 def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, kv: KVLayout,
@@ -106,10 +123,8 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
             tiled = tile_quantized_weights(model)  # where the kernels multiply tiles with AVX-512 VNNI
             log.info("int8 activations: %d quantized weights held in tiles of 16 rows%s", tiled,
                      "" if tiled else " (none: no build of the CPU kernels with AVX-512 VNNI here)")
-        if quant is not None and quant.int8_activations is False:
-            for weight in model.modules():
-                if isinstance(weight, QuantizedWeight):
-                    weight.many_int8 = False  # int16 rows, and the fp32 product past them
+        if quant is not None:
+            many_rows_arithmetic(model, quant.int8_activations, resolve_cache_dir(cfg))
         gather_quantized_weights(model)  # one stream in the order they are read
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled, kv)
     if device.type == "cpu":

@@ -85,6 +85,27 @@ def onednn_linear_usable(dtype: torch.dtype = torch.float32) -> bool:
                for got, want in checks)
 
 
+def fp32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias) in fp32: oneDNN's product on CPU where it checks out, else F.linear."""
+    b = None if bias is None else bias.float()
+    if x.device.type == "cpu" and onednn_linear_usable():
+        return onednn_linear(x, w, b)
+    return F.linear(x, w.to(x.device), b)
+
+
+def tiled_product(x2: torch.Tensor, n: int, rows, bias: torch.Tensor | None, tile_bytes: int) -> torch.Tensor:
+    """x2 [M, K] (fp32) times a weight of n output rows given as fp32 by rows(n0, n1), at most tile_bytes of it
+    at a time, through the fp32 product (+ bias)."""
+    tile = max(1, tile_bytes // (4 * x2.shape[1]))
+    if tile >= n:
+        return fp32_linear(x2, rows(0, n), bias)
+    out = torch.empty(x2.shape[0], n)
+    for n0 in range(0, n, tile):
+        n1 = min(n, n0 + tile)
+        out[:, n0:n1] = fp32_linear(x2, rows(n0, n1), None if bias is None else bias[n0:n1])
+    return out
+
+
 def bf16_units() -> bool:
     """True where the processor multiplies bf16 natively (AVX512_BF16 or AMX): there oneDNN's bf16 products
     read half the bytes of fp32 at fp32's arithmetic rate; elsewhere each one converts to fp32 first."""
@@ -238,17 +259,25 @@ def graph_reads_packed(dtype: torch.dtype, shapes: list[tuple[int, int]], cache_
     as the graph reads them: by the one-row kernels where their layout is one those read). The timings are kept
     in `cache_dir`'s kernels/linear-layout.json; plain wins only by a clear margin (PLAIN_MARGIN), as the packed
     weights also make every batched step faster."""
+    known = cached_measurement("linear-layout", (str(dtype), sorted(shapes), torch.get_num_threads(),
+                                                 "row kernels" if CPU.lib is not None else "oneDNN"),
+                               lambda: _measure_layouts(dtype, shapes), cache_dir)
+    return known["plain_ms"] > PLAIN_MARGIN * known["packed_ms"]
+
+
+def cached_measurement(name: str, what: tuple, measure, cache_dir: Path | None) -> dict:
+    """measure() once per processor (model and flags), torch build and `what`, kept in `cache_dir`'s
+    kernels/<name>.json (measured again where it cannot be written)."""
     info = cpu_info()
-    key = repr((info.model_name, sorted(info.flags), torch.__version__, str(dtype), sorted(shapes),
-                torch.get_num_threads(), "row kernels" if CPU.lib is not None else "oneDNN"))
-    key = hashlib.sha256(key.encode()).hexdigest()[:16]
-    path = None if cache_dir is None else Path(cache_dir) / "kernels" / "linear-layout.json"
+    key = hashlib.sha256(repr((info.model_name, sorted(info.flags), torch.__version__, what)).encode()).hexdigest()
+    key = key[:16]
+    path = None if cache_dir is None else Path(cache_dir) / "kernels" / f"{name}.json"
     known = _read_json(path)
     if key not in known:
-        known[key] = _measure_layouts(dtype, shapes)
+        known[key] = measure()
         if path is not None:
             _write_json(path, {**_read_json(path), key: known[key]})
-    return known[key]["plain_ms"] > PLAIN_MARGIN * known[key]["packed_ms"]
+    return known[key]
 
 
 def _measure_layouts(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> dict:

@@ -28,6 +28,8 @@ Triton on CUDA, it runs the reference: dequantize, then F.linear.
 from __future__ import annotations
 
 import functools
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +38,7 @@ from torch import nn
 from tieredkv.config import INT4_GROUP_SIZES
 from tieredkv.errors import CheckpointError
 from tieredkv.kernels.dense import DenseWeight
-from tieredkv.kernels.linear import onednn_linear, onednn_linear_usable
+from tieredkv.kernels.linear import fp32_linear, tiled_product
 from tieredkv.kernels.ops import implement
 from tieredkv.kernels.quant_cpu import CPU, GEMV_MAX_ROWS
 
@@ -374,6 +376,41 @@ def many_rows_int8(codes: torch.Tensor, group_size: int) -> bool:
     return CPU.q4_gemm and not _is_q8(codes) and not codes.is_cuda and group_size % 32 == 0
 
 
+MEASURE_ROWS = 256  # the many-row products' measurement: a prefill chunk's rows
+INT8_MARGIN = 1.1  # int8 blocks serve only where the fp32 product takes 1.1x their time (they cost accuracy)
+
+
+def int8_many_rows_win(weights: list["QuantizedWeight"], cache_dir: Path | None = None) -> bool:
+    """Whether products of many rows on these weights (one layer's 4-bit ones) are clearly faster on int8 blocks
+    than dequantized into the fp32 product, on this processor. The int8 kernel is 256-bit AVX2 code, where fp32
+    products use every width the processor has (AVX-512 doubles their rate), so which wins is measured: once per
+    processor, torch build, thread count and layer shapes, MEASURE_ROWS rows through each layer's weight both ways,
+    best of three; kept in `cache_dir`'s kernels/many-rows.json. The int8 blocks must win by INT8_MARGIN."""
+    from tieredkv.kernels.linear import cached_measurement
+
+    shapes = sorted({(w.out_features, w.in_features, w.group_size, w.fmt) for w in weights})
+    known = cached_measurement("many-rows", (shapes, torch.get_num_threads()), lambda: _measure_many_rows(weights),
+                               cache_dir)
+    return known["fp32_ms"] > INT8_MARGIN * known["int8_ms"]
+
+
+def _measure_many_rows(weights: list["QuantizedWeight"]) -> dict:
+    one = {(w.out_features, w.in_features, w.group_size, w.fmt): w for w in weights}.values()
+    xs = {w.in_features: torch.full((MEASURE_ROWS, w.in_features), 0.5) for w in one}
+
+    def best(many_int8: bool) -> float:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for w in one:
+                _LINEAR_OP(xs[w.in_features], w.codes, w.scales, w.offsets, w.group_size, None, many_int8)
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e3
+
+    with torch.inference_mode():
+        return {"int8_ms": best(True), "fp32_ms": best(False)}
+
+
 def as_int8_blocks(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] (K a multiple of 32) as the int8 products see it: each block of 32 inputs rounded to codes of
     max|x| / 127 of the block (to nearest even, as the kernels' conversion), times that scale. The reference the
@@ -407,16 +444,9 @@ def _dequantized_linear(x2, codes, scales, offsets, group_size, bias):
     for the default model's) would otherwise be a fresh allocation above malloc's mmap threshold on every
     call, page-faulted in as it is written: 30 ms of the 36 a 32-row step's head took (AMD EPYC, Zen 5), where
     the tiles come from the heap, already mapped."""
-    n, k = _out_features(codes), x2.shape[1]
-    tile = max(1, DEQUANT_TILE_BYTES // (4 * k))
-    if tile >= n:
-        return _fp32_linear(x2, _dequantize_fast(codes, scales, offsets, group_size, None), bias)
-    out = torch.empty(x2.shape[0], n)
-    for n0 in range(0, n, tile):
-        rows = torch.arange(n0, min(n, n0 + tile))
-        part = None if bias is None else bias[n0 : n0 + tile]
-        out[:, n0 : n0 + tile] = _fp32_linear(x2, _dequantize_fast(codes, scales, offsets, group_size, rows), part)
-    return out
+    return tiled_product(x2, _out_features(codes), lambda n0, n1: _dequantize_fast(
+        codes, scales, offsets, group_size, None if n0 == 0 and n1 == _out_features(codes) else torch.arange(n0, n1)),
+        bias, DEQUANT_TILE_BYTES)
 
 
 def _quant_rows(codes, scales, offsets, group_size, ids):
@@ -455,13 +485,6 @@ def _dequantize_fast(codes, scales, offsets, group_size, ids) -> torch.Tensor:
         rows = CPU.lib.tkv_q4t_rows if codes.dim() == 3 else CPU.lib.tkv_q4_rows
         rows(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), group_size, k, ptr, count, out.data_ptr())
     return out
-
-
-def _fp32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    b = None if bias is None else bias.float()
-    if x.device.type == "cpu" and onednn_linear_usable():
-        return onednn_linear(x, w, b)
-    return F.linear(x, w.to(x.device), b)
 
 
 def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
