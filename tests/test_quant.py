@@ -115,13 +115,14 @@ def test_int8_blocks_serve_many_rows_only_where_measured_clearly_faster(monkeypa
     assert not quant.int8_many_rows_win(layer[:1], tmp_path) and len(calls) == 2  # other shapes: measured again
 
 
-@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g128", "int4-sym", "gguf-Q4_K"])
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g128", "int4-sym", "gguf-Q4_K", "int8", "q8-g32", "gguf-Q5_1",
+                                 "gguf-Q8_0"])
 @pytest.mark.parametrize("tiles", [False, True])
 def test_many_rows_on_4bit_weights_are_int8_blocks_times_the_weight(lib, fmt, tiles):
-    """Past the one-row kernels' rows, q4 weights (row-major or in tiles) multiply on int8 (gemm_cpu.c): the
-    activations as int8 blocks of 32 (quant.as_int8_blocks, the reference) times the dequantized weight, to fp32's
-    rounding; a short last panel of output rows (37), rows not a multiple of the kernel's four, a bias. A build
-    without AVX2 dequantizes into the fp32 product instead: F.linear's result."""
+    """Past the one-row kernels' rows, q4 and q8 weights (row-major or in tiles; with offsets or not) multiply on
+    int8 (gemm_cpu.c): the activations as int8 blocks of 32 (quant.as_int8_blocks, the reference) times the
+    dequantized weight, to fp32's rounding; a short last panel of output rows (37), rows not a multiple of the
+    kernel's four, a bias. A build without AVX2 dequantizes into the fp32 product instead: F.linear's result."""
     n = 48 if tiles else 37
     qw = tiled_weights(fmt, n, 512)[1] if tiles else weights(fmt, n, 512)
     w = qw.dequantize().double()
@@ -135,7 +136,8 @@ def test_many_rows_on_4bit_weights_are_int8_blocks_times_the_weight(lib, fmt, ti
         want = F.linear(seen.double(), w, bias.double())
         bound = 2e-6 * (seen.double().abs() @ w.abs().T) + 1e-5
         assert bool(((got - want).abs() <= bound).all()), float((got - want).abs().max())
-    assert ("int8 blocks x q4 (AVX2) above" in quant.arithmetic(qw)) == (lib == "native")
+    bits = "q8" if qw.codes.dtype == torch.int8 else "q4"
+    assert (f"int8 blocks x {bits} (AVX2) above" in quant.arithmetic(qw)) == (lib == "native")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -462,13 +464,15 @@ def _dequantized_checkpoint(src: Path, out: Path, scheme: str) -> Path:
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_engine_matches_transformers_on_the_dequantized_weights(scheme, llama_dir, tmp_path):
-    """Quantized at load, the engine's greedy output is transformers' on the weights it holds, dequantized."""
+    """Quantized at load, the engine's greedy output with the activations never rounded to int8 is transformers'
+    on the weights it holds, dequantized."""
     from helpers import hf_greedy
 
     ref_dir = _dequantized_checkpoint(llama_dir, tmp_path / "ref", scheme)
     prompts = [[5, 9, 33, 2, 71] * 3, list(range(3, 40)), [200, 17]]
     want = hf_greedy(ref_dir, prompts, 16)
-    core = EngineCore(EngineConfig(model=str(llama_dir), quantization=scheme, num_blocks=32, warm_bytes=0))
+    core = EngineCore(EngineConfig(model=str(llama_dir), quantization=scheme, num_blocks=32, warm_bytes=0,
+                                   int8_activations=False))
     try:
         reqs = [core.factory.make(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
         for r in reqs:
@@ -737,11 +741,11 @@ def test_quantized_op_on_cuda_runs_the_triton_kernel_within_bf16_tolerance(fmt, 
     torch.testing.assert_close(quant.quant_linear(x, qw), want, rtol=1e-4, atol=1e-3)  # fp32: ieee products
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8-g32", "gguf-Q6_K"])
+@pytest.mark.parametrize("fmt", ["gguf-Q6_K", "gguf-Q2_K"])
 def test_many_rows_dequantize_a_large_weight_in_tiles(lib, fmt, monkeypatch):
     """Above kernel_rows a weight larger than DEQUANT_TILE_BYTES of fp32 (an LM head) that does not multiply on
-    int8 (q8 weights; q4 without AVX2: test_many_rows_on_4bit_weights_...) is dequantized and multiplied a tile
-    of rows at a time (here tiles of 16 rows over 37: two whole and a ragged one), bias included, with the same
+    int8 (groups of 16, as these K types are held; any weight without AVX2: test_many_rows_on_4bit_weights_...)
+    is dequantized and multiplied a tile of rows at a time (here tiles of 16 rows over 37: two whole and a ragged one), bias included, with the same
     result as the whole weight at once."""
     qw = weights(fmt, 37, 256)
     monkeypatch.setattr(quant, "DEQUANT_TILE_BYTES", 16 * 256 * 4)
@@ -774,10 +778,11 @@ def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeyp
         try:
             stats = core.stats()
             assert stats.dense_formats == {**{k: "q4 g32 (int4)" for k in kinds}, "lm_head": "q8 g64 (int8)"}
-            int8 = setting is None and CPU.q4_gemm and faster
-            above = "int8 blocks x q4 (AVX2)" if int8 else "dequantized float32"
-            assert stats.dense_arithmetic == {**{k: f"int16 rows x q4 to {rows} rows, {above} above" for k in kinds},
-                                              "lm_head": "int16 rows x q8 to 16 rows, dequantized float32 above"}
+            int8 = setting is None and CPU.int8_gemm and faster
+            above = "int8 blocks x {} (AVX2)" if int8 else "dequantized float32"
+            assert stats.dense_arithmetic == {
+                **{k: f"int16 rows x q4 to {rows} rows, {above.format('q4')} above" for k in kinds},
+                "lm_head": f"int16 rows x q8 to 16 rows, {above.format('q8')} above"}
             prints.add(model_fingerprint(llama_dir, torch.float32, 16, quant_settings(cfg, llama_dir)))
         finally:
             core.close()

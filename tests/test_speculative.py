@@ -334,17 +334,19 @@ def test_the_server_reports_drafts_as_openai_names_predicted_tokens():
 
 async def test_drafts_keep_quantized_steps_on_the_integer_kernels(llama_dir):
     """Quantized weights on CPU: drafts never carry a step past the rows the integer kernels take (past them a
-    dequantized fp32 product, other arithmetic, would serve it), so batched outputs are plain decoding's on the
-    same weights."""
+    dequantized fp32 product or int8 blocks, other arithmetic, would serve it), so batched outputs are plain
+    decoding's on the same weights (int8_activations=False: a step past those rows without drafts then meets the
+    fp32 product, as near the int16 rows as plain decoding's steps need; int8 blocks make greedy output depend
+    on what is batched beside it, with or without drafts)."""
     from tieredkv.kernels.quant_cpu import GEMV_MAX_ROWS
 
     vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, seed=11)
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    want, _, _ = await run(llama_dir, prompts, params, num_blocks=256, quantization="int8")
+    want, _, _ = await run(llama_dir, prompts, params, num_blocks=256, quantization="int8", int8_activations=False)
     oracle = Oracle({tuple(p): w[0][0] for p, w in zip(prompts, want)}, vocab, spoil=5)
     async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=256, quantization="int8",
-                                                    speculative=NGRAM)) as engine:
+                                                    int8_activations=False, speculative=NGRAM)) as engine:
         core = engine.core
         core.parts.speculator.proposer = oracle
         rows, inner = [], core.runner.execute

@@ -1,22 +1,27 @@
-/* Many activation rows times a 4-bit weight (prefill, long verification chunks, batched steps): the products on
- * int8 arithmetic, where the one-row kernels (quant_cpu.c) multiply int16 activations weight row by weight row.
+/* Many activation rows times a 4-bit or 8-bit weight (prefill, long verification chunks, batched steps): the
+ * products on int8 arithmetic, where the one-row kernels (quant_cpu.c) multiply int16 activations weight row by
+ * weight row.
  *
  * The activations are quantized to int8 in blocks of 32 inputs, each with its scale and its codes' sum as rounded
- * (cpu_kernels.h: tkv_int8_rows, GGUF's Q8_1 blocks, as llama.cpp multiplies its 4-bit blocks with). The weight's
- * codes 0..15 are unpacked, 16 output rows at a time, into a panel in the calling thread's cache:
+ * (cpu_kernels.h: tkv_int8_rows, GGUF's Q8_1 blocks, as llama.cpp multiplies its quantized blocks with). The
+ * weight's codes are unpacked, 16 output rows at a time, into a panel in the calling thread's cache, one byte a
+ * code (q4: 0..15; q8: the signed code):
  *   panel[b][c][r][j]: block b of 32 inputs, chunk c (0..7) of 4 inputs, output row r (0..15), input 4 c + j,
  * so that one 32-byte load holds 4 inputs of 8 rows and vpmaddubsw multiplies them by 4 activations broadcast to
  * every row, their sums side by side (no sum across a register's lanes). One panel serves every activation row
- * (its 16 x K bytes stay in L1/L2 while the rows stream past). Within a block the int16 sums cannot overflow: a
- * pair of products is at most 2 x 15 x 127 = 3810, eight chunks 30480 < 32767. Each block's sums are scaled in
+ * (its 16 x K bytes stay in L1/L2 while the rows stream past). vpmaddubsw takes one operand unsigned: q4's codes
+ * are; for q8 it multiplies |w| by the activations with w's sign (vpsignb), exact for every code (-128 included).
+ * q4's int16 sums of a block cannot overflow: a pair of products is at most 2 x 15 x 127 = 3810, eight chunks
+ * 30480 < 32767; q8's pairs (up to 2 x 128 x 127) go to int32 at once (vpmaddwd). Each block's sums are scaled in
  * fp32 by the weight group's scale times the block's scale, and the group's offset multiplies the block's sum:
  *   out[i][n] = sum_b d[n][g(b)] sx[i][b] sum_k q[n][k] xq[i][k] + m[n][g(b)] xs[i][b]   (+ bias[n]).
- * Arithmetic per 32 inputs x 16 rows: one 4-input chunk costs 2 vpmaddubsw + 2 vpaddw for 128 multiply-adds,
- * where fp32 takes 16 FMAs (AVX2) for them.
+ * Arithmetic for 128 multiply-adds (a 4-input chunk of 16 rows, one activation row): q4 2 vpmaddubsw + 2 vpaddw,
+ * q8 twice that and 2 vpsignb; fp32 takes 16 FMAs (AVX2), and the dequantized product must first write the fp32
+ * weight.
  *
- * Without AVX2 nothing here serves: tkv_q4_gemm_native returns 0 and kernels/quant.py dequantizes into the fp32
+ * Without AVX2 nothing here serves: tkv_quant_gemm_native returns 0 and kernels/quant.py dequantizes into the fp32
  * product instead (plain C int8 is slower than that). The same arithmetic in torch is kernels/quant.py's
- * int8_blocks_reference, which the tests hold this kernel to. */
+ * as_int8_blocks times the dequantized weight, which the tests hold this kernel to. */
 
 #include <math.h>
 #include <stdint.h>
@@ -32,7 +37,7 @@
 #define PANEL_BLOCK (BLOCK * PANEL_ROWS)  /* bytes of one block of a panel */
 #define INLINE static inline __attribute__((always_inline))
 
-int tkv_q4_gemm_native(void) {
+int tkv_quant_gemm_native(void) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     return 1;
 #else
@@ -78,15 +83,17 @@ INLINE __m256i row_block_codes(const uint8_t *qr, int64_t g, int64_t b) {
 
 /* Output rows n0..n0+15 of a row-major q4 weight [N, K] into a panel (rows past N repeat row N - 1, their
  * outputs never stored), and their scales and offsets as fp32 [G][16] */
-static void pack_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, int64_t K,
-                      int64_t n0, uint8_t *panel, float *pd, float *pm) {
+static void pack_rows(const int bits, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N,
+                      int64_t K, int64_t n0, uint8_t *panel, float *pd, float *pm) {
     const int64_t B = K / BLOCK, G = K / g;
     const uint8_t *rows[PANEL_ROWS];
-    for (int r = 0; r < PANEL_ROWS; r++) rows[r] = q + (n0 + r < N ? n0 + r : N - 1) * (K / 2);
+    for (int r = 0; r < PANEL_ROWS; r++) rows[r] = q + (n0 + r < N ? n0 + r : N - 1) * (bits == 4 ? K / 2 : K);
     for (int64_t b = 0; b < B; b++)
         for (int half = 0; half < 2; half++) {
             __m256i v[8];
-            for (int r = 0; r < 8; r++) v[r] = row_block_codes(rows[half * 8 + r], g, b);
+            for (int r = 0; r < 8; r++)
+                v[r] = bits == 4 ? row_block_codes(rows[half * 8 + r], g, b)
+                                 : _mm256_loadu_si256((const __m256i *)(rows[half * 8 + r] + b * BLOCK));
             transpose8(v);
             for (int c = 0; c < 8; c++)
                 _mm256_storeu_si256((__m256i *)(panel + b * PANEL_BLOCK + c * 64 + half * 32), v[c]);
@@ -100,16 +107,21 @@ static void pack_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, i
     }
 }
 
-/* Tile t of a q4t weight (quant_cpu.c: byte 4r + j of chunk c holds row r's input 8c + j low, 8c + 4 + j high)
- * into a panel: two chunks of the panel from each of the tile's */
-static void pack_tile(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K, int64_t t,
-                      uint8_t *panel, float *pd, float *pm) {
-    const __m256i low = _mm256_set1_epi8(15);
-    const int64_t G = K / g, chunks = K / 8;
+/* Tile t of a q4t or q8t weight into a panel. q4t (quant_cpu.c: byte 4r + j of chunk c holds row r's input
+ * 8c + j low, 8c + 4 + j high): two chunks of the panel from each of the tile's; q8t (byte 4r + j of chunk c:
+ * row r's code of input 4c + j plus 128): the panel's layout already, the codes back to signed bytes */
+static void pack_tile(const int bits, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K,
+                      int64_t t, uint8_t *panel, float *pd, float *pm) {
+    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    const int64_t G = K / g, chunks = bits == 4 ? K / 8 : K / 4;
     const uint8_t *tc = q + t * chunks * 64;
     for (int64_t c = 0; c < chunks; c++)
         for (int half = 0; half < 2; half++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(tc + c * 64 + half * 32));
+            if (bits == 8) {
+                _mm256_storeu_si256((__m256i *)(panel + c * 64 + half * 32), _mm256_xor_si256(v, flip));
+                continue;
+            }
             _mm256_storeu_si256((__m256i *)(panel + 2 * c * 64 + half * 32), _mm256_and_si256(v, low));
             _mm256_storeu_si256((__m256i *)(panel + (2 * c + 1) * 64 + half * 32),
                                 _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
@@ -125,7 +137,7 @@ static void pack_tile(const uint8_t *q, const uint16_t *d, const uint16_t *mn, i
  * compiler keeps some fp32 sums on the stack, touched once a block). Four rows at a time: the panel's loads and
  * its scales shared by more rows; measured beside three and two (AMD EPYC Zen 3, 2 threads, the default model's
  * shapes): 1.0-1.15x their rate, within this machine's noise for some shapes. */
-INLINE void panel_rows(const int mr, const uint8_t *panel, const float *pd, const float *pm, int64_t K, int64_t gb,
+INLINE void panel_rows(const int bits, const int mr, const uint8_t *panel, const float *pd, const float *pm, int64_t K, int64_t gb,
                        const int8_t *xq, const float *sx, const float *xs, float *o) {
     const int64_t B = K / BLOCK;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -138,12 +150,20 @@ INLINE void panel_rows(const int mr, const uint8_t *panel, const float *pd, cons
         for (int c = 0; c < 8; c++) {
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(pb + c * 64));
             const __m256i w1 = _mm256_loadu_si256((const __m256i *)(pb + c * 64 + 32));
+            const __m256i a0 = bits == 4 ? w0 : _mm256_abs_epi8(w0), a1 = bits == 4 ? w1 : _mm256_abs_epi8(w1);
             for (int i = 0; i < mr; i++) {
                 int32_t four;
                 memcpy(&four, xq + i * K + b * BLOCK + 4 * c, 4);
                 const __m256i xb = _mm256_set1_epi32(four);
-                s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(w0, xb));
-                s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(w1, xb));
+                if (bits == 4) {
+                    s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(w0, xb));
+                    s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(w1, xb));
+                } else {  /* |w| x (x signed as w): pairs of at most 2 x 128 x 127, summed in 32 bits at once */
+                    s[i][0] = _mm256_add_epi32(s[i][0],
+                                               _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones));
+                    s[i][1] = _mm256_add_epi32(s[i][1],
+                                               _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones));
+                }
             }
         }
         const float *db = pd + b / gb * PANEL_ROWS, *mb = pm + b / gb * PANEL_ROWS;
@@ -151,10 +171,10 @@ INLINE void panel_rows(const int mr, const uint8_t *panel, const float *pd, cons
         const __m256 m0 = _mm256_loadu_ps(mb), m1 = _mm256_loadu_ps(mb + 8);
         for (int i = 0; i < mr; i++) {
             const __m256 scale = _mm256_set1_ps(sx[i * B + b]), sum = _mm256_set1_ps(xs[i * B + b]);
-            f[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[i][0], ones)), _mm256_mul_ps(d0, scale),
-                                      _mm256_fmadd_ps(m0, sum, f[i][0]));
-            f[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[i][1], ones)), _mm256_mul_ps(d1, scale),
-                                      _mm256_fmadd_ps(m1, sum, f[i][1]));
+            const __m256i s0 = bits == 4 ? _mm256_madd_epi16(s[i][0], ones) : s[i][0];
+            const __m256i s1 = bits == 4 ? _mm256_madd_epi16(s[i][1], ones) : s[i][1];
+            f[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, scale), _mm256_fmadd_ps(m0, sum, f[i][0]));
+            f[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, scale), _mm256_fmadd_ps(m1, sum, f[i][1]));
         }
     }
     for (int i = 0; i < mr; i++) {
@@ -164,19 +184,32 @@ INLINE void panel_rows(const int mr, const uint8_t *panel, const float *pd, cons
 }
 
 #define MR 4
+
+/* panel_rows for each width of codes and each count of rows, each inlined with its constants */
+#define ROWS_OF(name, bits)                                                                                       \
+    static void name(int mr, const uint8_t *panel, const float *pd, const float *pm, int64_t K, int64_t gb,     \
+                     const int8_t *xq, const float *sx, const float *xs, float *o) {                            \
+        if (mr == 4) panel_rows(bits, 4, panel, pd, pm, K, gb, xq, sx, xs, o);                                 \
+        else if (mr == 3) panel_rows(bits, 3, panel, pd, pm, K, gb, xq, sx, xs, o);                            \
+        else if (mr == 2) panel_rows(bits, 2, panel, pd, pm, K, gb, xq, sx, xs, o);                            \
+        else panel_rows(bits, 1, panel, pd, pm, K, gb, xq, sx, xs, o);                                         \
+    }
+ROWS_OF(rows_of_4bit, 4)
+ROWS_OF(rows_of_8bit, 8)
 #endif
 
-/* Bytes of scratch tkv_q4_gemm takes for M rows of K inputs with groups of g, `threads` threads */
+/* Bytes of scratch tkv_quant_gemm takes for M rows of K inputs with groups of g, `threads` threads */
 static size_t gemm_bytes(int64_t M, int64_t K, int64_t g, int threads, size_t *panel_bytes) {
     *panel_bytes = ((size_t)K * PANEL_ROWS + 2 * (size_t)(K / g) * PANEL_ROWS * sizeof(float) + 63) & ~(size_t)63;
     return tkv_int8_blocks_bytes(M, K) + (size_t)threads * *panel_bytes;
 }
 
-/* out [M, N] = x [M, K] @ W^T (+ bias) for a q4 weight (tiled: q4t tiles, else row-major), groups of g inputs
- * (a multiple of 32), on int8 activation blocks. Returns 0; -1 without AVX2, when the shapes do not fit (K or g
- * not whole blocks of 32, a tiled N not whole tiles) or scratch memory cannot be had. */
-int tkv_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, int tiled, const uint16_t *d,
-                const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
+/* out [M, N] = x [M, K] @ W^T (+ bias) for a q4 (bits 4) or q8 (bits 8) weight (tiled: q4t / q8t tiles, else
+ * row-major), groups of g inputs (a multiple of 32), offsets mn or NULL, on int8 activation blocks. Returns 0; -1
+ * without AVX2, when the shapes do not fit (K or g not whole blocks of 32, a tiled N not whole tiles) or scratch
+ * memory cannot be had. */
+int tkv_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, int bits, int tiled, const uint16_t *d,
+                   const uint16_t *mn, int64_t g, int64_t N, const float *bias, float *out) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if (K % BLOCK || g % BLOCK || K % g || M < 1 || (tiled && N % PANEL_ROWS)) return -1;
 #ifdef _OPENMP
@@ -203,23 +236,19 @@ int tkv_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, int tile
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             if (tiled)
-                pack_tile(q, d, mn, g, K, t, panel, pd, pm);
+                pack_tile(bits, q, d, mn, g, K, t, panel, pd, pm);
             else
-                pack_rows(q, d, mn, g, N, K, t * PANEL_ROWS, panel, pd, pm);
+                pack_rows(bits, q, d, mn, g, N, K, t * PANEL_ROWS, panel, pd, pm);
             const int rows = N - t * PANEL_ROWS < PANEL_ROWS ? (int)(N - t * PANEL_ROWS) : PANEL_ROWS;
             float o[MR * PANEL_ROWS];
             for (int64_t i = 0; i < M; i += MR) {
                 const int mr = M - i < MR ? (int)(M - i) : MR;
                 const int8_t *xq = a.xq + i * K;
                 const float *sx = a.sx + i * B, *xs = a.xs + i * B;
-                if (mr == 4)
-                    panel_rows(4, panel, pd, pm, K, g / BLOCK, xq, sx, xs, o);
-                else if (mr == 3)
-                    panel_rows(3, panel, pd, pm, K, g / BLOCK, xq, sx, xs, o);
-                else if (mr == 2)
-                    panel_rows(2, panel, pd, pm, K, g / BLOCK, xq, sx, xs, o);
+                if (bits == 4)
+                    rows_of_4bit(mr, panel, pd, pm, K, g / BLOCK, xq, sx, xs, o);
                 else
-                    panel_rows(1, panel, pd, pm, K, g / BLOCK, xq, sx, xs, o);
+                    rows_of_8bit(mr, panel, pd, pm, K, g / BLOCK, xq, sx, xs, o);
                 for (int j = 0; j < mr; j++)
                     for (int r = 0; r < rows; r++)
                         out[(i + j) * N + t * PANEL_ROWS + r] = o[j * PANEL_ROWS + r] + (bias ? bias[t * PANEL_ROWS + r] : 0.f);
@@ -228,7 +257,7 @@ int tkv_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, int tile
     }
     return 0;
 #else
-    (void)x; (void)M; (void)K; (void)q; (void)tiled; (void)d; (void)mn; (void)g; (void)N; (void)bias; (void)out;
+    (void)x; (void)M; (void)K; (void)q; (void)bits; (void)tiled; (void)d; (void)mn; (void)g; (void)N; (void)bias; (void)out;
     (void)gemm_bytes;
     return -1;
 #endif

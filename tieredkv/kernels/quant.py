@@ -17,10 +17,11 @@ scales in tiles of 16 output rows that one vpdpbusd multiplies together, the act
 
 `quant_linear` calls a torch library op (tieredkv::quant_linear, declared in kernels/ops.py), so the compiled
 decode graph calls it like any library product. On CPU it runs quant_cpu.c's kernels for up to `kernel_rows`
-rows (decode steps: int16 activation rows). Above that (prefill, where the product's arithmetic dominates) 4-bit
-weights multiply on int8 (gemm_cpu.c: the activations as int8 blocks of 32, vpmaddubsw across 16 output rows;
-AVX2) unless the weight's `many_int8` is off (EngineConfig.int8_activations=False), and everything else is
-dequantized into fp32 and run through the fp32 product. On CUDA it runs triton_ops.quant_linear (the weight dequantized tile by tile in
+rows (decode steps: int16 activation rows). Above that (prefill, where the product's arithmetic dominates) q4
+and q8 weights in groups of 32 or more multiply on int8 (gemm_cpu.c: the activations as int8 blocks of 32,
+vpmaddubsw across 16 output rows; AVX2) where the weight's `many_int8` is on (EngineConfig.int8_activations, and
+by default a measurement: int8_many_rows_win), and everything else is dequantized into fp32 and run through the
+fp32 product. On CUDA it runs triton_ops.quant_linear (the weight dequantized tile by tile in
 registers, the product on the tensor cores in the activations' dtype). Without a C compiler, or without
 Triton on CUDA, it runs the reference: dequantize, then F.linear.
 """
@@ -353,9 +354,10 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias, many_int8=True):
         out = torch.empty(m, n)
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
-        if CPU.lib.tkv_q4_gemm(x2.data_ptr(), m, k, codes.data_ptr(), int(codes.dim() == 3), scales.data_ptr(),
-                               offsets.data_ptr(), group_size, n, None if bias is None else bias.data_ptr(),
-                               out.data_ptr()) != 0:
+        if CPU.lib.tkv_quant_gemm(x2.data_ptr(), m, k, codes.data_ptr(), 8 if _is_q8(codes) else 4,
+                                  int(codes.dim() == 3), scales.data_ptr(),
+                                  None if offsets is None else offsets.data_ptr(), group_size, n,
+                                  None if bias is None else bias.data_ptr(), out.data_ptr()) != 0:
             raise MemoryError("quantized linear: no memory for the activations' int8 blocks")
     else:
         out = _dequantized_linear(x2, codes, scales, offsets, group_size, bias)
@@ -371,9 +373,9 @@ def kernel_rows(codes: torch.Tensor) -> int:
 
 
 def many_rows_int8(codes: torch.Tensor, group_size: int) -> bool:
-    """True where more than kernel_rows rows on weights in `codes`' format run on int8 arithmetic (gemm_cpu.c:
-    q4 and q4t codes, groups whole blocks of 32, a build with AVX2), rather than dequantized into fp32."""
-    return CPU.q4_gemm and not _is_q8(codes) and not codes.is_cuda and group_size % 32 == 0
+    """True where more than kernel_rows rows on weights in `codes`' format can run on int8 arithmetic (gemm_cpu.c:
+    q4, q8 and their tiles, groups whole blocks of 32, a build with AVX2), rather than dequantized into fp32."""
+    return CPU.int8_gemm and not codes.is_cuda and group_size % 32 == 0 and _in_features(codes) % 32 == 0
 
 
 MEASURE_ROWS = 256  # the many-row products' measurement: a prefill chunk's rows
@@ -381,7 +383,7 @@ INT8_MARGIN = 1.1  # int8 blocks serve only where the fp32 product takes 1.1x th
 
 
 def int8_many_rows_win(weights: list["QuantizedWeight"], cache_dir: Path | None = None) -> bool:
-    """Whether products of many rows on these weights (one layer's 4-bit ones) are clearly faster on int8 blocks
+    """Whether products of many rows on these weights (one layer's quantized ones) are clearly faster on int8 blocks
     than dequantized into the fp32 product, on this processor. The int8 kernel is 256-bit AVX2 code, where fp32
     products use every width the processor has (AVX-512 doubles their rate), so which wins is measured: once per
     processor, torch build, thread count and layer shapes, MEASURE_ROWS rows through each layer's weight both ways,

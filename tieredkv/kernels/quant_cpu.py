@@ -55,8 +55,8 @@ _SIGNATURES = {
     "tkv_q8t_gemv": ([_P, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
     "tkv_q8t_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "tkv_tiles_native": ([], ctypes.c_int),
-    "tkv_q4_gemm": ([_P, _I, _I, _P, ctypes.c_int, _P, _P, _I, _I, _P, _P], ctypes.c_int),
-    "tkv_q4_gemm_native": ([], ctypes.c_int),
+    "tkv_quant_gemm": ([_P, _I, _I, _P, ctypes.c_int, ctypes.c_int, _P, _P, _I, _I, _P, _P], ctypes.c_int),
+    "tkv_quant_gemm_native": ([], ctypes.c_int),
     "tkv_paged_decode": ([_P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _I, _P, _I, _P, ctypes.c_float, _P],
                          ctypes.c_int),
     "tkv_kv_rows": ([_P, ctypes.c_int, _I, _I, _I, _P], None),
@@ -201,15 +201,15 @@ GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 ro
 class CpuLibrary:
     """The CPU kernels this process serves with: `lib`, the loaded build of quant_cpu.c (None: torch's reference
     serves); `bound`, the build whose kernels the C++ operators of torch.ops.tieredkv run (quant_ops.cpp);
-    `q4_rows`, the most rows the loaded build's q4 kernels take (kernels/quant.py kernel_rows); `q4_gemm`, whether
-    more rows on q4 weights can multiply on int8 (gemm_cpu.c: a build with AVX2). One a process
+    `q4_rows`, the most rows the loaded build's q4 kernels take (kernels/quant.py kernel_rows); `int8_gemm`, whether
+    more rows on q4 and q8 weights can multiply on int8 (gemm_cpu.c: a build with AVX2). One a process
     (`CPU`): a loaded library and torch's operator registry are the process's."""
 
     def __init__(self) -> None:
         self.lib: ctypes.CDLL | None = None
         self.bound: ctypes.CDLL | None = None
         self.q4_rows = GEMV_MAX_ROWS
-        self.q4_gemm = False  # more rows on q4 weights run gemm_cpu.c's int8 products (kernels/quant.py)
+        self.int8_gemm = False  # more rows on q4/q8 weights can run gemm_cpu.c's int8 products (kernels/quant.py)
         self.operators: ctypes.CDLL | None = None  # quant_ops.cpp's library, loaded once (it registers the ops)
         self.operators_error: str | None = None  # why it could not be had (then never tried again)
 
@@ -239,7 +239,7 @@ class CpuLibrary:
         C++ operators to it where they can be built."""
         self.lib = lib
         self.q4_rows = GEMV_MAX_ROWS if lib is None else lib.tkv_q4_max_rows()
-        self.q4_gemm = lib is not None and bool(lib.tkv_q4_gemm_native())
+        self.int8_gemm = lib is not None and bool(lib.tkv_quant_gemm_native())
         if lib is None or self.bound is lib or not operators:
             return
         self.bound = lib if self._bind(cache_dir, lib) else None
