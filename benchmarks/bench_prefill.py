@@ -5,7 +5,7 @@ prefill rate of each format against it, and a mixed batch of many streams.
 
   roofline   the products' peak here, 2 threads, large shapes (2048 x 2048 x 2048 and the default model's 512-row
              ones): fp32 and bf16 through oneDNN (bf16 where oneDNN's bf16 product checks out on this torch), int8
-             x q4 on the project's many-row kernel (gemm_cpu.c; ops counted as 2 x M x N x K like the others)
+             x q4 and int8 x q8 on the project's many-row kernel (gemm_cpu.c; ops counted as 2 x M x N x K)
   prefill    one 512-token prompt (prefix caching off), whole, 1 new token: prompt tok/s, best of the rounds, and
              as a fraction of its arithmetic's peak (2 x the dense layers' weights a token, attention excluded)
   mixed 32   (--mixed) 32 requests at once, prompts of 64-512 tokens, 16-128 new tokens (bench_engine.py's):
@@ -58,7 +58,7 @@ def roofline() -> dict:
     """GFLOP/s of the products on this processor (2 x M x N x K a call), best of five, per shape and the best."""
     from tieredkv.cache_dir import default_cache_dir
     from tieredkv.kernels.linear import onednn_linear, onednn_linear_usable, pack_onednn_weight
-    from tieredkv.kernels.quant import many_rows_int8, quant_linear, quantize_int4
+    from tieredkv.kernels.quant import many_rows_int8, quant_linear, quantize_int4, quantize_int8
     from tieredkv.kernels.quant_cpu import CPU
 
     CPU.use(default_cache_dir())
@@ -74,11 +74,11 @@ def roofline() -> dict:
         if onednn_linear_usable(torch.bfloat16):
             xb, wb = x.bfloat16(), w.bfloat16()
             row["bf16"] = flops / best_seconds(lambda: onednn_linear(xb, wb))
-        qw = quantize_int4(w, 32)
-        if many_rows_int8(qw.codes, qw.group_size):
-            row["int8 x q4"] = flops / best_seconds(lambda: quant_linear(x, qw))
+        for key, qw in (("int8 x q4", quantize_int4(w, 32)), ("int8 x q8", quantize_int8(w))):
+            if many_rows_int8(qw.codes, qw.group_size):
+                row[key] = flops / best_seconds(lambda: quant_linear(x, qw))
         out[f"{m}x{k}x{n}"] = {key: round(v, 1) for key, v in row.items()}
-    out["peak"] = {key: max(r[key] for r in out.values() if key in r) for key in ("fp32", "bf16", "int8 x q4")
+    out["peak"] = {key: max(r[key] for r in out.values() if key in r) for key in ("fp32", "bf16", "int8 x q4", "int8 x q8")
                    if any(key in r for r in out.values())}
     return out
 
@@ -117,7 +117,7 @@ def mixed_workload(vocab: int) -> tuple[list[list[int]], list[int]]:
 def peak_for(name: str, core: EngineCore, peaks: dict) -> float | None:
     arithmetic = " ".join(core.model.dense_arithmetic().values())
     if "int8 blocks" in arithmetic and "fp32 products" not in name:
-        return peaks.get("int8 x q4") if "q4" in arithmetic else None
+        return peaks.get("int8 x q4" if "x q4 (AVX2)" in arithmetic else "int8 x q8")
     return peaks.get("bf16" if name == "bf16" and "widened" not in arithmetic else "fp32")
 
 

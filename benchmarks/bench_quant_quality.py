@@ -58,6 +58,7 @@ VARIANTS = {
     "int4 g64": {"quantization": "int4", "quantization_group_size": 64},
     "int4 g32 sym": {"quantization": "int4", "quantization_symmetric": True},
     "gguf Q4_1": {"quantization": "gguf"},
+    "int8, never int8 activations": {"quantization": "int8", "int8_activations": False},
     "int4 g32, never int8 activations": {"quantization": "int4", "int8_activations": False},
     "gguf Q4_1, never int8 activations": {"quantization": "gguf", "int8_activations": False},
     "int8, int8 activations": {"quantization": "int8", "int8_activations": True},
