@@ -78,7 +78,8 @@ def roofline() -> dict:
             if many_rows_int8(qw.codes, qw.group_size):
                 row[key] = flops / best_seconds(lambda: quant_linear(x, qw))
         out[f"{m}x{k}x{n}"] = {key: round(v, 1) for key, v in row.items()}
-    out["peak"] = {key: max(r[key] for r in out.values() if key in r) for key in ("fp32", "bf16", "int8 x q4", "int8 x q8")
+    keys = ("fp32", "bf16", "int8 x q4", "int8 x q8")
+    out["peak"] = {key: max(r[key] for r in out.values() if key in r) for key in keys
                    if any(key in r for r in out.values())}
     return out
 

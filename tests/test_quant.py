@@ -745,8 +745,8 @@ def test_quantized_op_on_cuda_runs_the_triton_kernel_within_bf16_tolerance(fmt, 
 def test_many_rows_dequantize_a_large_weight_in_tiles(lib, fmt, monkeypatch):
     """Above kernel_rows a weight larger than DEQUANT_TILE_BYTES of fp32 (an LM head) that does not multiply on
     int8 (groups of 16, as these K types are held; any weight without AVX2: test_many_rows_on_4bit_weights_...)
-    is dequantized and multiplied a tile of rows at a time (here tiles of 16 rows over 37: two whole and a ragged one), bias included, with the same
-    result as the whole weight at once."""
+    is dequantized and multiplied a tile of rows at a time (here tiles of 16 rows over 37: two whole and a ragged
+    one), bias included, with the same result as the whole weight at once."""
     qw = weights(fmt, 37, 256)
     monkeypatch.setattr(quant, "DEQUANT_TILE_BYTES", 16 * 256 * 4)
     calls = []

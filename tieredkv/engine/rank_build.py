@@ -47,8 +47,8 @@ def weights_label(model: LlamaModel, dtype: torch.dtype) -> str:
 
 def many_rows_arithmetic(model: LlamaModel, setting: bool | None, cache_dir: Path) -> None:
     """Whether products of many rows on the model's quantized weights take int8 activation blocks (where the
-    kernels can: q4 and q8 in groups of 32 or more, AVX2): with EngineConfig.int8_activations True, yes; False, no; None (the default)
-    where that is clearly faster on this processor than the fp32 product (quant.int8_many_rows_win, measured once
+    kernels can: q4 and q8 in groups of 32 or more, AVX2): with EngineConfig.int8_activations True, yes; False,
+    no; None (the default) where that is clearly faster on this processor than the fp32 product (quant.int8_many_rows_win, measured once
     per processor on the first layer's shapes)."""
     weights = [w for w in model.modules() if isinstance(w, QuantizedWeight)]
     layer = [w for w in model.layers[0].modules() if isinstance(w, QuantizedWeight) and
@@ -57,8 +57,8 @@ def many_rows_arithmetic(model: LlamaModel, setting: bool | None, cache_dir: Pat
     for w in weights:
         w.many_int8 = use
     if layer and setting is None:
-        log.info("products of many rows on quantized weights: %s", "int8 activation blocks (measured faster here)" if use
-                 else "the fp32 product (int8 blocks not clearly faster on this processor)")
+        log.info("products of many rows on quantized weights: %s", "int8 activation blocks (measured faster here)"
+                 if use else "the fp32 product (int8 blocks not clearly faster on this processor)")
 
 
 def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, kv: KVLayout,

@@ -137,7 +137,8 @@ static void pack_tile(const int bits, const uint8_t *q, const uint16_t *d, const
  * compiler keeps some fp32 sums on the stack, touched once a block). Four rows at a time: the panel's loads and
  * its scales shared by more rows; measured beside three and two (AMD EPYC Zen 3, 2 threads, the default model's
  * shapes): 1.0-1.15x their rate, within this machine's noise for some shapes. */
-INLINE void panel_rows(const int bits, const int mr, const uint8_t *panel, const float *pd, const float *pm, int64_t K, int64_t gb,
+INLINE void panel_rows(const int bits, const int mr, const uint8_t *panel, const float *pd, const float *pm, int64_t K,
+                       int64_t gb,
                        const int8_t *xq, const float *sx, const float *xs, float *o) {
     const int64_t B = K / BLOCK;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -159,10 +160,10 @@ INLINE void panel_rows(const int bits, const int mr, const uint8_t *panel, const
                     s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(w0, xb));
                     s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(w1, xb));
                 } else {  /* |w| x (x signed as w): pairs of at most 2 x 128 x 127, summed in 32 bits at once */
-                    s[i][0] = _mm256_add_epi32(s[i][0],
-                                               _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones));
-                    s[i][1] = _mm256_add_epi32(s[i][1],
-                                               _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones));
+                    const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
+                    const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
+                    s[i][0] = _mm256_add_epi32(s[i][0], _mm256_madd_epi16(p0, ones));
+                    s[i][1] = _mm256_add_epi32(s[i][1], _mm256_madd_epi16(p1, ones));
                 }
             }
         }

@@ -33,13 +33,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tieredkv.config import INT4_GROUP_SIZES
 from tieredkv.errors import CheckpointError
 from tieredkv.kernels.dense import DenseWeight
-from tieredkv.kernels.linear import fp32_linear, tiled_product
+from tieredkv.kernels.linear import cached_measurement, tiled_product
 from tieredkv.kernels.ops import implement
 from tieredkv.kernels.quant_cpu import CPU, GEMV_MAX_ROWS
 
@@ -388,8 +387,6 @@ def int8_many_rows_win(weights: list["QuantizedWeight"], cache_dir: Path | None 
     products use every width the processor has (AVX-512 doubles their rate), so which wins is measured: once per
     processor, torch build, thread count and layer shapes, MEASURE_ROWS rows through each layer's weight both ways,
     best of three; kept in `cache_dir`'s kernels/many-rows.json. The int8 blocks must win by INT8_MARGIN."""
-    from tieredkv.kernels.linear import cached_measurement
-
     shapes = sorted({(w.out_features, w.in_features, w.group_size, w.fmt) for w in weights})
     known = cached_measurement("many-rows", (shapes, torch.get_num_threads()), lambda: _measure_many_rows(weights),
                                cache_dir)
@@ -425,7 +422,7 @@ def as_int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 def arithmetic(qw: "QuantizedWeight") -> str:
     """What a quantized weight's products multiply on this process's kernels, for stats() and the start-up line:
-    "int16 x q4 to 32 rows, int8 x q4 above (AVX2)"."""
+    "int16 rows x q4 to 16 rows, int8 blocks x q4 (AVX2) above"."""
     if qw.codes.is_cuda:
         return "activations' dtype x dequantized tiles (Triton)" if _triton_quant_linear() else "dequantized, F.linear"
     if CPU.lib is None or not _kernel_fits(qw.codes, qw.group_size):
