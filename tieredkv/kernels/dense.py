@@ -50,8 +50,8 @@ class DenseWeight(nn.Module):
 
     @property
     def arithmetic(self) -> str:
-        """What its products multiply on (stats()'s `dense_arithmetic`): full-precision weights in their dtype."""
-        return self.label.removesuffix(" packed")
+        """What its products multiply on (stats()'s `dense_arithmetic`)."""
+        raise NotImplementedError
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +130,10 @@ class PackedWeight(DenseWeight):
     @property
     def label(self) -> str:
         return f"{_dtype_name(self.packed.dtype)} packed"
+
+    @property
+    def arithmetic(self) -> str:
+        return _dtype_name(self.packed.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -328,10 +328,10 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias, many_int8=True):
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
     m = x2.shape[0]
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()  # (the C kernels read it as fp32 [N])
     if m <= kernel_rows(codes) and _kernel_fits(codes, group_size):
         out = torch.empty(m, n)
-        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-            bias = bias.float().contiguous()
         b = None if bias is None else bias.data_ptr()
         xp, qp, sp, op = x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr()
         zp = None if offsets is None else offsets.data_ptr()
@@ -351,8 +351,6 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias, many_int8=True):
             raise MemoryError("quantized linear: no memory for the activations' integer copy")
     elif many_int8 and many_rows_int8(codes, group_size):
         out = torch.empty(m, n)
-        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-            bias = bias.float().contiguous()
         if CPU.lib.tkv_quant_gemm(x2.data_ptr(), m, k, codes.data_ptr(), 8 if _is_q8(codes) else 4,
                                   int(codes.dim() == 3), scales.data_ptr(),
                                   None if offsets is None else offsets.data_ptr(), group_size, n,
