@@ -48,8 +48,8 @@ def weights_label(model: LlamaModel, dtype: torch.dtype) -> str:
 def many_rows_arithmetic(model: LlamaModel, setting: bool | None, cache_dir: Path) -> None:
     """Whether products of many rows on the model's quantized weights take int8 activation blocks (where the
     kernels can: q4 and q8 in groups of 32 or more, AVX2): with EngineConfig.int8_activations True, yes; False,
-    no; None (the default) where that is clearly faster on this processor than the fp32 product (quant.int8_many_rows_win, measured once
-    per processor on the first layer's shapes)."""
+    no; None (the default) where that is clearly faster on this processor than the fp32 product
+    (quant.int8_many_rows_win, measured once per processor on the first layer's shapes)."""
     weights = [w for w in model.modules() if isinstance(w, QuantizedWeight)]
     layer = [w for w in model.layers[0].modules() if isinstance(w, QuantizedWeight) and
              many_rows_int8(w.codes, w.group_size)]

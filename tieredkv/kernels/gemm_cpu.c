@@ -174,8 +174,10 @@ INLINE void panel_rows(const int bits, const int mr, const uint8_t *panel, const
             const __m256 scale = _mm256_set1_ps(sx[i * B + b]), sum = _mm256_set1_ps(xs[i * B + b]);
             const __m256i s0 = bits == 4 ? _mm256_madd_epi16(s[i][0], ones) : s[i][0];
             const __m256i s1 = bits == 4 ? _mm256_madd_epi16(s[i][1], ones) : s[i][1];
-            f[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, scale), _mm256_fmadd_ps(m0, sum, f[i][0]));
-            f[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, scale), _mm256_fmadd_ps(m1, sum, f[i][1]));
+            f[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, scale),
+                                      _mm256_fmadd_ps(m0, sum, f[i][0]));
+            f[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, scale),
+                                      _mm256_fmadd_ps(m1, sum, f[i][1]));
         }
     }
     for (int i = 0; i < mr; i++) {
@@ -241,6 +243,7 @@ int tkv_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, int b
             else
                 pack_rows(bits, q, d, mn, g, N, K, t * PANEL_ROWS, panel, pd, pm);
             const int rows = N - t * PANEL_ROWS < PANEL_ROWS ? (int)(N - t * PANEL_ROWS) : PANEL_ROWS;
+            const float *tb = bias ? bias + t * PANEL_ROWS : NULL;
             float o[MR * PANEL_ROWS];
             for (int64_t i = 0; i < M; i += MR) {
                 const int mr = M - i < MR ? (int)(M - i) : MR;
@@ -252,13 +255,14 @@ int tkv_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, int b
                     rows_of_8bit(mr, panel, pd, pm, K, g / BLOCK, xq, sx, xs, o);
                 for (int j = 0; j < mr; j++)
                     for (int r = 0; r < rows; r++)
-                        out[(i + j) * N + t * PANEL_ROWS + r] = o[j * PANEL_ROWS + r] + (bias ? bias[t * PANEL_ROWS + r] : 0.f);
+                        out[(i + j) * N + t * PANEL_ROWS + r] = o[j * PANEL_ROWS + r] + (tb ? tb[r] : 0.f);
             }
         }
     }
     return 0;
 #else
-    (void)x; (void)M; (void)K; (void)q; (void)bits; (void)tiled; (void)d; (void)mn; (void)g; (void)N; (void)bias; (void)out;
+    (void)x; (void)M; (void)K; (void)q; (void)bits; (void)tiled; (void)d; (void)mn; (void)g; (void)N; (void)bias;
+    (void)out;
     (void)gemm_bytes;
     return -1;
 #endif
