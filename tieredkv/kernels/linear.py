@@ -265,6 +265,16 @@ def graph_reads_packed(dtype: torch.dtype, shapes: list[tuple[int, int]], cache_
     return known["plain_ms"] > PLAIN_MARGIN * known["packed_ms"]
 
 
+def best_ms(fn, repeats: int) -> float:
+    """The fastest of `repeats` calls of fn(), in milliseconds (the measurements behind a choice of kernels)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def cached_measurement(name: str, what: tuple, measure, cache_dir: Path | None) -> dict:
     """measure() once per processor (model and flags), torch build and `what`, kept in `cache_dir`'s
     kernels/<name>.json (measured again where it cannot be written)."""
@@ -289,13 +299,7 @@ def _measure_layouts(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> dict:
     xs = {k: torch.full((1, k), 0.5, dtype=dtype) for _, k in shapes}
 
     def passes(run, weights) -> float:
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for w in weights:
-                run(xs[w.size(1)], w)
-            best = min(best, time.perf_counter() - t0)
-        return best * 1e3
+        return best_ms(lambda: [run(xs[w.size(1)], w) for w in weights], 5)
 
     with torch.inference_mode():
         return {"plain_ms": passes(F.linear, plain),

@@ -29,7 +29,6 @@ Triton on CUDA, it runs the reference: dequantize, then F.linear.
 from __future__ import annotations
 
 import functools
-import time
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ from torch import nn
 from tieredkv.config import INT4_GROUP_SIZES
 from tieredkv.errors import CheckpointError
 from tieredkv.kernels.dense import DenseWeight
-from tieredkv.kernels.linear import cached_measurement, tiled_product
+from tieredkv.kernels.linear import best_ms, cached_measurement, tiled_product
 from tieredkv.kernels.ops import implement
 from tieredkv.kernels.quant_cpu import CPU, GEMV_MAX_ROWS
 
@@ -396,13 +395,8 @@ def _measure_many_rows(weights: list["QuantizedWeight"]) -> dict:
     xs = {w.in_features: torch.full((MEASURE_ROWS, w.in_features), 0.5) for w in one}
 
     def best(many_int8: bool) -> float:
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for w in one:
-                _LINEAR_OP(xs[w.in_features], w.codes, w.scales, w.offsets, w.group_size, None, many_int8)
-            times.append(time.perf_counter() - t0)
-        return min(times) * 1e3
+        return best_ms(lambda: [_LINEAR_OP(xs[w.in_features], w.codes, w.scales, w.offsets, w.group_size, None,
+                                           many_int8) for w in one], 3)
 
     with torch.inference_mode():
         return {"int8_ms": best(True), "fp32_ms": best(False)}
