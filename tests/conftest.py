@@ -52,8 +52,12 @@ if platform.machine() in ("x86_64", "AMD64"):
 
 @pytest.fixture(scope="session")
 def kernel_cache(tmp_path_factory) -> Path:
-    """The session's cache of CPU kernel builds: each is compiled once."""
-    return tmp_path_factory.mktemp("kernels")
+    """The run's cache of CPU kernel builds: each is compiled once, by whichever of the run's workers asks first
+    (the others wait on the build's lock, then load it: the workers' temporary folders share a parent)."""
+    root = tmp_path_factory.getbasetemp()
+    path = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "kernel-builds"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="module", params=list(CPU_KERNEL_BUILDS))
