@@ -79,6 +79,35 @@ def test_native_step_matches_the_eager_forward(request, family, scheme):
         native.close()
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["at start", "in the background"])
+def test_the_native_step_binds_the_operators_the_batched_steps_run(llama_dir, monkeypatch, background):
+    """The native step takes one sequence; the eager forward's batched steps run the C++ operators, which its
+    warm-up binds as the compiled graph's does before its trace (in the background: by the time finish returns):
+    a batch's decode attention goes to the CPU kernel, not torch's reference."""
+    from tieredkv.kernels import decode_attention
+
+    monkeypatch.setattr(CPU, "bound", None)  # as in a fresh process
+    reference = []
+    inner = decode_attention.decode_attention_ref
+    monkeypatch.setattr(decode_attention, "decode_attention_ref",
+                        lambda *a, **k: reference.append(a[0].shape[0]) or inner(*a, **k))
+    core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
+                                   compile_decode=True, compile_in_background=background))
+    try:
+        assert isinstance(core.runner.compiled, NativeDecode)
+        core.runner.compiled.finish()
+        assert CPU.operators_bound
+        reqs = [core.factory.make(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in PROMPTS]
+        for req in reqs:
+            assert core.add_request(req) == []
+        while core.has_work():
+            core.step()
+        assert all(len(r.seqs[0].output_token_ids) == 4 for r in reqs)
+        assert reference == []  # every batched decode step's attention ran the kernel
+    finally:
+        core.close()
+
+
 def test_native_step_takes_only_what_it_can(llama_dir, caplog):
     """Where the step cannot serve, `make` says why and the compiled graph does: a bfloat16 cache, a model that is
     not quantized; where it can, it points at each layer's own K and V caches."""

@@ -230,5 +230,5 @@ def _decode_path(model: LlamaModel, kv_cache: torch.Tensor, ops: KernelOps, cach
                  native: bool = True) -> CompiledDecode | NativeDecode:
     """What serves a step that decodes one sequence: with `native` (EngineConfig.native_decode), the native
     step where it takes the model (quantized weights on CPU: runner/native_decode.py), else the compiled graph."""
-    return (native and NativeDecode.make(model, kv_cache, ops.kv)) or CompiledDecode(model, kv_cache, ops,
-                                                                                     cache_dir / "inductor")
+    return ((native and NativeDecode.make(model, kv_cache, ops.kv, cache_dir))
+            or CompiledDecode(model, kv_cache, ops, cache_dir / "inductor"))

@@ -12,13 +12,17 @@ weights, the norms and each layer's K and V caches; the tensors stay the model's
 step can take it: fp32 activations and cache, one rank, every projection and the LM head quantized in a
 format the kernels read. Else it says why not, and the compiled graph (or the eager forward) serves. It
 offers what the model runner and engine call of CompiledDecode (accepts, run, state, start_background, warmup,
-finish, steps), with nothing to compile.
+finish, steps), with nothing to compile; what its warm-up does is bind the C++ operators (decode attention, the
+quantized one-row products) that the eager forward's steps run, the ones this step does not take (many sequences,
+long chunks), as the compiled graph's warm-up does before its trace.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import threading
+from pathlib import Path
 
 import torch
 
@@ -109,9 +113,12 @@ class NativeDecode:
     """Runs steps that decode one sequence, or verify its drafts (speculative decoding: up to MAX_ROWS rows), through
     decode_cpu.c's tkv_decode_rows."""
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, lib: ctypes.CDLL, kv: KVLayout | None = None):
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, lib: ctypes.CDLL, kv: KVLayout | None = None,
+                 cache_dir: Path | None = None):
         self.lib = lib
         self.steps = 0  # steps this path ran
+        self.cache_dir = cache_dir  # where the C++ operators are built (None: not bound here)
+        self._binding: threading.Thread | None = None
         spec = model.spec
         if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
             raise Unfit(f"the KV cache is not a contiguous tensor on the CPU ({kv_cache.device})")
@@ -154,8 +161,10 @@ class NativeDecode:
             raise Unfit("the kernels do not take a projection's shape or the attention's heads")
 
     @classmethod
-    def make(cls, model: LlamaModel, kv_cache: torch.Tensor, kv: KVLayout | None = None) -> "NativeDecode | None":
-        """The native step for this model and cache, or None (logged, with the reason) where it cannot serve."""
+    def make(cls, model: LlamaModel, kv_cache: torch.Tensor, kv: KVLayout | None = None,
+             cache_dir: Path | None = None) -> "NativeDecode | None":
+        """The native step for this model and cache, or None (logged, with the reason) where it cannot serve;
+        `cache_dir`: the engine's cache, where warmup finds or builds the C++ operators."""
         lib = CPU.lib
         if kv_cache.device.type != "cpu" or model.quantization is None:
             return None
@@ -163,7 +172,7 @@ class NativeDecode:
             log.info("native decode step off: the CPU kernels are not built")
             return None
         try:
-            return cls(model, kv_cache, lib, kv)
+            return cls(model, kv_cache, lib, kv, cache_dir)
         except Unfit as e:
             log.info("native decode step off, the compiled graph serves: %s", e)
             return None
@@ -176,13 +185,23 @@ class NativeDecode:
 
     state = "native"
 
-    def start_background(self) -> None:
-        """Nothing to compile (the kernels were built with the library)."""
+    def warmup(self, ticker: bool = True) -> None:
+        """Nothing to compile (the kernels were built with the library); binds the C++ operators to them for the
+        steps the eager forward serves (without them a batch's decode attention runs torch's reference: ~30% of a
+        mixed batch's step time on the default model's Q4_1 file, AMD EPYC Zen 3). Loaded from the engine's cache,
+        or built there once per torch build (seconds); where they cannot be had, a warning says so."""
+        if self.cache_dir is not None:
+            CPU.bind_operators(self.cache_dir)
 
-    warmup = start_background
+    def start_background(self) -> None:
+        """warmup on a thread of its own, so that no start waits for a first build of the operators."""
+        self._binding = threading.Thread(target=self.warmup, name="tieredkv-operators", daemon=True)
+        self._binding.start()
 
     def finish(self) -> None:
-        """Nothing runs in the background."""
+        """Waits for start_background's thread, if one runs."""
+        if self._binding is not None:
+            self._binding.join()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor | None = None) -> torch.Tensor:
