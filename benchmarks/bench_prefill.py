@@ -1,7 +1,8 @@
 """Compute-bound work per weight format, default model, one sitting: a roofline of this processor's products, the
 prefill rate of each format against it, and a mixed batch of many streams.
 
-    .venv/bin/python benchmarks/bench_prefill.py [--rounds 3] [--mixed] [--formats ...] [--out FILE.json]
+    .venv/bin/python benchmarks/bench_prefill.py [--rounds 3] [--mixed] [--burst] [--formats ...]
+        [--llama-server BIN --gguf F32.gguf Q4_1.gguf] [--out FILE.json]
 
   roofline   the products' peak here, 2 threads, large shapes (2048 x 2048 x 2048 and the default model's 512-row
              ones): fp32 and bf16 through oneDNN (bf16 where oneDNN's bf16 product checks out on this torch), int8
@@ -9,7 +10,10 @@ prefill rate of each format against it, and a mixed batch of many streams.
   prefill    one 512-token prompt (prefix caching off), whole, 1 new token: prompt tok/s, best of the rounds, and
              as a fraction of its arithmetic's peak (2 x the dense layers' weights a token, attention excluded)
   mixed 32   (--mixed) 32 requests at once, prompts of 64-512 tokens, 16-128 new tokens (bench_engine.py's):
-             output tok/s, best of the rounds (not bf16)
+             output tok/s, best of the rounds (not bf16); with --llama-server, llama.cpp's server on each --gguf
+             file (8 slots, its own best, prompts as token ids, nothing cached between rounds) in the same sitting
+  burst      (--burst) 4 system prompts of ~1,000 tokens x 8 conversations at once, 32 new tokens each
+             (bench_burst.py's), prefix caching on, a fresh engine per format and round: output tok/s, best
 Formats: fp32, bf16 (dtype="bfloat16"), int8 and int4 (quantization=...), the default model's own Q4_1 file
 (quantization="gguf"); each quantized one with its default arithmetic (int8_activations=None: int8 blocks past
 the one-row kernels' rows, where the CPU can) and with int8_activations=False (the dequantized fp32 product) in
@@ -19,6 +23,7 @@ the same rounds. Formats alternate within a round, every engine kept; ratios com
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import sys
@@ -114,6 +119,35 @@ def mixed_workload(vocab: int) -> tuple[list[list[int]], list[int]]:
     return prompts, [rng.randint(16, 128) for _ in range(32)]
 
 
+def burst_tok_s(config: dict) -> float:
+    """bench_burst.py's burst on a fresh engine with prefix caching: output tok/s."""
+    from bench_burst import NEW_TOKENS, workload
+
+    core = EngineCore(EngineConfig(warm_bytes=0, compile_in_background=False, max_num_seqs=64, **config))
+    try:
+        convs = workload(core.spec.vocab_size)[1]
+        return NEW_TOKENS * len(convs) / serve(core, [p for _, p in convs], [NEW_TOKENS] * len(convs))
+    finally:
+        core.close()
+
+
+def llama_server_mixed(binary: str, gguf: str, prompts: list[list[int]], new: list[int], rounds: int) -> float:
+    """Output tok/s of the mixed workload through llama.cpp's server on `gguf` (8 slots), best of the rounds."""
+    from llama_server import complete, llama_server
+
+    async def run() -> float:
+        async with llama_server(binary, gguf) as (session, url):
+            await complete(session, url, prompts[0][:64], 4)  # the weights paged in
+            best = 0.0
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                got = await asyncio.gather(*(complete(session, url, p, n) for p, n in zip(prompts, new)))
+                best = max(best, sum(g["tokens_predicted"] for g in got) / (time.perf_counter() - t0))
+            return best
+
+    return asyncio.run(run())
+
+
 def peak_for(name: str, core: EngineCore, peaks: dict) -> float | None:
     arithmetic = " ".join(core.model.dense_arithmetic().values())
     if "int8 blocks" in arithmetic and "fp32 products" not in name:
@@ -141,6 +175,7 @@ def main(args) -> dict:
                 output[name].append(sum(mixed[1]) / serve(cores[name], *mixed))
         print(f"round {r + 1}: " + ", ".join(f"{n} {prefill[n][-1]:.0f}" for n in order), flush=True)
     peaks = results["roofline_gflops"]["peak"]
+    results["rounds"] = {"prefill": prefill, "mixed": output if args.mixed else None}
     table = {}
     for name, core in cores.items():
         rate = max(prefill[name])
@@ -153,8 +188,25 @@ def main(args) -> dict:
             table[name]["mixed32_out_tok_s"] = round(max(output[name]), 1)
             table[name]["mixed32_vs_fp32"] = round(max(output[name]) / max(output["fp32"]), 3)
         print(f"{name:22s} {json.dumps(table[name])}", flush=True)
+    if args.burst:
+        burst = {name: [] for name in cores}
+        for r in range(args.rounds):
+            for name in (list(cores) if r % 2 == 0 else list(reversed(cores))):
+                burst[name].append(burst_tok_s(FORMATS[name]))
+        for name in cores:
+            table[name]["burst_out_tok_s"] = round(max(burst[name]), 1)
+            table[name]["burst_vs_fp32"] = round(max(burst[name]) / max(burst["fp32"]), 3)
+            print(f"burst {name:16s} {max(burst[name]):.1f} out tok/s ({table[name]['burst_vs_fp32']:.2f}x fp32)")
+        results["rounds"]["burst"] = burst
+    if args.mixed and args.llama_server:
+        results["llama_server_mixed32"] = {}
+        for gguf in args.gguf:
+            rate = llama_server_mixed(args.llama_server, gguf, *mixed, args.rounds)
+            results["llama_server_mixed32"][Path(gguf).name] = round(rate, 1)
+            print(f"llama-server {Path(gguf).name}: mixed 32 {rate:.1f} out tok/s; the engine's fp32 "
+                  f"{max(output['fp32']) / rate:.2f}x it" + "".join(
+                      f", {n} {max(output[n]) / rate:.2f}x" for n in cores if n != "fp32" and output[n]))
     results["formats"] = table
-    results["rounds"] = {"prefill": prefill, "mixed": output if args.mixed else None}
     for core in cores.values():
         core.close()
     return results
@@ -164,6 +216,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mixed", action="store_true", help="the mixed 32 workload too")
+    parser.add_argument("--burst", action="store_true", help="the burst on shared system prompts too")
+    parser.add_argument("--llama-server", help="with --mixed: llama.cpp's llama-server, run on each --gguf")
+    parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-server (F32, the Q4_1 file)")
     parser.add_argument("--formats", nargs="*", choices=list(FORMATS), help="these formats only (fp32 always)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

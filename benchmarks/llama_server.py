@@ -37,3 +37,11 @@ async def llama_server(binary: str, gguf: str, *flags: str, context: int = 8 * 2
     finally:
         proc.terminate()
         proc.wait()
+
+
+async def complete(session, url: str, prompt: list[int], n: int, **body) -> dict:
+    """One /completion of `n` new tokens on a prompt of token ids, greedy, EOS ignored, nothing kept from an earlier
+    request (cache_prompt off unless `body` says otherwise): the server's answer (tokens_predicted, timings)."""
+    body = {"prompt": prompt, "n_predict": n, "ignore_eos": True, "temperature": 0.0, "cache_prompt": False, **body}
+    async with session.post(f"{url}/completion", json=body) as r:
+        return await r.json()
