@@ -179,6 +179,33 @@ static float q4_row_c(const uint8_t *qr, const int16_t *x, const uint16_t *dr, c
 
 /* Rows [n, n + rows) of the output for activation rows [m, m + mt), mt 1 or 2 (inlined with a constant mt, so
  * the one-row case does half the multiplies). */
+/* The one-row products ask for the codes of the row AHEAD_ROWS past the one they start: the hardware
+ * prefetcher alone left their loads waiting on memory. Measured on an AMD EPYC (Zen 5, 2 threads): the default
+ * model's int4 layers over 30 distinct layers, cold, 1.73 -> 1.36 ms (median of 12 rounds alternated; 4 rows
+ * ahead 1.55, 12 rows 1.34; asking for the scales too gave nothing more); batch-1 decode in the engine, the two
+ * builds bound in turn: int4 0.91x the time, int8 0.84x, the Q4_1 file 0.86x. (The same on the fp32 and bf16
+ * packed blocks there, 16-64 inputs ahead: within the noise, 0.95-1.08x; on an Intel Xeon the bf16 blocks gained:
+ * BF16_AHEAD.) On that Xeon (KVM guest) these rows' reads from memory did not gain from any distance (2-48 rows)
+ * or cache level asked for. */
+#define AHEAD_ROWS 8
+INLINE void ahead(const void *row, int64_t bytes) {
+#ifdef TKV_AVX2
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
+#else
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)row + o);
+#endif
+}
+
+/* The multi-row blocks' weight rows AHEAD_ROWS past block n (N: the weight's rows), asked for before block n is
+ * multiplied by every activation row: as for the one-row products, the hardware prefetcher alone leaves the loads of
+ * four interleaved rows waiting on memory. Measured on an AMD EPYC (Zen 3, 2 threads), the default model's Q4_1
+ * file, the two builds alternated in one process (medians of 12): the Q8_0 LM head 0.89x the time at 2 rows, 0.93x
+ * at 5, 0.89x at 9; the 120 layer products 0.93x at 2 rows, 0.95x at 5, 1.00x at 9 (the arithmetic's share grows). */
+INLINE void block_ahead(const void *q, int64_t row_bytes, int64_t n, int64_t N) {
+    for (int r = 0; r < RB && n + AHEAD_ROWS + r < N; r++)
+        ahead((const char *)q + (n + AHEAD_ROWS + r) * row_bytes, row_bytes);
+}
+
 INLINE void q8_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
                      const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, int64_t n,
                      int rows, const float *bias, float *out) {
@@ -449,6 +476,7 @@ int tkv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const u
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n += RB) {
         int rows = N - n < RB ? (int)(N - n) : RB;
+        block_ahead(q, K, n, N);
         int64_t m = 0;
         for (; m + 2 <= M; m += 2) q8_block(xq, sx, xsum, m, 2, K, q, d, mn, g, N, n, rows, bias, out);
         if (m < M) q8_block(xq, sx, xsum, m, 1, K, q, d, mn, g, N, n, rows, bias, out);
@@ -483,6 +511,7 @@ int tkv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n += RB) {
         int rows = N - n < RB ? (int)(N - n) : RB;
+        block_ahead(q, K / 2, n, N);
         int64_t m = 0;
 #ifdef TKV_AVX512
         if (wide) {
@@ -495,23 +524,6 @@ int tkv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
         if (m < M) q4_block(xq, sx, xsum, m, 1, K, q, d, mn, g, N, n, rows, bias, out);
     }
     return 0;
-}
-
-/* The one-row products ask for the codes of the row AHEAD_ROWS past the one they start: the hardware
- * prefetcher alone left their loads waiting on memory. Measured on an AMD EPYC (Zen 5, 2 threads): the default
- * model's int4 layers over 30 distinct layers, cold, 1.73 -> 1.36 ms (median of 12 rounds alternated; 4 rows
- * ahead 1.55, 12 rows 1.34; asking for the scales too gave nothing more); batch-1 decode in the engine, the two
- * builds bound in turn: int4 0.91x the time, int8 0.84x, the Q4_1 file 0.86x. (The same on the fp32 and bf16
- * packed blocks there, 16-64 inputs ahead: within the noise, 0.95-1.08x; on an Intel Xeon the bf16 blocks gained:
- * BF16_AHEAD.) On that Xeon (KVM guest) these rows' reads from memory did not gain from any distance (2-48 rows)
- * or cache level asked for. */
-#define AHEAD_ROWS 8
-INLINE void ahead(const void *row, int64_t bytes) {
-#ifdef TKV_AVX2
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
-#else
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)row + o);
-#endif
 }
 
 /* The row the i-th step of a one-row product's loop takes: rows of the first half and the second half in turn,
@@ -1127,6 +1139,7 @@ static void blocks_share(const tkv_qw *w, const char *mem, int64_t M, int64_t os
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n += RB) {
         const int rows = N - n < RB ? (int)(N - n) : RB;
+        block_ahead(w->q, w->fmt == TKV_Q8 ? K : K / 2, n, N);
         for (int64_t m = 0; m < M; m += 2) {
             const int mt = M - m >= 2 ? 2 : 1;
             if (w->fmt == TKV_Q8)
