@@ -459,3 +459,78 @@ async def test_a_failing_proposer_or_verification_fails_no_request_it_need_not(l
         monkeypatch.undo()
         assert (await engine.generate(prompts[2], plain)).outputs[0].token_ids == want[2][0][0]
         await engine.run_in_worker(check_pool_clean, engine.core)
+
+
+class _FreeProposer:
+    """Proposals that cost nothing (as prompt lookup's): always k tokens."""
+
+    name, free = "free", True
+
+    def propose(self, seqs, lengths):
+        return [[7] * k for k in lengths]
+
+
+def _adaptive_rate(per_row: float, accept, steps: int = 400) -> tuple[float, int]:
+    """A model-free run of the adaptive controller over one decoding sequence: a plain step costs 1 (time unit), a
+    verification of k drafts 1 + per_row * k; `accept(step, k)` says how many of k drafts are accepted. Returns the
+    tokens a unit of time against plain decoding's (1.0), and the steps that carried drafts."""
+    from types import SimpleNamespace
+
+    from tieredkv.engine.speculative import Speculator
+
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=8), _FreeProposer(), 8, 100)
+    request = SimpleNamespace(beam=None, prefill_only=False,
+                              params=SimpleNamespace(speculative=None, max_tokens=10 ** 6))
+    seq = SimpleNamespace(num_tokens=1, num_computed_tokens=0, num_output_tokens=0, request=request,
+                          spec_state=None, spec_tokens=[])
+    tokens = spent = drafting = 0
+    for step in range(steps):
+        spec.propose([seq], 10 ** 6)
+        k = len(seq.spec_tokens)
+        seconds = 1.0 + per_row * k
+        spec.observe(1, k, seconds)
+        accepted = accept(step, k) if k else 0
+        if k:
+            spec.verified(seq, k, accepted)
+            drafting += 1
+        tokens, spent = tokens + 1 + accepted, spent + seconds
+        seq.num_output_tokens += 1 + accepted
+    return tokens / spent, drafting
+
+
+def test_adaptive_drafts_stop_where_verification_rows_cost_as_much_as_steps():
+    """Verification rows as dear as steps (quantized weights on a processor without int8 dot products): not even
+    drafts that are all accepted pay, so after measuring that the controller stops drafting, probes included (they
+    cost 1 + 8 rows each: probing every few steps, as it once did whenever a probe had anything accepted, ran at
+    ~0.8x plain decoding); where verification is cheap, it drafts and gains."""
+    rng = __import__("random").Random(0)
+
+    def mostly(step, k):  # each draft accepted with chance 0.77, up to the first rejection
+        n = 0
+        while n < k and rng.random() < 0.77:
+            n += 1
+        return n
+
+    rate, drafting = _adaptive_rate(1.2, mostly)
+    assert rate >= 0.95 and drafting <= 12, (rate, drafting)
+    rate, drafting = _adaptive_rate(1.0, lambda step, k: k)  # all accepted, rows as dear as steps: no gain to be had
+    assert rate >= 0.95 and drafting <= 12, (rate, drafting)
+    rate, drafting = _adaptive_rate(0.1, mostly)  # cheap verification (compute to spare): drafting pays
+    assert rate >= 1.8 and drafting >= 100, (rate, drafting)
+
+
+def test_adaptive_probes_find_text_that_starts_being_copied():
+    """Nothing to copy for 150 steps (every draft rejected), then everything copied: the back-off's probes find it
+    within BACKOFF_LIMIT steps and drafting resumes."""
+    from tieredkv.engine.speculative import BACKOFF_LIMIT
+
+    seen = []
+
+    def switch(step, k):
+        seen.append(step)
+        return 0 if step < 150 else k
+
+    rate, drafting = _adaptive_rate(0.1, switch, steps=400)
+    later = [s for s in seen if s >= 150]
+    assert later and later[0] <= 150 + BACKOFF_LIMIT + 1, later[:3]
+    assert len(later) >= 150, len(later)  # drafting in most steps once it pays

@@ -27,6 +27,8 @@ log = logging.getLogger("tieredkv")
 
 BACKOFF_LIMIT = 32  # the most steps a sequence whose drafts do not pay waits before trying again
 PRIOR_ACCEPTANCE = 0.7
+# a probe drafts as many tokens as pay at this acceptance (text being copied), whatever the sequence's own
+PROBE_ACCEPTANCE = 0.9
 # the draft model's own cache blocks: each call computes again the tokens after its last full block, so small
 # blocks keep that short (its cache is its own: the target's block size does not bind it)
 DRAFT_BLOCK_SIZE = 4  # a sequence's acceptance before its first verification (a proposer's guess is often right)
@@ -164,9 +166,11 @@ class Speculator:
     size and drafts (StepCosts: a verification's cost depends on the path that serves it, the native rows, an
     eager chunk beside a compiled decode, a batch of chunks), and each sequence in turn gets the k
     (0..num_speculative_tokens) that gives the step the most tokens a second. Where no k > 0 pays, the sequence
-    waits 1, 2, 4, ... steps (at most BACKOFF_LIMIT) and then, where proposing costs nothing (`free`: prompt
-    lookup), drafts in full once whatever the estimate, which measures its acceptance again (a document starts
-    being quoted): text with nothing to copy costs a lookup a
+    waits 1, 2, 4, ... steps (at most BACKOFF_LIMIT; the wait keeps growing until drafts pay at its own
+    acceptance again) and then, where proposing costs nothing (`free`: prompt lookup), probes once: as many
+    drafts as pay where text is being copied (PROBE_ACCEPTANCE), whatever its own acceptance, which measures it
+    again (a document starts being quoted); where not even that pays (verification rows nearly as dear as steps:
+    products bound by arithmetic), it waits again without drafting. Text with nothing to copy costs a lookup a
     step and little else. Above `max_batch` decoding sequences nobody drafts (vLLM's
     disable_by_batch_size): that batch is compute-bound. Not adaptive: every decoding sequence asks its proposer
     for num_speculative_tokens drafts every step."""
@@ -227,11 +231,16 @@ class Speculator:
             params = seq.request.params
             # room for the drafts and the token sampled after them, within max_tokens and the context
             room = min(params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens, self.k)
-            if not self.config.adaptive or state.probe:  # (probe: only where proposing is free)
-                k, state.probe = room, False
+            probe = state.probe
+            if not self.config.adaptive:
+                k = room
+            elif probe:  # (only where proposing is free) as long as pays where text is being copied
+                k, state.probe = self._length(PROBE_ACCEPTANCE, room, batch, drafts, gained), False
             else:
                 k = self._length(state.acceptance, room, batch, drafts, gained)
-            if k == 0 and room > 0:  # nothing pays now: wait, then draft in full once (text changes: copying starts)
+                if k:
+                    state.failures = 0  # drafts pay at the sequence's own acceptance
+            if k == 0 and room > 0:  # nothing pays now: wait, then probe once (text changes: copying starts)
                 state.skip = min(1 << state.failures, BACKOFF_LIMIT)
                 state.probe = getattr(self.proposer, "free", False)
                 state.failures += 1
@@ -286,8 +295,6 @@ class Speculator:
         trials = accepted + (accepted < drafted)
         if trials:
             state.acceptance += (accepted / trials - state.acceptance) * min(1.0, 0.25 * trials)
-        if accepted:
-            state.failures = 0
 
 
 class DraftProposer:
