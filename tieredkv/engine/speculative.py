@@ -27,8 +27,13 @@ log = logging.getLogger("tieredkv")
 
 BACKOFF_LIMIT = 32  # the most steps a sequence whose drafts do not pay waits before trying again
 PRIOR_ACCEPTANCE = 0.7
-# a probe drafts as many tokens as pay at this acceptance (text being copied), whatever the sequence's own
+# a probe drafts as many tokens as pay at this acceptance (text being copied), whatever the sequence's own, and at
+# most PROBE_DRAFTS: enough to see copying start (all accepted lifts the acceptance halfway to 1), and a probe of
+# text with nothing to copy costs little. In a model of the controller (tests/test_speculative.py, _adaptive_rate)
+# over verification rows costing 0.1-1 decode steps and acceptance 0.27-0.9, 3 at most gave 0.94-3.14x plain
+# decoding where the whole room (8) gave 0.91-3.14x, at least as much in every case
 PROBE_ACCEPTANCE = 0.9
+PROBE_DRAFTS = 3
 # the draft model's own cache blocks: each call computes again the tokens after its last full block, so small
 # blocks keep that short (its cache is its own: the target's block size does not bind it)
 DRAFT_BLOCK_SIZE = 4  # a sequence's acceptance before its first verification (a proposer's guess is often right)
@@ -168,9 +173,9 @@ class Speculator:
     (0..num_speculative_tokens) that gives the step the most tokens a second. Where no k > 0 pays, the sequence
     waits 1, 2, 4, ... steps (at most BACKOFF_LIMIT; the wait keeps growing until drafts pay at its own
     acceptance again) and then, where proposing costs nothing (`free`: prompt lookup), probes once: as many
-    drafts as pay where text is being copied (PROBE_ACCEPTANCE), whatever its own acceptance, which measures it
-    again (a document starts being quoted); where not even that pays (verification rows nearly as dear as steps:
-    products bound by arithmetic), it waits again without drafting. Text with nothing to copy costs a lookup a
+    drafts as pay where text is being copied (PROBE_ACCEPTANCE; at most PROBE_DRAFTS), whatever its own
+    acceptance, which measures it again (a document starts being quoted); where not even that pays
+    (verification rows nearly as dear as steps: products bound by arithmetic), it waits again without drafting. Text with nothing to copy costs a lookup a
     step and little else. Above `max_batch` decoding sequences nobody drafts (vLLM's
     disable_by_batch_size): that batch is compute-bound. Not adaptive: every decoding sequence asks its proposer
     for num_speculative_tokens drafts every step."""
@@ -235,7 +240,7 @@ class Speculator:
             if not self.config.adaptive:
                 k = room
             elif probe:  # (only where proposing is free) as long as pays where text is being copied
-                k, state.probe = self._length(PROBE_ACCEPTANCE, room, batch, drafts, gained), False
+                k, state.probe = self._length(PROBE_ACCEPTANCE, min(room, PROBE_DRAFTS), batch, drafts, gained), False
             else:
                 k = self._length(state.acceptance, room, batch, drafts, gained)
                 if k:
