@@ -175,10 +175,10 @@ class Speculator:
     acceptance again) and then, where proposing costs nothing (`free`: prompt lookup), probes once: as many
     drafts as pay where text is being copied (PROBE_ACCEPTANCE; at most PROBE_DRAFTS), whatever its own
     acceptance, which measures it again (a document starts being quoted); where not even that pays
-    (verification rows nearly as dear as steps: products bound by arithmetic), it waits again without drafting. Text with nothing to copy costs a lookup a
-    step and little else. Above `max_batch` decoding sequences nobody drafts (vLLM's
-    disable_by_batch_size): that batch is compute-bound. Not adaptive: every decoding sequence asks its proposer
-    for num_speculative_tokens drafts every step."""
+    (verification rows nearly as dear as steps: products bound by arithmetic), it waits again without drafting.
+    Text with nothing to copy costs a lookup a step and little else. Above `max_batch` decoding sequences nobody
+    drafts (vLLM's disable_by_batch_size): that batch is compute-bound. Not adaptive: every decoding sequence asks
+    its proposer for num_speculative_tokens drafts every step."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_batch: int, vocab_size: int):
         self.config = config
@@ -236,11 +236,11 @@ class Speculator:
             params = seq.request.params
             # room for the drafts and the token sampled after them, within max_tokens and the context
             room = min(params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens, self.k)
-            probe = state.probe
             if not self.config.adaptive:
                 k = room
-            elif probe:  # (only where proposing is free) as long as pays where text is being copied
-                k, state.probe = self._length(PROBE_ACCEPTANCE, min(room, PROBE_DRAFTS), batch, drafts, gained), False
+            elif state.probe:  # (only where proposing is free) what pays where text is being copied
+                k = self._length(PROBE_ACCEPTANCE, min(room, PROBE_DRAFTS), batch, drafts, gained)
+                state.probe = False
             else:
                 k = self._length(state.acceptance, room, batch, drafts, gained)
                 if k:

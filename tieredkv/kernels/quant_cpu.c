@@ -177,8 +177,6 @@ static float q4_row_c(const uint8_t *qr, const int16_t *x, const uint16_t *dr, c
 }
 #endif
 
-/* Rows [n, n + rows) of the output for activation rows [m, m + mt), mt 1 or 2 (inlined with a constant mt, so
- * the one-row case does half the multiplies). */
 /* The one-row products ask for the codes of the row AHEAD_ROWS past the one they start: the hardware
  * prefetcher alone left their loads waiting on memory. Measured on an AMD EPYC (Zen 5, 2 threads): the default
  * model's int4 layers over 30 distinct layers, cold, 1.73 -> 1.36 ms (median of 12 rounds alternated; 4 rows
@@ -206,6 +204,8 @@ INLINE void block_ahead(const void *q, int64_t row_bytes, int64_t n, int64_t N) 
         ahead((const char *)q + (n + AHEAD_ROWS + r) * row_bytes, row_bytes);
 }
 
+/* Rows [n, n + rows) of the output for activation rows [m, m + mt), mt 1 or 2 (inlined with a constant mt, so
+ * the one-row case does half the multiplies). */
 INLINE void q8_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
                      const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, int64_t n,
                      int rows, const float *bias, float *out) {
