@@ -140,6 +140,74 @@ def test_many_rows_on_4bit_weights_are_int8_blocks_times_the_weight(lib, fmt, ti
     assert (f"int8 blocks x {bits} (AVX2) above" in quant.arithmetic(qw)) == (lib == "native")
 
 
+@pytest.mark.parametrize("fmt", ["int4-g32", "gguf-Q8_0"])
+def test_a_weight_takes_int8_blocks_from_its_int8_rows_on(lib, fmt):
+    """QuantizedWeight.int8_rows: products of at least that many rows take the int8 blocks (as_int8_blocks times the
+    weight), fewer the one-row kernels' int16 rows (exactly what the default gives them); 0 none at all; the
+    arithmetic label names the last row count on int16."""
+    qw = weights(fmt, 37, 512)
+    bits = "q8" if qw.codes.dtype == torch.int8 else "q4"
+    w = qw.dequantize().double()
+    int16 = {m: quant.quant_linear(torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3, qw)
+             for m in (2, 3, 4, 9)}
+    qw.int8_rows = 4
+    for m, before in int16.items():
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
+        got = quant.quant_linear(x, qw)
+        if m < 4 or lib != "native":
+            assert torch.equal(got, before), m
+        else:
+            want = F.linear(quant.as_int8_blocks(x).double(), w)
+            assert not torch.equal(got, before)
+            assert bool(((got.double() - want).abs() <= 2e-6 * (x.abs().double() @ w.abs().T) + 1e-5).all()), m
+    if lib == "native":
+        assert quant.arithmetic(qw) == f"int16 rows x {bits} to 3 rows, int8 blocks x {bits} (AVX2) above"
+    qw.int8_rows = 0  # never: past the kernels' rows the dequantized fp32 product
+    rows = quant.kernel_rows(qw.codes) + 2
+    x = torch.randn(rows, 512)
+    assert torch.allclose(quant.quant_linear(x, qw), F.linear(x, qw.dequantize()), rtol=1e-4, atol=1e-4)
+    assert quant.arithmetic(qw).endswith("dequantized float32 above")
+
+
+def test_int8_blocks_take_batched_steps_from_the_measured_row_count(monkeypatch, tmp_path, llama_dir):
+    """quant.int8_fewest_rows: the fewest rows from which the int8 blocks win by the margin at every measured count up
+    to the kernels' rows (0 where any count above loses), measured once per shapes and kept; an engine without
+    speculative decoding starts its weights' int8 blocks there, one with it keeps them above the int16 rows (its
+    verification steps must multiply as its plain steps do)."""
+    layer = [weights("int4-g32", 32, 64), weights("int4-g32", 48, 64)]
+    timing = {4: 1.0, 8: 1.3, 12: 1.5, 16: 2.0, 24: 2.0, 32: 2.0}  # the int16 rows' time over the blocks'
+    calls = []
+    monkeypatch.setattr(quant, "_measure_few_rows", lambda ws, counts: calls.append(counts) or {
+        str(m): {"int8_ms": 1.0, "int16_ms": timing[m]} for m in counts})
+    top = quant.kernel_rows(layer[0].codes)
+    assert quant.int8_fewest_rows(layer, tmp_path) == 8 and quant.int8_fewest_rows(layer, tmp_path) == 8
+    assert len(calls) == 1 and calls[0][-1] <= top and (tmp_path / "kernels" / "few-rows.json").exists()
+    timing[12] = 1.05  # a count above 8 that does not win by the margin: from 16 on
+    assert quant.int8_fewest_rows(layer[:1], tmp_path) == 16
+    timing[16] = 1.0
+    assert quant.int8_fewest_rows(layer[1:], tmp_path) == 0  # the last count loses: none
+    timing.update({12: 1.5, 16: 2.0})
+    from tieredkv import EngineConfig
+    from tieredkv.engine.engine_core import EngineCore
+    from tieredkv.engine.rank_build import many_rows_arithmetic
+    from tieredkv.kernels.quant import QuantizedWeight
+
+    core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0))
+    try:
+        model = core.model
+        rows = lambda: {w.int8_rows for w in model.modules() if isinstance(w, QuantizedWeight)}  # noqa: E731
+        monkeypatch.setattr(quant, "_measure_many_rows", lambda ws: {"int8_ms": 1.0, "fp32_ms": 2.0})
+        blocks = quant.CPU.int8_gemm  # a build with AVX2
+        many_rows_arithmetic(model, None, tmp_path / "engine")
+        assert rows() == ({8} if blocks else {0})
+        many_rows_arithmetic(model, None, tmp_path / "engine", speculative=True)
+        assert rows() == ({-1} if blocks else {0})
+        many_rows_arithmetic(model, False, tmp_path / "engine")
+        assert rows() == {0}
+    finally:
+        core.close()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_one_row_cpp_operator_is_the_python_operator_bit_for_bit(lib, fmt):
     """A one-row product goes through the C++ operator tieredkv::quant_gemv (no Python in the call, for the
@@ -761,13 +829,15 @@ def test_many_rows_dequantize_a_large_weight_in_tiles(lib, fmt, monkeypatch):
 def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeypatch, faster):
     """stats() names each kind of dense layer's format and what its products multiply on here: by default int8
     blocks past the one-row kernels' rows on 4-bit weights where the CPU kernels have AVX2 and they were measured
-    clearly faster (here: said to be, or not), never with int8_activations=False; the two compute other keys and
+    clearly faster (here: said to be, or not), from fewer rows where measured faster than the int16 rows too (here:
+    said to be from 8), never with int8_activations=False; the two compute other keys and
     values, so their prefix caches' identities differ."""
     from tieredkv.engine import rank_build
     from tieredkv.engine.identity import model_fingerprint
     from tieredkv.engine.resolve import quant_settings
 
     monkeypatch.setattr(rank_build, "int8_many_rows_win", lambda weights, cache_dir: faster)
+    monkeypatch.setattr(rank_build, "int8_fewest_rows", lambda weights, cache_dir: 8)  # blocks from 8 rows on
     kinds = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     rows = quant.kernel_rows(torch.zeros(1, 1, dtype=torch.uint8))
     prints = set()
@@ -781,8 +851,8 @@ def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeyp
             int8 = setting is None and CPU.int8_gemm and faster
             above = "int8 blocks x {} (AVX2)" if int8 else "dequantized float32"
             assert stats.dense_arithmetic == {
-                **{k: f"int16 rows x q4 to {rows} rows, {above.format('q4')} above" for k in kinds},
-                "lm_head": f"int16 rows x q8 to 16 rows, {above.format('q8')} above"}
+                **{k: f"int16 rows x q4 to {7 if int8 else rows} rows, {above.format('q4')} above" for k in kinds},
+                "lm_head": f"int16 rows x q8 to {7 if int8 else 16} rows, {above.format('q8')} above"}
             prints.add(model_fingerprint(llama_dir, torch.float32, 16, quant_settings(cfg, llama_dir)))
         finally:
             core.close()

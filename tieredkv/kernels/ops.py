@@ -21,7 +21,7 @@ import torch
 
 LIBRARY = torch.library.Library("tieredkv", "DEF")
 LIBRARY.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group_size, Tensor? bias, "
-               "bool many_int8=True) -> Tensor")
+               "int int8_rows=-1) -> Tensor")
 LIBRARY.define("quant_rows(Tensor codes, Tensor scales, Tensor? offsets, int group_size, Tensor ids) -> Tensor")
 LIBRARY.define("dense_packed(Tensor x, Tensor handle, Tensor? bias) -> Tensor")
 

@@ -19,10 +19,12 @@ scales in tiles of 16 output rows that one vpdpbusd multiplies together, the act
 decode graph calls it like any library product. On CPU it runs quant_cpu.c's kernels for up to `kernel_rows`
 rows (decode steps: int16 activation rows). Above that (prefill, where the product's arithmetic dominates) q4
 and q8 weights in groups of 32 or more multiply on int8 (gemm_cpu.c: the activations as int8 blocks of 32,
-vpmaddubsw across 16 output rows; AVX2) where the weight's `many_int8` is on (EngineConfig.int8_activations, and
-by default a measurement: int8_many_rows_win), and everything else is dequantized into fp32 and run through the
-fp32 product. On CUDA it runs triton_ops.quant_linear (the weight dequantized tile by tile in
-registers, the product on the tensor cores in the activations' dtype). Without a C compiler, or without
+vpmaddubsw across 16 output rows; AVX2) where the weight's `int8_rows` lets them (EngineConfig.int8_activations,
+and by default a measurement: int8_many_rows_win), and everything else is dequantized into fp32 and run through
+the fp32 product. Where a measurement finds the int8 blocks clearly faster than the int16 rows from some number of
+rows on (int8_fewest_rows: batched decode steps on a processor whose int16 products are the slower), `int8_rows`
+moves the int8 blocks down to that many rows. On CUDA it runs triton_ops.quant_linear (the weight dequantized
+tile by tile in registers, the product on the tensor cores in the activations' dtype). Without a C compiler, or without
 Triton on CUDA, it runs the reference: dequantize, then F.linear.
 """
 
@@ -50,7 +52,9 @@ class QuantizedWeight(DenseWeight):
                  group_size: int, in_features: int, scheme: str):
         super().__init__()
         self.fmt, self.group_size, self.in_features, self.scheme = fmt, group_size, in_features, scheme
-        self.many_int8 = True  # products of more rows than the one-row kernels take may run on int8 (gemm_cpu.c)
+        # which products multiply on int8 blocks (gemm_cpu.c): -1 those of more rows than the one-row kernels take,
+        # 0 none, n > 0 those of n rows or more (the tiles keep their own kernels up to kernel_rows)
+        self.int8_rows = -1
         self.out_features = _out_features(codes)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
@@ -319,7 +323,7 @@ def _triton_quant_linear():
     return quant_linear
 
 
-def _quant_linear(x, codes, scales, offsets, group_size, bias, many_int8=True):
+def _quant_linear(x, codes, scales, offsets, group_size, bias, int8_rows=-1):
     if codes.is_cuda and _triton_quant_linear() is not None:
         return _triton_quant_linear()(x, codes, scales, offsets, group_size, bias)
     k, n = x.shape[-1], _out_features(codes)
@@ -329,7 +333,9 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias, many_int8=True):
     m = x2.shape[0]
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()  # (the C kernels read it as fp32 [N])
-    if m <= kernel_rows(codes) and _kernel_fits(codes, group_size):
+    int8 = int8_rows != 0 and many_rows_int8(codes, group_size)
+    if m <= kernel_rows(codes) and _kernel_fits(codes, group_size) and \
+            not (int8 and 0 < int8_rows <= m and codes.dim() == 2):
         out = torch.empty(m, n)
         b = None if bias is None else bias.data_ptr()
         xp, qp, sp, op = x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr()
@@ -348,7 +354,7 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias, many_int8=True):
                       CPU.lib.tkv_q4_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         if status != 0:
             raise MemoryError("quantized linear: no memory for the activations' integer copy")
-    elif many_int8 and many_rows_int8(codes, group_size):
+    elif int8:
         out = torch.empty(m, n)
         if CPU.lib.tkv_quant_gemm(x2.data_ptr(), m, k, codes.data_ptr(), 8 if _is_q8(codes) else 4,
                                   int(codes.dim() == 3), scales.data_ptr(),
@@ -394,12 +400,53 @@ def _measure_many_rows(weights: list["QuantizedWeight"]) -> dict:
     one = {(w.out_features, w.in_features, w.group_size, w.fmt): w for w in weights}.values()
     xs = {w.in_features: torch.full((MEASURE_ROWS, w.in_features), 0.5) for w in one}
 
-    def best(many_int8: bool) -> float:
+    def best(int8_rows: int) -> float:
         return best_ms(lambda: [_LINEAR_OP(xs[w.in_features], w.codes, w.scales, w.offsets, w.group_size, None,
-                                           many_int8) for w in one], 3)
+                                           int8_rows) for w in one], 3)
 
     with torch.inference_mode():
-        return {"int8_ms": best(True), "fp32_ms": best(False)}
+        return {"int8_ms": best(-1), "fp32_ms": best(0)}
+
+
+FEW_ROWS = (4, 8, 12, 16, 24, 32)  # the row counts where int8_fewest_rows compares the two kernels
+
+
+def int8_fewest_rows(weights: list["QuantizedWeight"], cache_dir: Path | None = None) -> int:
+    """The fewest rows from which products on these weights (a model's quantized ones, untiled) are clearly faster
+    on int8 blocks than on the one-row kernels' int16 rows, at every count of FEW_ROWS from there up to kernel_rows;
+    0 where none (then int8 blocks start above kernel_rows, as for every weight by default). The int16 rows take 16
+    multiply-adds an instruction and the int8 blocks 32, so where the products are bound by arithmetic (AVX2, a few
+    rows) the blocks win; on AVX-512 the int16 rows run twice as wide. Measured through every weight given in turn,
+    as a batched decode step reads them (from memory: one layer's weights alone stay in cache, where the blocks
+    looked faster at 4 rows than they are), once per processor, thread count and weight shapes, kept in the cache
+    directory's kernels/few-rows.json. The blocks must win by INT8_MARGIN."""
+    untiled = [w for w in weights if w.codes.dim() == 2]
+    if not untiled or CPU.lib is None:
+        return 0
+    shapes = sorted({(w.out_features, w.in_features, w.group_size, w.fmt) for w in untiled})
+    counts = [m for m in FEW_ROWS if m <= min(kernel_rows(w.codes) for w in untiled)]
+    known = cached_measurement("few-rows", (shapes, counts, torch.get_num_threads()),
+                               lambda: _measure_few_rows(untiled, counts), cache_dir)
+    fewest = 0
+    for m in reversed(counts):
+        if known[str(m)]["int16_ms"] <= INT8_MARGIN * known[str(m)]["int8_ms"]:
+            break
+        fewest = m
+    return fewest
+
+
+def _measure_few_rows(weights: list["QuantizedWeight"], counts: list[int]) -> dict:
+    out = {}
+    with torch.inference_mode():
+        for m in counts:
+            xs = {w.in_features: torch.full((m, w.in_features), 0.5) for w in weights}
+
+            def best(int8_rows: int) -> float:
+                return best_ms(lambda: [_LINEAR_OP(xs[w.in_features], w.codes, w.scales, w.offsets, w.group_size,
+                                                   None, int8_rows) for w in weights], 5)
+
+            out[str(m)] = {"int8_ms": best(1), "int16_ms": best(-1)}
+    return out
 
 
 def as_int8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -421,9 +468,12 @@ def arithmetic(qw: "QuantizedWeight") -> str:
         return "dequantized float32"
     bits = "q8" if _is_q8(qw.codes) else "q4"
     rows = "int8 blocks (VNNI tiles)" if qw.codes.dim() == 3 else "int16 rows"
-    many = qw.many_int8 and many_rows_int8(qw.codes, qw.group_size)
+    many = qw.int8_rows != 0 and many_rows_int8(qw.codes, qw.group_size)
     above = f"int8 blocks x {bits} (AVX2)" if many else "dequantized float32"
-    return f"{rows} x {bits} to {kernel_rows(qw.codes)} rows, {above} above"
+    last = kernel_rows(qw.codes)
+    if many and qw.codes.dim() == 2 and 0 < qw.int8_rows <= last:
+        last = qw.int8_rows - 1
+    return f"{rows} x {bits} to {last} rows, {above} above"
 
 
 DEQUANT_TILE_BYTES = 8 << 20  # a larger weight is dequantized and multiplied this many bytes of fp32 rows at a time
@@ -444,7 +494,7 @@ def _quant_rows(codes, scales, offsets, group_size, ids):
     return _dequantize_fast(codes, scales, offsets, group_size, ids)
 
 
-def _quant_linear_shape(x, codes, scales, offsets, group_size, bias, many_int8=True):
+def _quant_linear_shape(x, codes, scales, offsets, group_size, bias, int8_rows=-1):
     return x.new_empty((*x.shape[:-1], _out_features(codes)))
 
 
@@ -491,7 +541,7 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
 def _product(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     op = _linear_op(x, qw)
     if op is _LINEAR_OP:
-        return op(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias, qw.many_int8)
+        return op(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias, qw.int8_rows)
     return op(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias)
 
 
