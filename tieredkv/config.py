@@ -127,9 +127,9 @@ class EngineConfig(BaseModel):
         "decoding from fewer rows where the int8 blocks were measured clearly faster than the one-row kernels' "
         "int16 rows too (batched decode of 12-16 streams on the Q4_1 file 1.42x there: from 4 rows); smaller "
         "steps keep int16 rows. True: also steps of up to 32 rows, with the weights held in tiles of 16 rows for "
-        "AVX-512 VNNI (without it as None). False: never: int16 rows and, for more rows, the dequantized weight in the fp32 "
-        "product (the closest to the weights' own product: greedy output as transformers' on the dequantized "
-        "weights). See docs/guide/quantization.md")
+        "AVX-512 VNNI (without it as None). False: never: int16 rows and, for more rows, the dequantized weight in "
+        "the fp32 product (the closest to the weights' own product: greedy output as transformers' on the "
+        "dequantized weights). See docs/guide/quantization.md")
     device: str = Field("auto", description='"auto", "cpu", "cuda" or "cuda:N"')
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: int | None = Field(None, ge=2, description="KV blocks in the hot pool (wins over every byte budget)")
