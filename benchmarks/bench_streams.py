@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from pathlib import Path
 
 import torch
+from bench_prefill import serve
 
-from tieredkv import EngineConfig, SamplingParams
+from tieredkv import EngineConfig
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.quant import QuantizedWeight
 from tieredkv.platform.cpu_features import cpu_info
@@ -27,15 +27,8 @@ from tieredkv.platform.cpu_features import cpu_info
 NEW = 64
 
 
-def serve(core: EngineCore, prompts: list[list[int]]) -> float:
-    reqs = [core.factory.make(p, SamplingParams(max_tokens=NEW, ignore_eos=True)) for p in prompts]
-    t0 = time.perf_counter()
-    for r in reqs:
-        if core.add_request(r):
-            raise RuntimeError("request refused")
-    while core.has_work():
-        core.step()
-    return len(prompts) * NEW / (time.perf_counter() - t0)
+def output_rate(core: EngineCore, prompts: list[list[int]]) -> float:
+    return len(prompts) * NEW / serve(core, prompts, [NEW] * len(prompts))
 
 
 def main(args) -> dict:
@@ -57,7 +50,7 @@ def main(args) -> dict:
         for r in range(args.rounds):
             for arm in (list(arms) if r % 2 == 0 else list(reversed(arms))):
                 arms[arm]()
-                rates[arm].append(serve(core, prompts))
+                rates[arm].append(output_rate(core, prompts))
         best = {arm: max(v) for arm, v in rates.items()}
         out["streams"][n] = {**{arm: round(v, 1) for arm, v in best.items()},
                              "ratio": round(best["as measured"] / best["int16 rows"], 3)}

@@ -418,7 +418,7 @@ def int8_fewest_rows(weights: list["QuantizedWeight"], cache_dir: Path | None = 
     multiply-adds an instruction and the int8 blocks 32, so where the products are bound by arithmetic (AVX2, a few
     rows) the blocks win; on AVX-512 the int16 rows run twice as wide. Measured through every weight given in turn,
     as a batched decode step reads them (from memory: one layer's weights alone stay in cache, where the blocks
-    looked faster at 4 rows than they are), once per processor, thread count and weight shapes, kept in the cache
+    look faster than a step finds them), once per processor, thread count and weight shapes, kept in the cache
     directory's kernels/few-rows.json. The blocks must win by INT8_MARGIN."""
     untiled = [w for w in weights if w.codes.dim() == 2]
     if not untiled or CPU.lib is None:
