@@ -174,28 +174,32 @@ def test_int8_blocks_take_batched_steps_from_the_measured_row_count(monkeypatch,
     to the kernels' rows (0 where any count above loses), measured once per shapes and kept; an engine without
     speculative decoding starts its weights' int8 blocks there, one with it keeps them above the int16 rows (its
     verification steps must multiply as its plain steps do)."""
-    layer = [weights("int4-g32", 32, 64), weights("int4-g32", 48, 64)]
-    timing = {4: 1.0, 8: 1.3, 12: 1.5, 16: 2.0, 24: 2.0, 32: 2.0}  # the int16 rows' time over the blocks'
-    calls = []
-    monkeypatch.setattr(quant, "_measure_few_rows", lambda ws, counts: calls.append(counts) or {
-        str(m): {"int8_ms": 1.0, "int16_ms": timing[m]} for m in counts})
-    top = quant.kernel_rows(layer[0].codes)
-    assert quant.int8_fewest_rows(layer, tmp_path) == 8 and quant.int8_fewest_rows(layer, tmp_path) == 8
-    assert len(calls) == 1 and calls[0][-1] <= top and (tmp_path / "kernels" / "few-rows.json").exists()
-    timing[12] = 1.05  # a count above 8 that does not win by the margin: from 16 on
-    assert quant.int8_fewest_rows(layer[:1], tmp_path) == 16
-    timing[16] = 1.0
-    assert quant.int8_fewest_rows(layer[1:], tmp_path) == 0  # the last count loses: none
-    timing.update({12: 1.5, 16: 2.0})
     from tieredkv import EngineConfig
     from tieredkv.engine.engine_core import EngineCore
     from tieredkv.engine.rank_build import many_rows_arithmetic
     from tieredkv.kernels.quant import QuantizedWeight
 
     core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0))
-    try:
+    try:  # (the engine loads the CPU kernels, whose rows the measurement counts up to)
+        layer = [weights("int4-g32", 32, 64), weights("int4-g32", 48, 64)]
+        win, lose = quant.FEW_ROWS_MARGIN * 1.05, quant.FEW_ROWS_MARGIN * 0.95  # int16 rows' time over the blocks'
+        timing = {4: lose, 8: win, 12: win, 16: win, 24: win, 32: win}
+        calls = []
+        monkeypatch.setattr(quant, "_measure_few_rows", lambda ws, counts: calls.append(counts) or {
+            str(m): {"int8_ms": 1.0, "int16_ms": timing[m]} for m in counts})
+        top = quant.kernel_rows(layer[0].codes)
+        assert quant.int8_fewest_rows(layer, tmp_path) == 8 and quant.int8_fewest_rows(layer, tmp_path) == 8
+        assert len(calls) == 1 and calls[0][-1] <= top and (tmp_path / "kernels" / "few-rows.json").exists()
+        timing[12] = lose  # a count above 8 that does not win by the margin: from 16 on
+        assert quant.int8_fewest_rows(layer[:1], tmp_path) == 16
+        timing[16] = lose
+        assert quant.int8_fewest_rows(layer[1:], tmp_path) == 0  # the last count loses: none
+        timing.update({12: win, 16: win})
         model = core.model
-        rows = lambda: {w.int8_rows for w in model.modules() if isinstance(w, QuantizedWeight)}  # noqa: E731
+
+        def rows() -> set[int]:
+            return {w.int8_rows for w in model.modules() if isinstance(w, QuantizedWeight)}
+
         monkeypatch.setattr(quant, "_measure_many_rows", lambda ws: {"int8_ms": 1.0, "fp32_ms": 2.0})
         blocks = quant.CPU.int8_gemm  # a build with AVX2
         many_rows_arithmetic(model, None, tmp_path / "engine")
