@@ -187,6 +187,11 @@ async def test_a_router_from_pypi_drives_two_replicas(engines, access, module, s
     before = [e.stats().prefix_cache_queries for e in engines]
     async with serving(engines, load_format=shape) as urls, router(module, [
             "--worker-urls", *urls, "--api-key", KEY, *policy]) as url:
+        if module.startswith("sglang"):  # it answers once one replica has joined: wait for both (their info read)
+            deadline = time.monotonic() + 30
+            while sum(_joined(line) for line in access.lines) < 2:
+                assert time.monotonic() < deadline, access.lines[-20:]
+                await asyncio.sleep(0.1)
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         try:
             got = await asyncio.gather(*(client.chat.completions.create(
@@ -207,4 +212,9 @@ async def test_a_router_from_pypi_drives_two_replicas(engines, access, module, s
     if policy[-1] == "power_of_two" and module.startswith("vllm"):  # (sglang-router polls it less often)
         assert any(" /get_load 200" in line for line in access.lines), access.lines[-20:]
     if module.startswith("sglang"):  # it reads both replicas' server and model info when they join
-        assert sum(" /server_info 200" in line or " /get_server_info 200" in line for line in access.lines) >= 2
+        assert sum(_joined(line) for line in access.lines) >= 2
+
+
+def _joined(line: str) -> bool:
+    """An access line of sglang-router reading a replica's server info, as it does when the replica joins."""
+    return " /server_info 200" in line or " /get_server_info 200" in line
