@@ -397,15 +397,16 @@ def int8_many_rows_win(weights: list["QuantizedWeight"], cache_dir: Path | None 
 
 
 def _measure_many_rows(weights: list["QuantizedWeight"]) -> dict:
-    one = {(w.out_features, w.in_features, w.group_size, w.fmt): w for w in weights}.values()
-    xs = {w.in_features: torch.full((MEASURE_ROWS, w.in_features), 0.5) for w in one}
+    one = list({(w.out_features, w.in_features, w.group_size, w.fmt): w for w in weights}.values())
+    return {"int8_ms": _products_ms(one, MEASURE_ROWS, -1, 3), "fp32_ms": _products_ms(one, MEASURE_ROWS, 0, 3)}
 
-    def best(int8_rows: int) -> float:
-        return best_ms(lambda: [_LINEAR_OP(xs[w.in_features], w.codes, w.scales, w.offsets, w.group_size, None,
-                                           int8_rows) for w in one], 3)
 
+def _products_ms(weights: list["QuantizedWeight"], rows: int, int8_rows: int, repeats: int) -> float:
+    """Best time (ms) of `rows` activation rows through each weight in turn, with the weights' int8_rows set so."""
+    xs = {w.in_features: torch.full((rows, w.in_features), 0.5) for w in weights}
     with torch.inference_mode():
-        return {"int8_ms": best(-1), "fp32_ms": best(0)}
+        return best_ms(lambda: [_LINEAR_OP(xs[w.in_features], w.codes, w.scales, w.offsets, w.group_size, None,
+                                           int8_rows) for w in weights], repeats)
 
 
 FEW_ROWS = (4, 8, 12, 16, 24, 32)  # the row counts where int8_fewest_rows compares the two kernels
@@ -439,17 +440,8 @@ def int8_fewest_rows(weights: list["QuantizedWeight"], cache_dir: Path | None = 
 
 
 def _measure_few_rows(weights: list["QuantizedWeight"], counts: list[int]) -> dict:
-    out = {}
-    with torch.inference_mode():
-        for m in counts:
-            xs = {w.in_features: torch.full((m, w.in_features), 0.5) for w in weights}
-
-            def best(int8_rows: int) -> float:
-                return best_ms(lambda: [_LINEAR_OP(xs[w.in_features], w.codes, w.scales, w.offsets, w.group_size,
-                                                   None, int8_rows) for w in weights], 5)
-
-            out[str(m)] = {"int8_ms": best(1), "int16_ms": best(-1)}
-    return out
+    return {str(m): {"int8_ms": _products_ms(weights, m, 1, 5), "int16_ms": _products_ms(weights, m, -1, 5)}
+            for m in counts}
 
 
 def as_int8_blocks(x: torch.Tensor) -> torch.Tensor:
