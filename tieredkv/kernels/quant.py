@@ -333,9 +333,9 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias, int8_rows=-1):
     m = x2.shape[0]
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()  # (the C kernels read it as fp32 [N])
-    int8 = int8_rows != 0 and many_rows_int8(codes, group_size)
+    fewer = 0 < int8_rows <= m and codes.dim() == 2  # int8 blocks asked for within the one-row kernels' rows
     if m <= kernel_rows(codes) and _kernel_fits(codes, group_size) and \
-            not (int8 and 0 < int8_rows <= m and codes.dim() == 2):
+            not (fewer and many_rows_int8(codes, group_size)):
         out = torch.empty(m, n)
         b = None if bias is None else bias.data_ptr()
         xp, qp, sp, op = x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr()
@@ -354,7 +354,7 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias, int8_rows=-1):
                       CPU.lib.tkv_q4_linear(xp, m, k, qp, sp, zp, group_size, n, b, op))
         if status != 0:
             raise MemoryError("quantized linear: no memory for the activations' integer copy")
-    elif int8:
+    elif int8_rows != 0 and many_rows_int8(codes, group_size):
         out = torch.empty(m, n)
         if CPU.lib.tkv_quant_gemm(x2.data_ptr(), m, k, codes.data_ptr(), 8 if _is_q8(codes) else 4,
                                   int(codes.dim() == 3), scales.data_ptr(),
