@@ -51,13 +51,13 @@ if platform.machine() in ("x86_64", "AMD64"):
 
 
 @pytest.fixture(scope="session")
-def kernel_cache(tmp_path_factory) -> Path:
-    """The run's cache of CPU kernel builds: each is compiled once, by whichever of the run's workers asks first
-    (the others wait on the build's lock, then load it: the workers' temporary folders share a parent)."""
-    root = tmp_path_factory.getbasetemp()
-    path = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "kernel-builds"
-    path.mkdir(exist_ok=True)
-    return path
+def kernel_cache() -> Path:
+    """The cache the run's CPU kernel builds live in: the default one, where the engines the tests start build
+    and find theirs (helpers.fresh_cache links it into the fresh caches some tests use). Each build is compiled
+    once, by whichever of the run's processes asks first (the others wait on the build's lock, then load it)."""
+    from tieredkv.cache_dir import default_cache_dir
+
+    return default_cache_dir()
 
 
 @pytest.fixture(scope="module", params=list(CPU_KERNEL_BUILDS))

@@ -90,6 +90,19 @@ def make_checkpoint(out_dir: Path, kind: str = "llama", seed: int = 0, extra_spe
     return out_dir
 
 
+def fresh_cache(path: Path) -> Path:
+    """An engine cache directory at `path` with nothing in it but the run's CPU kernel builds (its `kernels/` is
+    the default cache's, where every other engine of the run finds them): for a test that needs an empty cache
+    for what it checks (a compile, a conversion, sleep's files) without compiling the kernels again (seconds)."""
+    from tieredkv.cache_dir import default_cache_dir
+
+    shared = default_cache_dir() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "kernels").symlink_to(shared, target_is_directory=True)
+    return path
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' generate, greedy, one prompt at a time, EOS ignored: the new token ids of each."""
     from transformers import AutoModelForCausalLM

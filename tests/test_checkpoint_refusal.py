@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import fresh_cache
+
 from tieredkv import AsyncEngine, CheckpointError, EngineConfig, SamplingParams, UnsupportedModelError
 
 
@@ -137,7 +139,8 @@ def tensor_count(data: bytearray, count: int) -> bytearray:
 
 
 async def test_the_intact_gguf_file_serves(gguf_model, tmp_path):
-    async with await start(gguf_model, quantization="gguf", cache_dir=str(tmp_path)) as engine:
+    cache = fresh_cache(tmp_path / "cache")
+    async with await start(gguf_model, quantization="gguf", cache_dir=str(cache)) as engine:
         out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(out.outputs[0].token_ids) == 3
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from helpers import check_pool_clean, hf_greedy, run_to_end
+from helpers import check_pool_clean, fresh_cache, hf_greedy, run_to_end
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.decode_attention import decode_attention_dense, decode_attention_ref
@@ -89,7 +89,8 @@ def test_compiled_path_is_what_runs_and_compiles_once(llama_dir):
 
 
 async def test_async_engine_defaults_to_compiled_decode_on_cpu(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=None)) as engine:
+    config = EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=None)
+    async with await AsyncEngine.start(config) as engine:
         out = await engine.generate([7, 8, 9, 3], SamplingParams(max_tokens=6, ignore_eos=True))
         assert len(out.outputs[0].token_ids) == 6
         assert engine.core.runner.compiled.steps == 5
@@ -174,7 +175,8 @@ def test_a_broken_compile_cache_is_emptied_and_the_graph_rebuilt(llama_dir, tmp_
     leftover = tmp_path / "inductor" / "xy" / "cxy.main.so"
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"")
-    core = EngineCore(EngineConfig(model=str(llama_dir), cache_dir=str(tmp_path), num_blocks=64, compile_decode=True))
+    core = EngineCore(EngineConfig(model=str(llama_dir), cache_dir=str(fresh_cache(tmp_path)), num_blocks=64,
+                                  compile_decode=True))
     compiled = core.runner.compiled
     assert "on an emptied cache" in caplog.text and not leftover.exists()
     assert compiled.ready and compiled.disabled is None and len(calls) == 2
@@ -286,15 +288,15 @@ def _start_engines(llama_dir, cache, home, n):
 
 
 def test_engines_starting_at_once_on_an_empty_cache_all_serve_compiled(tmp_path):
-    """Two processes on one empty cache directory, each compiling in the background (the default) while it
-    answers a first request: one compiles under the lock, the other loads its graph; both answer at
-    once, and then on the compiled path, and nothing lands in the user's home or XDG cache (inductor keeps
+    """Two processes on one cache directory empty but for the kernel builds, each compiling in the background
+    (the default) while it answers a first request: one compiles under the lock, the other loads its graph; both
+    answer at once, and then on the compiled path, and nothing lands in the user's home or XDG cache (inductor keeps
     its precompiled C++ headers in the system's temporary directory whatever it is told; those are shared
     by every program on the machine). (A half-written converted model: test_default_model.py.)"""
     from helpers import make_checkpoint
 
     llama_dir = make_checkpoint(tmp_path / "model", "llama", num_hidden_layers=1)  # the smallest graph to compile
-    cache, home = tmp_path / "cache", tmp_path / "home"
+    cache, home = fresh_cache(tmp_path / "cache"), tmp_path / "home"
     want = hf_greedy(llama_dir, [[5, 6, 7, 8]], 6)[0]
     results = _start_engines(llama_dir, cache, home, 2)
     assert all(r["tokens"] == [want, want] and r["disabled"] is None and r["ready"] and r["steps"] == 5

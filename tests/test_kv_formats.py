@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from helpers import check_pool_clean, make_checkpoint
+from helpers import check_pool_clean, fresh_cache, make_checkpoint
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.errors import SnapshotError
 from tieredkv.kernels.kv_format import FORMATS, KVLayout, hadamard, rotates
@@ -180,7 +180,7 @@ async def test_the_compiled_decode_graph_reads_int4_rows(llama2_dir, tmp_path):
     # (two layers: the compile is most of the test's time)
     eager, _, _ = await outputs(llama2_dir, PROMPTS[:2], kv_cache_dtype="int4")
     compiled, _, stats = await outputs(llama2_dir, PROMPTS[:2], kv_cache_dtype="int4", compile_decode=True,
-                                       cache_dir=str(tmp_path))
+                                       cache_dir=str(fresh_cache(tmp_path)))
     assert stats.decode_path == "compiled" and compiled == eager
 
 
