@@ -306,8 +306,10 @@ async def test_responses_function_round_trip_with_previous_response_id(default_s
     assert first.status == "completed"
     (call,) = [i for i in first.output if i.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), WEATHER)
+    # instructions are not carried over from the previous response (as OpenAI's API): given again, the first
+    # turn's prompt is the second's prefix
     second = await client.responses.create(model=NAME, previous_response_id=first.id, tools=FLAT_TOOLS,
-                                           tool_choice="none", max_output_tokens=12,
+                                           tool_choice="none", instructions="Be brief.", max_output_tokens=12,
                                            input=[{"type": "function_call_output", "call_id": call.call_id,
                                                    "output": "Sunny, 24 degrees."}])
     assert second.output_text and second.previous_response_id == first.id
