@@ -42,8 +42,9 @@ def hf_beams(model, ids: list[int], k: int, new: int) -> list[list[int]]:
 async def throughput(k: int, new: int) -> None:
     from transformers import AutoModelForCausalLM
 
+    # the core in this process: the transformers baseline runs on its worker thread
     async with await AsyncEngine.start(EngineConfig(compile_in_background=False, model="default",
-                                                    core_process=False))  # transformers on its worker thread as engine:
+                                                    core_process=False)) as engine:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
         params = SamplingParams(max_tokens=new, beam_width=k, n=k)
         await engine.generate(prompts[0], SamplingParams(max_tokens=2, beam_width=k))  # warm-up

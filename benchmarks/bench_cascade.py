@@ -93,8 +93,8 @@ async def main(args) -> None:
     for name, r in results.items():
         print(f"{name:<30}{r['tok_s']:>9.1f}{r['ttft']:>12.3f}{r.get('step_ms', float('nan')):>24.1f}")
     on, off = results["engine, grouping on"], results["engine, grouping off"]
-    print(f"grouping on / off: throughput {on['tok_s'] / off['tok_s']:.2f}x, decode step {off['step_ms'] / on['step_ms']:.2f}x"
-          f" faster")
+    print(f"grouping on / off: throughput {on['tok_s'] / off['tok_s']:.2f}x, "
+          f"decode step {off['step_ms'] / on['step_ms']:.2f}x faster")
     if args.hf:
         print(f"vs transformers one at a time: {on['tok_s'] / results['transformers one at a time']['tok_s']:.2f}x")
 

@@ -9,8 +9,9 @@ Measures, on the default model:
   2. batch-1 decode ms/token (128-token prompt, greedy, EOS ignored) for tieredkv fp32 and bf16, each with
      the compiled decode path and with the eager forward, int8, int4 and the default model's own Q4_1 file
      (quantization="gguf"), the three again with int8_activations, on the compiled path, and transformers
-     fp32, interleaved; each row with its weight bytes, its floor (those bytes over the measured read bandwidth of a 1 GiB tensor) and the time its engine
-     took to build in this run; with --llama-bench, llama.cpp's llama-bench on the GGUF files given, same run;
+     fp32, interleaved; each row with its weight bytes, its floor (those bytes over the measured read bandwidth of
+     a 1 GiB tensor) and the time its engine took to build in this run; with --llama-bench, llama.cpp's
+     llama-bench on the GGUF files given, same run;
      with --engine-gguf, the engine on other GGUF files of the default model too (llama-quantize's presets);
   3. the engine's own cost per decode step outside the forward (scheduler, block moves, sampling, stop rules)
      and the batch preparation inside it;
@@ -56,7 +57,8 @@ from tieredkv.config import EngineConfig
 from tieredkv.engine.engine_core import EngineCore
 core = EngineCore(EngineConfig(
     compile_in_background=False, kv_cache_bytes={kv}, warm_bytes=0, compile_decode={compiled}))
-print(json.dumps({{"seconds": time.perf_counter() - t0, "graphs": core.runner.compiled.graphs if core.runner.compiled else 0}}))
+graphs = core.runner.compiled.graphs if core.runner.compiled else 0
+print(json.dumps({{"seconds": time.perf_counter() - t0, "graphs": graphs}}))
 """
 
 

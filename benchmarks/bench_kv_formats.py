@@ -68,8 +68,8 @@ async def restore(fmt: str, trials: int, server_url: str, key: Path) -> dict:
     """TTFT of a 4,096-token prefix recomputed and restored from each tier, and the bytes each restore moved."""
     rng = random.Random(1)
     cold_dir = Path(tempfile.mkdtemp(prefix="tieredkv-bench-kv-cold-"))
-    base = dict(core_process=False, compile_in_background=False, model="default", kv_cache_bytes=1 << 30, kv_cache_dtype=fmt,
-                cold_secret_path=str(key))
+    base = dict(core_process=False, compile_in_background=False, model="default", kv_cache_bytes=1 << 30,
+                kv_cache_dtype=fmt, cold_secret_path=str(key))
     times: dict[str, list[float]] = {"recompute": [], "warm": [], "cold (dropped)": [], "remote": []}
     moved: dict[str, int] = {}
     async with await AsyncEngine.start(EngineConfig(**base, warm_bytes=1 << 30, cold_path=str(cold_dir),

@@ -66,7 +66,8 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = LocalValkey(Path(tmp) / "valkey", maxmemory="2gb", maxmemory_policy="allkeys-lru").start()
         try:
-            remote = dict(core_process=False, remote_url=server.url, cold_secret_path=str(Path(tmp) / "key"), warm_bytes=0)
+            remote = dict(core_process=False, remote_url=server.url, cold_secret_path=str(Path(tmp) / "key"),
+                          warm_bytes=0)
             async with await AsyncEngine.start(EngineConfig(**remote)) as writer:
                 for q in prompts:
                     await writer.generate(q, SamplingParams(max_tokens=1))

@@ -4,16 +4,16 @@ resident memory sampled throughout, then idle.
     .venv/bin/python benchmarks/bench_soak.py                     # 30 minutes of load, then 2 idle
     .venv/bin/python benchmarks/bench_soak.py --minutes 5 --out /tmp/soak.json
 
-The server runs with a cold tier (a temporary folder), a small hot pool (--num-blocks, default 512: long
-prompts evict, so blocks go down to warm and cold all along) and a warm tier of 256 MiB (--warm-mib), which
-fills within the first minutes: what grows after that is not a tier filling up to its budget. Eight clients cycle through one mix, each
-starting at another place in it: chat turns on a shared 1,000-token system prompt, long documents of their
-own (~1,500 tokens), n=4 samples, beam search, json_schema, logprobs, streams the client drops after five
-chunks, and refused requests. The server's resident memory (from /proc) is read every 5 s, anonymous (heap,
-tensors, the hot pool and warm tier) and file-backed (the cold tier's LMDB pages, which the kernel may drop)
-apart, its cold tier capped at 1 GiB (--cold-mib). The report, for each: at the start, after the first half,
-at the end of the load, its least-squares slope over the second half (MiB per minute), its peak, and after the
-idle minutes; requests by kind and outcome; with --out, every sample as JSON.
+The server runs with a cold tier (a temporary folder), a small hot pool (--num-blocks, default 512: long prompts
+evict, so blocks go down to warm and cold all along) and a warm tier of 256 MiB (--warm-mib), which fills within the
+first minutes: what grows after that is not a tier filling up to its budget. Eight clients cycle through one mix,
+each starting at another place in it: chat turns on a shared 1,000-token system prompt, long documents of their own
+(~1,500 tokens), n=4 samples, beam search, json_schema, logprobs, streams the client drops after five chunks, and
+refused requests. The server's resident memory (from /proc) is read every 5 s, anonymous (heap, tensors, the hot
+pool and warm tier) and file-backed (the cold tier's LMDB pages, which the kernel may drop) apart, its cold tier
+capped at 1 GiB (--cold-mib). The report, for each: at the start, after the first half, at the end of the load, its
+least-squares slope over the second half (MiB per minute), its peak, and after the idle minutes; requests by kind
+and outcome; with --out, every sample as JSON.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from tieredkv.errors import SnapshotError
 msgpack_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=8),
               st.binary(max_size=8)),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["fp", "dtype", "shape", "h", "t", "d",
-                                                                                  "v", "tokens", "x"]), inner, max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["fp", "dtype", "shape", "h", "t", "d", "v", "tokens", "x"]), inner, max_size=4),
     max_leaves=10)
 
 

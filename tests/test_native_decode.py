@@ -69,7 +69,8 @@ def test_native_step_matches_the_eager_forward(request, family, scheme):
             for w, g in zip(want[1:], got[1:]):  # the prefill's, then each decode step's
                 assert (w - g).abs().max() <= 1e-3 * w.abs().max(), (w - g).abs().max()
             # the same blocks (one request at a time, no prefix caching): every K/V row the decodes wrote
-            # (an int16 activation code a rounding apart moves a row by ~2^-15 of its largest input, and later layers carry it on)
+            # (an int16 activation code a rounding apart moves a row by ~2^-15 of its largest input, and later
+            # layers carry it on)
             assert (native.kv_cache - eager.kv_cache).abs().max() <= 1e-3 * eager.kv_cache.abs().max()
             assert native.kv_cache.abs().amax(dim=(3, 4, 5)).gt(0).sum() == eager.kv_cache.abs().amax(
                 dim=(3, 4, 5)).gt(0).sum()  # the same blocks written

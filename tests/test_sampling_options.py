@@ -104,7 +104,8 @@ async def greedy(engine, n=16, **kwargs):
 
 async def test_repetition_penalty_matches_transformers_generate(engine, hf):
     for penalty in (1.5, 0.8):
-        assert (await greedy(engine, repetition_penalty=penalty)).token_ids == hf_generate(hf, repetition_penalty=penalty)
+        got = (await greedy(engine, repetition_penalty=penalty)).token_ids
+        assert got == hf_generate(hf, repetition_penalty=penalty)
 
 
 async def test_logit_bias_matches_transformers_sequence_bias(engine, hf):

@@ -233,9 +233,9 @@ def read_sse(conn: http.client.HTTPConnection, body: dict) -> http.client.HTTPRe
 
 
 def test_the_cli_serves_and_on_sigterm_drains_writes_the_cold_tier_and_exits_0(tmp_path):
-    """`tieredkv serve` answers the official client and serves /metrics; on SIGTERM: /health fails and new requests get 503 at once; streams that finish within the grace
-    period end normally, the one that cannot ends with a final error event and [DONE]; the cold tier
-    holds every block the hot pool had cached; the process exits 0."""
+    """`tieredkv serve` answers the official client and serves /metrics; on SIGTERM: /health fails and new requests
+    get 503 at once; streams that finish within the grace period end normally, the one that cannot ends with a final
+    error event and [DONE]; the cold tier holds every block the hot pool had cached; the process exits 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -253,7 +253,8 @@ def test_the_cli_serves_and_on_sigterm_drains_writes_the_cold_tier_and_exits_0(t
             line = proc.stdout.readline()
         assert "serving" in line and "metrics on /metrics" in line, line
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        assert client.completions.create(model=NAME, prompt="Paged attention", max_tokens=3).usage.completion_tokens == 3
+        done = client.completions.create(model=NAME, prompt="Paged attention", max_tokens=3)
+        assert done.usage.completion_tokens == 3
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             metrics = r.read().decode()
         assert "tieredkv_generated_tokens" in metrics and "tieredkv_requests" in metrics

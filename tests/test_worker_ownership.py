@@ -28,7 +28,8 @@ async def test_stats_in_a_tight_loop_beside_32_streams(llama_dir):
                 assert s.blocks_used + s.blocks_free == s.blocks_total
                 assert 0 <= s.blocks_cached <= s.blocks_total and s.num_running <= 32
                 per_block = s.tiers["hot"].capacity_bytes // s.blocks_total  # hot holds blocks in use and cached
-                assert s.blocks_used * per_block <= s.tiers["hot"].used_bytes <= (s.blocks_used + s.blocks_cached) * per_block
+                used = s.tiers["hot"].used_bytes
+                assert s.blocks_used * per_block <= used <= (s.blocks_used + s.blocks_cached) * per_block
                 snapshots += 1
                 if snapshots >= READS:
                     enough.set()
@@ -76,7 +77,8 @@ async def test_a_request_that_cannot_fit_beside_the_pinned_blocks_fails_clearly(
     async with await AsyncEngine.start(cfg) as engine:
         assert await engine.pin(list(range(3, 3 + 8 * 16))) == 128  # 8 of 16 blocks pinned
         # 11 blocks: fits the pool, not beside the pins; it used to be admitted and stall the engine
-        with pytest.raises(RequestError, match=r"needs up to 11 KV blocks but the pool has 16 and 8 of them are pinned"):
+        with pytest.raises(RequestError,
+                           match=r"needs up to 11 KV blocks but the pool has 16 and 8 of them are pinned"):
             await asyncio.wait_for(engine.generate(list(range(200, 360)), SamplingParams(max_tokens=16,
                                                                                       ignore_eos=True)), 10)
         out = await asyncio.wait_for(engine.generate(list(range(200, 230)), SamplingParams(max_tokens=4)), 10)

@@ -141,8 +141,9 @@ class PackedWeight(DenseWeight):
         return copies * self.out_features * self.in_features * self.packed.element_size()
 
     def extra_repr(self) -> str:
+        reads = "its handle" if self.handle is not None else "a plain copy" if self.plain is not None else "-"
         return (f"{self.label}, {self.out_features}x{self.in_features}, one-row layout {self.row_layout}, graph "
-                f"reads {'its handle' if self.handle is not None else 'a plain copy' if self.plain is not None else '-'}")
+                f"reads {reads}")
 
 
 WIDEN_MIN_ROWS = 4  # from this many rows a 16-bit weight without 16-bit units is widened (below: F.linear's loop)

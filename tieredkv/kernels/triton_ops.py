@@ -838,9 +838,9 @@ def _quant_matmul_kernel(
     """Program (row tile, output tile) computes out[rows, cols] = x @ dequantize(W)[cols].T (+ bias): each
     BLOCK_K slice of the weight is dequantized in registers (q8: code x scale, + offset where it has them;
     q4: the nibble GGUF's order puts input j of a group in byte j's low half and input j + g/2 in its high
-    half, x scale + offset, the group of each input found by division, so any group size serves) and multiplied on the tensor cores in
-    x's dtype, accumulating in fp32. Decode steps (up to 16 rows) are one row tile: each weight is read
-    once, as a GEMV reads it."""
+    half, x scale + offset, the group of each input found by division, so any group size serves) and multiplied on
+    the tensor cores in x's dtype, accumulating in fp32. Decode steps (up to 16 rows) are one row tile: each
+    weight is read once, as a GEMV reads it."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
@@ -888,8 +888,9 @@ def quant_linear(x, codes, scales, offsets, group_size, bias=None) -> torch.Tens
         grid = (triton.cdiv(m, QUANT_BLOCK_M), triton.cdiv(n, QUANT_BLOCK_N))
         launch(_quant_matmul_kernel, grid, x2, codes, scales, offsets if offsets is not None else scales,
                bias if bias is not None else out, out, m, n, k, group_size, x2.stride(0), codes.stride(0),
-               scales.stride(0), out.stride(0), IS_Q4=q4, HAS_OFFSETS=offsets is not None, HAS_BIAS=bias is not None, BLOCK_M=QUANT_BLOCK_M,
-               BLOCK_N=QUANT_BLOCK_N, BLOCK_K=QUANT_BLOCK_K, PRECISION=_dot_precision(x.dtype))
+               scales.stride(0), out.stride(0), IS_Q4=q4, HAS_OFFSETS=offsets is not None,
+               HAS_BIAS=bias is not None, BLOCK_M=QUANT_BLOCK_M, BLOCK_N=QUANT_BLOCK_N, BLOCK_K=QUANT_BLOCK_K,
+               PRECISION=_dot_precision(x.dtype))
     return out.view(*x.shape[:-1], n)
 
 TRITON_OPS = KernelOps(

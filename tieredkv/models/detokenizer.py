@@ -37,7 +37,8 @@ class IncrementalDetokenizer:
         """Append a token; returns True when a stop string completed (text is then cut before it).
         With check_stop False (min_tokens not reached yet), stop strings are not looked for."""
         self._ids.append(token_id)
-        prefix = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
+        prefix = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset],
+                                      skip_special_tokens=self._skip)
         full = self._decoder.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return False

@@ -120,7 +120,9 @@ def _k_quant(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Quanti
         return blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32)
 
     def weight(fmt, codes, scales, offsets, group):
-        half = (lambda a: torch.from_numpy(a.astype(np.float16).reshape(rows, -1)))
+        def half(a):
+            return torch.from_numpy(a.astype(np.float16).reshape(rows, -1))
+
         return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)), half(scales),
                                None if offsets is None else half(offsets), group, cols, f"gguf:{type_name}")
 

@@ -11,8 +11,8 @@ stacked A and one block-diagonal B^T whose columns are the fused output's (Fused
 In a step, the rows of each adapter take their low-rank products beside the shared base product, which every row
 takes whatever its adapter (as S-LoRA and Punica batch them); rows of the base model take none. `LoRABatch` groups
 the rows per adapter, or for a step of few rows lays them out over a `LoRAStack` of the step's adapters and takes
-one batched product for all (kernels/lora_rows.py; on CUDA kernels/lora_triton.py). The base weights may be in any format (quantized included): the adapter adds to what
-the base product gives.
+one batched product for all (kernels/lora_rows.py; on CUDA kernels/lora_triton.py). The base weights may be in
+any format (quantized included): the adapter adds to what the base product gives.
 """
 
 from __future__ import annotations

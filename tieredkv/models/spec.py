@@ -86,9 +86,11 @@ class ModelSpec:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             if getattr(spec, name) < 1:
-                raise UnsupportedModelError(f"config.json: {name} must be a positive integer, got {getattr(spec, name)}")
+                raise UnsupportedModelError(
+                    f"config.json: {name} must be a positive integer, got {getattr(spec, name)}")
         if spec.head_dim % 2:
-            raise UnsupportedModelError(f"config.json: head_dim must be even for rotary embeddings, got {spec.head_dim}")
+            raise UnsupportedModelError(
+                f"config.json: head_dim must be even for rotary embeddings, got {spec.head_dim}")
         if spec.num_heads % spec.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({spec.num_heads}) is not a multiple of num_key_value_heads ({spec.num_kv_heads})"

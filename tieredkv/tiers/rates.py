@@ -6,8 +6,8 @@ and the engine's prefill rate as it computes (tokens per second of forward). A l
 where the read is expected to beat computing the same blocks, and gives the read a deadline of that computing
 time (half of it while the tier's cost is not known: its first read, a probe): a read still in flight then is
 dropped and the blocks are computed, so a tier that turns slow costs at most one request that much. A tier not
-read for `probe_s` is read again (with the deadline), so that one that recovers is used again. Before a request's forward is measured, one of RATE_TOKENS tokens is timed at start
-(ModelRunner.time_prefill).
+read for `probe_s` is read again (with the deadline), so that one that recovers is used again. Before a request's
+forward is measured, one of RATE_TOKENS tokens is timed at start (ModelRunner.time_prefill).
 Below `floor_s` nothing is decided: a read expected to take less than that is always tried, and a read always has
 at least that long (a few tens of milliseconds of TTFT are not worth a wrong guess from a noisy estimate)."""
 

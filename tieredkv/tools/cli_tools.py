@@ -162,7 +162,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--device", default="auto", help="cuda or cpu: whose memory to plan for (auto: the engine's)")
     p.add_argument("--device-memory", default=None, help="e.g. 80GiB (default: measured)")
     p.add_argument("--memory-utilization", type=float, default=0.9)
-    p.add_argument("--dtype", default="auto", help="as the engine: float32 on CPU; bfloat16 on CUDA, float16 below compute capability 8.0")
+    p.add_argument("--dtype", default="auto",
+                   help="as the engine: float32 on CPU; bfloat16 on CUDA, float16 below compute capability 8.0")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--warm-bytes", default=None, help="the warm tier's budget (default: the engine's)")
