@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import check_pool_clean
+from helpers import check_pool_clean, run_to_end
 from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.errors import CheckpointError
@@ -865,5 +865,34 @@ def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeyp
     try:
         stats = core.stats()
         assert stats.dense_formats == stats.dense_arithmetic == {k: "float32" for k in (*kinds, "lm_head")}
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_stats_count_what_served_each_call(llama_dir, monkeypatch, faster):
+    """stats().kernel_calls counts each forward by what ran it, and each attention and quantized product by the
+    implementation that served it: a 40-token prompt's products take int8 blocks where they were measured faster
+    (here: said to be, or not) and the dequantized product where not, its last row's LM head the int16 rows;
+    the lone sequence's decodes are native steps (their calls are the C step's own); two short prompts and their
+    decodes in one batch are eager forwards whose products take the int16 rows and whose decode attention is the
+    CPU kernel (never torch's reference: the native step's warm-up bound it)."""
+    from tieredkv.engine import rank_build
+
+    monkeypatch.setattr(rank_build, "int8_many_rows_win", lambda weights, cache_dir: faster)
+    monkeypatch.setattr(rank_build, "int8_fewest_rows", lambda weights, cache_dir: 8)
+    core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
+                                   compile_decode=True))
+    try:
+        assert core.stats().decode_path == "native" and core.stats().kernel_calls == {}
+        layers = core.spec.num_layers
+        run_to_end(core, [list(range(5, 45))], [3])  # one prefill forward, two native steps
+        run_to_end(core, [[7, 8, 9], [10, 11, 12]], [2, 2])  # one prefill and one decode forward of both
+        many = "int8 blocks" if CPU.int8_gemm and faster else "dequantized float32"
+        assert core.stats().kernel_calls == {
+            "forward: eager": 3, "forward: native step": 2,
+            "prefill attention: torch reference": 2 * layers, "decode attention: CPU kernel": layers,
+            f"quantized product: {many}": 4 * layers,
+            "quantized product: int16 rows": 1 + 2 * (4 * layers + 1)}
     finally:
         core.close()

@@ -18,6 +18,7 @@ from tieredkv.engine.sleep import Sleeper
 from tieredkv.engine.sizing import kv_token_bytes
 from tieredkv.engine.speculative import DraftProposer, draft_config
 from tieredkv.errors import EngineClosedError, LoRAError, RequestError
+from tieredkv.kernels.calls import labelled
 from tieredkv.platform.malloc_tuning import release_free_memory
 from tieredkv.tiers.rates import RATE_TOKENS
 
@@ -258,4 +259,4 @@ class EngineCore:
                              self.dense_formats, parts.kv_format.label,
                              kv_token_bytes(parts.spec, parts.kv_format),
                              parts.speculator.counters if parts.speculator is not None else None,
-                             self.sleeper.level, self.dense_arithmetic)
+                             self.sleeper.level, self.dense_arithmetic, labelled(parts.runner.kernel_calls))

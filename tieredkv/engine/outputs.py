@@ -179,6 +179,12 @@ class EngineStats:
         speculative: speculative decoding's counters (`SpecCounters`: drafts, draft tokens, accepted tokens,
             acceptance rate, accepted by position), or None without EngineConfig.speculative.
         sleep_level: 0 awake; 1 asleep with the hot pool's memory given back; 2 the weights' too (`sleep()`).
+        kernel_calls: "kind: implementation" -> how many calls it served so far, as each was chosen: "forward:
+            eager" / "compiled graph" / "native step" per forward; "decode attention: CPU kernel" / "torch
+            reference" / "cascade" / "Triton" / ... and "prefill attention: ..." per layer and forward (a call
+            that attends some rows as cascades and the others alone counts for both); "quantized product: int16
+            rows" / "int8 blocks" / "dequantized float32" / "Triton" per product. Inside a compiled graph or the
+            native step nothing more is counted: its forwards are (kernels/calls.py).
     """
 
     num_running: int
@@ -208,6 +214,7 @@ class EngineStats:
     kv_bytes_per_token: int = 0  # one token's K and V over every layer, in that format
     speculative: "SpecCounters | None" = None  # speculative decoding's counters, when it is configured
     sleep_level: int = 0  # 0 awake; 1 the hot pool's memory given back; 2 the weights' too
+    kernel_calls: dict[str, int] = field(default_factory=dict)  # "kind: implementation" -> calls it served
 
 
 def make_chunk(seq: "Sequence", token_ids: list[int], final: bool,
@@ -237,7 +244,8 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
                   decode_path: str = "eager", weights: str = "float32", weight_bytes: int = 0,
                   dense_formats: dict[str, str] | None = None, kv_format: str = "float32",
                   kv_bytes_per_token: int = 0, speculative: "SpecCounters | None" = None,
-                  sleep_level: int = 0, dense_arithmetic: dict[str, str] | None = None) -> EngineStats:
+                  sleep_level: int = 0, dense_arithmetic: dict[str, str] | None = None,
+                  kernel_calls: dict[str, int] | None = None) -> EngineStats:
     """A snapshot of the engine's counters: every field read at one moment, tier stats copied."""
     return EngineStats(
         num_running=len(scheduler.running),
@@ -268,4 +276,5 @@ def collect_stats(pool, scheduler, kv, tiers: dict[str, TierStats], pinned: int,
         speculative=None if speculative is None else replace(
             speculative, accepted_per_position=list(speculative.accepted_per_position)),
         sleep_level=sleep_level,
+        kernel_calls=dict(kernel_calls or {}),
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tieredkv.kernels.calls import record
 from tieredkv.kernels.cascade import CascadePlan, cascade_attention, plan_cascades
 from tieredkv.kernels.kv_format import CPU_FORMATS, KVLayout, select_blocks
 
@@ -135,9 +136,11 @@ def decode_attention_ref(
     num_kv_heads = key_cache.shape[2]
     if plan is None:
         plan = plan_decode(block_tables, context_lens, key_cache.shape[1], query.dtype)
+    record("decode attention", "torch reference")
     whole = plan.cascades is None and len(plan.groups) == 1 and isinstance(plan.groups[0].rows, slice)  # in order
     out = None if whole else torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if plan.cascades is not None:
+        record("decode attention", "cascade")
         out[plan.cascades.rows] = cascade_attention(query, key_cache, value_cache, plan.cascades, scale, kv)
     for g in plan.groups:
         q = query[g.rows]
@@ -169,6 +172,7 @@ def decode_attention_dense(
     compiled_decode.py), and costs B * W * block_size key positions, so it suits small batches."""
     batch, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads = block_tables.shape[1], key_cache.shape[1], key_cache.shape[2]
+    record("decode attention", "dense (masked)")
     ids = block_tables.reshape(-1).to(torch.int64)
     k = select_blocks(key_cache, ids, kv, 0).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
     v = select_blocks(value_cache, ids, kv, 1).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
@@ -213,6 +217,7 @@ def decode_attention_compiled(query, key_cache, value_cache, block_tables, conte
     is traced. The scale multiplies the query in the graph (what the kernel does first): a float argument to
     the operator would be a symbolic float that dynamo can only specialize by tracing again."""
     if paged_decode_usable(query, key_cache, kv):
+        record("decode attention", "CPU kernel")
         q = query.float() * scale  # fp32, as the kernel would scale it
         out = torch.ops.tieredkv.paged_decode(q, key_cache, value_cache, block_tables, context_lens, 1.0,
                                               *_formats(kv))
@@ -231,11 +236,14 @@ def decode_attention_cpu(query, key_cache, value_cache, block_tables, context_le
     formats = _formats(kv)
     paged = torch.ops.tieredkv.paged_decode
     if plan is None or plan.cascades is None:
+        record("decode attention", "CPU kernel")
         return paged(query, key_cache, value_cache, block_tables, context_lens, scale, *formats)
+    record("decode attention", "cascade")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     out[plan.cascades.rows] = cascade_attention(query, key_cache, value_cache, plan.cascades, scale, kv)
     rows = plan.alone
     if rows.numel():
+        record("decode attention", "CPU kernel")
         out[rows] = paged(query[rows], key_cache, value_cache, block_tables[rows], context_lens[rows], scale,
                           *formats)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tieredkv.kernels.calls import record
 from tieredkv.kernels.cascade import prefill_cascade_attention
 from tieredkv.kernels.decode_attention import gather_kv
 from tieredkv.kernels.kv_format import KVLayout
@@ -26,10 +27,13 @@ def prefill_attention_ref(
     `plan` lists groups of chunks that follow the same cached blocks (cascade.shared_prefixes): their
     queries meet the shared prefix in one product (cascade.prefill_cascade_attention). `kv`: the caches'
     formats where they do not hold the compute dtype (kernels/kv_format.py)."""
+    record("prefill attention", "torch reference")
     out = torch.empty_like(query)
     query_start_loc = query_start_loc.tolist()
     lens = context_lens.tolist()
     grouped = set()
+    if plan:
+        record("prefill attention", "cascade")
     for rows, blocks in plan or ():
         parts = prefill_cascade_attention(query, key_cache, value_cache, block_tables, query_start_loc, lens, scale,
                                           rows, blocks, kv)

@@ -38,6 +38,7 @@ from torch import nn
 
 from tieredkv.config import INT4_GROUP_SIZES
 from tieredkv.errors import CheckpointError
+from tieredkv.kernels.calls import record
 from tieredkv.kernels.dense import DenseWeight
 from tieredkv.kernels.linear import best_ms, cached_measurement, tiled_product
 from tieredkv.kernels.ops import implement
@@ -325,6 +326,7 @@ def _triton_quant_linear():
 
 def _quant_linear(x, codes, scales, offsets, group_size, bias, int8_rows=-1):
     if codes.is_cuda and _triton_quant_linear() is not None:
+        record("quantized product", "Triton")
         return _triton_quant_linear()(x, codes, scales, offsets, group_size, bias)
     k, n = x.shape[-1], _out_features(codes)
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # a decode step's [1, K] as it is (a reshape costs ~2.5 us)
@@ -336,6 +338,7 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias, int8_rows=-1):
     fewer = 0 < int8_rows <= m and codes.dim() == 2  # int8 blocks asked for within the one-row kernels' rows
     if m <= kernel_rows(codes) and _kernel_fits(codes, group_size) and \
             not (fewer and many_rows_int8(codes, group_size)):
+        record("quantized product", "int16 rows")
         out = torch.empty(m, n)
         b = None if bias is None else bias.data_ptr()
         xp, qp, sp, op = x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr()
@@ -355,6 +358,7 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias, int8_rows=-1):
         if status != 0:
             raise MemoryError("quantized linear: no memory for the activations' integer copy")
     elif int8_rows != 0 and many_rows_int8(codes, group_size):
+        record("quantized product", "int8 blocks")
         out = torch.empty(m, n)
         if CPU.lib.tkv_quant_gemm(x2.data_ptr(), m, k, codes.data_ptr(), 8 if _is_q8(codes) else 4,
                                   int(codes.dim() == 3), scales.data_ptr(),
@@ -362,6 +366,7 @@ def _quant_linear(x, codes, scales, offsets, group_size, bias, int8_rows=-1):
                                   None if bias is None else bias.data_ptr(), out.data_ptr()) != 0:
             raise MemoryError("quantized linear: no memory for the activations' int8 blocks")
     else:
+        record("quantized product", "dequantized float32")
         out = _dequantized_linear(x2, codes, scales, offsets, group_size, bias)
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
@@ -537,6 +542,7 @@ def _product(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) ->
     op = _linear_op(x, qw)
     if op is _LINEAR_OP:
         return op(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias, qw.int8_rows)
+    record("quantized product", "int16 rows")  # (the one-row kernels, through the C++ operator)
     return op(x, qw.codes, qw.scales, qw.offsets, qw.group_size, bias)
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from tieredkv.kernels.calls import record
 from tieredkv.kernels.kernel_ops import KernelOps
 from tieredkv.kernels.kv_format import hadamard, rotates
 
@@ -589,6 +590,7 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
                      plan: DecodePlan | None = None, tokens_per_split: int | None = None,
                      kv: "KVLayout | None" = None):
     _check_decode_args(query, key_cache, value_cache, block_tables, context_lens, kv)
+    record("decode attention", "Triton")
     if kv is not None:  # int4 keys and values are stored turned: the query turned alike, the output turned back
         query = _turned(query, kv.k, kv.head_dim)
     batch, num_heads, head_dim = query.shape
@@ -620,6 +622,7 @@ def decode_attention(query, key_cache, value_cache, block_tables, context_lens, 
            out.stride(0), out.stride(1), tokens_per_split, GROUP_PAD=max(16, triton.next_power_of_2(group)),
            DIRECT=direct, **meta)
     if cascade is not None:
+        record("decode attention", "Triton cascade")
         _launch_prefix(query, key_cache, value_cache, cascade, part_out, part_lse, scale, num_splits, prefix_splits,
                        tokens_per_split, tiles.prefix_rows if meta["V_FMT"] < 0 else tiles.prefix_rows // 2, meta)
     if not direct:
@@ -719,6 +722,7 @@ def prefill_attention(query, key_cache, value_cache, block_tables, query_start_l
                       max_query_len=None, plan=None, kv: "KVLayout | None" = None):
     """(`plan`, the chunks that share a cached prefix, is for the torch path; each chunk runs alone here.)"""
     _check_cache(key_cache, value_cache)
+    record("prefill attention", "Triton")
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     batch = context_lens.shape[0]

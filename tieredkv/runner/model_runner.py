@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -11,6 +12,7 @@ from tieredkv.core.scheduler import SchedulerOutput
 from tieredkv.core.sequence import Sequence
 from tieredkv.errors import EngineClosedError, RankLostError
 from tieredkv.kernels import KernelOps
+from tieredkv.kernels.calls import counting, record
 from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS, shared_prefixes
 from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.models.llama import LlamaModel
@@ -73,6 +75,7 @@ class ModelRunner:
         self.staged_steps = 0
         self.read_ahead_layers = self.late_layers = 0  # staged layers read ahead / copied at their gather
         self.peak_staged_blocks = 0  # the largest staging buffer a step used, in blocks of one layer
+        self.kernel_calls: Counter = Counter()  # (kind, implementation) -> calls in its forwards (kernels/calls.py)
 
     def _table_ids(self, seqs: list[Sequence]) -> tuple[list[list[int]], StagePlan | None]:
         """Each sequence's block ids as the kernels index them, and the staging plan when they need one."""
@@ -281,6 +284,10 @@ class ModelRunner:
                                 "tensor-parallel ranks are out of step") from e
 
     def _forward_rows(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
+        with counting(self.kernel_calls):
+            return self._counted_forward(scheduled)
+
+    def _counted_forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
         compiled = (self.compiled is not None and self.compiled.accepts(scheduled)  # (adapters: the eager forward)
                     and all(adapter_of(s) is None for s, _ in scheduled))
         batch, sampled = self.prepare(scheduled, with_plan=not compiled)
@@ -289,10 +296,14 @@ class ModelRunner:
             a = batch.attn  # one decode, or (the native step) one sequence's last token and drafts as a chunk
             tables, lens = ((a.decode_block_tables, a.decode_context_lens) if a.num_decode_tokens else
                             (a.prefill_block_tables, a.prefill_context_lens))
-            logits = self.compiled.run(batch.input_ids, batch.positions, batch.slot_mapping, tables, lens)
-            if logits is not None and logits.shape[0] != batch.logits_indices.shape[0]:  # a prompt chunk: its last
-                logits = logits[batch.logits_indices]
+            with counting(None):  # the graph's or the C step's calls: counted as its forward
+                logits = self.compiled.run(batch.input_ids, batch.positions, batch.slot_mapping, tables, lens)
+            if logits is not None:
+                record("forward", "native step" if self.compiled.state == "native" else "compiled graph")
+                if logits.shape[0] != batch.logits_indices.shape[0]:  # a prompt chunk: its last
+                    logits = logits[batch.logits_indices]
         if logits is None:
+            record("forward", "eager")
             logits = self.model.forward(batch, self.kv_cache, self.ops)  # not __call__: llama.py, FORWARD_ONLY
         stage = batch.attn.stage
         if stage is not None:
