@@ -391,14 +391,20 @@ INT8_MARGIN = 1.1  # int8 blocks serve only where the fp32 product takes 1.1x th
 
 def int8_many_rows_win(weights: list["QuantizedWeight"], cache_dir: Path | None = None) -> bool:
     """Whether products of many rows on these weights (one layer's quantized ones) are clearly faster on int8 blocks
-    than dequantized into the fp32 product, on this processor. The int8 kernel is 256-bit AVX2 code, where fp32
-    products use every width the processor has (AVX-512 doubles their rate), so which wins is measured: once per
-    processor, torch build, thread count and layer shapes, MEASURE_ROWS rows through each layer's weight both ways,
-    best of three; kept in `cache_dir`'s kernels/many-rows.json. The int8 blocks must win by INT8_MARGIN."""
+    than dequantized into the fp32 product, on this processor. The int8 kernel is 256-bit AVX2 code, where fp32 products
+    use every width the processor has (AVX-512 doubles their rate), so which wins is measured: once per processor, torch
+    build, thread count, kernels' build and layer shapes, MEASURE_ROWS rows through each layer's weight both ways, best
+    of three; kept in `cache_dir`'s kernels/many-rows.json. The int8 blocks must win by INT8_MARGIN."""
     shapes = sorted({(w.out_features, w.in_features, w.group_size, w.fmt) for w in weights})
-    known = cached_measurement("many-rows", (shapes, torch.get_num_threads()), lambda: _measure_many_rows(weights),
-                               cache_dir)
+    known = cached_measurement("many-rows", (shapes, torch.get_num_threads(), _kernels_build()),
+                               lambda: _measure_many_rows(weights), cache_dir)
     return known["fp32_ms"] > INT8_MARGIN * known["int8_ms"]
+
+
+def _kernels_build() -> str:
+    """The CPU kernels' build (its file's name holds a digest of their sources, flags and compiler): a measurement
+    of them is taken again once they change."""
+    return "" if CPU.lib is None else Path(CPU.lib._name).name
 
 
 def _measure_many_rows(weights: list["QuantizedWeight"]) -> dict:
@@ -427,14 +433,14 @@ def int8_fewest_rows(weights: list["QuantizedWeight"], cache_dir: Path | None = 
     multiply-adds an instruction and the int8 blocks 32, so where the products are bound by arithmetic (AVX2, a few
     rows) the blocks win; on AVX-512 the int16 rows run twice as wide. Measured through every weight given in turn,
     as a batched decode step reads them (from memory: one layer's weights alone stay in cache, where the blocks
-    look faster than a step finds them), once per processor, thread count and weight shapes, kept in the cache
-    directory's kernels/few-rows.json. The blocks must win by FEW_ROWS_MARGIN."""
+    look faster than a step finds them), once per processor, thread count, kernels' build and weight shapes, kept
+    in the cache directory's kernels/few-rows.json. The blocks must win by FEW_ROWS_MARGIN."""
     untiled = [w for w in weights if w.codes.dim() == 2]
     if not untiled or CPU.lib is None:
         return 0
     shapes = sorted({(w.out_features, w.in_features, w.group_size, w.fmt) for w in untiled})
     counts = [m for m in FEW_ROWS if m <= min(kernel_rows(w.codes) for w in untiled)]
-    known = cached_measurement("few-rows", (shapes, counts, torch.get_num_threads()),
+    known = cached_measurement("few-rows", (shapes, counts, torch.get_num_threads(), _kernels_build()),
                                lambda: _measure_few_rows(untiled, counts), cache_dir)
     fewest = 0
     for m in reversed(counts):
