@@ -3,10 +3,12 @@
 their most rows (what every weight took before, and what engines with speculative decoding keep), one engine, the
 two alternated per round, default model:
 
-    .venv/bin/python benchmarks/bench_streams.py [--quantization gguf] [--streams 4 8 12 16] [--rounds 3] [--out F]
+    .venv/bin/python benchmarks/bench_streams.py [--quantization gguf] [--streams 4 8 12 16] [--rounds 3]
+        [--int8-from N] [--out F]
 
 Each case: that many requests at once, random 64-token prompts, 64 new tokens each (EOS ignored); output tok/s,
-best of the rounds. Prefix caching off.
+best of the rounds. Prefix caching off. With --int8-from N, a third arm: int8 blocks from N rows whatever was
+measured (is the measured count the right one?).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def main(args) -> dict:
     measured = {w: w.int8_rows for w in weights}
     arms = {"as measured": lambda: [setattr(w, "int8_rows", r) for w, r in measured.items()],
             "int16 rows": lambda: [setattr(w, "int8_rows", -1 if r else 0) for w, r in measured.items()]}
+    if args.int8_from:
+        arms[f"int8 from {args.int8_from} rows"] = lambda: [setattr(w, "int8_rows", args.int8_from if r else 0)
+                                                           for w, r in measured.items()]
     label = core.stats().dense_arithmetic.get("gate_up_proj")
     out = {"machine": cpu_info().describe(torch.get_num_threads()), "quantization": args.quantization,
            "as measured": label, "streams": {}}
@@ -54,8 +59,8 @@ def main(args) -> dict:
         best = {arm: max(v) for arm, v in rates.items()}
         out["streams"][n] = {**{arm: round(v, 1) for arm, v in best.items()},
                              "ratio": round(best["as measured"] / best["int16 rows"], 3)}
-        print(f"{n:3d} streams: as measured {best['as measured']:.1f} tok/s, int16 rows {best['int16 rows']:.1f} "
-              f"({out['streams'][n]['ratio']:.2f}x)", flush=True)
+        print(f"{n:3d} streams: " + ", ".join(f"{arm} {v:.1f} tok/s" for arm, v in best.items())
+              + f" (as measured / int16 rows {out['streams'][n]['ratio']:.2f}x)", flush=True)
     arms["as measured"]()
     core.close()
     return out
@@ -66,6 +71,7 @@ if __name__ == "__main__":
     parser.add_argument("--quantization", default="gguf")
     parser.add_argument("--streams", nargs="+", type=int, default=[4, 8, 12, 16])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--int8-from", type=int, default=None)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     res = main(args)

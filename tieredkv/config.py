@@ -125,8 +125,8 @@ class EngineConfig(BaseModel):
         "AVX2 and that was measured clearly faster on the processor (the Q4_1 file's prefill 1.4x its rate through "
         "the dequantized fp32 product on an AMD EPYC Zen 3, perplexity +0.15% from fp32), and without speculative "
         "decoding from fewer rows where the int8 blocks were measured clearly faster than the one-row kernels' "
-        "int16 rows too (batched decode of 12-16 streams on the Q4_1 file 1.37-1.51x there: from 8 rows); smaller "
-        "steps keep int16 rows. True: also steps of up to 32 rows, with the weights held in tiles of 16 rows for "
+        "int16 rows too (measured on an AMD EPYC Zen 3: from 16 rows on the Q4_1 file); smaller steps keep "
+        "int16 rows. True: also steps of up to 32 rows, with the weights held in tiles of 16 rows for "
         "AVX-512 VNNI (without it as None). False: never: int16 rows and, for more rows, the dequantized weight in "
         "the fp32 product (the closest to the weights' own product: greedy output as transformers' on the "
         "dequantized weights). See docs/guide/quantization.md")
