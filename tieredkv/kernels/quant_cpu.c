@@ -252,6 +252,73 @@ INLINE void q8_block(const int16_t *xq, const float *sx, const float *xsum, int6
                                        (mn ? offset_sum(mn + (n + r) * (K / g), xsum + (m + i) * (K / g), K / g) : 0.f);
 }
 
+#ifdef TKV_AVX2
+/* q8_block for groups of 32: the scales of each weight row converted eight groups at a time */
+INLINE void q8_block32(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
+                       const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t N, int64_t n, int rows,
+                       const float *bias, float *out) {
+    const int64_t G = K / 32;
+    const int8_t *qr[RB];
+    const uint16_t *dr[RB];
+    for (int r = 0; r < RB; r++) {
+        int64_t row = n + (r < rows ? r : 0);
+        qr[r] = q + row * K;
+        dr[r] = d + row * G;
+    }
+    __m256 facc[2][RB];
+    for (int i = 0; i < 2; i++) for (int r = 0; r < RB; r++) facc[i][r] = _mm256_setzero_ps();
+    float ds[RB][8];
+    for (int64_t b = 0; b < G; b++) {
+        if (b % 8 == 0)
+            for (int r = 0; r < RB; r++) {
+                if (b + 8 <= G)
+                    _mm256_storeu_ps(ds[r], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr[r] + b))));
+                else
+                    for (int64_t j = 0; j < G - b; j++) ds[r][j] = h2f(dr[r][b + j]);
+            }
+        const int16_t *xa = xq + m * K + b * 32;
+        const __m256i x00 = _mm256_loadu_si256((const __m256i *)xa);
+        const __m256i x01 = _mm256_loadu_si256((const __m256i *)(xa + 16));
+        __m256i x10 = x00, x11 = x01;
+        if (mt > 1) {
+            x10 = _mm256_loadu_si256((const __m256i *)(xa + K));
+            x11 = _mm256_loadu_si256((const __m256i *)(xa + K + 16));
+        }
+        for (int r = 0; r < RB; r++) {
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr[r] + b * 32)));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr[r] + b * 32 + 16)));
+            const __m256 s = _mm256_broadcast_ss(&ds[r][b % 8]);
+            facc[0][r] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x00), _mm256_madd_epi16(w1, x01))), s,
+                facc[0][r]);
+            if (mt > 1)
+                facc[1][r] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x10), _mm256_madd_epi16(w1, x11))), s,
+                    facc[1][r]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int r = 0; r < rows; r++)
+            out[(m + i) * N + n + r] = hsum(facc[i][r]) * sx[m + i] + (bias ? bias[n + r] : 0.f) +
+                                       (mn ? offset_sum(mn + (n + r) * G, xsum + (m + i) * G, G) : 0.f);
+}
+#endif
+
+/* q8_block, or for groups of 32 with AVX2, q8_block32: the same sums in the same order (the outputs are equal), the
+ * default model's Q8_0 LM head 0.74-0.86x the time for 2-6 activation rows (AMD EPYC Zen 3, 2 threads, the two
+ * builds alternated in one process) */
+INLINE void q8_rows_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
+                          const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, int64_t n,
+                          int rows, const float *bias, float *out) {
+#ifdef TKV_AVX2
+    if (g == 32) {
+        q8_block32(xq, sx, xsum, m, mt, K, q, d, mn, N, n, rows, bias, out);
+        return;
+    }
+#endif
+    q8_block(xq, sx, xsum, m, mt, K, q, d, mn, g, N, n, rows, bias, out);
+}
+
 /* The codes, scales and offsets of weight rows n..n+RB-1 (a short block repeats row n past its `rows`) */
 INLINE void q4_block_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t G, int64_t n,
                           int rows, const uint8_t **qr, const uint16_t **dr, const uint16_t **mr) {
@@ -544,8 +611,8 @@ int tkv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const u
         int rows = N - n < RB ? (int)(N - n) : RB;
         block_ahead(q, K, n, N);
         int64_t m = 0;
-        for (; m + 2 <= M; m += 2) q8_block(xq, sx, xsum, m, 2, K, q, d, mn, g, N, n, rows, bias, out);
-        if (m < M) q8_block(xq, sx, xsum, m, 1, K, q, d, mn, g, N, n, rows, bias, out);
+        for (; m + 2 <= M; m += 2) q8_rows_block(xq, sx, xsum, m, 2, K, q, d, mn, g, N, n, rows, bias, out);
+        if (m < M) q8_rows_block(xq, sx, xsum, m, 1, K, q, d, mn, g, N, n, rows, bias, out);
     }
     return 0;
 }
@@ -1209,8 +1276,8 @@ static void blocks_share(const tkv_qw *w, const char *mem, int64_t M, int64_t os
         for (int64_t m = 0; m < M; m += 2) {
             const int mt = M - m >= 2 ? 2 : 1;
             if (w->fmt == TKV_Q8)
-                q8_block(a.xq, a.sx, w->mn ? a.xsum : NULL, m, mt, K, (const int8_t *)w->q, w->d, w->mn, g, ostride,
-                         n, rows, w->bias, out);
+                q8_rows_block(a.xq, a.sx, w->mn ? a.xsum : NULL, m, mt, K, (const int8_t *)w->q, w->d, w->mn, g,
+                              ostride, n, rows, w->bias, out);
 #ifdef TKV_AVX512
             else if (wide)
                 q4_block512(a.xq, a.xp, a.sx, a.xsum, m, mt, K, (const uint8_t *)w->q, w->d, w->mn, ostride, n,
