@@ -252,73 +252,6 @@ INLINE void q8_block(const int16_t *xq, const float *sx, const float *xsum, int6
                                        (mn ? offset_sum(mn + (n + r) * (K / g), xsum + (m + i) * (K / g), K / g) : 0.f);
 }
 
-#ifdef TKV_AVX2
-/* q8_block for groups of 32: the scales of each weight row converted eight groups at a time */
-INLINE void q8_block32(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
-                       const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t N, int64_t n, int rows,
-                       const float *bias, float *out) {
-    const int64_t G = K / 32;
-    const int8_t *qr[RB];
-    const uint16_t *dr[RB];
-    for (int r = 0; r < RB; r++) {
-        int64_t row = n + (r < rows ? r : 0);
-        qr[r] = q + row * K;
-        dr[r] = d + row * G;
-    }
-    __m256 facc[2][RB];
-    for (int i = 0; i < 2; i++) for (int r = 0; r < RB; r++) facc[i][r] = _mm256_setzero_ps();
-    float ds[RB][8];
-    for (int64_t b = 0; b < G; b++) {
-        if (b % 8 == 0)
-            for (int r = 0; r < RB; r++) {
-                if (b + 8 <= G)
-                    _mm256_storeu_ps(ds[r], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr[r] + b))));
-                else
-                    for (int64_t j = 0; j < G - b; j++) ds[r][j] = h2f(dr[r][b + j]);
-            }
-        const int16_t *xa = xq + m * K + b * 32;
-        const __m256i x00 = _mm256_loadu_si256((const __m256i *)xa);
-        const __m256i x01 = _mm256_loadu_si256((const __m256i *)(xa + 16));
-        __m256i x10 = x00, x11 = x01;
-        if (mt > 1) {
-            x10 = _mm256_loadu_si256((const __m256i *)(xa + K));
-            x11 = _mm256_loadu_si256((const __m256i *)(xa + K + 16));
-        }
-        for (int r = 0; r < RB; r++) {
-            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr[r] + b * 32)));
-            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr[r] + b * 32 + 16)));
-            const __m256 s = _mm256_broadcast_ss(&ds[r][b % 8]);
-            facc[0][r] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x00), _mm256_madd_epi16(w1, x01))), s,
-                facc[0][r]);
-            if (mt > 1)
-                facc[1][r] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x10), _mm256_madd_epi16(w1, x11))), s,
-                    facc[1][r]);
-        }
-    }
-    for (int i = 0; i < mt; i++)
-        for (int r = 0; r < rows; r++)
-            out[(m + i) * N + n + r] = hsum(facc[i][r]) * sx[m + i] + (bias ? bias[n + r] : 0.f) +
-                                       (mn ? offset_sum(mn + (n + r) * G, xsum + (m + i) * G, G) : 0.f);
-}
-#endif
-
-/* q8_block, or for groups of 32 with AVX2, q8_block32: the same sums in the same order (the outputs are equal), the
- * default model's Q8_0 LM head 0.74-0.86x the time for 2-6 activation rows (AMD EPYC Zen 3, 2 threads, the two
- * builds alternated in one process) */
-INLINE void q8_rows_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
-                          const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, int64_t n,
-                          int rows, const float *bias, float *out) {
-#ifdef TKV_AVX2
-    if (g == 32) {
-        q8_block32(xq, sx, xsum, m, mt, K, q, d, mn, N, n, rows, bias, out);
-        return;
-    }
-#endif
-    q8_block(xq, sx, xsum, m, mt, K, q, d, mn, g, N, n, rows, bias, out);
-}
-
 /* The codes, scales and offsets of weight rows n..n+RB-1 (a short block repeats row n past its `rows`) */
 INLINE void q4_block_rows(const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t G, int64_t n,
                           int rows, const uint8_t **qr, const uint16_t **dr, const uint16_t **mr) {
@@ -532,17 +465,31 @@ INLINE void q4_block(const int16_t *xq, const float *sx, const float *xsum, int6
 }
 
 #ifdef TKV_AVX2
-/* q4_block for groups of 32 (one step of 16 code bytes a group): each group's int32 sums scaled as soon as they
- * are made, its weight rows' scales converted eight groups at a time, and the offsets' part summed after, eight
- * groups at a time (offset_sum), where q4_block converts each scale and offset on its own and keeps every
- * accumulator live across the group loop. */
-INLINE void q4_block32(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
-                       const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t N, int64_t n, int rows,
-                       const float *bias, float *out) {
-    const int64_t G = K / 32;
+/* Group b (of 32 inputs) of a q4 (bits 4) or q8 row as int16: inputs 0..15 (*w0) and 16..31 (*w1) */
+INLINE void codes32(const int bits, const uint8_t *row, int64_t b, __m256i *w0, __m256i *w1) {
+    if (bits == 4) {
+        q4_nibbles256(row + b * 16, w0, w1);
+    } else {
+        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + b * 32)));
+        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + b * 32 + 16)));
+    }
+}
+
+/* q4_block and q8_block for groups of 32 (bits 4 or 8, a constant where inlined): each group's int32 sums scaled
+ * as soon as they are made, each weight row's scales converted eight groups at a time, and the offsets' part
+ * summed after, eight groups at a time (offset_sum), where q4_block converts each scale and offset on its own and
+ * keeps every accumulator live across the group loop. q8's sums are q8_block's, in its order. */
+INLINE void block32(const int bits, const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt,
+                    int64_t K, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t N, int64_t n,
+                    int rows, const float *bias, float *out) {
+    const int64_t G = K / 32, row_bytes = bits == 4 ? K / 2 : K;
     const uint8_t *qr[RB];
-    const uint16_t *dr[RB], *mr[RB];
-    q4_block_rows(q, d, mn, K, G, n, rows, qr, dr, mr);
+    const uint16_t *dr[RB];
+    for (int r = 0; r < RB; r++) {
+        const int64_t row = n + (r < rows ? r : 0);
+        qr[r] = q + row * row_bytes;
+        dr[r] = d + row * G;
+    }
     __m256 facc[2][RB];
     for (int i = 0; i < 2; i++) for (int r = 0; r < RB; r++) facc[i][r] = _mm256_setzero_ps();
     float ds[RB][8];
@@ -555,34 +502,34 @@ INLINE void q4_block32(const int16_t *xq, const float *sx, const float *xsum, in
                     for (int64_t j = 0; j < G - b; j++) ds[r][j] = h2f(dr[r][b + j]);
             }
         const int16_t *xa = xq + m * K + b * 32;
-        const __m256i xl0 = _mm256_loadu_si256((const __m256i *)xa);
-        const __m256i xh0 = _mm256_loadu_si256((const __m256i *)(xa + 16));
-        __m256i xl1 = xl0, xh1 = xh0;
+        const __m256i x00 = _mm256_loadu_si256((const __m256i *)xa);
+        const __m256i x01 = _mm256_loadu_si256((const __m256i *)(xa + 16));
+        __m256i x10 = x00, x11 = x01;
         if (mt > 1) {
-            xl1 = _mm256_loadu_si256((const __m256i *)(xa + K));
-            xh1 = _mm256_loadu_si256((const __m256i *)(xa + K + 16));
+            x10 = _mm256_loadu_si256((const __m256i *)(xa + K));
+            x11 = _mm256_loadu_si256((const __m256i *)(xa + K + 16));
         }
         for (int r = 0; r < RB; r++) {
-            __m256i wl, wh;
-            q4_nibbles256(qr[r] + b * 16, &wl, &wh);
+            __m256i w0, w1;
+            codes32(bits, qr[r], b, &w0, &w1);
             const __m256 s = _mm256_broadcast_ss(&ds[r][b % 8]);
             facc[0][r] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wl, xl0), _mm256_madd_epi16(wh, xh0))), s,
+                _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x00), _mm256_madd_epi16(w1, x01))), s,
                 facc[0][r]);
             if (mt > 1)
                 facc[1][r] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wl, xl1), _mm256_madd_epi16(wh, xh1))), s,
+                    _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x10), _mm256_madd_epi16(w1, x11))), s,
                     facc[1][r]);
         }
     }
     for (int i = 0; i < mt; i++)
         for (int r = 0; r < rows; r++)
-            out[(m + i) * N + n + r] = hsum(facc[i][r]) * sx[m + i] + offset_sum(mr[r], xsum + (m + i) * G, G) +
-                                       (bias ? bias[n + r] : 0.f);
+            out[(m + i) * N + n + r] = hsum(facc[i][r]) * sx[m + i] + (bias ? bias[n + r] : 0.f) +
+                                       (mn ? offset_sum(mn + (n + r) * G, xsum + (m + i) * G, G) : 0.f);
 }
 #endif
 
-/* q4_block, or for groups of 32 with AVX2, q4_block32: on an AMD EPYC (Zen 3, 2 threads) the default model's Q4_1
+/* q4_block, or for groups of 32 with AVX2, block32: on an AMD EPYC (Zen 3, 2 threads) the default model's Q4_1
  * layers take 0.73-0.80x q4_block's time for 2 to 6 activation rows (the two builds alternated in one process),
  * batched decode of 2 and 4 streams 1.14x and 1.16x the output rate, speculative decoding on the file 1.11-1.13x */
 INLINE void q4_rows_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
@@ -590,11 +537,26 @@ INLINE void q4_rows_block(const int16_t *xq, const float *sx, const float *xsum,
                           int rows, const float *bias, float *out) {
 #ifdef TKV_AVX2
     if (g == 32) {
-        q4_block32(xq, sx, xsum, m, mt, K, q, d, mn, N, n, rows, bias, out);
+        block32(4, xq, sx, xsum, m, mt, K, q, d, mn, N, n, rows, bias, out);
         return;
     }
 #endif
     q4_block(xq, sx, xsum, m, mt, K, q, d, mn, g, N, n, rows, bias, out);
+}
+
+/* q8_block, or for groups of 32 with AVX2, block32: the same sums in the same order (the outputs are equal), the
+ * default model's Q8_0 LM head 0.74-0.86x the time for 2-6 activation rows (AMD EPYC Zen 3, 2 threads, the two
+ * builds alternated in one process) */
+INLINE void q8_rows_block(const int16_t *xq, const float *sx, const float *xsum, int64_t m, int mt, int64_t K,
+                          const int8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t N, int64_t n,
+                          int rows, const float *bias, float *out) {
+#ifdef TKV_AVX2
+    if (g == 32) {
+        block32(8, xq, sx, xsum, m, mt, K, (const uint8_t *)q, d, mn, N, n, rows, bias, out);
+        return;
+    }
+#endif
+    q8_block(xq, sx, xsum, m, mt, K, q, d, mn, g, N, n, rows, bias, out);
 }
 
 /* Returns 0, or -1 when scratch memory could not be had. */
