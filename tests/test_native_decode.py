@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from helpers import make_checkpoint
+from helpers import make_checkpoint, run_to_end
 from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.quant_cpu import CPU
@@ -80,11 +80,36 @@ def test_native_step_matches_the_eager_forward(request, family, scheme):
         native.close()
 
 
+@pytest.mark.parametrize("scheme", [dict(quantization="int4"), dict(quantization="int8", kv_cache_dtype="int8")],
+                         ids=["int4", "int8-kv8"])
+def test_a_batch_of_decodes_is_one_native_step_with_the_eager_forwards_tokens(llama_dir, scheme):
+    """Sequences of different lengths (one across blocks, one whose attention splits across the threads) decoding
+    together: each step is one native step, a row a sequence, each row attending through its own block table;
+    every sequence's greedy tokens are the eager forward's, batched alike, and (an fp32 cache) its K/V rows within
+    rounding of them."""
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], list(range(20, 100)), [3] * 17]
+    cfg = dict(model=str(llama_dir), num_blocks=64, warm_bytes=0, enable_prefix_caching=False, **scheme)
+    eager = EngineCore(EngineConfig(**cfg, compile_decode=False))
+    native = EngineCore(EngineConfig(**cfg, compile_decode=True))
+    try:
+        new = [12, 9, 15, 10]  # the batch shrinks as they end
+        want, got = run_to_end(eager, prompts, new), run_to_end(native, prompts, new)
+        assert got == want
+        calls = native.stats().kernel_calls
+        assert calls["forward: eager"] == 1 and calls["forward: native step"] == max(new) - 1
+        assert "decode attention: CPU kernel" not in calls  # no decode ran eagerly
+        if native.kv_cache.dtype == torch.float32:  # (int8 rows: codes, whose bytes a rounding moves by a step)
+            assert (native.kv_cache - eager.kv_cache).abs().max() <= 1e-3 * eager.kv_cache.abs().max()
+    finally:
+        eager.close()
+        native.close()
+
+
 @pytest.mark.parametrize("background", [False, True], ids=["at start", "in the background"])
 def test_the_native_step_binds_the_operators_the_batched_steps_run(llama_dir, monkeypatch, background):
-    """The native step takes one sequence; the eager forward's batched steps run the C++ operators, which its
-    warm-up binds as the compiled graph's does before its trace (in the background: by the time finish returns):
-    a batch's decode attention goes to the CPU kernel, not torch's reference."""
+    """The native step takes decodes alone; the eager forward's steps that mix a decode with a prompt run the C++
+    operators, which its warm-up binds as the compiled graph's does before its trace (in the background: by the
+    time finish returns): their decode attention goes to the CPU kernel, not torch's reference."""
     monkeypatch.setattr(CPU, "bound", None)  # as in a fresh process
     core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
                                    compile_decode=True, compile_in_background=background))
@@ -93,12 +118,13 @@ def test_the_native_step_binds_the_operators_the_batched_steps_run(llama_dir, mo
         core.runner.compiled.finish()
         assert CPU.operators_bound
         reqs = [core.factory.make(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in PROMPTS]
-        for req in reqs:
+        for req in reqs:  # each arrives as the one before decodes: its prompt and that decode in one eager step
             assert core.add_request(req) == []
+            core.step()
         while core.has_work():
             core.step()
         assert all(len(r.seqs[0].output_token_ids) == 4 for r in reqs)
-        calls = core.stats().kernel_calls  # every batched decode step's attention ran the kernel
+        calls = core.stats().kernel_calls  # the eager steps' decode attention ran the kernel
         assert calls["decode attention: CPU kernel"] > 0 and "decode attention: torch reference" not in calls
     finally:
         core.close()

@@ -150,12 +150,14 @@ static void project(const tkv_proj *p, const float *x, char *prep, float *out, i
     }
 }
 
-/* R tokens of one sequence in one pass (R = 1: a decode step; more: a step verifying R - 1 drafts): token r at
- * position pos + r (its K/V rows into cache slot slots[r]: block slot / block_size, row slot % block_size),
- * attending to positions 0..len + r - 1 (len = pos + 1) through the block table `table`; logits [R, vocab] fp32.
+/* R rows in one pass: R tokens of one sequence (R = 1: a decode step; more: a step verifying R - 1 drafts), or
+ * one token of each of R sequences (a batch of decodes). Row r: token tokens[r] at position positions[r], its K/V
+ * rows into cache slot slots[r] (block slot / block_size, row slot % block_size), attending to positions
+ * 0..positions[r] through the block table at tables + r * table_stride (stride 0: every row's is the same); rows of
+ * one sequence see the rows before them (every row's K/V is stored before any attends). logits [R, vocab] fp32.
  * Every product reads its weight once for all R rows. Returns 0, or -1 without scratch memory. */
-int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, int64_t pos, const int64_t *slots,
-                    const int32_t *table, int32_t len, float *logits) {
+int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, const int64_t *positions,
+                    const int64_t *slots, const int32_t *tables, int64_t table_stride, float *logits) {
     const int64_t H = m->hidden, Hq = m->heads, Hkv = m->kv_heads, D = m->head_dim, I = m->inter;
     const int64_t qn = Hq * D, kn = Hkv * D, qkvn = qn + 2 * kn;
     int threads = 1;
@@ -164,7 +166,7 @@ int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, int64_
 #endif
     int64_t most_splits = 1;
     for (int64_t r = 0; r < R; r++) {
-        const int64_t sp = tkv_attention_splits(len + r, threads);
+        const int64_t sp = tkv_attention_splits(positions[r] + 1, threads);
         most_splits = sp > most_splits ? sp : most_splits;
     }
     size_t prep_bytes = proj_bytes(&m->head, R);
@@ -197,7 +199,7 @@ int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, int64_
         else
             tkv_row_dequantize(&m->head.part[0], tokens + r, 1, x + r * H);
         for (int64_t i = 0; i < D / 2; i++) {
-            const float f = (float)(pos + r) * m->inv_freq[i];
+            const float f = (float)positions[r] * m->inv_freq[i];
             cs[r * (D / 2) + i] = cosf(f);
             sn[r * (D / 2) + i] = sinf(f);
         }
@@ -228,8 +230,8 @@ int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, int64_
             }
             for (int64_t r = 0; r < R; r++)  /* row r sees the rows before it and itself (their K/V are stored) */
                 tkv_attention_share(qkv + r * qkvn, Hq, D, L->k_cache, L->v_cache, (int)m->kv_fmt, m->kv_row,
-                                    m->block_size, Hkv, table, (int32_t)(len + r), m->scale,
-                                    tkv_attention_splits(len + r, threads), parts, att + r * qn);
+                                    m->block_size, Hkv, tables + r * table_stride, (int32_t)(positions[r] + 1),
+                                    m->scale, tkv_attention_splits(positions[r] + 1, threads), parts, att + r * qn);
             #pragma omp single
             tkv_rows_prepare(&L->o.part[0], att, R, prep);
             project(&L->o, att, prep, o, R);

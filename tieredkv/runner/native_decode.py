@@ -106,12 +106,18 @@ def _linear(layer: Projection, what: str) -> _Proj:
 # 1.02x, 17 1.14x, 32 1.28x): longer chunks go eager; with int8 activations on VNNI tiles (int8_activations) a
 # fifth to a quarter of one (1 row 1.9 ms, 9 rows 6.3, 17 10.3: 0.57x / 0.72x the eager forward's; 32 0.88x).
 MAX_ROWS = 9
+# the most sequences whose decodes one native step takes together (a row each, every product reading its weight
+# once for all): the eager forward's ~150 calls a step, each a parallel region and a dispatch, are what a batch of a
+# few decodes spent most of its time on. The default model's Q4_1 file on an AMD EPYC Zen 3 (2 threads, 64-token
+# prompts and 64 new tokens each, the two alternated on one engine): 2 streams 2.18x the eager forward's output
+# tok/s, 4 1.80x, 8 1.40x, 12 1.40x; at 16 (int8 blocks in the eager forward there) 0.96x
+MAX_BATCH = 16
 MAX_ROWS_TILED = 2 * (MAX_SPECULATIVE_TOKENS + 1)
 
 
 class NativeDecode:
-    """Runs steps that decode one sequence, or verify its drafts (speculative decoding: up to MAX_ROWS rows), through
-    decode_cpu.c's tkv_decode_rows."""
+    """Runs steps that decode one sequence, or verify its drafts (speculative decoding: up to MAX_ROWS rows), or decode
+    a few sequences at once (up to MAX_BATCH), through decode_cpu.c's tkv_decode_rows."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, lib: ctypes.CDLL, kv: KVLayout | None = None,
                  cache_dir: Path | None = None):
@@ -157,6 +163,11 @@ class NativeDecode:
         tiled = all(proj.part[j].fmt in (FORMATS["q8t"], FORMATS["q4t"]) for layer in layers
                     for proj in (layer.qkv, layer.o, layer.gate_up, layer.down) for j in range(proj.parts))
         self.max_rows = MAX_ROWS_TILED if tiled else MAX_ROWS  # the longest chunk it takes (see MAX_ROWS)
+        # the most sequences whose decodes it takes together (MAX_BATCH): fewer than the rows from which the
+        # weights' products take int8 blocks (quant.QuantizedWeight.int8_rows), whose arithmetic it does not run
+        fewest = min((w.int8_rows for w in model.modules() if isinstance(w, QuantizedWeight) and w.int8_rows > 0),
+                     default=None)
+        self.max_batch = min(MAX_BATCH, fewest - 1) if fewest else MAX_BATCH
         if not lib.tkv_decode_fits(ctypes.byref(self._model)):
             raise Unfit("the kernels do not take a projection's shape or the attention's heads")
 
@@ -180,8 +191,10 @@ class NativeDecode:
     def accepts(self, scheduled: list) -> bool:
         """True for a step that runs one sequence and nothing else, at most max_rows tokens: a decode, its last
         token and its drafts, or a short chunk of its prompt (the tail a cached prefix leaves; a draft model's
-        next call)."""
-        return len(scheduled) == 1 and scheduled[0][1] <= self.max_rows
+        next call); or one that decodes one token of each of at most max_batch sequences and nothing else."""
+        if len(scheduled) == 1:
+            return scheduled[0][1] <= self.max_rows
+        return len(scheduled) <= self.max_batch and all(n == 1 for _, n in scheduled)
 
     state = "native"
 
@@ -205,18 +218,20 @@ class NativeDecode:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 logits [R, vocab] for R consecutive tokens of one sequence (CompiledDecode.run's arguments; the
-        context of row r is positions[0] + 1 + r); their K/V rows are written."""
-        table = block_tables[0]
-        if table.dtype != torch.int32 or not table.is_contiguous():
-            table = table.to(torch.int32).contiguous()
+        """fp32 logits [R, vocab] for R rows (CompiledDecode.run's arguments): R consecutive tokens of one sequence
+        (block_tables [1, W]), or one token of each of R sequences (block_tables [R, W], a row each); row r's
+        context is positions[r] + 1. Their K/V rows are written."""
+        tables = block_tables
+        if tables.dtype != torch.int32 or not tables.is_contiguous():
+            tables = tables.to(torch.int32).contiguous()
         rows = input_ids.shape[0]
         tokens = input_ids.to(torch.int64).contiguous()
         slots = slot_mapping.to(torch.int64).contiguous()
-        pos = int(positions[0])
+        at = positions.to(torch.int64).contiguous()
         logits = torch.empty(rows, self.vocab)
-        status = self.lib.tkv_decode_rows(ctypes.byref(self._model), rows, tokens.data_ptr(), pos, slots.data_ptr(),
-                                          table.data_ptr(), pos + 1, logits.data_ptr())
+        stride = tables.shape[1] if tables.shape[0] > 1 else 0  # one table a row, or one for every row
+        status = self.lib.tkv_decode_rows(ctypes.byref(self._model), rows, tokens.data_ptr(), at.data_ptr(),
+                                          slots.data_ptr(), tables.data_ptr(), stride, logits.data_ptr())
         if status != 0:
             raise MemoryError("native decode step: no memory for its activations")
         self.steps += 1
