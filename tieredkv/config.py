@@ -165,7 +165,9 @@ class EngineConfig(BaseModel):
         "to compile); None: on for CPU")
     native_decode: bool = Field(
         True, description="with compile_decode, a one-sequence decode of quantized weights on CPU runs whole in C "
-        "(the native step) where it takes the model; False: the compiled graph serves it (stats().decode_path)")
+        "(the native step) where it takes the model, and so does a step that only decodes a few sequences (up to 16, "
+        "below the rows where products take int8 blocks); False: the compiled graph serves a one-sequence decode "
+        "and the eager forward batches (stats().decode_path)")
     compile_in_background: bool = Field(
         True, description="compile the decode graph on a thread of its own while the eager forward serves, "
         "switching between two steps once it is ready (stats().decode_path says which serves); False: start() "
