@@ -293,7 +293,7 @@ class ModelRunner:
         batch, sampled = self.prepare(scheduled, with_plan=not compiled)
         logits = None
         if compiled and batch.attn.stage is None:
-            a = batch.attn  # one decode, or (the native step) one sequence's last token and drafts as a chunk
+            a = batch.attn  # one decode; (the native step) one sequence's last token and drafts, or a few decodes
             tables, lens = ((a.decode_block_tables, a.decode_context_lens) if a.num_decode_tokens else
                             (a.prefill_block_tables, a.prefill_context_lens))
             with counting(None):  # the graph's or the C step's calls: counted as its forward

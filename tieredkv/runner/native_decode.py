@@ -106,13 +106,13 @@ def _linear(layer: Projection, what: str) -> _Proj:
 # 1.02x, 17 1.14x, 32 1.28x): longer chunks go eager; with int8 activations on VNNI tiles (int8_activations) a
 # fifth to a quarter of one (1 row 1.9 ms, 9 rows 6.3, 17 10.3: 0.57x / 0.72x the eager forward's; 32 0.88x).
 MAX_ROWS = 9
+MAX_ROWS_TILED = 2 * (MAX_SPECULATIVE_TOKENS + 1)
 # the most sequences whose decodes one native step takes together (a row each, every product reading its weight
 # once for all): the eager forward's ~150 calls a step, each a parallel region and a dispatch, are what a batch of a
 # few decodes spent most of its time on. The default model's Q4_1 file on an AMD EPYC Zen 3 (2 threads, 64-token
 # prompts and 64 new tokens each, the two alternated on one engine): 2 streams 2.18x the eager forward's output
 # tok/s, 4 1.80x, 8 1.40x, 12 1.40x; at 16 (int8 blocks in the eager forward there) 0.96x
 MAX_BATCH = 16
-MAX_ROWS_TILED = 2 * (MAX_SPECULATIVE_TOKENS + 1)
 
 
 class NativeDecode:
