@@ -76,7 +76,10 @@ async def _served(engine):
 
 @pytest.fixture(scope="module")
 async def default_server():
-    engine = await AsyncEngine.start(EngineConfig(model="default", num_blocks=256, max_num_seqs=16))
+    # the default model's own Q4_1 file with its native decode step, as served for speed: these tests check the
+    # protocol and the grammars on a real model's answers (test_default_model.py checks its arithmetic)
+    engine = await AsyncEngine.start(EngineConfig(model="default", quantization="gguf", compile_decode=True,
+                                                  num_blocks=256, max_num_seqs=16))
     runner, client, url = await _served(engine)
     yield engine, client, url
     await client.close()
