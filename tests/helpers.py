@@ -173,6 +173,24 @@ def check_far_blocks(core, holders: dict[int, int]) -> None:
     assert not slots & set(warm.free_slots) and not slots & {s for s, _ in warm.entries.values()}
 
 
+def drive(core, requests=(), each_step=None, max_steps: int = 10_000) -> list:
+    """The tests' one loop over an EngineCore: adds `requests`, then steps until the core has no work. Returns
+    every (request, chunk or error) the adds and steps gave, in order. `each_step(n, outputs)` runs after step n
+    (1, 2, ...) with that step's outputs: a check, an abort. A core still working after `max_steps` fails the test."""
+    outputs = []
+    for r in requests:
+        outputs += core.add_request(r)
+    steps = 0
+    while core.has_work():
+        assert steps < max_steps, f"the core still has work after {max_steps} steps"
+        out = core.step()
+        steps += 1
+        outputs += out
+        if each_step is not None:
+            each_step(steps, out)
+    return outputs
+
+
 def run_to_end(core, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Adds one greedy request per prompt (EOS ignored) to an EngineCore and steps until all are done."""
     from tieredkv import SamplingParams
@@ -181,8 +199,7 @@ def run_to_end(core, prompts: list[list[int]], max_tokens: list[int]) -> list[li
             for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     for r in reqs:
         assert core.add_request(r) == []
-    while core.has_work():
-        core.step()
+    drive(core)
     return [r.seqs[0].output_token_ids for r in reqs]
 
 

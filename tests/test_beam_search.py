@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from helpers import check_pool_clean, check_pool_consistent
+from helpers import check_pool_clean, check_pool_consistent, drive
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.engine.engine_core import EngineCore
@@ -129,14 +129,14 @@ async def test_stop_strings_end_beams_as_transformers_does(llama_dir):
 
 
 def peak_blocks(core, requests) -> int:
-    for req in requests:
-        core.add_request(req)
-    peak = 0
-    while core.has_work():
-        core.step()
+    peaks = [0]
+
+    def check(*_):
         check_pool_consistent(core)
-        peak = max(peak, core.pool.num_blocks - core.pool.num_free)
-    return peak
+        peaks.append(core.pool.num_blocks - core.pool.num_free)
+
+    drive(core, requests, check)
+    return max(peaks)
 
 
 def test_beams_share_blocks(llama_dir):
@@ -211,12 +211,8 @@ def test_searches_competing_for_a_small_pool_finish(llama_dir, policy):
     and wait for the rest, for ever)."""
     core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=14, offload=False, compile_decode=False,
                                    scheduling_policy=policy))
-    for i, p in enumerate(make_prompts(core.spec.vocab_size)):
-        core.add_request(core.factory.make(p, SamplingParams(max_tokens=MAX_NEW, beam_width=4, n=4), f"r{i}"))
-    steps = 0
-    while core.has_work() and steps < 1000:
-        core.step()
-        steps += 1
-    assert not core.has_work() and core.stats().num_preemptions > 0
+    drive(core, [core.factory.make(p, SamplingParams(max_tokens=MAX_NEW, beam_width=4, n=4), f"r{i}")
+                 for i, p in enumerate(make_prompts(core.spec.vocab_size))], max_steps=1000)
+    assert core.stats().num_preemptions > 0
     check_pool_clean(core)
     core.close()

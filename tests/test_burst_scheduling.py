@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from helpers import check_pool_clean
+from helpers import check_pool_clean, drive
 from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 
@@ -25,13 +25,14 @@ def run(core, prompts, max_tokens=6, abort_after=None):
     outputs = {r.request_id: [] for r in reqs}
     for r in reqs:
         core.add_request(r)
-    before, steps = core.stats().prompt_tokens_computed, 0
-    while core.has_work():
-        for _, chunk in core.step():
-            outputs[chunk.request_id] += chunk.token_ids
-        steps += 1
-        if steps == abort_after:
+    before = core.stats().prompt_tokens_computed
+
+    def each_step(n, _):
+        if n == abort_after:
             core.abort("r0")
+
+    for _, chunk in drive(core, each_step=each_step):
+        outputs[chunk.request_id] += chunk.token_ids
     return outputs, core.stats().prompt_tokens_computed - before
 
 
@@ -111,13 +112,13 @@ def first_token_steps(core, prompts, max_tokens=2):
     """Adds the prompts in order, in one tick; the step at which each request's first token came."""
     reqs = [core.factory.make(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"q{i}")
             for i, p in enumerate(prompts)]
-    for r in reqs:
-        core.add_request(r)
-    first, step = {}, 0
-    while core.has_work():
-        step += 1
-        for _, chunk in core.step():
-            first.setdefault(chunk.request_id, step)
+    first = {}
+
+    def each_step(n, out):
+        for _, chunk in out:
+            first.setdefault(chunk.request_id, n)
+
+    drive(core, reqs, each_step)
     return [first[r.request_id] for r in reqs]
 
 
@@ -142,10 +143,7 @@ def test_a_long_prompt_is_overtaken_a_bounded_number_of_times(llama_dir):
     core = make_core(llama_dir, max_num_seqs=2, max_num_batched_tokens=32)
     reqs = [core.factory.make(ids(200, 9), SamplingParams(max_tokens=1), "long")]
     reqs += [core.factory.make(ids(20, 600 + i), SamplingParams(max_tokens=1), f"s{i}") for i in range(10)]
-    for r in reqs:
-        core.add_request(r)
-    while core.has_work():
-        core.step()
+    drive(core, reqs)
     order = [r.request_id for r in sorted(reqs, key=lambda r: r.seqs[0].admit_order)]
     # overtaken 4 times by the end of step 3 (s0, s1, s2, s3), and once more in that step (s4): first at step 4
     assert order == ["s0", "s1", "s2", "s3", "s4", "long", "s5", "s6", "s7", "s8", "s9"]

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from helpers import check_pool_clean
+from helpers import check_pool_clean, drive
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -163,10 +163,7 @@ async def test_two_tensor_parallel_ranks_match_one_and_transformers(engine, hf):
             params = SamplingParams(max_tokens=new, ignore_eos=True)
             reqs = [core.factory.make(ids, params, f"t{i}") for i, ids in enumerate(chats[1:] + [doc])]
             reqs.append(core.factory.make(chats[0], SamplingParams(max_tokens=new, n=2, ignore_eos=True), "pair"))
-            for r in reqs:
-                core.add_request(r)
-            while core.has_work():
-                core.step()
+            drive(core, reqs)
             outs += [r.seqs[0].output_token_ids for r in reqs[:2]]
             return outs, reqs[0].num_cached_tokens, [s.output_token_ids for s in reqs[2].seqs], core.memory
         finally:

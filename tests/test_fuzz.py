@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from helpers import check_pool_clean, check_pool_consistent
+from helpers import check_pool_clean, check_pool_consistent, drive
 from tieredkv import EngineConfig, RequestError, SamplingParams, TieredKVError
 from tieredkv.engine.engine_core import EngineCore
 
@@ -41,14 +41,7 @@ def run(core, prompt, params) -> list:
         req = core.factory.make(prompt, params)
     except CLEAR:
         return []
-    outputs = core.add_request(req)
-    for _ in range(400):
-        if not core.has_work():
-            break
-        outputs += core.step()
-        check_pool_consistent(core)
-    assert not core.has_work(), "a request never ended"
-    return outputs
+    return drive(core, [req], lambda *_: check_pool_consistent(core), max_steps=400)
 
 
 def ended_clearly(outputs) -> None:

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from helpers import hf_greedy
+from helpers import drive, hf_greedy
 from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.engine.resolve import resolve_model_dir
@@ -46,9 +46,7 @@ def test_an_engine_on_a_repo_id_matches_transformers(hub, llama_dir):
     core = EngineCore(EngineConfig(model="acme/tiny-llama", num_blocks=32))
     assert core.model_dir == hub
     req = core.factory.make([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
-    core.add_request(req)
-    while core.has_work():
-        core.step()
+    drive(core, [req])
     assert req.seqs[0].output_token_ids == hf_greedy(llama_dir, [[5, 6, 7, 8]], 6)[0]
 
 

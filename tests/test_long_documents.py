@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from helpers import check_pool_clean, check_pool_consistent, hf_greedy
+from helpers import check_pool_clean, check_pool_consistent, drive, hf_greedy
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
 
 BS = 16
@@ -154,12 +154,9 @@ def test_pool_consistent_while_offloaded(llama_dir, small):
     core = EngineCore(EngineConfig(model=str(llama_dir), **small))
     for i, prompt in enumerate((DOC_A[:300], DOC_B[:400])):
         core.add_request(core.factory.make(prompt, SamplingParams(max_tokens=20, n=1 + i, ignore_eos=True)))
-    steps = 0
-    while core.has_work():
-        core.step()
-        check_pool_consistent(core)
-        steps += 1
-    assert core.kv.offloaded_blocks > 0 and steps > 20
+    steps = []
+    drive(core, each_step=lambda n, _: (check_pool_consistent(core), steps.append(n)))
+    assert core.kv.offloaded_blocks > 0 and len(steps) > 20
     check_pool_clean(core)
 
 

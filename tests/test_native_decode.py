@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from helpers import make_checkpoint, run_to_end
+from helpers import drive, make_checkpoint, run_to_end
 from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.quant_cpu import CPU
@@ -39,8 +39,7 @@ def decode_logits(core: EngineCore, prompt: list[int], rows: slice = slice(-1, N
     try:
         req = core.factory.make(prompt, SamplingParams(max_tokens=NEW, ignore_eos=True))
         assert core.add_request(req) == []
-        while core.has_work():
-            core.step()
+        drive(core)
     finally:
         core.runner.execute = inner
     return req.seqs[0].output_token_ids, [logits[rows].float().clone().squeeze(0) for logits, _ in captured]
@@ -121,8 +120,7 @@ def test_the_native_step_binds_the_operators_the_batched_steps_run(llama_dir, mo
         for req in reqs:  # each arrives as the one before decodes: its prompt and that decode in one eager step
             assert core.add_request(req) == []
             core.step()
-        while core.has_work():
-            core.step()
+        drive(core)
         assert all(len(r.seqs[0].output_token_ids) == 4 for r in reqs)
         calls = core.stats().kernel_calls  # the eager steps' decode attention ran the kernel
         assert calls["decode attention: CPU kernel"] > 0 and "decode attention: torch reference" not in calls

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import check_pool_clean, check_pool_consistent
+from helpers import check_pool_clean, check_pool_consistent, drive
 from tieredkv import EngineConfig, RequestError, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 
@@ -53,11 +53,7 @@ def test_random_interleavings_keep_the_pool_consistent(core, ops):
         elif ids:
             core.abort(ids[op[1] % len(ids)])
         check_pool_consistent(core)
-    for _ in range(500):
-        if not core.has_work():
-            break
-        core.step()
-        check_pool_consistent(core)
+    drive(core, each_step=lambda *_: check_pool_consistent(core), max_steps=500)
     check_pool_clean(core)
 
 
@@ -69,9 +65,7 @@ def test_a_squeeze_offloads_or_preempts(core):
     for i in range(3):
         prompt = [(5 * j + i) % 200 + 3 for j in range(22)]
         core.add_request(core.factory.make(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
-    while core.has_work():
-        core.step()
-        check_pool_consistent(core)
+    drive(core, each_step=lambda *_: check_pool_consistent(core))
     check_pool_clean(core)
     offloaded, preempted = core.kv.offloaded_blocks - before[0], core.scheduler.num_preemptions - before[1]
     if not core.config.offload:

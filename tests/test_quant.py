@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import check_pool_clean, run_to_end
+from helpers import check_pool_clean, drive, run_to_end
 from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.errors import CheckpointError
@@ -550,10 +550,7 @@ def test_engine_matches_transformers_on_the_dequantized_weights(scheme, llama_di
                                    int8_activations=False))
     try:
         reqs = [core.factory.make(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
-        for r in reqs:
-            core.add_request(r)
-        while core.has_work():
-            core.step()
+        drive(core, reqs)
         assert [r.seqs[0].output_token_ids for r in reqs] == want
         # the quantized weights lie in one arena, in the order the forward reads them, the LM head last
         held = [t for m in core.model.modules() if isinstance(m, quant.QuantizedWeight)
@@ -606,9 +603,7 @@ def test_one_sequence_decode_paths_serve_quantized_weights(llama_dir, monkeypatc
         got = []
         for p in prompts:  # one at a time: every step after the prefill decodes one sequence
             req = core.factory.make(p, SamplingParams(max_tokens=12, ignore_eos=True))
-            core.add_request(req)
-            while core.has_work():
-                core.step()
+            drive(core, [req])
             got.append(req.seqs[0].output_token_ids)
         outs.append(got)
     try:
@@ -639,9 +634,7 @@ def test_int8_activations_hold_4bit_weights_in_tiles_where_the_processor_can(lla
             core.runner.execute = lambda out, inner=inner, captured=captured: captured.append(inner(out)) or \
                 captured[-1]
             req = core.factory.make(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-            core.add_request(req)
-            while core.has_work():
-                core.step()
+            drive(core, [req])
             logits.append(captured[1][0][-1].float())  # the first decode step's, after the same prefill token
         assert cores[1].runner.compiled.steps == 1
         assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[0].abs().max()

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from helpers import check_pool_clean, check_pool_consistent, hf_greedy, run_to_end
+from helpers import check_pool_clean, check_pool_consistent, drive, hf_greedy, run_to_end
 from test_engine_matches_hf import make_prompts
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
 from tieredkv.config import SpeculativeConfig
@@ -117,13 +117,15 @@ def test_rejected_drafts_leave_the_cache_exact(llama_dir):
                 for i, p in enumerate(prompts)]
         for r in reqs:
             assert core.add_request(r) == []
-        while core.has_work():
-            core.step()
+
+        def check(*_):
             check_pool_consistent(core)
             for seq in core.scheduler.running:
                 assert len(seq.block_table) == -(-seq.num_computed_tokens // 4) and not seq.spec_tokens
             for block in core.pool.cached.values():
                 assert block.token_ids is None or len(block.token_ids) == 4
+
+        drive(core, each_step=check)
         assert [r.seqs[0].output_token_ids for r in reqs] == expected
         bs, seqs = 4, [r.seqs[0] for r in reqs]
         for seq in seqs:  # every full block of every output was cached under the hash of its real tokens

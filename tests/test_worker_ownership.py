@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from helpers import check_pool_clean
+from helpers import check_pool_clean, drive
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
 
 
@@ -147,10 +147,7 @@ def test_the_decode_plan_is_made_once_per_step_and_carried_in_the_batch(llama_di
     for prompt in ([5, 6, 7, 8], list(range(3, 40))):
         assert core.add_request(core.factory.make(prompt, SamplingParams(max_tokens=4, ignore_eos=True))) == []
     plans_per_step = []
-    while core.has_work():
-        made.clear()
-        core.step()
-        plans_per_step.append(len(made))
+    drive(core, each_step=lambda *_: (plans_per_step.append(len(made)), made.clear()))
     assert max(plans_per_step) == 1  # one plan per step, shared by all 3 layers (not one per layer)
     assert sum(plans_per_step) >= 3
 
