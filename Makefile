@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tieredkv-installed
 
-.PHONY: demo test bench install
+.PHONY: demo test test-fast bench install
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ TEST_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 2) + 1 )); [ $$n -gt
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The tests that load no model (tests/cache: the pool, KV manager, scheduler and tiers; the tree's own checks: lint,
+# import layers, the documentation build), for the edit-test loop. `make test` runs them too.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/cache tests/test_*.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py

@@ -16,7 +16,11 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-sys.path.insert(0, str(Path(__file__).parent))
+# helpers.py, memory_tier.py, and every layer's folder: a test module may import another's fixtures and workloads
+# (tests/engine/test_fault_isolation.py the server thread of tests/serve/test_serve_hardening.py), whichever of them
+# pytest collects first
+for folder in (".", "cache", "kernels", "engine", "serve"):
+    sys.path.insert(0, str(Path(__file__).parent / folder))
 
 from helpers import make_checkpoint  # noqa: E402
 from tieredkv.config import EngineConfig  # noqa: E402

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import torch
 
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent  # the project's root: what a child process puts on its path to import the package
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. ",
     "Paged attention keeps keys and values in fixed-size blocks. ",

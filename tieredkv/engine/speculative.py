@@ -29,9 +29,9 @@ BACKOFF_LIMIT = 32  # the most steps a sequence whose drafts do not pay waits be
 PRIOR_ACCEPTANCE = 0.7
 # a probe drafts as many tokens as pay at this acceptance (text being copied), whatever the sequence's own, and at
 # most PROBE_DRAFTS: enough to see copying start (all accepted lifts the acceptance halfway to 1), and a probe of
-# text with nothing to copy costs little. In a model of the controller (tests/test_speculative.py, _adaptive_rate)
-# over verification rows costing 0.1-1 decode steps and acceptance 0.27-0.9, 3 at most gave 0.94-3.14x plain
-# decoding where the whole room (8) gave 0.91-3.14x, at least as much in every case
+# text with nothing to copy costs little. In a model of the controller (tests/engine/test_speculative.py,
+# _adaptive_rate) over verification rows costing 0.1-1 decode steps and acceptance 0.27-0.9, 3 at most gave
+# 0.94-3.14x plain decoding where the whole room (8) gave 0.91-3.14x, at least as much in every case
 PROBE_ACCEPTANCE = 0.9
 PROBE_DRAFTS = 3
 # the draft model's own cache blocks: each call computes again the tokens after its last full block, so small

@@ -1,6 +1,6 @@
 """The batched LoRA product of a step on CUDA, in Triton: `out[rows of k] += (x[rows of k] A_k^T) B_k` for every
 adapter k of the step at once (what Punica calls a segmented gather matrix-vector product), with the signature
-of its torch reference `lora_rows_ref` (kernels/lora_rows.py: the CPU path), which tests/test_lora.py compares it
+of its torch reference `lora_rows_ref` (kernels/lora_rows.py: the CPU path), which tests/engine/test_lora.py compares it
 against through Triton's interpreter.
 
 One program per (adapter, block of its rows, block of output columns): it gathers its rows of x, multiplies them

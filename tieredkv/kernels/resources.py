@@ -5,7 +5,7 @@ the engine compiles for a model (the warm-up set, triton_ops.py) is compiled her
 (A100), sm_86 (A10, RTX 3090), sm_89 (L4, L40S, RTX 4090) and sm_90 (H100, H200), and `ptxas -v` reports
 registers and spills; shared memory is the compiler's own figure. A variant over 255 registers, with more
 than a few spilled bytes, or over a target's shared memory per block would fail (OutOfResources) or crawl
-on that card. tests/test_kernel_resources.py asserts the limits; `python -m tieredkv.kernels.resources`
+on that card. tests/kernels/test_kernel_resources.py asserts the limits; `python -m tieredkv.kernels.resources`
 prints the table in docs/architecture.md.
 """
 

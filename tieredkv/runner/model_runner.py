@@ -195,7 +195,7 @@ class ModelRunner:
         """Runs every kernel variant a step can ask for, so that all are compiled before the first request:
         the Triton kernels' compile-time parameters are fixed per model and device (triton_ops.py), so two
         forwards over the scratch block (warmup_steps) and the block copies cover them.
-        tests/test_kernel_variants.py checks that no workload asks for another."""
+        tests/kernels/test_kernel_variants.py checks that no workload asks for another."""
         for decode_lens, prefills in warmup_steps(self.block_size):
             batch = self.synthetic_step(decode_lens, prefills)
             self.model.forward(batch, self.kv_cache, self.ops)  # not __call__: llama.py, FORWARD_ONLY

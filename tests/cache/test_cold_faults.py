@@ -13,10 +13,11 @@ import torch
 
 import cold_writer
 from cold_writer import FINGERPRINT, SHAPE, block, in_child, key, open_tier, start_writer
+from helpers import ROOT
 from tieredkv.tiers.cold import ColdTier, ColdTierError
 from tieredkv.tiers.lmdb_check import meta_problem
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)])}
 
 
 def filled(path, n=200):

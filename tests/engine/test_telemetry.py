@@ -129,7 +129,7 @@ def test_serve_metrics_is_scrapeable_over_http(llama_dir):
     import os
     import subprocess
     import sys
-    from pathlib import Path
+    from helpers import ROOT
 
     code = """
 import asyncio, sys, urllib.request
@@ -146,7 +146,7 @@ async def main():
 
 asyncio.run(main())
 """
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code, str(llama_dir)], capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import check_pool_clean, make_checkpoint
+from helpers import ROOT, check_pool_clean, make_checkpoint
 from tieredkv import AsyncEngine, EngineClosedError, EngineConfig, RequestError, SamplingParams
 from tieredkv.serve import ServerSettings, start_server
 
@@ -223,7 +223,7 @@ def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(roomy_serve
 
 # -- shutdown ------------------------------------------------------------------------------------------
 
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def read_sse(conn: http.client.HTTPConnection, body: dict) -> http.client.HTTPResponse:

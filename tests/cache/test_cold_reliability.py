@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from cold_writer import block, key, open_tier, start_writer
+from helpers import ROOT
 from tieredkv.errors import ColdTierError
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)])}
 
 
 def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path):
