@@ -266,7 +266,7 @@ def test_one_pool_counts_references_and_hashes_in_both_id_ranges():
     warm = tiers.warm
     (hot,), _ = pool.allocate(1)
     fars, victims = pool.lend(2)
-    assert [b.block_id for b in fars] == [4, 5] and victims == ([], None)  # far_base + the lowest slots
+    assert [b.block_id for b in fars] == [4, 5] and victims == ([], [])  # far_base + the lowest slots
     assert [pool.is_far(b) for b in (hot, *fars)] == [False, True, True] and pool.num_far == 2
     keys = kv.chain_keys(list(range(3 * BS)))
     for block, key in zip((hot, *fars), keys):
@@ -336,3 +336,69 @@ def test_a_step_is_staged_in_groups_whose_far_blocks_fit_the_cap():
     assert all(sum(far[name] for name, _ in g) <= 5 for g in groups if len(g) > 1)
     assert stage_groups([("x", 4), ("y", 1)], {"x": 0, "y": 0}.get, 5) == [[("x", 4), ("y", 1)]]
     assert stage_groups([], far.get, 5) == []
+
+
+class _TensorOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every tensor operation run inside it, by name (reads, copies, creations alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("far", [False, True])
+def test_planning_touches_no_tensor_and_warm_evictions_go_down_as_moves(far):
+    """A workload that demotes hot blocks into a full warm tier, then swaps a preempted sequence out (or, with far
+    blocks, offloads old blocks) into slots whose cached entries must make room: no tensor operation runs while any
+    step is planned, the evicted entries go down to cold only as PASS_DOWN moves planned before the moves that
+    write their slots, and cold holds exactly the data they had."""
+    from memory_tier import MemoryTier
+
+    from tieredkv.tiers.moves import PASS_DOWN
+
+    cold = MemoryTier(64, LAYERS * 2 * BS * HEADS * DIM * 4)
+    pool, kv, cache, tiers, sched = make(num_blocks=6, warm_blocks=8, budget=64, lower=cold, far=far)
+    planned = []
+
+    def step():
+        with _TensorOps() as seen:
+            out = sched.schedule()
+        assert seen.ops == [], seen.ops[:10]
+        planned.append([m.kind for m in out.moves])
+        tiers.execute(out.moves)
+        fake_forward(cache, out.scheduled)
+        for s, _ in out.scheduled:
+            kv.cache_full_blocks(s)
+        return out
+
+    for i in range(6):  # 2 full blocks each, cached: hot keeps the newest, warm fills with the rest
+        s = seq(range(100 + 10 * i, 109 + 10 * i), f"fill{i}")
+        sched.add(s)
+        step()
+        sched.finish(s, "stop")
+    assert len(tiers.warm.entries) == tiers.warm.capacity and any(DEMOTE in kinds for kinds in planned)
+    old, new = seq(range(10, 19), "old"), seq(range(30, 39), "new")  # 3 blocks each: the whole pool
+    sched.add(old)
+    sched.add(new)
+    step()
+    old.token_ids.extend(range(40, 48))  # old needs two more blocks
+    out = step()
+    kinds = [m.kind for m in out.moves]
+    writer = OFFLOAD if far else SWAP_OUT
+    assert writer in kinds and PASS_DOWN in kinds
+    assert max(i for i, k in enumerate(kinds) if k == PASS_DOWN) < kinds.index(writer)
+    assert (new.swapped is not None) is (not far) and (kv.offloaded_blocks > 0) is far
+    passed = [m for m in out.moves if m.kind == PASS_DOWN]
+    for m in passed:  # what was in the slot when the step was planned reached cold, not what was written after
+        got = cold.get_sync([m.key])
+        assert got is not None and got[0, 0, 0, :, 0, 0].tolist() == [float(t) for t in m.key.token_ids]
+    while sched.running or sched.waiting:
+        for s in list(sched.running):
+            if s.num_computed_tokens >= len(s.token_ids):
+                sched.finish(s, "stop")
+        step()
+    assert pool.num_free == pool.num_blocks and pool.num_far == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tieredkv.core.sequence import Sequence
 from tieredkv.hashing import BlockHash, chain_keys, hash_block
-from tieredkv.tiers.base import BlockKey, Victims
+from tieredkv.tiers.base import BlockKey, Lent
 from tieredkv.tiers.block_pool import BlockPool, KVBlock
 from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
 
@@ -180,14 +180,15 @@ class KVCacheManager:
 
     def _lend(self, n: int) -> list[KVBlock] | None:
         """n far blocks; what the warm tier evicts for them goes on down (PASS_DOWN moves)."""
-        blocks, victims = self.pool.lend(n)
-        self.pass_down("warm", victims)
+        blocks, evicted = self.pool.lend(n)
+        self.pass_down(evicted)
         return blocks
 
-    def pass_down(self, tier: str, victims: Victims) -> None:
-        """Moves for entries `tier` evicted (their data copied out): each goes to the tier below."""
-        keys, data = victims
-        self.moves.extend(BlockMove(PASS_DOWN, None, None, key, data[i], tier) for i, key in enumerate(keys))
+    def pass_down(self, evicted: Lent) -> None:
+        """Moves for entries the warm tier evicted to lend their slots: each is read from its slot, and goes to the
+        tier below, before the moves planned after it write into the slot. The one route down from warm while
+        planning (a swap-out's reservation, far blocks); nothing is read until the moves run."""
+        self.moves.extend(BlockMove(PASS_DOWN, slot, None, key, None, "warm") for key, slot in zip(*evicted))
 
     def allocate(self, n: int) -> list[KVBlock]:
         """n fresh blocks; the cached blocks evicted for them are demoted first (see tiers/moves.py)."""

@@ -406,7 +406,8 @@ class Scheduler:
         slots = None
         # with far blocks, or a beam waiting for its siblings (nothing left to compute): recomputed, from the cache
         if not self.kv.num_far_blocks(seq) and not seq.parked:
-            slots = self.tiers.reserve_swap(len(seq.block_table))
+            slots, evicted = self.tiers.reserve_swap(len(seq.block_table))
+            self.kv.pass_down(evicted)  # read from their slots before the swap-out writes there
         if slots is not None:
             seq.swapped = self.kv.swap_out(seq, slots)
             self.num_swaps += 1

@@ -79,13 +79,17 @@ def next_batch(ops: "queue.Queue", first, limit: int) -> list:
 
 Victims = tuple[list[BlockKey], "torch.Tensor | None"]  # entries a tier evicted: keys, blocks (a copy)
 NO_VICTIMS: Victims = ([], None)
+# entries a tier evicted while a step was planned, to lend their slots: keys and the slots, whose data a PASS_DOWN
+# move reads when the step's moves run, before any later move writes into them (tiers/moves.py)
+Lent = tuple[list[BlockKey], list[int]]
+NO_LENT: Lent = ([], [])
 
 
 class KVTier(ABC):
     """A store of KV blocks keyed by BlockKey; blocks are tensors [n, layers, 2, block_size, kv_heads, head_dim].
 
     This is all the tier manager uses of a lower tier (hot, the pool itself, is the one tier it also
-    reads by block id), so a new tier is one subclass that passes tests/test_tier_contract.py. Every
+    reads by block id), so a new tier is one subclass that passes tests/cache/test_tier_contract.py. Every
     method takes a batch. The synchronous methods are the implementation; the async ones run them in a
     worker thread when the tier does blocking I/O (`blocking = True`).
 
@@ -245,8 +249,9 @@ class SwapSpace(ABC):
         """Removes the leading present keys from the cache and lends their slots (read, then release)."""
 
     @abstractmethod
-    def reserve(self, n: int) -> tuple[list[int] | None, Victims]:
-        """n slots (evicting cached entries to make room, returned for the tier below), or None."""
+    def reserve(self, n: int) -> tuple[list[int] | None, Lent]:
+        """n slots, or None. Cached entries evicted to make room are returned with their slots (among the n):
+        their data is read when the step's moves run (PASS_DOWN), for the tier below; nothing is read now."""
 
     @abstractmethod
     def write(self, slots: list[int], blocks: torch.Tensor) -> None:

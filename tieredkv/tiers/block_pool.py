@@ -10,7 +10,7 @@ from tieredkv.tiers.policy import LFUQueue, Popularity, check_eviction
 MEDIUM_HOT = "GPU"  # the pool's name in KV events: vLLM's for the pool the model computes from, on every device
 
 if TYPE_CHECKING:
-    from tieredkv.tiers.base import SwapSpace, Victims
+    from tieredkv.tiers.base import Lent, SwapSpace
 
 
 class Evicted(NamedTuple):
@@ -217,9 +217,10 @@ class BlockPool:
             block.ref_cnt = 1
         return out, evicted
 
-    def lend(self, n: int) -> tuple[list[KVBlock] | None, "Victims"]:
+    def lend(self, n: int) -> tuple[list[KVBlock] | None, "Lent"]:
         """n fresh far blocks with ref_cnt 1 (None when the warm tier cannot lend that many), and the
-        entries the warm tier evicted to make room (keys, a copy of their data), to pass on down."""
+        entries the warm tier evicted to make room (keys, and their slots, now the far blocks'), to pass on down
+        before anything is written into those slots."""
         slots, victims = self.lender.lend(n)
         return (None if slots is None else [self.far_block(slot) for slot in slots]), victims
 

@@ -15,7 +15,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 
-from tieredkv.tiers.base import TIER_NAMES, BlockKey, KVTier, SwapSpace, TierStats, Victims
+from tieredkv.tiers.base import NO_LENT, TIER_NAMES, BlockKey, KVTier, Lent, SwapSpace, TierStats
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.lookup import Lookup, finish_lookup, start_lookup
 from tieredkv.tiers.moves import (COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore,
@@ -78,10 +78,10 @@ class TierManager:
         hot, dst = self.hot, [m.dst for m in run]
         if kind == DEMOTE:
             self._demote([m.src for m in run], [m.key for m in run])
-        elif kind == PASS_DOWN:
+        elif kind == PASS_DOWN:  # entries the warm tier evicted while planning: read from the slots lent on
             for part in runs(run, lambda m: m.tier):
-                level = self.lower.index(self.tier(part[0].tier)) + 1
-                self._admit(level, [m.key for m in part], torch.stack([m.data for m in part]))
+                tier = self.tier(part[0].tier)
+                self._admit(self.lower.index(tier) + 1, [m.key for m in part], tier.read([m.src for m in part]))
         elif kind in (SWAP_OUT, OFFLOAD):  # into swap slots, or far blocks' slots
             slots = dst if kind == SWAP_OUT else [self.hot.pool.slot_of(d) for d in dst]
             self.swap.from_hot(hot, [m.src for m in run], slots)
@@ -227,9 +227,6 @@ class TierManager:
             self.publish(blocks, force=True)
         return len(blocks)
 
-    def _pass_down(self, tier: KVTier, victims: Victims) -> None:
-        self._admit(self.lower.index(tier) + 1, *victims)
-
     # -- promotion --------------------------------------------------------------------------------
 
     def start_lookup(self, keys: list[BlockKey], start: int) -> Lookup | None:
@@ -255,14 +252,12 @@ class TierManager:
 
     # -- swap -------------------------------------------------------------------------------------
 
-    def reserve_swap(self, n: int) -> list[int] | None:
-        """n slots for a preempted sequence's blocks (SWAP_OUT moves fill them); None: no room.
-        Cached entries evicted to make room go on down now."""
+    def reserve_swap(self, n: int) -> tuple[list[int] | None, Lent]:
+        """n slots for a preempted sequence's blocks (SWAP_OUT moves fill them), or None: no room; and the cached
+        entries evicted to make room, with their slots (SwapSpace.reserve), which the caller passes down."""
         if self.swap is None or n == 0:
-            return None
-        slots, victims = self.swap.reserve(n)
-        self._pass_down(self.swap, victims)
-        return slots
+            return None, NO_LENT
+        return self.swap.reserve(n)
 
     def drop_swap(self, restore: Restore | None) -> None:
         if restore is not None and restore.swap_slots is not None:

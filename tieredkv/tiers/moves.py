@@ -1,14 +1,13 @@
 """Block moves: what a step does to block data before its forward, decided by the scheduler as plain data.
 
 The scheduler and the KV manager change metadata (block tables, ref counts, the hash map, tier indexes)
-and append a BlockMove for every byte that has to move, with one exception: when a block goes down to a
-full warm tier while the plan is made (a swap-out's reservation, an offload), the warm tier copies its
-oldest entries out of the slab then, to pass them to cold (WarmTier._make_room); under tensor parallelism
-that copy is a collective in the middle of scheduling. The tier manager carries the list
-out in one place before the forward, in the order it was planned. That order is safe because a
-block's data is always read before anything is planned into it: an evicted hot block is demoted (and
-a preempted one swapped out) when the allocation that frees it is planned, and every write into it
-(a promotion, a swap-in, a copy-on-write copy, the forward) is planned after.
+and append a BlockMove for every byte that has to move; planning reads and writes no tensor
+(tests/cache/test_data_path.py patches every copy entry point and plans steps that preempt, offload and demote).
+The tier manager carries the list out in one place before the forward, in the order it was planned. That
+order is safe because a block's data is always read before anything is planned into it: an evicted hot block
+is demoted (and a preempted one swapped out) when the allocation that frees it is planned, a warm entry evicted
+to lend its slot (a swap-out's reservation, far blocks) is passed down when the lending is planned, and every
+write into either (a promotion, a swap-in, an offload, a copy-on-write copy, the forward) is planned after.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 from tieredkv.tiers.base import BlockKey
 
 DEMOTE = "demote"  # evicted hot block -> warm, else cold; keeps the block findable below hot
-PASS_DOWN = "pass_down"  # an entry `tier` evicted (its data carried) -> the tier below it
+PASS_DOWN = "pass_down"  # an entry `tier` evicted to lend its slot `src` -> the tier below it (read from the slot)
 SWAP_OUT = "swap_out"  # hot block -> a warm slot lent to a preempted sequence
 OFFLOAD = "offload"  # hot block of a running sequence -> a far block (block_pool.py), which takes its place
 PROMOTE = "promote"  # warm or cold data -> a fresh block (hot, or far), registered under `key`
@@ -32,13 +31,13 @@ COPY = "copy"  # hot block -> hot block (copy-on-write)
 class BlockMove(NamedTuple):
     """One block's move. `src`/`dst` are block ids (hot or far: where a block lives is a property of its
     id) or swap-space slots, as the kind says; a promotion reads a lent slot of `tier`, or carries its
-    data (a host tensor row) with src None, as does a pass-down."""
+    data (a host tensor row) with src None; a pass-down reads the slot `src` of `tier`."""
 
     kind: str
     src: int | None
     dst: int | None
     key: BlockKey | None = None  # demote / promote: the block's identity in the tier it goes to
-    data: torch.Tensor | None = None  # promote without a slot, pass-down: [layers, 2, block_size, kv_heads, head_dim]
+    data: torch.Tensor | None = None  # promote without a slot: [layers, 2, block_size, kv_heads, head_dim]
     tier: str | None = None  # promote, pass-down: the source tier (counters; the slot's owner)
 
 

@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import torch
 
 from tieredkv.hashing import BlockHash
-from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, SwapSpace, Victims
+from tieredkv.tiers.base import NO_LENT, NO_VICTIMS, BlockKey, KVTier, Lent, SwapSpace, Victims
 from tieredkv.tiers.policy import LFUQueue, Popularity, check_eviction
 
 
@@ -172,22 +172,31 @@ class WarmTier(KVTier, SwapSpace):
         return self.slab[first : first + n]
 
     def _make_room(self, n: int) -> Victims:
-        """Evicts the oldest entries until n slots are free (or nothing is left to evict)."""
-        victims = []
-        while len(self.free_slots) + len(victims) < n and self.entries:
+        """Evicts the oldest entries until n slots are free (or nothing is left to evict): their keys and a copy
+        of their data (moves being carried out: the slots are written next)."""
+        keys, slots = self._evict(n)
+        if not keys:
+            return NO_VICTIMS
+        data = self.read(slots)
+        self.release(slots)
+        return keys, data
+
+    def _evict(self, n: int) -> Lent:
+        """Removes the oldest entries from the cache until n slots are free or theirs (or nothing is left to
+        evict): their keys and slots, neither read nor released."""
+        keys, slots = [], []
+        while len(self.free_slots) + len(slots) < n and self.entries:
             if self.lfu is None:
                 block_hash, (slot, tokens) = self.entries.popitem(last=False)
             else:
                 block_hash = self.lfu.pop()
                 slot, tokens = self.entries.pop(block_hash)
-            victims.append((BlockKey(block_hash, tokens), slot))
-        if not victims:
-            return NO_VICTIMS
-        self.report_removed(k.block_hash for k, _ in victims)
-        data = self.read([s for _, s in victims])
-        self.release([s for _, s in victims])
-        self.count(evictions=len(victims))
-        return [k for k, _ in victims], data
+            keys.append(BlockKey(block_hash, tokens))
+            slots.append(slot)
+        if keys:
+            self.report_removed(k.block_hash for k in keys)
+            self.count(evictions=len(keys))
+        return keys, slots
 
     def remove_sync(self, keys: Sequence[BlockKey]) -> int:
         n = 0
@@ -226,18 +235,19 @@ class WarmTier(KVTier, SwapSpace):
 
     # -- swap space for preempted sequences --------------------------------------------------------
 
-    def reserve(self, n: int) -> tuple[list[int] | None, Victims]:
+    def reserve(self, n: int) -> tuple[list[int] | None, Lent]:
         if n > self.capacity // 2:  # keep at least half of the tier for cached prefixes
-            return None, NO_VICTIMS
+            return None, NO_LENT
         return self.lend(n)
 
-    def lend(self, n: int) -> tuple[list[int] | None, Victims]:
-        """n slots for blocks of running sequences (far blocks), evicting cached entries for room; None
-        when lent slots already fill the tier."""
-        victims = self._make_room(n)
-        if len(self.free_slots) < n:
-            return None, victims
-        return [self.free_slots.pop() for _ in range(n)], victims
+    def lend(self, n: int) -> tuple[list[int] | None, Lent]:
+        """n slots for blocks of running sequences (far blocks, a swap-out), evicting cached entries for room
+        (returned with their slots, which are among the n: see SwapSpace.reserve); None, evicting nothing, when
+        lent slots fill too much of the tier."""
+        if self.num_lendable < n:
+            return None, NO_LENT
+        evicted = self._evict(n)
+        return evicted[1] + [self.free_slots.pop() for _ in range(n - len(evicted[1]))], evicted
 
     @property
     def num_lendable(self) -> int:
