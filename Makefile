@@ -19,11 +19,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m tieredkv demo
 
-# One pytest worker per core and one more (at most 5): each a process of its own, one compute thread each
-# (tests/conftest.py). Many tests wait on a process they started, a server or a timeout; the extra worker fills those
-# waits (2 cores, AMD EPYC Zen 3: 3 workers ran the suite in 5:09 where 2 took 5:56).
+# One pytest worker per core (at most 4): each a process of its own, one compute thread each (tests/conftest.py).
+# (A worker more than the cores gained nothing measurable on 2 cores, AMD EPYC Zen 3: 5:12 with 3, 5:07 with 2.)
 # tests/test_docs.py builds the documentation site with `mkdocs build --strict` among them.
-TEST_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 2) + 1 )); [ $$n -gt 5 ] && n=5; echo $$n)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # one of `make test`'s workers (one per core and one more): one compute thread each, here and in the processes
-    # the tests start, so that no worker's OpenMP team spins on a core another worker needs
+    # one of `make test`'s workers (one per core): one compute thread each, here and in the processes the
+    # tests start, so the workers never oversubscribe the cores (OpenMP threads spin while they wait)
     os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
