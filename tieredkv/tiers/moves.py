@@ -1,8 +1,8 @@
 """Block moves: what a step does to block data before its forward, decided by the scheduler as plain data.
 
 The scheduler and the KV manager change metadata (block tables, ref counts, the hash map, tier indexes)
-and append a BlockMove for every byte that has to move; planning reads and writes no tensor
-(tests/cache/test_data_path.py patches every copy entry point and plans steps that preempt, offload and demote).
+and append a BlockMove for every byte that has to move; planning runs no tensor operation
+(tests/cache/test_data_path.py records every one while it plans steps that demote, preempt and offload).
 The tier manager carries the list out in one place before the forward, in the order it was planned. That
 order is safe because a block's data is always read before anything is planned into it: an evicted hot block
 is demoted (and a preempted one swapped out) when the allocation that frees it is planned, a warm entry evicted
