@@ -1,40 +1,32 @@
 """The data path without a model: the KV manager and scheduler plan block moves as data, in a safe order,
 and the tier manager carries them out (a fake forward writes the blocks)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from tieredkv.config import SamplingParams
-from tieredkv.core.cache_index import CacheIndex
-from tieredkv.core.kv_manager import KVCacheManager
-from tieredkv.core.scheduler import Scheduler
+from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.core.sequence import Request, Sequence, SeqStatus
-from tieredkv.hashing import root_hash
+from tieredkv.engine.build import build_cache_core
 from tieredkv.kernels.dispatch import TORCH_OPS
 from tieredkv.runner.far_stage import stage_groups
-from tieredkv.tiers.block_pool import BlockPool
-from tieredkv.tiers.hot import HotTier
-from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PROMOTE, SWAP_IN, SWAP_OUT
-from tieredkv.tiers.warm import WarmTier
 
 BS, LAYERS, HEADS, DIM = 4, 2, 1, 2
 
 
-def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device="cpu", far=False, staged=False):
-    """A pool, KV manager, cache, tier manager (warm, then `lower` below it) and scheduler. With `far`, the
-    warm slab is the cache tensor's tail and the pool lends its slots as far blocks (in place, as on CPU)."""
+def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device="cpu", far=False):
+    """A pool, KV manager, cache, tier manager (warm, then `lower` in cold's place) and scheduler, as the engine
+    builds them (build.build_cache_core) over a cache tensor of its own. With `far`, the warm slab is the cache
+    tensor's tail and the pool lends its slots as far blocks (in place, as on CPU)."""
     cache = torch.zeros(LAYERS, 2, num_blocks + (warm_blocks if far else 0), BS, HEADS, DIM, device=device)
-    warm = None
-    if warm_blocks:
-        warm = WarmTier(warm_blocks, (LAYERS, 2, BS, HEADS, DIM), torch.float32, pin=device == "cuda",
-                        slab=cache[:, :, num_blocks:] if far else None)
-    pool = BlockPool(num_blocks, warm if far else None)
-    kv = KVCacheManager(pool, BS, True, root_hash("test"))
-    tiers = TierManager(HotTier(pool, cache, TORCH_OPS), warm, lower, BS)
-    offload = ("last" if staged else "first") if far else None
-    index = CacheIndex(pool, tiers, root_hash("test"), BS)
-    return pool, kv, cache, tiers, Scheduler(kv, max_seqs, budget, tiers, index, offload=offload)
+    cfg = EngineConfig(model="unused", block_size=BS, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                       scheduling_policy="fcfs")
+    spec = SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS)
+    tiers, kv, _, sched = build_cache_core(cfg, spec, num_blocks, cache, TORCH_OPS, "test", warm_blocks,
+                                           "in place" if far else None, cold=lower)
+    return tiers.hot.pool, kv, cache, tiers, sched
 
 
 def cache_then_evict(sched, tiers, cache, kv, prompt, other):

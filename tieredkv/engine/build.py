@@ -38,6 +38,7 @@ from tieredkv.platform.process import Hold
 from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.runner.native_decode import NativeDecode
+from tieredkv.tiers.base import KVTier
 from tieredkv.tiers.block_pool import BlockPool
 from tieredkv.tiers.hot import HotTier, ShardedHotTier
 from tieredkv.tiers.manager import TierManager
@@ -47,11 +48,28 @@ from tieredkv.tiers.warm import ShardedWarmTier
 log = logging.getLogger("tieredkv")
 
 
+def build_cache_core(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
+                     fingerprint: str, num_warm_blocks: int, far_blocks: str | None, tp: TPGroup | None = None,
+                     cold: KVTier | None = None) -> tuple[TierManager, KVCacheManager, CacheIndex, Scheduler]:
+    """What the engine keeps below its model, over a KV cache tensor: the tiers (build_tiers), the KV manager, the
+    cache index and the scheduler, whose far-block policy follows `far_blocks` (sizing.far_mode: "in place",
+    "staged" or None). tests/cache build theirs here too, with no model."""
+    tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm_blocks,
+                        far=far_blocks is not None, tp=tp, cold=cold)
+    kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
+    index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
+                          offload={"in place": "first", "staged": "last"}.get(far_blocks), policy=cfg.scheduling_policy)
+    return tiers, kv, index, scheduler
+
+
 def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
-                fingerprint: str, num_warm_blocks: int, far: bool, tp: TPGroup | None = None) -> TierManager:
+                fingerprint: str, num_warm_blocks: int, far: bool, tp: TPGroup | None = None,
+                cold: KVTier | None = None) -> TierManager:
     """The block pool (lending warm slots as far blocks when `far`) and hot over it; warm when its budget
     holds a block (the tail of kv_cache when that has room beyond the pool); cold (LMDB, imported only
-    then) with a path; remote (Valkey/Redis, imported only then) with a URL."""
+    then) with a path, or the caller's own tier in its place (`cold`: any KVTier); remote (Valkey/Redis, imported
+    only then) with a URL."""
     block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, kv_cache.shape[-1])  # rows as stored
     sharded = tp is not None and tp.world > 1
     warm = local_warm(num_warm_blocks, kv_cache, num_blocks)
@@ -67,7 +85,8 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
         hot = ShardedHotTier(pool, kv_cache, ops, tp, tp.shard.sizes(spec.num_kv_heads))
     else:
         hot = HotTier(pool, kv_cache, ops)
-    cold = None
+    if cfg.cold_path is not None and cold is not None:
+        raise ValueError("a cold tier of the caller's own and cold_path: one of them")
     if cfg.cold_path is not None:
         from tieredkv.tiers.cold import ColdTier
 
@@ -171,11 +190,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
                              num_blocks, num_far)
     fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size, quant, identity=identity.result(),
                                     kv=kv_format)
-    tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far=mode is not None, tp=tp)
-    kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
-    index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
-    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
-                          offload={"in place": "first", "staged": "last"}.get(mode), policy=cfg.scheduling_policy)
+    tiers, kv, index, scheduler = build_cache_core(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, mode,
+                                                   tp=tp)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          _decode_path(model, kv_cache, ops, cache_dir, cfg.native_decode) if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if mode == "staged" else None, leader=leader)
