@@ -11,14 +11,12 @@ import torch
 from helpers import make_tokenizer
 from test_data_path import fake_forward, make
 from tieredkv.config import EngineConfig, SamplingParams
-from tieredkv.core.cache_index import CacheIndex
 from tieredkv.core.pins import PinTable
 from tieredkv.engine.lifecycle import Lifecycle
 from tieredkv.engine.outputs import StreamChunk
 from tieredkv.engine.request_factory import RequestFactory
 from tieredkv.engine.telemetry import Telemetry
 from tieredkv.errors import SamplingError
-from tieredkv.hashing import root_hash
 from tieredkv.models.tokenizer import Tokenizer
 
 
@@ -39,7 +37,7 @@ class World:
         spec = SimpleNamespace(vocab_size=vocab)
         cfg = EngineConfig(model="unused", block_size=4, max_num_seqs=8)
         self.factory = RequestFactory(tokenizer, spec, cfg, 512, frozenset({tokenizer.hf.eos_token_id}), num_blocks)
-        pins = PinTable(CacheIndex(self.pool, self.tiers, root_hash("test"), 4), budget=0)
+        pins = PinTable(self.sched.index, budget=0)
         self.life = Lifecycle(self.sched, self.kv, self.factory, tokenizer, pins, Telemetry(silent=True),
                               torch.device("cpu"), 512)
         self.vocab, self.script, self.chunks, self.errors = vocab, {}, {}, {}
