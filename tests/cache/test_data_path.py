@@ -394,3 +394,16 @@ def test_planning_touches_no_tensor_and_warm_evictions_go_down_as_moves(far):
                 sched.finish(s, "stop")
         step()
     assert pool.num_free == pool.num_blocks and pool.num_far == 0
+
+
+def test_a_tier_of_ones_own_stands_in_cold_s_place_but_never_beside_a_cold_path(tmp_path):
+    from memory_tier import MemoryTier
+
+    memory = MemoryTier(4, LAYERS * 2 * BS * HEADS * DIM * 4)
+    _, _, _, tiers, _ = make(num_blocks=4, warm_blocks=2, lower=memory)
+    assert tiers.lower == [tiers.warm, memory]
+    cfg = EngineConfig(model="unused", block_size=BS, cold_path=str(tmp_path / "cold"))
+    with pytest.raises(ValueError, match="one of them"):
+        build_cache_core(cfg, SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS), 4,
+                         torch.zeros(LAYERS, 2, 4, BS, HEADS, DIM), TORCH_OPS, "test", 0, None, cold=memory)
+    assert not (tmp_path / "cold").exists()  # refused before anything was opened
