@@ -27,8 +27,9 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4;
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# The tests that load no model (tests/cache: the pool, KV manager, scheduler and tiers; the tree's own checks: lint,
-# import layers, the documentation build), for the edit-test loop. `make test` runs them too.
+# The tests that load no model (tests/cache: the pool, KV manager, scheduler, tiers, beam search and the request
+# lifecycle; the tree's own checks: lint, import layers, the documentation build), for the edit-test loop. `make test`
+# runs them too.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/cache tests/test_*.py
 

@@ -1,6 +1,7 @@
 """The data path without a model: the KV manager and scheduler plan block moves as data, in a safe order,
 and the tier manager carries them out (a fake forward writes the blocks)."""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -51,20 +52,24 @@ def seq(tokens, rid="r"):
     return s
 
 
-def fake_forward(cache, scheduled):
-    """Writes each computed token's value (its token id) into its slot, as the forward would."""
+def fake_forward(cache, scheduled, advance=True):
+    """Writes each computed token's value (its token id) into its slot, as the forward would; with `advance`, counts
+    the tokens computed (the engine's lifecycle counts them itself)."""
     for s, n in scheduled:
         for p in range(s.num_computed_tokens, s.num_computed_tokens + n):
             cache[:, :, s.block_table[p // BS].block_id, p % BS] = float(s.token_ids[p])
-        s.num_computed_tokens += n
+        if advance:
+            s.num_computed_tokens += n
 
 
 def block_values(cache, s):
     return [cache[0, 0, b.block_id, :, 0, 0].tolist() for b in s.block_table]
 
 
-def run_step(sched, tiers, cache, kv):
-    out = sched.schedule()
+def run_step(sched, tiers, cache, kv, watch=None):
+    """One step: plan (inside `watch`, a TorchDispatchMode, when given), carry the moves out, a fake forward."""
+    with watch if watch is not None else contextlib.nullcontext():
+        out = sched.schedule()
     tiers.execute(out.moves)
     fake_forward(cache, out.scheduled)
     for s, _ in out.scheduled:
@@ -357,14 +362,10 @@ def test_planning_touches_no_tensor_and_warm_evictions_go_down_as_moves(far):
     planned = []
 
     def step():
-        with _TensorOps() as seen:
-            out = sched.schedule()
+        seen = _TensorOps()
+        out = run_step(sched, tiers, cache, kv, watch=seen)
         assert seen.ops == [], seen.ops[:10]
         planned.append([m.kind for m in out.moves])
-        tiers.execute(out.moves)
-        fake_forward(cache, out.scheduled)
-        for s, _ in out.scheduled:
-            kv.cache_full_blocks(s)
         return out
 
     for i in range(6):  # 2 full blocks each, cached: hot keeps the newest, warm fills with the rest

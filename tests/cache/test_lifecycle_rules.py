@@ -63,9 +63,7 @@ class World:
         out = self.sched.schedule()
         self.tiers.execute(out.moves)
         sampled = [s for s, n in out.scheduled if s.num_computed_tokens + n >= s.num_tokens]
-        fake_forward(self.cache, out.scheduled)
-        for s, n in out.scheduled:
-            s.num_computed_tokens -= n  # the lifecycle counts what the step computed itself
+        fake_forward(self.cache, out.scheduled, advance=False)  # the lifecycle counts what the step computed
         logits = torch.zeros(len(sampled), self.vocab)
         for row, s in enumerate(sampled):
             if s.request.request_id in poison:
