@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -78,33 +79,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Router:
+    """A router from PyPI in a process of its own: its URL, and its log for the failure messages."""
+
+    def __init__(self, url: str, log: Path):
+        self.url, self.log = url, log
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
 @contextlib.asynccontextmanager
-async def router(module: str, args: list[str]):
-    """A router from PyPI in a process of its own, ready once it answers; yields its URL."""
+async def router(module: str, args: list[str], log: Path):
+    """A router from PyPI in a process of its own, ready once it answers."""
     port = free_port()
     cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
            "127.0.0.1", "--prometheus-port", str(free_port()), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
-    url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+    running = Router(f"http://127.0.0.1:{port}", log)
     try:
         deadline = time.monotonic() + 60
         async with aiohttp.ClientSession() as s:
             while True:
-                assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
-                assert time.monotonic() < deadline, "the router did not come up"
+                assert proc.poll() is None, running.tail()
+                assert time.monotonic() < deadline, "the router did not come up\n" + running.tail()
                 with contextlib.suppress(aiohttp.ClientError):
-                    async with s.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as r:
+                    async with s.get(f"{running.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as r:
                         if r.status == 200:
                             break
                 await asyncio.sleep(0.25)
-        yield url
+        yield running
     finally:
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-        proc.stdout.close()
 
 
 def chat(system: str, question: str) -> list[dict]:
@@ -175,43 +186,48 @@ ROUTERS = [("vllm_router.launch_router", "vllm", ["--policy", "power_of_two"]),
            ("vllm_router.launch_router", "vllm", ["--policy", "cache_aware"]),
            ("sglang_router.launch_router", "sglang", ["--policy", "power_of_two"]),
            ("sglang_router.launch_router", "sglang", ["--policy", "cache_aware"])]
+# sglang-router polls load (and retries a replica that failed to join) every --worker-startup-check-interval
+# seconds, 30 by default: every second here, so a test of a few seconds sees both.
+SGLANG = ["--worker-startup-check-interval", "1"]
 
 
 @pytest.mark.parametrize("module, shape, policy", ROUTERS,
                          ids=["vllm-power_of_two", "vllm-cache_aware", "sglang-power_of_two", "sglang-cache_aware"])
-async def test_a_router_from_pypi_drives_two_replicas(engines, access, module, shape, policy):
+async def test_a_router_from_pypi_drives_two_replicas(engines, access, tmp_path, module, shape, policy):
     """Chats, completions, responses and tokenize through the router; every call it makes to a replica answers
     (no 404), the load it asks for in its own shape; both replicas serve."""
     if importlib.util.find_spec(module.split(".")[0]) is None:
         pytest.fail(f"{module.split('.')[0]} is not installed: the fleet extra is part of make install")
+    sglang = module.startswith("sglang")
     before = [e.stats().prefix_cache_queries for e in engines]
     async with serving(engines, load_format=shape) as urls, router(module, [
-            "--worker-urls", *urls, "--api-key", KEY, *policy]) as url:
-        if module.startswith("sglang"):  # it answers once one replica has joined: wait for both (their info read)
-            deadline = time.monotonic() + 30
+            "--worker-urls", *urls, "--api-key", KEY, *policy, *(SGLANG if sglang else [])],
+            tmp_path / "router.log") as running:
+        if sglang:  # it answers once one replica has joined: wait for both (their info read)
+            deadline = time.monotonic() + 60
             while sum(_joined(line) for line in access.lines) < 2:
-                assert time.monotonic() < deadline, access.lines[-20:]
+                assert time.monotonic() < deadline, (access.lines[-20:], running.tail())
                 await asyncio.sleep(0.1)
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key=KEY, max_retries=0)
         try:
             got = await asyncio.gather(*(client.chat.completions.create(
                 model=NAME, messages=chat(SYSTEMS[i % 2], f"question {i}"), max_tokens=4) for i in range(8)))
             assert all(g.choices[0].finish_reason in ("stop", "length") for g in got)
             text = await client.completions.create(model=NAME, prompt="hello there", max_tokens=3)
             assert text.choices[0].text is not None
-            if module.startswith("vllm"):
+            if not sglang:
                 reply = await client.responses.create(model=NAME, input="hi", max_output_tokens=3)
                 assert reply.status == "incomplete" and reply.output_text is not None
             await asyncio.sleep(1.5)  # a load poll or two
         finally:
             await client.close()
     served = [e.stats().prefix_cache_queries - b for e, b in zip(engines, before)]
-    assert all(n > 0 for n in served), served  # both replicas took requests
+    assert all(n > 0 for n in served), (served, running.tail())  # both replicas took requests
     called = [line for line in access.lines if " /v1/" in line or " /get_" in line or " /health" in line]
     assert called and not [line for line in called if " 404 " in line or " 401 " in line], called
-    if policy[-1] == "power_of_two" and module.startswith("vllm"):  # (sglang-router polls it less often)
-        assert any(" /get_load 200" in line for line in access.lines), access.lines[-20:]
-    if module.startswith("sglang"):  # it reads both replicas' server and model info when they join
+    if policy[-1] == "power_of_two":  # the load it balances on, polled in its own shape
+        assert any(" /get_load" in line and " 200 " in line for line in access.lines), access.lines[-20:]
+    if sglang:  # it reads both replicas' server and model info when they join
         assert sum(_joined(line) for line in access.lines) >= 2
 
 
