@@ -43,10 +43,10 @@ async def test_vllm_router_splits_prefill_and_decode(pair, stream):
     # (vllm-router's P/D mode sends no Authorization header to the replicas: they run without a key here)
     async with serving(pair, kv_transfer_timeout=5.0, api_key=None) as (p_url, d_url), router(
             "vllm_router.launch_router", ["--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url,
-                                          "--api-key", KEY, "--policy", "round_robin"]) as url:
+                                          "--api-key", KEY, "--policy", "round_robin"]) as running:
         import openai
 
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key=KEY, max_retries=0)
         before = [(e.stats().prefix_cache_queries, e.stats().prefix_cache_hits) for e in pair]
         if stream:
             chunks = [c async for c in await client.chat.completions.create(
@@ -130,10 +130,10 @@ async def test_sglang_router_pairs_prefill_and_decode(pair):
         n_prompt = len(await prefill.tokenize(messages))
         before = [e.stats().prefix_cache_hits for e in pair]
         async with router("sglang_router.launch_router", ["--pd-disaggregation", "--prefill", urls[0], "--decode",
-                                                          urls[1], "--policy", "round_robin"]) as url:
+                                                          urls[1], "--policy", "round_robin"]) as running:
             import openai
 
-            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key=KEY, max_retries=0)
             got = await client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
             await client.close()
         hits = [e.stats().prefix_cache_hits - b for e, b in zip(pair, before)]

@@ -6,9 +6,11 @@ import contextlib
 import importlib.util
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,13 +87,22 @@ class Router:
     def __init__(self, url: str, log: Path):
         self.url, self.log = url, log
 
+    def lines(self) -> list[str]:
+        return re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text(errors="replace")).splitlines()
+
     def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(self.lines()[-lines:])
 
 
 @contextlib.asynccontextmanager
-async def router(module: str, args: list[str], log: Path):
-    """A router from PyPI in a process of its own, ready once it answers."""
+async def router(module: str, args: list[str], log: Path | None = None):
+    """A router from PyPI in a process of its own, ready once it answers; its log goes to `log` (a temporary
+    file, removed after, without one)."""
+    if log is None:
+        with tempfile.TemporaryDirectory() as folder:
+            async with router(module, args, Path(folder) / "router.log") as running:
+                yield running
+        return
     port = free_port()
     cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
            "127.0.0.1", "--prometheus-port", str(free_port()), *args]
@@ -203,9 +214,9 @@ async def test_a_router_from_pypi_drives_two_replicas(engines, access, tmp_path,
     async with serving(engines, load_format=shape) as urls, router(module, [
             "--worker-urls", *urls, "--api-key", KEY, *policy, *(SGLANG if sglang else [])],
             tmp_path / "router.log") as running:
-        if sglang:  # it answers once one replica has joined: wait for both (their info read)
+        if sglang:  # it answers once one replica has joined: wait until both have joined its routing policy
             deadline = time.monotonic() + 60
-            while sum(_joined(line) for line in access.lines) < 2:
+            while sum("step_id=update_policies" in line and "succeeded" in line for line in running.lines()) < 2:
                 assert time.monotonic() < deadline, (access.lines[-20:], running.tail())
                 await asyncio.sleep(0.1)
         client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key=KEY, max_retries=0)

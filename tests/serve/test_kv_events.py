@@ -158,12 +158,12 @@ async def test_vllm_router_kv_aware_follows_the_events(llama_dir):
         async with serving(engines) as urls:
             sources = [a for url, p in zip(urls, ports) for a in ("--kv-event-source", f"{url}=tcp://127.0.0.1:{p}")]
             async with router("vllm_router.launch_router", ["--worker-urls", *urls, "--api-key", KEY, "--policy",
-                                                            "kv_aware", "--kv-event-model", NAME, *sources]) as url:
+                                                            "kv_aware", "--kv-event-model", NAME, *sources]) as running:
                 await asyncio.sleep(1.0)  # it subscribes as it starts (what was sent before, it never sees)
                 for engine, system in zip(engines, SYSTEMS):
                     await engine.generate(chat(system, "warm up"), SamplingParams(max_tokens=1))
                 await asyncio.sleep(0.5)
-                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+                client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key=KEY, max_retries=0)
                 before = [e.stats().prefix_cache_queries for e in engines]
                 cached = []
                 for i in range(8):
