@@ -63,7 +63,8 @@ def long_work(what: str, ticker: bool = True) -> Iterator[None]:
     line would run into the output), a line counting the seconds."""
     log.info("%s ...", what)
     t0 = time.perf_counter()
-    stop, show, ticker = threading.Event(), ticker, None
+    stop, show = threading.Event(), ticker
+    thread: threading.Thread | None = None
     if show and sys.stderr.isatty():
         def tick() -> None:
             while not stop.wait(1.0):
@@ -72,12 +73,12 @@ def long_work(what: str, ticker: bool = True) -> Iterator[None]:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
 
-        ticker = threading.Thread(target=tick, name="tieredkv-progress", daemon=True)
-        ticker.start()
+        thread = threading.Thread(target=tick, name="tieredkv-progress", daemon=True)
+        thread.start()
     try:
         yield
     finally:
         stop.set()
-        if ticker is not None:
-            ticker.join()
+        if thread is not None:
+            thread.join()
         log.info("%s: done in %.1f s", what, time.perf_counter() - t0)

@@ -11,7 +11,7 @@ class TieredKVError(Exception):
         return _rebuild, (type(self), self.args, self.__dict__)
 
 
-def _rebuild(cls: type, args: tuple, state: dict) -> TieredKVError:
+def _rebuild(cls: type[TieredKVError], args: tuple, state: dict) -> TieredKVError:
     error = cls.__new__(cls)
     error.args = args
     error.__dict__.update(state)

@@ -15,6 +15,7 @@ than once forks (its blocks shared by reference), one chosen never is freed.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -84,7 +85,7 @@ class BeamSearch:
         self.done = False
         self.steps = 0
 
-    def step(self, beams: list[Beam], rows: torch.Tensor) -> list[Survivor]:
+    def step(self, beams: typing.Sequence[Beam], rows: torch.Tensor) -> list[Survivor]:
         """rows [len(beams), V] processed log-probabilities -> the next running beams (best first); sets
         `done` when the search ends (the survivors are then of no use)."""
         self.started, self.steps = True, self.steps + 1
@@ -142,7 +143,7 @@ class BeamSearch:
         horizon = self.max_new if self.params.early_stopping == "never" and lp > 0 else length
         return penalized(best_running, horizon, lp) > self.finished[-1].score
 
-    def results(self, beams: list[Beam], running_reason: str) -> list[Hypothesis]:
+    def results(self, beams: typing.Sequence[Beam], running_reason: str) -> list[Hypothesis]:
         """The n best hypotheses, best first; when fewer finished (an aborted search), the running beams
         make up the rest, ended with `running_reason`."""
         n = self.params.n

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import typing
+
 from tieredkv.core.sequence import Sequence
 from tieredkv.hashing import BlockHash, chain_keys, hash_block
 from tieredkv.tiers.base import BlockKey, Lent
 from tieredkv.tiers.block_pool import BlockPool, KVBlock
 from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
+
+
+Blocks = typing.Sequence[KVBlock]  # cached prefix blocks, in order (a list, or () for none)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,7 +86,7 @@ class KVCacheManager:
 
     # -- allocation ------------------------------------------------------------------------------
 
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: Blocks = (),
                           restore_blocks: int = 0, restore_tokens: int = 0) -> int:
         """Fresh blocks that allocate_slots would take from the pool, copy-on-write included."""
         num_computed = seq.num_computed_tokens + len(cached) * self.block_size + restore_tokens
@@ -89,23 +94,23 @@ class KVCacheManager:
         need = cdiv(num_computed + num_new_tokens, self.block_size) - have
         return max(need, 0) + int(self._needs_cow(seq)) + restore_blocks
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: Blocks = (),
                      restore_blocks: int = 0, restore_tokens: int = 0) -> bool:
         """Whether allocate_slots with these arguments (a restore of that size) would succeed."""
         need = self.num_blocks_needed(seq, num_new_tokens, cached, restore_blocks, restore_tokens)
         return need <= self.allocatable(cached)
 
-    def allocatable(self, cached: list[KVBlock] = ()) -> int:
+    def allocatable(self, cached: Blocks = ()) -> int:
         """Blocks allocate() can supply once `cached` hits are taken."""
         reviving = sum(1 for b in cached if b.ref_cnt == 0)  # free until touched
         return self.pool.num_free - reviving
 
-    def max_new_tokens(self, seq: Sequence, cached: list[KVBlock] = ()) -> int:
+    def max_new_tokens(self, seq: Sequence, cached: Blocks = ()) -> int:
         """The most new tokens allocate_slots(seq, n, cached) can take from the free blocks now."""
         have = len(seq.block_table) + len(cached) + self.allocatable(cached) - int(self._needs_cow(seq))
         return max(have * self.block_size - seq.num_computed_tokens - len(cached) * self.block_size, 0)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (),
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: Blocks = (),
                        restore: Restore | None = None) -> bool:
         """Make room for num_new_tokens after the computed ones, first adopting `cached` prefix blocks
         and then fresh blocks for `restore` (promoted or swapped-in data, written before the forward).

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
 from tieredkv.core.cache_index import CacheIndex
-from tieredkv.core.kv_manager import KVCacheManager
+from tieredkv.core.kv_manager import Blocks, KVCacheManager
 from tieredkv.core.sequence import Sequence, SeqStatus
 from tieredkv.hashing import BlockHash
 from tieredkv.tiers.lookup import Lookup, count_lookup, describe
@@ -29,8 +30,11 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
-_NOT_READY = object()
-_JOINING = object()
+class _Wait(enum.Enum):
+    """Why a waiting sequence's prefix is not ready to be admitted this step."""
+
+    NOT_READY = "a blocking tier's read is in flight"
+    JOINING = "another sequence is computing its next block"
 
 
 @dataclass
@@ -204,10 +208,10 @@ class Scheduler:
             if len(self.running) + 1 + forks > self.max_num_seqs and self.running:
                 break
             cached, restore = self._prefix_for(seq)
-            if restore is _NOT_READY:
+            if restore is _Wait.NOT_READY:
                 step.on_disk.append(seq)
                 continue
-            if restore is _JOINING:
+            if restore is _Wait.JOINING:
                 if seq.joined_from is None:
                     seq.joined_from = len(cached)
                 continue
@@ -246,30 +250,31 @@ class Scheduler:
         adopted in place as far blocks when hot cannot hold it) or its swapped blocks, and blocks for its
         first chunk. Returns False, holding nothing, when it does not fit now."""
         promoting, far = isinstance(restore, Lookup), False
-        if promoting:  # room for what it found, before taking anything from the tiers
+        if isinstance(restore, Lookup):  # room for what it found, before taking anything from the tiers
             fits_hot = self._lookup_fits(seq, cached, restore, step.budget)
             if fits_hot is None:
                 return False  # the finished lookup stays for the next attempt
             far = not fits_hot
             seq.lookup = None
-            decision = restore.decision, restore.blocking
-            restore = self.tiers.finish_lookup(restore, len(cached))  # at most what it found
+            taken = self.tiers.finish_lookup(restore, len(cached))  # at most what it found (and how it was read)
             if seq.request.cache_decision is None:
-                seq.request.cache_decision = describe(decision[0], decision[1], self.kv.block_size)
+                seq.request.cache_decision = describe(restore.decision, restore.blocking, self.kv.block_size)
+        else:
+            taken = restore
         hits = cached
-        if far and restore is not None:
-            hits = cached + self.kv.adopt_far(seq, cached, restore)
+        if far and taken is not None:
+            hits = cached + self.kv.adopt_far(seq, cached, taken)
             cached = []
-        n = self._fit_waiting(seq, cached, None if far else restore, step.budget)
+        n = self._fit_waiting(seq, cached, None if far else taken, step.budget)
         if n is None:
             if promoting and not far:  # cannot happen after can_allocate; never leak a taken slot
-                self.tiers.drop_restore(restore)
+                self.tiers.drop_restore(taken)
             self.kv.free(seq)  # (holds far blocks only if adopt_far ran; then cannot happen either)
             return False  # a swapped sequence keeps its swap slots for the next attempt
         self.waiting.remove(seq)
         seq.swapped = None
         if seq.request.num_cached_tokens is None:
-            self._record_hits(seq, hits, restore)
+            self._record_hits(seq, hits, taken)
         if seq.joined_from is not None:
             self.prefix_blocks_joined += max(len(hits) - seq.joined_from, 0)
             seq.joined_from = None
@@ -301,9 +306,9 @@ class Scheduler:
                 return None
         return n if self.kv.allocate_slots(seq, n, cached, restore) else None
 
-    def _prefix_for(self, seq: Sequence) -> tuple[list, "Restore | Lookup | None"]:
+    def _prefix_for(self, seq: Sequence) -> tuple[list, Restore | Lookup | _Wait | None]:
         """Hot prefix blocks plus what to restore below them: a swap-in, a finished lookup (its
-        promotion), or nothing. Returns _NOT_READY while a blocking tier's read is in flight."""
+        promotion), or nothing. Returns _Wait.NOT_READY while a blocking tier's read is in flight."""
         if seq.swapped is not None:
             return [], seq.swapped
         if not self.kv.enable_caching:
@@ -312,12 +317,12 @@ class Scheduler:
         cached = self.index.pool_prefix(keys)
         if seq.lookup is None:
             if self._being_computed(seq, len(cached)):
-                return cached, _JOINING
+                return cached, _Wait.JOINING
             seq.lookup = self.index.start_lookup(keys, len(cached))
             if seq.lookup is None:
                 return cached, None
         if not seq.lookup.ready:
-            return cached, _NOT_READY
+            return cached, _Wait.NOT_READY
         if seq.lookup.start != len(cached):  # hot changed while it waited: look again
             seq.lookup = None
             return self._prefix_for(seq)
@@ -368,7 +373,7 @@ class Scheduler:
         self.prefix_cache_queries += seq.num_prompt_tokens
         self.prefix_cache_hits += req.num_cached_tokens
 
-    def _make_room(self, seq: Sequence, n: int, cached: list = ()) -> int:
+    def _make_room(self, seq: Sequence, n: int, cached: Blocks = ()) -> int:
         """With far blocks: offloads old blocks of the running sequences (with offload "last", only those
         of seq's own request) until seq's n new tokens fit in the hot pool, or as many as can go;
         returns the new tokens that fit now (at most n)."""

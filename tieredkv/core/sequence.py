@@ -57,8 +57,9 @@ class Sequence:
         self.generator = generator
         self.detokenizer: IncrementalDetokenizer | None = None
         self.finish_reason: str | None = None
-        self.matcher = None  # structured output: the grammar's state over this sequence's output (engine/grammar.py)
-        self.digits = None  # a JSON schema's output: the run of digits it ends in (engine/grammar.py DigitRun)
+        # structured output: the grammar's state over this sequence's output (engine/grammar.py)
+        self.matcher: Any = None
+        self.digits: Any = None  # a JSON schema's output: the run of digits it ends in (engine/grammar.py DigitRun)
         self.admit_order = 0
         self.lookup: Lookup | None = None  # a walk of the lower tiers in progress while waiting
         self.swapped: Restore | None = None  # where a preempted sequence's blocks wait in warm

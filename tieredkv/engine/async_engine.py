@@ -44,14 +44,16 @@ class AsyncEngine:
     `run_in_worker` for the same reason.
     """
 
-    _process_front: ClassVar[type | None] = None  # the class serving core_process=True (core_client.py)
+    _process_front: ClassVar[Any] = None  # the class serving core_process=True (core_client.py's ProcessEngine)
 
     def __init_subclass__(cls, process_front: bool = False, **kwargs):
         super().__init_subclass__(**kwargs)
         if process_front:
             AsyncEngine._process_front = cls
 
-    def __init__(self, worker: EngineWorker):
+    def __init__(self, worker: Any):
+        """`worker`: the EngineWorker that runs the core on a thread, or (core_client.py) the link to the core's
+        process, which answers alike."""
         self._worker = worker
         self._loop = worker.loop
         self._loop_thread = threading.get_ident()  # start() runs on the loop's thread

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -47,6 +48,10 @@ from tieredkv.tiers.warm import ShardedWarmTier
 
 log = logging.getLogger("tieredkv")
 
+# the scheduler's far-block policy for each far mode (sizing.far_mode): which blocks of a sequence that outgrows
+# the hot pool stay below it
+FAR_POLICY: dict[str | None, Literal["first", "last"]] = {"in place": "first", "staged": "last"}
+
 
 def build_cache_core(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
                      fingerprint: str, num_warm_blocks: int, far_blocks: str | None, tp: TPGroup | None = None,
@@ -59,7 +64,7 @@ def build_cache_core(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cac
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
     index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
-                          offload={"in place": "first", "staged": "last"}.get(far_blocks), policy=cfg.scheduling_policy)
+                          offload=FAR_POLICY.get(far_blocks), policy=cfg.scheduling_policy)
     return tiers, kv, index, scheduler
 
 
@@ -82,7 +87,7 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
     if warm is not None:
         warm.set_eviction(cfg.eviction_policy, popularity)
     if sharded:  # whole blocks below hot: every rank's heads (tiers/hot.py)
-        hot = ShardedHotTier(pool, kv_cache, ops, tp, tp.shard.sizes(spec.num_kv_heads))
+        hot: HotTier = ShardedHotTier(pool, kv_cache, ops, tp, tp.shard.sizes(spec.num_kv_heads))
     else:
         hot = HotTier(pool, kv_cache, ops)
     if cfg.cold_path is not None and cold is not None:
@@ -221,7 +226,7 @@ def _log_ready(cfg: EngineConfig, parts: EngineParts, num_warm: int) -> None:
     """The start-up line: model, weights, device, pool and tiers, kernels, decode path, ranks."""
     block_bytes, tp, memory, ops = kv_block_bytes(parts.spec, cfg.block_size, parts.kv_format), parts.tp, \
         parts.memory, parts.runner.ops
-    rank_gib = " / ".join(f"{m.weight_bytes / 2**30:.2f}" for m in memory) if tp.world > 1 else ""
+    rank_gib = " / ".join(f"{m.weight_bytes / 2**30:.2f}" for m in memory) if isinstance(memory, list) else ""
     log.info("engine ready: %s, weights %s (%.2f GiB) on %s, %d KV blocks of %d tokens in %s (%d bytes a token; "
              "hot %.2f GiB, warm %.2f GiB%s), kernels=%s, dense layers=%s (%s), decode path=%s%s%s",
              parts.model_dir.name, parts.weights, total_weight_bytes(parts.model, memory) / 2**30, parts.device,

@@ -21,6 +21,7 @@ import threading
 from typing import Any
 
 from tieredkv.engine.async_engine import AsyncEngine
+from tieredkv.engine.outputs import EngineStats
 from tieredkv.engine.stream import Channel
 from tieredkv.engine.wire import FrameProtocol, encode
 
@@ -43,7 +44,7 @@ class Outbox:
         self.pending: list[list] = []
         self.records: collections.deque = collections.deque()
         self.engine: AsyncEngine | None = None
-        self._sent_stats = None
+        self._sent_stats: EngineStats | None = None
         self._scheduled = False
         self._lock = threading.Lock()
 
@@ -153,6 +154,7 @@ class Host:
         a request id it forgot a moment ago takes none of the forgotten one's late chunks)."""
         try:
             channel = self.engine._admit(prompt, params, request_id, flags, lambda rid, n: Forward(rid, n, self))
+            assert isinstance(channel, Forward)
             channel.serial = serial
         except Exception as e:  # checked in the application already: only a state it could not see (closing)
             self.out.send("chunk", request_id, e, serial)

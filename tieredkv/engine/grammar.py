@@ -57,7 +57,7 @@ class Grammars:
     def grammar(self, kind: str, source: dict[str, Any] | str) -> str:
         """The compiled grammar of a JSON schema (kind "json_schema") or a Lark grammar in llguidance's syntax
         (kind "grammar"), made once per source; a RequestError naming the kind when it is refused."""
-        key = kind + ":" + (json.dumps(source, sort_keys=True) if kind == "json_schema" else source)
+        key = kind + ":" + (source if isinstance(source, str) else json.dumps(source, sort_keys=True))
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:

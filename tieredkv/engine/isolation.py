@@ -8,7 +8,7 @@ requests that fail, whatever the cause (a parameter no check foresaw, a grammar 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, TypeVar, cast
 
 from tieredkv.config import SamplingParams
 from tieredkv.errors import SamplingError, TieredKVError
@@ -42,14 +42,14 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def isolated(stage: str, items: Sequence[T], run: Callable[[Sequence[T]], list[R]],
+def isolated(stage: str, items: list[T], run: Callable[[list[T]], list[R]],
              params_of: Callable[[T], SamplingParams],
              restore: Callable[[], None] | None = None) -> list[R | TieredKVError]:
     """run(items) -> one result per item, in order. When that raises, `restore()` (undo what the failed call
     may have changed in place), then run([item]) for each item alone: an item whose own run raises gets
     its stage_error in place of a result. `run` must give the same result for an item alone as batched."""
     try:
-        return run(items)
+        return cast("list[R | TieredKVError]", run(items))  # (a list of R is one of R or errors)
     except Exception as batched:
         if restore is not None:
             restore()

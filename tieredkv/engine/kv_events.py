@@ -32,7 +32,6 @@ log = logging.getLogger("tieredkv")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 PARENTS = 1 << 17  # chain links the recorder keeps for blocks reported below hot (~130k blocks, ~2M tokens)
-_UNKNOWN = object()
 
 
 def external_hash(block_hash: bytes) -> int:
@@ -74,9 +73,8 @@ class EventRecorder:
         with self._lock:
             for key in keys:
                 h = external_hash(key.block_hash)
-                parent = self.parents.get(h, _UNKNOWN)
-                if parent is not _UNKNOWN:
-                    self._stored(h, parent, key.token_ids, medium)
+                if h in self.parents:  # (a parent of None: the first block)
+                    self._stored(h, self.parents[h], key.token_ids, medium)
 
     def _stored(self, h: int, parent: int | None, token_ids, medium: str) -> None:
         last = self.events[-1] if self.events else None
@@ -125,7 +123,8 @@ def encode_batch(ts: float, events: list[dict[str, Any]], rank: int, encoding: s
     import msgpack  # (only an engine that publishes loads it)
 
     if encoding == "array":
-        events = [[e["type"], *(e[f] for f in _FIELDS[e["type"]])] for e in events]
+        return msgpack.packb([ts, [[e["type"], *(e[f] for f in _FIELDS[e["type"]])] for e in events], rank],
+                             use_bin_type=True)
     return msgpack.packb([ts, events, rank], use_bin_type=True)
 
 
@@ -167,7 +166,7 @@ class ZmqEventPublisher:
             import zmq
         except ImportError as e:
             raise KVEventsError("kv_events_config needs pyzmq: pip install 'tieredkv[fleet]'") from e
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         _bind(self._pub, endpoint, "endpoint")

@@ -77,7 +77,7 @@ class Lifecycle:
         self.telemetry.on_ended(req, "abort")
         if req.beam is not None:
             return self._end_beams(req, "abort")
-        outputs = []
+        outputs: list[Output] = []
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -336,7 +336,7 @@ class Lifecycle:
         """Keeps each beam's processed log-probabilities; a request whose running beams all have theirs
         takes its step (beams of one request normally run in one forward)."""
         states, logprobs = _row_states(seqs), logits.log_softmax(-1)
-        results = isolated("logits processors", range(len(seqs)),
+        results = isolated("logits processors", list(range(len(seqs))),
                            lambda rows: list(apply_processors(logprobs[list(rows)], [states[i] for i in rows])),
                            lambda i: seqs[i].request.params)
         outputs = self._fail_rows(seqs, list(range(len(seqs))), results)

@@ -92,9 +92,10 @@ def sample(logits: torch.Tensor, rows: list[RowState],
             except RuntimeError as e:  # e.g. a distribution torch.multinomial rejects
                 out[i] = SamplingError(f"sampling failed: {e}")
     for j, i in enumerate(asked):
-        if isinstance(out[i], Sampled):
+        got = out[i]
+        if isinstance(got, Sampled):
             k = rows[i].params.logprobs
             top = raw[j].topk(k) if k else None
-            out[i] = Sampled(out[i].token, float(raw[j, out[i].token]),
+            out[i] = Sampled(got.token, float(raw[j, got.token]),
                              list(zip(top.indices.tolist(), top.values.tolist())) if k else [])
     return out

@@ -20,6 +20,7 @@ import msgpack
 import torch
 
 from tieredkv.errors import SnapshotError
+from tieredkv.hashing import BlockHash
 from tieredkv.tiers.base import BlockKey
 
 MAGIC = b"TKVSNAP1"
@@ -147,6 +148,6 @@ async def _read_entry(f, payload_bytes: int, report: dict) -> tuple[BlockKey, by
         meta = msgpack.unpackb(await f.read(n))
         payload = await f.read(payload_bytes)
         ok = len(payload) == payload_bytes and _digest(payload) == meta["d"]
-        return BlockKey(bytes(meta["h"]), tuple(int(t) for t in meta["t"])), payload, ok
+        return BlockKey(BlockHash(bytes(meta["h"])), tuple(int(t) for t in meta["t"])), payload, ok
     except Exception:
         return None

@@ -53,7 +53,8 @@ class NgramIndex:
 
     def __init__(self, lo: int, hi: int):
         self.sizes = range(hi, lo - 1, -1)  # longest first: a longer match is the better guess
-        self.last = {n: {} for n in self.sizes}  # n-gram -> the position of the token that followed it
+        # n-gram -> the position of the token that followed it
+        self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self.indexed = 0  # positions whose preceding n-grams are in `last`
 
     def extend(self, tokens: list[int]) -> None:

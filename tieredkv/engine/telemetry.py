@@ -14,7 +14,7 @@ import itertools
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import Observation
@@ -62,7 +62,7 @@ class Telemetry:
         self.spec_accepted_tokens = m.create_counter("tieredkv.spec_decode.num_accepted_tokens", unit="{token}",
                                                      description="draft tokens accepted, by proposer")
 
-        def histogram(name: str, unit: str, buckets: list[float]):
+        def histogram(name: str, unit: str, buckets: Sequence[float]):
             return m.create_histogram(name, unit=unit, explicit_bucket_boundaries_advisory=buckets)
 
         self.ttft = histogram("gen_ai.server.time_to_first_token", "s", LATENCY_BUCKETS)

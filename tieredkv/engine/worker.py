@@ -14,7 +14,7 @@ from typing import Any, Callable
 from tieredkv.config import EngineConfig
 from tieredkv.core.sequence import Request
 from tieredkv.engine.engine_core import EngineCore
-from tieredkv.engine.outputs import Output
+from tieredkv.engine.outputs import EngineStats, Output
 from tieredkv.errors import EngineClosedError, StepError
 from tieredkv.platform.malloc_tuning import release_free_memory
 
@@ -48,7 +48,7 @@ class EngineWorker:
         self.loop = loop
         self.config = config
         self.core: EngineCore | None = None
-        self.snapshot = None
+        self.snapshot: EngineStats | None = None
         self.close_reason: EngineClosedError | None = None
         self.started: asyncio.Future = loop.create_future()
         self.closed: asyncio.Future = loop.create_future()

@@ -26,7 +26,9 @@ def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -
     decoded is never in one (a shared partial block is copied before it is written)."""
     min_blocks = -(-MIN_PREFIX_TOKENS // block_size)
     usable = {r: tables[r][: (lens[r] - 1) // block_size] for r in range(len(tables))}
-    groups, rows, common = [], [], 0
+    groups: list = []
+    rows: list[int] = []
+    common = 0
 
     def close():
         if len(rows) >= MIN_GROUP and common >= min_blocks:

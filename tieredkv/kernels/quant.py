@@ -49,6 +49,10 @@ class QuantizedWeight(DenseWeight):
     """A dense layer's weight [out_features, in_features] in the "q8" or "q4" format (module docstring), or their
     tiles; its product (in and out of a graph) is quant_linear."""
 
+    codes: torch.Tensor  # buffers (they move with the module)
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+
     def __init__(self, fmt: str, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                  group_size: int, in_features: int, scheme: str):
         super().__init__()

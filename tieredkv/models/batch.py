@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tieredkv.models.lora import LoRABatch
 
 
 @dataclass
@@ -21,7 +25,7 @@ class AttentionMetadata:
     max_prefill_query_len: int
     decode_plan: object = None  # the kernel set's per-step decode plan (KernelOps.plan_decode), if it has one
     prefill_plan: list | None = None  # prefill chunks that follow the same cached blocks (cascade.shared_prefixes)
-    stage: object = None  # far_stage.StagePlan when the tables index staged blocks instead of the cache
+    stage: Any = None  # far_stage.StagePlan when the tables index staged blocks instead of the cache
 
     def cache_to_read(self, layer_cache: torch.Tensor, layer_id: int) -> torch.Tensor:
         """What this layer's attention reads through the block tables: its own cache, or where the tables index
@@ -36,7 +40,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding
     logits_indices: torch.Tensor  # [S] int64: rows whose next-token logits are needed
     attn: AttentionMetadata
-    lora: object = None  # models/lora.LoRABatch: the adapters of the step's rows, when any row has one
+    lora: LoRABatch | None = None  # the adapters of the step's rows, when any row has one
 
     @property
     def num_tokens(self) -> int:

@@ -128,7 +128,7 @@ def _k_quant(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> Quanti
 
     if type_name == "Q6_K":
         ql, qh = blocks[..., :128], blocks[..., 128:192]
-        sc = blocks[..., 192:208].view(np.int8).astype(np.float32)  # 16 groups of 16
+        sc: np.ndarray = blocks[..., 192:208].view(np.int8).astype(np.float32)  # 16 groups of 16
         q = np.empty((*lead, 256), np.int8)
         for half in range(2):  # 128 inputs each: 64 bytes of low nibbles, 32 of high bit pairs
             lo, hi = ql[..., 64 * half : 64 * half + 64], qh[..., 32 * half : 32 * half + 32]

@@ -262,7 +262,7 @@ class LoRAStack:
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's rows per adapter: indices [adapters, m] (padding: row 0) and each adapter's count of rows
         [adapters] int32, m the most rows one adapter has."""
-        per = [[] for _ in self.adapters]
+        per: list[list[int]] = [[] for _ in self.adapters]
         for row, adapter in enumerate(row_adapters):
             if adapter is not None:
                 per[self.index[id(adapter)]].append(row)

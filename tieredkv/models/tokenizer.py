@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Chat:
 PromptType = str | list[int] | list[dict[str, Any]] | Chat
 
 
-def check_messages(messages: list) -> None:
+def check_messages(messages: Sequence) -> None:
     """Raises ValueError unless every message is a dict with string 'role' and 'content' (None where the
     message carries tool_calls), and every string in it, at any depth, is valid Unicode (a chat template
     renders roles, names and calls as they are, not only the content)."""
@@ -48,7 +48,7 @@ def check_messages(messages: list) -> None:
                 stack.extend((what, v) for v in value)
 
 
-def message_chars(messages: list) -> int:
+def message_chars(messages: Sequence) -> int:
     """Characters in everything a chat template may render from the messages: every string, at any depth
     (roles, names and content alike); other values count one each. Never tokenizes, never formats a value."""
     stack, chars = list(messages), 0
@@ -144,8 +144,9 @@ class Tokenizer:
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("prompt is empty")
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return list(prompt)
-            if all(isinstance(m, dict) for m in prompt):
-                return self.apply_chat_template(list(prompt))
+            items: list[Any] = list(prompt)
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+                return items
+            if all(isinstance(m, dict) for m in items):
+                return self.apply_chat_template(items)
         raise TypeError("prompt must be a str, a list of token ids, or a list of chat messages")

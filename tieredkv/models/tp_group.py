@@ -41,6 +41,12 @@ class TPGroup:
             self.broken = e
             raise RankLostError(f"a tensor-parallel rank is gone: {e}") from e
 
+    def abort(self) -> None:
+        """Ends every other rank at once (rank 0's group, engine/ranks.py; a group of one has none)."""
+
+    def close(self) -> None:
+        """Ends every other rank in order (rank 0's group, engine/ranks.py; a group of one has none)."""
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x (in place), after a row-parallel layer: NCCL's all-reduce on CUDA; on CPU an
         exchange of every rank's x with every other (one round of point-to-point sends) summed in rank order,

@@ -28,7 +28,7 @@ class CpuInfo:
 @functools.cache
 def cpu_info(path: str = "/proc/cpuinfo") -> CpuInfo:
     """The first processor's entry (all are alike on the machines this runs on); unknown off Linux."""
-    name, flags = "unknown", frozenset()
+    name, flags = "unknown", frozenset[str]()
     try:
         with open(path) as f:
             for line in f:

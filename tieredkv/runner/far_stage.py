@@ -41,7 +41,7 @@ class StagePlan:
     far_dst: torch.Tensor
     slab: torch.Tensor  # the warm tier's block-major slab [capacity, layers, 2, block_size, kv_heads, head_dim]
     far_slots_dev: torch.Tensor | None = None  # far_slots on the device: the kernel reads the slab in place
-    stream: object = None  # torch.cuda.Stream the read-ahead copies run on; None: inline
+    stream: torch.cuda.Stream | None = None  # torch.cuda.Stream the read-ahead copies run on; None: inline
     read_ahead_layers: int = 0  # layers whose far blocks were read ahead of their gather
     late_layers: int = 0  # layers whose far blocks were copied at their gather (out of order: none expected)
     _ahead: tuple | None = field(default=None, repr=False)  # (layer_id, buffer, event) read ahead

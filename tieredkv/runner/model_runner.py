@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+from typing import Sequence as Seq
 
 import torch
 
@@ -16,7 +17,7 @@ from tieredkv.kernels.calls import counting, record
 from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS, shared_prefixes
 from tieredkv.models.batch import AttentionMetadata, ForwardBatch, scratch_block
 from tieredkv.models.llama import LlamaModel
-from tieredkv.models.lora import LoRABatch
+from tieredkv.models.lora import LoRAAdapter, LoRABatch, LoRAStack
 from tieredkv.runner.compiled_decode import CompiledDecode
 from tieredkv.runner.far_stage import StagePlan, plan_stage, reads_slab_in_place, stage_groups
 from tieredkv.runner.native_decode import NativeDecode
@@ -62,7 +63,8 @@ class ModelRunner:
         self.device = kv_cache.device
         self.cascade = cascade
         self.compiled = compiled  # what runs a step that decodes one sequence (compiled graph or native step), if on
-        self.lora_stack = None  # (adapters) -> their LoRAStack (engine/adapters.py), when the engine serves adapters
+        # (adapters) -> their LoRAStack (engine/adapters.py), when the engine serves adapters
+        self.lora_stack: Callable[[list[LoRAAdapter]], LoRAStack] | None = None
         self.warmed_up = False
         # far: where far blocks (ids >= base) are not in the cache tensor, the first far id and the warm slab;
         # steps that use them stage them (far_stage.py), at most a hot pool's worth (base) of far blocks
@@ -112,7 +114,7 @@ class ModelRunner:
 
     def _lora(self, rows: list[tuple[Sequence, int]]) -> LoRABatch | None:
         """The step's adapters and the token rows of each (rows in the order _token_rows lays them out)."""
-        groups: dict[int, tuple[object, list[int]]] = {}
+        groups: dict[int, tuple[LoRAAdapter, list[int]]] = {}
         at = 0
         for seq, n in rows:
             adapter = adapter_of(seq)
@@ -216,7 +218,7 @@ class ModelRunner:
         self.model.forward(batch, self.kv_cache, self.ops)
         return tokens, time.perf_counter() - t0
 
-    def synthetic_step(self, decode_lens: list[int], prefills: list[tuple[int, int]] = ()) -> ForwardBatch:
+    def synthetic_step(self, decode_lens: list[int], prefills: Seq[tuple[int, int]] = ()) -> ForwardBatch:
         """A batch shaped like a step with these decodes (context lengths, >= 1) and prefill chunks (tokens,
         context after the chunk), built by the same code as a real step's, every block in it the scratch
         block (no sequence's; its contents are garbage, and so is what the forward computes from it)."""

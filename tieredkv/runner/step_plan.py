@@ -3,11 +3,14 @@ scheduled sequences reduced to what the model runner reads of them."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from tieredkv.core.sequence import step_tokens
+from tieredkv.models.lora import LoRAAdapter
 from tieredkv.tiers.block_pool import KVBlock
 
 
-def adapter_of(seq) -> object:
+def adapter_of(seq) -> LoRAAdapter | None:
     """The LoRA adapter a sequence's rows take (None: the base model; a warm-up row has none; a tensor-parallel
     rank's stand-in carries its own)."""
     request = getattr(seq, "request", None)
@@ -25,7 +28,7 @@ class StandIn:
     """What the model runner reads of a sequence, from plain values (token ids before the step's are never read)."""
 
     def __init__(self, num_computed: int, num_tokens: int, token_ids: list[int], block_ids: list[int],
-                 spec_tokens: list[int] = (), adapter=None):
+                 spec_tokens: Sequence[int] = (), adapter=None):
         self.num_computed_tokens, self.num_tokens, self.token_ids = num_computed, num_tokens, token_ids
         self.block_table = [KVBlock(i) for i in block_ids]
         self.spec_tokens = list(spec_tokens)

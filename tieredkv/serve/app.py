@@ -20,12 +20,13 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from aiohttp import web
 
 from tieredkv.config import SamplingParams
 from tieredkv.engine.async_engine import AsyncEngine
+from tieredkv.engine.outputs import Usage
 from tieredkv.errors import EngineClosedError, LoRAError, RequestError, TieredKVError
 from tieredkv.models.tokenizer import message_chars
 from tieredkv.serve import disagg
@@ -630,7 +631,7 @@ def _admitted(request: web.Request):
 
 
 async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool, fmt: ToolFormat | None = None,
-                 constraint=None, keep: list[tuple[Any, float]] = ()) -> web.StreamResponse:
+                 constraint=None, keep: Sequence[tuple[Any, float]] = ()) -> web.StreamResponse:
     engine, settings = request.app[_ENGINE], request.app[_SETTINGS]
     params = sampling_params(body, chat, constraint, skip_special_tokens=not (fmt and fmt.keeps_special_tokens))
     streaming, include_usage = stream_flags(body)
@@ -665,7 +666,7 @@ async def _serve(request: web.Request, body: dict[str, Any], prompt, chat: bool,
         return web.json_response(whole)
 
 
-async def _pins(engine: AsyncEngine, ids: list[int], keep: list[tuple[Any, float]], salt: str | None,
+async def _pins(engine: AsyncEngine, ids: list[int], keep: Sequence[tuple[Any, float]], salt: str | None,
                 adapter: str | None) -> list[tuple[int, float]]:
     """The prefixes of `ids` that cache_control marks end (each mark's prompt tokenized: where it agrees with the
     whole prompt), with their times to live; a 400 when pinning them would pass the pinned budget or the client's
@@ -768,12 +769,12 @@ class _Output:
         self.created = int(time.time())  # one value for the whole response, every stream chunk included
         self.first_token_at: float | None = None  # perf_counter
         self.kind = "chat.completion" if chat else "text_completion"
-        self.texts = [[] for _ in range(n)]
+        self.texts: list[list[str]] = [[] for _ in range(n)]
         self.logprobs: list[list | None] = [None] * n
         self.finish: list[str | None] = [None] * n
         self.offsets = [0] * n
         self.role_sent = [False] * n
-        self.usages = []
+        self.usages: list[Usage] = []
         tokenizer = engine.tokenizer
         self.decode = lambda t: tokenizer.decode([t], skip_special_tokens=False)
 
@@ -817,8 +818,8 @@ class _Output:
             else:
                 parsed = self.fmt.parse(text, final=True)
                 calls = [c for c in parsed.calls if c.complete]
-                message = {"role": "assistant", "content": parsed.content if parsed.content.strip() or not calls
-                           else None}
+                message: dict[str, Any] = {"role": "assistant", "content": parsed.content
+                                           if parsed.content.strip() or not calls else None}
                 if calls:
                     message["tool_calls"] = [_tool_call(c, new_call_id(self.fmt)) for c in calls]
                 choice["message"] = message

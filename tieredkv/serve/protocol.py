@@ -245,7 +245,7 @@ def usage_body(usages: list[Usage]) -> dict[str, Any]:
     """OpenAI's usage; cached prompt tokens in its own field, their split by tier as an extension."""
     first = usages[0]
     completion = sum(u.completion_tokens for u in usages)
-    body = {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+    body: dict[str, Any] = {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
             "total_tokens": first.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens,
                                       "cached_tokens_by_tier": dict(first.cached_tokens_by_tier)}}

@@ -181,7 +181,8 @@ def value_end(text: str, i: int) -> int | None:
 def partial_string(text: str, i: int) -> tuple[str, bool]:
     """The decoded JSON string that starts at text[i] (a '"'), as far as it is written, and whether it closed.
     An escape cut in the middle is left for the next piece."""
-    out, j = [], i + 1
+    out: list[str] = []
+    j = i + 1
     while j < len(text):
         ch = text[j]
         if ch == '"':
@@ -557,8 +558,8 @@ def _made(cls: type[ToolFormat], tokenizer) -> ToolFormat:
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(JSON_LAYOUT["item_separator"],
-                                                           JSON_LAYOUT["key_separator"]))
+    return json.dumps(obj, ensure_ascii=False, separators=(str(JSON_LAYOUT["item_separator"]),
+                                                           str(JSON_LAYOUT["key_separator"])))
 
 
 # --- the messages a client sends back -----------------------------------------------------------------------------

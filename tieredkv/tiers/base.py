@@ -9,11 +9,11 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from collections import OrderedDict
-from typing import Callable, ClassVar, Iterable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 
-from tieredkv.hashing import BlockKey
+from tieredkv.hashing import BlockHash, BlockKey
 
 TIER_NAMES = ("hot", "warm", "remote", "cold")  # top to bottom (remote, when shared, is written beside cold)
 
@@ -104,7 +104,7 @@ class KVTier(ABC):
     # what it admits goes on to the tier below as well, and neither persist nor a snapshot copies it
     shared: ClassVar[bool] = False
     medium: ClassVar[str | None] = None  # the tier's name in KV events (vLLM's media): None, not reported
-    events = None  # an EventRecorder (engine/kv_events.py) when KV events are on and the tier has a medium
+    events: Any = None  # an EventRecorder (engine/kv_events.py) when KV events are on and the tier has a medium
 
     DROPPED_LOG = 1 << 16  # how many dropped block hashes a tier remembers, for explain()
 
@@ -113,7 +113,7 @@ class KVTier(ABC):
         self._counter_lock = threading.Lock()
         self._dropped: OrderedDict[bytes, str | None] = OrderedDict()
 
-    def note_dropped(self, hashes: Iterable[bytes], refused: Callable[[bytes], str] | None = None) -> None:
+    def note_dropped(self, hashes: Iterable[BlockHash], refused: Callable[[BlockHash], str] | None = None) -> None:
         """Remembers (the last DROPPED_LOG) blocks this tier let go for good: no tier below kept them; with
         `refused` (a block's hash -> why), blocks this tier did not admit."""
         with self._counter_lock:
@@ -240,9 +240,9 @@ class KVTier(ABC):
         return fn(*args)
 
 
-class SwapSpace(ABC):
-    """Slots of a KVTier that can be lent out, outside its cache: swap space for preempted sequences,
-    and promotion in place (the warm tier provides them). A lent slot is the borrower's until released."""
+class SwapSpace(KVTier):
+    """A KVTier of slots that can also be lent out, outside its cache: swap space for preempted sequences, far
+    blocks, and promotion in place (the warm tier is one). A lent slot is the borrower's until released."""
 
     @abstractmethod
     def take(self, keys: Sequence[BlockKey]) -> list[int]:
@@ -252,6 +252,27 @@ class SwapSpace(ABC):
     def reserve(self, n: int) -> tuple[list[int] | None, Lent]:
         """n slots, or None. Cached entries evicted to make room are returned with their slots (among the n):
         their data is read when the step's moves run (PASS_DOWN), for the tier below; nothing is read now."""
+
+    @abstractmethod
+    def lend(self, n: int) -> tuple[list[int] | None, Lent]:
+        """As `reserve`, for far blocks: n slots evicting cached entries for room, or None, evicting nothing."""
+
+    @property
+    @abstractmethod
+    def num_lendable(self) -> int:
+        """Slots that `lend` can hand out now."""
+
+    @abstractmethod
+    def keep(self, slot: int, key: BlockKey) -> None:
+        """A lent slot whose block is no longer in use becomes a cached entry under `key` (or is released)."""
+
+    @abstractmethod
+    def admit_from_hot(self, hot, block_ids: list[int], keys: Sequence[BlockKey]) -> tuple[int, Victims]:
+        """admit() of hot blocks (HotTier) by id, copied from the pool straight into the slots they take."""
+
+    @abstractmethod
+    def read(self, slots: list[int]) -> torch.Tensor:
+        """A copy of the slots' blocks [len(slots), ...]."""
 
     @abstractmethod
     def write(self, slots: list[int], blocks: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 from tieredkv.hashing import BlockHash, BlockKey
 from tieredkv.tiers.policy import LFUQueue, Popularity, check_eviction
@@ -153,7 +153,7 @@ class BlockPool:
         self.num_far = 0  # far blocks in use
         self.num_cached_far = 0  # of which in the hash map
         self.new_cached: list[KVBlock] | None = None  # a list: `cache` records each block it registers there
-        self.events = None  # an EventRecorder (engine/kv_events.py): blocks cached and uncached are reported
+        self.events: Any = None  # an EventRecorder (engine/kv_events.py): blocks cached and uncached are reported
 
     @property
     def num_blocks(self) -> int:

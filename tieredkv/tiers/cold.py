@@ -29,6 +29,7 @@ import lmdb
 import torch
 
 from tieredkv.errors import ColdTierError
+from tieredkv.hashing import BlockHash
 from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, Victims, next_batch
 from tieredkv.tiers.cold_format import ColdFormat, default_secret_path, key_fingerprint
 from tieredkv.tiers.cold_txn import ColdTxnOps, disk_cost
@@ -150,7 +151,8 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         """Every usable entry of this fingerprint, read in short transactions of up to `batch` entries."""
         after, more = self.prefix, True
         while more:
-            keys, data, more = [], bytearray(), False
+            keys: list[BlockKey] = []
+            data, more = bytearray(), False
             with self.handle.transaction(db=self.db_blocks, buffers=True) as txn:
                 cur = txn.cursor()
                 found = cur.set_range(after)
@@ -161,7 +163,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
                     raw, value = bytes(cur.key()), cur.value()
                     after = raw + b"\0"
                     try:
-                        key = BlockKey(raw[8:], tuple(self._header(None, value)[0]["tokens"]))
+                        key = BlockKey(BlockHash(raw[8:]), tuple(self._header(None, value)[0]["tokens"]))
                     except Exception:  # unreadable: _payload below would count it; skip it here
                         key = None
                     payload = None if key is None else self._payload(key, value)

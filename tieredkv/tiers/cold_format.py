@@ -24,7 +24,7 @@ from pathlib import Path
 import msgpack
 import torch
 
-from tieredkv.tiers.base import BlockKey
+from tieredkv.tiers.base import BlockKey, KVTier
 
 log = logging.getLogger("tieredkv")
 
@@ -70,7 +70,7 @@ def key_fingerprint(secret: bytes) -> bytes:
     return hashlib.blake2b(b"tieredkv cold-tier key", key=secret, digest_size=8).hexdigest().encode()
 
 
-class ColdFormat:
+class ColdFormat(KVTier):
     """Mixed into ColdTier and RemoteTier, which call `_init_format` and may override `_key` and
     `_set_aside` (what becomes of a bad entry); the KVTier counters count failures."""
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import mmap
 import struct
+from typing import Any
 
 import msgpack
 
+from tieredkv.hashing import BlockHash
+from tieredkv.tiers.base import BlockKey, KVTier
 from tieredkv.tiers.cold_format import fingerprint_prefix
 
 _U64 = struct.Struct(">Q")  # big-endian, so the order database sorts by sequence number
@@ -21,11 +24,27 @@ def disk_cost(value_bytes: int, page_size: int = mmap.PAGESIZE) -> int:
     return -(-(value_bytes + 16) // page_size) * page_size
 
 
-class ColdTxnOps:
+class ColdTxnOps(KVTier):
     """Mixed into ColdTier: needs `handle`, `db_blocks`, `db_lru`, `db_order`, `db_meta`, `db_aside`, `budget`,
     `prefix`, `cost` (bytes an entry takes on disk) and the KVTier counters. Each `_txn_<kind>(txn,
     payload)` applies one queued operation of the writer thread. The byte budget is enforced here, by
     evicting the oldest entries, so it holds across processes."""
+
+    handle: Any  # the tier's LMDB environment handle (tiers/cold_store.py)
+    db_blocks: Any
+    db_lru: Any
+    db_order: Any
+    db_meta: Any
+    db_aside: Any
+    budget: int
+    prefix: bytes
+    _used: int
+
+    def cost(self, value_bytes: int) -> int:
+        raise NotImplementedError
+
+    def _verified(self, key: BlockKey, value: memoryview) -> memoryview:
+        raise NotImplementedError
 
     def known_fingerprints(self) -> list[str]:
         """Every model fingerprint that has stored blocks in this folder."""
@@ -96,7 +115,7 @@ class ColdTxnOps:
                     oldest = bytes(cur.key())[8:]
                 self._delete(txn, oldest)
                 self.count(evictions=1)
-                self.note_dropped([oldest[8:]])
+                self.note_dropped([BlockHash(oldest[8:])])
                 used = self._meta(txn, b"used_bytes")
             txn.put(key, value, db=self.db_blocks)
             self._set_meta(txn, b"used_bytes", used + cost)

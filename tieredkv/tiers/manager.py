@@ -22,15 +22,16 @@ from tieredkv.tiers.moves import (COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWA
                                   runs)
 from tieredkv.tiers.policy import Admission
 from tieredkv.tiers.rates import LoadRates
+from tieredkv.tiers.warm import WarmTier
 
 log = logging.getLogger("tieredkv")
 _BATCH = 256  # blocks per transfer when a whole tier moves
 
 
 class TierManager:
-    def __init__(self, hot: HotTier, warm: KVTier | None, cold: KVTier | None, block_size: int,
+    def __init__(self, hot: HotTier, warm: WarmTier | None, cold: KVTier | None, block_size: int,
                  remote: KVTier | None = None, admission: Admission | None = None):
-        self.hot = hot
+        self.hot, self._warm = hot, warm
         self.lower: list[KVTier] = [t for t in (warm, remote, cold) if t is not None]  # top to bottom
         self.shared = [t for t in self.lower if t.shared]
         self.block_size = block_size
@@ -45,8 +46,8 @@ class TierManager:
         self.admission = admission or Admission(hot.pool.popularity)  # what cold and remote take (tiers/policy.py)
 
     @property
-    def warm(self) -> KVTier | None:
-        return self.tier("warm")
+    def warm(self) -> WarmTier | None:
+        return self._warm
 
     @property
     def cold(self) -> KVTier | None:
@@ -54,6 +55,12 @@ class TierManager:
 
     def tier(self, name: str) -> KVTier | None:
         return self.hot if name == "hot" else next((t for t in self.lower if t.name == name), None)
+
+    def lender(self, name: str) -> SwapSpace:
+        """The tier of that name, one that lends slots (moves and restores that name slots name such a tier)."""
+        tier = self.tier(name)
+        assert isinstance(tier, SwapSpace), name
+        return tier
 
     def stats(self) -> dict[str, TierStats]:
         """Each present tier's counters, with its current use."""
@@ -80,8 +87,8 @@ class TierManager:
             self._demote([m.src for m in run], [m.key for m in run])
         elif kind == PASS_DOWN:  # entries the warm tier evicted while planning: read from the slots lent on
             for part in runs(run, lambda m: m.tier):
-                tier = self.tier(part[0].tier)
-                self._admit(self.lower.index(tier) + 1, [m.key for m in part], tier.read([m.src for m in part]))
+                lender = self.lender(part[0].tier)
+                self._admit(self.lower.index(lender) + 1, [m.key for m in part], lender.read([m.src for m in part]))
         elif kind in (SWAP_OUT, OFFLOAD):  # into swap slots, or far blocks' slots
             slots = dst if kind == SWAP_OUT else [self.hot.pool.slot_of(d) for d in dst]
             self.swap.from_hot(hot, [m.src for m in run], slots)
@@ -100,9 +107,9 @@ class TierManager:
                 elif part[0].src is None:
                     hot.scatter(ids, torch.stack([m.data for m in part]))
                 else:
-                    slots = [m.src for m in part]
-                    tier.to_hot(hot, ids, slots)
-                    self._unreleased.append((tier, slots))
+                    slots, lender = [m.src for m in part], self.lender(part[0].tier)
+                    lender.to_hot(hot, ids, slots)
+                    self._unreleased.append((lender, slots))
                 tier.count(promotions=len(part))
         elif kind == COPY:
             hot.copy([m.src for m in run], dst)
@@ -269,7 +276,7 @@ class TierManager:
         self.drop_swap(restore)
         for part in restore.parts if restore is not None else ():
             if part.slots:
-                self.tier(part.tier).release(part.slots)
+                self.lender(part.tier).release(part.slots)
 
     # -- management -------------------------------------------------------------------------------
 

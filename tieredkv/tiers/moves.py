@@ -13,11 +13,14 @@ write into either (a promotion, a swap-in, an offload, a copy-on-write copy, the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from operator import attrgetter
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
 from tieredkv.tiers.base import BlockKey
+
+T = TypeVar("T")
 
 DEMOTE = "demote"  # evicted hot block -> warm, else cold; keeps the block findable below hot
 PASS_DOWN = "pass_down"  # an entry `tier` evicted to lend its slot `src` -> the tier below it (read from the slot)
@@ -41,9 +44,9 @@ class BlockMove(NamedTuple):
     tier: str | None = None  # promote, pass-down: the source tier (counters; the slot's owner)
 
 
-def runs(moves: list[BlockMove], key=lambda m: m.kind) -> list[list[BlockMove]]:
-    """Consecutive moves with the same key (by default, of one kind): each run is one transfer."""
-    out: list[list[BlockMove]] = []
+def runs(moves: list[T], key: Callable[[T], Any] = attrgetter("kind")) -> list[list[T]]:
+    """Consecutive moves (or ids) with the same key (by default, moves of one kind): each run is one transfer."""
+    out: list[list[T]] = []
     for move in moves:
         if out and key(out[-1][0]) == key(move):
             out[-1].append(move)

@@ -27,11 +27,12 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from tieredkv.errors import RemoteTierError
+from tieredkv.hashing import BlockHash
 from tieredkv.tiers.base import NO_VICTIMS, BlockKey, KVTier, Victims, next_batch
 from tieredkv.tiers.cold_format import ColdFormat, key_fingerprint
 
@@ -123,7 +124,8 @@ class RemoteTier(ColdFormat, KVTier):
         self._pending = 0  # bytes queued for the writer
         self._queue: queue.Queue = queue.Queue()
         self._url, self._timeout_s = url, timeout_s
-        self.client = None  # made by the first call that finds the server (here, or after an outage)
+        # a valkey.Valkey, made by the first call that finds the server (here, or after an outage)
+        self.client: Any = None
         self._refresh()
         self._writer = threading.Thread(target=self._write_loop, name="tieredkv-remote-writer", daemon=True)
         self._writer.start()
@@ -311,7 +313,7 @@ class RemoteTier(ColdFormat, KVTier):
                     continue
                 try:
                     tokens = self._header(None, memoryview(value))[0]["tokens"]
-                    key = BlockKey(bytes.fromhex(name[len(self._namespace):].decode()), tuple(tokens))
+                    key = BlockKey(BlockHash(bytes.fromhex(name[len(self._namespace):].decode())), tuple(tokens))
                 except Exception:  # not an entry of this format (its header does not parse): a failure
                     self.count(failures=1)
                     continue

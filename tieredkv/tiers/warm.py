@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import torch
 
 from tieredkv.hashing import BlockHash
-from tieredkv.tiers.base import NO_LENT, NO_VICTIMS, BlockKey, KVTier, Lent, SwapSpace, Victims
+from tieredkv.tiers.base import NO_LENT, NO_VICTIMS, BlockKey, Lent, SwapSpace, Victims
 from tieredkv.tiers.policy import LFUQueue, Popularity, check_eviction
 
 
@@ -24,7 +24,7 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-class WarmTier(KVTier, SwapSpace):
+class WarmTier(SwapSpace):
     """A slab of `capacity` blocks with a slot allocator and an LRU.
 
     The slab is block-major, [capacity, layers, 2, block_size, kv_heads, head_dim], unless one is given:
@@ -184,7 +184,8 @@ class WarmTier(KVTier, SwapSpace):
     def _evict(self, n: int) -> Lent:
         """Removes the oldest entries from the cache until n slots are free or theirs (or nothing is left to
         evict): their keys and slots, neither read nor released."""
-        keys, slots = [], []
+        keys: list[BlockKey] = []
+        slots: list[int] = []
         while len(self.free_slots) + len(slots) < n and self.entries:
             if self.lfu is None:
                 block_hash, (slot, tokens) = self.entries.popitem(last=False)
