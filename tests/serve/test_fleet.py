@@ -204,9 +204,10 @@ SGLANG = ["--worker-startup-check-interval", "1"]
 
 @pytest.mark.parametrize("module, shape, policy", ROUTERS,
                          ids=["vllm-power_of_two", "vllm-cache_aware", "sglang-power_of_two", "sglang-cache_aware"])
-async def test_a_router_from_pypi_drives_two_replicas(engines, access, tmp_path, module, shape, policy):
+async def test_a_router_from_pypi_drives_two_replicas(engines, access, tmp_path, caplog, module, shape, policy):
     """Chats, completions, responses and tokenize through the router; every call it makes to a replica answers
-    (no 404), the load it asks for in its own shape; both replicas serve."""
+    (no 404), the load it asks for in its own shape; both replicas serve; the replicas log no error (sglang-router's
+    gRPC probes among them)."""
     if importlib.util.find_spec(module.split(".")[0]) is None:
         pytest.fail(f"{module.split('.')[0]} is not installed: the fleet extra is part of make install")
     sglang = module.startswith("sglang")
@@ -240,6 +241,8 @@ async def test_a_router_from_pypi_drives_two_replicas(engines, access, tmp_path,
         assert any(" /get_load" in line and " 200 " in line for line in access.lines), access.lines[-20:]
     if sglang:  # it reads both replicas' server and model info when they join
         assert sum(_joined(line) for line in access.lines) >= 2
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [f"{r.name}: {r.getMessage()} {r.exc_info[1] if r.exc_info else ''}" for r in errors]
 
 
 def _joined(line: str) -> bool:

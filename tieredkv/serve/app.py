@@ -907,9 +907,25 @@ async def serve_until_signal(engine: AsyncEngine, settings: ServerSettings, host
         await runner.cleanup()
 
 
+class _Http2Probes(logging.Filter):
+    """sglang-router probes every replica for gRPC (HTTP/2 with prior knowledge) as it joins, beside HTTP; aiohttp
+    answers the HTTP/2 preface with a 400 and logs it as an error with a traceback. It is one DEBUG line here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or "PRI/Upgrade" not in str(error):
+            return True
+        log.debug("refused an HTTP/2 connection (a router's gRPC probe): this server speaks HTTP/1.1")
+        return False
+
+
+_HTTP2_PROBES = _Http2Probes()
+
+
 async def start_server(engine: AsyncEngine, settings: ServerSettings, host: str = "127.0.0.1",
                        port: int = 8000) -> tuple[web.AppRunner, int]:
     """Serves `engine` on host:port (0: any free port) until `await runner.cleanup()`; returns the port."""
+    logging.getLogger("aiohttp.server").addFilter(_HTTP2_PROBES)  # (once: a filter is added once)
     runner = web.AppRunner(create_app(engine, settings), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
