@@ -89,7 +89,8 @@ class KVTier(ABC):
     """A store of KV blocks keyed by BlockKey; blocks are tensors [n, layers, 2, block_size, kv_heads, head_dim].
 
     This is all the tier manager uses of a lower tier (hot, the pool itself, is the one tier it also
-    reads by block id), so a new tier is one subclass that passes tests/cache/test_tier_contract.py. Every
+    reads by block id; the one that lends slots, warm, is a SwapSpace as well), so a new tier is one subclass
+    that passes tests/cache/test_tier_contract.py. Every
     method takes a batch. The synchronous methods are the implementation; the async ones run them in a
     worker thread when the tier does blocking I/O (`blocking = True`).
 
