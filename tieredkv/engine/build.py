@@ -157,7 +157,7 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
         tp = _start_ranks(cfg, spec, model_dir, device)
         return replace(_build(cfg, device, dtype, cache_dir, model_dir, spec, limit, tokenizer, tp), process=held)
     except BaseException:
-        if tp is not None and tp.world > 1:
+        if tp is not None:
             tp.abort()
         if held is not None:
             held.release()

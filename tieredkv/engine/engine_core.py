@@ -102,8 +102,7 @@ class EngineCore:
                 self.parts.runner.compiled.finish()
         finally:
             self._close_events()
-            if self.parts.tp.world > 1:
-                self.parts.tp.close()
+            self.parts.tp.close()
             if self.parts.process is not None:
                 self.parts.process.release()  # torch's threads as the process had them
 

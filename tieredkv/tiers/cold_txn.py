@@ -11,6 +11,7 @@ import msgpack
 from tieredkv.hashing import BlockHash
 from tieredkv.tiers.base import BlockKey, KVTier
 from tieredkv.tiers.cold_format import fingerprint_prefix
+from tieredkv.tiers.lmdb_env import EnvHandle
 
 _U64 = struct.Struct(">Q")  # big-endian, so the order database sorts by sequence number
 ASIDE_MAX = 256  # entries kept in `aside` for inspection
@@ -30,7 +31,7 @@ class ColdTxnOps(KVTier):
     payload)` applies one queued operation of the writer thread. The byte budget is enforced here, by
     evicting the oldest entries, so it holds across processes."""
 
-    handle: Any  # the tier's LMDB environment handle (tiers/cold_store.py)
+    handle: EnvHandle  # the LMDB environment, shared by the process (tiers/lmdb_env.py)
     db_blocks: Any
     db_lru: Any
     db_order: Any
