@@ -194,15 +194,16 @@ def drive(core, requests=(), each_step=None, max_steps: int = 10_000) -> list:
     return outputs
 
 
-def run_to_end(core, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    """Adds one greedy request per prompt (EOS ignored) to an EngineCore and steps until all are done."""
+def run_to_end(core, prompts: list[list[int]], max_tokens: list[int], each_step=None) -> list[list[int]]:
+    """Adds one greedy request per prompt (EOS ignored) to an EngineCore and steps until all are done
+    (`each_step`: as drive's)."""
     from tieredkv import SamplingParams
 
     reqs = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}")
             for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     for r in reqs:
         assert core.add_request(r) == []
-    drive(core)
+    drive(core, each_step=each_step)
     return [r.seqs[0].output_token_ids for r in reqs]
 
 

@@ -184,7 +184,7 @@ def test_cuda_moves_use_pinned_views_and_a_copy_stream_the_forward_waits_for():
     assert warm.slab.is_pinned() and tiers._copy_stream is not None
     # the cached blocks are evicted into the pinned slab (device to host)
     expected, _ = cache_then_evict(sched, tiers, cache, kv, range(10, 23), range(50, 71))
-    for view in (v for _, v in warm.read_runs(list(range(3)))):
+    for view in (v for _, v in warm.store.read_runs(list(range(3)))):
         assert view.is_pinned() and view.data_ptr() >= warm.slab.data_ptr()  # views, not copies
     again = seq(range(10, 23), "again")
     sched.add(again)

@@ -400,6 +400,6 @@ async def test_two_ranks_split_each_adapter_as_its_layers(llama_dir, adapter_dir
     async with await AsyncEngine.start(cfg) as engine:
         await engine.load_adapter("all", adapter_dirs["all"])
         await check_alone_and_mixed(engine, ps, want)
-        assert engine.core.tp.commands["lora"] == 2
+        assert engine.core.tp.controls["lora"] == 2
         await engine.unload_adapter("all")
-        assert engine.core.tp.commands["lora"] == 3
+        assert engine.core.tp.controls["lora"] == 3

@@ -168,11 +168,15 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(llama_dir, tmp
         assert core.stats().weight_bytes == sum(m.weight_bytes for m in core.memory)  # both ranks' weights
         warm, full = core.tiers.warm, len(PROMPTS[0]) // core.block_size
         assert warm.block_shape[-2] == 2 and warm.slab.shape[-2] == 1  # whole blocks in and out, a rank's heads kept
-        assert run_to_end(core, PROMPTS, [24] * len(PROMPTS)) == expected
+        sent = [core.tp.messages["step"]]  # messages sent by the end of each step
+        assert run_to_end(core, PROMPTS, [24] * len(PROMPTS), lambda n, _: sent.append(core.tp.messages["step"])) \
+            == expected
         stats = core.stats()
         assert stats.num_preemptions > 0 and stats.num_swaps > 0 and stats.speculative.num_accepted_tokens > 0
-        sent = core.tp.commands  # swaps and evictions to warm stayed on each rank: no block crossed processes
-        assert sent["hot_to_slab"] > 0 and sent["slab_to_hot"] > 0 and sent["gather"] == sent["scatter"] == 0
+        io = core.tiers.io  # swaps and evictions to warm stayed on each rank: no block crossed processes
+        assert io.counts["hot_to_slab"] > 0 and io.counts["slab_to_hot"] > 0 and not io.exchanged
+        assert set(core.tp.messages) == {"step"}  # the steps' block ops went with their rows: one message each
+        assert {b - a for a, b in zip(sent, sent[1:])} == {1}
         check_pool_clean(core)
         core.tiers.clear("warm")
         assert core.tiers.clear("hot", demote=True) >= full

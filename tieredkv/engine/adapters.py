@@ -65,7 +65,7 @@ class Adapters:
         self.paths[name] = str(path)
         self._keep(adapter)
         if self.leader is not None:  # checked here first: the other ranks read the same folder
-            self.leader.command("lora", "register", name, str(path))
+            self.leader.step(control=[("lora", "register", name, str(path))])
         log.info("LoRA adapter %r loaded from %s: modules %s, rank %d, %.1f MiB", name, path,
                  ",".join(adapter.modules), adapter.rank, adapter.nbytes / 2**20)
         return adapter
@@ -77,7 +77,7 @@ class Adapters:
         self.loaded.pop(name, None)  # requests running with it keep their reference until they end
         self._stacks.clear()
         if self.leader is not None:
-            self.leader.command("lora", "unregister", name)
+            self.leader.step(control=[("lora", "unregister", name)])
 
     def acquire(self, name: str) -> LoRAAdapter:
         """The adapter a new request runs with, read from its folder again when it was evicted."""

@@ -41,10 +41,10 @@ from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.tiers.base import KVTier
 from tieredkv.tiers.block_pool import BlockPool
-from tieredkv.tiers.hot import HotTier, ShardedHotTier
+from tieredkv.tiers.block_io import BlockIO
+from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.policy import Admission, Popularity
-from tieredkv.tiers.warm import ShardedWarmTier
 
 log = logging.getLogger("tieredkv")
 
@@ -76,20 +76,16 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
     then) with a path, or the caller's own tier in its place (`cold`: any KVTier); remote (Valkey/Redis, imported
     only then) with a URL."""
     block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, kv_cache.shape[-1])  # rows as stored
-    sharded = tp is not None and tp.world > 1
-    warm = local_warm(num_warm_blocks, kv_cache, num_blocks)
-    if warm is not None and sharded:  # this rank's heads in its slab, whole blocks in and out (tiers/warm.py)
-        warm = ShardedWarmTier(num_warm_blocks, block_shape, warm.slab, warm.layer_major, tp,
-                               tp.shard.sizes(spec.num_kv_heads))
+    warm = local_warm(num_warm_blocks, kv_cache, num_blocks, block_shape)  # whole blocks in and out, a rank's heads
+    # in its slab; the bytes of the pool and the slab move as block ops, on every rank under tensor parallelism
+    io = BlockIO(kv_cache, ops, warm.store if warm is not None else None, tp,
+                 tp.shard.sizes(spec.num_kv_heads) if tp is not None else None)
     read = cfg.eviction_policy == "lfu" or cfg.admit_min_uses > 1 or not cfg.admit_output_blocks
     popularity = Popularity(16 * (num_blocks + num_warm_blocks), active=read)  # counted only where read
     pool = BlockPool(num_blocks, warm if far else None, cfg.eviction_policy, popularity)
     if warm is not None:
         warm.set_eviction(cfg.eviction_policy, popularity)
-    if sharded:  # whole blocks below hot: every rank's heads (tiers/hot.py)
-        hot: HotTier = ShardedHotTier(pool, kv_cache, ops, tp, tp.shard.sizes(spec.num_kv_heads))
-    else:
-        hot = HotTier(pool, kv_cache, ops)
+    hot = HotTier(pool, kv_cache, ops, io)
     if cfg.cold_path is not None and cold is not None:
         raise ValueError("a cold tier of the caller's own and cold_path: one of them")
     if cfg.cold_path is not None:
@@ -200,6 +196,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          _decode_path(model, kv_cache, ops, cache_dir, cfg.native_decode) if compiled else None,
                          far=(num_blocks, tiers.warm.slab) if mode == "staged" else None, leader=leader)
+    tp.drive(tiers.io)
     if leader is not None:
         leader.gather_objects(None)  # every rank has its cache and runner
     runner.compile_now(background=cfg.compile_in_background)

@@ -215,6 +215,7 @@ class EngineCore:
         self.parts.telemetry.on_scheduled(out, t0)
         self.parts.tiers.execute(out.moves)
         if not out.scheduled:
+            self.parts.tiers.io.flush()  # (tensor parallelism: the moves' ops go in a step without rows)
             return self._idle(out)
         try:
             t_forward = time.perf_counter()

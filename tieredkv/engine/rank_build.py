@@ -89,15 +89,19 @@ def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return anonymous_memory(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
-def local_warm(num_warm_blocks: int, kv_cache: torch.Tensor, num_blocks: int) -> WarmTier | None:
+def local_warm(num_warm_blocks: int, kv_cache: torch.Tensor, num_blocks: int,
+               block_shape: tuple[int, ...] | None = None) -> WarmTier | None:
     """The warm tier over this process's cache tensor: its slab is the tensor's tail when that has room beyond
-    the pool (far blocks read in place), else a slab of its own (pinned on CUDA); None without a budget."""
+    the pool (far blocks read in place), else a slab of its own (pinned on CUDA); None without a budget.
+    `block_shape`: the blocks it takes and gives, whole ones under tensor parallelism (the slab's by default)."""
     if num_warm_blocks <= 0:
         return None
     in_place = kv_cache.shape[2] > num_blocks + 1  # more than the pool and the scratch block
     tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks] if in_place else None
-    block_shape = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
-    return WarmTier(num_warm_blocks, block_shape, kv_cache.dtype, pin=kv_cache.device.type == "cuda", slab=tail)
+    local = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
+    pin = kv_cache.device.type == "cuda"
+    slab = tail if in_place else torch.empty((num_warm_blocks, *local), dtype=kv_cache.dtype, pin_memory=pin)
+    return WarmTier(num_warm_blocks, block_shape or local, kv_cache.dtype, pin, slab=slab, layer_major=in_place)
 
 
 @dataclass(frozen=True)

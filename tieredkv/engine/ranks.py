@@ -1,13 +1,15 @@
-"""Tensor-parallel ranks: rank 0 is the engine's own process (it schedules, samples and holds the tiers); ranks
-1..N-1 are processes it starts (torch.multiprocessing, spawn) that hold their share of the weights and of every
-KV block, and carry out what rank 0 broadcasts, in lockstep with it:
+"""Tensor-parallel ranks: rank 0 is the engine's own process (it schedules, samples and holds the tiers' indexes);
+ranks 1..N-1 are processes it starts (torch.multiprocessing, spawn) that hold their share of the weights and of
+every KV block (hot and warm), and carry out what rank 0 broadcasts, in lockstep with it. After the start (a hello
+from each rank, the group, the cache's sizes) rank 0 sends one kind of message, a step, then a close:
 
-- ("step", plan): one forward over the sequences rank 0 scheduled (`describe`: each one's chunk of tokens, its
-  computed length and its block table, the same block ids on every rank);
-- ("gather", ids) / ("scatter", ids) / ("copy", src, dst): the hot tier's block reads and writes, each rank's
-  heads of whole blocks gathered to or scattered from rank 0 (tiers/hot.py ShardedHotTier), so the tiers below
-  hot hold whole blocks, in the format of one process, and serve any tensor-parallel size;
-- ("warmup",): the kernel warm-up's forwards; ("close",): the end.
+- ("step", ops, control, warmup, rows): the block ops recorded since the last step (tiers/block_io.py: the step's
+  moves, on every rank's own shard; only what reaches or leaves a tier of whole blocks gathers heads to rank 0 or
+  scatters them from it, so the tiers below hot hold whole blocks, in the format of one process, and serve any
+  tensor-parallel size); changes to the LoRA adapters served (`control`); whether to run the kernel warm-up's
+  forwards; and the rows of one forward over the sequences rank 0 scheduled (`describe`: each one's chunk of
+  tokens, its computed length and its block table, the same block ids on every rank), or None;
+- ("close",): the end.
 
 A rank that dies makes rank 0's next collective fail: the engine closes (RankLostError, an EngineClosedError)."""
 
@@ -20,6 +22,7 @@ import socket
 from collections import Counter
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,7 @@ from tieredkv.errors import RankStartError, TieredKVError
 from tieredkv.models.tp_group import TPGroup
 from tieredkv.models.tp_shard import Shard
 from tieredkv.runner.step_plan import rebuild
-from tieredkv.tiers.hot import block_buffer, copy_blocks, gather_blocks, scatter_block_runs, scatter_blocks
+from tieredkv.tiers.block_io import BlockIO
 
 log = logging.getLogger("tieredkv")
 START_TIMEOUT_S = 120.0  # a rank that has not started by then (imported torch, opened its device) is an error
@@ -38,16 +41,28 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a collective longer than this 
 
 
 class LeaderGroup(TPGroup):
-    """Rank 0's group: the collectives, plus the commands it sends and the processes it started."""
+    """Rank 0's group: the collectives, the step messages it sends (counted by kind in `messages`, the control
+    changes they carried in `controls`) and the processes it started. `io`: rank 0's block ops (the engine's)."""
 
     def __init__(self, shard: Shard, device: torch.device, procs: list):
         super().__init__(shard, device)
         self.procs = procs
-        self.commands: Counter[str] = Counter()  # sent, by name: which moves crossed processes and which stayed
+        self.io: BlockIO | None = None
+        self.messages: Counter[str] = Counter()
+        self.controls: Counter[str] = Counter()
 
-    def command(self, name: str, *args) -> None:
-        self.broadcast((name, *args))
-        self.commands[name] += 1
+    def drive(self, io: BlockIO) -> None:
+        self.io, io.send = io, self.step
+
+    def step(self, rows: list[tuple] | None = None, warmup: bool = False, control: Sequence[tuple] = ()) -> None:
+        """Sends a step: the block ops recorded since the last one, which then run here too, `control` changes
+        (("lora", "register", name, path) / ("lora", "unregister", name)), the warm-up, and a forward's rows."""
+        batch = self.io.take() if self.io is not None else []
+        self.broadcast(("step", [r.op for r in batch], list(control), warmup, rows))
+        self.messages["step"] += 1
+        self.controls.update(c[0] for c in control)
+        if batch:
+            self.io.run(batch)
 
     def abort(self) -> None:
         """Ends every rank at once (start-up failed: they may be waiting in any collective)."""
@@ -62,7 +77,8 @@ class LeaderGroup(TPGroup):
         with the group broken (a rank gone, or the ranks out of step) the others are killed at once."""
         try:
             if self.broken is None:
-                self.command("close")
+                self.broadcast(("close",))
+                self.messages["close"] += 1
         except TieredKVError:
             pass
         for p in self.procs:
@@ -178,15 +194,16 @@ def rank_main(rank: int, world: int, port: int, settings: dict, leader_device: s
 
 
 class Follower:
-    """Ranks 1..N-1: the same model runner over this rank's share, driven by rank 0's commands."""
+    """Ranks 1..N-1: the same model runner over this rank's share, driven by rank 0's step messages."""
 
     def __init__(self, cfg: EngineConfig, tp: TPGroup, device: torch.device):
         from tieredkv.engine.rank_build import load_share, rank_runner
 
         self.tp, self.cfg = tp, cfg
         self.model, self.ops, _ = load_share(cfg, Path(cfg.model), device, tp)  # the steps rank 0 takes too
-        self.runner, self.warm = rank_runner(cfg, self.model, self.ops, tp.broadcast(), device, tp)
-        self.kv_heads = tp.shard.sizes(self.model.spec.num_kv_heads)
+        self.runner, warm = rank_runner(cfg, self.model, self.ops, tp.broadcast(), device, tp)
+        self.io = BlockIO(self.runner.kv_cache, self.ops, warm.store if warm is not None else None, tp,
+                          tp.shard.sizes(self.model.spec.num_kv_heads))
         from tieredkv.engine.adapters import Adapters
         from tieredkv.engine.resolve import resolve_dtype
         from tieredkv.models.spec import ModelSpec
@@ -199,45 +216,17 @@ class Follower:
 
     def serve(self) -> None:
         while True:
-            name, *args = self.tp.broadcast()
-            if name == "close":
+            message = self.tp.broadcast()
+            if message[0] == "close":
                 return
-            getattr(self, "do_" + name)(*args)
-
-    def do_step(self, plan: list[tuple]) -> None:
-        self.runner.forward_rows(rebuild(plan, self.adapters.acquire))
-
-    def do_lora(self, op: str, name: str, path: str | None = None) -> None:
-        """Rank 0 registered (having checked it) or unregistered an adapter: this rank keeps its part."""
-        if op == "register":
-            self.adapters.register(name, path)
-        else:
-            self.adapters.unregister(name)
-
-    def do_warmup(self) -> None:
-        self.runner.warmup()
-
-    def do_gather(self, ids: list[int]) -> None:
-        self.tp.gather_heads(gather_blocks(self.runner.kv_cache, self.ops, ids), self.kv_heads)
-
-    def do_scatter(self, ids: list[int]) -> None:
-        kv = self.runner.kv_cache
-        scatter_blocks(kv, self.ops, ids, self.tp.scatter_heads(None, self.kv_heads, block_buffer(kv, len(ids))))
-
-    def do_copy(self, src: list[int], dst: list[int]) -> None:
-        copy_blocks(self.runner.kv_cache, self.ops, src, dst)
-
-    # the warm slab: this rank's heads of each slot (tiers/warm.py ShardedWarmTier)
-
-    def do_slab_write(self, slots: list[int]) -> None:
-        like = block_buffer(self.runner.kv_cache, len(slots))
-        self.warm.write(slots, self.tp.scatter_heads(None, self.kv_heads, like))
-
-    def do_slab_read(self, slots: list[int]) -> None:
-        self.tp.gather_heads(self.warm.read(slots), self.kv_heads)
-
-    def do_hot_to_slab(self, block_ids: list[int], slots: list[int]) -> None:
-        self.warm.write(slots, gather_blocks(self.runner.kv_cache, self.ops, block_ids))
-
-    def do_slab_to_hot(self, block_ids: list[int], slots: list[int]) -> None:
-        scatter_block_runs(self.runner.kv_cache, self.ops, block_ids, self.warm.read_runs(slots))
+            _, ops, control, warmup, rows = message
+            for _, op, name, *path in control:  # rank 0 registered (having checked it) or unregistered an adapter
+                if op == "register":
+                    self.adapters.register(name, path[0])
+                else:
+                    self.adapters.unregister(name)
+            self.io.run(ops)
+            if warmup:
+                self.runner.warmup()
+            if rows is not None:
+                self.runner.forward_rows(rebuild(rows, self.adapters.acquire))

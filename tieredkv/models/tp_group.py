@@ -47,6 +47,10 @@ class TPGroup:
     def close(self) -> None:
         """Ends every other rank in order (rank 0's group, engine/ranks.py; a group of one has none)."""
 
+    def drive(self, io) -> None:
+        """Rank 0 of a larger group sends the block ops `io` records (tiers/block_io.py) with its step messages
+        (engine/ranks.py); a group of one has no one to send them to: they run as recorded."""
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x (in place), after a row-parallel layer: NCCL's all-reduce on CUDA; on CPU an
         exchange of every rank's x with every other (one round of point-to-point sends) summed in rank order,

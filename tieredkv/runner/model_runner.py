@@ -178,7 +178,7 @@ class ModelRunner:
         forward serves: CompiledDecode.start_background)."""
         if self.ops.name == "triton":
             if self.leader is not None:
-                self.leader.command("warmup")
+                self.leader.step(warmup=True)
             self.warmup()
         if self.compiled is not None:
             if background:
@@ -275,7 +275,7 @@ class ModelRunner:
         (RankLostError), the engine closes rather than send them the next command out of step."""
         if self.leader is None:
             return self._forward_rows(scheduled)
-        self.leader.command("step", describe(scheduled))
+        self.leader.step(describe(scheduled))
         try:
             return self._forward_rows(scheduled)
         except EngineClosedError:

@@ -268,29 +268,31 @@ class SwapSpace(KVTier):
         """A lent slot whose block is no longer in use becomes a cached entry under `key` (or is released)."""
 
     @abstractmethod
-    def admit_from_hot(self, hot, block_ids: list[int], keys: Sequence[BlockKey]) -> tuple[int, Victims]:
-        """admit() of hot blocks (HotTier) by id, copied from the pool straight into the slots they take."""
+    def admit_from_hot(self, block_ids: list[int], keys: Sequence[BlockKey],
+                       below: Callable[[list[BlockKey], torch.Tensor], None]) -> int:
+        """admit() of hot blocks by id, copied from the pool straight into the slots they take; what it evicts, and
+        what finds no slot, goes to `below` with its data. Returns the blocks stored."""
 
     @abstractmethod
     def read(self, slots: list[int]) -> torch.Tensor:
         """A copy of the slots' blocks [len(slots), ...]."""
 
     @abstractmethod
-    def write(self, slots: list[int], blocks: torch.Tensor) -> None:
-        """Copies blocks [len(slots), ...] from any device into the slots."""
+    def read_later(self, slots: list[int], then: Callable[[torch.Tensor], None]) -> None:
+        """`read`, its result to `then` when the step's block ops run (tiers/block_io.py)."""
 
     @abstractmethod
-    def read_runs(self, slots: list[int]) -> list[tuple[int, torch.Tensor]]:
-        """The slots' blocks as (offset in `slots`, view) per run of consecutive slots: no copy."""
+    def write(self, slots: list[int], blocks: torch.Tensor) -> None:
+        """Copies blocks [len(slots), ...] from any device into the slots."""
 
     @abstractmethod
     def release(self, slots: list[int]) -> None:
         """Gives lent slots back to the tier as free slots (their data is not cached)."""
 
-    def from_hot(self, hot, block_ids: list[int], slots: list[int]) -> None:
-        """Copies hot blocks (HotTier) into lent slots: a swap-out, an offload."""
-        self.write(slots, hot.gather(block_ids))
+    @abstractmethod
+    def from_hot(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copies hot blocks into lent slots: a swap-out, an offload."""
 
-    def to_hot(self, hot, block_ids: list[int], slots: list[int]) -> None:
-        """Copies slots into hot blocks, from views of the slots (no host copy): a swap-in, a promotion."""
-        hot.scatter_runs(block_ids, self.read_runs(slots))
+    @abstractmethod
+    def to_hot(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copies slots into hot blocks: a swap-in, a promotion."""

@@ -32,6 +32,9 @@ class TierManager:
     def __init__(self, hot: HotTier, warm: WarmTier | None, cold: KVTier | None, block_size: int,
                  remote: KVTier | None = None, admission: Admission | None = None):
         self.hot, self._warm = hot, warm
+        self.io = hot.io  # the bytes of the pool and of the warm slab move as one plane's ops (tiers/block_io.py)
+        if warm is not None:
+            warm.join(self.io)
         self.lower: list[KVTier] = [t for t in (warm, remote, cold) if t is not None]  # top to bottom
         self.shared = [t for t in self.lower if t.shared]
         self.block_size = block_size
@@ -69,17 +72,18 @@ class TierManager:
     # -- carrying out a step's moves ----------------------------------------------------------------
 
     def execute(self, moves: list[BlockMove]) -> None:
-        """Carries out the moves in order, each run of one kind as one batched transfer. On CUDA they
-        run on a copy stream that the forward's stream then waits for (H2D from pinned slab views is
+        """Carries out the moves in order, each run of one kind as one batched transfer (block ops: under tensor
+        parallelism they go to every rank with the step's rows, and run there and here before the forward). On
+        CUDA they run on a copy stream that the forward's stream then waits for (H2D from pinned slab views is
         asynchronous; slots read that way are released once the copies are done)."""
         self._settle()
         if not moves:
             return
-        with self._on_copy_stream():
+        with self._on_copy_stream(), self.io.hold():
             for run in runs(moves):
                 self._execute_run(run[0].kind, run)
         if self._copy_stream is None:
-            self._settle()
+            self._settle(flush=False)  # (ops held for the step's message read the slots before anything reuses them)
 
     def _execute_run(self, kind: str, run: list[BlockMove]) -> None:
         hot, dst = self.hot, [m.dst for m in run]
@@ -88,15 +92,15 @@ class TierManager:
         elif kind == PASS_DOWN:  # entries the warm tier evicted while planning: read from the slots lent on
             for part in runs(run, lambda m: m.tier):
                 lender = self.lender(part[0].tier)
-                self._admit(self.lower.index(lender) + 1, [m.key for m in part], lender.read([m.src for m in part]))
+                lender.read_later([m.src for m in part], self._below(lender, [m.key for m in part]))
         elif kind in (SWAP_OUT, OFFLOAD):  # into swap slots, or far blocks' slots
             slots = dst if kind == SWAP_OUT else [self.hot.pool.slot_of(d) for d in dst]
-            self.swap.from_hot(hot, [m.src for m in run], slots)
+            self.swap.from_hot([m.src for m in run], slots)
             self.swap.count(demotions=len(run))
             self._wait_for_host_copies()
         elif kind == SWAP_IN:
             slots = [m.src for m in run]
-            self.swap.to_hot(hot, dst, slots)
+            self.swap.to_hot(dst, slots)
             self._unreleased.append((self.swap, slots))
         elif kind == PROMOTE:
             pool = self.hot.pool
@@ -108,7 +112,7 @@ class TierManager:
                     hot.scatter(ids, torch.stack([m.data for m in part]))
                 else:
                     slots, lender = [m.src for m in part], self.lender(part[0].tier)
-                    lender.to_hot(hot, ids, slots)
+                    lender.to_hot(ids, slots)
                     self._unreleased.append((lender, slots))
                 tier.count(promotions=len(part))
         elif kind == COPY:
@@ -134,11 +138,14 @@ class TierManager:
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 
-    def _settle(self) -> None:
-        """Releases slots whose data copies have finished (waiting for the last copies on CUDA)."""
+    def _settle(self, flush: bool = True) -> None:
+        """Releases slots whose data copies have finished (waiting for the last copies on CUDA); first runs block
+        ops still held (`flush`)."""
         if self._last_copy is not None:
             self._last_copy.synchronize()
             self._last_copy = None
+        if flush:
+            self.io.flush()  # (ops of a step without a forward, under tensor parallelism)
         for tier, slots in self._unreleased:
             tier.release(slots)
         self._unreleased.clear()
@@ -152,15 +159,17 @@ class TierManager:
         try:
             top = self.lower[0]
             if top is self.swap:  # warm: from the pool straight into its slots (on every rank, under TP)
-                stored, victims = top.admit_from_hot(self.hot, block_ids, keys)
-                top.count(demotions=stored)
-                self._admit(1, *victims)
+                top.count(demotions=top.admit_from_hot(block_ids, keys, lambda k, data: self._admit(1, k, data)))
             else:
-                self._admit(0, keys, self.hot.gather(block_ids).cpu())
+                self.io.gather(block_ids, lambda data: self._admit(0, keys, data.cpu()))
             self._wait_for_host_copies()
         except Exception:  # a failed demotion loses cache, never correctness
             log.exception("demotion from hot failed")
             self.hot.count(failures=1)
+
+    def _below(self, tier: KVTier, keys: list[BlockKey]):
+        """What takes `keys`' data read from `tier` as the step's ops run: the tiers below it."""
+        return lambda data: self._admit(self.lower.index(tier) + 1, keys, data)
 
     def _admit(self, level: int, keys: list[BlockKey], blocks: torch.Tensor | None) -> None:
         """Stores blocks in self.lower[level], passing what it evicts to the next level down."""

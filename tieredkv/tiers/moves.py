@@ -59,7 +59,7 @@ class RestorePart(NamedTuple):
     """A run of promoted blocks from one tier: lent slots of a swap-space tier, or host data."""
 
     tier: str
-    slots: list[int] | None  # read in place (SwapSpace.read_runs), released once read
+    slots: list[int] | None  # read in place (SwapSpace.to_hot), released once read
     data: torch.Tensor | None  # [n, layers, 2, block_size, kv_heads, head_dim] on the host
 
     @property

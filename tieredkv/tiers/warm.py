@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from tieredkv.hashing import BlockHash
-from tieredkv.tiers.base import NO_LENT, NO_VICTIMS, BlockKey, Lent, SwapSpace, Victims
+from tieredkv.tiers.base import NO_LENT, BlockKey, Lent, SwapSpace, Victims
+from tieredkv.tiers.block_io import BlockIO, Slab
 from tieredkv.tiers.policy import LFUQueue, Popularity, check_eviction
-
-
-def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """(offset in slots, first slot, length) of each run of consecutive slots."""
-    out: list[tuple[int, int, int]] = []
-    for i, slot in enumerate(slots):
-        if out and out[-1][1] + out[-1][2] == slot:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((i, slot, 1))
-    return out
 
 
 class WarmTier(SwapSpace):
@@ -36,8 +26,12 @@ class WarmTier(SwapSpace):
     except the slots lent out by `reserve` (preemption swap space). Putting into a full tier evicts the
     oldest entries: `admit` and `reserve` return them (keys, blocks copied out of the slab) for the
     caller to pass on. Slots are handed out lowest first, so consecutive blocks tend to sit in
-    consecutive slots, and `read_runs` gives them as views of the slab (pinned on CUDA: a device copy
-    from there is a real asynchronous transfer). All operations are O(1) per block.
+    consecutive slots, which move as views of the slab (pinned on CUDA: a device copy from there is a real
+    asynchronous transfer). All operations are O(1) per block.
+
+    The slab's bytes move as block ops (`io`, tiers/block_io.py), with the hot pool's when the tier manager joins
+    them: under tensor parallelism the index is rank 0's alone and every rank holds its heads of each slot, so
+    `block_shape` is the whole model's and the slab a rank's share.
     """
 
     name = "warm"
@@ -45,13 +39,15 @@ class WarmTier(SwapSpace):
 
     def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
                  slab: torch.Tensor | None = None, layer_major: bool | None = None, eviction: str = "lru",
-                 popularity: Popularity | None = None):
+                 popularity: Popularity | None = None, io: BlockIO | None = None):
         self.capacity = capacity_blocks
         self.layer_major = slab is not None if layer_major is None else layer_major
         if slab is None:
             slab = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin)
         assert slab.shape[2 if self.layer_major else 0] == capacity_blocks, slab.shape
         self.slab = slab
+        self.store = Slab(slab, self.layer_major)
+        self.io = io if io is not None else BlockIO(None, None, self.store)
         self.block_shape = tuple(block_shape)
         self.block_bytes = math.prod(block_shape) * slab.element_size()
         super().__init__(capacity_blocks * self.block_bytes)
@@ -112,74 +108,70 @@ class WarmTier(SwapSpace):
         """put_sync that returns what does not stay: the entries evicted to make room, and the blocks
         of this batch that find no slot (the earliest ones, when the batch outgrows the tier)."""
         assert blocks.shape[0] == len(keys) and blocks.shape[1:] == self.block_shape, blocks.shape
-        present, new, slots, overflow, victims = self._place(keys)
+        present, new, slots, overflow, (victim_keys, victim_slots) = self._place(keys)
+        victim_data = self.read(victim_slots) if victim_slots else None  # before any slot is written
         if new:
             self.write(slots, blocks if len(new) == len(keys) else blocks[torch.tensor(new, device=blocks.device)])
-        picked = blocks[torch.tensor(overflow, device=blocks.device)] if overflow else None
-        return self._record(keys, present, new, slots, victims, overflow, picked)
-
-    def admit_from_hot(self, hot, block_ids: list[int], keys: Sequence[BlockKey]) -> tuple[int, Victims]:
-        """admit() of hot blocks (HotTier) by id: those that find a slot are copied from the pool straight
-        into it (`from_hot`: under tensor parallelism each rank copies its own heads)."""
-        present, new, slots, overflow, victims = self._place(keys)
-        if new:
-            self.from_hot(hot, [block_ids[i] for i in new], slots)
-        picked = hot.gather([block_ids[i] for i in overflow]) if overflow else None
-        return self._record(keys, present, new, slots, victims, overflow, picked)
-
-    def _place(self, keys: Sequence[BlockKey]) -> tuple[int, list[int], list[int], list[int], Victims]:
-        """Where admitting keys puts them: (how many are present already, the indices of new keys that get a
-        slot, their slots, the indices of new keys that find none, the entries evicted to make room, read
-        before any slot is written)."""
-        new = [i for i, k in enumerate(keys) if k.block_hash not in self.entries]
-        victims = self._make_room(min(len(new), self.capacity))
-        cut = max(len(new) - len(self.free_slots), 0)  # slots lent to swap space cannot be taken back
-        overflow, new = new[:cut], new[cut:]
-        return len(keys) - len(new) - len(overflow), new, [self.free_slots.pop() for _ in new], overflow, victims
-
-    def _record(self, keys: Sequence[BlockKey], present: int, new: list[int], slots: list[int], victims: Victims,
-                overflow: list[int], picked: torch.Tensor | None) -> tuple[int, Victims]:
-        for i, slot in zip(new, slots):
-            self._enter(keys[i], slot)
-        self.report_stored([keys[i] for i in new])
-        victim_keys, victim_data = victims
         if overflow:
-            picked = picked.to("cpu", self.slab.dtype)
+            picked = blocks[torch.tensor(overflow, device=blocks.device)].to("cpu", self.slab.dtype)
             victim_keys = victim_keys + [keys[i] for i in overflow]
             victim_data = picked if victim_data is None else torch.cat([victim_data, picked])
         return present + len(new), (victim_keys, victim_data)
 
+    def admit_from_hot(self, block_ids: list[int], keys: Sequence[BlockKey],
+                       below: Callable[[list[BlockKey], torch.Tensor], None]) -> int:
+        """admit() of hot blocks by id: those that find a slot are copied from the pool straight into it (under
+        tensor parallelism each rank copies its own heads); the entries evicted to make room, and the blocks
+        that find no slot, go to `below` (keys, whole blocks on the host) as their data is read."""
+        present, new, slots, overflow, (victim_keys, victim_slots) = self._place(keys)
+        if victim_slots:
+            self.read_later(victim_slots, lambda data: below(victim_keys, data))
+        self.from_hot([block_ids[i] for i in new], slots)
+        if overflow:
+            self.io.gather([block_ids[i] for i in overflow],
+                           lambda data: below([keys[i] for i in overflow], data.to("cpu", self.slab.dtype)))
+        return present + len(new)
+
+    def _place(self, keys: Sequence[BlockKey]) -> tuple[int, list[int], list[int], list[int], Lent]:
+        """Where admitting keys puts them: (how many are present already, the indices of new keys that get a
+        slot, their slots, the indices of new keys that find none, the entries evicted to make room with their
+        slots, released: the caller reads them before it writes any slot). The new keys' entries are made."""
+        new = [i for i, k in enumerate(keys) if k.block_hash not in self.entries]
+        victims = self._evict(min(len(new), self.capacity))
+        self.release(victims[1])
+        cut = max(len(new) - len(self.free_slots), 0)  # slots lent to swap space cannot be taken back
+        overflow, new = new[:cut], new[cut:]
+        slots = [self.free_slots.pop() for _ in new]
+        for i, slot in zip(new, slots):
+            self._enter(keys[i], slot)
+        self.report_stored([keys[i] for i in new])
+        return len(keys) - len(new) - len(overflow), new, slots, overflow, victims
+
     def write(self, slots: list[int], blocks: torch.Tensor) -> None:
-        """Copies blocks [len(slots), ...] from any device straight into the slab, run by run (from
-        CUDA: asynchronous on the current stream; the caller synchronizes before the host reads)."""
-        for offset, first, n in slot_runs(slots):
-            self._run(first, n).copy_(blocks[offset : offset + n], non_blocking=True)
+        """Copies whole blocks [len(slots), ...] from any device into the slots (from CUDA: asynchronous on the
+        current stream; the caller synchronizes before the host reads)."""
+        self.io.write(slots, blocks)
 
     def read(self, slots: list[int]) -> torch.Tensor:
-        """A copy of the slots' blocks [len(slots), ...]."""
-        index = torch.tensor(slots)
-        if self.layer_major:
-            return self.slab[:, :, index].permute(2, 0, 1, 3, 4, 5).contiguous()
-        return self.slab[index]
+        """A copy of the slots' whole blocks [len(slots), ...]."""
+        return self.io.read_now(slots)
 
-    def read_runs(self, slots: list[int]) -> list[tuple[int, torch.Tensor]]:
-        return [(offset, self._run(first, n)) for offset, first, n in slot_runs(slots)]
+    def read_later(self, slots: list[int], then: Callable[[torch.Tensor], None]) -> None:
+        """`read`, its result to `then` when the op runs (at once, or with the step's message)."""
+        self.io.read(slots, then)
 
-    def _run(self, first: int, n: int) -> torch.Tensor:
-        """Slots first..first+n-1 as a view [n, layers, 2, block_size, kv_heads, head_dim]."""
-        if self.layer_major:
-            return self.slab[:, :, first : first + n].permute(2, 0, 1, 3, 4, 5)
-        return self.slab[first : first + n]
+    def from_hot(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copies hot blocks into lent slots (a swap-out, an offload): on every rank, its own heads."""
+        self.io.hot_to_slab(block_ids, slots)
 
-    def _make_room(self, n: int) -> Victims:
-        """Evicts the oldest entries until n slots are free (or nothing is left to evict): their keys and a copy
-        of their data (moves being carried out: the slots are written next)."""
-        keys, slots = self._evict(n)
-        if not keys:
-            return NO_VICTIMS
-        data = self.read(slots)
-        self.release(slots)
-        return keys, data
+    def to_hot(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copies slots into hot blocks (a swap-in, a promotion), from views of the slots: on every rank."""
+        self.io.slab_to_hot(block_ids, slots)
+
+    def join(self, io: BlockIO) -> None:
+        """Moves this tier's bytes with the hot pool's ops (the tier manager: one data plane over both)."""
+        assert io.slab is None or io.slab.tensor is self.slab, "another slab's data plane"
+        io.slab, self.io = self.store, io
 
     def _evict(self, n: int) -> Lent:
         """Removes the oldest entries from the cache until n slots are free or theirs (or nothing is left to
@@ -266,39 +258,3 @@ class WarmTier(SwapSpace):
 
     def release(self, slots: list[int]) -> None:
         self.free_slots.extend(sorted(slots, reverse=True))
-
-
-class ShardedWarmTier(WarmTier):
-    """Rank 0's warm tier under tensor parallelism: the index (entries, LRU, lent slots) is rank 0's alone,
-    and every rank holds its heads of each slot in a slab of its own (engine/ranks.py), so far blocks are
-    read in place or staged by each rank from its own memory. Reads and writes take and give whole blocks
-    (`block_shape` is the whole model's), gathered from and scattered to the ranks; moves between a rank's
-    hot pool and its slab stay on the rank (`from_hot`, `to_hot`)."""
-
-    def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], slab: torch.Tensor, layer_major: bool,
-                 leader, kv_heads: list[int]):
-        self.leader, self.kv_heads = leader, kv_heads
-        super().__init__(capacity_blocks, block_shape, slab.dtype, pin=False, slab=slab, layer_major=layer_major)
-        self._local_shape = (*block_shape[:-2], kv_heads[0], block_shape[-1])
-
-    def write(self, slots: list[int], blocks: torch.Tensor) -> None:
-        self.leader.command("slab_write", slots)
-        like = torch.empty((len(slots), *self._local_shape), dtype=self.slab.dtype)
-        super().write(slots, self.leader.scatter_heads(blocks, self.kv_heads, like))
-
-    def read(self, slots: list[int]) -> torch.Tensor:
-        self.leader.command("slab_read", slots)
-        return self.leader.gather_heads(super().read(slots), self.kv_heads)
-
-    def read_runs(self, slots: list[int]) -> list[tuple[int, torch.Tensor]]:
-        return [(0, self.read(slots))]
-
-    def from_hot(self, hot, block_ids: list[int], slots: list[int]) -> None:
-        """Each rank copies its heads of hot blocks into its slab slots (a swap-out, an offload)."""
-        self.leader.command("hot_to_slab", block_ids, slots)
-        super().write(slots, hot.local_gather(block_ids))
-
-    def to_hot(self, hot, block_ids: list[int], slots: list[int]) -> None:
-        """Each rank copies its heads of slab slots into hot blocks (a swap-in, a promotion from warm)."""
-        self.leader.command("slab_to_hot", block_ids, slots)
-        hot.local_scatter_runs(block_ids, super().read_runs(slots))
