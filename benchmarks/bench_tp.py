@@ -40,7 +40,8 @@ def run(core: EngineCore, prompts: list[list[int]], new: int) -> tuple[float, in
 def measure(world: int, args) -> dict:
     threads = args.threads if args.threads else max(1, (os.cpu_count() or 1) // world)
     cfg = EngineConfig(model=args.model, tensor_parallel_size=world, device=args.device, dtype=args.dtype,
-                       num_threads=threads, compile_decode=False, warm_bytes=0, num_blocks=args.num_blocks)
+                       num_threads=threads, compile_decode=False, warm_bytes=args.warm_bytes,
+                       num_blocks=args.num_blocks, offload=False)
     t0 = time.perf_counter()
     core = EngineCore(cfg)
     start_s = time.perf_counter() - t0
@@ -51,7 +52,7 @@ def measure(world: int, args) -> dict:
         run(core, prompts[:1], 4)  # warm-up: first-use allocations, oneDNN's primitive caches
         tp = core.tp
         one_s, one_steps = run(core, prompts[:1], args.new)
-        r0, n0 = tp.reduce_s, tp.reduces
+        r0, n0, m0, s0 = tp.reduce_s, tp.reduces, _messages(tp), core.stats().num_swaps
         batch_s, batch_steps = run(core, prompts, args.new)
         memory = core.memory if isinstance(core.memory, list) else [core.memory]
         return {
@@ -61,11 +62,22 @@ def measure(world: int, args) -> dict:
             "batch_steps": batch_steps,
             "allreduce_ms_per_step": round(1000 * (tp.reduce_s - r0) / batch_steps, 2),
             "allreduces_per_step": round((tp.reduces - n0) / batch_steps, 1),
+            "messages_per_step": round((_messages(tp) - m0) / batch_steps, 2),  # rank 0 to the others
+            "swaps": core.stats().num_swaps - s0,
             "rank_weight_bytes": [m.weight_bytes for m in memory],
             "rank_resident_growth_bytes": [m.resident_growth for m in memory],
         }
     finally:
         core.close()
+
+
+def _messages(tp) -> int:
+    """Messages rank 0 has sent the other ranks (0 at one rank; `commands`: how trees before one step message
+    counted theirs, for A/B runs against them)."""
+    sent = getattr(tp, "messages", None)
+    if sent is None:
+        sent = getattr(tp, "commands", {})
+    return sum(sent.values())
 
 
 def measure_fresh(world: int) -> dict:
@@ -82,6 +94,7 @@ def main(args) -> dict:
     report = {
         "machine": cpu.describe(), "device": args.device, "model": args.model,
         "workload": f"batch-1 decode of {args.new} tokens; {args.batch} prompts of {args.prompt_len} tokens, "
+                    f"a pool of {args.num_blocks} blocks, warm {args.warm_bytes} bytes, "
                     f"{args.new} new tokens each, at once",
         "rows": rows,
         "ratios": {
@@ -105,7 +118,9 @@ if __name__ == "__main__":
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=32)
-    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--num-blocks", type=int, default=512,
+                   help="the hot pool; with a small one and --warm-bytes the batch is preempted and swapped")
+    p.add_argument("--warm-bytes", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the report here (JSON)")
     p.add_argument("--only", type=int, default=None, help=argparse.SUPPRESS)  # one row, in this process
     args = p.parse_args()
