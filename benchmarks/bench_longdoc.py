@@ -9,7 +9,7 @@ turn (document, then question), one after the other. Engines:
   - "offloaded": a hot pool of 64 blocks (1,024 tokens) and a warm tier: the document's older blocks
     live in warm as far blocks, read in place by attention, and later questions find them there;
   - "unconstrained": a pool that holds everything (no warm tier);
-  - with --staged, also "offloaded, staged": the offloaded engine with far_blocks="staged", the
+  - with --staged, also "offloaded, staged": the offloaded engine with offload="staged", the
     path CUDA takes (far blocks staged per layer into a buffer instead of read in place), to show what
     those copies cost here.
 For each: time to first token of the first question and of the later ones, decode ms/token, bytes moved
@@ -93,7 +93,7 @@ def main(args) -> dict:
         "unconstrained": EngineConfig(compile_in_background=False, kv_cache_bytes=1 << 30, warm_bytes=0),
     }
     if args.staged:
-        configs["offloaded, staged"] = configs["offloaded"].model_copy(update={"far_blocks": "staged"})
+        configs["offloaded, staged"] = configs["offloaded"].model_copy(update={"offload": "staged"})
     probe = EngineCore(EngineConfig(compile_in_background=False, num_blocks=2, warm_bytes=0, compile_decode=False))
     doc = document(probe.tokenizer, args.tokens)
     prompts = [probe.tokenizer.apply_chat_template(chat(doc, q)) for q in QUESTIONS[: args.questions]]

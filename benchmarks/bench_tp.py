@@ -41,7 +41,7 @@ def measure(world: int, args) -> dict:
     threads = args.threads if args.threads else max(1, (os.cpu_count() or 1) // world)
     cfg = EngineConfig(model=args.model, tensor_parallel_size=world, device=args.device, dtype=args.dtype,
                        num_threads=threads, compile_decode=False, warm_bytes=args.warm_bytes,
-                       num_blocks=args.num_blocks, offload=False)
+                       num_blocks=args.num_blocks, offload="off")
     t0 = time.perf_counter()
     core = EngineCore(cfg)
     start_s = time.perf_counter() - t0

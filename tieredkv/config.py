@@ -182,12 +182,12 @@ class EngineConfig(BaseModel):
     warm_bytes: int | None = Field(
         None, ge=0, description="host-memory tier budget; 0 turns it off; None: 10% of available RAM, at most 4 GiB"
     )
-    offload: bool = Field(True, description="a sequence whose KV outgrows the hot pool keeps its older blocks in "
-                          "the warm tier, where attention reads them in place (on CPU, where warm is the same memory)")
-    far_blocks: Literal["auto", "in_place", "staged"] = Field(
-        "auto", description='how attention reads blocks kept in the warm tier: "in_place" (CPU: the warm slab is '
-        'the tail of the cache tensor), "staged" (copied per layer into a buffer; what CUDA does); "auto": in '
-        "place on CPU, staged on CUDA")
+    offload: Literal["auto", "in_place", "staged", "off"] = Field(
+        "auto", description="a sequence whose KV outgrows the hot pool keeps its older blocks in the warm tier, "
+        'where attention reads them: "in_place" (CPU: the warm slab is the tail of the cache tensor), "staged" '
+        '(copied per layer into a buffer for each step that reads them; what CUDA does, on CPU too); "auto": in '
+        'place on CPU, staged on CUDA; "off": the sequence is preempted instead. True and False mean "auto" and '
+        '"off"')
     cold_path: str | None = Field(None, description="directory of the LMDB disk tier; None turns it off")
     cold_bytes: int = Field(16 << 30, gt=0, description="disk budget of the cold tier (bytes on disk, whole pages)")
     cold_secret_path: str | None = Field(
@@ -292,6 +292,16 @@ class EngineConfig(BaseModel):
         values.update({k: None if isinstance(v, str) and v.lower() == "none" else v
                        for k, v in given.items() if v is not None})
         return cls.model_validate(values)
+
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _offload_switch(cls, v: Any) -> Any:
+        """offload=True / False (and "1"/"0", "true"/"false" from the environment) are "auto" / "off"."""
+        if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "0", "false", "no"):
+            v = v.strip().lower() in ("1", "true", "yes")
+        if isinstance(v, bool):
+            return "auto" if v else "off"
+        return v
 
     @field_validator("lora_adapters", mode="before")
     @classmethod

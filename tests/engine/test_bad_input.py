@@ -72,11 +72,21 @@ def test_bad_sampling_params(kwargs, field):
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"no_such_field": 1}, "no_such_field"),
+        ({"offload": "sideways"}, "offload"),
+        ({"far_blocks": "staged"}, "far_blocks"),  # one field says it now: offload="staged"
     ],
 )
 def test_bad_engine_config(kwargs, field):
     with pytest.raises(ValidationError, match=field):
         EngineConfig(**kwargs)
+
+
+def test_offload_is_one_field_that_also_takes_a_switch():
+    """`offload` names how far blocks are read, or "off"; True and False (and the environment's 1/0) are the
+    device's way and off."""
+    assert [EngineConfig(offload=v).offload for v in (True, False, "1", "false", "staged")] == \
+        ["auto", "off", "auto", "off", "staged"]
+    assert EngineConfig().offload == "auto"
 
 
 async def test_request_too_big_for_the_pool(engine):

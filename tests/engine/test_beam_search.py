@@ -98,7 +98,7 @@ async def test_beam_search_matches_transformers_under_pressure(ref, squeeze):
     recomputed, or their old blocks offloaded), or a step budget smaller than a group (beams of one
     request computed over several steps, the search waiting for all of them)."""
     model_dir, reference = ref
-    cfg = {"preempt": dict(num_blocks=14, offload=False), "offload": dict(num_blocks=14, warm_bytes=1 << 20),
+    cfg = {"preempt": dict(num_blocks=14, offload="off"), "offload": dict(num_blocks=14, warm_bytes=1 << 20),
            "split": dict(num_blocks=256, max_num_batched_tokens=5)}[squeeze]
     async with await AsyncEngine.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
         variant = VARIANTS[0]
@@ -209,7 +209,7 @@ def test_searches_competing_for_a_small_pool_finish(llama_dir, policy):
     """Four searches of 4 beams on a 14-block pool, all added in one tick: preempted beams are admitted
     beside their siblings, never interleaved with another search's (each would hold part of the pool
     and wait for the rest, for ever)."""
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=14, offload=False, compile_decode=False,
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=14, offload="off", compile_decode=False,
                                    scheduling_policy=policy))
     drive(core, [core.factory.make(p, SamplingParams(max_tokens=MAX_NEW, beam_width=4, n=4), f"r{i}")
                  for i, p in enumerate(make_prompts(core.spec.vocab_size))], max_steps=1000)

@@ -56,7 +56,7 @@ async def test_greedy_matches_transformers(case, caching, batched):
 async def test_greedy_matches_transformers_under_preemption(case, caching):
     model_dir, prompts, expected = case
     got, stats, _ = await run_engine(model_dir, prompts, True, enable_prefix_caching=caching,
-                                     num_blocks=16, max_num_batched_tokens=128, offload=False)
+                                     num_blocks=16, max_num_batched_tokens=128, offload="off")
     assert stats.num_preemptions > 0
     assert got == expected
 

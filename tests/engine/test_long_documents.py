@@ -33,7 +33,7 @@ def far_mode(request):
 @pytest.fixture
 def small(far_mode):
     """A hot pool of 8 blocks beside a warm tier of 200, far blocks read as the test's mode says."""
-    return dict(SMALL, far_blocks=far_mode)
+    return dict(SMALL, offload=far_mode)
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,16 @@ from tieredkv import EngineConfig, RequestError, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 
 
-@pytest.fixture(scope="module", params=[(True, True, "auto"), (False, True, "auto"), (True, False, "auto"),
-                                        (True, True, "staged")],
+@pytest.fixture(scope="module", params=[(True, "auto"), (False, "auto"), (True, "off"), (True, "staged")],
                 ids=["cache", "nocache", "cache-nooffload", "cache-staged"])
 def core(request, llama_dir):
     # a warm tier of 20 blocks: evictions demote, hits promote; sequences that outgrow the pool keep old
     # blocks there (offload; staged: only what preemption cannot solve), or without offloading,
     # preemptions swap (up to 10 blocks)
-    caching, offload, far_blocks = request.param
+    caching, offload = request.param
     return EngineCore(EngineConfig(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
                                    max_num_batched_tokens=16, enable_prefix_caching=caching, offload=offload,
-                                   far_blocks=far_blocks, warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
+                                   warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
 
 
 add = st.tuples(st.just("add"), st.integers(1, 22), st.integers(1, 8), st.integers(1, 3), st.booleans(),
@@ -68,7 +67,7 @@ def test_a_squeeze_offloads_or_preempts(core):
     drive(core, each_step=lambda *_: check_pool_consistent(core))
     check_pool_clean(core)
     offloaded, preempted = core.kv.offloaded_blocks - before[0], core.scheduler.num_preemptions - before[1]
-    if not core.config.offload:
+    if core.config.offload == "off":
         assert offloaded == 0 and preempted > 0
     elif core.runner.far_base is None:  # far blocks read in place: offload, never preempt
         assert offloaded > 0 and preempted == 0

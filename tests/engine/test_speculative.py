@@ -90,7 +90,7 @@ async def test_greedy_matches_transformers_with_drafts(case, proposer, batched):
         assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # some drafts were rejected
 
 
-@pytest.mark.parametrize("squeeze", [dict(offload=False), dict(warm_bytes=1 << 20)], ids=["preempt", "offload"])
+@pytest.mark.parametrize("squeeze", [dict(offload="off"), dict(warm_bytes=1 << 20)], ids=["preempt", "offload"])
 async def test_drafts_under_a_dry_pool(case, squeeze):
     """A pool too small for the batch: drafts never take blocks another sequence needs, and preemption or
     offloading still give transformers' output."""

@@ -161,7 +161,7 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(llama_dir, tmp
     carries, and no rejected draft's KV reaches a tier (the one process's output from cold would show it)."""
     cold = str(tmp_path / "cold")
     expected = hf_greedy(llama_dir, PROMPTS, 24)
-    core = EngineCore(tp_config(llama_dir, num_blocks=7, warm_bytes=1 << 20, cold_path=cold, offload=False,
+    core = EngineCore(tp_config(llama_dir, num_blocks=7, warm_bytes=1 << 20, cold_path=cold, offload="off",
                                 speculative={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}))
     try:
         assert core.tp.world == 2 and core.kv_cache.shape[-2] == 1  # one of the two KV heads here
@@ -203,7 +203,7 @@ def test_two_ranks_keep_their_heads_as_int8_rows(llama_dir, tmp_path):
     finally:
         one.close()
     cold = str(tmp_path / "cold")
-    core = EngineCore(tp_config(llama_dir, num_blocks=7, warm_bytes=1 << 20, cold_path=cold, offload=False,
+    core = EngineCore(tp_config(llama_dir, num_blocks=7, warm_bytes=1 << 20, cold_path=cold, offload="off",
                                 kv_cache_dtype="int8"))
     try:
         assert core.kv_cache.dtype == torch.uint8 and core.kv_cache.shape[-2:] == (1, 16 + 2)
@@ -250,7 +250,7 @@ def test_qwen2_biases_and_a_document_larger_than_the_hot_pool_staged(qwen2_dir):
     leave rank 1 waiting in that step's collectives, and close() returns at once."""
     doc = long_doc()
     expected = hf_greedy(qwen2_dir, PROMPTS + [doc], 24)
-    core = EngineCore(tp_config(qwen2_dir, far_blocks="staged", **FAR))
+    core = EngineCore(tp_config(qwen2_dir, offload="staged", **FAR))
     try:
         assert run_to_end(core, PROMPTS, [24] * len(PROMPTS)) == expected[:3]
         assert run_to_end(core, [doc], [24]) == expected[3:]

@@ -87,7 +87,7 @@ async def test_preemption_swaps_to_warm_and_restores(llama_dir):
     outs = {}
     for label, cfg in (("big", dict(num_blocks=256, warm_bytes=0)),
                        ("swap", dict(num_blocks=14, warm_bytes=64 * BLOCK_BYTES, enable_prefix_caching=False,
-                                     offload=False))):
+                                     offload="off"))):
         async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **cfg)) as engine:
             res = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
             outs[label] = [r.outputs[0].token_ids for r in res]

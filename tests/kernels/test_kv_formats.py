@@ -158,7 +158,7 @@ async def test_samples_beams_and_swaps_work_unchanged_on_int8_blocks(llama_dir):
     roomy, _, _ = await outputs(llama_dir, long, params, kv_cache_dtype="int8")
     async with await AsyncEngine.start(EngineConfig(
             model=str(llama_dir), kv_cache_dtype="int8", num_blocks=12, warm_bytes=64 * block,
-            enable_prefix_caching=False, offload=False)) as engine:
+            enable_prefix_caching=False, offload="off")) as engine:
         res = await asyncio.gather(*(engine.generate(p, params) for p in long))
         assert [[r.outputs[0].token_ids] for r in res] == roomy
         assert engine.stats().num_swaps > 0
@@ -191,7 +191,7 @@ async def test_a_document_past_the_hot_pool_reads_its_int4_far_blocks(llama_dir,
     doc = [rand_ids(700, seed=77)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want, _, _ = await outputs(llama_dir, doc, params, kv_cache_dtype="int4")
-    got, _, stats = await outputs(llama_dir, doc, params, kv_cache_dtype="int4", num_blocks=8, far_blocks=far,
+    got, _, stats = await outputs(llama_dir, doc, params, kv_cache_dtype="int4", num_blocks=8, offload=far,
                                   warm_bytes=80 * token_bytes("int4") * BS, max_num_batched_tokens=256)
     assert got == want and stats.blocks_offloaded >= 700 // BS - 8
 

@@ -165,7 +165,7 @@ def test_native_step_reads_far_blocks_in_place(llama_dir):
     base = dict(model=str(llama_dir), quantization="int4")
     whole = EngineCore(EngineConfig(**base, num_blocks=64, warm_bytes=0, compile_decode=False))
     far = EngineCore(EngineConfig(**base, num_blocks=8, warm_bytes=100 * block_bytes, max_num_batched_tokens=256,
-                                  far_blocks="in_place", compile_decode=True))
+                                  offload="in_place", compile_decode=True))
     try:
         assert far.stats().decode_path == "native" and far.kv_cache.shape[2] == 8 + 100 + 1
         assert run_to_end(far, [document], [24]) == run_to_end(whole, [document], [24])

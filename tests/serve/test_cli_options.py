@@ -48,8 +48,9 @@ def test_an_option_wins_over_the_environment_which_wins_over_the_command_and_the
     monkeypatch.setenv("TIEREDKV_BLOCK_SIZE", "8")
     monkeypatch.setenv("TIEREDKV_OFFLOAD", "0")
     assert engine_config(parse("generate"), num_blocks=64).block_size == 8
-    cfg = engine_config(parse("generate", "--block-size", "64", "--offload"), num_blocks=64)
-    assert (cfg.block_size, cfg.offload, cfg.num_blocks) == (64, True, 64)
+    cfg = engine_config(parse("generate", "--block-size", "64", "--offload", "staged"), num_blocks=64)
+    assert (cfg.block_size, cfg.offload, cfg.num_blocks) == (64, "staged", 64)
+    assert engine_config(parse("generate"), num_blocks=64).offload == "off"  # TIEREDKV_OFFLOAD=0
     assert engine_config(parse("generate", "--num-blocks", "32"), num_blocks=64).num_blocks == 32
 
 

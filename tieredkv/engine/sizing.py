@@ -107,9 +107,9 @@ def far_extent(cfg: EngineConfig, spec: ModelSpec, kv: KVLayout) -> int:
 def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
     """How attention reaches far blocks (block_pool.py): "in place" on CPU, where the warm slab can be
     the tail of the cache tensor; "staged" on CUDA, where it is pinned host memory (far_stage.py); None
-    with offloading off. `far_blocks="staged"` stages on CPU too (it runs the CUDA path's logic)."""
-    if not cfg.offload:
+    with offloading off. `offload="staged"` stages on CPU too (it runs the CUDA path's logic)."""
+    if cfg.offload == "off":
         return None
-    if device.type != "cpu" or cfg.far_blocks == "staged":
+    if device.type != "cpu" or cfg.offload == "staged":
         return "staged"
     return "in place"

@@ -51,7 +51,7 @@ class Plan:
         cold_blocks: blocks the cold tier's byte budget holds, LMDB pages and headers counted.
         seq_len: the sequence length the next two figures are for.
         seqs_before_preemption: sequences of `seq_len` tokens that fit the hot pool at once.
-        seqs_with_offload: the same when their older blocks move to the warm tier (`offload=True`).
+        seqs_with_offload: the same when their older blocks move to the warm tier (`offload` on).
         longest_sequence: the most tokens one sequence can hold: `max_model_len`, or hot and warm together if
             fewer.
         shared_prompt_len: the shared-prompt length the next figure is for.
@@ -81,7 +81,7 @@ class Plan:
     cold_blocks: int
     seq_len: int
     seqs_before_preemption: int  # sequences of seq_len tokens that fit the hot pool at once
-    seqs_with_offload: int  # ... when their older blocks move to the warm tier (offload=True)
+    seqs_with_offload: int  # ... when their older blocks move to the warm tier (offload on)
     longest_sequence: int  # the most tokens one sequence can hold: max_model_len, or hot + warm if fewer
     shared_prompt_len: int
     shared_prompts: dict  # tier -> distinct shared prompts of shared_prompt_len tokens it keeps
