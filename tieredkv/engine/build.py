@@ -18,7 +18,7 @@ from tieredkv.core.scheduler import Scheduler
 from tieredkv.engine.identity import identity_in_background, model_fingerprint
 from tieredkv.engine.kv_events import make_recorder
 from tieredkv.engine.lifecycle import Lifecycle
-from tieredkv.engine.rank_build import (RankMemory, load_share, local_warm, make_kv_cache, prepare_process,
+from tieredkv.engine.rank_build import (RankMemory, data_plane, load_share, make_kv_cache, prepare_process,
                                         total_weight_bytes, weights_label)
 from tieredkv.engine.request_factory import RequestFactory
 from tieredkv.engine.resolve import (eos_token_ids, max_model_len, quant_settings, resolve_cache_dir,
@@ -41,7 +41,6 @@ from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.tiers.base import KVTier
 from tieredkv.tiers.block_pool import BlockPool
-from tieredkv.tiers.block_io import BlockIO
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.manager import TierManager
 from tieredkv.tiers.policy import Admission, Popularity
@@ -76,10 +75,7 @@ def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: t
     then) with a path, or the caller's own tier in its place (`cold`: any KVTier); remote (Valkey/Redis, imported
     only then) with a URL."""
     block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, kv_cache.shape[-1])  # rows as stored
-    warm = local_warm(num_warm_blocks, kv_cache, num_blocks, block_shape)  # whole blocks in and out, a rank's heads
-    # in its slab; the bytes of the pool and the slab move as block ops, on every rank under tensor parallelism
-    io = BlockIO(kv_cache, ops, warm.store if warm is not None else None, tp,
-                 tp.shard.sizes(spec.num_kv_heads) if tp is not None else None)
+    warm, io = data_plane(kv_cache, ops, num_blocks, num_warm_blocks, spec, tp)  # as every rank builds its own
     read = cfg.eviction_policy == "lfu" or cfg.admit_min_uses > 1 or not cfg.admit_output_blocks
     popularity = Popularity(16 * (num_blocks + num_warm_blocks), active=read)  # counted only where read
     pool = BlockPool(num_blocks, warm if far else None, cfg.eviction_policy, popularity)

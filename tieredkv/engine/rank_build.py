@@ -30,6 +30,7 @@ from tieredkv.platform.malloc_tuning import (anonymous_memory, collapse_into_hug
                                              release_free_memory, tune_glibc_malloc)
 from tieredkv.platform.process import PROCESS, Hold
 from tieredkv.runner.model_runner import ModelRunner
+from tieredkv.tiers.block_io import BlockIO
 from tieredkv.tiers.warm import WarmTier
 
 log = logging.getLogger("tieredkv")
@@ -168,18 +169,29 @@ def load_share(cfg: EngineConfig, model_dir: Path, device: torch.device, tp: TPG
     return model, ops, [m for _, m in results]
 
 
+def data_plane(kv_cache: torch.Tensor, ops: KernelOps, num_blocks: int, num_warm_blocks: int, spec: ModelSpec,
+               tp: TPGroup | None = None) -> tuple[WarmTier | None, BlockIO]:
+    """What every rank builds over its cache tensor to hold and move block bytes: its warm slab (in a warm tier
+    whose blocks are the whole model's: rank 0 keeps the index, the other ranks use only the slab) and the block
+    ops over the pool and the slab (tiers/block_io.py). `spec`: the whole model's."""
+    block_shape = (spec.num_layers, 2, kv_cache.shape[3], spec.num_kv_heads, kv_cache.shape[-1])  # rows as stored
+    warm = local_warm(num_warm_blocks, kv_cache, num_blocks, block_shape)
+    io = BlockIO(kv_cache, ops, warm.store if warm is not None else None, tp,
+                 tp.shard.sizes(spec.num_kv_heads) if tp is not None else None)
+    return warm, io
+
+
 def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tuple, device: torch.device,
-                tp: TPGroup) -> tuple[ModelRunner, WarmTier | None]:
-    """The model runner of a tensor-parallel rank other than 0, over its heads of every block id, and the
-    warm tier whose slab holds its heads of every warm slot (only its slab is used: rank 0 keeps the index).
-    `setup`: rank 0's (num_blocks, far extent, warm blocks, far mode)."""
+                tp: TPGroup) -> tuple[ModelRunner, BlockIO]:
+    """The model runner of a tensor-parallel rank other than 0, over its heads of every block id, and its block
+    ops (data_plane, as rank 0's). `setup`: rank 0's (num_blocks, far extent, warm blocks, far mode)."""
     num_blocks, extent, num_warm, mode = setup
     kv_cache = make_kv_cache(tp.shard.local_spec(model.spec), cfg.block_size, num_blocks, extent,
                              resolve_kv_layout(cfg, model.spec, resolve_dtype(cfg.dtype, device), device), device)
-    warm = local_warm(num_warm, kv_cache, num_blocks)
+    warm, io = data_plane(kv_cache, ops, num_blocks, num_warm, model.spec, tp)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          far=(num_blocks, warm.slab) if mode == "staged" else None)
-    return runner, warm
+    return runner, io
 
 
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,

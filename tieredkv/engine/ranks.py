@@ -201,9 +201,7 @@ class Follower:
 
         self.tp, self.cfg = tp, cfg
         self.model, self.ops, _ = load_share(cfg, Path(cfg.model), device, tp)  # the steps rank 0 takes too
-        self.runner, warm = rank_runner(cfg, self.model, self.ops, tp.broadcast(), device, tp)
-        self.io = BlockIO(self.runner.kv_cache, self.ops, warm.store if warm is not None else None, tp,
-                          tp.shard.sizes(self.model.spec.num_kv_heads))
+        self.runner, self.io = rank_runner(cfg, self.model, self.ops, tp.broadcast(), device, tp)
         from tieredkv.engine.adapters import Adapters
         from tieredkv.engine.resolve import resolve_dtype
         from tieredkv.models.spec import ModelSpec
