@@ -115,6 +115,24 @@ MAX_ROWS_TILED = 2 * (MAX_SPECULATIVE_TOKENS + 1)
 MAX_BATCH = 16
 
 
+def _fit(model: LlamaModel, kv_cache: torch.Tensor, kv: KVLayout | None) -> tuple[int, int]:
+    """The K and V format codes the C step reads the cache in; Unfit when it cannot run this model on it."""
+    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        raise Unfit(f"the KV cache is not a contiguous tensor on the CPU ({kv_cache.device})")
+    if kv is None and kv_cache.dtype != torch.float32:
+        raise Unfit(f"the KV cache is {kv_cache.dtype}, not float32")
+    codes = kv.codes if kv is not None else (0, 0)
+    if max(codes) > CPU_FORMATS:
+        raise Unfit(f"the kernels do not read KV stored as {kv.label}")
+    if model.tp.world > 1:
+        raise Unfit("the model is split over ranks")
+    if model.quantized_head is None:
+        raise Unfit("the LM head is not quantized")
+    if model.rotary.inv_freq.numel() * 2 != model.spec.head_dim:
+        raise Unfit("the rotary embedding does not turn the whole head")
+    return codes
+
+
 class NativeDecode:
     """Runs steps that decode one sequence, or verify its drafts (speculative decoding: up to MAX_ROWS rows), or decode
     a few sequences at once (up to MAX_BATCH), through decode_cpu.c's tkv_decode_rows."""
@@ -126,19 +144,7 @@ class NativeDecode:
         self.cache_dir = cache_dir  # where the C++ operators are built (None: not bound here)
         self._binding: threading.Thread | None = None
         spec = model.spec
-        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
-            raise Unfit(f"the KV cache is not a contiguous tensor on the CPU ({kv_cache.device})")
-        if kv is None and kv_cache.dtype != torch.float32:
-            raise Unfit(f"the KV cache is {kv_cache.dtype}, not float32")
-        codes = kv.codes if kv is not None else (0, 0)
-        if max(codes) > CPU_FORMATS:
-            raise Unfit(f"the kernels do not read KV stored as {kv.label}")
-        if model.tp.world > 1:
-            raise Unfit("the model is split over ranks")
-        if model.quantized_head is None:
-            raise Unfit("the LM head is not quantized")
-        if model.rotary.inv_freq.numel() * 2 != spec.head_dim:
-            raise Unfit("the rotary embedding does not turn the whole head")
+        codes = _fit(model, kv_cache, kv)
         layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp

@@ -151,12 +151,7 @@ def plot_results(results: dict, out: Path) -> list[Path]:
     return [path]
 
 
-def add_parsers(sub) -> None:
-    p = sub.add_parser("chat", help="an interactive conversation, streamed")
-    p.add_argument("--system", default=None, help="a system prompt")
-    p.add_argument("--max-tokens", type=int, default=256)
-    add_engine_options(p)
-    p.set_defaults(func=chat)
+def _add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="how much KV each tier holds for a model on a machine")
     p.add_argument("--model", default="default")
     p.add_argument("--device", default="auto", help="cuda or cpu: whose memory to plan for (auto: the engine's)")
@@ -182,6 +177,15 @@ def add_parsers(sub) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="as the engine's: how the cache stores K and V (the bytes of a block in every tier)")
     p.set_defaults(func=plan_command)
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("chat", help="an interactive conversation, streamed")
+    p.add_argument("--system", default=None, help="a system prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    add_engine_options(p)
+    p.set_defaults(func=chat)
+    _add_plan_parser(sub)
     p = sub.add_parser("explain", help="where each block of a prompt would come from, or why it is computed")
     p.add_argument("prompt")
     p.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
