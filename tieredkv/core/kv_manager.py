@@ -6,7 +6,7 @@ import typing
 
 from tieredkv.core.sequence import Sequence
 from tieredkv.hashing import BlockHash, chain_keys, hash_block
-from tieredkv.tiers.base import BlockKey, Lent
+from tieredkv.tiers.base import BlockKey, Lent, SwapSpace
 from tieredkv.tiers.block_pool import BlockPool, KVBlock
 from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
 
@@ -34,8 +34,10 @@ class KVCacheManager:
     sequence writes must be hot.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool, root: BlockHash):
+    def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool, root: BlockHash,
+                 swap: SwapSpace | None = None):
         self.pool = pool
+        self.swap = swap  # the tier that lends warm slots: swap-outs here, far blocks through the pool
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.root = root
@@ -184,10 +186,20 @@ class KVCacheManager:
         return blocks
 
     def _lend(self, n: int) -> list[KVBlock] | None:
-        """n far blocks; what the warm tier evicts for them goes on down (PASS_DOWN moves)."""
-        blocks, evicted = self.pool.lend(n)
+        """n far blocks over lent warm slots (see _lend_slots)."""
+        slots = self._lend_slots(n)
+        return None if slots is None else [self.pool.far_block(slot) for slot in slots]
+
+    def _lend_slots(self, n: int, whole_sequence: bool = False) -> list[int] | None:
+        """The one way KV leaves the hot pool while planning: n warm slots lent to blocks of one sequence, for far
+        blocks (offload, adoption in place) or for a preempted sequence's whole table (a swap-out, under the swap
+        space's cap: SwapSpace.reserve); what the warm tier evicts for them goes on down first (PASS_DOWN moves).
+        None: no room."""
+        if self.swap is None or n == 0:
+            return None
+        slots, evicted = self.swap.reserve(n) if whole_sequence else self.swap.lend(n)
         self.pass_down(evicted)
-        return blocks
+        return slots
 
     def pass_down(self, evicted: Lent) -> None:
         """Moves for entries the warm tier evicted to lend their slots: each is read from its slot, and goes to the
@@ -235,9 +247,13 @@ class KVCacheManager:
         moves, self.moves = self.moves, []
         return moves
 
-    def swap_out(self, seq: Sequence, slots: list[int]) -> Restore:
-        """SWAP_OUT moves of seq's blocks into lent warm slots (read out before anything is written into
-        the blocks), and the restore that swaps them back in. The caller frees seq's blocks."""
+    def swap_out(self, seq: Sequence) -> Restore | None:
+        """Offloads a preempted sequence whole: SWAP_OUT moves of its blocks into lent warm slots (read out before
+        anything is written into the blocks), and the restore that swaps them back in; None when warm has no room.
+        The caller frees seq's blocks."""
+        slots = self._lend_slots(len(seq.block_table), whole_sequence=True)
+        if slots is None:
+            return None
         self.moves.extend(BlockMove(SWAP_OUT, b.block_id, slot) for b, slot in zip(seq.block_table, slots))
         return Restore(0, seq.num_computed_tokens, swap_slots=slots)
 

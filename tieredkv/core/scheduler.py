@@ -408,14 +408,11 @@ class Scheduler:
         self.running.remove(seq)
         seq.spec_tokens = []
         self._release(seq)
-        slots = None
         # with far blocks, or a beam waiting for its siblings (nothing left to compute): recomputed, from the cache
         if not self.kv.num_far_blocks(seq) and not seq.parked:
-            slots, evicted = self.tiers.reserve_swap(len(seq.block_table))
-            self.kv.pass_down(evicted)  # read from their slots before the swap-out writes there
-        if slots is not None:
-            seq.swapped = self.kv.swap_out(seq, slots)
-            self.num_swaps += 1
+            seq.swapped = self.kv.swap_out(seq)
+            if seq.swapped is not None:
+                self.num_swaps += 1
         self.kv.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

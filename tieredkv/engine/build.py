@@ -60,7 +60,8 @@ def build_cache_core(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cac
     "staged" or None). tests/cache build theirs here too, with no model."""
     tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm_blocks,
                         far=far_blocks is not None, tp=tp, cold=cold)
-    kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint))
+    kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint),
+                        tiers.swap)
     index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
                           offload=FAR_POLICY.get(far_blocks), policy=cfg.scheduling_policy)

@@ -15,7 +15,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 
-from tieredkv.tiers.base import NO_LENT, TIER_NAMES, BlockKey, KVTier, Lent, SwapSpace, TierStats
+from tieredkv.tiers.base import TIER_NAMES, BlockKey, KVTier, SwapSpace, TierStats
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.lookup import Lookup, finish_lookup, start_lookup
 from tieredkv.tiers.moves import (COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore,
@@ -267,13 +267,6 @@ class TierManager:
         return finish_lookup(lookup, self.block_size, self.lower[-1])
 
     # -- swap -------------------------------------------------------------------------------------
-
-    def reserve_swap(self, n: int) -> tuple[list[int] | None, Lent]:
-        """n slots for a preempted sequence's blocks (SWAP_OUT moves fill them), or None: no room; and the cached
-        entries evicted to make room, with their slots (SwapSpace.reserve), which the caller passes down."""
-        if self.swap is None or n == 0:
-            return None, NO_LENT
-        return self.swap.reserve(n)
 
     def drop_swap(self, restore: Restore | None) -> None:
         if restore is not None and restore.swap_slots is not None:
