@@ -24,8 +24,9 @@ class WarmTier(SwapSpace):
 
     `entries` maps a block hash to its slot in LRU order (oldest first); `free_slots` holds the rest,
     except the slots lent out by `reserve` (preemption swap space). Putting into a full tier evicts the
-    oldest entries: `admit` and `reserve` return them (keys, blocks copied out of the slab) for the
-    caller to pass on. Slots are handed out lowest first, so consecutive blocks tend to sit in
+    oldest entries: `admit` returns them (keys, blocks copied out of the slab) for the caller to pass
+    on; `admit_from_hot` hands them to a callback as their data is read; `reserve` and `lend` return their keys and
+    slots, read later by the step's moves. Slots are handed out lowest first, so consecutive blocks tend to sit in
     consecutive slots, which move as views of the slab (pinned on CUDA: a device copy from there is a real
     asynchronous transfer). All operations are O(1) per block.
 
