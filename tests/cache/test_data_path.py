@@ -262,7 +262,8 @@ def test_one_pool_counts_references_and_hashes_in_both_id_ranges():
     pool, kv, cache, tiers, sched = make(num_blocks=4, warm_blocks=6, far=True)
     warm = tiers.warm
     (hot,), _ = pool.allocate(1)
-    fars, victims = pool.lend(2)
+    slots, victims = warm.lend(2)  # (the KV manager lends far blocks so: warm's slots, a far block over each)
+    fars = [pool.far_block(slot) for slot in slots]
     assert [b.block_id for b in fars] == [4, 5] and victims == ([], [])  # far_base + the lowest slots
     assert [pool.is_far(b) for b in (hot, *fars)] == [False, True, True] and pool.num_far == 2
     keys = kv.chain_keys(list(range(3 * BS)))
@@ -278,7 +279,7 @@ def test_one_pool_counts_references_and_hashes_in_both_id_ranges():
     assert pool.num_far == 0 and pool.num_free == 4
     assert pool.cached_prefix(keys) == [hot]  # the far ones are warm entries now, in LRU order
     assert [s for s, _ in warm.entries.values()] == [1, 0] and warm.contains_sync(keys[1:]) == 2
-    (plain,), _ = pool.lend(1)  # a far block without a hash goes back as a free slot
+    plain = pool.far_block(warm.lend(1)[0][0])  # a far block without a hash goes back as a free slot
     pool.free([plain])
     assert len(warm.free_slots) + len(warm.entries) == warm.capacity
 

@@ -10,7 +10,7 @@ from tieredkv.tiers.policy import LFUQueue, Popularity, check_eviction
 MEDIUM_HOT = "GPU"  # the pool's name in KV events: vLLM's for the pool the model computes from, on every device
 
 if TYPE_CHECKING:
-    from tieredkv.tiers.base import Lent, SwapSpace
+    from tieredkv.tiers.base import SwapSpace
 
 
 class Evicted(NamedTuple):
@@ -132,8 +132,9 @@ class BlockPool:
     A hot block is in exactly one state: in use (ref_cnt > 0, not in the free queue), or free
     (ref_cnt 0, in the free queue). A far block exists only while in use. `cached` maps a hash to its
     block: any cached hot block, and far blocks in use. Reusing cached free hot blocks evicts their
-    hashes: `allocate` returns them, and lending slots returns what the warm tier evicted; the caller
-    turns both into block moves. Every method only changes metadata, O(1) per block (O(log n) under "lfu").
+    hashes: `allocate` returns them, and lending slots (the warm tier's `lend`, a `far_block` over each slot)
+    returns what the warm tier evicted; the caller (the KV manager) turns both into block moves. Every method only
+    changes metadata, O(1) per block (O(log n) under "lfu").
 
     `eviction` orders the free hot blocks: "lru" (the least recently freed first) or "lfu" (LFU with dynamic
     aging over `popularity`'s use counts: tiers/policy.py).
@@ -171,7 +172,7 @@ class BlockPool:
 
     @property
     def num_far_available(self) -> int:
-        """Far blocks `lend` could hand out now (0 without a lender)."""
+        """Far blocks the lender could lend now (0 without a lender)."""
         return self.lender.num_lendable if self.lender is not None else 0
 
     def is_far(self, block: KVBlock) -> bool:
@@ -216,13 +217,6 @@ class BlockPool:
                 self.uncache(block)
             block.ref_cnt = 1
         return out, evicted
-
-    def lend(self, n: int) -> tuple[list[KVBlock] | None, "Lent"]:
-        """n fresh far blocks with ref_cnt 1 (None when the warm tier cannot lend that many), and the
-        entries the warm tier evicted to make room (keys, and their slots, now the far blocks'), to pass on down
-        before anything is written into those slots."""
-        slots, victims = self.lender.lend(n)
-        return (None if slots is None else [self.far_block(slot) for slot in slots]), victims
 
     def far_block(self, slot: int) -> KVBlock:
         """A far block with ref_cnt 1 over a slot already lent by the warm tier."""
