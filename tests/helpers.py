@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 
 import torch
@@ -120,6 +121,12 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                                min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             out.append(y[0, len(ids):].tolist())
     return out
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    """n token ids in [3, 300), a function of the seed: a prompt no other test's shares by chance."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
 
 
 def check_pool_clean(core) -> None:

@@ -3,14 +3,13 @@ fail (killed, restarted, slow, full) or lie (foreign, tampered, wrong-sized entr
 on it too (test_tier_contract.py)."""
 
 import asyncio
-import random
 import time
 
 import pytest
 import torch
 import valkey
 
-from helpers import check_pool_clean
+from helpers import check_pool_clean, rand_ids
 from tieredkv import AsyncEngine, EngineConfig, RemoteTierError, SamplingParams
 from tieredkv.tiers.remote import RemoteTier
 from tieredkv.tools.local_valkey import LocalValkey
@@ -19,11 +18,6 @@ from test_tier_contract import SHAPE, make_blocks, make_keys
 
 BS = 16
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-def rand_ids(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(3, 300) for _ in range(n)]
 
 
 SYSTEM = rand_ids(320, seed=1)  # 20 blocks, shared by every conversation below

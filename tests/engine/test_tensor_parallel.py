@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from helpers import check_pool_clean, hf_greedy, run_to_end
+from helpers import check_pool_clean, hf_greedy, rand_ids, run_to_end
 from tieredkv import AsyncEngine, EngineClosedError, EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.engine.ranks import _wait_for_hellos, rank_device
@@ -218,6 +218,34 @@ def test_two_ranks_keep_their_heads_as_int8_rows(llama_dir, tmp_path):
     try:  # what the two ranks persisted, one process reads
         assert run_to_end(again, PROMPTS[:1], [16]) == expected[:1]
         assert again.tiers.cold.stats().promotions == len(PROMPTS[0]) // again.block_size
+    finally:
+        again.close()
+
+
+def test_two_ranks_publish_whole_blocks_to_the_shared_tier(llama_dir, valkey_server, tmp_path):
+    """Publishing to the remote tier under tensor parallelism: each new full block is gathered from both ranks (a
+    block op outside a step, sent as a step message without rows) and written whole; one process then reads those
+    blocks from the server and answers as it would have computed."""
+    key, prompts = tmp_path / "key", [rand_ids(40, seed=71), rand_ids(33, seed=72)]
+    one = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0))
+    try:
+        expected = run_to_end(one, prompts, [6, 6])
+    finally:
+        one.close()
+    core = EngineCore(tp_config(llama_dir, num_blocks=24, warm_bytes=1 << 20, remote_url=valkey_server.url,
+                                cold_secret_path=str(key)))
+    try:
+        assert run_to_end(core, prompts, [6, 6]) == expected
+        core.tiers.tier("remote").flush_sync()
+        assert core.tiers.io.exchanged["gather"] > 0 and set(core.tp.messages) == {"step"}
+        assert core.tiers.tier("remote").stats().demotions >= (40 + 33) // core.block_size
+    finally:
+        core.close()
+    again = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0, remote_url=valkey_server.url,
+                                    cold_secret_path=str(key)))
+    try:
+        assert run_to_end(again, prompts[:1], [6]) == expected[:1]
+        assert again.tiers.tier("remote").stats().promotions == 40 // again.block_size
     finally:
         again.close()
 

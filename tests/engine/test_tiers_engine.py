@@ -5,16 +5,11 @@ import random
 
 import pytest
 
-from helpers import check_pool_clean
+from helpers import check_pool_clean, rand_ids
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
 
 BS = 16
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
-
-
-def rand_ids(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(3, 300) for _ in range(n)]
 
 
 SYSTEMS = [rand_ids(160, seed=s) for s in range(4)]  # 4 shared system prompts of 10 blocks each

@@ -3,13 +3,12 @@ error, the engine's outputs in each format against the torch reference path, eve
 the fingerprint keeping formats apart, sizing and the errors at start."""
 
 import asyncio
-import random
 
 import pytest
 import torch
 from pydantic import ValidationError
 
-from helpers import check_pool_clean, fresh_cache, make_checkpoint
+from helpers import check_pool_clean, fresh_cache, make_checkpoint, rand_ids
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.errors import SnapshotError
 from tieredkv.kernels.kv_format import FORMATS, KVLayout, hadamard, rotates
@@ -18,11 +17,6 @@ from tieredkv.tools.plan import plan
 BS = 16
 TINY = dict(layers=3, kv_heads=2, head_dim=16)  # helpers.make_checkpoint's llama
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
-
-
-def rand_ids(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(3, 300) for _ in range(n)]
 
 
 SYSTEMS = [rand_ids(96, seed=s) for s in range(3)]  # 6 blocks each
