@@ -162,3 +162,10 @@ async def test_counters_add_up_from_several_threads(tier):
     for t in threads:
         t.join()
     assert tier.stats().failures == before + 4000
+
+
+def test_reading_no_blocks_gives_an_empty_batch(tmp_path, request):
+    """The hot pool and the warm slab read by id or slot (block ops): a read of none is an empty batch of their
+    block shape, not an error (an op over no ids runs nowhere)."""
+    hot, warm = make_tier("hot", tmp_path, request), make_tier("warm", tmp_path, request)
+    assert tuple(hot.gather([]).shape) == (0, *SHAPE) and tuple(warm.read([]).shape) == (0, *SHAPE)

@@ -168,6 +168,13 @@ class BlockIO:
         record(ids, box.append)
         return box[0]
 
+    def _empty(self, kind: str) -> torch.Tensor:
+        """No whole blocks (an op over no ids runs nowhere): [0, layers, 2, block_size, all ranks' heads, row]."""
+        like = self.slab.buffer(0) if kind == READ else block_buffer(self.kv_cache, 0)
+        shape = list(like.shape)
+        shape[-2] = sum(self.kv_heads) if self.replicated else shape[-2]
+        return like.new_empty(shape)
+
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
         """Ops recorded inside wait for the next step message (under tensor parallelism; with one process they
@@ -181,6 +188,8 @@ class BlockIO:
     def _record(self, op: BlockOp, data: torch.Tensor | None = None,
                 then: Callable[[torch.Tensor], None] | None = None) -> None:
         if not op.ids:
+            if then is not None:
+                then(self._empty(op.kind))
             return
         item = _Recorded(op, data, then)
         if not self.replicated:
