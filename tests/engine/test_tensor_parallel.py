@@ -193,28 +193,33 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(llama_dir, tmp
         one.close()
 
 
-def test_two_ranks_keep_their_heads_as_int8_rows(llama_dir, tmp_path):
-    """kv_cache_dtype="int8" over two ranks: each rank's pool and warm slab hold its KV head as int8 rows (16 codes
-    and a scale), swaps move them between the two on each rank, whole blocks reach the cold tier; the outputs
-    are one process's in the same format."""
-    one = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0, kv_cache_dtype="int8"))
+def test_two_ranks_keep_their_heads_as_int4_keys_and_int8_values(llama_dir, tmp_path):
+    """int4 K and int8 V over two ranks: each rank measures its KV head's key mean in one forward both take at
+    start (runner/key_shift.py), and its pool and warm slab hold its head as rows of int8's width (16 codes and a
+    scale; int4 keys take 10 of those bytes), swaps move them between the two on each rank, whole blocks reach the
+    cold tier; the outputs are one process's in the same formats, which reads what the two ranks persisted."""
+    formats = dict(kv_cache_dtype="int4", kv_cache_dtype_v="int8")
+    one = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0, **formats))
     try:
         expected = run_to_end(one, PROMPTS, [16] * len(PROMPTS))
+        one_shift = one.model.layers[1].self_attn.k_shift.clone()
     finally:
         one.close()
     cold = str(tmp_path / "cold")
     core = EngineCore(tp_config(llama_dir, num_blocks=7, warm_bytes=1 << 20, cold_path=cold, offload="off",
-                                kv_cache_dtype="int8"))
+                                **formats))
     try:
         assert core.kv_cache.dtype == torch.uint8 and core.kv_cache.shape[-2:] == (1, 16 + 2)
         assert core.tiers.warm.block_shape[-2:] == (2, 18) and core.tiers.cold.block_shape[-2:] == (2, 18)
         assert run_to_end(core, PROMPTS, [16] * len(PROMPTS)) == expected
-        assert core.stats().num_swaps > 0 and core.stats().kv_format == "int8"
+        assert core.stats().num_swaps > 0 and core.stats().kv_format == "k=int4,v=int8"
+        # rank 0's head of the one process's key mean (up to the last bits of the ranks' arithmetic)
+        torch.testing.assert_close(core.model.layers[1].self_attn.k_shift, one_shift[:1], atol=2e-3, rtol=0)
         check_pool_clean(core)
     finally:
         core.close()
     again = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0, cold_path=cold,
-                                    kv_cache_dtype="int8"))
+                                    **formats))
     try:  # what the two ranks persisted, one process reads
         assert run_to_end(again, PROMPTS[:1], [16]) == expected[:1]
         assert again.tiers.cold.stats().promotions == len(PROMPTS[0]) // again.block_size

@@ -178,6 +178,66 @@ async def test_the_compiled_decode_graph_reads_int4_rows(llama2_dir, tmp_path):
     assert stats.decode_path == "compiled" and compiled == eager
 
 
+def stored_keys(core, prompt, decodes):
+    """The keys every layer's cache holds for a sequence of `prompt` and `decodes` tokens generated after it (read
+    while it runs), as values [layers, tokens, kv_heads, head_dim], and its token ids."""
+    from tieredkv.engine.engine_core import EngineCore
+
+    assert isinstance(core, EngineCore)
+    req = core.factory.make(prompt, SamplingParams(max_tokens=decodes + 4, ignore_eos=True))
+    core.add_request(req)
+    seq = req.seqs[0]
+    while seq.num_computed_tokens < len(prompt) + decodes:
+        core.step()
+    n = seq.num_computed_tokens
+    table = torch.tensor([b.block_id for b in seq.block_table])
+    pos = torch.arange(n)
+    cache = core.parts.runner.kv_cache[:, 0]  # [layers, blocks, block_size, kv_heads, row]
+    rows = cache[:, table[pos // BS], pos % BS]
+    kv = core.parts.runner.ops.kv
+    keys = rows if kv is None else kv.decode(0, rows)
+    ids = list(seq.token_ids[:n])
+    core.abort(req.request_id)
+    while core.has_work():
+        core.step()
+    return keys, ids
+
+
+@pytest.mark.parametrize("path", ["eager", "native", "compiled"])
+def test_every_path_stores_int4_keys_less_each_layers_key_mean(llama2_dir, path):
+    # int4 keys are stored less a vector per layer and KV head (runner/key_shift.py), which the softmax ignores:
+    # the prefill's store, the native C step's and the compiled graph's all take the layer's own vector (one graph
+    # serves every layer: each must read its own). Set to large distinct vectors, the stored keys are the fp32
+    # engine's keys less them, within int4's rounding, at every layer and position
+    from tieredkv.engine.engine_core import EngineCore
+
+    cfg = dict(model=str(llama2_dir), num_blocks=32, warm_bytes=0, quantization="int8" if path == "native" else None,
+               compile_decode=path != "eager", compile_in_background=False, enable_prefix_caching=False)
+    core = EngineCore(EngineConfig(kv_cache_dtype="int4", **cfg))
+    try:
+        g = torch.Generator().manual_seed(4)
+        shifts = []
+        for layer in core.parts.model.layers:
+            shift = layer.self_attn.k_shift
+            assert shift is not None and shift.shape == (2, 16) and torch.isfinite(shift).all()
+            shift.copy_(torch.randn(shift.shape, generator=g) * 4)  # in place: the native step and graph hold it
+            shifts.append(shift.clone())
+        got, ids = stored_keys(core, rand_ids(40, seed=3), 8)
+        assert core.stats().decode_path == path
+    finally:
+        core.close()
+    ref = EngineCore(EngineConfig(**{**cfg, "compile_decode": False}))
+    try:
+        assert all(layer.self_attn.k_shift is None for layer in ref.parts.model.layers)  # fp32 KV: no shift
+        want, _ = stored_keys(ref, ids, 0)
+    finally:
+        ref.close()
+    shifted = want - torch.stack(shifts)[:, None]
+    err = (got - shifted).norm(dim=-1) / shifted.norm(dim=-1)
+    assert err.max() < 0.25, err.amax(dim=(1, 2))  # int4's rounding (and later layers' drift from it)
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).min() > 0.5  # the keys as computed are not what it holds
+
+
 @pytest.mark.parametrize("far", ["in_place", "staged"])
 async def test_a_document_past_the_hot_pool_reads_its_int4_far_blocks(llama_dir, far):
     # a 700-token document on a hot pool of 8 blocks: its older blocks kept in the warm tier as int4 rows, read

@@ -19,7 +19,7 @@ from tieredkv.engine.identity import identity_in_background, model_fingerprint
 from tieredkv.engine.kv_events import make_recorder
 from tieredkv.engine.lifecycle import Lifecycle
 from tieredkv.engine.rank_build import (RankMemory, data_plane, load_share, make_kv_cache, prepare_process,
-                                        total_weight_bytes, weights_label)
+                                        shift_keys, total_weight_bytes, weights_label)
 from tieredkv.engine.request_factory import RequestFactory
 from tieredkv.engine.resolve import (eos_token_ids, max_model_len, quant_settings, resolve_cache_dir,
                                      resolve_kv_layout, resolve_model_dir)
@@ -37,6 +37,7 @@ from tieredkv.models.tp_group import TPGroup
 from tieredkv.models.tp_shard import check_shardable
 from tieredkv.platform.process import Hold
 from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
+from tieredkv.runner.key_shift import calibration_ids
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.tiers.base import KVTier
@@ -173,6 +174,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     compiled = compile_wanted(cfg.compile_decode, device) and tp.world == 1
     kv_format = resolve_kv_layout(cfg, spec, dtype, device)
     model, ops, memory = load_share(cfg, model_dir, device, tp, compiled)
+    shift_keys(cfg, model, device, tp, lambda: calibration_ids(tokenizer.encode, spec.vocab_size))
     leader = tp if tp.world > 1 else None
     num_warm = warm_blocks(cfg, spec, kv_format)
     mode = far_mode(cfg, device) if num_warm else None

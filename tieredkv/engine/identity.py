@@ -38,7 +38,7 @@ def model_fingerprint(model_dir: Path, dtype: torch.dtype, block_size: int, quan
     only when their fingerprints match."""
     identity = identity or model_identity(model_dir, quant, cache_dir)
     weights = "" if quant is None else f"|w={quant.fingerprint}"
-    formats = "" if kv is None or kv.plain else f"|kv={kv.label}/{kv.row_bytes}"
+    formats = "" if kv is None or kv.plain else f"|kv={kv.identity}"
     return f"{identity}|{dtype}|bs={block_size}|{KV_LAYOUT}{formats}{weights}"
 
 

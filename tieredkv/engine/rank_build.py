@@ -8,6 +8,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from tieredkv.models.tp_group import TPGroup
 from tieredkv.platform.malloc_tuning import (anonymous_memory, collapse_into_huge_pages, process_status_bytes,
                                              release_free_memory, tune_glibc_malloc)
 from tieredkv.platform.process import PROCESS, Hold
+from tieredkv.runner.key_shift import measure_key_shift
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.tiers.block_io import BlockIO
 from tieredkv.tiers.warm import WarmTier
@@ -167,6 +169,20 @@ def load_share(cfg: EngineConfig, model_dir: Path, device: torch.device, tp: TPG
         if failed is not None:
             raise RankStartError(f"tensor-parallel rank {rank} could not load its share of the model: {failed}")
     return model, ops, [m for _, m in results]
+
+
+def shift_keys(cfg: EngineConfig, model: LlamaModel, device: torch.device, tp: TPGroup,
+               ids: Callable[[], list[int]] | None = None) -> None:
+    """Where the cache stores keys at 4 bits, each layer's key mean measured (runner/key_shift.py) over rank 0's
+    calibration token ids (`ids()`), which it sends the other ranks: every rank calls this at the same point of
+    its start (after load_share), rank 0 with `ids`."""
+    dtype = resolve_dtype(cfg.dtype, device)
+    if not resolve_kv_layout(cfg, model.spec, dtype, device).shifts_keys:
+        return
+    tokens = ids() if ids is not None else None
+    if tp.world > 1:
+        tokens = tp.broadcast(tokens)
+    measure_key_shift(model, select_kernels(cfg.attention_backend, device), cfg.block_size, tokens, dtype, device)
 
 
 def data_plane(kv_cache: torch.Tensor, ops: KernelOps, num_blocks: int, num_warm_blocks: int, spec: ModelSpec,

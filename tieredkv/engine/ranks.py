@@ -197,10 +197,11 @@ class Follower:
     """Ranks 1..N-1: the same model runner over this rank's share, driven by rank 0's step messages."""
 
     def __init__(self, cfg: EngineConfig, tp: TPGroup, device: torch.device):
-        from tieredkv.engine.rank_build import load_share, rank_runner
+        from tieredkv.engine.rank_build import load_share, rank_runner, shift_keys
 
         self.tp, self.cfg = tp, cfg
         self.model, self.ops, _ = load_share(cfg, Path(cfg.model), device, tp)  # the steps rank 0 takes too
+        shift_keys(cfg, self.model, device, tp)
         self.runner, self.io = rank_runner(cfg, self.model, self.ops, tp.broadcast(), device, tp)
         from tieredkv.engine.adapters import Adapters
         from tieredkv.engine.resolve import resolve_dtype

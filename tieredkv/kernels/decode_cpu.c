@@ -34,6 +34,7 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *mlp_norm;  /* [hidden] */
     const float *q_norm, *k_norm;       /* [head_dim] each, or NULL: no per-head norms */
+    const float *k_shift;               /* [kv_heads, head_dim] taken from the keys before they are stored, or NULL */
     tkv_proj qkv, o, gate_up, down;     /* q, k, v outputs side by side; gate then up */
     uint8_t *k_cache, *v_cache;         /* the layer's [blocks, block_size, kv_heads, kv_row bytes] */
 } tkv_layer;
@@ -222,6 +223,8 @@ int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, const 
                     for (int64_t j = 0; j < Hkv; j++) rms_norm(k + j * D, L->k_norm, D, m->eps, k + j * D);
                 rotate(q, Hq, D, cs + r * (D / 2), sn + r * (D / 2));
                 rotate(k, Hkv, D, cs + r * (D / 2), sn + r * (D / 2));
+                if (L->k_shift)  /* runner/key_shift.py: the keys are stored less the model's key mean */
+                    for (int64_t j = 0; j < kn; j++) k[j] -= L->k_shift[j];
                 const int64_t row = slots[r] * Hkv * m->kv_row;  /* the new K/V rows' first byte in the caches */
                 for (int64_t j = 0; j < Hkv; j++) {
                     tkv_kv_store(k + j * D, kf, D, L->k_cache + row + j * m->kv_row);

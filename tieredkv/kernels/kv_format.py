@@ -7,7 +7,8 @@ A format turns one token's head_dim values of one KV head (a *row*) into bytes a
     int4                          the row turned by an orthonormal Walsh-Hadamard transform (a power-of-two
                                   head_dim), then head_dim 4-bit codes (byte j: value j low, value j +
                                   head_dim/2 high) and an fp16 scale per 32 values: x ~ (code - 8) * d,
-                                  GGUF's Q4_0 on the turned values
+                                  GGUF's Q4_0 on the turned values; keys are stored less the model's
+                                  key mean (runner/key_shift.py)
     fp8                           head_dim e4m3 codes, then one fp16 scale (CUDA)
 
 so the group that shares a scale is a row of head_dim values of one token and one KV head (int4: 32 of them). The
@@ -219,6 +220,16 @@ class KVLayout:
     def bytes_per_token(self, num_layers: int, num_kv_heads: int) -> int:
         """The pool's bytes for one token: K and V rows of every KV head of every layer."""
         return num_layers * 2 * num_kv_heads * self.row_bytes
+
+    @property
+    def shifts_keys(self) -> bool:
+        """Keys are stored less the model's key mean (runner/key_shift.py): where K is stored at 4 bits."""
+        return self.k.name == "int4"
+
+    @property
+    def identity(self) -> str:
+        """What the model fingerprint says of the stored rows: the formats, a row's bytes, and the key shift."""
+        return f"{self.label}/{self.row_bytes}" + ("/k-mean" if self.shifts_keys else "")
 
     @property
     def label(self) -> str:

@@ -131,6 +131,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
+        # [kv_heads, head_dim] taken from every key before it is stored, where the cache stores keys at 4 bits
+        # (runner/key_shift.py: the softmax does not change); None: stored as computed
+        self.register_buffer("k_shift", None, persistent=False)
 
     def forward(
         self,
@@ -151,7 +154,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        ops.store_kv(k, v, layer_cache, batch.slot_mapping)
+        ops.store_kv(k if self.k_shift is None else k - self.k_shift, v, layer_cache, batch.slot_mapping)
         meta = batch.attn
         layer_cache = meta.cache_to_read(layer_cache, self.layer_id)
         key_cache, value_cache = layer_cache[0], layer_cache[1]

@@ -49,8 +49,8 @@ class _Proj(ctypes.Structure):  # decode_cpu.c: tkv_proj
 
 
 class _Layer(ctypes.Structure):  # decode_cpu.c: tkv_layer
-    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Proj), ("o", _Proj),
-                ("gate_up", _Proj), ("down", _Proj), ("k_cache", _P), ("v_cache", _P)]
+    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("q_norm", _P), ("k_norm", _P), ("k_shift", _P),
+                ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("k_cache", _P), ("v_cache", _P)]
 
 
 class _Model(ctypes.Structure):  # decode_cpu.c: tkv_model
@@ -153,6 +153,7 @@ class NativeDecode:
                 _fp32(layer.input_layernorm.weight, "a norm"), _fp32(layer.post_attention_layernorm.weight, "a norm"),
                 _fp32(attn.q_norm.weight, "a norm") if attn.qk_norm else None,
                 _fp32(attn.k_norm.weight, "a norm") if attn.qk_norm else None,
+                _fp32(attn.k_shift, "the key shift"),
                 _linear(attn.qkv_proj, "the q/k/v projection"), _linear(attn.o_proj, "the output projection"),
                 _linear(mlp.gate_up_proj, "the gate/up projection"), _linear(mlp.down_proj, "the down projection"),
                 cache[0].data_ptr(), cache[1].data_ptr())
