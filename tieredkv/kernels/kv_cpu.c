@@ -22,6 +22,10 @@ static inline int64_t i4_group(int64_t D) {
     return D % 32 == 0 ? 32 : D;
 }
 
+/* GGUF's IQ4_NL levels: a 4-bit code's value, times its group's scale (kv_format.py: IQ4_NL) */
+static const float iq4_levels[16] = {-127.f, -104.f, -83.f, -65.f, -49.f, -35.f, -22.f, -10.f,
+                                     1.f,    13.f,   25.f,  38.f,  53.f,  69.f,  89.f,  113.f};
+
 int64_t tkv_kv_row_bytes(int fmt, int64_t D) {
     switch (fmt) {
     case TKV_KV_F32: return 4 * D;
@@ -106,9 +110,10 @@ static void i8_row(const uint8_t *src, int64_t D, float *dst) {
     for (; d < D; d++) dst[d] = (float)(int8_t)src[d] * s;
 }
 
-/* An int4 row, still turned (attention turns the query instead): (code - 8) * the scale of the code's group. The
- * row's few scales are converted once, and a value's group found by a shift (its groups are 32 values, or the
- * whole row): a conversion, then a division, for every 16 values made int4 rows 1.3-1.5x int8's time to read. */
+/* An int4 row, still turned (attention turns the query instead): IQ4_NL's level of the code times the scale of the
+ * code's group. The row's few scales are converted once, and a value's group found by a shift (its groups are 32
+ * values, or the whole row): a conversion, then a division, for every 16 values made int4 rows 1.3-1.5x int8's
+ * time to read. The levels are a table in a register: one permute of 16 (AVX-512), two of 8 and a blend (AVX2). */
 static void i4_row(const uint8_t *src, int64_t D, float *dst) {
     const int64_t half = D / 2, whole = i4_group(D) == D;
     float sc[TKV_KV_MAX_D / 32 + 1];
@@ -117,32 +122,35 @@ static void i4_row(const uint8_t *src, int64_t D, float *dst) {
 #define I4_SCALE(i) sc[whole ? 0 : (i) >> 5]
     int64_t j = 0;
 #ifdef KV_AVX512
-    const __m512i low16 = _mm512_set1_epi32(15), eight16 = _mm512_set1_epi32(8);
+    const __m512i low16 = _mm512_set1_epi32(15);
+    const __m512 lut16 = _mm512_loadu_ps(iq4_levels);
     if (whole || half % 16 == 0)
         for (; j + 16 <= half; j += 16) {  /* 16 values of one group in each half */
             const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
             const __m512 lo = _mm512_set1_ps(I4_SCALE(j)), hi = _mm512_set1_ps(I4_SCALE(half + j));
-            _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, low16),
-                                                                                         eight16)), lo));
-            _mm512_storeu_ps(dst + half + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
-                _mm512_srli_epi32(b, 4), eight16)), hi));
+            _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low16), lut16), lo));
+            _mm512_storeu_ps(dst + half + j, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut16), hi));
         }
 #endif
 #ifdef KV_AVX2
-    const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    const __m256i low = _mm256_set1_epi32(15);
+    const __m256 lut_lo = _mm256_loadu_ps(iq4_levels), lut_hi = _mm256_loadu_ps(iq4_levels + 8);
     if (whole || half % 8 == 0)
         for (; j + 8 <= half; j += 8) {
             const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + j)));
-            const __m256 lo = _mm256_set1_ps(I4_SCALE(j)), hi = _mm256_set1_ps(I4_SCALE(half + j));
-            _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low),
-                                                                                         eight)), lo));
-            _mm256_storeu_ps(dst + half + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(
-                _mm256_srli_epi32(b, 4), eight)), hi));
+            const __m256i cl = _mm256_and_si256(b, low), ch = _mm256_srli_epi32(b, 4);
+            /* codes 8..15 from the upper table: bit 3 of the code moved to the sign bit picks it */
+            const __m256 vl = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, cl), _mm256_permutevar8x32_ps(lut_hi, cl),
+                                               _mm256_castsi256_ps(_mm256_slli_epi32(cl, 28)));
+            const __m256 vh = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, ch), _mm256_permutevar8x32_ps(lut_hi, ch),
+                                               _mm256_castsi256_ps(_mm256_slli_epi32(ch, 28)));
+            _mm256_storeu_ps(dst + j, _mm256_mul_ps(vl, _mm256_set1_ps(I4_SCALE(j))));
+            _mm256_storeu_ps(dst + half + j, _mm256_mul_ps(vh, _mm256_set1_ps(I4_SCALE(half + j))));
         }
 #endif
     for (; j < half; j++) {
-        dst[j] = (float)((src[j] & 15) - 8) * I4_SCALE(j);
-        dst[half + j] = (float)((src[j] >> 4) - 8) * I4_SCALE(half + j);
+        dst[j] = iq4_levels[src[j] & 15] * I4_SCALE(j);
+        dst[half + j] = iq4_levels[src[j] >> 4] * I4_SCALE(half + j);
     }
 #undef I4_SCALE
 }
@@ -171,6 +179,39 @@ static inline void store16(uint8_t *p, uint16_t h) {
     memcpy(p, &h, 2);
 }
 
+/* Each value's nearest IQ4_NL level at scale s: the count of midpoints between neighbouring levels below x / s */
+static void iq4_codes(const float *x, int64_t n, float s, uint8_t *codes) {
+    const float inv = s != 0.f ? 1.f / s : 0.f;
+    for (int64_t d = 0; d < n; d++) {
+        const float v = x[d] * inv;
+        uint8_t c = 0;
+        for (int i = 0; i < 15; i++) c += v > 0.5f * (iq4_levels[i] + iq4_levels[i + 1]);
+        codes[d] = c;
+    }
+}
+
+/* A group's fp16 scale and codes, as kv_format.py's _iq4_fit: the value of most magnitude (the first, with its
+ * sign) on level -127, then IQ4_FITS = 2 least-squares refits of the scale (sums in fp64, in order), the codes
+ * taken again after each */
+static uint16_t iq4_fit(const float *x, int64_t n, uint8_t *codes) {
+    float extreme = x[0], top = fabsf(x[0]);
+    for (int64_t d = 1; d < n; d++)
+        if (fabsf(x[d]) > top) top = fabsf(x[d]), extreme = x[d];
+    uint16_t h = tkv_f2h(extreme / -127.f + 0.f);
+    for (int fit = 0; fit < 2; fit++) {
+        iq4_codes(x, n, tkv_h2f(h), codes);
+        double num = 0.0, den = 0.0;
+        for (int64_t d = 0; d < n; d++) {
+            const double level = iq4_levels[codes[d]];
+            num += (double)x[d] * level;
+            den += level * level;
+        }
+        h = tkv_f2h((float)(num / den) + 0.f);
+    }
+    iq4_codes(x, n, tkv_h2f(h), codes);
+    return h;
+}
+
 void tkv_kv_store(const float *x, int fmt, int64_t D, uint8_t *dst) {
     if (fmt == TKV_KV_F32) {
         memcpy(dst, x, D * sizeof(float));
@@ -187,7 +228,7 @@ void tkv_kv_store(const float *x, int fmt, int64_t D, uint8_t *dst) {
             dst[d] = (uint8_t)(int8_t)c;
         }
         store16(dst + D, h);
-    } else {  /* int4: turned where D is a power of two, then GGUF's Q4_0 in groups of i4_group(D) */
+    } else {  /* int4: turned where D is a power of two, then GGUF's IQ4_NL in groups of i4_group(D) */
         const int64_t half = D / 2, g = i4_group(D);
         float t[TKV_KV_MAX_D];
         if (D > TKV_KV_MAX_D) return;
@@ -195,15 +236,7 @@ void tkv_kv_store(const float *x, int fmt, int64_t D, uint8_t *dst) {
         if (tkv_kv_rotates(fmt, D)) tkv_hadamard(t, D);
         uint8_t codes[TKV_KV_MAX_D];
         for (int64_t g0 = 0; g0 < D; g0 += g) {
-            float extreme = t[g0], top = fabsf(t[g0]);  /* the first value of most magnitude, with its sign */
-            for (int64_t d = g0 + 1; d < g0 + g; d++)
-                if (fabsf(t[d]) > top) top = fabsf(t[d]), extreme = t[d];
-            const uint16_t h = tkv_f2h(extreme / -8.f + 0.f);
-            const float s = tkv_h2f(h), inv = s != 0.f ? 1.f / s : 0.f;
-            for (int64_t d = g0; d < g0 + g; d++) {
-                float c = nearbyintf(t[d] * inv) + 8.f;
-                codes[d] = (uint8_t)(c > 15.f ? 15.f : (c < 0.f ? 0.f : c));
-            }
+            const uint16_t h = iq4_fit(t + g0, g, codes + g0);
             store16(dst + half + 2 * (g0 / g), h);
         }
         for (int64_t j = 0; j < half; j++) dst[j] = (uint8_t)(codes[j] | (codes[half + j] << 4));

@@ -6,16 +6,17 @@ A format turns one token's head_dim values of one KV head (a *row*) into bytes a
     int8                          head_dim int8 codes, then one fp16 scale: x ~ code * scale (q8_0's idea)
     int4                          the row turned by an orthonormal Walsh-Hadamard transform (a power-of-two
                                   head_dim), then head_dim 4-bit codes (byte j: value j low, value j +
-                                  head_dim/2 high) and an fp16 scale per 32 values: x ~ (code - 8) * d,
-                                  GGUF's Q4_0 on the turned values; keys are stored less the model's
-                                  key mean (runner/key_shift.py)
+                                  head_dim/2 high) and an fp16 scale per 32 values: x ~ IQ4_NL[code] * d,
+                                  GGUF's IQ4_NL on the turned values, its scale fitted (_iq4_fit); keys
+                                  are stored less the model's key mean (runner/key_shift.py)
     fp8                           head_dim e4m3 codes, then one fp16 scale (CUDA)
 
 so the group that shares a scale is a row of head_dim values of one token and one KV head (int4: 32 of them). The
 turn spreads the few channels of large magnitude that keys carry over every value of the row, which 4 bits need:
 on the default model int4 rows cost +19.8% perplexity unturned in one group of 64 with an offset, +19.4% unturned
-in groups of 32, and +6.5% turned in groups of 32 (benchmarks/bench_quant_quality.py --kv); attention reads turned
-rows by turning the query the same way (q . k is unchanged) and the output back. The cache tensor keeps
+in groups of 32, and +6.5% turned in groups of 32 (benchmarks/bench_quant_quality.py --kv); IQ4_NL's levels, dense
+near zero where most turned values lie, and the keys' mean taken away took it under +3% (docs/guide/kv-cache.md).
+Attention reads turned rows by turning the query the same way (q . k is unchanged) and the output back. The cache tensor keeps
 its layout [layers, 2, blocks, block_size, kv_heads, row]; what changes is the row's element type and width. When
 both sides store floats of one width the tensor has that dtype and row = head_dim (no bytes to reinterpret);
 otherwise it is uint8 and row = the wider side's bytes (a K/V pair of different widths pads the narrower side; on
@@ -41,6 +42,33 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_CAPABILITY = (8, 9)  # Ada: the first compute capability that converts to and from e4m3
 
 
+# GGUF's IQ4_NL levels (a code's value, times its group's scale): denser near zero, where most of a turned row's
+# values lie (nearly normal); the midpoints between neighbours decide a value's code
+IQ4_NL = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32)
+IQ4_MIDS = (IQ4_NL[1:] + IQ4_NL[:-1]) / 2
+IQ4_FITS = 2  # least-squares refits of a group's scale (kv_cpu.c's tkv_kv_store and the Triton store: the same)
+
+
+def _iq4_codes(groups: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each value's nearest level at `scale` (fp32, [..., 1]): the count of midpoints below value / scale."""
+    inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    return ((groups * inv)[..., None] > IQ4_MIDS).sum(-1)
+
+
+def _iq4_fit(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., n, g] fp32 -> each group's scale (fp32 of an fp16, [..., n, 1]) and codes (int64, [..., n, g]): the
+    value of most magnitude (the first, with its sign) on the level -127 first, then IQ4_FITS times the scale
+    that fits the chosen levels best (sum x * level / sum level^2, summed in fp64, each time rounded to fp16), the
+    codes taken again each time."""
+    extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))
+    scale = (extreme / -127.0 + 0.0).half().float()
+    for _ in range(IQ4_FITS):
+        levels = IQ4_NL[_iq4_codes(groups, scale)].double()
+        fit = (groups.double() * levels).sum(-1, keepdim=True) / (levels * levels).sum(-1, keepdim=True)
+        scale = (fit.float() + 0.0).half().float()
+    return scale, _iq4_codes(groups, scale)
+
+
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] (D a power of two) times the orthonormal Walsh-Hadamard matrix along the last dimension, in fp32:
     log2(D) stages of butterflies (a + b, a - b over pairs h apart), then a product by 1 / sqrt(D), in the order of
@@ -61,7 +89,7 @@ def rotation_scale(d: int) -> float:
 
 
 def int4_group(head_dim: int) -> int:
-    """Values an int4 scale covers: 32 (as GGUF's Q4_0), or the whole row where 32 does not divide head_dim."""
+    """Values an int4 scale covers: 32 (as GGUF's IQ4_NL), or the whole row where 32 does not divide head_dim."""
     return 32 if head_dim % 32 == 0 else head_dim
 
 
@@ -104,17 +132,15 @@ class KVFormat:
         if self.float_dtype is not None:
             return x.to(self.float_dtype).contiguous().view(torch.uint8)
         x = hadamard(x) if rotates(self, x.shape[-1]) else x.float()
-        if self.name == "int4":  # groups of int4_group(D) values, symmetric, as GGUF's Q4_0: x ~ (code - 8) * d
+        if self.name == "int4":  # groups of int4_group(D) values as GGUF's IQ4_NL: x ~ IQ4_NL[code] * d
             d_len = x.shape[-1]
             g = int4_group(d_len)
             groups = x.reshape(*x.shape[:-1], d_len // g, g)
-            extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))  # the signed value of most magnitude
-            scale = (extreme / -8.0 + 0.0).half()
-            inv = torch.where(scale != 0, 1.0 / scale.float(), torch.zeros_like(extreme))
-            codes = (torch.round(groups * inv) + 8.0).clamp_(0, INT4_MAX).to(torch.uint8).reshape(x.shape)
+            scale, codes = _iq4_fit(groups)
+            codes = codes.to(torch.uint8).reshape(x.shape)
             half = d_len // 2
             packed = codes[..., :half] | (codes[..., half:] << 4)
-            return torch.cat((packed, scale.reshape(*x.shape[:-1], -1).view(torch.uint8)), dim=-1)
+            return torch.cat((packed, scale.half().reshape(*x.shape[:-1], -1).view(torch.uint8)), dim=-1)
         top = INT8_MAX if self.name == "int8" else FP8_MAX
         scale = (x.abs().amax(-1, keepdim=True) / top).half()
         inv = torch.where(scale != 0, 1.0 / scale.float(), torch.zeros_like(x[..., :1]))
@@ -131,7 +157,7 @@ class KVFormat:
         if self.name == "int4":
             half, g = head_dim // 2, int4_group(head_dim)
             packed = rows[..., :half]
-            codes = torch.cat((packed & 15, packed >> 4), dim=-1).to(torch.float32) - 8.0
+            codes = IQ4_NL[torch.cat((packed & 15, packed >> 4), dim=-1).long()]
             scales = _reinterpret(rows[..., half : half + 2 * head_dim // g], torch.float16).float()
             stored = (codes.reshape(*codes.shape[:-1], head_dim // g, g) * scales[..., None]).reshape(codes.shape)
             return (hadamard(stored) if rotates(self, head_dim) else stored).to(dtype)

@@ -163,11 +163,30 @@ def _values_dtype(query: torch.Tensor, key_cache: torch.Tensor, kv: "KVLayout | 
 
 
 @triton.jit
+def _iq4_level(code):
+    """IQ4_NL's level of each int32 code 0..15 (kv_format.IQ4_NL) as fp32, from four words of four signed bytes:
+    integer arithmetic in registers, no table in memory."""
+    word = tl.where(code < 4, -1079142271, tl.where(code < 8, -152379953, tl.where(code < 12, 639175937, 1901675829)))
+    byte = (word >> ((code & 3) * 8)) & 255
+    return ((byte ^ 128) - 128).to(tl.float32)
+
+
+@triton.jit
+def _iq4_code(v):
+    """The nearest IQ4_NL level's code of each value v (already divided by its scale): the midpoints below it."""
+    c = (v > -115.5).to(tl.int32) + (v > -93.5).to(tl.int32) + (v > -74.0).to(tl.int32) + (v > -57.0).to(tl.int32)
+    c += (v > -42.0).to(tl.int32) + (v > -28.5).to(tl.int32) + (v > -16.0).to(tl.int32) + (v > -4.5).to(tl.int32)
+    c += (v > 7.0).to(tl.int32) + (v > 19.0).to(tl.int32) + (v > 31.5).to(tl.int32) + (v > 45.5).to(tl.int32)
+    return c + (v > 61.0).to(tl.int32) + (v > 79.0).to(tl.int32) + (v > 101.0).to(tl.int32)
+
+
+@triton.jit
 def _row_values(rows, d, valid, d_ok, FMT: tl.constexpr, HEAD_DIM: tl.constexpr):
     """[len(rows), D_PAD] values of the cache rows that `rows` point at, in fp32 unless FMT is -1 (the cache's
     elements are values: read as they are). FMT names a row's format (kv_format.py): 0-2 fp32/bf16/fp16 values,
-    3 int8 codes and an fp16 scale, 4 4-bit codes (byte j: value j low, value j + D/2 high) with an fp16 scale
-    and offset, 5 e4m3 codes and an fp16 scale. The codes are dequantized in registers as they are read."""
+    3 int8 codes and an fp16 scale, 4 4-bit codes of IQ4_NL's levels (byte j: value j low, value j + D/2 high)
+    with an fp16 scale per group, 5 e4m3 codes and an fp16 scale. The codes are dequantized in registers as they
+    are read."""
     mask = valid[:, None] & d_ok[None, :]
     if FMT == -1:
         out = tl.load(rows[:, None] + d[None, :], mask=mask, other=0.0)
@@ -179,11 +198,11 @@ def _row_values(rows, d, valid, d_ok, FMT: tl.constexpr, HEAD_DIM: tl.constexpr)
     elif FMT == 2:
         out = tl.load(rows.to(tl.pointer_type(tl.float16))[:, None] + d[None, :], mask=mask, other=0.0)
         out = out.to(tl.float32)
-    elif FMT == 4:  # turned values (the wrappers turn the query and the output): (code - 8) * its group's scale
+    elif FMT == 4:  # turned values (the wrappers turn the query and the output): IQ4_NL's level * group scale
         half: tl.constexpr = HEAD_DIM // 2
         group: tl.constexpr = 32 if HEAD_DIM % 32 == 0 else HEAD_DIM
         byte = tl.load(rows[:, None] + (d % half)[None, :], mask=mask, other=0)
-        code = (tl.where(d[None, :] < half, byte & 15, byte >> 4).to(tl.int32) - 8).to(tl.float32)
+        code = _iq4_level(tl.where(d[None, :] < half, byte & 15, byte >> 4).to(tl.int32))
         scale = tl.load((rows[:, None] + half + 2 * (d // group)[None, :]).to(tl.pointer_type(tl.float16)),
                         mask=mask, other=0.0).to(tl.float32)
         out = code * scale
@@ -231,8 +250,9 @@ def _rne(x):
 
 @triton.jit
 def _store_row_q4(src, dst, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr):
-    """A turned row (store_kv turns it) stored as GGUF's Q4_0 in groups of 32 (or the whole row): the codes of
-    the row's halves side by side in each byte, then a scale per group."""
+    """A turned row (store_kv turns it) stored as GGUF's IQ4_NL in groups of 32 (or the whole row), each group's
+    scale fitted as kv_format._iq4_fit fits it: the codes of the row's halves side by side in each byte, then a
+    scale per group."""
     half: tl.constexpr = HEAD_DIM // 2
     group: tl.constexpr = 32 if HEAD_DIM % 32 == 0 else HEAD_DIM
     j = tl.arange(0, HALF_PAD)
@@ -250,14 +270,23 @@ def _store_row_q4(src, dst, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr):
         first = tl.minimum(tl.min(tl.where(in_lo & (tl.abs(lo_x) == top), j, 2 * HEAD_DIM), 0),
                            tl.min(tl.where(in_hi & (tl.abs(hi_x) == top), half + j, 2 * HEAD_DIM), 0))
         extreme = tl.sum(tl.where(j == first, lo_x, 0.0), 0) + tl.sum(tl.where(half + j == first, hi_x, 0.0), 0)
-        scale16 = (extreme / -8.0 + 0.0).to(tl.float16)
+        scale16 = (extreme / -127.0 + 0.0).to(tl.float16)
+        for _ in tl.static_range(2):  # kv_format.IQ4_FITS least-squares refits, summed in fp64
+            scale = scale16.to(tl.float32)
+            inv = tl.where(scale != 0.0, 1.0 / scale, 0.0)
+            lo_l = _iq4_level(_iq4_code(lo_x * inv)).to(tl.float64)
+            hi_l = _iq4_level(_iq4_code(hi_x * inv)).to(tl.float64)
+            num = tl.sum(tl.where(in_lo, lo_x.to(tl.float64) * lo_l, 0.0), 0) + \
+                tl.sum(tl.where(in_hi, hi_x.to(tl.float64) * hi_l, 0.0), 0)
+            den = tl.sum(tl.where(in_lo, lo_l * lo_l, 0.0), 0) + tl.sum(tl.where(in_hi, hi_l * hi_l, 0.0), 0)
+            scale16 = ((num / den).to(tl.float32) + 0.0).to(tl.float16)
         tl.store((dst + half + 2 * gi).to(tl.pointer_type(tl.float16)), scale16)
         lo_scale = tl.where(in_lo, scale16.to(tl.float32), lo_scale)
         hi_scale = tl.where(in_hi, scale16.to(tl.float32), hi_scale)
     lo_inv = tl.where(lo_scale != 0.0, 1.0 / lo_scale, 0.0)
     hi_inv = tl.where(hi_scale != 0.0, 1.0 / hi_scale, 0.0)
-    a = tl.minimum(tl.maximum(_rne(lo_x * lo_inv) + 8.0, 0.0), 15.0).to(tl.int32)
-    b = tl.minimum(tl.maximum(_rne(hi_x * hi_inv) + 8.0, 0.0), 15.0).to(tl.int32)
+    a = _iq4_code(lo_x * lo_inv)
+    b = _iq4_code(hi_x * hi_inv)
     tl.store(dst + j, (a | (b << 4)).to(tl.uint8), mask=ok)
 
 
