@@ -41,6 +41,15 @@ def test_bytes_per_token_of_the_default_model_in_each_format():
     assert KVLayout.resolve("int8", "int4", 64, torch.float32).label == "k=int8,v=int4"
 
 
+def test_the_fingerprint_names_int4s_levels_and_the_key_shift():
+    # a block's bytes mean what the formats, int4's levels and the key shift say: rows of Q4_0's levels (earlier
+    # versions) or unshifted keys are another fingerprint, never read as these
+    ids = {(k, v): KVLayout.resolve(k, v, 64, torch.float32).identity
+           for k, v in (("int4", "int4"), ("int8", "int4"), ("int4", "int8"), ("int8", "int8"))}
+    assert ids == {("int4", "int4"): "int4/36/iq4_nl/k-mean", ("int8", "int4"): "k=int8,v=int4/66/iq4_nl",
+                   ("int4", "int8"): "k=int4,v=int8/66/iq4_nl/k-mean", ("int8", "int8"): "int8/66"}
+
+
 @pytest.mark.parametrize("name", ["bfloat16", "float16", "int8", "int4", "fp8"])
 def test_each_format_holds_a_row_within_its_rounding(name):
     g = torch.Generator().manual_seed(0)

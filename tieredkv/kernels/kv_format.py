@@ -16,11 +16,11 @@ turn spreads the few channels of large magnitude that keys carry over every valu
 on the default model int4 rows cost +19.8% perplexity unturned in one group of 64 with an offset, +19.4% unturned
 in groups of 32, and +6.5% turned in groups of 32 (benchmarks/bench_quant_quality.py --kv); IQ4_NL's levels, dense
 near zero where most turned values lie, and the keys' mean taken away took it under +3% (docs/guide/kv-cache.md).
-Attention reads turned rows by turning the query the same way (q . k is unchanged) and the output back. The cache tensor keeps
-its layout [layers, 2, blocks, block_size, kv_heads, row]; what changes is the row's element type and width. When
-both sides store floats of one width the tensor has that dtype and row = head_dim (no bytes to reinterpret);
-otherwise it is uint8 and row = the wider side's bytes (a K/V pair of different widths pads the narrower side; on
-CUDA rows are padded to ROW_ALIGN bytes).
+Attention reads turned rows by turning the query the same way (q . k is unchanged) and the output back. The cache
+tensor keeps its layout [layers, 2, blocks, block_size, kv_heads, row]; what changes is the row's element type and
+width. When both sides store floats of one width the tensor has that dtype and row = head_dim (no bytes to
+reinterpret); otherwise it is uint8 and row = the wider side's bytes (a K/V pair of different widths pads the
+narrower side; on CUDA rows are padded to ROW_ALIGN bytes).
 Every tier moves these rows as they are: the warm slab, the cold and remote entries and snapshots hold the same
 bytes as the pool.
 
@@ -254,8 +254,10 @@ class KVLayout:
 
     @property
     def identity(self) -> str:
-        """What the model fingerprint says of the stored rows: the formats, a row's bytes, and the key shift."""
-        return f"{self.label}/{self.row_bytes}" + ("/k-mean" if self.shifts_keys else "")
+        """What the model fingerprint says of the stored rows: the formats, a row's bytes, int4's levels (rows of
+        Q4_0's levels, which earlier versions wrote, are never read as IQ4_NL's) and the key shift."""
+        levels = "/iq4_nl" if "int4" in (self.k.name, self.v.name) else ""
+        return f"{self.label}/{self.row_bytes}{levels}" + ("/k-mean" if self.shifts_keys else "")
 
     @property
     def label(self) -> str:
