@@ -247,6 +247,37 @@ def test_every_path_stores_int4_keys_less_each_layers_key_mean(llama2_dir, path)
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).min() > 0.5  # the keys as computed are not what it holds
 
 
+def test_the_key_shift_is_measured_once_then_read_from_the_cache(llama2_dir, tmp_path, monkeypatch, caplog):
+    # the first start measures each layer's key mean and keeps it under the cache directory; a restart reads the
+    # same bits without a forward; a file it cannot read is measured again (one process), with a warning
+    import tieredkv.engine.rank_build as rank_build
+    from tieredkv.engine.engine_core import EngineCore
+
+    measured = []
+    inner = rank_build.measure_key_shift
+    monkeypatch.setattr(rank_build, "measure_key_shift", lambda *a: (measured.append(1), inner(*a)))
+    cfg = EngineConfig(model=str(llama2_dir), num_blocks=16, warm_bytes=0, kv_cache_dtype="int4",
+                       compile_decode=False, cache_dir=str(fresh_cache(tmp_path)))
+
+    def shifts():
+        core = EngineCore(cfg)
+        try:
+            return [layer.self_attn.k_shift.clone() for layer in core.parts.model.layers]
+        finally:
+            core.close()
+
+    first = shifts()
+    kept = list((tmp_path / "key-shift").glob("*-rank0of1.pt"))
+    assert len(measured) == 1 and len(kept) == 1
+    again = shifts()
+    assert len(measured) == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
+    kept[0].write_bytes(b"not a tensor file")
+    with caplog.at_level("WARNING"):
+        third = shifts()
+    assert len(measured) == 2 and "measuring it again" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(first, third))  # the same forward, the same bits
+
+
 @pytest.mark.parametrize("far", ["in_place", "staged"])
 async def test_a_document_past_the_hot_pool_reads_its_int4_far_blocks(llama_dir, far):
     # a 700-token document on a hot pool of 8 blocks: its older blocks kept in the warm tier as int4 rows, read

@@ -37,7 +37,7 @@ from tieredkv.models.tp_group import TPGroup
 from tieredkv.models.tp_shard import check_shardable
 from tieredkv.platform.process import Hold
 from tieredkv.runner.compiled_decode import CompiledDecode, compile_wanted
-from tieredkv.runner.key_shift import calibration_ids
+from tieredkv.runner.key_shift import calibration_ids, shift_key
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.runner.native_decode import NativeDecode
 from tieredkv.tiers.base import KVTier
@@ -174,7 +174,9 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     compiled = compile_wanted(cfg.compile_decode, device) and tp.world == 1
     kv_format = resolve_kv_layout(cfg, spec, dtype, device)
     model, ops, memory = load_share(cfg, model_dir, device, tp, compiled)
-    shift_keys(cfg, model, device, tp, lambda: calibration_ids(tokenizer.encode, spec.vocab_size))
+    weights = quant.fingerprint if quant else None
+    shift_keys(cfg, model, device, tp, lambda: (shift_key(identity.result(), weights, dtype, device),
+                                                calibration_ids(tokenizer.encode, spec.vocab_size)))
     leader = tp if tp.world > 1 else None
     num_warm = warm_blocks(cfg, spec, kv_format)
     mode = far_mode(cfg, device) if num_warm else None

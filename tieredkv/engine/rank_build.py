@@ -30,7 +30,7 @@ from tieredkv.models.tp_group import TPGroup
 from tieredkv.platform.malloc_tuning import (anonymous_memory, collapse_into_huge_pages, process_status_bytes,
                                              release_free_memory, tune_glibc_malloc)
 from tieredkv.platform.process import PROCESS, Hold
-from tieredkv.runner.key_shift import measure_key_shift
+from tieredkv.runner.key_shift import load_key_shift, measure_key_shift, save_key_shift, shift_file
 from tieredkv.runner.model_runner import ModelRunner
 from tieredkv.tiers.block_io import BlockIO
 from tieredkv.tiers.warm import WarmTier
@@ -172,17 +172,35 @@ def load_share(cfg: EngineConfig, model_dir: Path, device: torch.device, tp: TPG
 
 
 def shift_keys(cfg: EngineConfig, model: LlamaModel, device: torch.device, tp: TPGroup,
-               ids: Callable[[], list[int]] | None = None) -> None:
-    """Where the cache stores keys at 4 bits, each layer's key mean measured (runner/key_shift.py) over rank 0's
-    calibration token ids (`ids()`), which it sends the other ranks: every rank calls this at the same point of
-    its start (after load_share), rank 0 with `ids`."""
+               plan: Callable[[], tuple[str, list[int]]] | None = None) -> None:
+    """Where the cache stores keys at 4 bits, each layer's key mean (runner/key_shift.py): read from the cache
+    directory where every rank's is kept, else measured over rank 0's calibration token ids, which it sends the
+    other ranks. Every rank calls this at the same point of its start (after load_share); rank 0 with `plan`,
+    which gives the shift's key (key_shift.shift_key) and the calibration ids."""
     dtype = resolve_dtype(cfg.dtype, device)
     if not resolve_kv_layout(cfg, model.spec, dtype, device).shifts_keys:
         return
-    tokens = ids() if ids is not None else None
+    cache_dir = resolve_cache_dir(cfg)
+    decided = None
+    if plan is not None:
+        key, ids = plan()
+        kept = all(shift_file(cache_dir, key, r, tp.world).exists() for r in range(tp.world))
+        decided = (key, None if kept else ids)
     if tp.world > 1:
-        tokens = tp.broadcast(tokens)
+        decided = tp.broadcast(decided)
+    key, tokens = decided
+    path = shift_file(cache_dir, key, tp.rank, tp.world)
+    if tokens is None:
+        try:
+            return load_key_shift(model, path, dtype, device)
+        except Exception as e:  # one process measures again; ranks cannot (the others would not join its forward)
+            if tp.world > 1:
+                raise RankStartError(f"tensor-parallel rank {tp.rank} cannot read its key shift from {path} "
+                                     f"({e}): remove the file") from e
+            log.warning("cannot read the key shift from %s (%s): measuring it again", path, e)
+            tokens = plan()[1] if plan is not None else None
     measure_key_shift(model, select_kernels(cfg.attention_backend, device), cfg.block_size, tokens, dtype, device)
+    save_key_shift(model, path)
 
 
 def data_plane(kv_cache: torch.Tensor, ops: KernelOps, num_blocks: int, num_warm_blocks: int, spec: ModelSpec,

@@ -13,17 +13,22 @@ license text: 0.073 -> 0.044).
 The mean is the model's, per layer, KV head and channel, measured once at start: the keys of CALIBRATION_TOKENS
 tokens of English prose (the Python documentation's topics, which every Python carries, read from the end so that
 the quality benchmark's text is not among them), computed at full precision over a scratch cache and rounded to
-fp16. Every engine that loads the model shifts by the same vector up to the last bits of its arithmetic (another
-thread count, another processor), which moves a query's scores over another engine's blocks by q . (mu - mu'),
-far below the codes' own error: a block stored by one engine is read by another (the model fingerprint names
-the shift, kv_format.KVLayout.identity). Under tensor parallelism each rank measures its own heads in one forward
-all ranks take together."""
+fp16, then kept under the cache directory (shift_file: the model's identity, its quantization, the compute dtype
+and device, the rank), so that a restart reads it (the default model's measurement takes ~1.5 s on 2 cores) and
+stores its keys as the last run did. Engines on other machines shift by the same vector up to the last bits of
+their arithmetic (another thread count, another processor), which moves a query's scores over another engine's
+blocks by q . (mu - mu'), far below the codes' own error: a block stored by one engine is read by another (the
+model fingerprint names the shift, kv_format.KVLayout.identity). Under tensor parallelism each rank measures its
+own heads in one forward all ranks take together."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -31,6 +36,7 @@ from tieredkv.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
+VERSION = 1  # of the calibration (its text, tokens and passages): a new one measures again
 CALIBRATION_TOKENS = 1024
 PASSAGE = 512  # calibration tokens a sequence: positions 0-511, as the perplexity runs score
 
@@ -90,3 +96,32 @@ def measure_key_shift(model: LlamaModel, ops, block_size: int, ids: list[int], d
     for a, total in zip(attn, sums):
         a.k_shift = (total / len(ids)).half().to(dtype)
     log.info("int4 keys: each layer's key mean over %d tokens taken from every key stored", len(ids))
+
+
+def shift_key(identity: str, quant: str | None, dtype: torch.dtype, device: torch.device) -> str:
+    """What a measured shift depends on: the model (model_identity), its weights' quantization, the compute dtype
+    and the device type, and this calibration."""
+    text = f"{identity}|{quant}|{dtype}|{device.type}|v{VERSION}/{CALIBRATION_TOKENS}/{PASSAGE}"
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def shift_file(cache_dir: Path, key: str, rank: int, world: int) -> Path:
+    return cache_dir / "key-shift" / f"{key}-rank{rank}of{world}.pt"
+
+
+def save_key_shift(model: LlamaModel, path: Path) -> None:
+    """Each layer's shift to `path` (written beside it, then renamed into place: a reader never sees half)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save([layer.self_attn.k_shift.cpu() for layer in model.layers], tmp)
+    os.replace(tmp, path)
+
+
+def load_key_shift(model: LlamaModel, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+    """Each layer's shift as save_key_shift kept it; ValueError where the file does not fit the model."""
+    shifts = torch.load(path, weights_only=True)
+    layers = [layer.self_attn for layer in model.layers]
+    if len(shifts) != len(layers) or any(s.shape != (a.num_kv_heads, a.head_dim) for s, a in zip(shifts, layers)):
+        raise ValueError(f"{path} holds key shifts of another shape than this model's")
+    for a, shift in zip(layers, shifts):
+        a.k_shift = shift.to(device, dtype)
