@@ -6,14 +6,14 @@ stored, and attention reads the stored keys as they are, in every path (decode, 
 the native step), with nothing added back. Llama-family keys carry a large mean in a few channels (the same sign
 at nearly every token: the slow rotary pairs), which sets each row's range at 4 bits and leaves the varying part
 a few codes; less the mean, the codes go to what varies. Measured on the default model (int4 KV over its Q4_1
-weights, 4,096 tokens of Python's documentation, benchmarks/bench_quant_quality.py's text): perplexity +7.3%
-of fp32 KV's unshifted, +3.2% shifted; KL to fp32 KV's distribution 0.057 -> 0.036 (and on other prose, a
-license text: 0.073 -> 0.044).
+weights, 4,096 tokens of Python's documentation, benchmarks/bench_quant_quality.py's text, Q4_0's levels):
+perplexity +8.5% of fp32 KV's unshifted, +2.4% shifted; KL to fp32 KV's distribution 0.053 -> 0.032
+(docs/guide/kv-cache.md, Quality).
 
 The mean is the model's, per layer, KV head and channel, measured once at start: the keys of CALIBRATION_TOKENS
 tokens of English prose (the Python documentation's topics, which every Python carries, read from the end so that
-the quality benchmark's text is not among them), computed at full precision over a scratch cache and rounded to
-fp16, then kept under the cache directory (shift_file: the model's identity, its quantization, the compute dtype
+the quality benchmark's text is not among them), computed in the compute dtype over a scratch cache that holds it (no codes) and
+rounded to fp16, then kept under the cache directory (shift_file: the model's identity, its quantization, the compute dtype
 and device, the rank), so that a restart reads it (the default model's measurement takes ~1.5 s on 2 cores) and
 stores its keys as the last run did. Engines on other machines shift by the same vector up to the last bits of
 their arithmetic (another thread count, another processor), which moves a query's scores over another engine's
