@@ -12,14 +12,14 @@ perplexity +8.5% of fp32 KV's unshifted, +2.4% shifted; KL to fp32 KV's distribu
 
 The mean is the model's, per layer, KV head and channel, measured once at start: the keys of CALIBRATION_TOKENS
 tokens of English prose (the Python documentation's topics, which every Python carries, read from the end so that
-the quality benchmark's text is not among them), computed in the compute dtype over a scratch cache that holds it (no codes) and
-rounded to fp16, then kept under the cache directory (shift_file: the model's identity, its quantization, the compute dtype
-and device, the rank), so that a restart reads it (the default model's measurement takes ~1.5 s on 2 cores) and
-stores its keys as the last run did. Engines on other machines shift by the same vector up to the last bits of
-their arithmetic (another thread count, another processor), which moves a query's scores over another engine's
-blocks by q . (mu - mu'), far below the codes' own error: a block stored by one engine is read by another (the
-model fingerprint names the shift, kv_format.KVLayout.identity). Under tensor parallelism each rank measures its
-own heads in one forward all ranks take together."""
+the quality benchmark's text is not among them), computed in the compute dtype over a scratch cache that holds
+it (no codes) and rounded to fp16, then kept under the cache directory (shift_file: the model's identity, its
+quantization, the compute dtype and device, the rank), so that a restart reads it (the default model's
+measurement takes ~1.5 s on 2 cores) and stores its keys as the last run did. Engines on other machines shift by
+the same vector up to the last bits of their arithmetic (another thread count, another processor), which moves a
+query's scores over another engine's blocks by q . (mu - mu'), far below the codes' own error: a block stored by
+one engine is read by another (the model fingerprint names the shift, kv_format.KVLayout.identity). Under tensor
+parallelism each rank measures its own heads in one forward all ranks take together."""
 
 from __future__ import annotations
 
