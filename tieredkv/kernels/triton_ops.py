@@ -172,15 +172,6 @@ def _iq4_level(code):
 
 
 @triton.jit
-def _iq4_code(v):
-    """The nearest IQ4_NL level's code of each value v (already divided by its scale): the midpoints below it."""
-    c = (v > -115.5).to(tl.int32) + (v > -93.5).to(tl.int32) + (v > -74.0).to(tl.int32) + (v > -57.0).to(tl.int32)
-    c += (v > -42.0).to(tl.int32) + (v > -28.5).to(tl.int32) + (v > -16.0).to(tl.int32) + (v > -4.5).to(tl.int32)
-    c += (v > 7.0).to(tl.int32) + (v > 19.0).to(tl.int32) + (v > 31.5).to(tl.int32) + (v > 45.5).to(tl.int32)
-    return c + (v > 61.0).to(tl.int32) + (v > 79.0).to(tl.int32) + (v > 101.0).to(tl.int32)
-
-
-@triton.jit
 def _row_values(rows, d, valid, d_ok, FMT: tl.constexpr, HEAD_DIM: tl.constexpr):
     """[len(rows), D_PAD] values of the cache rows that `rows` point at, in fp32 unless FMT is -1 (the cache's
     elements are values: read as they are). FMT names a row's format (kv_format.py): 0-2 fp32/bf16/fp16 values,
@@ -252,42 +243,41 @@ def _rne(x):
 def _store_row_q4(src, dst, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr):
     """A turned row (store_kv turns it) stored as GGUF's IQ4_NL in groups of 32 (or the whole row), each group's
     scale fitted as kv_format._iq4_fit fits it: the codes of the row's halves side by side in each byte, then a
-    scale per group."""
+    scale per group. A value's code is the count of midpoints between neighbouring levels below it, and its level
+    the lowest plus the steps to each of them, both from one comparison with all 15; the halves are the two rows
+    of one [2, HALF_PAD] tensor. So each step is one operation over the row (under Triton's interpreter, where the
+    tests run it, every operation costs about the same)."""
     half: tl.constexpr = HEAD_DIM // 2
     group: tl.constexpr = 32 if HEAD_DIM % 32 == 0 else HEAD_DIM
+    k = tl.arange(0, 16)
+    level, above = _iq4_level(k), _iq4_level(k + 1)
+    mids = tl.where(k < 15, (level + above) * 0.5, float("inf"))[None, None, :]
+    steps = tl.where(k < 15, above - level, 0.0)[None, None, :]
+    side = tl.arange(0, 2)[:, None]
     j = tl.arange(0, HALF_PAD)
-    ok = j < half
-    lo_x = tl.load(src + j, mask=ok, other=0.0).to(tl.float32)
-    hi_x = tl.load(src + half + j, mask=ok, other=0.0).to(tl.float32)
-    lo_scale = tl.zeros([HALF_PAD], tl.float32)
-    hi_scale = tl.zeros([HALF_PAD], tl.float32)
+    ok = (j < half)[None, :]
+    at = side * half + j[None, :]  # each value's place in the row
+    x = tl.load(src + at, mask=ok, other=0.0).to(tl.float32)
+    mag = tl.where(ok, tl.abs(x), -1.0)
+    scale = tl.zeros([2, HALF_PAD], tl.float32)
     for gi in tl.static_range(HEAD_DIM // group):
-        in_lo = ok & (j // group == gi)
-        in_hi = ok & ((half + j) // group == gi)
-        top = tl.maximum(tl.max(tl.where(in_lo, tl.abs(lo_x), -1.0), 0),
-                         tl.max(tl.where(in_hi, tl.abs(hi_x), -1.0), 0))
+        in_g = ok & (at // group == gi)
+        top = tl.max(tl.where(in_g, mag, -1.0))
         # the first value of most magnitude, with its sign (torch's argmax takes the first)
-        first = tl.minimum(tl.min(tl.where(in_lo & (tl.abs(lo_x) == top), j, 2 * HEAD_DIM), 0),
-                           tl.min(tl.where(in_hi & (tl.abs(hi_x) == top), half + j, 2 * HEAD_DIM), 0))
-        extreme = tl.sum(tl.where(j == first, lo_x, 0.0), 0) + tl.sum(tl.where(half + j == first, hi_x, 0.0), 0)
-        scale16 = (extreme / -127.0 + 0.0).to(tl.float16)
+        first = tl.min(tl.where(in_g & (mag == top), at, 2 * HEAD_DIM))
+        scale16 = (tl.sum(tl.where(at == first, x, 0.0)) / -127.0 + 0.0).to(tl.float16)
         for _ in tl.static_range(2):  # kv_format.IQ4_FITS least-squares refits, summed in fp64
-            scale = scale16.to(tl.float32)
-            inv = tl.where(scale != 0.0, 1.0 / scale, 0.0)
-            lo_l = _iq4_level(_iq4_code(lo_x * inv)).to(tl.float64)
-            hi_l = _iq4_level(_iq4_code(hi_x * inv)).to(tl.float64)
-            num = tl.sum(tl.where(in_lo, lo_x.to(tl.float64) * lo_l, 0.0), 0) + \
-                tl.sum(tl.where(in_hi, hi_x.to(tl.float64) * hi_l, 0.0), 0)
-            den = tl.sum(tl.where(in_lo, lo_l * lo_l, 0.0), 0) + tl.sum(tl.where(in_hi, hi_l * hi_l, 0.0), 0)
+            s32 = scale16.to(tl.float32)
+            v = x * tl.where(s32 != 0.0, 1.0 / s32, 0.0)
+            levels = (tl.sum(tl.where(v[:, :, None] > mids, steps, 0.0), axis=2) - 127.0).to(tl.float64)
+            num = tl.sum(tl.where(in_g, x.to(tl.float64) * levels, 0.0))
+            den = tl.sum(tl.where(in_g, levels * levels, 0.0))
             scale16 = ((num / den).to(tl.float32) + 0.0).to(tl.float16)
         tl.store((dst + half + 2 * gi).to(tl.pointer_type(tl.float16)), scale16)
-        lo_scale = tl.where(in_lo, scale16.to(tl.float32), lo_scale)
-        hi_scale = tl.where(in_hi, scale16.to(tl.float32), hi_scale)
-    lo_inv = tl.where(lo_scale != 0.0, 1.0 / lo_scale, 0.0)
-    hi_inv = tl.where(hi_scale != 0.0, 1.0 / hi_scale, 0.0)
-    a = _iq4_code(lo_x * lo_inv)
-    b = _iq4_code(hi_x * hi_inv)
-    tl.store(dst + j, (a | (b << 4)).to(tl.uint8), mask=ok)
+        scale = tl.where(in_g, scale16.to(tl.float32), scale)
+    v = x * tl.where(scale != 0.0, 1.0 / scale, 0.0)
+    codes = tl.sum((v[:, :, None] > mids).to(tl.int32), axis=2)
+    tl.store(dst + j, tl.sum(codes << (side * 4), axis=0).to(tl.uint8), mask=j < half)
 
 
 @triton.jit
