@@ -249,7 +249,8 @@ def test_every_path_stores_int4_keys_less_each_layers_key_mean(llama2_dir, path)
 
 def test_the_key_shift_is_measured_once_then_read_from_the_cache(llama2_dir, tmp_path, monkeypatch, caplog):
     # the first start measures each layer's key mean and keeps it under the cache directory; a restart reads the
-    # same bits without a forward; a file it cannot read is measured again (one process), with a warning
+    # same bits without a forward; a file it cannot read is measured again (one process), with a warning, and so
+    # is one it cannot write
     import tieredkv.engine.rank_build as rank_build
     from tieredkv.engine.engine_core import EngineCore
 
@@ -276,6 +277,13 @@ def test_the_key_shift_is_measured_once_then_read_from_the_cache(llama2_dir, tmp
         third = shifts()
     assert len(measured) == 2 and "measuring it again" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(first, third))  # the same forward, the same bits
+    kept[0].unlink()
+    (tmp_path / "key-shift").rmdir()
+    (tmp_path / "key-shift").write_text("")  # a place it cannot write (a file where its folder goes): it serves
+    with caplog.at_level("WARNING"):
+        fourth = shifts()
+    assert len(measured) == 3 and "cannot keep the key shift" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(first, fourth))
 
 
 @pytest.mark.parametrize("far", ["in_place", "staged"])

@@ -200,7 +200,10 @@ def shift_keys(cfg: EngineConfig, model: LlamaModel, device: torch.device, tp: T
             log.warning("cannot read the key shift from %s (%s): measuring it again", path, e)
             tokens = plan()[1] if plan is not None else None
     measure_key_shift(model, select_kernels(cfg.attention_backend, device), cfg.block_size, tokens, dtype, device)
-    save_key_shift(model, path)
+    try:
+        save_key_shift(model, path)
+    except OSError as e:  # a cache directory it cannot write: the next start measures again
+        log.warning("cannot keep the key shift in %s (%s): the next start measures it again", path, e)
 
 
 def data_plane(kv_cache: torch.Tensor, ops: KernelOps, num_blocks: int, num_warm_blocks: int, spec: ModelSpec,
