@@ -8,8 +8,8 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import torch
 

@@ -37,7 +37,6 @@ import torch
 from tieredkv.config import KV_CACHE_DTYPES
 
 INT8_MAX = 127.0
-INT4_MAX = 15.0
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_CAPABILITY = (8, 9)  # Ada: the first compute capability that converts to and from e4m3
 
@@ -52,7 +51,7 @@ IQ4_FITS = 2  # least-squares refits of a group's scale (kv_cpu.c's tkv_kv_store
 def _iq4_codes(groups: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Each value's nearest level at `scale` (fp32, [..., 1]): the count of midpoints below value / scale."""
     inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-    return ((groups * inv)[..., None] > IQ4_MIDS).sum(-1)
+    return ((groups * inv)[..., None] > IQ4_MIDS.to(groups.device)).sum(-1)
 
 
 def _iq4_fit(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +62,7 @@ def _iq4_fit(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))
     scale = (extreme / -127.0 + 0.0).half().float()
     for _ in range(IQ4_FITS):
-        levels = IQ4_NL[_iq4_codes(groups, scale)].double()
+        levels = IQ4_NL.to(groups.device)[_iq4_codes(groups, scale)].double()
         fit = (groups.double() * levels).sum(-1, keepdim=True) / (levels * levels).sum(-1, keepdim=True)
         scale = (fit.float() + 0.0).half().float()
     return scale, _iq4_codes(groups, scale)
@@ -157,7 +156,7 @@ class KVFormat:
         if self.name == "int4":
             half, g = head_dim // 2, int4_group(head_dim)
             packed = rows[..., :half]
-            codes = IQ4_NL[torch.cat((packed & 15, packed >> 4), dim=-1).long()]
+            codes = IQ4_NL.to(rows.device)[torch.cat((packed & 15, packed >> 4), dim=-1).long()]
             scales = _reinterpret(rows[..., half : half + 2 * head_dim // g], torch.float16).float()
             stored = (codes.reshape(*codes.shape[:-1], head_dim // g, g) * scales[..., None]).reshape(codes.shape)
             return (hadamard(stored) if rotates(self, head_dim) else stored).to(dtype)
