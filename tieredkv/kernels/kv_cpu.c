@@ -129,7 +129,8 @@ static void i4_row(const uint8_t *src, int64_t D, float *dst) {
             const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
             const __m512 lo = _mm512_set1_ps(I4_SCALE(j)), hi = _mm512_set1_ps(I4_SCALE(half + j));
             _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low16), lut16), lo));
-            _mm512_storeu_ps(dst + half + j, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut16), hi));
+            _mm512_storeu_ps(dst + half + j,
+                             _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut16), hi));
         }
 #endif
 #ifdef KV_AVX2
@@ -140,9 +141,11 @@ static void i4_row(const uint8_t *src, int64_t D, float *dst) {
             const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + j)));
             const __m256i cl = _mm256_and_si256(b, low), ch = _mm256_srli_epi32(b, 4);
             /* codes 8..15 from the upper table: bit 3 of the code moved to the sign bit picks it */
-            const __m256 vl = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, cl), _mm256_permutevar8x32_ps(lut_hi, cl),
+            const __m256 vl = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, cl),
+                                               _mm256_permutevar8x32_ps(lut_hi, cl),
                                                _mm256_castsi256_ps(_mm256_slli_epi32(cl, 28)));
-            const __m256 vh = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, ch), _mm256_permutevar8x32_ps(lut_hi, ch),
+            const __m256 vh = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, ch),
+                                               _mm256_permutevar8x32_ps(lut_hi, ch),
                                                _mm256_castsi256_ps(_mm256_slli_epi32(ch, 28)));
             _mm256_storeu_ps(dst + j, _mm256_mul_ps(vl, _mm256_set1_ps(I4_SCALE(j))));
             _mm256_storeu_ps(dst + half + j, _mm256_mul_ps(vh, _mm256_set1_ps(I4_SCALE(half + j))));
