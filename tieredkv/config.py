@@ -102,9 +102,10 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: KVCacheDType = Field(
         "auto", description='how the KV cache stores keys and values, in every tier: "auto" at dtype; "bfloat16" or '
         '"float16" (16-bit storage under fp32 compute); "int8" (int8 codes and an fp16 scale per head_dim values of '
-        'one token and KV head, as llama.cpp\'s q8_0); "int4" (the row turned by a Walsh-Hadamard transform, then '
-        '4-bit codes with an fp16 scale per 32 values, as q4_0); "fp8" (CUDA: e4m3 codes and an fp16 scale). '
-        'Attention reads the codes where they lie')
+        'one token and KV head, as llama.cpp\'s q8_0); "int4" (keys less the model\'s key mean, measured at start; '
+        'the row turned by a Walsh-Hadamard transform, then 4-bit codes of IQ4_NL\'s levels with an fp16 scale per '
+        '32 values, as llama.cpp\'s iq4_nl); "fp8" (CUDA: e4m3 codes and an fp16 scale). Attention reads the codes '
+        'where they lie')
     kv_cache_dtype_k: KVCacheDType | None = Field(None, description="K's format when it differs from "
                                                   "kv_cache_dtype (K is the more sensitive side)")
     kv_cache_dtype_v: KVCacheDType | None = Field(None, description="V's format when it differs from kv_cache_dtype")
