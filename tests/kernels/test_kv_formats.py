@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from helpers import check_pool_clean, fresh_cache, make_checkpoint, rand_ids
+from helpers import check_pool_clean, drive, fresh_cache, make_checkpoint, rand_ids
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.errors import SnapshotError
 from tieredkv.kernels.kv_format import FORMATS, KVLayout, hadamard, rotates
@@ -189,27 +189,24 @@ async def test_the_compiled_decode_graph_reads_int4_rows(llama2_dir, tmp_path):
 
 def stored_keys(core, prompt, decodes):
     """The keys every layer's cache holds for a sequence of `prompt` and `decodes` tokens generated after it (read
-    while it runs), as values [layers, tokens, kv_heads, head_dim], and its token ids."""
-    from tieredkv.engine.engine_core import EngineCore
-
-    assert isinstance(core, EngineCore)
+    while it runs, then aborted), as values [layers, tokens, kv_heads, head_dim], and its token ids."""
     req = core.factory.make(prompt, SamplingParams(max_tokens=decodes + 4, ignore_eos=True))
-    core.add_request(req)
-    seq = req.seqs[0]
-    while seq.num_computed_tokens < len(prompt) + decodes:
-        core.step()
-    n = seq.num_computed_tokens
-    table = torch.tensor([b.block_id for b in seq.block_table])
-    pos = torch.arange(n)
-    cache = core.parts.runner.kv_cache[:, 0]  # [layers, blocks, block_size, kv_heads, row]
-    rows = cache[:, table[pos // BS], pos % BS]
-    kv = core.parts.runner.ops.kv
-    keys = rows if kv is None else kv.decode(0, rows)
-    ids = list(seq.token_ids[:n])
-    core.abort(req.request_id)
-    while core.has_work():
-        core.step()
-    return keys, ids
+    seen = {}
+
+    def read(step, outputs):
+        seq = req.seqs[0]
+        if seen or seq.num_computed_tokens < len(prompt) + decodes:
+            return
+        pos = torch.arange(seq.num_computed_tokens)
+        table = torch.tensor([b.block_id for b in seq.block_table])
+        rows = core.parts.runner.kv_cache[:, 0][:, table[pos // BS], pos % BS]  # [layers, tokens, kv_heads, row]
+        kv = core.parts.runner.ops.kv
+        seen["keys"] = rows if kv is None else kv.decode(0, rows)
+        seen["ids"] = list(seq.token_ids[: len(pos)])
+        core.abort(req.request_id)
+
+    drive(core, [req], each_step=read)
+    return seen["keys"], seen["ids"]
 
 
 @pytest.mark.parametrize("path", ["eager", "native", "compiled"])
