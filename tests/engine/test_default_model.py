@@ -28,7 +28,10 @@ async def engine():
     # tokens) holds each chat, and makes a document of 486 tokens offload its older blocks to the warm tier
     engine = await AsyncEngine.start(EngineConfig(model="default", num_blocks=24, warm_bytes=64 << 20,
                                                   compile_decode=True))
-    assert len(engine.core.runner.compiled._groups) == 5
+    compiled = engine.core.runner.compiled
+    # five runs of alike layers, one graph traced for them all (a repr that named a weight's address once made
+    # each run a kind of its own: five traces at every start)
+    assert len(compiled._groups) == 5 and set(compiled._kinds) == {0} and compiled.graphs == 1
     yield engine
     await engine.close()
 

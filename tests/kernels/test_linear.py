@@ -229,6 +229,11 @@ def test_one_row_kernels_read_onednns_packed_weights_where_they_lie(lib, dtype, 
     torch.testing.assert_close(linear.one_row_or_onednn(x, packed, None, b), onednn_linear(x, packed, b))
     with pytest.raises(RuntimeError):  # a row of the wrong width is oneDNN's error, never read past its end
         linear.one_row_or_onednn(torch.randn(1, k + 8).to(dtype), packed, layout, None)
+    # two weights of one shape are held alike: equal reprs (part of the compiled graph's layer signature, which
+    # decides which layers share a graph), whatever their buffers' addresses
+    a, b = PackedWeight(w), PackedWeight(w.clone())
+    assert a.row_layout[:2] == b.row_layout[:2] and a.row_layout[2] != b.row_layout[2]
+    assert a.extra_repr() == b.extra_repr() and f"{layout[0]} x {layout[1]}" in a.extra_repr()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

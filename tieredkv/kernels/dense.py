@@ -141,8 +141,11 @@ class PackedWeight(DenseWeight):
         return copies * self.out_features * self.in_features * self.packed.element_size()
 
     def extra_repr(self) -> str:
+        # the layout's block and stored inputs, not its buffer's address: the repr is part of what makes two layers
+        # alike for the compiled graph (runner/compiled_decode.layer_signature), so it names settings only
         reads = "its handle" if self.handle is not None else "a plain copy" if self.plain is not None else "-"
-        return (f"{self.label}, {self.out_features}x{self.in_features}, one-row layout {self.row_layout}, graph "
+        layout = "oneDNN's" if self.row_layout is None else f"{self.row_layout[0]} x {self.row_layout[1]}"
+        return (f"{self.label}, {self.out_features}x{self.in_features}, one-row layout {layout}, graph "
                 f"reads {reads}")
 
 
