@@ -24,14 +24,19 @@ demo: $(STAMP)
 # tests/test_docs.py builds the documentation site with `mkdocs build --strict` among them.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): the run starts some hundred
+# Python processes (workers, engine cores, ranks, servers), and each would compile the package's and the tests'
+# sources again (pytest's rewrite of the test files: 3 s a worker).
+TEST_ENV := PYTHONDONTWRITEBYTECODE=
+
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The tests that load no model (tests/cache: the pool, KV manager, scheduler, tiers, beam search and the request
 # lifecycle; the tree's own checks: lint, import layers, the documentation build), for the edit-test loop. `make test`
 # runs them too.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/cache tests/test_*.py
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/cache tests/test_*.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py

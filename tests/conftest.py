@@ -16,6 +16,38 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
+
+def _patch_interpreter_once_per_launch() -> None:
+    """Triton's interpreter (where the tests run the Triton kernels on CPU) patches triton.language into its
+    interpreted self at every call of a device function, tl.sum and tl.max among them: a scan of the language's
+    modules, ~2 ms a call, half of an int4 store's time. Within one launch the second such patch of the same
+    modules changes nothing (what the first set stays set until the launch's end restores the language), so it
+    is skipped until then. Where Triton's internals differ (another version), the interpreter runs as it is."""
+    try:
+        from triton.runtime import interpreter as ti
+
+        patch, scope_type, lang = ti._patch_lang, ti._LangPatchScope, (ti.tl, ti.tl.core)
+    except (ImportError, AttributeError):
+        return
+    patched: dict[tuple, object] = {}  # the language modules a function sees -> the scope that patched them
+    restore = scope_type.restore
+
+    def patch_once(fn):
+        key = tuple(id(v) for v in fn.__globals__.values() if isinstance(v, type(os)) and v in lang)
+        if key not in patched:
+            patched[key] = patch(fn)
+        return patched[key]
+
+    def restore_all(self):
+        patched.clear()  # a launch's end: the next patch is done again
+        restore(self)
+
+    ti._patch_lang, scope_type.restore = patch_once, restore_all
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_once_per_launch()
+
 # helpers.py, memory_tier.py, and every layer's folder: a test module may import another's fixtures and workloads
 # (tests/engine/test_fault_isolation.py the server thread of tests/serve/test_serve_hardening.py), whichever of them
 # pytest collects first

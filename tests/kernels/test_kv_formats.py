@@ -177,13 +177,14 @@ async def test_native_step_writes_and_reads_each_format_as_the_eager_forward(lla
         assert stats.decode_path == "native" and native == eager, name
 
 
-async def test_the_compiled_decode_graph_reads_int4_rows(llama2_dir, tmp_path):
+async def test_the_compiled_decode_graph_reads_int4_rows(llama2_dir):
     # fp32 weights: one-sequence decodes run through the inductor graph, whose attention is the CPU kernel's
     # operator on the turned int4 rows and whose store quantizes in the graph; its tokens are the eager forward's
-    # (two layers: the compile is most of the test's time)
-    eager, _, _ = await outputs(llama2_dir, PROMPTS[:2], kv_cache_dtype="int4")
+    # (two layers: the compile is most of the test's time; the cache's shape is the store-path test's below, so
+    # the two share one graph, compiled once into the default cache)
+    eager, _, _ = await outputs(llama2_dir, PROMPTS[:2], kv_cache_dtype="int4", num_blocks=32)
     compiled, _, stats = await outputs(llama2_dir, PROMPTS[:2], kv_cache_dtype="int4", compile_decode=True,
-                                       cache_dir=str(fresh_cache(tmp_path)))
+                                       num_blocks=32)
     assert stats.decode_path == "compiled" and compiled == eager
 
 
