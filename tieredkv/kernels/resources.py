@@ -12,10 +12,10 @@ prints the table in docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import os
 import re
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,17 +134,25 @@ def compile_variant(key: tuple, cc: int) -> KernelResources:
     attrs = {(i,): backend.parse_attr(s[1]) for i, s in enumerate(spec)
              if s[0] != "constexpr" and isinstance(s[1], str)}
     options = backend.parse_options({})
-    log, dump = io.StringIO(), knobs.nvidia.dump_ptxas_log
-    knobs.nvidia.dump_ptxas_log = True  # Triton runs ptxas -v itself, with its own flags; it prints the report
-    try:
-        with contextlib.redirect_stdout(log):
-            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                    options=options.__dict__)
-    finally:
-        knobs.nvidia.dump_ptxas_log = dump
-    report = log.getvalue()
-    if "registers" not in report:  # from Triton's cache: ptxas did not run this time
-        report = _ptxas_report(kernel.asm["ptx"], cc)
+
+    def compile_logged(always: bool):
+        log, dump, again = io.StringIO(), knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, always  # Triton prints ptxas -v's report
+        try:
+            with contextlib.redirect_stdout(log):
+                return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__), log.getvalue()
+        finally:
+            knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = dump, again
+
+    kernel, report = compile_logged(False)
+    if "registers" in report:
+        _keep_report(kernel.asm["ptx"], cc, report)
+    else:  # Triton's cache served the kernel, and ptxas did not run: its report as kept, else compiled again
+        report = _kept_report(kernel.asm["ptx"], cc)
+        if report is None:
+            kernel, report = compile_logged(True)
+            _keep_report(kernel.asm["ptx"], cc, report)
     registers = max(int(n) for n in re.findall(r"Used (\d+) registers", report))
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
     shown = ", ".join(f"{fn.params[i].name}={s[1]}" for i, s in enumerate(spec) if s[0] == "constexpr")
@@ -152,17 +160,41 @@ def compile_variant(key: tuple, cc: int) -> KernelResources:
                            int(kernel.metadata.num_warps))
 
 
-def _ptxas_report(ptx: str, cc: int) -> str:
-    """`ptxas -v`'s report on the PTX (Triton's own ptxas, as Triton runs it, less its extra flags)."""
+def _report_file(ptx: str, cc: int) -> Path:
+    """Where ptxas's report on this PTX for sm_<cc> is kept: under the cache directory, named by the PTX, the
+    target, Triton's version (its ptxas flags) and the ptxas binary (its path, size and time), so a report is only
+    ever read for what produced it."""
+    import triton
     from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = get_ptxas(cc)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "kernel.ptx"
-        src.write_text(ptx)
-        arch = f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
-        return subprocess.run([getattr(ptxas, "path", ptxas), "-v", f"--gpu-name={arch}", str(src), "-o",
-                               str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    from tieredkv.cache_dir import default_cache_dir
+
+    ptxas = Path(getattr(get_ptxas(cc), "path", get_ptxas(cc)))
+    stat = ptxas.stat()
+    made_by = f"{triton.__version__}\0{ptxas}\0{stat.st_size}\0{stat.st_mtime_ns}\0{cc}"
+    key = hashlib.sha256(f"{made_by}\0{ptx}".encode()).hexdigest()[:32]
+    return default_cache_dir() / "ptxas" / f"{key}.txt"
+
+
+def _keep_report(ptx: str, cc: int, report: str) -> None:
+    """Keeps Triton's ptxas report for the next time Triton's cache serves the same variant (ptxas does not run
+    then; 85 variants compiled again to get it: 23 s of the table's 25): written whole or not at all; a cache that
+    cannot take it is skipped."""
+    path = _report_file(ptx, cc)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(report)
+        tmp.replace(path)
+
+
+def _kept_report(ptx: str, cc: int) -> str | None:
+    """The report Triton's ptxas gave on this PTX for sm_<cc> (with Triton's own flags: what the GPU runs), as
+    kept the last time it ran, or None."""
+    with contextlib.suppress(OSError):
+        if "registers" in (text := _report_file(ptx, cc).read_text()):
+            return text
+    return None
 
 
 # Attention shapes the table covers: heads, KV heads, head dim (the default model; Llama-3 8B and 70B)
@@ -190,7 +222,6 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import dataclasses
     import json
-    import os
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", action="append", choices=list(SHAPES), help="(repeatable; default: all)")
