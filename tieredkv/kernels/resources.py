@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tieredkv.cache_dir import default_cache_dir, write_json
 from tieredkv.kernels import triton_ops as T
 from tieredkv.kernels.cascade import MIN_PREFIX_TOKENS
 from tieredkv.kernels.kv_format import KVLayout
@@ -167,32 +169,27 @@ def _report_file(ptx: str, cc: int) -> Path:
     import triton
     from triton.backends.nvidia.compiler import get_ptxas
 
-    from tieredkv.cache_dir import default_cache_dir
-
     ptxas = Path(getattr(get_ptxas(cc), "path", get_ptxas(cc)))
     stat = ptxas.stat()
     made_by = f"{triton.__version__}\0{ptxas}\0{stat.st_size}\0{stat.st_mtime_ns}\0{cc}"
     key = hashlib.sha256(f"{made_by}\0{ptx}".encode()).hexdigest()[:32]
-    return default_cache_dir() / "ptxas" / f"{key}.txt"
+    return default_cache_dir() / "ptxas" / f"{key}.json"
 
 
 def _keep_report(ptx: str, cc: int, report: str) -> None:
     """Keeps Triton's ptxas report for the next time Triton's cache serves the same variant (ptxas does not run
-    then; 85 variants compiled again to get it: 23 s of the table's 25): written whole or not at all; a cache that
-    cannot take it is skipped."""
-    path = _report_file(ptx, cc)
+    then, and compiling every variant again for its report costs the table tens of seconds); a cache that cannot
+    take it is skipped."""
     with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(report)
-        tmp.replace(path)
+        write_json(_report_file(ptx, cc), {"report": report})
 
 
 def _kept_report(ptx: str, cc: int) -> str | None:
     """The report Triton's ptxas gave on this PTX for sm_<cc> (with Triton's own flags: what the GPU runs), as
     kept the last time it ran, or None."""
-    with contextlib.suppress(OSError):
-        if "registers" in (text := _report_file(ptx, cc).read_text()):
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        text = json.loads(_report_file(ptx, cc).read_text())["report"]
+        if "registers" in text:
             return text
     return None
 
@@ -221,7 +218,6 @@ def auto_dtype(cc: int) -> torch.dtype:
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import dataclasses
-    import json
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", action="append", choices=list(SHAPES), help="(repeatable; default: all)")
