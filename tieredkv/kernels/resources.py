@@ -169,7 +169,8 @@ def _report_file(ptx: str, cc: int) -> Path:
     import triton
     from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = Path(getattr(get_ptxas(cc), "path", get_ptxas(cc)))
+    found = get_ptxas(cc)
+    ptxas = Path(getattr(found, "path", found))
     stat = ptxas.stat()
     made_by = f"{triton.__version__}\0{ptxas}\0{stat.st_size}\0{stat.st_mtime_ns}\0{cc}"
     key = hashlib.sha256(f"{made_by}\0{ptx}".encode()).hexdigest()[:32]
