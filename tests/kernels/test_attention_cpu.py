@@ -175,6 +175,19 @@ def test_kernel_reads_every_kv_format_where_it_lies(lib, k, v, d):
                                expected(q, kd, vd, shared, lens, 0.2), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("group, d", [(1, 32), (2, 48), (4, 64), (5, 64), (3, 40)])
+def test_int8_rows_read_from_their_codes_or_widened_equal_the_reference(lib, group, d):
+    # without AVX-512 the kernel reads int8 rows straight from their codes where a KV head has at most 4 query
+    # heads and 16 divides the head dim (attention_cpu.c: i8_fused), and widens them otherwise (5 heads, d 40):
+    # both, as K, as V and as both, give attention over the values the rows stand for
+    q, kc, vc, tables, ctx = paged_batch([70, 9, 33, 1], kv_heads=2, group=group, d=d, pad=0)
+    for k, v in [("int8", "int8"), ("int8", "float16"), ("bfloat16", "int8")]:
+        kv = KVLayout.resolve(k, v, d, torch.float32)
+        kr, vr, kd, vd = stored(kc, vc, kv)
+        torch.testing.assert_close(decode_attention_cpu(q, kr, vr, tables, ctx, 0.2, kv=kv),
+                                   expected(q, kd, vd, tables, ctx, 0.2), rtol=2e-5, atol=2e-6)
+
+
 def test_kv_rows_written_in_c_are_the_torch_store_bit_for_bit(lib):
     # the native step writes its K/V rows with tkv_kv_store: the same bytes as kv_format's encode (int4's turn
     # included), so a block is the same whichever path computed it; tkv_kv_rows reads them back as kv_format's

@@ -3,7 +3,8 @@
  *   out[b, h, :] = softmax(scale * q[b, h, :] . K[b, p, h / G, :] for p < lens[b]) @ V[b, p, h / G, :]
  *
  * K and V are [num_blocks, bs, Hkv, row] caches read where they lie, through the block table (rows in one of the
- * KV formats, cpu_kernels.h: fp32 read in place, the others a chunk of one KV head at a time widened into L1):
+ * KV formats, cpu_kernels.h: fp32 read in place, int8 from its codes where AVX-512 is missing (i8_fused), the
+ * others a chunk of one KV head at a time widened into L1):
  * position p of sequence b is row p % bs of block tables[b * ts + p / bs]. Nothing is gathered or padded, so
  * a step costs the positions its sequences have, each read once (the G query heads of a KV head take their
  * scores from the same load of a key row).
@@ -160,6 +161,111 @@ static void weigh(float p[][ATT_CHUNK], int64_t G, const float *v, int64_t strid
     }
 }
 
+#if defined(ATT_AVX2) && !defined(ATT_AVX512)
+/* int8 rows (D codes, then the row's fp16 scale) read straight from their codes where AVX-512 is missing: on AVX2
+ * the widening of a chunk into fp32 (a multiply and a store of every 8 values, then their load) took as long as
+ * the products themselves. Each 8 codes are converted once for all G query heads; a key row's scale multiplies its
+ * G scores, a value row's is folded into its G weights. Up to ATT_I8_G query heads a KV head and head dims that
+ * 16 divides (others widen as before): the G heads' sums stay in registers. */
+#define ATT_I8_FUSED 1
+#define ATT_I8_G 4
+
+static inline int i8_fused(int64_t G, int64_t D) {
+    return G <= ATT_I8_G && D % 16 == 0;
+}
+
+static inline float i8_scale(const uint8_t *r, int64_t D) {
+    uint16_t h;
+    memcpy(&h, r + D, 2);
+    return tkv_h2f(h);
+}
+
+static inline __m256 i8_8(const uint8_t *r) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)r)));
+}
+
+/* scores() over n int8 key rows; G a constant after inlining */
+static inline __attribute__((always_inline)) void scores_i8_g(const float *qs, const int64_t G, const uint8_t *k,
+                                                              int64_t stride, int64_t n, int64_t D,
+                                                              float s[][ATT_CHUNK]) {
+    for (int64_t i0 = 0; i0 < n; i0 += 8) {  /* s holds ATT_CHUNK (a multiple of 8) scores a head */
+        __m256 a[ATT_I8_G][8];
+        float sc[8];
+        for (int64_t j = 0; j < 8; j++) {
+            if (i0 + j >= n) {
+                for (int64_t g = 0; g < G; g++) a[g][j] = _mm256_setzero_ps();
+                sc[j] = 0.f;
+                continue;
+            }
+            const uint8_t *r = k + (i0 + j) * stride;
+            __m256 x[ATT_I8_G], y[ATT_I8_G];
+            for (int64_t g = 0; g < G; g++) x[g] = y[g] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m256 c0 = i8_8(r + d), c1 = i8_8(r + d + 8);
+                for (int64_t g = 0; g < G; g++) {
+                    x[g] = _mm256_fmadd_ps(c0, _mm256_loadu_ps(qs + g * D + d), x[g]);
+                    y[g] = _mm256_fmadd_ps(c1, _mm256_loadu_ps(qs + g * D + d + 8), y[g]);
+                }
+            }
+            for (int64_t g = 0; g < G; g++) a[g][j] = _mm256_add_ps(x[g], y[g]);
+            sc[j] = i8_scale(r, D);
+        }
+        const __m256 scales = _mm256_loadu_ps(sc);
+        for (int64_t g = 0; g < G; g++) _mm256_storeu_ps(s[g] + i0, _mm256_mul_ps(hsum8(a[g]), scales));
+    }
+}
+
+/* weigh() over n int8 value rows; G a constant after inlining */
+static inline __attribute__((always_inline)) void weigh_i8_g(float p[][ATT_CHUNK], const int64_t G, const uint8_t *v,
+                                                             int64_t stride, int64_t n, int64_t D, float *acc) {
+    float w[ATT_I8_G][ATT_CHUNK];
+    for (int64_t i = 0; i < n; i++) {
+        const float sc = i8_scale(v + i * stride, D);
+        for (int64_t g = 0; g < G; g++) w[g][i] = p[g][i] * sc;
+    }
+    for (int64_t d = 0; d < D; d += 16) {  /* 16 outputs of every head in registers over the rows */
+        __m256 x[ATT_I8_G], y[ATT_I8_G];
+        for (int64_t g = 0; g < G; g++) {
+            x[g] = _mm256_loadu_ps(acc + g * (D + 2) + 2 + d);
+            y[g] = _mm256_loadu_ps(acc + g * (D + 2) + 10 + d);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const uint8_t *r = v + i * stride + d;
+            const __m256 c0 = i8_8(r), c1 = i8_8(r + 8);
+            for (int64_t g = 0; g < G; g++) {
+                const __m256 wg = _mm256_broadcast_ss(&w[g][i]);
+                x[g] = _mm256_fmadd_ps(wg, c0, x[g]);
+                y[g] = _mm256_fmadd_ps(wg, c1, y[g]);
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            _mm256_storeu_ps(acc + g * (D + 2) + 2 + d, x[g]);
+            _mm256_storeu_ps(acc + g * (D + 2) + 10 + d, y[g]);
+        }
+    }
+}
+
+static void scores_i8(const float *qs, int64_t G, const uint8_t *k, int64_t stride, int64_t n, int64_t D,
+                      float s[][ATT_CHUNK]) {
+    switch (G) {
+    case 1: scores_i8_g(qs, 1, k, stride, n, D, s); break;
+    case 2: scores_i8_g(qs, 2, k, stride, n, D, s); break;
+    case 3: scores_i8_g(qs, 3, k, stride, n, D, s); break;
+    default: scores_i8_g(qs, 4, k, stride, n, D, s); break;
+    }
+}
+
+static void weigh_i8(float p[][ATT_CHUNK], int64_t G, const uint8_t *v, int64_t stride, int64_t n, int64_t D,
+                     float *acc) {
+    switch (G) {
+    case 1: weigh_i8_g(p, 1, v, stride, n, D, acc); break;
+    case 2: weigh_i8_g(p, 2, v, stride, n, D, acc); break;
+    case 3: weigh_i8_g(p, 3, v, stride, n, D, acc); break;
+    default: weigh_i8_g(p, 4, v, stride, n, D, acc); break;
+    }
+}
+#endif
+
 /* x[i] = e^(x[i] - m), returns their sum */
 static inline float exp_sum(float *x, int64_t n, float m) {
     int64_t i = 0;
@@ -247,8 +353,15 @@ static void att_item(const float *q, const uint8_t *kc, const uint8_t *vc, int f
             att_fetch(kc, vc, next_first, next_bytes * kvh / Hkv, next_bytes * (kvh + 1) / Hkv);
             const int64_t at = first + kvh * rb;
             float *ph = part + kvh * G * G2;
-            const float *k = att_rows(kc + at, kf, row, n, D, wide, &stride);
-            scores(q + kvh * G * D, G, k, stride, n, D, s);
+#ifdef ATT_I8_FUSED
+            if (kf == TKV_KV_I8 && i8_fused(G, D)) {
+                scores_i8(q + kvh * G * D, G, kc + at, row, n, D, s);
+            } else
+#endif
+            {
+                const float *k = att_rows(kc + at, kf, row, n, D, wide, &stride);
+                scores(q + kvh * G * D, G, k, stride, n, D, s);
+            }
             for (int64_t g = 0; g < G; g++) {
                 float *pg = ph + g * G2, m = pg[0];
                 for (int64_t i = 0; i < n; i++) m = (s[g][i] *= scale) > m ? s[g][i] : m;
@@ -259,6 +372,12 @@ static void att_item(const float *q, const uint8_t *kc, const uint8_t *vc, int f
                 pg[0] = m;
                 pg[1] = pg[1] * alpha + sum;
             }
+#ifdef ATT_I8_FUSED
+            if (vf == TKV_KV_I8 && i8_fused(G, D)) {
+                weigh_i8(s, G, vc + at, row, n, D, ph);
+                continue;
+            }
+#endif
             const float *v = att_rows(vc + at, vf, row, n, D, wide, &stride);
             weigh(s, G, v, stride, n, D, ph);
         }
