@@ -175,13 +175,14 @@ def test_kernel_reads_every_kv_format_where_it_lies(lib, k, v, d):
                                expected(q, kd, vd, shared, lens, 0.2), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("group, d", [(1, 32), (2, 48), (4, 64), (5, 64), (3, 40)])
-def test_int8_rows_read_from_their_codes_or_widened_equal_the_reference(lib, group, d):
-    # without AVX-512 the kernel reads int8 rows straight from their codes where a KV head has at most 4 query
-    # heads and 16 divides the head dim (attention_cpu.c: i8_fused), and widens them otherwise (5 heads, d 40):
-    # both, as K, as V and as both, give attention over the values the rows stand for
+@pytest.mark.parametrize("group, d", [(1, 32), (2, 48), (4, 64), (3, 128), (5, 64), (3, 40)])
+def test_quantized_rows_read_from_their_codes_or_widened_equal_the_reference(lib, group, d):
+    # without AVX-512 the kernel reads int8 and int4 rows straight from their codes where a KV head has at most 4
+    # query heads and 16 (int8) or 32 (int4) divides the head dim (attention_cpu.c: codes_read), and widens them
+    # otherwise (5 heads; d 40; int4 at d 48): every way, as K, as V and as both, gives attention over the values
+    # the rows stand for (int4 rows of a power-of-two d turned, several groups a row at d 128)
     q, kc, vc, tables, ctx = paged_batch([70, 9, 33, 1], kv_heads=2, group=group, d=d, pad=0)
-    for k, v in [("int8", "int8"), ("int8", "float16"), ("bfloat16", "int8")]:
+    for k, v in [("int8", "int8"), ("int4", "int4"), ("int8", "float16"), ("bfloat16", "int8"), ("int8", "int4")]:
         kv = KVLayout.resolve(k, v, d, torch.float32)
         kr, vr, kd, vd = stored(kc, vc, kv)
         torch.testing.assert_close(decode_attention_cpu(q, kr, vr, tables, ctx, 0.2, kv=kv),

@@ -3,8 +3,8 @@
  *   out[b, h, :] = softmax(scale * q[b, h, :] . K[b, p, h / G, :] for p < lens[b]) @ V[b, p, h / G, :]
  *
  * K and V are [num_blocks, bs, Hkv, row] caches read where they lie, through the block table (rows in one of the
- * KV formats, cpu_kernels.h: fp32 read in place, int8 from its codes where AVX-512 is missing (i8_fused), the
- * others a chunk of one KV head at a time widened into L1):
+ * KV formats, cpu_kernels.h: fp32 read in place, int8 and int4 from their codes where AVX-512 is missing (codes_read),
+ * the others a chunk of one KV head at a time widened into L1):
  * position p of sequence b is row p % bs of block tables[b * ts + p / bs]. Nothing is gathered or padded, so
  * a step costs the positions its sequences have, each read once (the G query heads of a KV head take their
  * scores from the same load of a key row).
@@ -162,21 +162,26 @@ static void weigh(float p[][ATT_CHUNK], int64_t G, const float *v, int64_t strid
 }
 
 #if defined(ATT_AVX2) && !defined(ATT_AVX512)
-/* int8 rows (D codes, then the row's fp16 scale) read straight from their codes where AVX-512 is missing: on AVX2
- * the widening of a chunk into fp32 (a multiply and a store of every 8 values, then their load) took as long as
- * the products themselves. Each 8 codes are converted once for all G query heads; a key row's scale multiplies its
- * G scores, a value row's is folded into its G weights. Up to ATT_I8_G query heads a KV head and head dims that
- * 16 divides (others widen as before): the G heads' sums stay in registers. */
-#define ATT_I8_FUSED 1
-#define ATT_I8_G 4
+/* int8 and int4 rows read straight from their codes where AVX-512 is missing: on AVX2 the widening of a chunk into
+ * fp32 (a multiply and a store of every 8 values, then their load; for int4 two table permutes and a blend as
+ * well) took as long as the products themselves. Every 8 codes are converted in registers once for all G query
+ * heads of their KV head, G at most ATT_CODES_G (the heads' sums stay in registers):
+ * - int8 (D codes, then the row's fp16 scale; D a multiple of 16): a key row's scale multiplies its G scores, a
+ *   value row's is folded into its G weights;
+ * - int4 (D / 2 bytes, byte j holding values j and j + D/2, then an fp16 scale per 32 values; D a multiple of
+ *   32): 16 bytes give 32 values through one byte shuffle of the IQ4_NL levels per nibble, each 8 times their
+ *   group's scale. Rows stay turned (the query is turned instead).
+ * Other shapes, and the other formats, widen as before. */
+#define ATT_CODES 1
+#define ATT_CODES_G 4
 
-static inline int i8_fused(int64_t G, int64_t D) {
-    return G <= ATT_I8_G && D % 16 == 0;
+static inline int codes_read(int fmt, int64_t G, int64_t D) {
+    return G <= ATT_CODES_G && ((fmt == TKV_KV_I8 && D % 16 == 0) || (fmt == TKV_KV_I4 && D % 32 == 0));
 }
 
-static inline float i8_scale(const uint8_t *r, int64_t D) {
+static inline float half_at(const uint8_t *p) {
     uint16_t h;
-    memcpy(&h, r + D, 2);
+    memcpy(&h, p, 2);
     return tkv_h2f(h);
 }
 
@@ -184,12 +189,50 @@ static inline __m256 i8_8(const uint8_t *r) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)r)));
 }
 
-/* scores() over n int8 key rows; G a constant after inlining */
-static inline __attribute__((always_inline)) void scores_i8_g(const float *qs, const int64_t G, const uint8_t *k,
-                                                              int64_t stride, int64_t n, int64_t D,
-                                                              float s[][ATT_CHUNK]) {
+/* The 16 values an int4 row's 16 bytes at r hold in their low (high = 0) or high (high = 1) nibbles, times s,
+ * as two vectors of 8 */
+static inline void i4_16(const uint8_t *r, int high, __m256 s, __m256 out[2]) {
+    static const int8_t levels[16] = TKV_IQ4_LEVELS;
+    const __m128i b = _mm_loadu_si128((const __m128i *)r), m = _mm_set1_epi8(15);
+    const __m128i c = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, m);
+    const __m128i l = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)levels), c);
+    out[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(l)), s);
+    out[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(l, 8))), s);
+}
+
+/* x[g] + y[g] = q_g . (the row at r, less an int8 row's scale); G and fmt constants after inlining */
+static inline __attribute__((always_inline)) void row_dots(const float *qs, const int64_t G, const uint8_t *r,
+                                                           int64_t D, const int fmt, __m256 x[], __m256 y[]) {
+    for (int64_t g = 0; g < G; g++) x[g] = y[g] = _mm256_setzero_ps();
+    if (fmt == TKV_KV_I8) {
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m256 c0 = i8_8(r + d), c1 = i8_8(r + d + 8);
+            for (int64_t g = 0; g < G; g++) {
+                x[g] = _mm256_fmadd_ps(c0, _mm256_loadu_ps(qs + g * D + d), x[g]);
+                y[g] = _mm256_fmadd_ps(c1, _mm256_loadu_ps(qs + g * D + d + 8), y[g]);
+            }
+        }
+        return;
+    }
+    const int64_t half = D / 2;
+    for (int64_t high = 0; high < 2; high++)
+        for (int64_t j = 0; j < half; j += 16) {
+            const int64_t d = high * half + j;  /* the first of the 16 values, all in one group of 32 */
+            __m256 c[2];
+            i4_16(r + j, (int)high, _mm256_set1_ps(half_at(r + half + 2 * (d >> 5))), c);
+            for (int64_t g = 0; g < G; g++) {
+                x[g] = _mm256_fmadd_ps(c[0], _mm256_loadu_ps(qs + g * D + d), x[g]);
+                y[g] = _mm256_fmadd_ps(c[1], _mm256_loadu_ps(qs + g * D + d + 8), y[g]);
+            }
+        }
+}
+
+/* scores() over n rows in format fmt, read from their codes */
+static inline __attribute__((always_inline)) void scores_codes_g(const float *qs, const int64_t G, const uint8_t *k,
+                                                                 int64_t stride, int64_t n, int64_t D, const int fmt,
+                                                                 float s[][ATT_CHUNK]) {
     for (int64_t i0 = 0; i0 < n; i0 += 8) {  /* s holds ATT_CHUNK (a multiple of 8) scores a head */
-        __m256 a[ATT_I8_G][8];
+        __m256 a[ATT_CODES_G][8];
         float sc[8];
         for (int64_t j = 0; j < 8; j++) {
             if (i0 + j >= n) {
@@ -198,44 +241,45 @@ static inline __attribute__((always_inline)) void scores_i8_g(const float *qs, c
                 continue;
             }
             const uint8_t *r = k + (i0 + j) * stride;
-            __m256 x[ATT_I8_G], y[ATT_I8_G];
-            for (int64_t g = 0; g < G; g++) x[g] = y[g] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 16) {
-                const __m256 c0 = i8_8(r + d), c1 = i8_8(r + d + 8);
-                for (int64_t g = 0; g < G; g++) {
-                    x[g] = _mm256_fmadd_ps(c0, _mm256_loadu_ps(qs + g * D + d), x[g]);
-                    y[g] = _mm256_fmadd_ps(c1, _mm256_loadu_ps(qs + g * D + d + 8), y[g]);
-                }
-            }
+            __m256 x[ATT_CODES_G], y[ATT_CODES_G];
+            row_dots(qs, G, r, D, fmt, x, y);
             for (int64_t g = 0; g < G; g++) a[g][j] = _mm256_add_ps(x[g], y[g]);
-            sc[j] = i8_scale(r, D);
+            sc[j] = fmt == TKV_KV_I8 ? half_at(r + D) : 1.f;
         }
         const __m256 scales = _mm256_loadu_ps(sc);
         for (int64_t g = 0; g < G; g++) _mm256_storeu_ps(s[g] + i0, _mm256_mul_ps(hsum8(a[g]), scales));
     }
 }
 
-/* weigh() over n int8 value rows; G a constant after inlining */
-static inline __attribute__((always_inline)) void weigh_i8_g(float p[][ATT_CHUNK], const int64_t G, const uint8_t *v,
-                                                             int64_t stride, int64_t n, int64_t D, float *acc) {
-    float w[ATT_I8_G][ATT_CHUNK];
+/* weigh() over n rows in format fmt, read from their codes: 16 outputs of every head in registers over the rows */
+static inline __attribute__((always_inline)) void weigh_codes_g(float p[][ATT_CHUNK], const int64_t G,
+                                                                const uint8_t *v, int64_t stride, int64_t n,
+                                                                int64_t D, const int fmt, float *acc) {
+    float w[ATT_CODES_G][ATT_CHUNK];
     for (int64_t i = 0; i < n; i++) {
-        const float sc = i8_scale(v + i * stride, D);
+        const float sc = fmt == TKV_KV_I8 ? half_at(v + i * stride + D) : 1.f;
         for (int64_t g = 0; g < G; g++) w[g][i] = p[g][i] * sc;
     }
-    for (int64_t d = 0; d < D; d += 16) {  /* 16 outputs of every head in registers over the rows */
-        __m256 x[ATT_I8_G], y[ATT_I8_G];
+    for (int64_t d = 0; d < D; d += 16) {
+        __m256 x[ATT_CODES_G], y[ATT_CODES_G];
         for (int64_t g = 0; g < G; g++) {
             x[g] = _mm256_loadu_ps(acc + g * (D + 2) + 2 + d);
             y[g] = _mm256_loadu_ps(acc + g * (D + 2) + 10 + d);
         }
+        const int64_t half = D / 2, high = d >= half, j = d - high * half;  /* int4: the bytes of values d.. */
         for (int64_t i = 0; i < n; i++) {
-            const uint8_t *r = v + i * stride + d;
-            const __m256 c0 = i8_8(r), c1 = i8_8(r + 8);
+            const uint8_t *r = v + i * stride;
+            __m256 c[2];
+            if (fmt == TKV_KV_I8) {
+                c[0] = i8_8(r + d);
+                c[1] = i8_8(r + d + 8);
+            } else {
+                i4_16(r + j, (int)high, _mm256_set1_ps(half_at(r + half + 2 * (d >> 5))), c);
+            }
             for (int64_t g = 0; g < G; g++) {
                 const __m256 wg = _mm256_broadcast_ss(&w[g][i]);
-                x[g] = _mm256_fmadd_ps(wg, c0, x[g]);
-                y[g] = _mm256_fmadd_ps(wg, c1, y[g]);
+                x[g] = _mm256_fmadd_ps(wg, c[0], x[g]);
+                y[g] = _mm256_fmadd_ps(wg, c[1], y[g]);
             }
         }
         for (int64_t g = 0; g < G; g++) {
@@ -245,24 +289,35 @@ static inline __attribute__((always_inline)) void weigh_i8_g(float p[][ATT_CHUNK
     }
 }
 
-static void scores_i8(const float *qs, int64_t G, const uint8_t *k, int64_t stride, int64_t n, int64_t D,
-                      float s[][ATT_CHUNK]) {
-    switch (G) {
-    case 1: scores_i8_g(qs, 1, k, stride, n, D, s); break;
-    case 2: scores_i8_g(qs, 2, k, stride, n, D, s); break;
-    case 3: scores_i8_g(qs, 3, k, stride, n, D, s); break;
-    default: scores_i8_g(qs, 4, k, stride, n, D, s); break;
+#define CODES_CASES(call, fmt)                                                                                   \
+    switch (G) {                                                                                                 \
+    case 1: call(1, fmt); break;                                                                                 \
+    case 2: call(2, fmt); break;                                                                                 \
+    case 3: call(3, fmt); break;                                                                                 \
+    default: call(4, fmt); break;                                                                                \
     }
+
+/* scores() and weigh() for rows codes_read takes: G and the format made constants */
+static void scores_codes(const float *qs, int64_t G, const uint8_t *k, int64_t stride, int64_t n, int64_t D, int fmt,
+                         float s[][ATT_CHUNK]) {
+#define SCORES(g, f) scores_codes_g(qs, g, k, stride, n, D, f, s)
+    if (fmt == TKV_KV_I8) {
+        CODES_CASES(SCORES, TKV_KV_I8)
+    } else {
+        CODES_CASES(SCORES, TKV_KV_I4)
+    }
+#undef SCORES
 }
 
-static void weigh_i8(float p[][ATT_CHUNK], int64_t G, const uint8_t *v, int64_t stride, int64_t n, int64_t D,
-                     float *acc) {
-    switch (G) {
-    case 1: weigh_i8_g(p, 1, v, stride, n, D, acc); break;
-    case 2: weigh_i8_g(p, 2, v, stride, n, D, acc); break;
-    case 3: weigh_i8_g(p, 3, v, stride, n, D, acc); break;
-    default: weigh_i8_g(p, 4, v, stride, n, D, acc); break;
+static void weigh_codes(float p[][ATT_CHUNK], int64_t G, const uint8_t *v, int64_t stride, int64_t n, int64_t D,
+                        int fmt, float *acc) {
+#define WEIGH(g, f) weigh_codes_g(p, g, v, stride, n, D, f, acc)
+    if (fmt == TKV_KV_I8) {
+        CODES_CASES(WEIGH, TKV_KV_I8)
+    } else {
+        CODES_CASES(WEIGH, TKV_KV_I4)
     }
+#undef WEIGH
 }
 #endif
 
@@ -353,9 +408,9 @@ static void att_item(const float *q, const uint8_t *kc, const uint8_t *vc, int f
             att_fetch(kc, vc, next_first, next_bytes * kvh / Hkv, next_bytes * (kvh + 1) / Hkv);
             const int64_t at = first + kvh * rb;
             float *ph = part + kvh * G * G2;
-#ifdef ATT_I8_FUSED
-            if (kf == TKV_KV_I8 && i8_fused(G, D)) {
-                scores_i8(q + kvh * G * D, G, kc + at, row, n, D, s);
+#ifdef ATT_CODES
+            if (codes_read(kf, G, D)) {
+                scores_codes(q + kvh * G * D, G, kc + at, row, n, D, kf, s);
             } else
 #endif
             {
@@ -372,9 +427,9 @@ static void att_item(const float *q, const uint8_t *kc, const uint8_t *vc, int f
                 pg[0] = m;
                 pg[1] = pg[1] * alpha + sum;
             }
-#ifdef ATT_I8_FUSED
-            if (vf == TKV_KV_I8 && i8_fused(G, D)) {
-                weigh_i8(s, G, vc + at, row, n, D, ph);
+#ifdef ATT_CODES
+            if (codes_read(vf, G, D)) {
+                weigh_codes(s, G, vc + at, row, n, D, vf, ph);
                 continue;
             }
 #endif

@@ -99,10 +99,14 @@ static inline uint16_t tkv_f2h(float f) {
 #endif
 }
 
+/* GGUF's IQ4_NL levels, int4 rows' 16 values before their group's scale (kv_format.py: IQ4_NL): integers, so both
+ * a float table (kv_cpu.c) and a byte table for shuffles (attention_cpu.c) take them */
+#define TKV_IQ4_LEVELS {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
+
 /* The KV cache's formats (kernels/kv_format.py: KVFormat.code). A row is one token's D values of one KV head:
  * fp32, bf16, fp16 values; int8: D codes, then an fp16 scale; int4: the row turned (tkv_kv_rotates), then D / 2
  * bytes (byte j: value j in its low nibble, value j + D/2 in its high one) and an fp16 scale per group of 32
- * values, x = (code - 8) * scale (kv_cpu.c). */
+ * values (or one for the row where 32 does not divide D), x = TKV_IQ4_LEVELS[code] * scale (kv_cpu.c). */
 enum { TKV_KV_F32 = 0, TKV_KV_BF16 = 1, TKV_KV_F16 = 2, TKV_KV_I8 = 3, TKV_KV_I4 = 4 };
 int64_t tkv_kv_row_bytes(int fmt, int64_t D);  /* a row's bytes in format fmt, 0 where it cannot hold D values */
 #define TKV_KV_MAX_D 256                          /* the longest row the store takes (attention's ATT_MAX_D) */

@@ -23,8 +23,7 @@ static inline int64_t i4_group(int64_t D) {
 }
 
 /* GGUF's IQ4_NL levels: a 4-bit code's value, times its group's scale (kv_format.py: IQ4_NL) */
-static const float iq4_levels[16] = {-127.f, -104.f, -83.f, -65.f, -49.f, -35.f, -22.f, -10.f,
-                                     1.f,    13.f,   25.f,  38.f,  53.f,  69.f,  89.f,  113.f};
+static const float iq4_levels[16] = TKV_IQ4_LEVELS;
 
 int64_t tkv_kv_row_bytes(int fmt, int64_t D) {
     switch (fmt) {
