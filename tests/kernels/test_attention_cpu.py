@@ -175,7 +175,7 @@ def test_kernel_reads_every_kv_format_where_it_lies(lib, k, v, d):
                                expected(q, kd, vd, shared, lens, 0.2), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("group, d", [(1, 32), (2, 48), (4, 64), (3, 128), (5, 64), (3, 40)])
+@pytest.mark.parametrize("group, d", [(1, 32), (2, 64), (2, 48), (4, 64), (3, 128), (5, 64), (3, 40)])
 def test_quantized_rows_read_from_their_codes_or_widened_equal_the_reference(lib, group, d):
     # without AVX-512 the kernel reads int8 and int4 rows straight from their codes where a KV head has at most 4
     # query heads and 16 (int8) or 32 (int4) divides the head dim (attention_cpu.c: codes_read), and widens them

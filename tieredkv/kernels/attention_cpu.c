@@ -289,34 +289,31 @@ static inline __attribute__((always_inline)) void weigh_codes_g(float p[][ATT_CH
     }
 }
 
-#define CODES_CASES(call, fmt)                                                                                   \
-    switch (G) {                                                                                                 \
-    case 1: call(1, fmt); break;                                                                                 \
-    case 2: call(2, fmt); break;                                                                                 \
-    case 3: call(3, fmt); break;                                                                                 \
-    default: call(4, fmt); break;                                                                                \
+/* call(g, f) with G's and fmt's values as constants (fmt int8 or int4, G at most ATT_CODES_G) */
+#define CODES_CASES(call)                                                                                        \
+    switch ((fmt == TKV_KV_I8 ? 0 : 4) + (G < ATT_CODES_G ? G : ATT_CODES_G) - 1) {                              \
+    case 0: call(1, TKV_KV_I8); break;                                                                           \
+    case 1: call(2, TKV_KV_I8); break;                                                                           \
+    case 2: call(3, TKV_KV_I8); break;                                                                           \
+    case 3: call(4, TKV_KV_I8); break;                                                                           \
+    case 4: call(1, TKV_KV_I4); break;                                                                           \
+    case 5: call(2, TKV_KV_I4); break;                                                                           \
+    case 6: call(3, TKV_KV_I4); break;                                                                           \
+    default: call(4, TKV_KV_I4); break;                                                                          \
     }
 
-/* scores() and weigh() for rows codes_read takes: G and the format made constants */
+/* scores() and weigh() for rows codes_read takes */
 static void scores_codes(const float *qs, int64_t G, const uint8_t *k, int64_t stride, int64_t n, int64_t D, int fmt,
                          float s[][ATT_CHUNK]) {
 #define SCORES(g, f) scores_codes_g(qs, g, k, stride, n, D, f, s)
-    if (fmt == TKV_KV_I8) {
-        CODES_CASES(SCORES, TKV_KV_I8)
-    } else {
-        CODES_CASES(SCORES, TKV_KV_I4)
-    }
+    CODES_CASES(SCORES)
 #undef SCORES
 }
 
 static void weigh_codes(float p[][ATT_CHUNK], int64_t G, const uint8_t *v, int64_t stride, int64_t n, int64_t D,
                         int fmt, float *acc) {
 #define WEIGH(g, f) weigh_codes_g(p, g, v, stride, n, D, f, acc)
-    if (fmt == TKV_KV_I8) {
-        CODES_CASES(WEIGH, TKV_KV_I8)
-    } else {
-        CODES_CASES(WEIGH, TKV_KV_I4)
-    }
+    CODES_CASES(WEIGH)
 #undef WEIGH
 }
 #endif
