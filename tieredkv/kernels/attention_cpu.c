@@ -179,12 +179,6 @@ static inline int codes_read(int fmt, int64_t G, int64_t D) {
     return G <= ATT_CODES_G && ((fmt == TKV_KV_I8 && D % 16 == 0) || (fmt == TKV_KV_I4 && D % 32 == 0));
 }
 
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return tkv_h2f(h);
-}
-
 static inline __m256 i8_8(const uint8_t *r) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)r)));
 }
@@ -219,7 +213,7 @@ static inline __attribute__((always_inline)) void row_dots(const float *qs, cons
         for (int64_t j = 0; j < half; j += 16) {
             const int64_t d = high * half + j;  /* the first of the 16 values, all in one group of 32 */
             __m256 c[2];
-            i4_16(r + j, (int)high, _mm256_set1_ps(half_at(r + half + 2 * (d >> 5))), c);
+            i4_16(r + j, (int)high, _mm256_set1_ps(tkv_h2f_at(r + half + 2 * (d >> 5))), c);
             for (int64_t g = 0; g < G; g++) {
                 x[g] = _mm256_fmadd_ps(c[0], _mm256_loadu_ps(qs + g * D + d), x[g]);
                 y[g] = _mm256_fmadd_ps(c[1], _mm256_loadu_ps(qs + g * D + d + 8), y[g]);
@@ -244,7 +238,7 @@ static inline __attribute__((always_inline)) void scores_codes_g(const float *qs
             __m256 x[ATT_CODES_G], y[ATT_CODES_G];
             row_dots(qs, G, r, D, fmt, x, y);
             for (int64_t g = 0; g < G; g++) a[g][j] = _mm256_add_ps(x[g], y[g]);
-            sc[j] = fmt == TKV_KV_I8 ? half_at(r + D) : 1.f;
+            sc[j] = fmt == TKV_KV_I8 ? tkv_h2f_at(r + D) : 1.f;
         }
         const __m256 scales = _mm256_loadu_ps(sc);
         for (int64_t g = 0; g < G; g++) _mm256_storeu_ps(s[g] + i0, _mm256_mul_ps(hsum8(a[g]), scales));
@@ -257,7 +251,7 @@ static inline __attribute__((always_inline)) void weigh_codes_g(float p[][ATT_CH
                                                                 int64_t D, const int fmt, float *acc) {
     float w[ATT_CODES_G][ATT_CHUNK];
     for (int64_t i = 0; i < n; i++) {
-        const float sc = fmt == TKV_KV_I8 ? half_at(v + i * stride + D) : 1.f;
+        const float sc = fmt == TKV_KV_I8 ? tkv_h2f_at(v + i * stride + D) : 1.f;
         for (int64_t g = 0; g < G; g++) w[g][i] = p[g][i] * sc;
     }
     for (int64_t d = 0; d < D; d += 16) {
@@ -274,7 +268,7 @@ static inline __attribute__((always_inline)) void weigh_codes_g(float p[][ATT_CH
                 c[0] = i8_8(r + d);
                 c[1] = i8_8(r + d + 8);
             } else {
-                i4_16(r + j, (int)high, _mm256_set1_ps(half_at(r + half + 2 * (d >> 5))), c);
+                i4_16(r + j, (int)high, _mm256_set1_ps(tkv_h2f_at(r + half + 2 * (d >> 5))), c);
             }
             for (int64_t g = 0; g < G; g++) {
                 const __m256 wg = _mm256_broadcast_ss(&w[g][i]);

@@ -99,6 +99,13 @@ static inline uint16_t tkv_f2h(float f) {
 #endif
 }
 
+/* The fp16 at p (any alignment) as fp32 */
+static inline float tkv_h2f_at(const void *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return tkv_h2f(h);
+}
+
 /* GGUF's IQ4_NL levels, int4 rows' 16 values before their group's scale (kv_format.py: IQ4_NL): integers, so both
  * a float table (kv_cpu.c) and a byte table for shuffles (attention_cpu.c) take them */
 #define TKV_IQ4_LEVELS {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}

@@ -86,11 +86,11 @@ static void f16_row(const uint8_t *src, int64_t D, float *dst) {
 #ifdef KV_AVX2
     for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * d))));
 #endif
-    for (; d < D; d++) dst[d] = tkv_h2f(load16(src + 2 * d));
+    for (; d < D; d++) dst[d] = tkv_h2f_at(src + 2 * d);
 }
 
 static void i8_row(const uint8_t *src, int64_t D, float *dst) {
-    const float s = tkv_h2f(load16(src + D));
+    const float s = tkv_h2f_at(src + D);
     int64_t d = 0;
 #ifdef KV_AVX512
     const __m512 ws = _mm512_set1_ps(s);
@@ -117,7 +117,7 @@ static void i4_row(const uint8_t *src, int64_t D, float *dst) {
     const int64_t half = D / 2, whole = i4_group(D) == D;
     float sc[TKV_KV_MAX_D / 32 + 1];
     for (int64_t k = 0; k < (whole ? 1 : D / 32) && k <= TKV_KV_MAX_D / 32; k++)
-        sc[k] = tkv_h2f(load16(src + half + 2 * k));
+        sc[k] = tkv_h2f_at(src + half + 2 * k);
 #define I4_SCALE(i) sc[whole ? 0 : (i) >> 5]
     int64_t j = 0;
 #ifdef KV_AVX512
