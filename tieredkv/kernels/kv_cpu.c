@@ -1,8 +1,9 @@
 /* The KV cache's rows in their stored formats (cpu_kernels.h: TKV_KV_*; kernels/kv_format.py is the torch
  * reference): read a few rows at a time into fp32 where attention takes them (attention_cpu.c widens a chunk of at
- * most 32 rows of one KV head into a buffer that stays in L1; int8 rows on AVX2 it reads from their codes), and
- * written one row at a time by the native decode step (decode_cpu.c). The store rounds as torch does (scale to fp16 first, codes from the rounded scale, ties to
- * even), so a row written here is the row the torch store writes. Built into the library of quant_cpu.c. */
+ * most 32 rows of one KV head into a buffer that stays in L1; int8 and int4 rows on AVX2 it reads from their
+ * codes), and written one row at a time by the native decode step (decode_cpu.c). The store rounds as torch does
+ * (scale to fp16 first, codes from the rounded scale, ties to even), so a row written here is the row the torch
+ * store writes. Built into the library of quant_cpu.c. */
 
 #include <math.h>
 #include <stdint.h>
