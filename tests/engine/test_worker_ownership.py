@@ -152,6 +152,20 @@ def test_the_decode_plan_is_made_once_per_step_and_carried_in_the_batch(llama_di
     assert sum(plans_per_step) >= 3
 
 
+def test_handing_the_heap_back_looks_the_c_library_up_once(monkeypatch):
+    """ctypes' find_library forks the process to run `ldconfig -p`: the C library is looked up once a process,
+    not each time the worker turns idle and trims the heap."""
+    import ctypes.util
+
+    from tieredkv.platform import malloc_tuning
+
+    looked, find = [], ctypes.util.find_library
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: looked.append(name) or find(name))
+    malloc_tuning._libc.cache_clear()
+    assert all(malloc_tuning.release_free_memory(collect=False) for _ in range(3))
+    assert looked == ["c"]
+
+
 async def test_the_worker_hands_freed_heap_back_once_idle(llama_dir, monkeypatch):
     """While requests run, freed step buffers stay in the heap for reuse (malloc_tuning.py); each time the
     engine runs out of work, the worker hands them back to the OS, once, without a garbage collection."""

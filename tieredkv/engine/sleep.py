@@ -42,7 +42,6 @@ def release_pages(address: int, nbytes: int) -> int:
         return 0
     try:
         libc = _libc()
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) != 0:
             return 0
     except (OSError, AttributeError):

@@ -9,8 +9,10 @@ the mmap and trim thresholds keeps that memory in the heap for reuse. The settin
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 import mmap
@@ -26,9 +28,15 @@ _MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
 _TRIM_THRESHOLD = 1 << 30
 
 
+@functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL:
-    """The C library (OSError where it cannot be loaded)."""
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    """The C library, loaded once (OSError where it cannot be loaded): find_library runs `ldconfig -p` in a
+    child process, a fork of the whole engine process, which the worker would otherwise pay every time it turns
+    idle (release_free_memory)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    with contextlib.suppress(AttributeError):  # a C library without madvise: its callers say so
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def tune_glibc_malloc() -> bool:
