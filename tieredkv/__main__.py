@@ -1,4 +1,4 @@
-from tieredkv.cli import main
+from tieredkv.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -190,3 +190,18 @@ def main(argv: list[str] | None = None) -> None:
                            f"{err['msg']}" for err in e.errors()))
     except (TieredKVError, FileNotFoundError) as e:  # the engine could not start (model, checkpoint, files)
         sys.exit(f"tieredkv {args.command}: {e}")
+
+
+def run() -> None:
+    """The `tieredkv` command and `python -m tieredkv`: main(), then an exit without the interpreter's teardown
+    (platform/process.py: every engine main started is closed by then), with main's exit status."""
+    from tieredkv.platform.process import exit_without_teardown
+
+    try:
+        main()
+    except SystemExit as e:  # what sys.exit gives: None or a number is the status, anything else goes to stderr
+        if e.code is None or isinstance(e.code, int):
+            exit_without_teardown(e.code or 0)
+        print(e.code, file=sys.stderr)
+        exit_without_teardown(1)
+    exit_without_teardown(0)

@@ -1,7 +1,11 @@
-"""What engines change in their process (platform/process.py) comes back as it was."""
+"""What engines change in their process (platform/process.py) comes back as it was; the processes that only run the
+engine end without the interpreter's teardown."""
 
+import subprocess
 import sys
+import textwrap
 
+import pytest
 import torch
 
 from tieredkv import EngineConfig
@@ -43,3 +47,51 @@ def test_an_engine_gives_the_process_its_thread_count_back_at_close(llama_dir):
     assert torch.get_num_threads() == before + 1
     core.close()
     assert torch.get_num_threads() == before
+
+
+def test_an_exit_without_teardown_keeps_the_status_the_atexit_handlers_and_the_output(tmp_path):
+    """exit_without_teardown (the core process, tensor-parallel ranks, the command line): the status given, the
+    atexit handlers run and buffered output written; what the interpreter's teardown would do (an object's
+    __del__ as the module's globals go) does not happen."""
+    script = textwrap.dedent(f"""
+        import atexit, sys
+        from tieredkv.platform.process import exit_without_teardown
+
+        class Teardown:
+            def __del__(self):
+                sys.stderr.write("torn down")
+
+        kept = Teardown()
+        atexit.register(lambda: open({str(tmp_path / "atexit")!r}, "w").write("ran"))
+        sys.stdout.write("buffered")  # no newline, into a pipe: still in the buffer
+        exit_without_teardown(3)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "buffered", "")
+    assert (tmp_path / "atexit").read_text() == "ran"
+
+
+@pytest.mark.parametrize("ends, status, stderr", [(None, 0, ""), (SystemExit(), 0, ""), (SystemExit(2), 2, ""),
+                                                  (SystemExit("tieredkv generate: no model"), 1,
+                                                   "tieredkv generate: no model\n")])
+def test_the_command_line_exits_with_mains_status(monkeypatch, capsys, ends, status, stderr):
+    """`tieredkv` (cli.run) ends as sys.exit would have ended main: a number is the status, a message goes to
+    stderr with status 1."""
+    import tieredkv.cli as cli
+    import tieredkv.platform.process as process
+
+    class Exited(Exception):
+        pass
+
+    def main():
+        if ends is not None:
+            raise ends
+
+    def exit_without_teardown(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(cli, "main", main)
+    monkeypatch.setattr(process, "exit_without_teardown", exit_without_teardown)
+    with pytest.raises(Exited) as exited:
+        cli.run()
+    assert exited.value.args == (status,) and capsys.readouterr().err == stderr

@@ -275,4 +275,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    from tieredkv.platform.process import exit_without_teardown
+
+    exit_without_teardown(main(sys.argv))  # the engine is closed, its cold tier written back

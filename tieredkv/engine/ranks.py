@@ -32,6 +32,7 @@ from tieredkv.config import EngineConfig
 from tieredkv.errors import RankStartError, TieredKVError
 from tieredkv.models.tp_group import TPGroup
 from tieredkv.models.tp_shard import Shard
+from tieredkv.platform.process import exit_without_teardown
 from tieredkv.runner.step_plan import rebuild
 from tieredkv.tiers.block_io import BlockIO
 
@@ -191,6 +192,9 @@ def rank_main(rank: int, world: int, port: int, settings: dict, leader_device: s
         pass
     finally:
         _leave_group()
+    hello.close()
+    hello.join_thread()  # (its one message went long ago: rank 0 formed the group after reading it)
+    exit_without_teardown(0)  # rank 0's close waits on this exit
 
 
 class Follower:
