@@ -136,7 +136,9 @@ class EngineCore:
             with_warm = tiers.warm is not None and bool(outside)
             if with_warm:  # warm's memory goes back too, its entries to the tiers outside
                 released["blocks_demoted"] += tiers.clear("warm", demote=True)
-            release_free_memory()  # the blocks' copies on their way down: trimmed now, the heap's top stays free
+            # the blocks' copies on their way down: trimmed now, the heap's top stays free (the collection of
+            # cycles is settle()'s, once: a full collection takes 0.1-0.4 s in a process holding many objects)
+            release_free_memory(collect=False)
             for tier in outside:
                 tier.flush_sync()  # the next request finds them there
             released["kv_bytes_released"] = sleeper.release_cache(tiers.warm if with_warm else None)
