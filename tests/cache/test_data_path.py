@@ -17,16 +17,19 @@ from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PROMOTE, SWAP_IN, SWAP_O
 BS, LAYERS, HEADS, DIM = 4, 2, 1, 2
 
 
-def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device="cpu", far=False):
+def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device="cpu", far=False, mode=None):
     """A pool, KV manager, cache, tier manager (warm, then `lower` in cold's place) and scheduler, as the engine
     builds them (build.build_cache_core) over a cache tensor of its own. With `far`, the warm slab is the cache
-    tensor's tail and the pool lends its slots as far blocks (in place, as on CPU)."""
-    cache = torch.zeros(LAYERS, 2, num_blocks + (warm_blocks if far else 0), BS, HEADS, DIM, device=device)
+    tensor's tail and the pool lends its slots as far blocks (in place, as on CPU); `mode="staged"` lends them from
+    a slab of its own (as on CUDA)."""
+    mode = mode or ("in place" if far else None)
+    cache = torch.zeros(LAYERS, 2, num_blocks + (warm_blocks if mode == "in place" else 0), BS, HEADS, DIM,
+                        device=device)
     cfg = EngineConfig(model="unused", block_size=BS, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                        scheduling_policy="fcfs")
     spec = SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS)
     tiers, kv, _, sched = build_cache_core(cfg, spec, num_blocks, cache, TORCH_OPS, "test", warm_blocks,
-                                           "in place" if far else None, cold=lower)
+                                           mode, cold=lower)
     return tiers.hot.pool, kv, cache, tiers, sched
 
 
@@ -147,6 +150,38 @@ def test_preemption_swaps_the_newest_out_first_and_back_in_intact():
     sched.finish(new, "stop")
     assert len(tiers.warm.free_slots) + len(tiers.warm.entries) == tiers.warm.capacity
     assert pool.num_free == pool.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["in place", "staged", None])
+def test_each_far_mode_makes_room_before_or_instead_of_preempting_as_its_policy_says(mode):
+    """A dry pool, planned under each far mode's room (core/far_blocks.py): read in place, old blocks of any running
+    sequence move below hot before anyone is preempted; staged, the newest sequence is preempted (swapped) first, and
+    a sequence that cannot fit even alone moves its own old blocks down; off, preemption is all there is."""
+    pool, kv, cache, tiers, sched = make(num_blocks=6, warm_blocks=16, budget=64, mode=mode)
+    old, new = seq(range(10, 19), "old"), seq(range(30, 39), "new")  # 3 blocks each: the whole pool
+    sched.add(old)
+    sched.add(new)
+    run_step(sched, tiers, cache, kv)
+    old.token_ids.extend([1] * 4)  # old needs a 4th block
+    out = run_step(sched, tiers, cache, kv)
+    kinds = [m.kind for m in out.moves]
+    if mode == "in place":  # old's oldest block (the first of the lowest position) goes down; nobody is preempted
+        assert kinds == [OFFLOAD] and not out.preempted and old.block_table[0].block_id == pool.far_base
+        assert sched.room.offloaded_blocks == 1 and not sched.room.swappable(old) and sched.room.swappable(new)
+        return
+    assert [s.request.request_id for s in out.preempted] == ["new"] and kinds == [SWAP_OUT] * 3
+    assert new.swapped is not None and sched.room.offloaded_blocks == 0
+    old.token_ids.extend([2] * 12)  # 25 tokens: 7 blocks on a pool of 6, with nobody else to preempt
+    out = run_step(sched, tiers, cache, kv)
+    kinds = [m.kind for m in out.moves]
+    if mode == "staged":  # its own old blocks go down: it keeps running
+        assert OFFLOAD in kinds and not out.preempted and (old, 12) in out.scheduled
+        assert pool.is_far(old.block_table[0]) and sched.room.offloaded_blocks == kinds.count(OFFLOAD)
+    else:  # it is its own victim
+        assert [s.request.request_id for s in out.preempted] == ["old"] and OFFLOAD not in kinds
+    sched.finish(old, "stop")
+    sched.finish(new, "stop")
+    assert pool.num_free == pool.num_blocks and pool.num_far == 0
 
 
 def test_free_releases_blocks_tail_first():
@@ -293,7 +328,7 @@ def test_offload_is_a_move_of_its_own_and_the_sequence_reads_its_old_blocks_in_p
     a.token_ids.extend(range(60, 64))  # a 5th block: its oldest full block goes to a far block
     out = run_step(sched, tiers, cache, kv)
     assert [(m.kind, m.src, m.dst) for m in out.moves] == [(OFFLOAD, 0, pool.far_base)] and not out.preempted
-    assert a.block_table[0].block_id == pool.far_base and pool.num_far == 1 and kv.offloaded_blocks == 1
+    assert a.block_table[0].block_id == pool.far_base and pool.num_far == 1 and sched.room.offloaded_blocks == 1
     assert block_values(cache, a)[:3] == before[:3]  # the data moved with the block
     keys = kv.chain_keys(a.token_ids)
     assert pool.cached_prefix(keys)[:3] == a.block_table[:3]  # its hash moved too
@@ -385,7 +420,7 @@ def test_planning_touches_no_tensor_and_warm_evictions_go_down_as_moves(far):
     writer = OFFLOAD if far else SWAP_OUT
     assert writer in kinds and PASS_DOWN in kinds
     assert max(i for i, k in enumerate(kinds) if k == PASS_DOWN) < kinds.index(writer)
-    assert (new.swapped is not None) is (not far) and (kv.offloaded_blocks > 0) is far
+    assert (new.swapped is not None) is (not far) and (sched.room.offloaded_blocks > 0) is far
     passed = [m for m in out.moves if m.kind == PASS_DOWN]
     for m in passed:  # what was in the slot when the step was planned reached cold, not what was written after
         got = cold.get_sync([m.key])

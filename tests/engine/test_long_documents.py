@@ -156,7 +156,7 @@ def test_pool_consistent_while_offloaded(llama_dir, small):
         core.add_request(core.factory.make(prompt, SamplingParams(max_tokens=20, n=1 + i, ignore_eos=True)))
     steps = []
     drive(core, each_step=lambda n, _: (check_pool_consistent(core), steps.append(n)))
-    assert core.kv.offloaded_blocks > 0 and len(steps) > 20
+    assert core.scheduler.room.offloaded_blocks > 0 and len(steps) > 20
     check_pool_clean(core)
 
 

@@ -60,13 +60,13 @@ def test_a_squeeze_offloads_or_preempts(core):
     """Three requests of 8 blocks each on a pool of 12: old blocks go to the warm tier (or, with
     offloading off or staged far blocks, the newest request is preempted first); every step keeps the
     pool consistent."""
-    before = core.kv.offloaded_blocks, core.scheduler.num_preemptions
+    before = core.scheduler.room.offloaded_blocks, core.scheduler.num_preemptions
     for i in range(3):
         prompt = [(5 * j + i) % 200 + 3 for j in range(22)]
         core.add_request(core.factory.make(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
     drive(core, each_step=lambda *_: check_pool_consistent(core))
     check_pool_clean(core)
-    offloaded, preempted = core.kv.offloaded_blocks - before[0], core.scheduler.num_preemptions - before[1]
+    offloaded, preempted = core.scheduler.room.offloaded_blocks - before[0], core.scheduler.num_preemptions - before[1]
     if core.config.offload == "off":
         assert offloaded == 0 and preempted > 0
     elif core.runner.far_base is None:  # far blocks read in place: offload, never preempt

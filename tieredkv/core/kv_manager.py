@@ -8,7 +8,7 @@ from tieredkv.core.sequence import Sequence
 from tieredkv.hashing import BlockHash, chain_keys, hash_block
 from tieredkv.tiers.base import BlockKey, Lent, SwapSpace
 from tieredkv.tiers.block_pool import BlockPool, KVBlock
-from tieredkv.tiers.moves import COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
+from tieredkv.tiers.moves import COPY, DEMOTE, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
 
 
 Blocks = typing.Sequence[KVBlock]  # cached prefix blocks, in order (a list, or () for none)
@@ -24,26 +24,21 @@ class KVCacheManager:
     The only writes into the cache happen at positions >= a sequence's num_computed_tokens, so only
     its last, partially filled block can be written while shared; that block is copied first
     (copy-on-write). Every data movement this implies (demoting evicted blocks, promoted or swapped-in
-    data, offloaded blocks, copy-on-write copies) is appended to `moves` in a safe order (see
+    data, swapped-out blocks, copy-on-write copies) is appended to `moves` in a safe order (see
     tiers/moves.py) for the step to carry out before its forward; this class itself only changes
-    metadata (block tables, the pool, and the warm tier's slot index through the pool's lender).
-
-    When the pool has a lender, a block table may also hold far blocks: full blocks that live in the
-    warm tier (block_pool.py). `offload` moves old full blocks there when the hot pool runs dry, and a
-    prefix found below hot that hot cannot hold is adopted in place (`adopt_far`); only the blocks a
-    sequence writes must be hot.
+    metadata (block tables, the pool, and the warm tier's slot index through `lend_slots`). Blocks of
+    running sequences that move below hot are planned by core/far_blocks.py, on this class's moves.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool, root: BlockHash,
                  swap: SwapSpace | None = None):
         self.pool = pool
-        self.swap = swap  # the tier that lends warm slots: swap-outs here, far blocks through the pool
+        self.swap = swap  # the tier that lends warm slots (lend_slots)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.root = root
         self.moves: list[BlockMove] = []
         self.cow_copies = 0
-        self.offloaded_blocks = 0  # hot blocks of running sequences moved to far blocks
 
     # -- hashing ---------------------------------------------------------------------------------
 
@@ -67,9 +62,6 @@ class KVCacheManager:
         n = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, n)
         return [BlockKey(seq.block_hashes[i], self._block_tokens(seq, i)) for i in range(n)]
-
-    def num_far_blocks(self, seq: Sequence) -> int:
-        return sum(1 for b in seq.block_table if self.pool.is_far(b))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed tokens since the last call."""
@@ -145,56 +137,11 @@ class KVCacheManager:
             seq.block_table.extend(self.allocate(need))
         return True
 
-    def adopt_far(self, seq: Sequence, cached: list[KVBlock], restore: Restore) -> list[KVBlock]:
-        """Takes the cached blocks, then the restored ones as far blocks, in place: nothing is copied
-        into hot (for a prefix larger than what hot can hold). Some restored blocks may be lost if warm
-        has no room left for data read from below; they are recomputed. Then continues the prefix with
-        cached blocks after them (a document's last blocks often stay hot) and returns those."""
-        self.pool.touch(cached)
-        seq.block_table.extend(cached)
-        seq.block_table.extend(self._place_far(restore, seq.block_table[-1].block_hash if seq.block_table else None))
-        more = self.pool.cached_prefix(self.lookup_keys(seq)[len(seq.block_table) :])
-        self.pool.touch(more)
-        self.pool.popularity.use(b.block_hash for b in seq.block_table if b.block_hash is not None)
-        seq.block_table.extend(more)
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        seq.num_cached_blocks = len(seq.block_table)
-        return more
-
-    def _place_far(self, restore: Restore, parent: BlockHash | None) -> list[KVBlock]:
-        """Far blocks over a finished lookup's blocks, registered under its keys, in order: lent warm
-        slots are kept where they are; data read from a lower tier goes into newly lent ones (a PROMOTE
-        move each). Stops early (releasing what is left) when warm cannot lend more."""
-        blocks: list[KVBlock] = []
-        for i, part in enumerate(restore.parts):
-            if part.slots is not None:
-                blocks.extend(self.pool.far_block(slot) for slot in part.slots)
-                continue
-            fresh = self._lend(part.num_blocks)
-            if fresh is None:  # warm is full of blocks in use: the rest is recomputed
-                for rest in restore.parts[i + 1 :]:
-                    if rest.slots is not None:
-                        self.pool.lender.release(rest.slots)
-                break
-            keys = restore.keys[len(blocks) : len(blocks) + len(fresh)]
-            self.moves.extend(BlockMove(PROMOTE, None, b.block_id, key, part.data[j], part.tier)
-                              for j, (b, key) in enumerate(zip(fresh, keys)))
-            blocks.extend(fresh)
-        for block, key in zip(blocks, restore.keys):
-            self.pool.cache(block, key.block_hash, key.token_ids, parent)
-            parent = key.block_hash
-        return blocks
-
-    def _lend(self, n: int) -> list[KVBlock] | None:
-        """n far blocks over lent warm slots (see _lend_slots)."""
-        slots = self._lend_slots(n)
-        return None if slots is None else [self.pool.far_block(slot) for slot in slots]
-
-    def _lend_slots(self, n: int, whole_sequence: bool = False) -> list[int] | None:
-        """The one way KV leaves the hot pool while planning: n warm slots lent to blocks of one sequence, for far
-        blocks (offload, adoption in place) or for a preempted sequence's whole table (a swap-out, under the swap
-        space's cap: SwapSpace.reserve); what the warm tier evicts for them goes on down first (PASS_DOWN moves).
-        None: no room."""
+    def lend_slots(self, n: int, whole_sequence: bool = False) -> list[int] | None:
+        """The one way KV leaves the hot pool while planning: n warm slots lent to blocks of one sequence, for
+        blocks of running sequences kept below hot (core/far_blocks.py: an offload, an adoption in place) or for a
+        preempted sequence's whole table (a swap-out, under the swap space's cap: SwapSpace.reserve); what the
+        warm tier evicts for them goes on down first (PASS_DOWN moves). None: no room."""
         if self.swap is None or n == 0:
             return None
         slots, evicted = self.swap.reserve(n) if whole_sequence else self.swap.lend(n)
@@ -204,7 +151,7 @@ class KVCacheManager:
     def pass_down(self, evicted: Lent) -> None:
         """Moves for entries the warm tier evicted to lend their slots: each is read from its slot, and goes to the
         tier below, before the moves planned after it write into the slot. The one route down from warm while
-        planning (a swap-out's reservation, far blocks); nothing is read until the moves run."""
+        planning (lend_slots); nothing is read until the moves run."""
         self.moves.extend(BlockMove(PASS_DOWN, slot, None, key, None, "warm") for key, slot in zip(*evicted))
 
     def allocate(self, n: int) -> list[KVBlock]:
@@ -251,7 +198,7 @@ class KVCacheManager:
         """Offloads a preempted sequence whole: SWAP_OUT moves of its blocks into lent warm slots (read out before
         anything is written into the blocks), and the restore that swaps them back in; None when warm has no room.
         The caller frees seq's blocks."""
-        slots = self._lend_slots(len(seq.block_table), whole_sequence=True)
+        slots = self.lend_slots(len(seq.block_table), whole_sequence=True)
         if slots is None:
             return None
         self.moves.extend(BlockMove(SWAP_OUT, b.block_id, slot) for b, slot in zip(seq.block_table, slots))
@@ -280,37 +227,3 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
         seq.num_computed_tokens = 0
-
-    # -- offloading --------------------------------------------------------------------------------
-
-    def offload(self, n: int, seqs: list[Sequence]) -> int:
-        """Frees up to n hot blocks by moving old full blocks of `seqs` to far blocks (lowest positions
-        first, so a sequence keeps its latest blocks hot). A block qualifies when every reference to it
-        comes from `seqs` and it is computed in all of them. Returns the number of hot blocks freed."""
-        if self.pool.lender is None or n <= 0:
-            return 0
-        holders: dict[KVBlock, list[tuple[Sequence, int]]] = {}
-        for seq in seqs:
-            for i in range(seq.num_computed_tokens // self.block_size):
-                block = seq.block_table[i]
-                if not self.pool.is_far(block):
-                    holders.setdefault(block, []).append((seq, i))
-        ready = [block for block, refs in holders.items() if len(refs) == block.ref_cnt]
-        ready.sort(key=lambda block: holders[block][0][1])
-        chosen = ready[: min(n, self.pool.num_far_available)]
-        fars = self._lend(len(chosen)) if chosen else None
-        if not fars:
-            return 0
-        for hot, far in zip(chosen, fars):
-            refs = holders[hot]
-            self.moves.append(BlockMove(OFFLOAD, hot.block_id, far.block_id))
-            if hot.block_hash is not None:
-                key, parent = BlockKey(hot.block_hash, hot.token_ids), hot.parent
-                self.pool.uncache(hot)
-                self.pool.cache(far, key.block_hash, key.token_ids, parent)
-            far.ref_cnt = len(refs)
-            for seq, i in refs:
-                seq.block_table[i] = far
-            self.pool.free([hot] * len(refs))
-        self.offloaded_blocks += len(chosen)
-        return len(chosen)

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tieredkv.core.cache_index import CacheIndex
-from tieredkv.core.kv_manager import Blocks, KVCacheManager
+from tieredkv.core.far_blocks import Room
+from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.sequence import Sequence, SeqStatus
 from tieredkv.hashing import BlockHash
 from tieredkv.tiers.lookup import Lookup, count_lookup, describe
@@ -67,22 +68,20 @@ class Scheduler:
     sharing): it is admitted once those blocks are cached, so a prefix that several requests bring at
     once is computed by the first of them only.
 
-    `offload` says what a dry pool does when far blocks are on (sizing.far_mode): "first" (far
-    blocks cost nothing to read: old blocks of any running sequence move to far blocks before anyone is
-    preempted), "last" (far blocks are staged for each step that reads them, by the runner: preemption
-    comes first, but a sequence that cannot fit beside the others, or whose victim holds far blocks and
-    so would be recomputed, offloads its own request's old blocks instead), or None (off: preempt).
+    `room` is where a dry pool may make room without preempting (core/far_blocks.py: old blocks of running
+    sequences moved below hot, before or instead of a preemption, as its policy says), and where a prefix found
+    below hot that hot cannot hold is adopted in place; without one, a dry pool preempts.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, tiers: TierManager,
-                 index: CacheIndex, offload: Literal["first", "last"] | None = None,
+                 index: CacheIndex, room: Room | None = None,
                  policy: Literal["shortest_prefill", "fcfs"] = "fcfs"):
         self.kv = kv
         self.tiers = tiers
         self.index = index  # where a waiting sequence's prefix is: the pool, then the tiers below
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.offload = offload
+        self.room = room or Room(kv)
         self.policy = policy
         self.max_draft_rows: int | None = None  # the most rows a step with drafts may compute (_fit_draft_rows)
         self.admit_window = 2 * max_num_seqs  # waiting sequences the policy orders (the rest follow in arrival order)
@@ -155,18 +154,14 @@ class Scheduler:
         """Allocates blocks for n new tokens of seq; returns how many fit (0: seq itself was preempted)."""
         if self.kv.allocate_slots(seq, n):
             return n
-        if self.offload == "first":  # before preempting anyone
-            n = self._make_room(seq, n) or n
-            if self.kv.allocate_slots(seq, n):
-                return n
+        fitting = self.room.before_preempting(seq, n, self.running)
+        if fitting and self.kv.allocate_slots(seq, fitting):
+            return fitting
         while True:
             victim = self._pick_victim(step.scheduled, seq)
-            if self.offload == "last" and (victim is seq or self.kv.num_far_blocks(victim)):
-                # seq cannot fit beside the others, or the victim would be recomputed (far blocks are not
-                # swapped): seq's own request's old blocks go first
-                fitting = self._make_room(seq, n)
-                if fitting and self.kv.allocate_slots(seq, fitting):
-                    return fitting
+            fitting = self.room.instead_of_preempting(seq, victim, n, self.running)
+            if fitting and self.kv.allocate_slots(seq, fitting):
+                return fitting
             for s in self._group(victim, step):
                 self._preempt(s)
                 step.preempted.append(s)
@@ -247,14 +242,14 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, cached: list, restore: "Restore | Lookup | None", step: _Step) -> bool:
         """Gives seq its cached prefix, what a finished lookup found below hot (promoted into hot, or
-        adopted in place as far blocks when hot cannot hold it) or its swapped blocks, and blocks for its
+        adopted in place below hot when hot cannot hold it: self.room) or its swapped blocks, and blocks for its
         first chunk. Returns False, holding nothing, when it does not fit now."""
-        promoting, far = isinstance(restore, Lookup), False
+        promoting, in_place = isinstance(restore, Lookup), False
         if isinstance(restore, Lookup):  # room for what it found, before taking anything from the tiers
             fits_hot = self._lookup_fits(seq, cached, restore, step.budget)
             if fits_hot is None:
                 return False  # the finished lookup stays for the next attempt
-            far = not fits_hot
+            in_place = not fits_hot
             seq.lookup = None
             taken = self.tiers.finish_lookup(restore, len(cached))  # at most what it found (and how it was read)
             if seq.request.cache_decision is None:
@@ -262,14 +257,14 @@ class Scheduler:
         else:
             taken = restore
         hits = cached
-        if far and taken is not None:
-            hits = cached + self.kv.adopt_far(seq, cached, taken)
+        if in_place and taken is not None:
+            hits = cached + self.room.adopt(seq, cached, taken)
             cached = []
-        n = self._fit_waiting(seq, cached, None if far else taken, step.budget)
+        n = self._fit_waiting(seq, cached, None if in_place else taken, step.budget)
         if n is None:
-            if promoting and not far:  # cannot happen after can_allocate; never leak a taken slot
+            if promoting and not in_place:  # cannot happen after can_allocate; never leak a taken slot
                 self.tiers.drop_restore(taken)
-            self.kv.free(seq)  # (holds far blocks only if adopt_far ran; then cannot happen either)
+            self.kv.free(seq)  # (holds adopted blocks only if room.adopt ran; then cannot happen either)
             return False  # a swapped sequence keeps its swap slots for the next attempt
         self.waiting.remove(seq)
         seq.swapped = None
@@ -294,14 +289,14 @@ class Scheduler:
         n = min(seq.num_tokens - (len(cached) + found) * bs, budget)
         if self.kv.can_allocate(seq, n, cached, found, found * bs):
             return True
-        return False if self._make_room(seq, 1, cached) > 0 else None
+        return False if self.room.make_room(seq, 1, self.running, cached) > 0 else None
 
     def _fit_waiting(self, seq: Sequence, cached: list, restore: Restore | None, budget: int) -> int | None:
         """Allocates seq's first chunk after its prefix; returns its tokens, or None when it does not fit."""
         done = seq.num_computed_tokens + len(cached) * self.kv.block_size + (restore.num_tokens if restore else 0)
         n = min(seq.num_tokens - done, budget)
         if restore is None and not self.kv.can_allocate(seq, n, cached):
-            n = self._make_room(seq, n, cached)
+            n = self.room.make_room(seq, n, self.running, cached)
             if n == 0:
                 return None
         return n if self.kv.allocate_slots(seq, n, cached, restore) else None
@@ -373,17 +368,6 @@ class Scheduler:
         self.prefix_cache_queries += seq.num_prompt_tokens
         self.prefix_cache_hits += req.num_cached_tokens
 
-    def _make_room(self, seq: Sequence, n: int, cached: Blocks = ()) -> int:
-        """With far blocks: offloads old blocks of the running sequences (with offload "last", only those
-        of seq's own request) until seq's n new tokens fit in the hot pool, or as many as can go;
-        returns the new tokens that fit now (at most n)."""
-        if self.offload is None:
-            return 0
-        need = self.kv.num_blocks_needed(seq, n, cached) - self.kv.allocatable(cached)
-        holders = self.running if self.offload == "first" else [s for s in self.running if s.request is seq.request]
-        self.kv.offload(need, holders if seq in holders else [*holders, seq])
-        return min(n, self.kv.max_new_tokens(seq, cached))
-
     def _pick_victim(self, scheduled: dict[Sequence, int], current: Sequence) -> Sequence:
         candidates = [s for s in self.running if s not in scheduled and s is not current]
         return max(candidates, key=lambda s: s.admit_order) if candidates else current
@@ -408,8 +392,9 @@ class Scheduler:
         self.running.remove(seq)
         seq.spec_tokens = []
         self._release(seq)
-        # with far blocks, or a beam waiting for its siblings (nothing left to compute): recomputed, from the cache
-        if not self.kv.num_far_blocks(seq) and not seq.parked:
+        # one the room's policy cannot swap, or a beam waiting for its siblings (nothing left to compute): recomputed,
+        # from the cache
+        if self.room.swappable(seq) and not seq.parked:
             seq.swapped = self.kv.swap_out(seq)
             if seq.swapped is not None:
                 self.num_swaps += 1

@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from tieredkv.config import EngineConfig
 from tieredkv.core.cache_index import CacheIndex
+from tieredkv.core.far_blocks import FAR_POLICY
 from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.pins import PinTable
 from tieredkv.core.scheduler import Scheduler
@@ -48,11 +48,6 @@ from tieredkv.tiers.policy import Admission, Popularity
 
 log = logging.getLogger("tieredkv")
 
-# the scheduler's far-block policy for each far mode (sizing.far_mode): which blocks of a sequence that outgrows
-# the hot pool stay below it
-FAR_POLICY: dict[str | None, Literal["first", "last"]] = {"in place": "first", "staged": "last"}
-
-
 def build_cache_core(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
                      fingerprint: str, num_warm_blocks: int, far_blocks: str | None, tp: TPGroup | None = None,
                      cold: KVTier | None = None) -> tuple[TierManager, KVCacheManager, CacheIndex, Scheduler]:
@@ -65,7 +60,7 @@ def build_cache_core(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cac
                         tiers.swap)
     index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
-                          offload=FAR_POLICY.get(far_blocks), policy=cfg.scheduling_policy)
+                          room=FAR_POLICY[far_blocks](kv), policy=cfg.scheduling_policy)
     return tiers, kv, index, scheduler
 
 
