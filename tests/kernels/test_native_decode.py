@@ -205,3 +205,37 @@ def test_native_step_verifies_drafts_as_the_eager_forward(lib, llama_dir, phi3_d
         for w, g in zip(eager[1:], native[1:]):
             assert w.shape == g.shape
             assert (w - g).abs().max() <= 1e-3 * w.abs().max(), (w - g).abs().max()
+
+
+@pytest.mark.parametrize("scheme", [dict(quantization="int4"), dict(quantization="int8"),
+                                    dict(quantization="int4", quantization_group_size=64,
+                                         quantization_symmetric=True)], ids=["int4", "int8", "int4-sym-64"])
+def test_native_verification_rows_are_plain_native_decoding_to_the_bits(lib, llama_dir, scheme):
+    """A speculative step's rows through the native step give plain native decoding's log-probabilities bit for bit
+    (the product kernels take a row's sums in one order for one row or several, quant_cpu.c q4_row; attention reads
+    each row's positions as a decode step does), so drafts never change a greedy token, however close its runner-up;
+    on each build of the kernels."""
+    from test_speculative import Oracle
+
+    prompt = PROMPTS[1]
+    cfg = dict(model=str(llama_dir), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, compile_decode=True,
+               **scheme)
+    params = SamplingParams(max_tokens=2 * NEW, ignore_eos=True, logprobs=0)
+
+    def logprobs(core: EngineCore) -> list:
+        assert isinstance(core.runner.compiled, NativeDecode)
+        out = drive(core, [core.factory.make(prompt, params)])
+        return [lp for _, chunk in out for lp in chunk.logprobs]
+
+    plain_core = EngineCore(EngineConfig(**cfg))
+    plain = logprobs(plain_core)
+    plain_core.close()
+    core = EngineCore(EngineConfig(**cfg, speculative={"method": "ngram", "num_speculative_tokens": 5,
+                                                       "adaptive": False}))
+    core.parts.speculator.proposer = Oracle({tuple(prompt): [lp.token_id for lp in plain]}, 10**6, spoil=3)
+    try:
+        assert logprobs(core) == plain and len(plain) == 2 * NEW
+        spec = core.stats().speculative
+        assert spec.num_accepted_tokens > NEW // 2 and spec.num_draft_tokens > spec.num_accepted_tokens
+    finally:
+        core.close()

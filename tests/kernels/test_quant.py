@@ -103,6 +103,21 @@ def test_kernel_matches_dequantized_reference(lib, fmt, k, rows):
     assert got3.shape == (1, rows, n) and got3.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fmt", [*FORMATS, "gguf-Q5_1"])
+def test_a_row_is_the_same_bits_alone_or_among_others(lib, fmt):
+    """The one-row kernels and the blocks of several rows take each row's sums in one order (quant_cpu.c: q4_row,
+    q8_row, row_out): a decode step's row is the same bits alone or batched, and a speculative step's verification
+    rows the same as decoding them one at a time (greedy output must not change). Every format, groups past the
+    last eight (320 inputs), with and without a bias, on this processor's build and the plain C one."""
+    k = 256 if fmt in ("int4-g128", *K_QUANTS) else 320
+    qw = weights(fmt, 37, k)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2)) * 3
+    for bias in (None, torch.randn(37)):
+        alone = torch.cat([quant.quant_linear(x[i : i + 1], qw, bias) for i in range(6)])
+        for rows in (2, 3, 5, 6):
+            assert torch.equal(quant.quant_linear(x[:rows], qw, bias), alone[:rows]), (rows, bias is None)
+
+
 def test_int8_blocks_serve_many_rows_only_where_measured_clearly_faster(monkeypatch, tmp_path):
     """The choice for many rows on 4-bit weights (quant.int8_many_rows_win) is measured once per processor and
     shapes, kept in the cache directory, and goes to int8 blocks only by a clear margin (they cost accuracy)."""

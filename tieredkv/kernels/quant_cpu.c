@@ -12,6 +12,9 @@
  * 2^-16 of the row's largest value, finer than bf16), which lets the inner loop multiply 16 weights by
  * 16 activations and add pairs in one instruction (vpmaddwd); the sums are exact in int32 and each
  * group's sum is scaled in fp32. The offsets multiply the group's sum of the fp32 activations.
+ * The one-row kernels and the blocks of several rows take a row's sums in one order (q4_row, q8_row, row_out),
+ * so a row's output is the same bits alone or among others (a batched decode step, a speculative step's
+ * verification rows); the 512-bit one-row kernel for int4 groups of 32 (q4_row512) is the exception.
  * On a processor without AVX2 the same arithmetic runs in plain C. */
 
 #include <math.h>
@@ -129,7 +132,9 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t g, int16
 }
 
 
-/* The offsets' part of one output: sum over the G groups of m[b] * (the group's sum of the activations) */
+/* The offsets' part of one output: sum over the G groups of m[b] * (the group's sum of the activations) (the tail's
+ * products added with an explicit fma: the compiler's contraction of `z + a * b` may differ between inlined copies,
+ * and a row's output must be the same bits whichever product computes it) */
 static float offset_sum(const uint16_t *mr, const float *xs, int64_t G) {
     float z = 0.f;
     int64_t b = 0;
@@ -140,9 +145,14 @@ static float offset_sum(const uint16_t *mr, const float *xs, int64_t G) {
                               acc);
     z = hsum(acc);
 #endif
-    for (; b < G; b++) z += h2f(mr[b]) * xs[b];
+    for (; b < G; b++) z = fmaf(h2f(mr[b]), xs[b], z);
     return z;
 }
+
+/* One output of the int16-row products, in the same operations whichever product computes it (one row or many):
+ * the products' sum `total` times the activation row's scale plus the bias, in one explicit fma, then the offsets'
+ * part `z` */
+static inline float row_out(float total, float sx, float bias, float z) { return fmaf(total, sx, bias) + z; }
 
 #ifndef TKV_AVX2
 /* Without AVX2: one weight row times one activation row, the arithmetic the vector paths do (exact int32 sums
@@ -248,8 +258,9 @@ INLINE void q8_block(const int16_t *xq, const float *sx, const float *xsum, int6
 #endif
     for (int i = 0; i < mt; i++)
         for (int r = 0; r < rows; r++)
-            out[(m + i) * N + n + r] = res[i][r] * sx[m + i] + (bias ? bias[n + r] : 0.f) +
-                                       (mn ? offset_sum(mn + (n + r) * (K / g), xsum + (m + i) * (K / g), K / g) : 0.f);
+            out[(m + i) * N + n + r] = row_out(res[i][r], sx[m + i], bias ? bias[n + r] : 0.f,
+                                               mn ? offset_sum(mn + (n + r) * (K / g), xsum + (m + i) * (K / g), K / g)
+                                                  : 0.f);
 }
 
 /* The codes, scales and offsets of weight rows n..n+RB-1 (a short block repeats row n past its `rows`) */
@@ -287,17 +298,21 @@ INLINE __m256i q4_group(const uint8_t *qr, const int16_t *xq, int64_t b, int64_t
     return acc;
 }
 
-/* Groups b..b+7 of a q4 row: their scales and offsets converted together, two accumulators in turn */
-INLINE void q4_chunk(const uint8_t *qr, const int16_t *xq, const float *xsum, const uint16_t *dr, const uint16_t *mr,
-                     int64_t b, int64_t g, __m256 *f0, __m256 *f1, __m256 *zacc) {
-    float ds[8];
-    _mm256_storeu_ps(ds, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
-    *zacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + b))), _mm256_loadu_ps(xsum + b),
-                            *zacc);
-    for (int i = 0; i < 8; i += 2) {
-        *f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b + i, g)), _mm256_broadcast_ss(ds + i), *f0);
-        *f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b + i + 1, g)), _mm256_broadcast_ss(ds + i + 1), *f1);
+/* A q4 row's G groups times one activation row, in the order of the multi-row blocks (q4_block, block32), so that
+ * a row's product is the same bits alone or among others (a decode step alone or batched, a speculative step's
+ * verification rows against plain decoding): each group's int32 sums scaled into one fp32 accumulator, group after
+ * group (the scales converted eight at a time), its lanes summed at the end. Returns that sum. */
+INLINE float q4_row(const uint8_t *qr, const int16_t *xq, const uint16_t *dr, int64_t G, int64_t g) {
+    __m256 f = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= G; b += 8) {
+        float ds[8];
+        _mm256_storeu_ps(ds, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
+        for (int i = 0; i < 8; i++)
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b + i, g)), _mm256_broadcast_ss(ds + i), f);
     }
+    for (; b < G; b++) f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b, g)), _mm256_set1_ps(h2f(dr[b])), f);
+    return hsum(f);
 }
 #endif
 
@@ -445,15 +460,15 @@ INLINE void q4_block(const int16_t *xq, const float *sx, const float *xsum, int6
             }
         }
         for (int r = 0; r < RB; r++) {
-            float z = h2f(mr[r][b]);
             __m256 s = _mm256_set1_ps(h2f(dr[r][b]));
-            for (int i = 0; i < mt; i++) {
-                facc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), s, facc[i][r]);
-                zsum[i][r] += z * xsum[(m + i) * G + b];
-            }
+            for (int i = 0; i < mt; i++) facc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), s, facc[i][r]);
         }
     }
-    for (int i = 0; i < mt; i++) for (int r = 0; r < RB; r++) res[i][r] = hsum(facc[i][r]);
+    for (int i = 0; i < mt; i++)
+        for (int r = 0; r < RB; r++) {
+            res[i][r] = hsum(facc[i][r]);
+            zsum[i][r] = offset_sum(mr[r], xsum + (m + i) * G, G);
+        }
 #else
     for (int i = 0; i < mt; i++)
         for (int r = 0; r < RB; r++)
@@ -461,7 +476,7 @@ INLINE void q4_block(const int16_t *xq, const float *sx, const float *xsum, int6
 #endif
     for (int i = 0; i < mt; i++)
         for (int r = 0; r < rows; r++)
-            out[(m + i) * N + n + r] = res[i][r] * sx[m + i] + zsum[i][r] + (bias ? bias[n + r] : 0.f);
+            out[(m + i) * N + n + r] = row_out(res[i][r], sx[m + i], bias ? bias[n + r] : 0.f, zsum[i][r]);
 }
 
 #ifdef TKV_AVX2
@@ -524,8 +539,8 @@ INLINE void block32(const int bits, const int16_t *xq, const float *sx, const fl
     }
     for (int i = 0; i < mt; i++)
         for (int r = 0; r < rows; r++)
-            out[(m + i) * N + n + r] = hsum(facc[i][r]) * sx[m + i] + (bias ? bias[n + r] : 0.f) +
-                                       (mn ? offset_sum(mn + (n + r) * G, xsum + (m + i) * G, G) : 0.f);
+            out[(m + i) * N + n + r] = row_out(hsum(facc[i][r]), sx[m + i], bias ? bias[n + r] : 0.f,
+                                               mn ? offset_sum(mn + (n + r) * G, xsum + (m + i) * G, G) : 0.f);
 }
 #endif
 
@@ -595,10 +610,11 @@ int tkv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     const size_t a = lines((size_t)(M * K) * 2 * sizeof(int16_t)), b = lines((size_t)M * sizeof(float));
     char *mem = tkv_scratch(a + b + (size_t)(M * (K / g)) * sizeof(float));
     if (!mem) return -1;
-    int16_t *xq = (int16_t *)mem, *xp = xq + M * K;
+    int16_t *xq = (int16_t *)mem;
     float *sx = (float *)(mem + a), *xsum = (float *)(mem + a + b);
     quantize_rows(x, M, K, g, xq, sx, xsum);
 #ifdef TKV_AVX512
+    int16_t *xp = xq + M * K;
     const int wide = g == 32 && K >= 256;  /* at least one chunk of eight groups */
     if (wide)
         for (int64_t m = 0; m < M; m++) pair_order(xq + m * K, K / 32 / 8 * 8, xp + m * K);
@@ -648,17 +664,25 @@ INLINE __m256i q8_span(const int8_t *qr, const int16_t *xq, int64_t s0, int64_t 
     return acc;
 }
 
-/* Groups b..b+7 of a q8 row (groups of g <= SPAN): their scales converted together, two accumulators in turn */
-INLINE void q8_chunk(const int8_t *qr, const int16_t *xq, const uint16_t *dr, int64_t b, int64_t g, __m256 *f0,
-                     __m256 *f1) {
-    float ds[8];
-    _mm256_storeu_ps(ds, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
-    for (int i = 0; i < 8; i += 2) {
-        *f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_span(qr, xq, (b + i) * g, (b + i + 1) * g)),
-                              _mm256_broadcast_ss(ds + i), *f0);
-        *f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_span(qr, xq, (b + i + 1) * g, (b + i + 2) * g)),
-                              _mm256_broadcast_ss(ds + i + 1), *f1);
-    }
+/* A q8 row's G groups times one activation row, in q8_block's order (see q4_row): each group's int32 sums, in
+ * pieces of at most SPAN inputs, scaled into one fp32 accumulator (the scales of groups of g <= SPAN converted eight
+ * at a time), its lanes summed at the end. Returns that sum. */
+INLINE float q8_row(const int8_t *qr, const int16_t *xq, const uint16_t *dr, int64_t G, int64_t g) {
+    __m256 f = _mm256_setzero_ps();
+    int64_t b = 0;
+    if (g <= SPAN)
+        for (; b + 8 <= G; b += 8) {
+            float ds[8];
+            _mm256_storeu_ps(ds, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
+            for (int i = 0; i < 8; i++)
+                f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_span(qr, xq, (b + i) * g, (b + i + 1) * g)),
+                                    _mm256_broadcast_ss(ds + i), f);
+        }
+    for (; b < G; b++)  /* the rest, and groups longer than SPAN (one scale per row) in pieces */
+        for (int64_t s0 = b * g; s0 < (b + 1) * g; s0 += SPAN)
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_span(qr, xq, s0, s0 + SPAN < (b + 1) * g ? s0 + SPAN : (b + 1) * g)),
+                                _mm256_set1_ps(h2f(dr[b])), f);
+    return hsum(f);
 }
 #endif
 
@@ -711,37 +735,59 @@ static void q8_share(const tkv_qw *w, const char *mem, float *out) {
         const uint16_t *dr = d + n * G;
         if (n + AHEAD_ROWS < N) ahead(qr + AHEAD_ROWS * K, K);
 #ifdef TKV_AVX2
-        int64_t b = 0;
-        __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
+        float total;
 #ifdef TKV_AVX512
         if (g % 64 == 0) {  /* int8's one group a row (GGUF's groups of 32 run faster on the 256-bit steps below) */
             __m512 e = _mm512_setzero_ps();
-            for (; b < G; b++)
+            for (int64_t b = 0; b < G; b++)
                 for (int64_t s0 = b * g; s0 < (b + 1) * g; s0 += SPAN)
                     e = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_span512(qr, xq, s0, s0 + SPAN < (b + 1) * g ?
                                                                       s0 + SPAN : (b + 1) * g)),
                                         _mm512_set1_ps(h2f(dr[b])), e);
-            f0 = halves_sum(e);
-        }
+            total = hsum(halves_sum(e));
+        } else
 #endif
         if (g == 32)  /* GGUF's Q8_0 and Q5_0, and Q6_K's 16: inlined with constants */
-            for (; b + 8 <= G; b += 8) q8_chunk(qr, xq, dr, b, 32, &f0, &f1);
+            total = q8_row(qr, xq, dr, G, 32);
         else if (g == 16)
-            for (; b + 8 <= G; b += 8) q8_chunk(qr, xq, dr, b, 16, &f0, &f1);
-        else if (g <= SPAN)
-            for (; b + 8 <= G; b += 8) q8_chunk(qr, xq, dr, b, g, &f0, &f1);
-        for (; b < G; b++)  /* the rest, and groups longer than SPAN (one scale per row) in pieces */
-            for (int64_t s0 = b * g; s0 < (b + 1) * g; s0 += SPAN) {
-                __m256i acc = q8_span(qr, xq, s0, s0 + SPAN < (b + 1) * g ? s0 + SPAN : (b + 1) * g);
-                f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(h2f(dr[b])), f0);
-            }
-        float total = hsum(_mm256_add_ps(f0, f1));
+            total = q8_row(qr, xq, dr, G, 16);
+        else
+            total = q8_row(qr, xq, dr, G, g);
 #else
         float total = q8_row_c(qr, xq, dr, K, g);
 #endif
-        out[n] = total * sx + (bias ? bias[n] : 0.f) + (mn ? offset_sum(mn + n * G, a.xsum, G) : 0.f);
+        out[n] = row_out(total, sx, bias ? bias[n] : 0.f, mn ? offset_sum(mn + n * G, a.xsum, G) : 0.f);
     }
 }
+
+#ifdef TKV_AVX512
+/* q4_share's row for groups of 32 on 512-bit registers: chunks of eight groups and pairs (q4_chunk512, q4_pair), the
+ * rest on 256-bit ones; the output with its scale `sx` and bias. (Its sums are in another order than
+ * q4_block512's for many rows.) */
+INLINE float q4_row512(const uint8_t *qr, const int16_t *xq, const int16_t *xp, const float *xsum,
+                       const uint16_t *dr, const uint16_t *mr, int64_t G, float sx, float bias) {
+    const int64_t G8 = G / 8 * 8, G2 = G / 2 * 2;  /* the groups 512-bit steps take */
+    int64_t b = 0;
+    __m256 zacc = _mm256_setzero_ps();
+    float ztail = 0.f;
+    __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+    for (; b < G8; b += 8) q4_chunk512(qr, xp, xsum, dr, mr, b, &e0, &e1, &zacc);
+    for (; b < G2; b += 2) {  /* pairs past the chunks (a row of 576: 16 groups in chunks, one pair) */
+        uint32_t two;
+        memcpy(&two, dr + b, 4);
+        __m512 ds = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_cvtsi32_si128((int)two)));
+        e0 = q4_pair(qr, xp, b, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1,
+                                                                         1, 1, 1), ds), e0);
+        ztail += h2f(mr[b]) * xsum[b] + h2f(mr[b + 1]) * xsum[b + 1];
+    }
+    __m256 f = halves_sum(_mm512_add_ps(e0, e1));
+    for (; b < G; b++) {  /* the group past the pairs */
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b, 32)), _mm256_set1_ps(h2f(dr[b])), f);
+        ztail += h2f(mr[b]) * xsum[b];
+    }
+    return hsum(f) * sx + (hsum(zacc) + ztail) + bias;
+}
+#endif
 
 static void q4_share(const tkv_qw *w, const char *mem, float *out) {
     const int64_t K = w->K, g = w->g, N = w->N, G = K / g;
@@ -751,48 +797,27 @@ static void q4_share(const tkv_qw *w, const char *mem, float *out) {
     const int16_row a = int16_row_at(mem, K);
     const int16_t *xq = a.xq;
     const float sx = *a.sx, *xsum = a.xsum;
-#ifdef TKV_AVX512
-    const int16_t *xp = a.xp;
-    const int64_t G8 = g == 32 ? G / 8 * 8 : 0, G2 = g == 32 ? G / 2 * 2 : 0;  /* the groups 512-bit steps take */
-#endif
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; i++) {
         const int64_t n = two_streams(i, N);
         const uint8_t *qr = q + n * (K / 2);
         const uint16_t *dr = d + n * G, *mr = mn + n * G;
-        float total, z;
+        const float b = bias ? bias[n] : 0.f;
         if (n + AHEAD_ROWS < N) ahead(qr + AHEAD_ROWS * (K / 2), K / 2);
-#ifdef TKV_AVX2
-        int64_t b = 0;
-        __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps(), zacc = _mm256_setzero_ps();
-        float ztail = 0.f;
 #ifdef TKV_AVX512
-        __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
-        for (; b < G8; b += 8) q4_chunk512(qr, xp, xsum, dr, mr, b, &e0, &e1, &zacc);
-        for (; b < G2; b += 2) {  /* pairs past the chunks (a row of 576: 16 groups in chunks, one pair) */
-            uint32_t two;
-            memcpy(&two, dr + b, 4);
-            __m512 ds = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_cvtsi32_si128((int)two)));
-            e0 = q4_pair(qr, xp, b, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1,
-                                                                             1, 1, 1), ds), e0);
-            ztail += h2f(mr[b]) * xsum[b] + h2f(mr[b + 1]) * xsum[b + 1];
+        if (g == 32) {
+            out[n] = q4_row512(qr, xq, a.xp, xsum, dr, mr, G, sx, b);
+            continue;
         }
-        f0 = halves_sum(_mm512_add_ps(e0, e1));
 #endif
-        if (g == 32)  /* the common size (GGUF's, the int4 default): inlined with a constant, no inner loop */
-            for (; b + 8 <= G; b += 8) q4_chunk(qr, xq, xsum, dr, mr, b, 32, &f0, &f1, &zacc);
-        else
-            for (; b + 8 <= G; b += 8) q4_chunk(qr, xq, xsum, dr, mr, b, g, &f0, &f1, &zacc);
-        for (; b < G; b++) {  /* the groups past the chunks */
-            f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b, g)), _mm256_set1_ps(h2f(dr[b])), f0);
-            ztail += h2f(mr[b]) * xsum[b];
-        }
-        total = hsum(_mm256_add_ps(f0, f1));
-        z = hsum(zacc) + ztail;
+#ifdef TKV_AVX2
+        const float total = g == 32 ? q4_row(qr, xq, dr, G, 32) : q4_row(qr, xq, dr, G, g);
+        out[n] = row_out(total, sx, b, offset_sum(mr, xsum, G));
 #else
-        total = q4_row_c(qr, xq, dr, mr, xsum, K, g, &z);
+        float z;
+        const float total = q4_row_c(qr, xq, dr, mr, xsum, K, g, &z);
+        out[n] = row_out(total, sx, b, z);
 #endif
-        out[n] = total * sx + z + (bias ? bias[n] : 0.f);
     }
 }
 
