@@ -31,6 +31,16 @@ def phi3_dir(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("tiny-phi3"), "phi3", num_hidden_layers=2)
 
 
+@pytest.fixture
+def served_build(lib, monkeypatch):
+    """Engines the test starts run the `lib` fixture's build of the kernels (a start would otherwise load this
+    processor's own build: CPU.use)."""
+    served = CPU.lib
+    monkeypatch.setattr(CPU, "use", lambda cache_dir, operators=True: CPU.serve_with(served, cache_dir, operators)
+                        or True)
+    return lib
+
+
 def decode_logits(core: EngineCore, prompt: list[int], rows: slice = slice(-1, None)
                   ) -> tuple[list[int], list[torch.Tensor]]:
     """The greedy tokens and every step's logits (its last row, or `rows`) of one request served alone."""
@@ -180,7 +190,7 @@ def test_native_step_reads_far_blocks_in_place(llama_dir):
 @pytest.mark.parametrize("scheme", [dict(quantization="int4"), dict(quantization="int8"),
                                     dict(quantization="int4", int8_activations=True)],
                          ids=["int4", "int8", "int4-tiles"])
-def test_native_step_verifies_drafts_as_the_eager_forward(lib, llama_dir, phi3_dir, scheme):
+def test_native_step_verifies_drafts_as_the_eager_forward(served_build, llama_dir, phi3_dir, scheme):
     """Speculative decoding's verification (a sequence's last token and its drafts, one step): the native step's
     rows (every product reading its weight once for all of them, kernels/decode_cpu.c tkv_decode_rows) give the
     eager forward's logits on every row, and both engines the same tokens, for each build of the kernels."""
@@ -210,7 +220,7 @@ def test_native_step_verifies_drafts_as_the_eager_forward(lib, llama_dir, phi3_d
 @pytest.mark.parametrize("scheme", [dict(quantization="int4"), dict(quantization="int8"),
                                     dict(quantization="int4", quantization_group_size=64,
                                          quantization_symmetric=True)], ids=["int4", "int8", "int4-sym-64"])
-def test_native_verification_rows_are_plain_native_decoding_to_the_bits(lib, llama_dir, scheme):
+def test_native_verification_rows_are_plain_native_decoding_to_the_bits(served_build, llama_dir, scheme):
     """A speculative step's rows through the native step give plain native decoding's log-probabilities bit for bit
     (the product kernels take a row's sums in one order for one row or several, quant_cpu.c q4_row; attention reads
     each row's positions as a decode step does), so drafts never change a greedy token, however close its runner-up;
@@ -227,7 +237,9 @@ def test_native_verification_rows_are_plain_native_decoding_to_the_bits(lib, lla
         out = drive(core, [core.factory.make(prompt, params)])
         return [lp for _, chunk in out for lp in chunk.logprobs]
 
+    served = CPU.lib
     plain_core = EngineCore(EngineConfig(**cfg))
+    assert CPU.lib is served  # the build asked for
     plain = logprobs(plain_core)
     plain_core.close()
     core = EngineCore(EngineConfig(**cfg, speculative={"method": "ngram", "num_speculative_tokens": 5,
