@@ -14,7 +14,7 @@
  * group's sum is scaled in fp32. The offsets multiply the group's sum of the fp32 activations.
  * The one-row kernels and the blocks of several rows take a row's sums in one order (q4_row, q8_row, row_out),
  * so a row's output is the same bits alone or among others (a batched decode step, a speculative step's
- * verification rows); the 512-bit one-row kernel for int4 groups of 32 (q4_row512) is the exception.
+ * verification rows); so do the 512-bit ones for int4 groups of 32 (q4_row512 after q4_block512).
  * On a processor without AVX2 the same arithmetic runs in plain C. */
 
 #include <math.h>
@@ -337,23 +337,15 @@ INLINE __m512 q4_pair(const uint8_t *qr, const int16_t *xp, int64_t b, __m512 sc
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, f);
 }
 
-/* Groups b..b+7 (of 32): four pairs, their scales spread from one conversion */
-INLINE void q4_chunk512(const uint8_t *qr, const int16_t *xp, const float *xsum, const uint16_t *dr,
-                        const uint16_t *mr, int64_t b, __m512 *f0, __m512 *f1, __m256 *zacc) {
-    const __m512i i0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i two = _mm512_set1_epi32(2);
-    __m512 ds = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
-    *zacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + b))), _mm256_loadu_ps(xsum + b),
-                            *zacc);
-    const __m512i i1 = _mm512_add_epi32(i0, two), i2 = _mm512_add_epi32(i1, two), i3 = _mm512_add_epi32(i2, two);
-    *f0 = q4_pair(qr, xp, b, _mm512_permutexvar_ps(i0, ds), *f0);
-    *f1 = q4_pair(qr, xp, b + 2, _mm512_permutexvar_ps(i1, ds), *f1);
-    *f0 = q4_pair(qr, xp, b + 4, _mm512_permutexvar_ps(i2, ds), *f0);
-    *f1 = q4_pair(qr, xp, b + 6, _mm512_permutexvar_ps(i3, ds), *f1);
-}
-
 INLINE __m256 halves_sum(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* An output of the 512-bit q4 products (q4_block512, q4_row512): the chunks' sums `acc` and the later groups' `f`
+ * summed, times the activation row's scale, plus the offsets' parts and the bias, in explicit operations (the
+ * compiler's contraction of `a * b + c` may differ between inlined copies) */
+INLINE float q4_out512(__m512 acc, __m256 f, __m256 zacc, float ztail, float sx, float bias) {
+    return fmaf(hsum(_mm256_add_ps(halves_sum(acc), f)), sx, hsum(zacc)) + ztail + bias;
 }
 
 /* The int16 activations of groups of 32, each pair of groups as q4_pair reads them: the pair's inputs 0..15
@@ -414,13 +406,13 @@ INLINE void q4_block512(const int16_t *xq, const int16_t *xp, const float *sx, c
             __m256 s = _mm256_set1_ps(h2f(dr[r][b]));
             for (int i = 0; i < mt; i++) {
                 f[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr[r], xq + (m + i) * K, b, 32)), s, f[i][r]);
-                ztail[i][r] += h2f(mr[r][b]) * xsum[(m + i) * G + b];
+                ztail[i][r] = fmaf(h2f(mr[r][b]), xsum[(m + i) * G + b], ztail[i][r]);
             }
         }
     for (int i = 0; i < mt; i++)
         for (int r = 0; r < rows; r++)
-            out[(m + i) * N + n + r] = hsum(_mm256_add_ps(halves_sum(acc[i][r]), f[i][r])) * sx[m + i] +
-                                       hsum(zacc[i][r]) + ztail[i][r] + (bias ? bias[n + r] : 0.f);
+            out[(m + i) * N + n + r] = q4_out512(acc[i][r], f[i][r], zacc[i][r], ztail[i][r], sx[m + i],
+                                                 bias ? bias[n + r] : 0.f);
 }
 #endif
 
@@ -700,25 +692,6 @@ static int16_row int16_row_at(const char *mem, int64_t K) {
     return r;
 }
 
-#ifdef TKV_AVX512
-/* Inputs [s0, s1) of a q8 row (a multiple of 32 of them) times the activations on 512-bit registers: 32 codes
- * widened to int16 by one instruction, multiplied and added in pairs by another; two chains of sums (vpdpwssd's
- * latency), 16 lanes of int32 (a lane adds at most SPAN/16 products: within int32 as SPAN's bound says) */
-INLINE __m512i q8_span512(const int8_t *qr, const int16_t *xq, int64_t s0, int64_t s1) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-    int64_t k = s0;
-    for (; k + 64 <= s1; k += 64) {
-        a0 = DPWSSD(a0, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qr + k))),
-                    _mm512_loadu_si512(xq + k));
-        a1 = DPWSSD(a1, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qr + k + 32))),
-                    _mm512_loadu_si512(xq + k + 32));
-    }
-    if (k < s1)
-        a0 = DPWSSD(a0, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qr + k))), _mm512_loadu_si512(xq + k));
-    return _mm512_add_epi32(a0, a1);
-}
-
-#endif
 
 static void q8_share(const tkv_qw *w, const char *mem, float *out) {
     const int64_t K = w->K, g = w->g, N = w->N, G = K / g;
@@ -736,17 +709,6 @@ static void q8_share(const tkv_qw *w, const char *mem, float *out) {
         if (n + AHEAD_ROWS < N) ahead(qr + AHEAD_ROWS * K, K);
 #ifdef TKV_AVX2
         float total;
-#ifdef TKV_AVX512
-        if (g % 64 == 0) {  /* int8's one group a row (GGUF's groups of 32 run faster on the 256-bit steps below) */
-            __m512 e = _mm512_setzero_ps();
-            for (int64_t b = 0; b < G; b++)
-                for (int64_t s0 = b * g; s0 < (b + 1) * g; s0 += SPAN)
-                    e = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_span512(qr, xq, s0, s0 + SPAN < (b + 1) * g ?
-                                                                      s0 + SPAN : (b + 1) * g)),
-                                        _mm512_set1_ps(h2f(dr[b])), e);
-            total = hsum(halves_sum(e));
-        } else
-#endif
         if (g == 32)  /* GGUF's Q8_0 and Q5_0, and Q6_K's 16: inlined with constants */
             total = q8_row(qr, xq, dr, G, 32);
         else if (g == 16)
@@ -761,31 +723,30 @@ static void q8_share(const tkv_qw *w, const char *mem, float *out) {
 }
 
 #ifdef TKV_AVX512
-/* q4_share's row for groups of 32 on 512-bit registers: chunks of eight groups and pairs (q4_chunk512, q4_pair), the
- * rest on 256-bit ones; the output with its scale `sx` and bias. (Its sums are in another order than
- * q4_block512's for many rows.) */
+/* q4_share's row for groups of 32 on 512-bit registers (K >= 256: q4_wide), the operations q4_block512 does for
+ * each of its rows, in its order (one 512-bit accumulator over the pairs of each chunk of eight groups, the groups
+ * past the chunks on 256-bit registers, q4_out512), so that a row's product is the same bits alone or among
+ * others; the output with its scale `sx` and bias. */
 INLINE float q4_row512(const uint8_t *qr, const int16_t *xq, const int16_t *xp, const float *xsum,
                        const uint16_t *dr, const uint16_t *mr, int64_t G, float sx, float bias) {
-    const int64_t G8 = G / 8 * 8, G2 = G / 2 * 2;  /* the groups 512-bit steps take */
-    int64_t b = 0;
-    __m256 zacc = _mm256_setzero_ps();
+    const int64_t G8 = G / 8 * 8;
+    const __m512i two = _mm512_set1_epi32(2);
+    __m512 acc = _mm512_setzero_ps();
+    __m256 f = _mm256_setzero_ps(), zacc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < G8; b += 8) {
+        const __m512 ds = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + b))));
+        zacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + b))), _mm256_loadu_ps(xsum + b),
+                               zacc);
+        __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        for (int64_t bb = b; bb < b + 8; bb += 2, idx = _mm512_add_epi32(idx, two))
+            acc = q4_pair(qr, xp, bb, _mm512_permutexvar_ps(idx, ds), acc);
+    }
     float ztail = 0.f;
-    __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
-    for (; b < G8; b += 8) q4_chunk512(qr, xp, xsum, dr, mr, b, &e0, &e1, &zacc);
-    for (; b < G2; b += 2) {  /* pairs past the chunks (a row of 576: 16 groups in chunks, one pair) */
-        uint32_t two;
-        memcpy(&two, dr + b, 4);
-        __m512 ds = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_cvtsi32_si128((int)two)));
-        e0 = q4_pair(qr, xp, b, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1,
-                                                                         1, 1, 1), ds), e0);
-        ztail += h2f(mr[b]) * xsum[b] + h2f(mr[b + 1]) * xsum[b + 1];
-    }
-    __m256 f = halves_sum(_mm512_add_ps(e0, e1));
-    for (; b < G; b++) {  /* the group past the pairs */
+    for (int64_t b = G8; b < G; b++) {
         f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(qr, xq, b, 32)), _mm256_set1_ps(h2f(dr[b])), f);
-        ztail += h2f(mr[b]) * xsum[b];
+        ztail = fmaf(h2f(mr[b]), xsum[b], ztail);
     }
-    return hsum(f) * sx + (hsum(zacc) + ztail) + bias;
+    return q4_out512(acc, f, zacc, ztail, sx, bias);
 }
 #endif
 
@@ -805,7 +766,7 @@ static void q4_share(const tkv_qw *w, const char *mem, float *out) {
         const float b = bias ? bias[n] : 0.f;
         if (n + AHEAD_ROWS < N) ahead(qr + AHEAD_ROWS * (K / 2), K / 2);
 #ifdef TKV_AVX512
-        if (g == 32) {
+        if (g == 32 && K >= 256) {  /* q4_wide: as the blocks of several rows take it */
             out[n] = q4_row512(qr, xq, a.xp, xsum, dr, mr, G, sx, b);
             continue;
         }
@@ -1242,7 +1203,7 @@ void tkv_rows_prepare(const tkv_qw *w, const float *x, int64_t M, char *mem) {
     const int16_row a = int16_row_at(mem, K);
     quantize_rows(x, 1, K, w->g, a.xq, a.sx, w->fmt == TKV_Q4 || w->mn ? a.xsum : NULL);
 #ifdef TKV_AVX512
-    if (w->fmt == TKV_Q4 && w->g == 32) pair_order(a.xq, K / 32 / 2 * 2, a.xp);  /* as q4_share's pairs read */
+    if (w->fmt == TKV_Q4 && q4_wide(w)) pair_order(a.xq, K / 32 / 8 * 8, a.xp);  /* as q4_row512 reads them */
 #endif
 }
 
