@@ -118,6 +118,50 @@ def test_a_row_is_the_same_bits_alone_or_among_others(lib, fmt):
             assert torch.equal(quant.quant_linear(x[:rows], qw, bias), alone[:rows]), (rows, bias is None)
 
 
+MODEL_512 = Path(__file__).with_name("avx512_model")
+
+
+def c_function(source: str, name: str) -> str:
+    """The text of C function `name` in `source` (its definition line to its closing brace)."""
+    import re
+
+    start = re.search(rf"^(INLINE|static)[^\n]*\b{name}\(", source, re.M)
+    assert start is not None, f"{name} is not defined in quant_cpu.c"
+    depth = 0
+    for at in range(source.index("{", start.start()), len(source)):
+        depth += {"{": 1, "}": -1}.get(source[at], 0)
+        if depth == 0:
+            return source[start.start() : at + 1]
+    raise AssertionError(f"{name}: no closing brace")
+
+
+def test_the_512_bit_int4_kernels_give_a_row_the_same_bits_alone_or_among_others(tmp_path):
+    """The AVX-512 kernels for int4 groups of 32 (q4_row512 for one row, q4_block512 for several) run on a software
+    model of their 512-bit intrinsics (tests/kernels/avx512_model: each lane as the instruction defines it), so that
+    a processor without AVX-512 checks them too: a row's output is the same bits from either (and near a double sum
+    of the same codes) at 256 to 3,072 inputs (chunks of eight groups, and groups past them)."""
+    import subprocess
+
+    from tieredkv.kernels.quant_cpu import SOURCES, compiler
+    from tieredkv.platform.cpu_features import cpu_info
+
+    if not cpu_info().has("avx2") or compiler() is None:
+        pytest.skip("the model runs the kernels' 256-bit steps as they are: it needs AVX2 and a C compiler")
+    source = SOURCES[0].read_text()
+    names = ["hsum", "q4_nibbles256", "q4_group", "q4_block_rows", "q4_nibbles512", "q4_pair", "halves_sum",
+             "q4_out512", "q4_block512", "q4_row512", "pair_order", "quantize_rows"]
+    harness = tmp_path / "q4_512.c"
+    harness.write_text("\n\n".join([f'#include "{MODEL_512 / "emu512.h"}"', "#include <stdio.h>", "#include <stdlib.h>",
+                                     "#define INLINE static inline", "#define RB 4", "#define TKV_AVX2 1",
+                                     "static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }",
+                                     *(c_function(source, n) for n in names), (MODEL_512 / "main.c").read_text()]))
+    built = subprocess.run([compiler(), "-O2", "-mavx2", "-mfma", "-mf16c", "-o", str(tmp_path / "q4_512"),
+                            str(harness), "-lm"], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    ran = subprocess.run([str(tmp_path / "q4_512")], capture_output=True, text=True)
+    assert ran.returncode == 0 and ran.stdout.strip().endswith("0 of 175 outputs differ"), ran.stdout[-2000:]
+
+
 def test_int8_blocks_serve_many_rows_only_where_measured_clearly_faster(monkeypatch, tmp_path):
     """The choice for many rows on 4-bit weights (quant.int8_many_rows_win) is measured once per processor and
     shapes, kept in the cache directory, and goes to int8 blocks only by a clear margin (they cost accuracy)."""
