@@ -119,18 +119,18 @@ class EngineConfig(BaseModel):
     quantization_symmetric: bool = Field(False, description="int4: a scale per group and codes centred on 8 (else "
                                          "a scale and an offset per group)")
     int8_activations: bool | None = Field(
-        None, description="CPU, quantized weights: when the activations are rounded to int8 in blocks of 32 inputs, "
-        "as llama.cpp multiplies its blocks. None (default): in products of more rows than the one-row kernels "
-        "take (prefill, long verification chunks, batched steps past 16 rows, 32 with AVX-512), on weights in "
-        "groups of 32 or more (int8, int4, GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, ...) where the CPU kernels have "
-        "AVX2 and that was measured clearly faster on the processor (the Q4_1 file's prefill 1.4x its rate through "
-        "the dequantized fp32 product on an AMD EPYC Zen 3, perplexity +0.15% from fp32), and without speculative "
-        "decoding from fewer rows where the int8 blocks were measured clearly faster than the one-row kernels' "
-        "int16 rows too (measured on an AMD EPYC Zen 3: from 16 rows on the Q4_1 file); smaller steps keep "
-        "int16 rows. True: also steps of up to 32 rows, with the weights held in tiles of 16 rows for "
-        "AVX-512 VNNI (without it as None). False: never: int16 rows and, for more rows, the dequantized weight in "
-        "the fp32 product (the closest to the weights' own product: greedy output as transformers' on the "
-        "dequantized weights). See docs/guide/quantization.md")
+        None, description="CPU, quantized weights: when the activations are rounded to int8 in blocks of 32 inputs, as "
+        "llama.cpp multiplies its blocks. None (default): in products of more rows than the one-row kernels take "
+        "(prefill, long verification chunks, batched steps past 16 rows, 32 with AVX-512), on weights in groups of 32 "
+        "or more (int8, int4, GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, ...) where the CPU kernels have AVX2 and that was "
+        "measured clearly faster on the processor (the Q4_1 file's prefill 1.4x its rate through the dequantized fp32 "
+        "product on an AMD EPYC Zen 3, perplexity +0.15% from fp32), and from fewer rows where the int8 blocks were "
+        "measured clearly faster than the one-row kernels' int16 rows too (measured on an AMD EPYC Zen 3: from 12-16 "
+        "rows on the Q4_1 file); smaller steps keep int16 rows, and so does a step with speculative drafts (they are "
+        "cut below that count). True: also steps of up to 32 rows, with the weights held in tiles of 16 rows for "
+        "AVX-512 VNNI (without it as None). False: never: int16 rows and, for more rows, the dequantized weight in the "
+        "fp32 product (the closest to the weights' own product: greedy output as transformers' on the dequantized "
+        "weights). See docs/guide/quantization.md")
     device: str = Field("auto", description='"auto", "cpu", "cuda" or "cuda:N"')
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: int | None = Field(None, ge=2, description="KV blocks in the hot pool (wins over every byte budget)")

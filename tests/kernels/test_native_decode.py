@@ -251,3 +251,41 @@ def test_native_verification_rows_are_plain_native_decoding_to_the_bits(served_b
         assert spec.num_accepted_tokens > NEW // 2 and spec.num_draft_tokens > spec.num_accepted_tokens
     finally:
         core.close()
+
+
+def test_drafts_stay_below_the_int8_blocks_so_speculation_is_plain_decoding(llama_dir, monkeypatch):
+    """Where int8 blocks take steps from a measured row count (forced to 4 here), an engine with speculative decoding
+    multiplies as one without: the same count, and a step with drafts cut below it. A 12-token prompt (a step of
+    int8 blocks in both engines) then decodes to plain decoding's log-probabilities bit for bit; before, the
+    speculative engine kept the int16 rows up to 16 rows and differed from its first token."""
+    from test_speculative import Oracle
+
+    from tieredkv.engine import rank_build
+    from tieredkv.kernels.quant import QuantizedWeight
+
+    monkeypatch.setattr(rank_build, "int8_many_rows_win", lambda *args, **kwargs: True)
+    monkeypatch.setattr(rank_build, "int8_fewest_rows", lambda *args, **kwargs: 4)
+    cfg = dict(model=str(llama_dir), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, compile_decode=True,
+               quantization="int4")
+    prompt, params = list(range(20, 32)), SamplingParams(max_tokens=2 * NEW, ignore_eos=True, logprobs=0)
+
+    def logprobs(core: EngineCore) -> list:
+        assert {w.int8_rows for w in core.model.modules() if isinstance(w, QuantizedWeight)} == {4}
+        out = drive(core, [core.factory.make(prompt, params)])
+        return [lp for _, chunk in out for lp in chunk.logprobs]
+
+    plain_core = EngineCore(EngineConfig(**cfg))
+    if not CPU.int8_gemm:
+        plain_core.close()
+        pytest.skip("int8 blocks need a build of the kernels with AVX2")
+    plain = logprobs(plain_core)
+    plain_core.close()
+    core = EngineCore(EngineConfig(**cfg, speculative={"method": "ngram", "num_speculative_tokens": 5,
+                                                       "adaptive": False}))
+    core.parts.speculator.proposer = Oracle({tuple(prompt): [lp.token_id for lp in plain]}, 10**6, spoil=3)
+    try:
+        assert core.scheduler.max_draft_rows == 3
+        assert logprobs(core) == plain
+        assert core.stats().speculative.num_accepted_tokens > 0
+    finally:
+        core.close()

@@ -18,8 +18,8 @@ from tieredkv.core.scheduler import Scheduler
 from tieredkv.engine.identity import identity_in_background, model_fingerprint
 from tieredkv.engine.kv_events import make_recorder
 from tieredkv.engine.lifecycle import Lifecycle
-from tieredkv.engine.rank_build import (RankMemory, data_plane, load_share, make_kv_cache, prepare_process,
-                                        shift_keys, total_weight_bytes, weights_label)
+from tieredkv.engine.rank_build import (RankMemory, data_plane, int16_rows_most, load_share, make_kv_cache,
+                                        prepare_process, shift_keys, total_weight_bytes, weights_label)
 from tieredkv.engine.request_factory import RequestFactory
 from tieredkv.engine.resolve import (eos_token_ids, max_model_len, quant_settings, resolve_cache_dir,
                                      resolve_kv_layout, resolve_model_dir)
@@ -29,7 +29,6 @@ from tieredkv.engine.telemetry import Telemetry
 from tieredkv.hashing import root_hash
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.kv_format import KVLayout
-from tieredkv.kernels.quant_cpu import CPU, GEMV_MAX_ROWS
 from tieredkv.models.llama import LlamaModel
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tokenizer import Tokenizer
@@ -200,7 +199,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     pins, telemetry = PinTable(index, pinned, int(pinned * cfg.max_pinned_per_client)), Telemetry()
     speculator = make_speculator(cfg, device.type, spec.vocab_size) if cfg.speculative is not None else None
     if speculator is not None and device.type == "cpu" and model.quantization is not None:
-        scheduler.max_draft_rows = min(CPU.q4_rows, GEMV_MAX_ROWS)  # the integer kernels' rows (quant.kernel_rows)
+        scheduler.max_draft_rows = int16_rows_most(model)  # below where int8 blocks start
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit, speculator)
     weights = weights_label(model, dtype)
     parts = EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,

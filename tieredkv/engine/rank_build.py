@@ -21,8 +21,8 @@ from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.dense import choose_layout
 from tieredkv.kernels.linear import packed_range
 from tieredkv.kernels.quant import (QuantizedWeight, gather_quantized_weights, int8_fewest_rows, int8_many_rows_win,
-                                    many_rows_int8, tile_quantized_weights)
-from tieredkv.kernels.quant_cpu import CPU
+                                    kernel_rows, many_rows_int8, tile_quantized_weights)
+from tieredkv.kernels.quant_cpu import CPU, GEMV_MAX_ROWS
 from tieredkv.models.llama import LlamaModel
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
@@ -48,21 +48,21 @@ def weights_label(model: LlamaModel, dtype: torch.dtype) -> str:
     return f"{model.quantization} ({dt} activations{'; int8 blocks in tiled products' if tiled else ''})"
 
 
-def many_rows_arithmetic(model: LlamaModel, setting: bool | None, cache_dir: Path, speculative: bool = False) -> None:
+def many_rows_arithmetic(model: LlamaModel, setting: bool | None, cache_dir: Path) -> None:
     """Whether products of many rows on the model's quantized weights take int8 activation blocks (where the
     kernels can: q4 and q8 in groups of 32 or more, AVX2): with EngineConfig.int8_activations True, yes; False,
     no; None (the default) where that is clearly faster on this processor than the fp32 product
     (quant.int8_many_rows_win, measured once per processor on the first layer's shapes). Where they do, and the
     int8 blocks also beat the one-row kernels' int16 rows from some number of rows up to the kernels' most
-    (quant.int8_fewest_rows: batched decode steps), they start there; not with `speculative` decoding, whose
-    verification steps must multiply each row as a step without drafts of the same sequences would (the
-    scheduler keeps steps with drafts within the int16 rows: Scheduler.max_draft_rows)."""
+    (quant.int8_fewest_rows: batched decode steps), they start there, with speculative decoding or without: the
+    scheduler keeps a step with drafts below that count (int16_rows_most), so that its rows are multiplied as
+    plain decoding multiplies them."""
     weights = [w for w in model.modules() if isinstance(w, QuantizedWeight)]
     layer = [w for w in model.layers[0].modules() if isinstance(w, QuantizedWeight) and
              many_rows_int8(w.codes, w.group_size)]
     use = bool(layer) and (setting is True or (setting is None and int8_many_rows_win(layer, cache_dir)))
     many = [w for w in weights if many_rows_int8(w.codes, w.group_size)]
-    fewest = int8_fewest_rows(many, cache_dir) if use and not speculative else 0
+    fewest = int8_fewest_rows(many, cache_dir) if use else 0
     for w in weights:
         w.int8_rows = (fewest or -1) if use else 0
     if layer and setting is None:
@@ -70,6 +70,16 @@ def many_rows_arithmetic(model: LlamaModel, setting: bool | None, cache_dir: Pat
             f"int8 activation blocks from {fewest} rows (measured faster here)" if fewest else
             "int8 activation blocks (measured faster here)") if use else
             "the fp32 product (int8 blocks not clearly faster on this processor)")
+
+
+def int16_rows_most(model: LlamaModel) -> int:
+    """The most rows a step multiplies on the one-row kernels' int16 rows (quant.kernel_rows), on CPU: one less than
+    where int8 blocks start (many_rows_arithmetic), or the kernels' most. Scheduler.max_draft_rows: a step with
+    drafts stays within them (each of its rows then the bits a one-row decode gives it; quant_cpu.c: q4_row)."""
+    weights = [w for w in model.modules() if isinstance(w, QuantizedWeight)]
+    most = min((kernel_rows(w.codes) for w in weights), default=GEMV_MAX_ROWS)
+    starts = [w.int8_rows for w in weights if w.int8_rows > 0]
+    return min(most, min(starts) - 1) if starts else most
 
 
 def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, kv: KVLayout,
@@ -139,7 +149,7 @@ def load_rank_model(cfg: EngineConfig, model_dir: Path, device: torch.device, tp
             log.info("int8 activations: %d quantized weights held in tiles of 16 rows%s", tiled,
                      "" if tiled else " (none: no build of the CPU kernels with AVX-512 VNNI here)")
         if quant is not None:
-            many_rows_arithmetic(model, quant.int8_activations, resolve_cache_dir(cfg), cfg.speculative is not None)
+            many_rows_arithmetic(model, quant.int8_activations, resolve_cache_dir(cfg))
         gather_quantized_weights(model)  # one stream in the order they are read
     ops = _kernels_and_weights(cfg, model, device, dtype, compiled, kv)
     if device.type == "cpu":
