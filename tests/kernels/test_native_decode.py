@@ -217,6 +217,29 @@ def test_native_step_verifies_drafts_as_the_eager_forward(served_build, llama_di
             assert (w - g).abs().max() <= 1e-3 * w.abs().max(), (w - g).abs().max()
 
 
+def plain_then_drafted(cfg: dict, prompt: list[int], check) -> tuple[list, list, object, int | None]:
+    """Every token's TokenLogprob of one greedy request decoded plainly, then in an engine with speculative decoding
+    whose drafts are an oracle's (spoilt every third proposal); `check(core)` runs on each engine before it decodes.
+    Returns both lists, the second engine's speculative counters and its Scheduler.max_draft_rows."""
+    from test_speculative import Oracle
+
+    params = SamplingParams(max_tokens=2 * NEW, ignore_eos=True, logprobs=0)
+
+    def logprobs(core: EngineCore) -> list:
+        try:
+            check(core)
+            out = drive(core, [core.factory.make(prompt, params)])
+            return [lp for _, chunk in out for lp in chunk.logprobs]
+        finally:
+            core.close()
+
+    plain = logprobs(EngineCore(EngineConfig(**cfg)))
+    core = EngineCore(EngineConfig(**cfg, speculative={"method": "ngram", "num_speculative_tokens": 5,
+                                                       "adaptive": False}))
+    core.parts.speculator.proposer = Oracle({tuple(prompt): [lp.token_id for lp in plain]}, 10**6, spoil=3)
+    return plain, logprobs(core), core.stats().speculative, core.scheduler.max_draft_rows
+
+
 @pytest.mark.parametrize("scheme", [dict(quantization="int4"), dict(quantization="int8"),
                                     dict(quantization="int4", quantization_group_size=64,
                                          quantization_symmetric=True)], ids=["int4", "int8", "int4-sym-64"])
@@ -225,32 +248,16 @@ def test_native_verification_rows_are_plain_native_decoding_to_the_bits(served_b
     (the product kernels take a row's sums in one order for one row or several, quant_cpu.c q4_row; attention reads
     each row's positions as a decode step does), so drafts never change a greedy token, however close its runner-up;
     on each build of the kernels."""
-    from test_speculative import Oracle
+    served = CPU.lib
 
-    prompt = PROMPTS[1]
+    def check(core: EngineCore) -> None:
+        assert isinstance(core.runner.compiled, NativeDecode) and CPU.lib is served  # the build asked for
+
     cfg = dict(model=str(llama_dir), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, compile_decode=True,
                **scheme)
-    params = SamplingParams(max_tokens=2 * NEW, ignore_eos=True, logprobs=0)
-
-    def logprobs(core: EngineCore) -> list:
-        assert isinstance(core.runner.compiled, NativeDecode)
-        out = drive(core, [core.factory.make(prompt, params)])
-        return [lp for _, chunk in out for lp in chunk.logprobs]
-
-    served = CPU.lib
-    plain_core = EngineCore(EngineConfig(**cfg))
-    assert CPU.lib is served  # the build asked for
-    plain = logprobs(plain_core)
-    plain_core.close()
-    core = EngineCore(EngineConfig(**cfg, speculative={"method": "ngram", "num_speculative_tokens": 5,
-                                                       "adaptive": False}))
-    core.parts.speculator.proposer = Oracle({tuple(prompt): [lp.token_id for lp in plain]}, 10**6, spoil=3)
-    try:
-        assert logprobs(core) == plain and len(plain) == 2 * NEW
-        spec = core.stats().speculative
-        assert spec.num_accepted_tokens > NEW // 2 and spec.num_draft_tokens > spec.num_accepted_tokens
-    finally:
-        core.close()
+    plain, drafted, spec, _ = plain_then_drafted(cfg, PROMPTS[1], check)
+    assert drafted == plain and len(plain) == 2 * NEW
+    assert spec.num_accepted_tokens > NEW // 2 and spec.num_draft_tokens > spec.num_accepted_tokens
 
 
 def test_drafts_stay_below_the_int8_blocks_so_speculation_is_plain_decoding(llama_dir, monkeypatch):
@@ -258,34 +265,18 @@ def test_drafts_stay_below_the_int8_blocks_so_speculation_is_plain_decoding(llam
     multiplies as one without: the same count, and a step with drafts cut below it. A 12-token prompt (a step of
     int8 blocks in both engines) then decodes to plain decoding's log-probabilities bit for bit; before, the
     speculative engine kept the int16 rows up to 16 rows and differed from its first token."""
-    from test_speculative import Oracle
-
     from tieredkv.engine import rank_build
     from tieredkv.kernels.quant import QuantizedWeight
 
     monkeypatch.setattr(rank_build, "int8_many_rows_win", lambda *args, **kwargs: True)
     monkeypatch.setattr(rank_build, "int8_fewest_rows", lambda *args, **kwargs: 4)
+
+    def check(core: EngineCore) -> None:
+        if not CPU.int8_gemm:
+            pytest.skip("int8 blocks need a build of the kernels with AVX2")
+        assert {w.int8_rows for w in core.model.modules() if isinstance(w, QuantizedWeight)} == {4}
+
     cfg = dict(model=str(llama_dir), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, compile_decode=True,
                quantization="int4")
-    prompt, params = list(range(20, 32)), SamplingParams(max_tokens=2 * NEW, ignore_eos=True, logprobs=0)
-
-    def logprobs(core: EngineCore) -> list:
-        assert {w.int8_rows for w in core.model.modules() if isinstance(w, QuantizedWeight)} == {4}
-        out = drive(core, [core.factory.make(prompt, params)])
-        return [lp for _, chunk in out for lp in chunk.logprobs]
-
-    plain_core = EngineCore(EngineConfig(**cfg))
-    if not CPU.int8_gemm:
-        plain_core.close()
-        pytest.skip("int8 blocks need a build of the kernels with AVX2")
-    plain = logprobs(plain_core)
-    plain_core.close()
-    core = EngineCore(EngineConfig(**cfg, speculative={"method": "ngram", "num_speculative_tokens": 5,
-                                                       "adaptive": False}))
-    core.parts.speculator.proposer = Oracle({tuple(prompt): [lp.token_id for lp in plain]}, 10**6, spoil=3)
-    try:
-        assert core.scheduler.max_draft_rows == 3
-        assert logprobs(core) == plain
-        assert core.stats().speculative.num_accepted_tokens > 0
-    finally:
-        core.close()
+    plain, drafted, spec, max_draft_rows = plain_then_drafted(cfg, list(range(20, 32)), check)
+    assert max_draft_rows == 3 and drafted == plain and spec.num_accepted_tokens > 0
