@@ -47,6 +47,7 @@ from tieredkv.tiers.policy import Admission, Popularity
 
 log = logging.getLogger("tieredkv")
 
+
 def build_cache_core(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
                      fingerprint: str, num_warm_blocks: int, far_blocks: str | None, tp: TPGroup | None = None,
                      cold: KVTier | None = None) -> tuple[TierManager, KVCacheManager, CacheIndex, Scheduler]:
