@@ -151,7 +151,7 @@ def llama_server_mixed(binary: str, gguf: str, prompts: list[list[int]], new: li
 def peak_for(name: str, core: EngineCore, peaks: dict) -> float | None:
     arithmetic = " ".join(core.model.dense_arithmetic().values())
     if "int8 blocks" in arithmetic and "fp32 products" not in name:
-        return peaks.get("int8 x q4" if "x q4 (AVX2)" in arithmetic else "int8 x q8")
+        return peaks.get("int8 x q4" if "x q4 (" in arithmetic else "int8 x q8")
     return peaks.get("bf16" if name == "bf16" and "widened" not in arithmetic else "fp32")
 
 

@@ -16,6 +16,7 @@ from tieredkv.kernels import quant
 from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.models import gguf_blocks
 from tieredkv.models.llama import Projection
+from tieredkv.platform.cpu_features import cpu_info
 
 
 def weights(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
@@ -68,6 +69,16 @@ def int8_block_bound(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> to
     step = x.view(rows, k // 32, 32).abs().amax(-1) / 127  # [rows, blocks]
     wsum = w.abs().view(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
     return 0.5 * step @ wsum.T + 1e-4 * want.abs() + 1e-4
+
+
+def int8_blocks_on(lib: str) -> str:
+    """What the `lib` build of the kernels multiplies many rows on with int8 blocks (CPU.int8_gemm): 512-bit VNNI
+    where the native build has it, AVX2 in the native build of any other x86 processor with AVX2 and in the
+    -march=haswell one, nothing without AVX2."""
+    if lib == "no-avx2" or not cpu_info().has("avx2"):
+        return ""
+    vnni = lib == "native" and cpu_info().has("avx512_vnni") and cpu_info().has("avx512bw")
+    return "AVX-512 VNNI" if vnni else "AVX2"
 
 
 def check_against_reference(qw, rows: int, seed: int = 1) -> None:
@@ -135,31 +146,80 @@ def c_function(source: str, name: str) -> str:
     raise AssertionError(f"{name}: no closing brace")
 
 
+def run_on_the_model(tmp_path, pieces: list[str], main: str) -> str:
+    """C functions of the kernels (`pieces`, with the macros they need) and a harness (`main`, a file of
+    tests/kernels/avx512_model) compiled for AVX2 with the model of the 512-bit intrinsics, run; its output."""
+    import subprocess
+
+    from tieredkv.kernels.quant_cpu import compiler
+    from tieredkv.platform.cpu_features import cpu_info
+
+    if not cpu_info().has("avx2") or compiler() is None:
+        pytest.skip("the model runs the kernels' 256-bit steps as they are: it needs AVX2 and a C compiler")
+    harness = tmp_path / "model.c"
+    harness.write_text("\n\n".join([f'#include "{MODEL_512 / "emu512.h"}"', "#include <stdio.h>", "#include <stdlib.h>",
+                                     *pieces, (MODEL_512 / main).read_text()]))
+    built = subprocess.run([compiler(), "-O2", "-mavx2", "-mfma", "-mf16c", "-o", str(tmp_path / "model"),
+                            str(harness), "-lm"], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    ran = subprocess.run([str(tmp_path / "model")], capture_output=True, text=True)
+    assert ran.returncode in (0, 1), ran.stderr[-2000:]
+    return ran.stdout
+
+
 def test_the_512_bit_int4_kernels_give_a_row_the_same_bits_alone_or_among_others(tmp_path):
     """The AVX-512 kernels for int4 groups of 32 (q4_row512 for one row, q4_block512 for several) run on a software
     model of their 512-bit intrinsics (tests/kernels/avx512_model: each lane as the instruction defines it), so that
     a processor without AVX-512 checks them too: a row's output is the same bits from either (and near a double sum
     of the same codes) at 256 to 3,072 inputs (chunks of eight groups, and groups past them)."""
-    import subprocess
+    from tieredkv.kernels.quant_cpu import SOURCES
 
-    from tieredkv.kernels.quant_cpu import SOURCES, compiler
-    from tieredkv.platform.cpu_features import cpu_info
-
-    if not cpu_info().has("avx2") or compiler() is None:
-        pytest.skip("the model runs the kernels' 256-bit steps as they are: it needs AVX2 and a C compiler")
     source = SOURCES[0].read_text()
     names = ["hsum", "q4_nibbles256", "q4_group", "q4_block_rows", "q4_nibbles512", "q4_pair", "halves_sum",
              "q4_out512", "q4_block512", "q4_row512", "pair_order", "quantize_rows"]
-    harness = tmp_path / "q4_512.c"
-    harness.write_text("\n\n".join([f'#include "{MODEL_512 / "emu512.h"}"', "#include <stdio.h>", "#include <stdlib.h>",
-                                     "#define INLINE static inline", "#define RB 4", "#define TKV_AVX2 1",
-                                     "static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }",
-                                     *(c_function(source, n) for n in names), (MODEL_512 / "main.c").read_text()]))
-    built = subprocess.run([compiler(), "-O2", "-mavx2", "-mfma", "-mf16c", "-o", str(tmp_path / "q4_512"),
-                            str(harness), "-lm"], capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-2000:]
-    ran = subprocess.run([str(tmp_path / "q4_512")], capture_output=True, text=True)
-    assert ran.returncode == 0 and ran.stdout.strip().endswith("0 of 175 outputs differ"), ran.stdout[-2000:]
+    out = run_on_the_model(tmp_path, ["#define INLINE static inline", "#define RB 4", "#define TKV_AVX2 1",
+                                      "static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }",
+                                      *(c_function(source, n) for n in names)], "main.c")
+    assert out.strip().endswith("0 of 175 outputs differ"), out[-2000:]
+
+
+def test_the_vnni_products_of_many_rows_give_the_avx2_ones_bits(tmp_path, kernel_cache):
+    """gemm_cpu.c's VNNI path (panel_rows512: vpdpbusd on 512-bit registers, q8 codes held plus 128 and the
+    activation blocks' code sums taken off) gives its AVX2 path's outputs bit for bit: on the model of the 512-bit
+    intrinsics everywhere (q4 and q8, row-major and tiled, groups of 32 and 64, offsets or none, 11 rows: the
+    kernels' steps of 4 and 8 and their tails), and where this processor has AVX-512 VNNI on its real builds too
+    (the native build's products of 5 to 70 rows against the -march=haswell build's)."""
+    from tieredkv.kernels.quant_cpu import SOURCES, load, NATIVE
+
+    source = next(s for s in SOURCES if s.name == "gemm_cpu.c").read_text()
+    pieces = ["#define INLINE static inline", "#define BLOCK 32", "#define PANEL_ROWS 16",
+              "#define PANEL_BLOCK (BLOCK * PANEL_ROWS)", "#define MR512 8", "#define Q8_PANEL_BIAS 128",
+              "static inline float tkv_h2f(uint16_t h) { return _cvtsh_ss(h); }",
+              *(c_function(source, n) for n in ("transpose8", "row_block_codes", "panel_rows", "panel_rows512"))]
+    for width, bias in (("256", "0"), ("512", "128")):  # each path's packing, with its q8 codes
+        for name in ("pack_rows", "pack_tile"):
+            pieces.append(c_function(source, name).replace(f"{name}(", f"{name}_{width}(", 1)
+                          .replace("Q8_PANEL_BIAS", bias))
+    out = run_on_the_model(tmp_path, pieces, "gemm_main.c")
+    assert out.strip().endswith("0 of 14960 outputs differ"), out[-2000:]
+
+    if not (cpu_info().has("avx512_vnni") and cpu_info().has("avx512bw")):
+        return  # (the model above is this processor's check)
+    builds = {"vnni": load(kernel_cache, NATIVE), "avx2": load(kernel_cache, ("-march=haswell",))}
+    before = CPU.lib
+    try:
+        for fmt in ("int4-g32", "gguf-Q8_0", "int8"):
+            qw = weights(fmt, 37, 576)
+            x = torch.randn(70, 576, generator=torch.Generator().manual_seed(3)) * 3
+            got = {}
+            for name, built in builds.items():
+                CPU.serve_with(built, kernel_cache, operators=False)
+                assert CPU.int8_gemm == {"vnni": "AVX-512 VNNI", "avx2": "AVX2"}[name]
+                got[name] = [quant._quant_linear(x[:m], qw.codes, qw.scales, qw.offsets, qw.group_size, None, 1)
+                             for m in (5, 33, 70)]
+            assert all(torch.equal(a, b) for a, b in zip(got["vnni"], got["avx2"])), fmt
+    finally:
+        CPU.serve_with(before, kernel_cache)
 
 
 def test_int8_blocks_serve_many_rows_only_where_measured_clearly_faster(monkeypatch, tmp_path):
@@ -193,13 +253,14 @@ def test_many_rows_on_4bit_weights_are_int8_blocks_times_the_weight(lib, fmt, ti
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
         x[:, 7] = 30.0  # an outlier channel
         got = quant.quant_linear(x, qw, bias).double()
-        assert quant.many_rows_int8(qw.codes, qw.group_size) == (lib == "native")
-        seen = quant.as_int8_blocks(x) if lib == "native" else x
+        assert CPU.int8_gemm == int8_blocks_on(lib)
+        assert quant.many_rows_int8(qw.codes, qw.group_size) == bool(CPU.int8_gemm)
+        seen = quant.as_int8_blocks(x) if CPU.int8_gemm else x
         want = F.linear(seen.double(), w, bias.double())
         bound = 2e-6 * (seen.double().abs() @ w.abs().T) + 1e-5
         assert bool(((got - want).abs() <= bound).all()), float((got - want).abs().max())
     bits = "q8" if qw.codes.dtype == torch.int8 else "q4"
-    assert (f"int8 blocks x {bits} (AVX2) above" in quant.arithmetic(qw)) == (lib == "native")
+    assert (f"int8 blocks x {bits} ({CPU.int8_gemm}) above" in quant.arithmetic(qw)) == bool(CPU.int8_gemm)
 
 
 @pytest.mark.parametrize("fmt", ["int4-g32", "gguf-Q8_0"])
@@ -216,14 +277,14 @@ def test_a_weight_takes_int8_blocks_from_its_int8_rows_on(lib, fmt):
     for m, before in int16.items():
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
         got = quant.quant_linear(x, qw)
-        if m < 4 or lib != "native":
+        if m < 4 or not CPU.int8_gemm:
             assert torch.equal(got, before), m
         else:
             want = F.linear(quant.as_int8_blocks(x).double(), w)
             assert not torch.equal(got, before)
             assert bool(((got.double() - want).abs() <= 2e-6 * (x.abs().double() @ w.abs().T) + 1e-5).all()), m
-    if lib == "native":
-        assert quant.arithmetic(qw) == f"int16 rows x {bits} to 3 rows, int8 blocks x {bits} (AVX2) above"
+    if CPU.int8_gemm:
+        assert quant.arithmetic(qw) == f"int16 rows x {bits} to 3 rows, int8 blocks x {bits} ({CPU.int8_gemm}) above"
     qw.int8_rows = 0  # never: past the kernels' rows the dequantized fp32 product
     rows = quant.kernel_rows(qw.codes) + 2
     x = torch.randn(rows, 512)
@@ -254,9 +315,9 @@ def test_int8_blocks_take_batched_steps_from_the_measured_row_count(monkeypatch,
         assert len(calls) == 1 and calls[0][-1] <= top and (tmp_path / "kernels" / "few-rows.json").exists()
         timing[12] = lose  # a count above 8 that does not win by the margin: from 16 on
         assert quant.int8_fewest_rows(layer[:1], tmp_path) == 16
-        timing[16] = lose
+        timing[top] = lose
         assert quant.int8_fewest_rows(layer[1:], tmp_path) == 0  # the last count loses: none
-        timing.update({12: win, 16: win})
+        timing.update({12: win, top: win})
         model = core.model
 
         def rows() -> set[int]:
@@ -264,11 +325,12 @@ def test_int8_blocks_take_batched_steps_from_the_measured_row_count(monkeypatch,
 
         monkeypatch.setattr(quant, "_measure_many_rows", lambda ws: {"int8_ms": 1.0, "fp32_ms": 2.0})
         blocks = quant.CPU.int8_gemm  # a build with AVX2
+        most = min(quant.kernel_rows(w.codes) for w in model.modules() if isinstance(w, QuantizedWeight))
         many_rows_arithmetic(model, None, tmp_path / "engine")
         assert rows() == ({8} if blocks else {0})
-        assert int16_rows_most(model) == (7 if blocks else top)  # a step with drafts stays below the blocks
+        assert int16_rows_most(model) == (7 if blocks else most)  # a step with drafts stays below the blocks
         many_rows_arithmetic(model, False, tmp_path / "engine")
-        assert rows() == {0} and int16_rows_most(model) == top
+        assert rows() == {0} and int16_rows_most(model) == most
     finally:
         core.close()
 
@@ -907,7 +969,7 @@ def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeyp
             stats = core.stats()
             assert stats.dense_formats == {**{k: "q4 g32 (int4)" for k in kinds}, "lm_head": "q8 g64 (int8)"}
             int8 = setting is None and CPU.int8_gemm and faster
-            above = "int8 blocks x {} (AVX2)" if int8 else "dequantized float32"
+            above = f"int8 blocks x {{}} ({CPU.int8_gemm})" if int8 else "dequantized float32"
             assert stats.dense_arithmetic == {
                 **{k: f"int16 rows x q4 to {7 if int8 else rows} rows, {above.format('q4')} above" for k in kinds},
                 "lm_head": f"int16 rows x q8 to {7 if int8 else 16} rows, {above.format('q8')} above"}

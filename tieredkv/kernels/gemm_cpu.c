@@ -5,7 +5,7 @@
  * The activations are quantized to int8 in blocks of 32 inputs, each with its scale and its codes' sum as rounded
  * (cpu_kernels.h: tkv_int8_rows, GGUF's Q8_1 blocks, as llama.cpp multiplies its quantized blocks with). The
  * weight's codes are unpacked, 16 output rows at a time, into a panel in the calling thread's cache, one byte a
- * code (q4: 0..15; q8: the signed code):
+ * code (q4: 0..15; q8: the signed code, plus 128 where VNNI multiplies):
  *   panel[b][c][r][j]: block b of 32 inputs, chunk c (0..7) of 4 inputs, output row r (0..15), input 4 c + j,
  * so that one 32-byte load holds 4 inputs of 8 rows and vpmaddubsw multiplies them by 4 activations broadcast to
  * every row, their sums side by side (no sum across a register's lanes). One panel serves every activation row
@@ -18,6 +18,13 @@
  * Arithmetic for 128 multiply-adds (a 4-input chunk of 16 rows, one activation row): q4 2 vpmaddubsw + 2 vpaddw,
  * q8 twice that and 2 vpsignb; fp32 takes 16 FMAs (AVX2), and the dequantized product must first write the fp32
  * weight.
+ *
+ * Where the processor has AVX-512 VNNI (and BW) the same panel serves 512-bit registers: one 64-byte load holds 4
+ * inputs of all 16 rows, and vpdpbusd multiplies them by 4 activations broadcast to every row and adds the products
+ * to the rows' int32 sums in one instruction (128 multiply-adds: AVX2's 4 instructions, q8's 8). vpdpbusd takes the
+ * weight's side unsigned: q4's codes are; q8's are held in the panel plus 128 (as q8t's tiles hold them already),
+ * and 128 times the activation block's code sum (tkv_int8_rows.qs) starts each sum below zero, so the int32 sums
+ * equal AVX2's exactly and the fp32 steps after them are the same: both builds give the same bits.
  *
  * Without AVX2 nothing here serves: tkv_quant_gemm_native returns 0 and kernels/quant.py dequantizes into the fp32
  * product instead (plain C int8 is slower than that). The same arithmetic in torch is kernels/quant.py's
@@ -37,8 +44,19 @@
 #define PANEL_BLOCK (BLOCK * PANEL_ROWS)  /* bytes of one block of a panel */
 #define INLINE static inline __attribute__((always_inline))
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GEMM_VNNI 1
+#define Q8_PANEL_BIAS 128  /* q8 codes as the panel holds them: plus 128, unsigned for vpdpbusd */
+#else
+#define Q8_PANEL_BIAS 0
+#endif
+
+/* What the products of many rows run on in this build: 0 nothing (dequantize instead), 1 AVX2, 2 AVX-512 VNNI */
 int tkv_quant_gemm_native(void) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(GEMM_VNNI)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     return 1;
 #else
     return 0;
@@ -87,13 +105,15 @@ static void pack_rows(const int bits, const uint8_t *q, const uint16_t *d, const
                       int64_t K, int64_t n0, uint8_t *panel, float *pd, float *pm) {
     const int64_t B = K / BLOCK, G = K / g;
     const uint8_t *rows[PANEL_ROWS];
+    const __m256i bias = _mm256_set1_epi8((char)Q8_PANEL_BIAS);
     for (int r = 0; r < PANEL_ROWS; r++) rows[r] = q + (n0 + r < N ? n0 + r : N - 1) * (bits == 4 ? K / 2 : K);
     for (int64_t b = 0; b < B; b++)
         for (int half = 0; half < 2; half++) {
             __m256i v[8];
             for (int r = 0; r < 8; r++)
                 v[r] = bits == 4 ? row_block_codes(rows[half * 8 + r], g, b)
-                                 : _mm256_loadu_si256((const __m256i *)(rows[half * 8 + r] + b * BLOCK));
+                                 : _mm256_xor_si256(
+                                       _mm256_loadu_si256((const __m256i *)(rows[half * 8 + r] + b * BLOCK)), bias);
             transpose8(v);
             for (int c = 0; c < 8; c++)
                 _mm256_storeu_si256((__m256i *)(panel + b * PANEL_BLOCK + c * 64 + half * 32), v[c]);
@@ -109,10 +129,11 @@ static void pack_rows(const int bits, const uint8_t *q, const uint16_t *d, const
 
 /* Tile t of a q4t or q8t weight into a panel. q4t (quant_cpu.c: byte 4r + j of chunk c holds row r's input
  * 8c + j low, 8c + 4 + j high): two chunks of the panel from each of the tile's; q8t (byte 4r + j of chunk c:
- * row r's code of input 4c + j plus 128): the panel's layout already, the codes back to signed bytes */
+ * row r's code of input 4c + j plus 128): the panel's layout already, the codes back to signed bytes (AVX2) or
+ * as they are (VNNI: the panel's plus 128) */
 static void pack_tile(const int bits, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t g, int64_t K,
                       int64_t t, uint8_t *panel, float *pd, float *pm) {
-    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)(0x80 ^ Q8_PANEL_BIAS));
     const int64_t G = K / g, chunks = bits == 4 ? K / 8 : K / 4;
     const uint8_t *tc = q + t * chunks * 64;
     for (int64_t c = 0; c < chunks; c++)
@@ -197,8 +218,95 @@ INLINE void panel_rows(const int bits, const int mr, const uint8_t *panel, const
         else if (mr == 2) panel_rows(bits, 2, panel, pd, pm, K, gb, xq, sx, xs, o);                            \
         else panel_rows(bits, 1, panel, pd, pm, K, gb, xq, sx, xs, o);                                         \
     }
+#ifdef GEMM_VNNI
+#define MR512 8
+
+/* MR activation rows (int8 blocks xq [MR][K], their scales sx, scaled sums xs and code sums qs [MR][B]) times a
+ * panel on 512-bit registers: row i's 16 int32 sums of a block in one register, which vpdpbusd adds 4
+ * inputs of all 16 rows to at a time (q8: from -128 x the block's code sum, the panel holding codes plus 128).
+ * Eight rows at a time: eight independent chains of vpdpbusd, each a block (8 deep) long. The fp32 steps are
+ * panel_rows' own, in its order; the outputs go to out (row stride N) with the bias added, only the panel's
+ * first `keep` (the weight's last panel may be short). */
+INLINE void panel_rows512(const int bits, const int mr, const uint8_t *panel, const float *pd, const float *pm,
+                          int64_t K, int64_t gb, const int8_t *xq, const float *sx, const float *xs,
+                          const int32_t *qs, const __m512 bias, const __mmask16 keep, int64_t N, float *out) {
+    const int64_t B = K / BLOCK;
+    __m512 f[MR512];
+    for (int i = 0; i < mr; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; b++) {
+        const uint8_t *pb = panel + b * PANEL_BLOCK;
+        __m512i s[MR512];
+        for (int i = 0; i < mr; i++)
+            s[i] = bits == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-Q8_PANEL_BIAS * qs[i * B + b]);
+        for (int c = 0; c < 8; c++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(pb + c * 64));
+            for (int i = 0; i < mr; i++) {
+                int32_t four;
+                memcpy(&four, xq + i * K + b * BLOCK + 4 * c, 4);
+                s[i] = _mm512_dpbusd_epi32(s[i], w, _mm512_set1_epi32(four));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(pd + b / gb * PANEL_ROWS), m = _mm512_loadu_ps(pm + b / gb * PANEL_ROWS);
+        for (int i = 0; i < mr; i++) {
+            const __m512 scale = _mm512_set1_ps(sx[i * B + b]), sum = _mm512_set1_ps(xs[i * B + b]);
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, scale), _mm512_fmadd_ps(m, sum, f[i]));
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(out + i * N, keep, _mm512_add_ps(f[i], bias));
+}
+
+#define ROWS512_OF(name, bits)                                                                                    \
+    static void name(int mr, const uint8_t *panel, const float *pd, const float *pm, int64_t K, int64_t gb,     \
+                     const int8_t *xq, const float *sx, const float *xs, const int32_t *qs, __m512 bias,        \
+                     __mmask16 keep, int64_t N, float *out) {                                                  \
+        switch (mr) {                                                                                          \
+            case 8: panel_rows512(bits, 8, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
+            case 7: panel_rows512(bits, 7, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
+            case 6: panel_rows512(bits, 6, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
+            case 5: panel_rows512(bits, 5, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
+            case 4: panel_rows512(bits, 4, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
+            case 3: panel_rows512(bits, 3, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
+            case 2: panel_rows512(bits, 2, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
+            default: panel_rows512(bits, 1, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out);         \
+        }                                                                                                      \
+    }
+ROWS512_OF(rows512_of_4bit, 4)
+ROWS512_OF(rows512_of_8bit, 8)
+#define ROWS_AT_ONCE MR512
+#else
 ROWS_OF(rows_of_4bit, 4)
 ROWS_OF(rows_of_8bit, 8)
+#define ROWS_AT_ONCE MR
+#endif
+
+/* The M activation rows times one panel (tile t of the weight), into out's columns of the tile */
+static void panel_times_rows(const int bits, const uint8_t *panel, const float *pd, const float *pm, int64_t K,
+                             int64_t gb, const tkv_int8_rows *a, int64_t M, int64_t N, int64_t t, const float *bias,
+                             float *out) {
+    const int64_t B = K / BLOCK;
+    const int rows = N - t * PANEL_ROWS < PANEL_ROWS ? (int)(N - t * PANEL_ROWS) : PANEL_ROWS;
+    const float *tb = bias ? bias + t * PANEL_ROWS : NULL;
+#ifdef GEMM_VNNI
+    const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+    const __m512 vb = tb ? _mm512_maskz_loadu_ps(keep, tb) : _mm512_setzero_ps();
+#else
+    float o[MR * PANEL_ROWS];
+#endif
+    for (int64_t i = 0; i < M; i += ROWS_AT_ONCE) {
+        const int mr = M - i < ROWS_AT_ONCE ? (int)(M - i) : ROWS_AT_ONCE;
+        const int8_t *xq = a->xq + i * K;
+        const float *sx = a->sx + i * B, *xs = a->xs + i * B;
+#ifdef GEMM_VNNI
+        (bits == 4 ? rows512_of_4bit : rows512_of_8bit)(mr, panel, pd, pm, K, gb, xq, sx, xs, a->qs + i * B, vb, keep,
+                                                        N, out + i * N + t * PANEL_ROWS);
+#else
+        (bits == 4 ? rows_of_4bit : rows_of_8bit)(mr, panel, pd, pm, K, gb, xq, sx, xs, o);
+        for (int j = 0; j < mr; j++)
+            for (int r = 0; r < rows; r++)
+                out[(i + j) * N + t * PANEL_ROWS + r] = o[j * PANEL_ROWS + r] + (tb ? tb[r] : 0.f);
+#endif
+    }
+}
 #endif
 
 /* Bytes of scratch tkv_quant_gemm takes for M rows of K inputs with groups of g, `threads` threads */
@@ -225,7 +333,7 @@ int tkv_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, int b
     if (!mem) return -1;
     const tkv_int8_rows a = tkv_int8_blocks_at(mem, M, K);
     char *panels = mem + tkv_int8_blocks_bytes(M, K);
-    const int64_t B = K / BLOCK, G = K / g, T = (N + PANEL_ROWS - 1) / PANEL_ROWS;
+    const int64_t G = K / g, T = (N + PANEL_ROWS - 1) / PANEL_ROWS;
     #pragma omp parallel
     {
 #ifdef _OPENMP
@@ -242,21 +350,7 @@ int tkv_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, int b
                 pack_tile(bits, q, d, mn, g, K, t, panel, pd, pm);
             else
                 pack_rows(bits, q, d, mn, g, N, K, t * PANEL_ROWS, panel, pd, pm);
-            const int rows = N - t * PANEL_ROWS < PANEL_ROWS ? (int)(N - t * PANEL_ROWS) : PANEL_ROWS;
-            const float *tb = bias ? bias + t * PANEL_ROWS : NULL;
-            float o[MR * PANEL_ROWS];
-            for (int64_t i = 0; i < M; i += MR) {
-                const int mr = M - i < MR ? (int)(M - i) : MR;
-                const int8_t *xq = a.xq + i * K;
-                const float *sx = a.sx + i * B, *xs = a.xs + i * B;
-                if (bits == 4)
-                    rows_of_4bit(mr, panel, pd, pm, K, g / BLOCK, xq, sx, xs, o);
-                else
-                    rows_of_8bit(mr, panel, pd, pm, K, g / BLOCK, xq, sx, xs, o);
-                for (int j = 0; j < mr; j++)
-                    for (int r = 0; r < rows; r++)
-                        out[(i + j) * N + t * PANEL_ROWS + r] = o[j * PANEL_ROWS + r] + (tb ? tb[r] : 0.f);
-            }
+            panel_times_rows(bits, panel, pd, pm, K, g / BLOCK, &a, M, N, t, bias, out);
         }
     }
     return 0;

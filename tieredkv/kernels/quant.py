@@ -386,7 +386,7 @@ def kernel_rows(codes: torch.Tensor) -> int:
 def many_rows_int8(codes: torch.Tensor, group_size: int) -> bool:
     """True where more than kernel_rows rows on weights in `codes`' format can run on int8 arithmetic (gemm_cpu.c:
     q4, q8 and their tiles, groups whole blocks of 32, a build with AVX2), rather than dequantized into fp32."""
-    return CPU.int8_gemm and not codes.is_cuda and group_size % 32 == 0 and _in_features(codes) % 32 == 0
+    return bool(CPU.int8_gemm) and not codes.is_cuda and group_size % 32 == 0 and _in_features(codes) % 32 == 0
 
 
 MEASURE_ROWS = 256  # the many-row products' measurement: a prefill chunk's rows
@@ -479,7 +479,7 @@ def arithmetic(qw: "QuantizedWeight") -> str:
     bits = "q8" if _is_q8(qw.codes) else "q4"
     rows = "int8 blocks (VNNI tiles)" if qw.codes.dim() == 3 else "int16 rows"
     many = qw.int8_rows != 0 and many_rows_int8(qw.codes, qw.group_size)
-    above = f"int8 blocks x {bits} (AVX2)" if many else "dequantized float32"
+    above = f"int8 blocks x {bits} ({CPU.int8_gemm})" if many else "dequantized float32"
     last = kernel_rows(qw.codes)
     if many and qw.codes.dim() == 2 and 0 < qw.int8_rows <= last:
         last = qw.int8_rows - 1

@@ -194,6 +194,7 @@ def handle_outputs(handle) -> int:
     return handle.shape[0] * (handle.shape[2] // 2 if handle.dtype == torch.bfloat16 else handle.shape[2])
 
 
+INT8_GEMM_ISA = {0: "", 1: "AVX2", 2: "AVX-512 VNNI"}  # gemm_cpu.c's tkv_quant_gemm_native
 GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 rows, dequantize + fp32 GEMM above
 # (q4 on a build with 512-bit blocks: 32, kernel_rows)
 
@@ -201,15 +202,16 @@ GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 ro
 class CpuLibrary:
     """The CPU kernels this process serves with: `lib`, the loaded build of quant_cpu.c (None: torch's reference
     serves); `bound`, the build whose kernels the C++ operators of torch.ops.tieredkv run (quant_ops.cpp);
-    `q4_rows`, the most rows the loaded build's q4 kernels take (kernels/quant.py kernel_rows); `int8_gemm`, whether
-    more rows on q4 and q8 weights can multiply on int8 (gemm_cpu.c: a build with AVX2). One a process
+    `q4_rows`, the most rows the loaded build's q4 kernels take (kernels/quant.py kernel_rows); `int8_gemm`, what
+    more rows on q4 and q8 weights multiply on where they can multiply on int8 (gemm_cpu.c: "AVX2", "AVX-512 VNNI";
+    "" where the build cannot). One a process
     (`CPU`): a loaded library and torch's operator registry are the process's."""
 
     def __init__(self) -> None:
         self.lib: ctypes.CDLL | None = None
         self.bound: ctypes.CDLL | None = None
         self.q4_rows = GEMV_MAX_ROWS
-        self.int8_gemm = False  # more rows on q4/q8 weights can run gemm_cpu.c's int8 products (kernels/quant.py)
+        self.int8_gemm = ""  # the instructions gemm_cpu.c's int8 products of many rows run on ("": none)
         self.operators: ctypes.CDLL | None = None  # quant_ops.cpp's library, loaded once (it registers the ops)
         self.operators_error: str | None = None  # why it could not be had (then never tried again)
 
@@ -239,7 +241,7 @@ class CpuLibrary:
         C++ operators to it where they can be built."""
         self.lib = lib
         self.q4_rows = GEMV_MAX_ROWS if lib is None else lib.tkv_q4_max_rows()
-        self.int8_gemm = lib is not None and bool(lib.tkv_quant_gemm_native())
+        self.int8_gemm = "" if lib is None else INT8_GEMM_ISA[lib.tkv_quant_gemm_native()]
         if lib is None or self.bound is lib or not operators:
             return
         self.bound = lib if self._bind(cache_dir, lib) else None

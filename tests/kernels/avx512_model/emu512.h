@@ -1,7 +1,8 @@
 /* A software model of the 512-bit intrinsics quant_cpu.c's int4 kernels for groups of 32 use (q4_pair, q4_block512,
- * q4_row512), each lane as the instruction defines it (fma, int32 conversion to nearest even, wrapping int32
- * adds), so that the kernels' 512-bit paths run, and are checked, on a processor without AVX-512
- * (tests/kernels/test_quant.py). The 256-bit intrinsics they also use are the real ones. */
+ * q4_row512) and gemm_cpu.c's VNNI products of many rows (panel_rows512), each lane as the instruction defines it
+ * (fma, int32 conversion to nearest even, wrapping int32 adds, vpdpbusd's unsigned x signed bytes), so that the
+ * kernels' 512-bit paths run, and are checked, on a processor without AVX-512 (tests/kernels/test_quant.py). The
+ * 256-bit intrinsics they also use are the real ones. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -68,4 +69,28 @@ static inline __m256d e_extractf64x4_pd(e512d v, int hi) { __m256d r; memcpy(&r,
 #undef _mm512_extractf64x4_pd
 #define _mm512_extractf64x4_pd e_extractf64x4_pd
 #undef DPWSSD
+static inline e512i e_dpbusd_epi32(e512i acc, e512i u, e512i v) {
+    e512i r;
+    for (int i = 0; i < 16; i++) {
+        int32_t s = 0;
+        for (int j = 0; j < 4; j++) s += (int32_t)u.ub[4 * i + j] * v.b[4 * i + j];
+        r.w[i] = (int32_t)((uint32_t)acc.w[i] + (uint32_t)s);
+    }
+    return r;
+}
+static inline e512 e_mul_ps(e512 a, e512 b) { e512 r; for (int i = 0; i < 16; i++) r.f[i] = a.f[i] * b.f[i]; return r; }
+static inline e512 e_add_ps(e512 a, e512 b) { e512 r; for (int i = 0; i < 16; i++) r.f[i] = a.f[i] + b.f[i]; return r; }
+static inline e512 e_loadu_ps(const float *p) { e512 r; memcpy(r.f, p, 64); return r; }
+static inline e512 e_set1_ps(float v) { e512 r; for (int i = 0; i < 16; i++) r.f[i] = v; return r; }
+static inline e512 e_maskz_loadu_ps(__mmask16 k, const float *p) { e512 r; for (int i = 0; i < 16; i++) r.f[i] = k >> i & 1 ? p[i] : 0.f; return r; }
+static inline void e_mask_storeu_ps(float *p, __mmask16 k, e512 v) { for (int i = 0; i < 16; i++) if (k >> i & 1) p[i] = v.f[i]; }
+
+#define _mm512_dpbusd_epi32 e_dpbusd_epi32
+#define _mm512_mul_ps e_mul_ps
+#define _mm512_add_ps e_add_ps
+#define _mm512_loadu_ps e_loadu_ps
+#define _mm512_set1_ps e_set1_ps
+#define _mm512_maskz_loadu_ps e_maskz_loadu_ps
+#define _mm512_mask_storeu_ps e_mask_storeu_ps
+
 #define DPWSSD(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
