@@ -1,6 +1,7 @@
 """The CPU decode attention kernel (attention_cpu.c, as torch.ops.tieredkv.paged_decode) against attention
 written out per sequence, on each build of the kernels (this processor's, AVX2, plain C): shapes, lengths,
-thread counts, bf16 caches, shared-prefix plans, the compiled graph's call, and the inputs it refuses."""
+thread counts, bf16 caches, shared-prefix plans, the compiled graph's call, and the inputs it refuses; and the
+CPU prefill attention kernel (tkv_prefill_attention) against the torch reference."""
 
 import random
 
@@ -18,6 +19,7 @@ from tieredkv.kernels.decode_attention import (
     plan_decode,
 )
 from tieredkv.kernels.kv_format import FORMATS, KVLayout, hadamard, rotates
+from tieredkv.kernels.prefill_attention import prefill_attention_cpu, prefill_attention_ref, prefill_kernel_takes
 
 
 def paged(*args):
@@ -282,6 +284,75 @@ def test_bad_input_is_refused_before_anything_is_read(lib):
         paged(q, kc, vc, tables[:1], ctx, 0.2)
     # int64 tables and lengths are converted
     torch.testing.assert_close(paged(q, kc, vc, tables.long(), ctx.long(), 0.2), paged(q, kc, vc, tables, ctx, 0.2))
+
+
+# (cached prefix, chunk) per sequence: a fresh prompt past a chunk of keys, a chunk after a prefix ending mid-block,
+# one-token tails, a long prompt (many tiles of queries and chunks of keys)
+PREFILL_SEQS = [[(0, 45), (13, 9), (40, 1)], [(0, 300)], [(250, 3), (0, 1), (31, 33)]]
+
+
+@pytest.mark.parametrize("seqs", PREFILL_SEQS, ids=["mixed", "long", "tails"])
+@pytest.mark.parametrize("bs, kv_heads, group, d", [(16, 3, 3, 64), (8, 2, 1, 32), (16, 1, 8, 128), (5, 2, 4, 16),
+                                                     (16, 1, 32, 48), (16, 2, 11, 80)])
+def test_prefill_kernel_matches_the_reference(lib, seqs, bs, kv_heads, group, d):
+    """Chunks attend causally to their cached prefix and themselves: the CPU kernel gives the torch reference's
+    attention (scores as small products of tiles of queries and chunks of turned keys, online softmax), for
+    groups of 1 to 32 query heads a KV head (tiles of whole positions: 32 vectors, or fewer), head sizes of one to
+    eight vectors, block sizes that are not powers of two, and the same result from call to call."""
+    lens = [p + n for p, n in seqs]
+    _, kc, vc, tables, ctx = paged_batch(lens, bs, kv_heads, group, d, seed=d + len(seqs), pad=0)
+    starts = torch.tensor([0, *torch.tensor([n for _, n in seqs]).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), kv_heads * group, d, generator=torch.Generator().manual_seed(5))
+    assert prefill_kernel_takes(q, kc, None)
+    want = prefill_attention_ref(q, kc, vc, tables, starts, ctx, d**-0.5)
+    got = prefill_attention_cpu(q, kc, vc, tables, starts, ctx, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+    assert torch.equal(prefill_attention_cpu(q, kc, vc, tables, starts, ctx, d**-0.5), got)
+
+
+@pytest.mark.parametrize("k,v", [("bfloat16", "bfloat16"), ("float16", "int8"), ("int8", "int8"), ("int4", "int4")])
+@pytest.mark.parametrize("d", [64, 48])  # int4 rows turned at 64 (the reference serves), not at 48
+def test_prefill_kernel_reads_the_kv_formats_and_the_shared_prefix_plan(lib, k, v, d):
+    """Rows in the KV formats are widened as they are laid out (int4's turned rows go to the reference); a plan's
+    group of chunks over shared cached blocks takes the cascade and the other chunks the kernel, in one output."""
+    from collections import Counter
+
+    from tieredkv.kernels.calls import counting
+
+    q, kc, vc, tables, ctx = paged_batch([70, 40, 33], d=d, pad=0)
+    kv = KVLayout.resolve(k, v, d, torch.float32)
+    kr, vr, _, _ = stored(kc, vc, kv)
+    tables[1, :2] = tables[0, :2]  # sequences 0 and 1 follow the same 32 cached positions
+    starts = torch.tensor([0, 38, 46, 79], dtype=torch.int32)
+    qp = torch.randn(79, 6, d, generator=torch.Generator().manual_seed(2))
+    takes = not (rotates(kv.k, d) or rotates(kv.v, d))
+    assert prefill_kernel_takes(qp, kr, kv) == takes
+    for plan in (None, [([0, 1], 2)]):
+        calls: Counter = Counter()
+        with counting(calls):
+            got = prefill_attention_cpu(qp, kr, vr, tables, starts, ctx, 0.2, plan=plan, kv=kv)
+        torch.testing.assert_close(got, prefill_attention_ref(qp, kr, vr, tables, starts, ctx, 0.2, plan=plan, kv=kv),
+                                   rtol=2e-5, atol=2e-6)
+        assert calls["prefill attention", "CPU kernel"] == int(takes)
+        assert calls["prefill attention", "cascade"] == int(plan is not None)
+
+
+def test_prefill_kernel_refuses_what_it_does_not_take(lib):
+    """Head sizes that are not whole vectors, fp64 caches, fp8 rows and caches not contiguous go to the
+    reference; a block id outside the cache is refused before anything is read."""
+    _, kc, vc, tables, ctx = paged_batch([40, 9], d=32, pad=0)
+    q = torch.randn(49, 6, 32)
+    starts = torch.tensor([0, 40, 49], dtype=torch.int32)
+    assert prefill_kernel_takes(q, kc, None)
+    assert not prefill_kernel_takes(torch.randn(49, 6, 40), torch.randn(8, 16, 2, 40), None)
+    assert not prefill_kernel_takes(q, kc.double(), None)
+    assert not prefill_kernel_takes(q, kc.transpose(1, 2), None)
+    fp8 = KVLayout.resolve("fp8", "fp8", 32, torch.float32, torch.device("cuda"))
+    assert not prefill_kernel_takes(q, fp8.encode(0, kc), fp8)
+    bad = tables.clone()
+    bad[1, 0] = kc.shape[0]
+    with pytest.raises(IndexError, match="outside the cache"):
+        prefill_attention_cpu(q, kc, vc, bad, starts, ctx, 0.2)
 
 
 @pytest.fixture

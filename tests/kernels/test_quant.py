@@ -989,7 +989,8 @@ def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeyp
 def test_stats_count_what_served_each_call(llama_dir, monkeypatch, faster):
     """stats().kernel_calls counts each forward by what ran it, and each attention and quantized product by the
     implementation that served it: a 40-token prompt's products take int8 blocks where they were measured faster
-    (here: said to be, or not) and the dequantized product where not, its last row's LM head the int16 rows;
+    (here: said to be, or not) and the dequantized product where not, its last row's LM head the int16 rows, its
+    attention the CPU prefill kernel;
     the lone sequence's decodes are native steps (their calls are the C step's own); two short prompts in one
     batch are an eager forward whose products take the int16 rows, and their decodes one native step."""
     from tieredkv.engine import rank_build
@@ -1005,7 +1006,7 @@ def test_stats_count_what_served_each_call(llama_dir, monkeypatch, faster):
         run_to_end(core, [[7, 8, 9], [10, 11, 12]], [2, 2])  # one prefill forward of both, one native step
         many = "int8 blocks" if CPU.int8_gemm and faster else "dequantized float32"
         assert core.stats().kernel_calls == {
-            "forward: eager": 2, "forward: native step": 3, "prefill attention: torch reference": 2 * layers,
+            "forward: eager": 2, "forward: native step": 3, "prefill attention: CPU kernel": 2 * layers,
             f"quantized product: {many}": 4 * layers, "quantized product: int16 rows": 1 + 4 * layers + 1}
     finally:
         core.close()

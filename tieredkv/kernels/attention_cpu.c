@@ -329,6 +329,23 @@ static inline float exp_sum(float *x, int64_t n, float m) {
     return s;
 }
 
+/* The largest of m and x[0..n) */
+static inline float max_of(const float *x, int64_t n, float m) {
+    int64_t i = 0;
+#ifdef ATT_AVX2
+    if (n >= 8) {
+        __m256 v = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        m = top > m ? top : m;
+    }
+#endif
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 /* Splits of each sequence's positions: at least two items a thread and a multiple of the threads where the
  * positions allow, none shorter than ATT_MIN_SPLIT positions. */
 static int64_t att_splits(int64_t B, int64_t longest, int threads) {
@@ -540,4 +557,217 @@ void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, 
                          int64_t bs, int64_t Hkv, const int32_t *table, int32_t len, float scale, int64_t splits,
                          float *parts, float *out) {
     attention_share(q, 1, Hq, D, kc, vc, fmt, rb, bs, Hkv, table, 0, &len, scale, splits, parts, out);
+}
+
+/* Prefill attention: the T queries of a prompt's chunk attend causally to the sequence's cached prefix and to
+ * themselves (query j of a chunk of T sits at position L - T + j of a sequence of L positions).
+ *
+ * Where decode reads each key once for one query per head, a chunk's queries meet every key many times, so the
+ * keys are read as the operands of small matrix products: per KV head, each sequence's keys are laid out once,
+ * turned ([D][L], the positions side by side), and its values as rows [L][D], fp32 (widened from the cache's
+ * format); then an item takes a tile of the chunk's query vectors (PF_ROWS of them: positions x the G query heads
+ * of the KV head, scaled), and for each chunk of PF_KEYS positions scores PF_SV vectors at a time against them,
+ * one load of the turned keys serving every vector (a key's scores come out side by side: no sum across a
+ * register's lanes), keeps each vector's running maximum and sum (online softmax), and adds the values times
+ * the weights, PF_PV vectors and 4 registers of outputs at a time. A vector meets the positions up to its own:
+ * they are a prefix of each chunk of positions, so the exponentials and the values stop there.
+ * Vectors are GCC's vector extensions, as wide as the build's registers (16 floats with AVX-512, else 8). */
+#ifdef __AVX512F__
+#define PF_W 16
+#define PF_SV 8  /* vectors scored together: 8 x 2 registers of sums */
+#define PF_PV 4  /* vectors weighed together: 4 x 4 registers of outputs */
+#else
+#define PF_W 8
+#define PF_SV 6
+#define PF_PV 3
+#endif
+#define PF_KEYS (2 * PF_W)  /* positions a chunk */
+#define PF_ROWS 32          /* query vectors an item takes at most */
+typedef float pf_vec __attribute__((vector_size(PF_W * 4), aligned(4)));  /* loads and stores need no alignment */
+
+/* Sequence b's keys of KV head h turned into kt [D][Lp] and its values into vt [L][D] (Lp: L rounded up to whole
+ * chunks, the positions past L zero) */
+static void pf_lay_out(const uint8_t *kc, const uint8_t *vc, int fmt, int64_t rb, int64_t bs, int64_t Hkv, int64_t D,
+                       const int32_t *table, int64_t L, int64_t Lp, int64_t h, float *kt, float *vt) {
+    float rows[ATT_CHUNK * ATT_MAX_D];
+    const int64_t row = Hkv * rb;
+    for (int64_t p = 0; p < L;) {
+        int64_t first;
+        const int64_t n = att_chunk(table, bs, row, p, L, &first);
+        tkv_kv_rows(kc + first + h * rb, fmt & 15, row, n, D, rows);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t d = 0; d < D; d++) kt[d * Lp + p + i] = rows[i * D + d];
+        tkv_kv_rows(vc + first + h * rb, fmt >> 4, row, n, D, vt + p * D);
+        p += n;
+    }
+    for (int64_t d = 0; d < D; d++) memset(kt + d * Lp + L, 0, (Lp - L) * sizeof(float));
+}
+
+/* s[v][0..PF_KEYS) = qs_v . the chunk's keys (kt: its first column, Lp floats a row) for the V <= PF_SV vectors */
+static inline __attribute__((always_inline)) void pf_scores(const float *qs, int V, int64_t D, const float *kt,
+                                                            int64_t Lp, float s[][PF_KEYS]) {
+    pf_vec a[PF_SV][2];
+    for (int v = 0; v < V; v++) a[v][0] = a[v][1] = (pf_vec){0};
+    for (int64_t d = 0; d < D; d++) {
+        const pf_vec k0 = *(const pf_vec *)(kt + d * Lp), k1 = *(const pf_vec *)(kt + d * Lp + PF_W);
+        for (int v = 0; v < V; v++) {
+            const float x = qs[v * D + d];
+            a[v][0] += x * k0;
+            a[v][1] += x * k1;
+        }
+    }
+    for (int v = 0; v < V; v++) {
+        *(pf_vec *)s[v] = a[v][0];
+        *(pf_vec *)(s[v] + PF_W) = a[v][1];
+    }
+}
+
+/* o_v += sum over i < n_v of p[v][i] vt_i for the V <= PF_PV vectors (o: D floats a vector; p zero past n_v) */
+static inline __attribute__((always_inline)) void pf_weigh(float p[][PF_KEYS], int V, int64_t n, int64_t D,
+                                                           const float *vt, float *o) {
+    int64_t d = 0;
+    for (; d + 4 * PF_W <= D; d += 4 * PF_W) {
+        pf_vec a[PF_PV][4];
+        for (int v = 0; v < V; v++)
+            for (int j = 0; j < 4; j++) a[v][j] = *(const pf_vec *)(o + v * D + d + j * PF_W);
+        for (int64_t i = 0; i < n; i++) {
+            const float *r = vt + i * D + d;
+            const pf_vec r0 = *(const pf_vec *)r, r1 = *(const pf_vec *)(r + PF_W);
+            const pf_vec r2 = *(const pf_vec *)(r + 2 * PF_W), r3 = *(const pf_vec *)(r + 3 * PF_W);
+            for (int v = 0; v < V; v++) {
+                const float w = p[v][i];
+                a[v][0] += w * r0;
+                a[v][1] += w * r1;
+                a[v][2] += w * r2;
+                a[v][3] += w * r3;
+            }
+        }
+        for (int v = 0; v < V; v++)
+            for (int j = 0; j < 4; j++) *(pf_vec *)(o + v * D + d + j * PF_W) = a[v][j];
+    }
+    for (; d < D; d += PF_W) {
+        pf_vec a[PF_PV];
+        for (int v = 0; v < V; v++) a[v] = *(const pf_vec *)(o + v * D + d);
+        for (int64_t i = 0; i < n; i++)
+            for (int v = 0; v < V; v++) a[v] += p[v][i] * *(const pf_vec *)(vt + i * D + d);
+        for (int v = 0; v < V; v++) *(pf_vec *)(o + v * D + d) = a[v];
+    }
+}
+
+/* pf_scores and pf_weigh with V a constant: the sums stay in registers (with V read at run time the compiler kept
+ * them on the stack) */
+static void pf_scores_v(const float *qs, int V, int64_t D, const float *kt, int64_t Lp, float s[][PF_KEYS]) {
+    switch (V) {
+    case 1: pf_scores(qs, 1, D, kt, Lp, s); break;
+    case 2: pf_scores(qs, 2, D, kt, Lp, s); break;
+    case 3: pf_scores(qs, 3, D, kt, Lp, s); break;
+    case 4: pf_scores(qs, 4, D, kt, Lp, s); break;
+    case 5: pf_scores(qs, 5, D, kt, Lp, s); break;
+#if PF_SV > 6
+    case 6: pf_scores(qs, 6, D, kt, Lp, s); break;
+    case 7: pf_scores(qs, 7, D, kt, Lp, s); break;
+#endif
+    default: pf_scores(qs, PF_SV, D, kt, Lp, s);
+    }
+}
+
+static void pf_weigh_v(float p[][PF_KEYS], int V, int64_t n, int64_t D, const float *vt, float *o) {
+    switch (V) {
+    case 1: pf_weigh(p, 1, n, D, vt, o); break;
+    case 2: pf_weigh(p, 2, n, D, vt, o); break;
+#if PF_PV > 3
+    case 3: pf_weigh(p, 3, n, D, vt, o); break;
+#endif
+    default: pf_weigh(p, PF_PV, n, D, vt, o);
+    }
+}
+
+/* One item: query vectors [r0, r1) of sequence b for KV head h, vector r being position r / G of the chunk, query
+ * head h G + r % G; q the chunk's [T, Hq, D], out likewise */
+static void pf_item(const float *q, int64_t T, int64_t Hq, int64_t D, int64_t G, int64_t h, int64_t L, int64_t Lp,
+                    const float *kt, const float *vt, int64_t r0, int64_t r1, float scale, float *out) {
+    float qs[PF_ROWS * ATT_MAX_D], o[PF_ROWS * ATT_MAX_D], s[PF_ROWS][PF_KEYS], m[PF_ROWS], l[PF_ROWS];
+    int64_t pos[PF_ROWS];
+    const int64_t R = r1 - r0;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t j = (r0 + r) / G, head = h * G + (r0 + r) % G;
+        for (int64_t d = 0; d < D; d++) qs[r * D + d] = q[(j * Hq + head) * D + d] * scale;
+        pos[r] = L - T + j;
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    memset(o, 0, R * D * sizeof(float));
+    const int64_t last = L - T + (r1 - 1) / G;  /* the tile's last position */
+    for (int64_t c = 0; c <= last; c += PF_KEYS) {
+        for (int64_t v = 0; v < R; v += PF_SV)
+            pf_scores_v(qs + v * D, R - v < PF_SV ? (int)(R - v) : PF_SV, D, kt + c, Lp, s + v);
+        int64_t most = 0;
+        for (int64_t r = 0; r < R; r++) {  /* the positions r meets in this chunk: a prefix of it */
+            const int64_t n = pos[r] - c + 1 < 0 ? 0 : pos[r] - c + 1 > PF_KEYS ? PF_KEYS : pos[r] - c + 1;
+            most = n > most ? n : most;
+            const float mx = max_of(s[r], n, m[r]);
+            const float alpha = n ? expf(m[r] - mx) : 1.f;  /* 0 at a vector's first chunk (m was -inf) */
+            const float sum = n ? exp_sum(s[r], n, mx) : 0.f;
+            memset(s[r] + n, 0, (PF_KEYS - n) * sizeof(float));
+            if (alpha != 1.f)
+                for (int64_t d = 0; d < D; d++) o[r * D + d] *= alpha;
+            m[r] = mx;
+            l[r] = l[r] * alpha + sum;
+        }
+        for (int64_t v = 0; v < R; v += PF_PV)
+            pf_weigh_v(s + v, R - v < PF_PV ? (int)(R - v) : PF_PV, most, D, vt + c * D, o + v * D);
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t j = (r0 + r) / G, head = h * G + (r0 + r) % G;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; d++) out[(j * Hq + head) * D + d] = o[r * D + d] * inv;
+    }
+}
+
+/* q [sum of chunks, Hq, D] fp32, sequence b's chunk its rows [qstart[b], qstart[b + 1]); kc, vc, fmt, rb, bs, Hkv
+ * as tkv_paged_decode's (formats whose rows are stored turned, int4, not taken); tables [B, ts]; lens [B] (each
+ * sequence's positions, its chunk's included, >= the chunk's length); out like q. Returns -1 for what it does not
+ * take (those formats, D not whole registers, G or D above their limits) or no memory, 0 when done. */
+int tkv_prefill_attention(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt, int64_t rb,
+                          int64_t bs, int64_t Hkv, int64_t B, const int32_t *tables, int64_t ts,
+                          const int32_t *qstart, const int32_t *lens, float scale, float *out) {
+    if (B <= 0 || !tkv_attention_fits(Hq, D, bs, Hkv) || D % PF_W || !tkv_kv_row_bytes(fmt & 15, D) ||
+        !tkv_kv_row_bytes(fmt >> 4, D) || tkv_kv_rotates(fmt & 15, D) || tkv_kv_rotates(fmt >> 4, D))
+        return -1;
+    const int64_t G = Hq / Hkv, per = PF_ROWS / G * G;  /* vectors an item: whole positions */
+    int64_t floats = 0, tiles = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t T = qstart[b + 1] - qstart[b], L = lens[b];
+        if (T < 1 || L < T) return -1;
+        floats += ((L + PF_KEYS - 1) / PF_KEYS * PF_KEYS + L) * D;
+        tiles += (T * G + per - 1) / per;
+    }
+    float *mem = (float *)tkv_scratch((size_t)floats * sizeof(float) + (size_t)(2 * B + tiles) * sizeof(int64_t));
+    if (!mem) return -1;
+    int64_t *at = (int64_t *)(mem + floats), *first = at + B, *owner = first + B;  /* sequence b's floats; tiles */
+    for (int64_t b = 0, f = 0, t = 0; b < B; b++) {
+        const int64_t T = qstart[b + 1] - qstart[b], L = lens[b];
+        at[b] = f;
+        first[b] = t;
+        f += ((L + PF_KEYS - 1) / PF_KEYS * PF_KEYS + L) * D;
+        for (int64_t n = (T * G + per - 1) / per; n > 0; n--) owner[t++] = b;
+    }
+    #pragma omp parallel
+    for (int64_t h = 0; h < Hkv; h++) {
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t L = lens[b], Lp = (L + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
+            pf_lay_out((const uint8_t *)kc, (const uint8_t *)vc, fmt, rb, bs, Hkv, D, tables + b * ts, L, Lp, h,
+                       mem + at[b], mem + at[b] + Lp * D);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tiles; t++) {  /* (the later tiles of a chunk meet more positions: dynamic) */
+            const int64_t b = owner[t], T = qstart[b + 1] - qstart[b], L = lens[b];
+            const int64_t Lp = (L + PF_KEYS - 1) / PF_KEYS * PF_KEYS, r0 = (t - first[b]) * per;
+            const int64_t r1 = r0 + per < T * G ? r0 + per : T * G;
+            pf_item(q + (int64_t)qstart[b] * Hq * D, T, Hq, D, G, h, L, Lp, mem + at[b], mem + at[b] + Lp * D, r0,
+                    r1, scale, out + (int64_t)qstart[b] * Hq * D);
+        }
+    }
+    return 0;
 }

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
 from tieredkv.kernels.calls import record
 from tieredkv.kernels.cascade import prefill_cascade_attention
-from tieredkv.kernels.decode_attention import gather_kv
-from tieredkv.kernels.kv_format import KVLayout
+from tieredkv.kernels.decode_attention import PAGED_MAX_GROUP, PAGED_MAX_HEAD_DIM, gather_kv
+from tieredkv.kernels.kv_format import CPU_FORMATS, KVLayout, rotates
 
 
 def prefill_attention_ref(
@@ -28,22 +30,67 @@ def prefill_attention_ref(
     queries meet the shared prefix in one product (cascade.prefill_cascade_attention). `kv`: the caches'
     formats where they do not hold the compute dtype (kernels/kv_format.py)."""
     record("prefill attention", "torch reference")
+    return _attend(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, plan, kv,
+                   _alone_ref)
+
+
+def prefill_attention_cpu(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+                          max_query_len=None, plan=None, kv: KVLayout | None = None) -> torch.Tensor:
+    """prefill_attention_ref's contract on CPU: the chunks that share cached blocks (the plan's) as cascades, the
+    others in one call of the CPU kernel (attention_cpu.c: tkv_prefill_attention, each sequence's keys and values
+    read from their blocks once per KV head and met by tiles of the chunk's queries as small matrix products);
+    the reference where the kernel does not take the shapes or the caches' formats (int4's turned rows)."""
+    if not prefill_kernel_takes(query, key_cache, kv):
+        return prefill_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+                                     scale, max_query_len, plan, kv)
+    return _attend(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, plan, kv,
+                   _alone_cpu)
+
+
+def prefill_kernel_takes(query: torch.Tensor, key_cache: torch.Tensor, kv: KVLayout | None) -> bool:
+    """The CPU kernel serves: caches on CPU, contiguous, in a format it reads (not fp8, not int4's turned rows),
+    shapes within its limits, the kernels loaded."""
+    from tieredkv.kernels.quant_cpu import CPU
+
+    heads, kv_heads, dim = query.shape[1], key_cache.shape[2], query.shape[2]
+    if CPU.lib is None or key_cache.device.type != "cpu" or not key_cache.is_contiguous() or dim % PREFILL_WIDTH:
+        return False
+    if kv is not None and key_cache.dtype == torch.uint8:
+        if max(kv.codes) > CPU_FORMATS or rotates(kv.k, dim) or rotates(kv.v, dim):
+            return False
+    elif key_cache.dtype not in FLOAT_FORMATS:
+        return False
+    return heads % kv_heads == 0 and heads // kv_heads <= PAGED_MAX_GROUP and dim <= PAGED_MAX_HEAD_DIM
+
+
+FLOAT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kv_cpu.c's codes for rows of floats
+PREFILL_WIDTH = 16  # the head dims the kernel takes are whole vectors of its widest build (attention_cpu.c: PF_W)
+
+
+def _attend(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, plan, kv,
+            alone) -> torch.Tensor:
+    """The plan's groups as cascades, then `alone` for the other sequences (their indices)."""
     out = torch.empty_like(query)
-    query_start_loc = query_start_loc.tolist()
+    starts = query_start_loc.tolist()
     lens = context_lens.tolist()
-    grouped = set()
+    grouped: set[int] = set()
     if plan:
         record("prefill attention", "cascade")
     for rows, blocks in plan or ():
-        parts = prefill_cascade_attention(query, key_cache, value_cache, block_tables, query_start_loc, lens, scale,
+        parts = prefill_cascade_attention(query, key_cache, value_cache, block_tables, starts, lens, scale,
                                           rows, blocks, kv)
         for r, o in parts.items():
-            out[query_start_loc[r] : query_start_loc[r + 1]] = o
+            out[starts[r] : starts[r + 1]] = o
         grouped.update(rows)
-    for i, ctx in enumerate(lens):
-        if i in grouped:
-            continue
-        start, end = query_start_loc[i], query_start_loc[i + 1]
+    rest = [i for i in range(len(lens)) if i not in grouped]
+    if rest:
+        alone(query, key_cache, value_cache, block_tables, starts, lens, scale, kv, rest, out)
+    return out
+
+
+def _alone_ref(query, key_cache, value_cache, block_tables, starts, lens, scale, kv, rows, out) -> None:
+    for i in rows:
+        ctx, start, end = lens[i], starts[i], starts[i + 1]
         q_len = end - start
         k = gather_kv(key_cache, block_tables[i : i + 1], ctx, kv, 0)  # [1, Hkv, ctx, D]
         v = gather_kv(value_cache, block_tables[i : i + 1], ctx, kv, 1)
@@ -51,8 +98,43 @@ def prefill_attention_ref(
         if ctx == q_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            rows = torch.arange(q_len, device=query.device)[:, None] + (ctx - q_len)
-            mask = torch.arange(ctx, device=query.device)[None, :] <= rows
+            pos = torch.arange(q_len, device=query.device)[:, None] + (ctx - q_len)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= pos
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
-    return out
+
+
+def _alone_cpu(query, key_cache, value_cache, block_tables, starts, lens, scale, kv, rows, out) -> None:
+    """The sequences `rows` in one call of tkv_prefill_attention (the block ids they reach checked first: the
+    kernel reads where they point)."""
+    from tieredkv.kernels.quant_cpu import CPU
+
+    record("prefill attention", "CPU kernel")
+    bs, num_blocks, hkv = key_cache.shape[1], key_cache.shape[0], key_cache.shape[2]
+    every = rows == list(range(len(lens)))
+    tables = (block_tables if every else block_tables[rows]).to(torch.int32).contiguous()
+    seq_lens = [lens[i] for i in rows]
+    for t, n in zip(tables, seq_lens):
+        used = t[: (n + bs - 1) // bs]
+        if n > t.numel() * bs or (used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks)):
+            raise IndexError(f"prefill attention: a context of {n} positions reaches outside the cache's "
+                             f"{num_blocks} blocks")
+    spans = [(starts[i], starts[i + 1]) for i in rows]
+    q = query if every else torch.cat([query[a:b] for a, b in spans])
+    q = q.float().contiguous()
+    qstart = torch.tensor([0, *itertools.accumulate(b - a for a, b in spans)], dtype=torch.int32)
+    formats = kv.codes if kv is not None and key_cache.dtype == torch.uint8 else (FLOAT_FORMATS[key_cache.dtype],) * 2
+    res, kept = torch.empty_like(q), torch.tensor(seq_lens, dtype=torch.int32)
+    heads, dim = q.shape[1], q.shape[2]
+    status = CPU.lib.tkv_prefill_attention(
+        q.data_ptr(), heads, dim, key_cache.data_ptr(), value_cache.data_ptr(), formats[0] | formats[1] << 4,
+        key_cache.shape[3] * key_cache.element_size(), bs, hkv, len(rows), tables.data_ptr(), tables.shape[1],
+        qstart.data_ptr(), kept.data_ptr(), scale, res.data_ptr())
+    if status != 0:
+        raise MemoryError("prefill attention: no memory for the keys and values laid out")
+    res = res.to(out.dtype)
+    if every:
+        out.copy_(res)
+        return
+    for (a, b), lo in zip(spans, qstart.tolist()):
+        out[a:b] = res[lo : lo + b - a]

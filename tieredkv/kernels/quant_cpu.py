@@ -59,6 +59,8 @@ _SIGNATURES = {
     "tkv_quant_gemm_native": ([], ctypes.c_int),
     "tkv_paged_decode": ([_P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _I, _P, _I, _P, ctypes.c_float, _P],
                          ctypes.c_int),
+    "tkv_prefill_attention": ([_P, _I, _I, _P, _P, ctypes.c_int, _I, _I, _I, _I, _P, _I, _P, _P, ctypes.c_float, _P],
+                              ctypes.c_int),
     "tkv_kv_rows": ([_P, ctypes.c_int, _I, _I, _I, _P], None),
     "tkv_kv_store": ([_P, ctypes.c_int, _I, _P], None),
     "tkv_kv_store_tokens": ([_P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, ctypes.c_int], None),
