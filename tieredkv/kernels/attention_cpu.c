@@ -585,23 +585,27 @@ void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, 
 #define PF_ROWS 32          /* query vectors an item takes at most */
 typedef float pf_vec __attribute__((vector_size(PF_W * 4), aligned(4)));  /* loads and stores need no alignment */
 
-/* Sequence b's keys of KV head h turned into kt [D][Lp] and its values into vt [L][D] (Lp: L rounded up to whole
- * chunks, the positions past L zero) */
+/* Positions [p0, p1) of a sequence's keys of KV head h turned into kt [D][Lp] and its values into vt [L][D] (Lp: L
+ * rounded up to whole chunks; the positions past L zero, written by the span that ends at L) */
 static void pf_lay_out(const uint8_t *kc, const uint8_t *vc, int fmt, int64_t rb, int64_t bs, int64_t Hkv, int64_t D,
-                       const int32_t *table, int64_t L, int64_t Lp, int64_t h, float *kt, float *vt) {
+                       const int32_t *table, int64_t p0, int64_t p1, int64_t L, int64_t Lp, int64_t h, float *kt,
+                       float *vt) {
     float rows[ATT_CHUNK * ATT_MAX_D];
     const int64_t row = Hkv * rb;
-    for (int64_t p = 0; p < L;) {
+    for (int64_t p = p0; p < p1;) {
         int64_t first;
-        const int64_t n = att_chunk(table, bs, row, p, L, &first);
+        const int64_t n = att_chunk(table, bs, row, p, p1, &first);
         tkv_kv_rows(kc + first + h * rb, fmt & 15, row, n, D, rows);
         for (int64_t i = 0; i < n; i++)
             for (int64_t d = 0; d < D; d++) kt[d * Lp + p + i] = rows[i * D + d];
         tkv_kv_rows(vc + first + h * rb, fmt >> 4, row, n, D, vt + p * D);
         p += n;
     }
-    for (int64_t d = 0; d < D; d++) memset(kt + d * Lp + L, 0, (Lp - L) * sizeof(float));
+    if (p1 == L)
+        for (int64_t d = 0; d < D; d++) memset(kt + d * Lp + L, 0, (Lp - L) * sizeof(float));
 }
+
+#define PF_SPAN 128  /* positions a thread lays out at a time (one sequence's keys are shared out too) */
 
 /* s[v][0..PF_KEYS) = qs_v . the chunk's keys (kt: its first column, Lp floats a row) for the V <= PF_SV vectors */
 static inline __attribute__((always_inline)) void pf_scores(const float *qs, int V, int64_t D, const float *kt,
@@ -735,30 +739,35 @@ int tkv_prefill_attention(const float *q, int64_t Hq, int64_t D, const void *kc,
         !tkv_kv_row_bytes(fmt >> 4, D) || tkv_kv_rotates(fmt & 15, D) || tkv_kv_rotates(fmt >> 4, D))
         return -1;
     const int64_t G = Hq / Hkv, per = PF_ROWS / G * G;  /* vectors an item: whole positions */
-    int64_t floats = 0, tiles = 0;
+    int64_t floats = 0, tiles = 0, spans = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t T = qstart[b + 1] - qstart[b], L = lens[b];
         if (T < 1 || L < T) return -1;
         floats += ((L + PF_KEYS - 1) / PF_KEYS * PF_KEYS + L) * D;
         tiles += (T * G + per - 1) / per;
+        spans += (L + PF_SPAN - 1) / PF_SPAN;
     }
-    float *mem = (float *)tkv_scratch((size_t)floats * sizeof(float) + (size_t)(2 * B + tiles) * sizeof(int64_t));
+    float *mem = (float *)tkv_scratch((size_t)floats * sizeof(float) +
+                                      (size_t)(2 * B + tiles + spans) * sizeof(int64_t));
     if (!mem) return -1;
-    int64_t *at = (int64_t *)(mem + floats), *first = at + B, *owner = first + B;  /* sequence b's floats; tiles */
-    for (int64_t b = 0, f = 0, t = 0; b < B; b++) {
+    /* sequence b's floats from at[b], its tiles from first[b]; the sequence of each tile and of each span */
+    int64_t *at = (int64_t *)(mem + floats), *first = at + B, *owner = first + B, *spanned = owner + tiles;
+    for (int64_t b = 0, f = 0, t = 0, sp = 0; b < B; b++) {
         const int64_t T = qstart[b + 1] - qstart[b], L = lens[b];
         at[b] = f;
         first[b] = t;
         f += ((L + PF_KEYS - 1) / PF_KEYS * PF_KEYS + L) * D;
         for (int64_t n = (T * G + per - 1) / per; n > 0; n--) owner[t++] = b;
+        for (int64_t p = 0; p < L; p += PF_SPAN) spanned[sp++] = b * ((int64_t)1 << 32) + p;
     }
     #pragma omp parallel
     for (int64_t h = 0; h < Hkv; h++) {
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t L = lens[b], Lp = (L + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
-            pf_lay_out((const uint8_t *)kc, (const uint8_t *)vc, fmt, rb, bs, Hkv, D, tables + b * ts, L, Lp, h,
-                       mem + at[b], mem + at[b] + Lp * D);
+        for (int64_t sp = 0; sp < spans; sp++) {
+            const int64_t b = spanned[sp] >> 32, p0 = spanned[sp] & 0xffffffff, L = lens[b];
+            const int64_t Lp = (L + PF_KEYS - 1) / PF_KEYS * PF_KEYS, p1 = p0 + PF_SPAN < L ? p0 + PF_SPAN : L;
+            pf_lay_out((const uint8_t *)kc, (const uint8_t *)vc, fmt, rb, bs, Hkv, D, tables + b * ts, p0, p1, L, Lp,
+                       h, mem + at[b], mem + at[b] + Lp * D);
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tiles; t++) {  /* (the later tiles of a chunk meet more positions: dynamic) */
