@@ -667,8 +667,9 @@ INLINE __m256 q8_rest(const int8_t *qr, const int16_t *xq, const uint16_t *dr, i
                       __m256 f) {
     for (int64_t b = b0; b < G; b++)
         for (int64_t s0 = b * g; s0 < (b + 1) * g; s0 += SPAN)
-            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_span(qr, xq, s0, s0 + SPAN < (b + 1) * g ? s0 + SPAN : (b + 1) * g)),
-                                _mm256_set1_ps(h2f(dr[b])), f);
+            f = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(q8_span(qr, xq, s0, s0 + SPAN < (b + 1) * g ? s0 + SPAN : (b + 1) * g)),
+                _mm256_set1_ps(h2f(dr[b])), f);
     return f;
 }
 
