@@ -222,6 +222,12 @@ async def test_a_router_from_pypi_drives_two_replicas(engines, access, tmp_path,
                 await asyncio.sleep(0.1)
         client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key=KEY, max_retries=0)
         try:
+            # one stream held open on a replica while the rest are routed: a cache-aware router sends a request it
+            # finds no cached prefix for to the least loaded replica, and with every request done before the next
+            # arrives (a fast replica) its ties all went to the first one
+            hold = await client.chat.completions.create(model=NAME, messages=chat(SYSTEMS[0], "a long answer"),
+                                                        max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+            assert (await hold.__anext__()).choices is not None
             got = await asyncio.gather(*(client.chat.completions.create(
                 model=NAME, messages=chat(SYSTEMS[i % 2], f"question {i}"), max_tokens=4) for i in range(8)))
             assert all(g.choices[0].finish_reason in ("stop", "length") for g in got)
@@ -231,6 +237,7 @@ async def test_a_router_from_pypi_drives_two_replicas(engines, access, tmp_path,
                 reply = await client.responses.create(model=NAME, input="hi", max_output_tokens=3)
                 assert reply.status == "incomplete" and reply.output_text is not None
             await asyncio.sleep(1.5)  # a load poll or two
+            assert [chunk async for chunk in hold]
         finally:
             await client.close()
     served = [e.stats().prefix_cache_queries - b for e, b in zip(engines, before)]
