@@ -339,7 +339,8 @@ def test_prefill_kernel_reads_the_kv_formats_and_the_shared_prefix_plan(lib, k, 
 
 def test_prefill_kernel_refuses_what_it_does_not_take(lib):
     """Head sizes that are not whole vectors, fp64 caches, fp8 rows and caches not contiguous go to the
-    reference; a block id outside the cache is refused before anything is read."""
+    reference; a block id outside the cache, or a context longer than its table, is refused before anything is
+    read; a NaN in a query spoils its own head's outputs only."""
     _, kc, vc, tables, ctx = paged_batch([40, 9], d=32, pad=0)
     q = torch.randn(49, 6, 32)
     starts = torch.tensor([0, 40, 49], dtype=torch.int32)
@@ -351,8 +352,13 @@ def test_prefill_kernel_refuses_what_it_does_not_take(lib):
     assert not prefill_kernel_takes(q, fp8.encode(0, kc), fp8)
     bad = tables.clone()
     bad[1, 0] = kc.shape[0]
-    with pytest.raises(IndexError, match="outside the cache"):
+    with pytest.raises(IndexError, match="outside its block table or the cache"):
         prefill_attention_cpu(q, kc, vc, bad, starts, ctx, 0.2)
+    with pytest.raises(IndexError, match="outside its block table or the cache"):  # more positions than its table
+        prefill_attention_cpu(q, kc, vc, tables, starts, torch.tensor([40, tables.shape[1] * 16 + 1]), 0.2)
+    q[:, 0, 0] = float("nan")  # a query the reference would attend with turns every output of its head to NaN
+    got = prefill_attention_cpu(q, kc, vc, tables, starts, ctx, 0.2)
+    assert got[:, 0].isnan().all() and not got[:, 1:].isnan().any()
 
 
 @pytest.fixture

@@ -728,12 +728,14 @@ static void pf_item(const float *q, int64_t T, int64_t Hq, int64_t D, int64_t G,
     }
 }
 
-/* q [sum of chunks, Hq, D] fp32, sequence b's chunk its rows [qstart[b], qstart[b + 1]); kc, vc, fmt, rb, bs, Hkv
- * as tkv_paged_decode's (formats whose rows are stored turned, int4, not taken); tables [B, ts]; lens [B] (each
- * sequence's positions, its chunk's included, >= the chunk's length); out like q. Returns -1 for what it does not
- * take (those formats, D not whole registers, G or D above their limits) or no memory, 0 when done. */
+/* q [sum of chunks, Hq, D] fp32, sequence b's chunk its rows [qstart[b], qstart[b + 1]); kc, vc ([blocks, bs, Hkv,
+ * rb bytes]), fmt, rb, bs, Hkv as tkv_paged_decode's (formats whose rows are stored turned, int4, not taken); tables
+ * [B, ts]; lens [B] (each sequence's positions, its chunk's included, >= the chunk's length); out like q. Returns -1
+ * for what it does not take (those formats, D not whole registers, G or D above their limits) or no memory, -2
+ * (before anything is read) where a sequence's positions reach past its table or a block id outside the caches, 0
+ * when done. */
 int tkv_prefill_attention(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt, int64_t rb,
-                          int64_t bs, int64_t Hkv, int64_t B, const int32_t *tables, int64_t ts,
+                          int64_t bs, int64_t Hkv, int64_t blocks, int64_t B, const int32_t *tables, int64_t ts,
                           const int32_t *qstart, const int32_t *lens, float scale, float *out) {
     if (B <= 0 || !tkv_attention_fits(Hq, D, bs, Hkv) || D % PF_W || !tkv_kv_row_bytes(fmt & 15, D) ||
         !tkv_kv_row_bytes(fmt >> 4, D) || tkv_kv_rotates(fmt & 15, D) || tkv_kv_rotates(fmt >> 4, D))
@@ -743,6 +745,9 @@ int tkv_prefill_attention(const float *q, int64_t Hq, int64_t D, const void *kc,
     for (int64_t b = 0; b < B; b++) {
         const int64_t T = qstart[b + 1] - qstart[b], L = lens[b];
         if (T < 1 || L < T) return -1;
+        if (L > ts * bs) return -2;
+        for (int64_t j = 0; j < (L + bs - 1) / bs; j++)
+            if (tables[b * ts + j] < 0 || tables[b * ts + j] >= blocks) return -2;
         floats += ((L + PF_KEYS - 1) / PF_KEYS * PF_KEYS + L) * D;
         tiles += (T * G + per - 1) / per;
         spans += (L + PF_SPAN - 1) / PF_SPAN;

@@ -105,34 +105,31 @@ def _alone_ref(query, key_cache, value_cache, block_tables, starts, lens, scale,
 
 
 def _alone_cpu(query, key_cache, value_cache, block_tables, starts, lens, scale, kv, rows, out) -> None:
-    """The sequences `rows` in one call of tkv_prefill_attention (the block ids they reach checked first: the
-    kernel reads where they point)."""
+    """The sequences `rows` in one call of tkv_prefill_attention, which checks every block id it will read first."""
     from tieredkv.kernels.quant_cpu import CPU
 
     record("prefill attention", "CPU kernel")
-    bs, num_blocks, hkv = key_cache.shape[1], key_cache.shape[0], key_cache.shape[2]
     every = rows == list(range(len(lens)))
     tables = (block_tables if every else block_tables[rows]).to(torch.int32).contiguous()
-    seq_lens = [lens[i] for i in rows]
-    for t, n in zip(tables, seq_lens):
-        used = t[: (n + bs - 1) // bs]
-        if n > t.numel() * bs or (used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks)):
-            raise IndexError(f"prefill attention: a context of {n} positions reaches outside the cache's "
-                             f"{num_blocks} blocks")
     spans = [(starts[i], starts[i + 1]) for i in rows]
-    q = query if every else torch.cat([query[a:b] for a, b in spans])
-    q = q.float().contiguous()
+    q = (query if every else torch.cat([query[a:b] for a, b in spans])).float().contiguous()
     qstart = torch.tensor([0, *itertools.accumulate(b - a for a, b in spans)], dtype=torch.int32)
+    seq_lens = torch.tensor([lens[i] for i in rows], dtype=torch.int32)
     formats = kv.codes if kv is not None and key_cache.dtype == torch.uint8 else (FLOAT_FORMATS[key_cache.dtype],) * 2
-    res, kept = torch.empty_like(q), torch.tensor(seq_lens, dtype=torch.int32)
-    heads, dim = q.shape[1], q.shape[2]
+    direct = every and out.dtype == torch.float32 and out.is_contiguous()
+    res = out if direct else torch.empty_like(q)
     status = CPU.lib.tkv_prefill_attention(
-        q.data_ptr(), heads, dim, key_cache.data_ptr(), value_cache.data_ptr(), formats[0] | formats[1] << 4,
-        key_cache.shape[3] * key_cache.element_size(), bs, hkv, len(rows), tables.data_ptr(), tables.shape[1],
-        qstart.data_ptr(), kept.data_ptr(), scale, res.data_ptr())
+        q.data_ptr(), q.shape[1], q.shape[2], key_cache.data_ptr(), value_cache.data_ptr(),
+        formats[0] | formats[1] << 4, key_cache.shape[3] * key_cache.element_size(), key_cache.shape[1],
+        key_cache.shape[2], key_cache.shape[0], len(rows), tables.data_ptr(), tables.shape[1], qstart.data_ptr(),
+        seq_lens.data_ptr(), scale, res.data_ptr())
+    if status == -2:
+        raise IndexError(f"prefill attention: a context reaches outside its block table or the cache's "
+                         f"{key_cache.shape[0]} blocks")
     if status != 0:
         raise MemoryError("prefill attention: no memory for the keys and values laid out")
-    res = res.to(out.dtype)
+    if direct:
+        return
     if every:
         out.copy_(res)
         return
