@@ -15,16 +15,16 @@
  * 30480 < 32767; q8's pairs (up to 2 x 128 x 127) go to int32 at once (vpmaddwd). Each block's sums are scaled in
  * fp32 by the weight group's scale times the block's scale, and the group's offset multiplies the block's sum:
  *   out[i][n] = sum_b d[n][g(b)] sx[i][b] sum_k q[n][k] xq[i][k] + m[n][g(b)] xs[i][b]   (+ bias[n]).
- * Arithmetic for 128 multiply-adds (a 4-input chunk of 16 rows, one activation row): q4 2 vpmaddubsw + 2 vpaddw,
- * q8 twice that and 2 vpsignb; fp32 takes 16 FMAs (AVX2), and the dequantized product must first write the fp32
- * weight.
+ * Arithmetic for the 64 multiply-adds of a 4-input chunk of 16 rows (one activation row): q4 2 vpmaddubsw + 2
+ * vpaddw, q8 2 vpsignb, 2 vpmaddubsw, 2 vpmaddwd and 2 vpaddd; fp32 takes 8 FMAs (AVX2), and the dequantized product
+ * must first write the fp32 weight.
  *
  * Where the processor has AVX-512 VNNI (and BW) the same panel serves 512-bit registers: one 64-byte load holds 4
  * inputs of all 16 rows, and vpdpbusd multiplies them by 4 activations broadcast to every row and adds the products
- * to the rows' int32 sums in one instruction (128 multiply-adds: AVX2's 4 instructions, q8's 8). vpdpbusd takes the
- * weight's side unsigned: q4's codes are; q8's are held in the panel plus 128 (as q8t's tiles hold them already),
- * and 128 times the activation block's code sum (tkv_int8_rows.qs) starts each sum below zero, so the int32 sums
- * equal AVX2's exactly and the fp32 steps after them are the same: both builds give the same bits.
+ * to the rows' int32 sums in one instruction (those 64 multiply-adds: AVX2's 4 instructions, q8's 8). vpdpbusd
+ * takes the weight's side unsigned: q4's codes are; q8's are held in the panel plus 128 (as q8t's tiles hold them
+ * already), and 128 times the activation block's code sum (tkv_int8_rows.qs) starts each sum below zero, so the
+ * int32 sums equal AVX2's exactly and the fp32 steps after them are the same: both builds give the same bits.
  *
  * Without AVX2 nothing here serves: tkv_quant_gemm_native returns 0 and kernels/quant.py dequantizes into the fp32
  * product instead (plain C int8 is slower than that). The same arithmetic in torch is kernels/quant.py's

@@ -689,7 +689,7 @@ INLINE float q8_row(const int8_t *qr, const int16_t *xq, const uint16_t *dr, int
 }
 
 /* q8_row for two rows at once, each in its own order: one row's groups are a chain of dependent multiply-adds,
- * whose latency kept the default model's Q8_0 LM head waiting (one row at a time 1.5x the time of two on an AMD
+ * whose latency kept the default model's Q8_0 LM head waiting (one row at a time 1.4x the time of two on an AMD
  * EPYC Zen 4; an earlier order with two accumulators a row ran as fast, but the blocks of several rows did not
  * share it) */
 INLINE void q8_row2(const int8_t *qa, const int8_t *qb, const int16_t *xq, const uint16_t *da, const uint16_t *db,
