@@ -310,6 +310,17 @@ def test_prefill_kernel_matches_the_reference(lib, seqs, bs, kv_heads, group, d)
     assert torch.equal(prefill_attention_cpu(q, kc, vc, tables, starts, ctx, d**-0.5), got)
 
 
+def test_prefill_kernel_over_a_long_context_lays_it_out_in_memory_of_its_own(lib):
+    """A context whose keys and values laid out pass the 32 MB a thread keeps (attention_cpu.c: PF_KEPT) takes an
+    allocation of its own, given back after: the same attention as the reference, a chunk after 33,000 cached
+    positions."""
+    _, kc, vc, tables, ctx = paged_batch([33_000], bs=16, kv_heads=1, group=2, d=128, pad=0, spare=0)
+    q = torch.randn(3, 2, 128, generator=torch.Generator().manual_seed(4))
+    starts = torch.tensor([0, 3], dtype=torch.int32)
+    torch.testing.assert_close(prefill_attention_cpu(q, kc, vc, tables, starts, ctx, 128**-0.5),
+                               prefill_attention_ref(q, kc, vc, tables, starts, ctx, 128**-0.5), rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("k,v", [("bfloat16", "bfloat16"), ("float16", "int8"), ("int8", "int8"), ("int4", "int4")])
 @pytest.mark.parametrize("d", [64, 48])  # int4 rows turned at 64 (the reference serves), not at 48
 def test_prefill_kernel_reads_the_kv_formats_and_the_shared_prefix_plan(lib, k, v, d):

@@ -606,6 +606,7 @@ static void pf_lay_out(const uint8_t *kc, const uint8_t *vc, int fmt, int64_t rb
 }
 
 #define PF_SPAN 128  /* positions a thread lays out at a time (one sequence's keys are shared out too) */
+#define PF_KEPT ((size_t)32 << 20)  /* the most layout bytes kept in the thread's scratch between calls */
 
 /* s[v][0..PF_KEYS) = qs_v . the chunk's keys (kt: its first column, Lp floats a row) for the V <= PF_SV vectors */
 static inline __attribute__((always_inline)) void pf_scores(const float *qs, int V, int64_t D, const float *kt,
@@ -752,8 +753,11 @@ int tkv_prefill_attention(const float *q, int64_t Hq, int64_t D, const void *kc,
         tiles += (T * G + per - 1) / per;
         spans += (L + PF_SPAN - 1) / PF_SPAN;
     }
-    float *mem = (float *)tkv_scratch((size_t)floats * sizeof(float) +
-                                      (size_t)(2 * B + tiles + spans) * sizeof(int64_t));
+    const size_t bytes = (size_t)floats * sizeof(float) + (size_t)(2 * B + tiles + spans) * sizeof(int64_t);
+    /* the thread's scratch, which it keeps, up to PF_KEPT bytes; a long context's layout is its own allocation,
+     * given back when done (its page faults are small beside that many positions' products) */
+    float *own = bytes > PF_KEPT ? (float *)malloc(bytes) : NULL;
+    float *mem = bytes > PF_KEPT ? own : (float *)tkv_scratch(bytes);
     if (!mem) return -1;
     /* sequence b's floats from at[b], its tiles from first[b]; the sequence of each tile and of each span */
     int64_t *at = (int64_t *)(mem + floats), *first = at + B, *owner = first + B, *spanned = owner + tiles;
@@ -783,5 +787,6 @@ int tkv_prefill_attention(const float *q, int64_t Hq, int64_t D, const void *kc,
                     r1, scale, out + (int64_t)qstart[b] * Hq * D);
         }
     }
+    free(own);
     return 0;
 }
