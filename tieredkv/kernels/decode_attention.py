@@ -194,14 +194,18 @@ def paged_decode_usable(query: torch.Tensor, key_cache: torch.Tensor, kv: KVLayo
     operator bound (at start, or by the compiled decode path before its trace; kernels/quant_cpu.py: CpuLibrary)."""
     from tieredkv.kernels.quant_cpu import CPU
 
-    heads, kv_heads = query.shape[1], key_cache.shape[2]
     return (key_cache.device.type == "cpu" and key_cache.dtype in PAGED_DTYPES
             and (kv is None or max(kv.codes) <= CPU_FORMATS) and key_cache.is_contiguous()
-            and heads % kv_heads == 0 and heads // kv_heads <= PAGED_MAX_GROUP
-            and query.shape[2] <= PAGED_MAX_HEAD_DIM and CPU.operators_bound)
+            and cpu_attention_fits(query.shape[1], key_cache.shape[2], query.shape[2]) and CPU.operators_bound)
 
 
 PAGED_MAX_GROUP, PAGED_MAX_HEAD_DIM = 32, 256  # attention_cpu.c: ATT_MAX_G, ATT_MAX_D
+
+
+def cpu_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """The CPU attention kernels take these heads (attention_cpu.c: tkv_attention_fits): whole groups of at most
+    PAGED_MAX_GROUP query heads a KV head, head dims up to PAGED_MAX_HEAD_DIM."""
+    return heads % kv_heads == 0 and heads // kv_heads <= PAGED_MAX_GROUP and head_dim <= PAGED_MAX_HEAD_DIM
 PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
 
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from tieredkv.kernels.calls import record
 from tieredkv.kernels.cascade import prefill_cascade_attention
-from tieredkv.kernels.decode_attention import PAGED_MAX_GROUP, PAGED_MAX_HEAD_DIM, gather_kv
-from tieredkv.kernels.kv_format import CPU_FORMATS, KVLayout, rotates
+from tieredkv.kernels.decode_attention import cpu_attention_fits, gather_kv
+from tieredkv.kernels.kv_format import CPU_FORMATS, FORMATS, KVLayout, rotates
 
 
 def prefill_attention_ref(
@@ -60,10 +60,10 @@ def prefill_kernel_takes(query: torch.Tensor, key_cache: torch.Tensor, kv: KVLay
             return False
     elif key_cache.dtype not in FLOAT_FORMATS:
         return False
-    return heads % kv_heads == 0 and heads // kv_heads <= PAGED_MAX_GROUP and dim <= PAGED_MAX_HEAD_DIM
+    return cpu_attention_fits(heads, kv_heads, dim)
 
 
-FLOAT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kv_cpu.c's codes for rows of floats
+FLOAT_FORMATS = {f.float_dtype: f.code for f in FORMATS.values() if f.float_dtype is not None}  # caches of floats
 PREFILL_WIDTH = 16  # the head dims the kernel takes are whole vectors of its widest build (attention_cpu.c: PF_W)
 
 

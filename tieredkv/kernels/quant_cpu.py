@@ -204,9 +204,9 @@ GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int kernels win up to ~16 ro
 class CpuLibrary:
     """The CPU kernels this process serves with: `lib`, the loaded build of quant_cpu.c (None: torch's reference
     serves); `bound`, the build whose kernels the C++ operators of torch.ops.tieredkv run (quant_ops.cpp);
-    `q4_rows`, the most rows the loaded build's q4 kernels take (kernels/quant.py kernel_rows); `int8_gemm`, what
-    more rows on q4 and q8 weights multiply on where they can multiply on int8 (gemm_cpu.c: "AVX2", "AVX-512 VNNI";
-    "" where the build cannot). One a process
+    `q4_rows`, the most rows the loaded build's q4 kernels take (kernels/quant.py kernel_rows); `int8_gemm`, the
+    instructions products of more rows on q4 and q8 weights run on as int8 (gemm_cpu.c: "AVX2", "AVX-512 VNNI"; ""
+    where the build has none). One a process
     (`CPU`): a loaded library and torch's operator registry are the process's."""
 
     def __init__(self) -> None:
