@@ -114,11 +114,30 @@ def test_a_batch_of_decodes_is_one_native_step_with_the_eager_forwards_tokens(ll
         native.close()
 
 
+def test_a_short_prompt_joins_the_decodes_in_one_native_step(llama_dir):
+    """A prompt of a few tokens arriving while another sequence decodes: that step (the prompt's rows beside the
+    decode, a block table a row) is a native step too, and both sequences' tokens are the eager forward's."""
+    cfg = dict(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0, enable_prefix_caching=False)
+    outputs = []
+    for compiled in (False, True):
+        core = EngineCore(EngineConfig(**cfg, compile_decode=compiled))
+        try:
+            params = SamplingParams(max_tokens=6, ignore_eos=True)
+            first, short = core.factory.make(PROMPTS[1], params), core.factory.make([9, 10, 11, 12, 13], params)
+            drive(core, [first], each_step=lambda n, _: n == 2 and core.add_request(short))
+            outputs.append([r.seqs[0].output_token_ids for r in (first, short)])
+            calls = core.stats().kernel_calls
+        finally:
+            core.close()
+    assert outputs[1] == outputs[0] and all(len(o) == 6 for o in outputs[1])
+    assert calls["forward: eager"] == 1 and calls["forward: native step"] >= 6  # the long prompt's step alone
+
+
 @pytest.mark.parametrize("background", [False, True], ids=["at start", "in the background"])
 def test_the_native_step_binds_the_operators_the_batched_steps_run(llama_dir, monkeypatch, background):
-    """The native step takes decodes alone; the eager forward's steps that mix a decode with a prompt run the C++
-    operators, which its warm-up binds as the compiled graph's does before its trace (in the background: by the
-    time finish returns): their decode attention goes to the CPU kernel, not torch's reference."""
+    """The native step takes decodes and short chunks; the eager forward's steps that mix a decode with a longer
+    prompt run the C++ operators, which its warm-up binds as the compiled graph's does before its trace (in the
+    background: by the time finish returns): their decode attention goes to the CPU kernel, not torch's reference."""
     monkeypatch.setattr(CPU, "bound", None)  # as in a fresh process
     core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
                                    compile_decode=True, compile_in_background=background))
@@ -217,27 +236,33 @@ def test_native_step_verifies_drafts_as_the_eager_forward(served_build, llama_di
             assert (w - g).abs().max() <= 1e-3 * w.abs().max(), (w - g).abs().max()
 
 
-def plain_then_drafted(cfg: dict, prompt: list[int], check) -> tuple[list, list, object, int | None]:
-    """Every token's TokenLogprob of one greedy request decoded plainly, then in an engine with speculative decoding
-    whose drafts are an oracle's (spoilt every third proposal); `check(core)` runs on each engine before it decodes.
-    Returns both lists, the second engine's speculative counters and its Scheduler.max_draft_rows."""
+def plain_then_drafted(cfg: dict, prompts: list[list[int]], check) -> tuple[list, list, object, int | None]:
+    """Every token's TokenLogprob of greedy requests (one per prompt, all at once) decoded plainly, then in an engine
+    with speculative decoding whose drafts are an oracle's (spoilt every third proposal); `check(core)` runs on each
+    engine before it decodes. Returns both lists of lists (a request's each), the second engine's stats and its
+    Scheduler.max_draft_rows."""
     from test_speculative import Oracle
 
     params = SamplingParams(max_tokens=2 * NEW, ignore_eos=True, logprobs=0)
 
-    def logprobs(core: EngineCore) -> list:
+    def logprobs(core: EngineCore) -> tuple[list, object, int | None]:
         try:
             check(core)
-            out = drive(core, [core.factory.make(prompt, params)])
-            return [lp for _, chunk in out for lp in chunk.logprobs]
+            reqs = [core.factory.make(p, params) for p in prompts]
+            for req in reqs:
+                req.sink = object()  # what a request's outputs come with
+            out = drive(core, reqs)
+            lists = [[lp for sink, chunk in out if sink is req.sink for lp in chunk.logprobs] for req in reqs]
+            return lists, core.stats(), core.scheduler.max_draft_rows
         finally:
             core.close()
 
-    plain = logprobs(EngineCore(EngineConfig(**cfg)))
+    plain, _, _ = logprobs(EngineCore(EngineConfig(**cfg)))
     core = EngineCore(EngineConfig(**cfg, speculative={"method": "ngram", "num_speculative_tokens": 5,
                                                        "adaptive": False}))
-    core.parts.speculator.proposer = Oracle({tuple(prompt): [lp.token_id for lp in plain]}, 10**6, spoil=3)
-    return plain, logprobs(core), core.stats().speculative, core.scheduler.max_draft_rows
+    core.parts.speculator.proposer = Oracle({tuple(p): [lp.token_id for lp in want] for p, want in zip(prompts, plain)},
+                                            10**6, spoil=3)
+    return (plain, *logprobs(core))
 
 
 @pytest.mark.parametrize("scheme", [dict(quantization="int4"), dict(quantization="int8"),
@@ -255,9 +280,32 @@ def test_native_verification_rows_are_plain_native_decoding_to_the_bits(served_b
 
     cfg = dict(model=str(llama_dir), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, compile_decode=True,
                **scheme)
-    plain, drafted, spec, _ = plain_then_drafted(cfg, PROMPTS[1], check)
-    assert drafted == plain and len(plain) == 2 * NEW
+    plain, drafted, stats, _ = plain_then_drafted(cfg, [PROMPTS[1]], check)
+    spec = stats.speculative
+    assert drafted == plain and len(plain[0]) == 2 * NEW
     assert spec.num_accepted_tokens > NEW // 2 and spec.num_draft_tokens > spec.num_accepted_tokens
+
+
+def test_batched_verifications_are_native_steps_and_plain_batched_decoding_to_the_bits(served_build, llama_dir):
+    """Sequences speculating together: every step after the prompts' is one native step, whatever drafts it holds
+    (decodes and verifications side by side, a block table a row; the drafts cut to the rows it takes), so each
+    sequence's log-probabilities are plain batched decoding's bit for bit. (Steps that mixed verifications with
+    other sequences went through the eager forward, whose chunk attention and element-wise steps round otherwise.)"""
+    most_rows = []
+
+    def check(core: EngineCore) -> None:
+        assert isinstance(core.runner.compiled, NativeDecode)
+        most_rows.append(core.runner.compiled.max_batch)
+
+    cfg = dict(model=str(llama_dir), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, compile_decode=True,
+               quantization="int4")
+    prompts = [PROMPTS[1], PROMPTS[0], [3, 1, 4, 1, 5, 9, 2, 6]]
+    plain, drafted, stats, max_draft_rows = plain_then_drafted(cfg, prompts, check)
+    assert drafted == plain and [len(p) for p in plain] == [2 * NEW] * 3
+    calls, spec = stats.kernel_calls, stats.speculative
+    assert calls["forward: eager"] == 1 and calls["forward: native step"] >= 2  # the prompts' step, then native
+    assert max_draft_rows is not None and max_draft_rows <= most_rows[-1] < 3 * 6  # 3 sequences, 5 drafts each
+    assert spec.num_accepted_tokens > NEW and spec.num_draft_tokens > spec.num_accepted_tokens
 
 
 def test_drafts_stay_below_the_int8_blocks_so_speculation_is_plain_decoding(llama_dir, monkeypatch):
@@ -278,5 +326,5 @@ def test_drafts_stay_below_the_int8_blocks_so_speculation_is_plain_decoding(llam
 
     cfg = dict(model=str(llama_dir), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, compile_decode=True,
                quantization="int4")
-    plain, drafted, spec, max_draft_rows = plain_then_drafted(cfg, list(range(20, 32)), check)
-    assert max_draft_rows == 3 and drafted == plain and spec.num_accepted_tokens > 0
+    plain, drafted, stats, max_draft_rows = plain_then_drafted(cfg, [list(range(20, 32))], check)
+    assert max_draft_rows == 3 and drafted == plain and stats.speculative.num_accepted_tokens > 0

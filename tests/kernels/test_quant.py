@@ -992,7 +992,8 @@ def test_stats_count_what_served_each_call(llama_dir, monkeypatch, faster):
     (here: said to be, or not) and the dequantized product where not, its last row's LM head the int16 rows, its
     attention the CPU prefill kernel;
     the lone sequence's decodes are native steps (their calls are the C step's own); two short prompts in one
-    batch are an eager forward whose products take the int16 rows, and their decodes one native step."""
+    batch are a native step too (rows within the native step's, fewer than the int8 blocks' 8), and so are their
+    decodes."""
     from tieredkv.engine import rank_build
 
     monkeypatch.setattr(rank_build, "int8_many_rows_win", lambda weights, cache_dir: faster)
@@ -1003,10 +1004,10 @@ def test_stats_count_what_served_each_call(llama_dir, monkeypatch, faster):
         assert core.stats().decode_path == "native" and core.stats().kernel_calls == {}
         layers = core.spec.num_layers
         run_to_end(core, [list(range(5, 45))], [3])  # one prefill forward, two native steps
-        run_to_end(core, [[7, 8, 9], [10, 11, 12]], [2, 2])  # one prefill forward of both, one native step
+        run_to_end(core, [[7, 8, 9], [10, 11, 12]], [2, 2])  # two native steps: both prompts, then both decodes
         many = "int8 blocks" if CPU.int8_gemm and faster else "dequantized float32"
         assert core.stats().kernel_calls == {
-            "forward: eager": 2, "forward: native step": 3, "prefill attention: CPU kernel": 2 * layers,
-            f"quantized product: {many}": 4 * layers, "quantized product: int16 rows": 1 + 4 * layers + 1}
+            "forward: eager": 1, "forward: native step": 4, "prefill attention: CPU kernel": layers,
+            f"quantized product: {many}": 4 * layers, "quantized product: int16 rows": 1}
     finally:
         core.close()

@@ -201,6 +201,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     speculator = make_speculator(cfg, device.type, spec.vocab_size) if cfg.speculative is not None else None
     if speculator is not None and device.type == "cpu" and model.quantization is not None:
         scheduler.max_draft_rows = int16_rows_most(model)  # below where int8 blocks start
+        if isinstance(runner.compiled, NativeDecode):  # and within the native step's rows, as plain decodes are
+            scheduler.max_draft_rows = min(scheduler.max_draft_rows, runner.compiled.max_batch)
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit, speculator)
     weights = weights_label(model, dtype)
     parts = EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,

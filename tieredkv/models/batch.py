@@ -27,6 +27,18 @@ class AttentionMetadata:
     prefill_plan: list | None = None  # prefill chunks that follow the same cached blocks (cascade.shared_prefixes)
     stage: Any = None  # far_stage.StagePlan when the tables index staged blocks instead of the cache
 
+    def row_tables(self) -> torch.Tensor:
+        """Each token row's block table [T, W] int32, in the rows' order: a decode's own, a prefill chunk's once for
+        each of its rows (for a kernel that attends row by row: row r's context is its position + 1)."""
+        decode, chunks = self.decode_block_tables, self.prefill_block_tables
+        if chunks.shape[0]:
+            chunks = chunks.repeat_interleave(self.prefill_query_start_loc.diff(), dim=0)
+        width = max(decode.shape[1], chunks.shape[1])
+        tables = decode.new_zeros(decode.shape[0] + chunks.shape[0], width)
+        tables[: decode.shape[0], : decode.shape[1]] = decode
+        tables[decode.shape[0] :, : chunks.shape[1]] = chunks
+        return tables
+
     def cache_to_read(self, layer_cache: torch.Tensor, layer_id: int) -> torch.Tensor:
         """What this layer's attention reads through the block tables: its own cache, or where the tables index
         staged far blocks (runner/far_stage.py, never in a compiled graph) the buffer they were staged into."""

@@ -295,9 +295,15 @@ class ModelRunner:
         batch, sampled = self.prepare(scheduled, with_plan=not compiled)
         logits = None
         if compiled and batch.attn.stage is None:
-            a = batch.attn  # one decode; (the native step) one sequence's last token and drafts, or a few decodes
-            tables, lens = ((a.decode_block_tables, a.decode_context_lens) if a.num_decode_tokens else
-                            (a.prefill_block_tables, a.prefill_context_lens))
+            # one decode; (the native step) one sequence's last token and drafts, or a few sequences' rows (decodes,
+            # verifications, short prompt chunks), a table a row
+            a = batch.attn
+            if len(scheduled) > 1 and a.max_prefill_query_len:
+                tables, lens = a.row_tables(), None
+            elif a.num_decode_tokens:
+                tables, lens = a.decode_block_tables, a.decode_context_lens
+            else:
+                tables, lens = a.prefill_block_tables, a.prefill_context_lens
             with counting(None):  # the graph's or the C step's calls: counted as its forward
                 logits = self.compiled.run(batch.input_ids, batch.positions, batch.slot_mapping, tables, lens)
             if logits is not None:

@@ -198,10 +198,12 @@ class NativeDecode:
     def accepts(self, scheduled: list) -> bool:
         """True for a step that runs one sequence and nothing else, at most max_rows tokens: a decode, its last
         token and its drafts, or a short chunk of its prompt (the tail a cached prefix leaves; a draft model's
-        next call); or one that decodes one token of each of at most max_batch sequences and nothing else."""
+        next call); or one of several sequences with at most max_batch rows in all, at most max_rows each: decodes,
+        verifications of drafts and short prompt chunks side by side. So a verification row is computed as a
+        decode of the same batch is (the same kernels, its attention a decode's), whatever else the step holds."""
         if len(scheduled) == 1:
             return scheduled[0][1] <= self.max_rows
-        return len(scheduled) <= self.max_batch and all(n == 1 for _, n in scheduled)
+        return sum(n for _, n in scheduled) <= self.max_batch and all(n <= self.max_rows for _, n in scheduled)
 
     state = "native"
 
@@ -226,8 +228,9 @@ class NativeDecode:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [R, vocab] for R rows (CompiledDecode.run's arguments): R consecutive tokens of one sequence
-        (block_tables [1, W]), or one token of each of R sequences (block_tables [R, W], a row each); row r's
-        context is positions[r] + 1. Their K/V rows are written."""
+        (block_tables [1, W]), or rows of several sequences (block_tables [R, W], a row each: a decode's, or a
+        chunk's repeated for each of its rows); row r's context is positions[r] + 1 (every row's K/V is stored
+        before any row attends). Their K/V rows are written."""
         tables = block_tables
         if tables.dtype != torch.int32 or not tables.is_contiguous():
             tables = tables.to(torch.int32).contiguous()
