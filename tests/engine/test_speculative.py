@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from helpers import check_pool_clean, check_pool_consistent, drive, hf_greedy, run_to_end
+from helpers import check_pool_clean, check_pool_consistent, drive, hf_greedy
 from test_engine_matches_hf import make_prompts
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
 from tieredkv.config import SpeculativeConfig
@@ -406,11 +406,18 @@ def squeezed(llama_dir):
 def test_any_drafts_leave_greedy_output_and_the_pool_as_plain_decoding(squeezed, seed, sizes, new):
     """Property: whatever a proposer offers, at whatever length, in a pool that preempts, with a request cancelled
     now and then, the outputs are plain decoding's and the pool is consistent after every step and clean at the
-    end."""
+    end. (fp32 weights: a verification row is a chunk's row, its sums in another order than a decode's, so where
+    plain decoding's best two tokens tie within float rounding either may come out: an output may turn there, to
+    plain decoding's runner-up, and nowhere else. A search found such a tie, two logits an ulp apart.)"""
     plain, spec = squeezed
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in sizes]
-    want = run_to_end(plain, prompts, [new] * len(prompts))
+    reqs = [plain.factory.make(p, SamplingParams(max_tokens=new, ignore_eos=True, logprobs=2)) for p in prompts]
+    for r in reqs:
+        r.sink = object()  # what a request's outputs come with
+    out = drive(plain, reqs)
+    plain_logprobs = [[lp for sink, chunk in out if sink is r.sink for lp in chunk.logprobs] for r in reqs]
+    want = [[lp.token_id for lp in lps] for lps in plain_logprobs]
     spec.parts.speculator.proposer = RandomDrafts({tuple(p): w for p, w in zip(prompts, want)}, 448, seed)
     reqs = [spec.factory.make(p, SamplingParams(max_tokens=new, ignore_eos=True)) for p in prompts]
     for r in reqs:
@@ -423,9 +430,20 @@ def test_any_drafts_leave_greedy_output_and_the_pool_as_plain_decoding(squeezed,
         if steps == abort_at:
             spec.abort(reqs[0].request_id)
         check_pool_consistent(spec)
-    done = [(r.seqs[0].output_token_ids, w) for r, w in zip(reqs, want) if r.seqs[0].finish_reason != "abort"]
-    assert all(got == w for got, w in done)
+    done = [(r.seqs[0].output_token_ids, w) for r, w in zip(reqs, plain_logprobs)
+            if r.seqs[0].finish_reason != "abort"]
+    assert all(plain_decoding_up_to_a_tie(got, w) for got, w in done), done
     check_pool_clean(spec)
+
+
+def plain_decoding_up_to_a_tie(got: list[int], plain: list, within: float = 1e-4) -> bool:
+    """Whether greedy tokens `got` are plain decoding's (its TokenLogprobs, the top two each), or the same up to a
+    token where plain decoding's best two log-probabilities are `within` of each other and `got` took the other."""
+    for token, want in zip(got, plain):
+        if token != want.token_id:
+            (best, best_lp), (second, second_lp) = want.top[:2]
+            return token in (best, second) and best_lp - second_lp <= within
+    return len(got) == len(plain)
 
 
 async def test_a_failing_proposer_or_verification_fails_no_request_it_need_not(llama_dir, monkeypatch):
