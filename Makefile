@@ -21,7 +21,8 @@ demo: $(STAMP)
 
 # One pytest worker per core (at most 4): each a process of its own, one compute thread each (tests/conftest.py).
 # (A worker more than the cores gained nothing measurable on 2 cores, AMD EPYC Zen 3: 5:12 with 3, 5:07 with 2.)
-# tests/test_docs.py builds the documentation site with `mkdocs build --strict` among them.
+# tests/test_docs.py builds the documentation site with `mkdocs build --strict` among them. Files go to the
+# workers in tests/conftest.py's order (--no-loadscope-reorder): the longest first, so none runs alone at the end.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): the run starts some hundred
@@ -30,13 +31,13 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4;
 TEST_ENV := PYTHONDONTWRITEBYTECODE=
 
 test: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The tests that load no model (tests/cache: the pool, KV manager, scheduler, tiers, beam search and the request
 # lifecycle; the tree's own checks: lint, import layers, the documentation build), for the edit-test loop. `make test`
 # runs them too.
 test-fast: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/cache tests/test_*.py
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests/cache tests/test_*.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
