@@ -377,6 +377,26 @@ def test_without_a_cpp_compiler_the_python_operator_serves_one_row(lib, monkeypa
     check_against_reference(qw, 1)
 
 
+def test_a_build_compiles_each_source_apart_and_a_failure_says_why_and_leaves_nothing(tmp_path):
+    """The kernels' library is built a compiler process a source, then linked: a source that does not compile fails
+    the build with the compiler's message, leaving no library and no build directory; sources that compile give one
+    library with every source's functions."""
+    import ctypes
+
+    from tieredkv.kernels import quant_cpu
+
+    one, two, bad = tmp_path / "one.c", tmp_path / "two.c", tmp_path / "bad.c"
+    one.write_text("int tkv_one(void) { return 1; }\n")
+    two.write_text("int tkv_two(void) { return 2; }\n")
+    bad.write_text("int tkv_bad(void) { return not_declared_anywhere; }\n")
+    out, command = tmp_path / "cache" / "test-0.so", [quant_cpu.compiler(), "-O1", "-fPIC", "-shared"]
+    with pytest.raises(RuntimeError, match="not_declared_anywhere"):
+        quant_cpu._compile(out, command, (one, bad, two), [], "a test build")
+    assert not out.exists() and not [p for p in out.parent.iterdir() if not p.name.endswith(".lock")]
+    built = ctypes.CDLL(str(quant_cpu._compile(out, command, (one, two), [], "a test build")))
+    assert built.tkv_one() + built.tkv_two() == 3
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-sym", "q8-g32"])
 @pytest.mark.parametrize("k", [320, 4160])
 def test_batch_one_kernel_over_chunks_tails_and_long_rows(lib, fmt, k):

@@ -17,6 +17,7 @@ reference (dequantize, then F.linear; oneDNN for packed weights): correct, slowe
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from tieredkv.cache_dir import artifact_lock
@@ -97,28 +99,32 @@ def build(cache_dir: Path, flags: tuple[str, ...] = NATIVE) -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    return _compile(library_path(cache_dir, flags), [cc, *BASE_FLAGS, *flags, *map(str, SOURCES)], ["-lm"],
+    return _compile(library_path(cache_dir, flags), [cc, *BASE_FLAGS, *flags], SOURCES, ["-lm"],
                     "building the quantized-weight kernels")
 
 
-def _compile(out: Path, command: list[str], libs: list[str], what: str) -> Path:
-    """`command -o <tmp> libs`, the result renamed to `out`, under a lock (a second process waits, then finds it)."""
+def _compile(out: Path, command: list[str], sources: tuple[Path, ...], libs: list[str], what: str) -> Path:
+    """`command` over `sources` linked with `libs` into `out`, under a lock (a second process waits, then finds
+    it): each source compiled by a compiler process of its own, at once (quant_cpu.c alone takes half of the
+    library's ~5 s), then linked; the result renamed into place, whole or absent."""
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with artifact_lock(out.parent / f".{out.name.split('-')[0]}.lock", what):
+    with artifact_lock(out.parent / f".{out.name.split('-')[0]}.lock", what), \
+            tempfile.TemporaryDirectory(dir=out.parent, suffix=".build") as work:
         if out.exists():
             return out
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-        os.close(fd)
-        try:
-            res = subprocess.run([*command, "-o", tmp, *libs], capture_output=True, text=True)
-            if res.returncode != 0:
-                raise RuntimeError(f"{command[0]} failed: {res.stderr.strip()[-600:]}")
-            os.replace(tmp, out)  # whole or absent, even if the process is killed mid-build
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        objects = [str(Path(work) / f"{i}.o") for i in range(len(sources))]
+        compiling = [subprocess.Popen([*command, "-c", str(src), "-o", obj], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True) for src, obj in zip(sources, objects)]
+        failed = [err for proc in compiling for _, err in [proc.communicate()] if proc.returncode != 0]
+        if failed:
+            raise RuntimeError(f"{command[0]} failed: {failed[0].strip()[-600:]}")
+        tmp = str(Path(work) / "out.so")
+        res = subprocess.run([*command, *objects, "-o", tmp, *libs], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{command[0]} failed: {res.stderr.strip()[-600:]}")
+        os.replace(tmp, out)  # whole or absent, even if the process is killed mid-build
     return out
 
 
@@ -158,10 +164,15 @@ def build_ops(cache_dir: Path) -> Path:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     out = _artifact(cache_dir, "quant_ops", (OPS_SOURCE.read_bytes(), torch.__version__, str(root), abi, cxx))
     command = [cxx, "-O2", "-std=c++17", "-fPIC", "-shared", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(OPS_SOURCE)]
+               f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
     lib = root / "lib"
-    return _compile(out, command, [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"],
+    return _compile(out, command, (OPS_SOURCE,), [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"],
                     "building the CPU operators")
+
+
+def _build_quietly(cache_dir: Path) -> None:
+    with contextlib.suppress(RuntimeError, OSError):
+        build_ops(cache_dir)
 
 
 def _quant_gemv_shape(x, codes, scales, offsets, group_size, bias):
@@ -225,7 +236,16 @@ class CpuLibrary:
     def use(self, cache_dir: Path, operators: bool = True) -> bool:
         """Builds (once per processor) and loads the CPU kernels, and with `operators` the C++ operators over them
         (quant_ops.cpp); False when the torch reference must serve."""
+        ahead = None
+        if operators and self.operators is None and self.operators_error is None:
+            # the operators' build (~6 s, one C++ file) beside the kernels' rather than after it; a failure there
+            # is met again, and reported, when serve_with builds them
+            ahead = threading.Thread(target=_build_quietly, args=(cache_dir,), name="tieredkv-build-operators",
+                                     daemon=True)
+            ahead.start()
         lib = load(cache_dir) or self.lib
+        if ahead is not None:
+            ahead.join()
         if lib is not None:
             self.serve_with(lib, cache_dir, operators)
         return lib is not None
