@@ -420,16 +420,14 @@ def test_any_drafts_leave_greedy_output_and_the_pool_as_plain_decoding(squeezed,
     want = [[lp.token_id for lp in lps] for lps in plain_logprobs]
     spec.parts.speculator.proposer = RandomDrafts({tuple(p): w for p, w in zip(prompts, want)}, 448, seed)
     reqs = [spec.factory.make(p, SamplingParams(max_tokens=new, ignore_eos=True)) for p in prompts]
-    for r in reqs:
-        assert spec.add_request(r) == []
     abort_at = rng.choice([None, 1, 3])  # a request cancelled mid-way frees what it held, drafts' blocks too
-    steps = 0
-    while spec.has_work():
-        spec.step()
-        steps += 1
-        if steps == abort_at:
+
+    def each_step(step: int, _) -> None:
+        if step == abort_at:
             spec.abort(reqs[0].request_id)
         check_pool_consistent(spec)
+
+    assert not any(isinstance(chunk, BaseException) for _, chunk in drive(spec, reqs, each_step))
     done = [(r.seqs[0].output_token_ids, w) for r, w in zip(reqs, plain_logprobs)
             if r.seqs[0].finish_reason != "abort"]
     assert all(plain_decoding_up_to_a_tie(got, w) for got, w in done), done
