@@ -6,7 +6,7 @@ beside llama.cpp's server with and without its own n-gram speculation, on the sa
 
 Default model, greedy, stopping at EOS (at most --max-tokens). Tasks, each a chat turn built on text of its own:
   - repeat: "Repeat the following text exactly" and a passage (the model copies it nearly word for word);
-  - quote: project notes (~1,000 tokens), "copy the lines about projects i..j exactly";
+  - quote: project notes (~1,000 tokens, or --doc-tokens), "copy the lines about projects i..j exactly";
   - edit: a passage with one name to be replaced everywhere;
   - answer: project notes and a question to answer in the document's words;
   - chat: an open question with nothing to copy (speculation must cost little here).
@@ -62,11 +62,11 @@ CHAT = ["Write a short poem about autumn rain.", "What are three tips for learni
         "Describe a dragon who loves tea.", "Why do people enjoy music?"]
 
 
-def tasks(tokenizer) -> dict[str, list[list[dict]]]:
+def tasks(tokenizer, doc_tokens: int = 1000) -> dict[str, list[list[dict]]]:
     """Each task's chat turns, four of each (different texts, so that batched requests share no answer)."""
     def turn(text: str) -> list[dict]:
         return [{"role": "user", "content": text}]
-    notes = [document(tokenizer, 1000, seed=s) for s in range(4)]
+    notes = [document(tokenizer, doc_tokens, seed=s) for s in range(4)]
     return {
         "repeat": [turn("Repeat the following text exactly, with nothing else:\n\n" + p) for p in PASSAGES],
         "quote": [turn(f"{d}\n\nCopy the lines about projects {3 + i} to {6 + i} exactly, with nothing else.")
@@ -185,14 +185,14 @@ def main(args) -> dict:
     for weights in args.weights:
         quant = {"fp32": {}, "gguf": {"quantization": "gguf"},
                  "gguf-int8act": {"quantization": "gguf", "int8_activations": True}}[weights]
-        cfg = dict(compile_in_background=False, warm_bytes=0, max_model_len=4096, num_blocks=40 * 256 // 16 * 4,
-                   max_num_seqs=max(args.batch), **quant)
+        cfg = dict(compile_in_background=False, warm_bytes=0, max_model_len=8192 if args.doc_tokens > 3000 else 4096,
+                   num_blocks=40 * 256 // 16 * 4, max_num_seqs=max(args.batch), **quant)
         cores = {"plain": EngineCore(EngineConfig(**cfg)),
                  "ngram": EngineCore(EngineConfig(**cfg, speculative=SPEC))}
         if args.draft and weights == "fp32":  # the Q4_1 file drafting for its own fp32 weights
             cores["Q4_1 self-draft"] = EngineCore(EngineConfig(**cfg, speculative=DRAFT))
         tok = cores["plain"].tokenizer
-        prompts = {t: [tok.apply_chat_template(m) for m in ms] for t, ms in tasks(tok).items()
+        prompts = {t: [tok.apply_chat_template(m) for m in ms] for t, ms in tasks(tok, args.doc_tokens).items()
                    if t in args.tasks}
         print(f"weights {weights}: decode path {cores['plain'].stats().decode_path}", flush=True)
         out["engine"][weights] = measure(cores, prompts, args.batch, args.max_tokens) if prompts else {}
@@ -222,6 +222,8 @@ if __name__ == "__main__":
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--tasks", nargs="*", default=["repeat", "quote", "edit", "answer", "chat"])
+    parser.add_argument("--doc-tokens", type=int, default=1000,
+                        help="the project notes' length in the quote and answer tasks (up to ~7,800)")
     parser.add_argument("--draft", action="store_true", help="also a draft-model engine (fp32 weights only)")
     parser.add_argument("--mixed", type=int, default=0, help="also bench_engine.py's mixed 32, this many rounds")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary")

@@ -267,13 +267,23 @@ def plain_then_drafted(cfg: dict, prompts: list[list[int]], check) -> tuple[list
 
 @pytest.mark.parametrize("scheme", [dict(quantization="int4"), dict(quantization="int8"),
                                     dict(quantization="int4", quantization_group_size=64,
-                                         quantization_symmetric=True)], ids=["int4", "int8", "int4-sym-64"])
-def test_native_verification_rows_are_plain_native_decoding_to_the_bits(served_build, llama_dir, scheme):
+                                         quantization_symmetric=True),
+                                    dict(quantization="int4", kv_cache_dtype="int8"),
+                                    dict(quantization="int4", kv_cache_dtype="int4")],
+                         ids=["int4", "int8", "int4-sym-64", "int4-kv8", "int4-kv4"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_verification_rows_are_plain_native_decoding_to_the_bits(request, served_build, llama_dir, scheme,
+                                                                        threads):
     """A speculative step's rows through the native step give plain native decoding's log-probabilities bit for bit
     (the product kernels take a row's sums in one order for one row or several, quant_cpu.c q4_row; attention reads
-    each row's positions as a decode step does), so drafts never change a greedy token, however close its runner-up;
-    on each build of the kernels."""
+    each row's positions as a decode step does: the rows whose splits agree go through each chunk of positions
+    together, attention_cpu.c att_item, each as it would alone), so drafts never change a greedy token, however
+    close its runner-up; on each build of the kernels, with 1 and 3 threads (2 and up to 4 splits of a row's
+    positions, rows of 3 and of 4 splits in one verification)."""
     served = CPU.lib
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # (the kernels' OpenMP threads: one runtime with torch's)
+    request.addfinalizer(lambda: torch.set_num_threads(before))
 
     def check(core: EngineCore) -> None:
         assert isinstance(core.runner.compiled, NativeDecode) and CPU.lib is served  # the build asked for

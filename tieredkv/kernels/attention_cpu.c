@@ -346,6 +346,12 @@ static inline float max_of(const float *x, int64_t n, float m) {
     return m;
 }
 
+/* The positions of each split of a sequence's `len` in S splits: whole blocks, so that a chunk never straddles two */
+static inline int64_t att_per(int64_t len, int64_t S, int64_t bs) {
+    const int64_t per = (len + S - 1) / S;
+    return (per + bs - 1) / bs * bs;
+}
+
 /* Splits of each sequence's positions: at least two items a thread and a multiple of the threads where the
  * positions allow, none shorter than ATT_MIN_SPLIT positions. */
 static int64_t att_splits(int64_t B, int64_t longest, int threads) {
@@ -389,60 +395,80 @@ static inline void att_fetch(const void *kc, const void *vc, int64_t at, int64_t
  * hardware prefetchers' streams stop. The item's first chunk is asked for at once; each next one a KV head's
  * share at a time, as this one's heads are computed (all at once, the requests waited on one another). From
  * memory, the default model's shapes, AMD EPYC Zen 5, 2 threads, us a layer before -> after, two runs: 192
- * positions 29.5 -> 26.6 and 35.2 -> 34.5, 1,024 positions 122 -> 118 and 105 -> 98, 4,000 421 -> 402. `part` receives each query head's maximum, sum and
- * D weighted values (part[h * (D + 2)]: m, l, acc[D]). */
-static void att_item(const float *q, const uint8_t *kc, const uint8_t *vc, int fmt, int64_t rb, int64_t bs,
-                     int64_t Hkv, int64_t D, int64_t G, const int32_t *table, int64_t p0, int64_t p1, float scale,
-                     float *part) {
+ * positions 29.5 -> 26.6 and 35.2 -> 34.5, 1,024 positions 122 -> 118 and 105 -> 98, 4,000 421 -> 402.
+ * `part` receives each query head's maximum, sum and D weighted values (part[h * (D + 2)]: m, l, acc[D]).
+ *
+ * R rows at once (speculative decoding's verification: a sequence's consecutive positions) that read the same
+ * table from the same first position p0, row r to its own end p1[r], its query at q + r * qs, its results at
+ * part + r * ps: each chunk of positions is read once for all of them (the longest row's chunk; a shorter row's
+ * last chunk is its first rows), and each row's arithmetic is what it would be alone, the same chunks in the
+ * same order (att_chunk cuts a chunk at the row's end, and nowhere else otherwise). */
+static void att_item(const float *q, int64_t qs, int64_t R, const uint8_t *kc, const uint8_t *vc, int fmt, int64_t rb,
+                     int64_t bs, int64_t Hkv, int64_t D, int64_t G, const int32_t *table, int64_t p0,
+                     const int64_t *p1, float scale, float *part, int64_t ps) {
     float s[ATT_MAX_G][ATT_CHUNK];
-    float wide[ATT_CHUNK * ATT_MAX_D];  /* a chunk's rows of one KV head as fp32, where they are stored otherwise */
+    /* a chunk's K and V rows of one KV head as fp32, where they are stored otherwise */
+    float wide_k[ATT_CHUNK * ATT_MAX_D], wide_v[ATT_CHUNK * ATT_MAX_D];
     const int64_t G2 = D + 2, row = Hkv * rb;
     const int kf = fmt & 15, vf = fmt >> 4;
-    for (int64_t h = 0; h < Hkv * G; h++) {
-        float *ph = part + h * G2;
-        ph[0] = -INFINITY;
-        ph[1] = 0.f;
-        memset(ph + 2, 0, D * sizeof(float));
+    int64_t end = p0;
+    for (int64_t r = 0; r < R; r++) {
+        end = p1[r] > end ? p1[r] : end;
+        for (int64_t h = 0; h < Hkv * G; h++) {
+            float *ph = part + r * ps + h * G2;
+            ph[0] = -INFINITY;
+            ph[1] = 0.f;
+            memset(ph + 2, 0, D * sizeof(float));
+        }
     }
-    if (p0 < p1) {
-        int64_t at0, n0 = att_chunk(table, bs, row, p0, p1, &at0);
+    if (p0 < end) {
+        int64_t at0, n0 = att_chunk(table, bs, row, p0, end, &at0);
         att_fetch(kc, vc, at0, 0, n0 * row);
     }
-    for (int64_t p = p0; p < p1;) {
-        int64_t first, next_first = 0, next_bytes = 0, stride;
-        const int64_t n = att_chunk(table, bs, row, p, p1, &first);
-        if (p + n < p1) next_bytes = att_chunk(table, bs, row, p + n, p1, &next_first) * row;
+    for (int64_t p = p0; p < end;) {
+        int64_t first, next_first = 0, next_bytes = 0;
+        const int64_t n = att_chunk(table, bs, row, p, end, &first);
+        if (p + n < end) next_bytes = att_chunk(table, bs, row, p + n, end, &next_first) * row;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             att_fetch(kc, vc, next_first, next_bytes * kvh / Hkv, next_bytes * (kvh + 1) / Hkv);
             const int64_t at = first + kvh * rb;
-            float *ph = part + kvh * G * G2;
 #ifdef ATT_CODES
-            if (codes_read(kf, G, D)) {
-                scores_codes(q + kvh * G * D, G, kc + at, row, n, D, kf, s);
-            } else
+            const int k_codes = codes_read(kf, G, D), v_codes = codes_read(vf, G, D);
+#else
+            const int k_codes = 0, v_codes = 0;
 #endif
-            {
-                const float *k = att_rows(kc + at, kf, row, n, D, wide, &stride);
-                scores(q + kvh * G * D, G, k, stride, n, D, s);
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float *pg = ph + g * G2, m = pg[0];
-                for (int64_t i = 0; i < n; i++) m = (s[g][i] *= scale) > m ? s[g][i] : m;
-                const float alpha = expf(pg[0] - m);  /* 0 at the first chunk (m was -inf) */
-                const float sum = exp_sum(s[g], n, m);
-                if (alpha != 1.f)
-                    for (int64_t d = 0; d < D; d++) pg[2 + d] *= alpha;
-                pg[0] = m;
-                pg[1] = pg[1] * alpha + sum;
-            }
+            int64_t k_stride = 0, v_stride = 0;
+            const float *k = k_codes ? NULL : att_rows(kc + at, kf, row, n, D, wide_k, &k_stride);
+            const float *v = v_codes ? NULL : att_rows(vc + at, vf, row, n, D, wide_v, &v_stride);
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t nr = p1[r] - p < n ? p1[r] - p : n;  /* this row's chunk: n, or its last rows */
+                if (nr <= 0) continue;
+                const float *qr = q + r * qs + kvh * G * D;
+                float *ph = part + r * ps + kvh * G * G2;
 #ifdef ATT_CODES
-            if (codes_read(vf, G, D)) {
-                weigh_codes(s, G, vc + at, row, n, D, vf, ph);
-                continue;
-            }
+                if (k_codes)
+                    scores_codes(qr, G, kc + at, row, nr, D, kf, s);
+                else
 #endif
-            const float *v = att_rows(vc + at, vf, row, n, D, wide, &stride);
-            weigh(s, G, v, stride, n, D, ph);
+                    scores(qr, G, k, k_stride, nr, D, s);
+                for (int64_t g = 0; g < G; g++) {
+                    float *pg = ph + g * G2, m = pg[0];
+                    for (int64_t i = 0; i < nr; i++) m = (s[g][i] *= scale) > m ? s[g][i] : m;
+                    const float alpha = expf(pg[0] - m);  /* 0 at the first chunk (m was -inf) */
+                    const float sum = exp_sum(s[g], nr, m);
+                    if (alpha != 1.f)
+                        for (int64_t d = 0; d < D; d++) pg[2 + d] *= alpha;
+                    pg[0] = m;
+                    pg[1] = pg[1] * alpha + sum;
+                }
+#ifdef ATT_CODES
+                if (v_codes) {
+                    weigh_codes(s, G, vc + at, row, nr, D, vf, ph);
+                    continue;
+                }
+#endif
+                weigh(s, G, v, v_stride, nr, D, ph);
+            }
         }
         p += n;
     }
@@ -466,35 +492,43 @@ static int64_t parts_floats(int64_t B, int64_t S, int64_t Hq, int64_t D) {
     return turned_at(B, S, Hq, D) + B * Hq * D;
 }
 
-int64_t tkv_attention_parts(int64_t splits, int64_t Hq, int64_t D) {
-    return parts_floats(1, splits, Hq, D);
+int64_t tkv_attention_parts(int64_t rows, int64_t splits, int64_t Hq, int64_t D) {
+    return parts_floats(rows, splits, Hq, D);
 }
 
 /* The work of tkv_paged_decode as worksharing loops (every thread of the enclosing region calls it): each
  * sequence's positions in S splits, their partial results in parts (parts_floats), then merged. Where K's rows
  * are stored turned (int4), the queries are turned the same way first (q . k is unchanged), and where V's
- * are, each output is turned back. */
-static void attention_share(const float *q, int64_t B, int64_t Hq, int64_t D, const void *kc, const void *vc,
-                            int fmt, int64_t rb, int64_t bs, int64_t Hkv, const int32_t *tables, int64_t ts,
-                            const int32_t *lens, float scale, int64_t S, float *parts, float *out) {
-    const int64_t G = Hq / Hkv, items = B * S, G2 = D + 2, IS = item_floats(Hq, D);
+ * are, each output is turned back. Queries qs floats apart. `together`: the B rows are one sequence's (one table,
+ * tables' first row), each split the same positions `per` apart for all (att_per), an item each split with all
+ * the rows in it (att_item: each chunk of positions read once); else an item each row and split. */
+static void attention_share(const float *q, int64_t qs, int64_t B, int64_t Hq, int64_t D, const void *kc,
+                            const void *vc, int fmt, int64_t rb, int64_t bs, int64_t Hkv, const int32_t *tables,
+                            int64_t ts, const int32_t *lens, float scale, int64_t S, int together, float *parts,
+                            float *out) {
+    const int64_t G = Hq / Hkv, items = together ? S : B * S, G2 = D + 2, IS = item_floats(Hq, D);
     if (tkv_kv_rotates(fmt & 15, D)) {
         float *turned = parts + turned_at(B, S, Hq, D);
         #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * Hq; bh++) {
-            memcpy(turned + bh * D, q + bh * D, D * sizeof(float));
+            memcpy(turned + bh * D, q + bh / Hq * qs + bh % Hq * D, D * sizeof(float));
             tkv_hadamard(turned + bh * D, D);
         }
         q = turned;
+        qs = Hq * D;
     }
     #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
-        const int64_t b = it / S, sp = it % S, len = lens[b];
-        int64_t per = (len + S - 1) / S;
-        per = (per + bs - 1) / bs * bs;  /* whole blocks a split, so a chunk never straddles two */
-        const int64_t p0 = sp * per < len ? sp * per : len, p1 = p0 + per < len ? p0 + per : len;
-        att_item(q + b * Hq * D, (const uint8_t *)kc, (const uint8_t *)vc, fmt, rb, bs, Hkv, D, G, tables + b * ts,
-                 p0, p1, scale, parts + it * IS);
+        const int64_t b = together ? 0 : it / S, sp = together ? it : it % S, n = together ? B : 1;
+        const int64_t per = att_per(lens[b], S, bs);
+        int64_t p0 = sp * per, p1[TKV_ATT_MAX_ROWS];
+        if (!together && p0 > lens[b]) p0 = lens[b];
+        for (int64_t r = 0; r < n; r++) {  /* a row whose positions end before the split has none in it */
+            const int64_t len = lens[b + r];
+            p1[r] = p0 >= len ? p0 : p0 + per < len ? p0 + per : len;
+        }
+        att_item(q + b * qs, qs, n, (const uint8_t *)kc, (const uint8_t *)vc, fmt, rb, bs, Hkv, D, G,
+                 tables + b * ts, p0, p1, scale, parts + (together ? sp : it) * IS, S * IS);
     }
     #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * Hq; bh++) {  /* the splits of each head merged */
@@ -545,7 +579,7 @@ int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const voi
     float *parts = (float *)tkv_scratch((size_t)parts_floats(B, S, Hq, D) * sizeof(float));
     if (!parts) return -1;
     #pragma omp parallel
-    attention_share(q, B, Hq, D, kc, vc, fmt, rb, bs, Hkv, tables, ts, lens, scale, S, parts, out);
+    attention_share(q, Hq * D, B, Hq, D, kc, vc, fmt, rb, bs, Hkv, tables, ts, lens, scale, S, 0, parts, out);
     return 0;
 }
 
@@ -553,10 +587,18 @@ int64_t tkv_attention_splits(int64_t len, int threads) {
     return att_splits(1, len, threads);
 }
 
-void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt, int64_t rb,
-                         int64_t bs, int64_t Hkv, const int32_t *table, int32_t len, float scale, int64_t splits,
-                         float *parts, float *out) {
-    attention_share(q, 1, Hq, D, kc, vc, fmt, rb, bs, Hkv, table, 0, &len, scale, splits, parts, out);
+int64_t tkv_attention_together(const int32_t *lens, int64_t R, int64_t bs, int threads) {
+    const int64_t S = att_splits(1, lens[0], threads), per = att_per(lens[0], S, bs);
+    int64_t n = 1;
+    while (n < R && n < TKV_ATT_MAX_ROWS && att_splits(1, lens[n], threads) == S && att_per(lens[n], S, bs) == per)
+        n++;
+    return n;
+}
+
+void tkv_attention_share(const float *q, int64_t qs, int64_t R, int64_t Hq, int64_t D, const void *kc, const void *vc,
+                         int fmt, int64_t rb, int64_t bs, int64_t Hkv, const int32_t *table, const int32_t *lens,
+                         float scale, int64_t splits, float *parts, float *out) {
+    attention_share(q, qs, R, Hq, D, kc, vc, fmt, rb, bs, Hkv, table, 0, lens, scale, splits, 1, parts, out);
 }
 
 /* Prefill attention: the T queries of a prompt's chunk attend causally to the sequence's cached prefix and to

@@ -133,18 +133,23 @@ void tkv_kv_store_tokens(const float *k, const float *v, int64_t T, int64_t H, i
 /* n rows of rb bytes in format fmt as their D values (int4 turned back): what the torch references read */
 void tkv_kv_values(const uint8_t *rows, int64_t n, int64_t rb, int fmt, int64_t D, float *out);
 
-/* Decode attention for one sequence inside a parallel region (attention_cpu.c: tkv_paged_decode's work):
- * tkv_attention_splits says how many items its positions are split into (the same for every layer of a
- * step), tkv_attention_share runs them, every thread calling it; `parts` holds tkv_attention_parts floats.
+/* Decode attention for rows of one sequence inside a parallel region (attention_cpu.c: tkv_paged_decode's work):
+ * tkv_attention_splits says how many items a row's positions are split into (the same for every layer of a
+ * step); tkv_attention_together how many of R rows (lens[r] positions each, one table), from the first, can go
+ * together: the same splits, each split's chunks of positions read once for all of them, every row's arithmetic
+ * what it would be alone (at most TKV_ATT_MAX_ROWS); tkv_attention_share runs them, every thread calling it, row r's
+ * query at q + r * qs and its output at out + r * Hq * D; `parts` holds tkv_attention_parts floats.
  * tkv_attention_fits: 0 for heads the kernel does not take (Hq not a multiple of Hkv, too many query heads a KV
  * head, too large a head). */
+#define TKV_ATT_MAX_ROWS 64
 int tkv_attention_fits(int64_t Hq, int64_t D, int64_t bs, int64_t Hkv);
 int64_t tkv_attention_splits(int64_t len, int threads);
-int64_t tkv_attention_parts(int64_t splits, int64_t Hq, int64_t D);  /* the floats `parts` holds */
+int64_t tkv_attention_together(const int32_t *lens, int64_t R, int64_t bs, int threads);
+int64_t tkv_attention_parts(int64_t rows, int64_t splits, int64_t Hq, int64_t D);  /* the floats `parts` holds */
 /* kc, vc: the caches' bytes, rows of rb bytes (kv_heads rows a token); fmt: K's format | V's format << 4 */
-void tkv_attention_share(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt, int64_t rb,
-                         int64_t bs, int64_t Hkv, const int32_t *table, int32_t len, float scale, int64_t splits,
-                         float *parts, float *out);
+void tkv_attention_share(const float *q, int64_t qs, int64_t R, int64_t Hq, int64_t D, const void *kc, const void *vc,
+                         int fmt, int64_t rb, int64_t bs, int64_t Hkv, const int32_t *table, const int32_t *lens,
+                         float scale, int64_t splits, float *parts, float *out);
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

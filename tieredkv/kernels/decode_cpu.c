@@ -178,11 +178,11 @@ int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, const 
         for (int i = 0; i < 4; i++) prep_bytes = b[i] > prep_bytes ? b[i] : prep_bytes;
     }
     /* after the prepared activations, R rows of each: x, h, qkv, att, o, gate_up, act, down, cos, sin; then
-     * attention's partial results (one row's at a time) */
-    const size_t sizes[11] = {R * H, R * H, R * qkvn, R * qn, R * H, R * 2 * I, R * I, R * H, R * (D / 2),
-                              R * (D / 2), (size_t)tkv_attention_parts(most_splits, Hq, D)};
-    size_t total = lines64(prep_bytes), at[11];
-    for (int i = 0; i < 11; i++) {
+     * attention's partial results (a group of rows at a time), each row's positions and its group's rows (int32) */
+    const size_t sizes[12] = {R * H, R * H, R * qkvn, R * qn, R * H, R * 2 * I, R * I, R * H, R * (D / 2),
+                              R * (D / 2), (size_t)tkv_attention_parts(R, most_splits, Hq, D), 2 * R};
+    size_t total = lines64(prep_bytes), at[12];
+    for (int i = 0; i < 12; i++) {
         at[i] = total;
         total += lines64(sizes[i] * sizeof(float));
     }
@@ -193,6 +193,17 @@ int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, const 
     float *att = (float *)(mem + at[3]), *o = (float *)(mem + at[4]), *gu = (float *)(mem + at[5]);
     float *act = (float *)(mem + at[6]), *dn = (float *)(mem + at[7]), *cs = (float *)(mem + at[8]);
     float *sn = (float *)(mem + at[9]), *parts = (float *)(mem + at[10]);
+    int32_t *lens = (int32_t *)(mem + at[11]), *together = lens + R;
+    for (int64_t r = 0; r < R; r++) lens[r] = (int32_t)(positions[r] + 1);
+    for (int64_t r = 0; r < R;) {  /* rows of one table whose splits agree attend together (a verification's) */
+        const int64_t n = tkv_attention_together(lens + r, R - r, m->block_size, threads);
+        int64_t k = 1;
+        while (k < n && (table_stride == 0 || !memcmp(tables + (r + k) * table_stride, tables + r * table_stride,
+                                                      (size_t)table_stride * sizeof(int32_t))))
+            k++;
+        together[r] = (int32_t)k;
+        r += k;
+    }
 
     for (int64_t r = 0; r < R; r++) {
         if (m->embed)
@@ -231,10 +242,10 @@ int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, const 
                     tkv_kv_store(v + j * D, vf, D, L->v_cache + row + j * m->kv_row);
                 }
             }
-            for (int64_t r = 0; r < R; r++)  /* row r sees the rows before it and itself (their K/V are stored) */
-                tkv_attention_share(qkv + r * qkvn, Hq, D, L->k_cache, L->v_cache, (int)m->kv_fmt, m->kv_row,
-                                    m->block_size, Hkv, tables + r * table_stride, (int32_t)(positions[r] + 1),
-                                    m->scale, tkv_attention_splits(positions[r] + 1, threads), parts, att + r * qn);
+            for (int64_t r = 0; r < R; r += together[r])  /* row r sees the rows before it and itself (stored) */
+                tkv_attention_share(qkv + r * qkvn, qkvn, together[r], Hq, D, L->k_cache, L->v_cache,
+                                    (int)m->kv_fmt, m->kv_row, m->block_size, Hkv, tables + r * table_stride,
+                                    lens + r, m->scale, tkv_attention_splits(lens[r], threads), parts, att + r * qn);
             #pragma omp single
             tkv_rows_prepare(&L->o.part[0], att, R, prep);
             project(&L->o, att, prep, o, R);
