@@ -299,7 +299,8 @@ def test_int8_blocks_take_batched_steps_from_the_measured_row_count(monkeypatch,
     verification steps must multiply as its plain steps do)."""
     from tieredkv import EngineConfig
     from tieredkv.engine.engine_core import EngineCore
-    from tieredkv.engine.rank_build import int16_rows_most, many_rows_arithmetic
+    from tieredkv.engine.rank_build import many_rows_arithmetic
+    from tieredkv.kernels.quant import int16_rows_most
     from tieredkv.kernels.quant import QuantizedWeight
 
     core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0))

@@ -18,7 +18,7 @@ from tieredkv.core.scheduler import Scheduler
 from tieredkv.engine.identity import identity_in_background, model_fingerprint
 from tieredkv.engine.kv_events import make_recorder
 from tieredkv.engine.lifecycle import Lifecycle
-from tieredkv.engine.rank_build import (RankMemory, data_plane, int16_rows_most, load_share, make_kv_cache,
+from tieredkv.engine.rank_build import (RankMemory, data_plane, load_share, make_kv_cache,
                                         prepare_process, shift_keys, total_weight_bytes, weights_label)
 from tieredkv.engine.request_factory import RequestFactory
 from tieredkv.engine.resolve import (eos_token_ids, max_model_len, quant_settings, resolve_cache_dir,
@@ -29,6 +29,7 @@ from tieredkv.engine.telemetry import Telemetry
 from tieredkv.hashing import root_hash
 from tieredkv.kernels import KernelOps
 from tieredkv.kernels.kv_format import KVLayout
+from tieredkv.kernels.quant import int16_rows_most
 from tieredkv.models.llama import LlamaModel
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tokenizer import Tokenizer

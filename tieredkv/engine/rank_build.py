@@ -21,8 +21,8 @@ from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.dense import choose_layout
 from tieredkv.kernels.linear import packed_range
 from tieredkv.kernels.quant import (QuantizedWeight, gather_quantized_weights, int8_fewest_rows, int8_many_rows_win,
-                                    kernel_rows, many_rows_int8, tile_quantized_weights)
-from tieredkv.kernels.quant_cpu import CPU, GEMV_MAX_ROWS
+                                    many_rows_int8, tile_quantized_weights)
+from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.models.llama import LlamaModel
 from tieredkv.models.loader import load_model
 from tieredkv.models.spec import ModelSpec
@@ -70,16 +70,6 @@ def many_rows_arithmetic(model: LlamaModel, setting: bool | None, cache_dir: Pat
             f"int8 activation blocks from {fewest} rows (measured faster here)" if fewest else
             "int8 activation blocks (measured faster here)") if use else
             "the fp32 product (int8 blocks not clearly faster on this processor)")
-
-
-def int16_rows_most(model: LlamaModel) -> int:
-    """The most rows a step multiplies on the one-row kernels' int16 rows (quant.kernel_rows), on CPU: one less than
-    where int8 blocks start (many_rows_arithmetic), or the kernels' most. Scheduler.max_draft_rows: a step with
-    drafts stays within them (each of its rows then the bits a one-row decode gives it; quant_cpu.c: q4_row)."""
-    weights = [w for w in model.modules() if isinstance(w, QuantizedWeight)]
-    most = min((kernel_rows(w.codes) for w in weights), default=GEMV_MAX_ROWS)
-    starts = [w.int8_rows for w in weights if w.int8_rows > 0]
-    return min(most, min(starts) - 1) if starts else most
 
 
 def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: int, kv: KVLayout,

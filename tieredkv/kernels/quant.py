@@ -383,6 +383,17 @@ def kernel_rows(codes: torch.Tensor) -> int:
     return GEMV_MAX_ROWS if CPU.lib is None or _is_q8(codes) else CPU.q4_rows
 
 
+def int16_rows_most(model: torch.nn.Module) -> int:
+    """The most rows a step multiplies on the one-row kernels' int16 rows (kernel_rows), on CPU: one less than
+    where int8 blocks start (engine/rank_build.py: many_rows_arithmetic), or the kernels' most. The native step
+    takes at most so many rows of several sequences, and Scheduler.max_draft_rows keeps a step with drafts within
+    them (each of its rows then the bits a one-row decode gives it; quant_cpu.c: q4_row)."""
+    weights = [w for w in model.modules() if isinstance(w, QuantizedWeight)]
+    most = min((kernel_rows(w.codes) for w in weights), default=GEMV_MAX_ROWS)
+    starts = [w.int8_rows for w in weights if w.int8_rows > 0]
+    return min(most, min(starts) - 1) if starts else most
+
+
 def many_rows_int8(codes: torch.Tensor, group_size: int) -> bool:
     """True where more than kernel_rows rows on weights in `codes`' format can run on int8 arithmetic (gemm_cpu.c:
     q4, q8 and their tiles, groups whole blocks of 32, a build with AVX2), rather than dequantized into fp32."""

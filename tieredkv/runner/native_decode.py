@@ -28,7 +28,7 @@ import torch
 
 from tieredkv.config import MAX_SPECULATIVE_TOKENS
 from tieredkv.kernels.kv_format import CPU_FORMATS, KVLayout
-from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight
+from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight, int16_rows_most
 from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.models.llama import LlamaModel, Projection
 
@@ -170,11 +170,9 @@ class NativeDecode:
         tiled = all(proj.part[j].fmt in (FORMATS["q8t"], FORMATS["q4t"]) for layer in layers
                     for proj in (layer.qkv, layer.o, layer.gate_up, layer.down) for j in range(proj.parts))
         self.max_rows = MAX_ROWS_TILED if tiled else MAX_ROWS  # the longest chunk it takes (see MAX_ROWS)
-        # the most sequences whose decodes it takes together (MAX_BATCH): fewer than the rows from which the
+        # the most rows of several sequences it takes together (MAX_BATCH): fewer than the rows from which the
         # weights' products take int8 blocks (quant.QuantizedWeight.int8_rows), whose arithmetic it does not run
-        fewest = min((w.int8_rows for w in model.modules() if isinstance(w, QuantizedWeight) and w.int8_rows > 0),
-                     default=None)
-        self.max_batch = min(MAX_BATCH, fewest - 1) if fewest else MAX_BATCH
+        self.max_batch = min(MAX_BATCH, int16_rows_most(model))
         if not lib.tkv_decode_fits(ctypes.byref(self._model)):
             raise Unfit("the kernels do not take a projection's shape or the attention's heads")
 
