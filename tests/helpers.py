@@ -175,8 +175,7 @@ def check_far_blocks(core, holders: dict[int, int]) -> None:
     warm = core.tiers.warm
     if warm is None:
         return
-    swapped = sum(len(s.swapped.swap_slots) for s in core.scheduler.waiting
-                  if s.swapped is not None and s.swapped.swap_slots is not None)
+    swapped = sum(s.swapped.num_blocks for s in core.scheduler.waiting if s.swapped is not None)
     lent = warm.capacity - len(warm.free_slots) - len(warm.entries)
     assert lent == len(blocks) + swapped
     slots = {pool.slot_of(bid) for bid in blocks}

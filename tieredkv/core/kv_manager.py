@@ -8,7 +8,7 @@ from tieredkv.core.sequence import Sequence
 from tieredkv.hashing import BlockHash, chain_keys, hash_block
 from tieredkv.tiers.base import BlockKey, Lent, SwapSpace
 from tieredkv.tiers.block_pool import BlockPool, KVBlock
-from tieredkv.tiers.moves import COPY, DEMOTE, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore
+from tieredkv.tiers.moves import COPY, DEMOTE, PASS_DOWN, PROMOTE, SWAP_OUT, BlockMove, Restore, RestorePart
 
 
 Blocks = typing.Sequence[KVBlock]  # cached prefix blocks, in order (a list, or () for none)
@@ -162,19 +162,17 @@ class KVCacheManager:
         return blocks
 
     def _plan_restore(self, restore: Restore, fresh: list[KVBlock], parent: BlockHash | None) -> None:
-        if restore.swap_slots is not None:
-            self.moves.extend(BlockMove(SWAP_IN, slot, b.block_id) for slot, b in zip(restore.swap_slots, fresh))
-            restore.swap_slots = None  # released by the move
-            return
+        """A promotion move a block, from its lent slot or its data; the blocks the restore has keys for are
+        registered in the hash map (their data lands before the forward)."""
+        blocks, keys = iter(fresh), restore.keys
         i = 0
         for part in restore.parts:
             for j in range(part.num_blocks):
-                block, key = fresh[i], restore.keys[i]
-                self.pool.cache(block, key.block_hash, key.token_ids, restore.keys[i - 1].block_hash if i else parent)
-                if part.slots is not None:
-                    self.moves.append(BlockMove(PROMOTE, part.slots[j], block.block_id, key, None, part.tier))
-                else:
-                    self.moves.append(BlockMove(PROMOTE, None, block.block_id, key, part.data[j], part.tier))
+                block, key = next(blocks), keys[i] if i < len(keys) else None
+                if key is not None:
+                    self.pool.cache(block, key.block_hash, key.token_ids, keys[i - 1].block_hash if i else parent)
+                src, data = (part.slots[j], None) if part.slots is not None else (None, part.data[j])
+                self.moves.append(BlockMove(PROMOTE, src, block.block_id, key, data, part.tier))
                 i += 1
 
     def _needs_cow(self, seq: Sequence) -> bool:
@@ -196,13 +194,13 @@ class KVCacheManager:
 
     def swap_out(self, seq: Sequence) -> Restore | None:
         """Offloads a preempted sequence whole: SWAP_OUT moves of its blocks into lent warm slots (read out before
-        anything is written into the blocks), and the restore that swaps them back in; None when warm has no room.
-        The caller frees seq's blocks."""
+        anything is written into the blocks), and the restore that promotes them back from those slots; None when
+        warm has no room. The caller frees seq's blocks."""
         slots = self.lend_slots(len(seq.block_table), whole_sequence=True)
         if slots is None:
             return None
         self.moves.extend(BlockMove(SWAP_OUT, b.block_id, slot) for b, slot in zip(seq.block_table, slots))
-        return Restore(0, seq.num_computed_tokens, swap_slots=slots)
+        return Restore(0, seq.num_computed_tokens, parts=[RestorePart(self.swap.name, slots, None)])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent (ref_cnt + 1 each) and its computed state."""

@@ -302,8 +302,8 @@ class Scheduler:
         return n if self.kv.allocate_slots(seq, n, cached, restore) else None
 
     def _prefix_for(self, seq: Sequence) -> tuple[list, Restore | Lookup | _Wait | None]:
-        """Hot prefix blocks plus what to restore below them: a swap-in, a finished lookup (its
-        promotion), or nothing. Returns _Wait.NOT_READY while a blocking tier's read is in flight."""
+        """Hot prefix blocks plus what to restore below them: a swapped-out sequence's table, a finished lookup's
+        promotion, or nothing. Returns _Wait.NOT_READY while a blocking tier's read is in flight."""
         if seq.swapped is not None:
             return [], seq.swapped
         if not self.kv.enable_caching:
@@ -416,7 +416,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(seq)
-        self.tiers.drop_swap(seq.swapped)
+        self.tiers.drop_restore(seq.swapped)
         seq.swapped = seq.lookup = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

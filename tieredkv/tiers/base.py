@@ -295,4 +295,4 @@ class SwapSpace(KVTier):
 
     @abstractmethod
     def to_hot(self, block_ids: list[int], slots: list[int]) -> None:
-        """Copies slots into hot blocks: a swap-in, a promotion."""
+        """Copies slots into hot blocks: a promotion (a prefix found here, a swapped-out sequence's return)."""

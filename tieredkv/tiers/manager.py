@@ -18,7 +18,7 @@ import torch
 from tieredkv.tiers.base import TIER_NAMES, BlockKey, KVTier, SwapSpace, TierStats
 from tieredkv.tiers.hot import HotTier
 from tieredkv.tiers.lookup import Lookup, finish_lookup, start_lookup
-from tieredkv.tiers.moves import (COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_IN, SWAP_OUT, BlockMove, Restore,
+from tieredkv.tiers.moves import (COPY, DEMOTE, OFFLOAD, PASS_DOWN, PROMOTE, SWAP_OUT, BlockMove, Restore,
                                   runs)
 from tieredkv.tiers.policy import Admission
 from tieredkv.tiers.rates import LoadRates
@@ -98,10 +98,6 @@ class TierManager:
             self.swap.from_hot([m.src for m in run], slots)
             self.swap.count(demotions=len(run))
             self._wait_for_host_copies()
-        elif kind == SWAP_IN:
-            slots = [m.src for m in run]
-            self.swap.to_hot(dst, slots)
-            self._unreleased.append((self.swap, slots))
         elif kind == PROMOTE:
             pool = self.hot.pool
             for part in runs(run, lambda m: (m.tier, m.src is None, pool.is_far_id(m.dst))):
@@ -268,14 +264,8 @@ class TierManager:
 
     # -- swap -------------------------------------------------------------------------------------
 
-    def drop_swap(self, restore: Restore | None) -> None:
-        if restore is not None and restore.swap_slots is not None:
-            self.swap.release(restore.swap_slots)
-            restore.swap_slots = None
-
     def drop_restore(self, restore: Restore | None) -> None:
-        """Gives back what an unused restore holds: swap slots, or the slots its promotion took."""
-        self.drop_swap(restore)
+        """Gives back what an unused restore holds: the slots lent to it (a swapped-out sequence's, a promotion's)."""
         for part in restore.parts if restore is not None else ():
             if part.slots:
                 self.lender(part.tier).release(part.slots)

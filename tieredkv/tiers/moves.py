@@ -7,7 +7,8 @@ The tier manager carries the list out in one place before the forward, in the or
 order is safe because a block's data is always read before anything is planned into it: an evicted hot block
 is demoted (and a preempted one swapped out) when the allocation that frees it is planned, a warm entry evicted
 to lend its slot (a swap-out's reservation, far blocks) is passed down when the lending is planned, and every
-write into either (a promotion, a swap-in, an offload, a copy-on-write copy, the forward) is planned after.
+write into either (a promotion, an offload, a copy-on-write copy, the forward) is planned after. A swapped-out
+sequence comes back as a promotion from the warm slots lent to it (one kind of move for every way back up).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ DEMOTE = "demote"  # evicted hot block -> warm, else cold; keeps the block finda
 PASS_DOWN = "pass_down"  # an entry `tier` evicted to lend its slot `src` -> the tier below it (read from the slot)
 SWAP_OUT = "swap_out"  # hot block -> a warm slot lent to a preempted sequence
 OFFLOAD = "offload"  # hot block of a running sequence -> a far block (block_pool.py), which takes its place
-PROMOTE = "promote"  # warm or cold data -> a fresh block (hot, or far), registered under `key`
-SWAP_IN = "swap_in"  # a lent warm slot -> a fresh hot block; the slot is released
+PROMOTE = "promote"  # a lent slot or data from below -> a fresh block (hot, or far), registered under `key` if any
 COPY = "copy"  # hot block -> hot block (copy-on-write)
 
 
@@ -69,17 +69,17 @@ class RestorePart(NamedTuple):
 
 @dataclass
 class Restore:
-    """Blocks to write into fresh hot blocks at admission: a promotion or a swap-in."""
+    """Blocks to promote into fresh hot blocks at admission: a prefix found below hot, or a swapped-out sequence's
+    whole table (its blocks in the warm slots lent to it; no keys: they are not registered again)."""
 
     start: int  # index of the first restored block in the sequence's block table
     num_tokens: int  # tokens they hold (full blocks, except a swapped sequence's last one)
-    keys: list[BlockKey] = field(default_factory=list)  # promotions: registered in the hash map
-    parts: list[RestorePart] = field(default_factory=list)  # promotions: where the blocks come from, in order
-    swap_slots: list[int] | None = None  # swap-ins: warm slots to read and release
+    keys: list[BlockKey] = field(default_factory=list)  # the first len(keys) blocks' identities: registered
+    parts: list[RestorePart] = field(default_factory=list)  # where the blocks come from, in order
 
     @property
     def num_blocks(self) -> int:
-        return len(self.swap_slots) if self.swap_slots is not None else sum(p.num_blocks for p in self.parts)
+        return sum(p.num_blocks for p in self.parts)
 
     @property
     def by_tier(self) -> dict[str, int]:

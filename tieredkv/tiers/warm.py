@@ -166,7 +166,8 @@ class WarmTier(SwapSpace):
         self.io.hot_to_slab(block_ids, slots)
 
     def to_hot(self, block_ids: list[int], slots: list[int]) -> None:
-        """Copies slots into hot blocks (a swap-in, a promotion), from views of the slots: on every rank."""
+        """Copies slots into hot blocks (a promotion: a prefix found in warm, a swapped-out sequence's return), from
+        views of the slots: on every rank."""
         self.io.slab_to_hot(block_ids, slots)
 
     def join(self, io: BlockIO) -> None:
