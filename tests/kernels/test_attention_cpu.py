@@ -4,6 +4,7 @@ thread counts, bf16 caches, shared-prefix plans, the compiled graph's call, and 
 CPU prefill attention kernel (tkv_prefill_attention) against the torch reference."""
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -239,6 +240,49 @@ def test_the_c_store_and_read_back_are_the_torch_ones(lib, k, v):
                                    kv.decode(side, torch.index_select(got[side], 0, ids)), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="slot 128 outside"):
         torch.ops.tieredkv.store_kv_rows(key, value, got, torch.full((37,), 128), *kv.codes)
+
+
+def test_an_fp32_cache_is_stored_by_the_c_kernel_with_the_references_bytes(lib):
+    # an fp32 cache (no KV format) takes the same C store, its rows copied as they are: index_copy_'s bytes,
+    # padding tokens skipped, V from the fused q/k/v output's strided view
+    from tieredkv.kernels.store_kv import store_kv_cpu, store_kv_ref
+
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(37, (9 + 2 * 3) * 64, generator=g) * 3
+    key, value = qkv[:, 9 * 64:12 * 64].contiguous().view(37, 3, 64), qkv[:, 12 * 64:].view(37, 3, 64)
+    slots = torch.randperm(8 * 16, generator=g)[:37]
+    slots[[0, 36]] = -1
+    want = torch.zeros(2, 8, 16, 3, 64)
+    got = want.clone()
+    store_kv_ref(key, value, want, slots)
+    store_kv_cpu(key, value, got, slots)
+    assert torch.equal(got, want) and got.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="slot 128 outside"):
+        store_kv_cpu(key, value, got, torch.full((37,), 128))
+
+
+@pytest.mark.parametrize("tokens,heads,dim,row", [(512, 9, 64, 15 * 64), (1, 4, 16, 64), (37, 2, 128, 300 + 256),
+                                                  (3, 3, 32, 96)])
+def test_the_c_rotary_gives_torchs_bits(lib, tokens, heads, dim, row):
+    # the eager forward's rotary embedding on CPU (rotary_cpu: one pass, no fused multiply-add) gives the torch
+    # reference's bits, from the queries' strided view of the fused q/k/v output; what it does not take (another
+    # dtype, a head dim that is not even, a traced graph) the reference serves
+    from tieredkv.kernels.calls import counting
+    from tieredkv.kernels.rotary import rotary_cpu, rotary_ref
+
+    g = torch.Generator().manual_seed(tokens)
+    x = (torch.randn(tokens, row, generator=g) * 4)[:, : heads * dim].view(tokens, heads, dim)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.randint(0, 100_000, (tokens,), generator=g).float()[:, None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    calls: Counter = Counter()
+    with counting(calls):
+        got = rotary_cpu(x, cos, sin)
+        assert torch.equal(got, rotary_ref(x, cos, sin)) and got.is_contiguous()
+        assert torch.equal(rotary_cpu(x.double(), cos.double(), sin.double()),
+                           rotary_ref(x.double(), cos.double(), sin.double()))
+    assert calls == {("rotary", "CPU kernel"): 1, ("rotary", "torch"): 1}
 
 
 def test_where_the_kernel_does_not_serve_torch_does(lib, monkeypatch):

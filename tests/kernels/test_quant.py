@@ -1029,6 +1029,7 @@ def test_stats_count_what_served_each_call(llama_dir, monkeypatch, faster):
         many = "int8 blocks" if CPU.int8_gemm and faster else "dequantized float32"
         assert core.stats().kernel_calls == {
             "forward: eager": 1, "forward: native step": 4, "prefill attention: CPU kernel": layers,
-            f"quantized product: {many}": 4 * layers, "quantized product: int16 rows": 1}
+            "rotary: CPU kernel": 2 * layers, f"quantized product: {many}": 4 * layers,
+            "quantized product: int16 rows": 1}
     finally:
         core.close()

@@ -679,8 +679,13 @@ static inline __attribute__((always_inline)) void pf_weigh(float p[][PF_KEYS], i
             for (int j = 0; j < 4; j++) a[v][j] = *(const pf_vec *)(o + v * D + d + j * PF_W);
         for (int64_t i = 0; i < n; i++) {
             const float *r = vt + i * D + d;
-            const pf_vec r0 = *(const pf_vec *)r, r1 = *(const pf_vec *)(r + PF_W);
-            const pf_vec r2 = *(const pf_vec *)(r + 2 * PF_W), r3 = *(const pf_vec *)(r + 3 * PF_W);
+            pf_vec r0 = *(const pf_vec *)r, r1 = *(const pf_vec *)(r + PF_W);
+            pf_vec r2 = *(const pf_vec *)(r + 2 * PF_W), r3 = *(const pf_vec *)(r + 3 * PF_W);
+#ifdef __AVX__
+            /* in registers, each read once for the V vectors (left to itself the compiler reads them again from
+             * memory in every product, 16 loads where 4 do: a 512-token prefill's attention 8% slower on Zen 4) */
+            __asm__("" : "+x"(r0), "+x"(r1), "+x"(r2), "+x"(r3));
+#endif
             for (int v = 0; v < V; v++) {
                 const float w = p[v][i];
                 a[v][0] += w * r0;

@@ -120,6 +120,30 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *cs, const fl
     }
 }
 
+/* out [T, H, D] (contiguous) = the rows of x [T, H, D] (row t at x + t * xs, its heads contiguous) rotated by the
+ * positions' cos and sin [T, D], as the model's forward writes it in torch (kernels/rotary.py: x cos +
+ * rotate_half(x) sin): each product rounded, then their sum, never contracted into an fma, so the bits are torch's */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void tkv_rotary(const float *x, int64_t T, int64_t xs, int64_t H, int64_t D, const float *cs, const float *sn,
+                float *out) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+    const int64_t h = D / 2;
+    #pragma omp parallel for schedule(static) if (T * H * D >= (1 << 15))
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cs + t * D, *s = sn + t * D;
+        for (int64_t j = 0; j < H; j++) {
+            const float *v = x + t * xs + j * D;
+            float *o = out + (t * H + j) * D;
+            for (int64_t i = 0; i < h; i++) o[i] = v[i] * c[i] - v[i + h] * s[i];
+            for (int64_t i = h; i < D; i++) o[i] = v[i] * c[i] + v[i - h] * s[i];
+        }
+    }
+}
+
 /* out = silu(gate) * up, silu(g) = g / (1 + e^-g), from e^-|g| (exp256 takes x <= 0) */
 static void silu_mul(const float *gate, const float *up, int64_t n, float *out) {
     int64_t i = 0;

@@ -12,6 +12,7 @@ from tieredkv.kernels.decode_attention import decode_attention_cpu, decode_atten
 from tieredkv.kernels.kernel_ops import KernelOps, with_kv
 from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.prefill_attention import prefill_attention_cpu, prefill_attention_ref
+from tieredkv.kernels.rotary import rotary_cpu
 from tieredkv.kernels.store_kv import store_kv_cpu, store_kv_ref
 
 
@@ -25,9 +26,9 @@ TORCH_OPS = KernelOps(
     scatter_blocks=scatter_blocks_ref,
     plan_decode=plan_decode,
 )
-# on CPU attention and the KV formats' store go through the CPU kernels where they serve
+# on CPU attention, the rotary embedding and the KV cache's store go through the CPU kernels where they serve
 CPU_OPS = replace(TORCH_OPS, name="cpu", decode_attention=decode_attention_cpu, store_kv=store_kv_cpu,
-                  prefill_attention=prefill_attention_cpu)
+                  prefill_attention=prefill_attention_cpu, rotary=rotary_cpu)
 
 
 def select_kernels(backend: str, device: torch.device, kv: KVLayout | None = None) -> KernelOps:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from tieredkv.kernels.rotary import rotary_ref
+
 if TYPE_CHECKING:
     from tieredkv.kernels.kv_format import KVLayout
 
@@ -33,6 +35,7 @@ class KernelOps:
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
     plan_decode: Callable[..., object] | None = None  # per-step decode plan, made once in ModelRunner.prepare
+    rotary: Callable[..., torch.Tensor] = rotary_ref  # queries' and keys' rotary embedding (kernels/rotary.py)
     kv: "KVLayout | None" = None
     graph: bool = False  # the dense layers' products as the compiled graph takes them (DenseWeight.graph_forward)
 

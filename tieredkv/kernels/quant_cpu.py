@@ -69,6 +69,7 @@ _SIGNATURES = {
     "tkv_kv_values": ([_P, _I, _I, ctypes.c_int, _I, _P], None),
     "tkv_kv_row_bytes": ([ctypes.c_int, _I], _I),
     "tkv_decode_fits": ([_P], ctypes.c_int),
+    "tkv_rotary": ([_P, _I, _I, _I, _I, _P, _P, _P], None),
     "tkv_decode_rows": ([_P, _I, _P, _P, _P, _P, _I, _P], ctypes.c_int),
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tieredkv.kernels.kv_format import KVLayout
+from tieredkv.kernels.kv_format import FORMATS, KVLayout
 
 
 def store_kv_ref(
@@ -45,13 +45,19 @@ def store_kv_dense(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 
 def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  kv: KVLayout | None = None) -> None:
-    """store_kv_ref's contract on CPU: rows of bytes (int8, int4, pairs) encoded and stored by the C kernel in one
-    call (torch.ops.tieredkv.store_kv_rows: the same bytes as kv_format's encode, without its dozen torch calls a
-    layer); store_kv_ref where the operator is not bound or the cache holds floats."""
+    """store_kv_ref's contract on CPU: rows stored by the C kernel in one call (torch.ops.tieredkv.store_kv_rows:
+    the KV formats' rows encoded as kv_format's encode does, without its dozen torch calls a layer; an fp32 cache's
+    rows copied as they are, where index_copy_ takes two passes of its own a layer); store_kv_ref where the operator
+    is not bound, the values are not fp32 on CPU, the cache holds another float, or a graph is traced."""
     from tieredkv.kernels.quant_cpu import CPU
 
-    if (kv is None or kv.storage_dtype != torch.uint8 or not CPU.operators_bound or key.dtype != torch.float32
-            or key.device.type != "cpu" or torch.compiler.is_compiling()):
+    plain = kv is None or kv.plain
+    if (not CPU.operators_bound or key.dtype != torch.float32 or key.device.type != "cpu"
+            or torch.compiler.is_compiling() or kv_cache.dtype != (torch.float32 if plain else torch.uint8)):
         store_kv_ref(key, value, kv_cache, slot_mapping, kv)
         return
-    torch.ops.tieredkv.store_kv_rows(key, value, kv_cache, slot_mapping, *kv.codes)
+    codes = (FLOAT32_ROWS, FLOAT32_ROWS) if plain else kv.codes
+    torch.ops.tieredkv.store_kv_rows(key, value, kv_cache.view(torch.uint8), slot_mapping, *codes)
+
+
+FLOAT32_ROWS = FORMATS["float32"].code  # (kv_format.py) the C kernels' code for a row of fp32 values

@@ -55,15 +55,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 # FORWARD_ONLY: the forward pass calls its submodules' `forward` methods, never `Module.__call__`. While the
 # decode graph compiles on a thread of its own (compiled_decode.py), torch.fx's tracers replace
 # `torch.nn.Module.__call__` process-wide with a wrapper that fails for modules outside the traced one
@@ -153,7 +144,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k = ops.rotary(q, *rotary), ops.rotary(k, *rotary)
         ops.store_kv(k if self.k_shift is None else k - self.k_shift, v, layer_cache, batch.slot_mapping)
         meta = batch.attn
         layer_cache = meta.cache_to_read(layer_cache, self.layer_id)
