@@ -189,14 +189,19 @@ def test_each_far_mode_makes_room_before_or_instead_of_preempting_as_its_policy_
     assert pool.num_free == pool.num_blocks and pool.num_far == 0
 
 
-def test_free_releases_blocks_tail_first():
+def test_free_releases_blocks_tail_first_and_empty_ones_to_be_reused_first():
+    """The cached blocks go to the queue's tail, the chain's tail first (evicted before its head); the partial last
+    block, which nobody can find, to the head: the next allocation takes it before evicting anything cached."""
     pool, kv, cache, tiers, sched = make(num_blocks=8)
-    s = seq(range(10, 23))
+    s = seq(range(10, 23))  # 3 full blocks and 1 token
     sched.add(s)
     run_step(sched, tiers, cache, kv)
     ids = [b.block_id for b in s.block_table]
     kv.free(s)
-    assert [b.block_id for b in pool.free_queue][-len(ids):] == ids[::-1]
+    queue = [b.block_id for b in pool.free_queue]
+    assert queue[0] == ids[-1] and queue[-3:] == ids[2::-1]
+    (fresh,), evicted = pool.allocate(1)
+    assert fresh.block_id == ids[-1] and evicted == [] and pool.num_cached_free == 3
 
 
 def test_a_new_tier_is_one_class_under_the_tier_manager():
@@ -409,7 +414,7 @@ def test_planning_touches_no_tensor_and_warm_evictions_go_down_as_moves(far):
         planned.append([m.kind for m in out.moves])
         return out
 
-    for i in range(6):  # 2 full blocks each, cached: hot keeps the newest, warm fills with the rest
+    for i in range(7):  # 2 full blocks each, cached: hot keeps the newest, warm fills with the rest
         s = seq(range(100 + 10 * i, 109 + 10 * i), f"fill{i}")
         sched.add(s)
         step()

@@ -64,10 +64,14 @@ class FreeBlockQueue:
         return block
 
     def append(self, block: KVBlock) -> None:
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free, block.next_free = last, self._tail
-        self._tail.prev_free = block
+        self._link(self._tail.prev_free, block, self._tail)
+
+    def appendleft(self, block: KVBlock) -> None:
+        """At the head: reused before every other free block."""
+        self._link(self._head, block, self._head.next_free)
+
+    def _link(self, before: KVBlock, block: KVBlock, after: KVBlock) -> None:
+        before.next_free, block.prev_free, block.next_free, after.prev_free = block, before, after, block
         self.num_free += 1
 
     def remove(self, block: KVBlock) -> None:
@@ -110,6 +114,8 @@ class LFUFreeQueue:
 
     def append(self, block: KVBlock) -> None:
         self._queue.push(block)
+
+    appendleft = append  # (a block without a hash ranks first already)
 
     def remove(self, block: KVBlock) -> None:
         self._queue.discard(block)
@@ -234,7 +240,10 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop a reference on each block, in the order given: the first freed is evicted first."""
+        """Drop a reference on each block, in the order given: of the cached ones, the first freed is evicted
+        first. A block with no hash (a partial block, a prompt's blocks with prefix caching off: nothing anyone can
+        find) goes to the queue's head, so that it is reused before any cached block is evicted, the last freed
+        first (its memory the most likely still in the processor's caches, its pages mapped)."""
         for block in blocks:
             assert block.ref_cnt > 0, block
             block.ref_cnt -= 1
@@ -242,9 +251,11 @@ class BlockPool:
                 continue
             if self.is_far(block):
                 self._return_far(block)
+            elif block.block_hash is None:
+                self.free_queue.appendleft(block)
             else:
                 self.free_queue.append(block)
-                self.num_cached_free += block.block_hash is not None
+                self.num_cached_free += 1
 
     def _return_far(self, block: KVBlock) -> None:
         self.num_far -= 1
@@ -268,7 +279,9 @@ class BlockPool:
         block.block_hash, block.token_ids, block.parent = block_hash, token_ids, parent
         self.cached[block_hash] = block
         self.num_cached_free += block.ref_cnt == 0
-        if block.ref_cnt == 0 and self.eviction == "lfu":  # ranked again as the cached block it is now
+        if block.ref_cnt == 0:  # ranked again as the cached block it is now (not at the head with the empty ones)
+            if self.eviction != "lfu":
+                self.free_queue.remove(block)
             self.free_queue.append(block)
         far = self.is_far(block)
         self.num_cached_far += far
