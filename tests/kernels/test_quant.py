@@ -146,6 +146,15 @@ def c_function(source: str, name: str) -> str:
     raise AssertionError(f"{name}: no closing brace")
 
 
+def c_typedef(source: str, name: str) -> str:
+    """The text of the C `typedef struct { ... } name;` in `source`."""
+    import re
+
+    found = re.search(rf"^typedef struct \{{[^}}]*\}} {name};", source, re.M)
+    assert found is not None, f"{name} is not a typedef of the source"
+    return found.group(0)
+
+
 def run_on_the_model(tmp_path, pieces: list[str], main: str) -> str:
     """C functions of the kernels (`pieces`, with the macros they need) and a harness (`main`, a file of
     tests/kernels/avx512_model) compiled for AVX2 with the model of the 512-bit intrinsics, run; its output."""
@@ -189,13 +198,15 @@ def test_the_vnni_products_of_many_rows_give_the_avx2_ones_bits(tmp_path, kernel
     intrinsics everywhere (q4 and q8, row-major and tiled, groups of 32 and 64, offsets or none, 11 rows: the
     kernels' steps of 4 and 8 and their tails), and where this processor has AVX-512 VNNI on its real builds too
     (the native build's products of 5 to 70 rows against the -march=haswell build's)."""
-    from tieredkv.kernels.quant_cpu import SOURCES, load, NATIVE
+    from tieredkv.kernels.quant_cpu import HEADERS, SOURCES, load, NATIVE
 
     source = next(s for s in SOURCES if s.name == "gemm_cpu.c").read_text()
     pieces = ["#define INLINE static inline", "#define BLOCK 32", "#define PANEL_ROWS 16",
               "#define PANEL_BLOCK (BLOCK * PANEL_ROWS)", "#define MR512 8", "#define Q8_PANEL_BIAS 128",
               "static inline float tkv_h2f(uint16_t h) { return _cvtsh_ss(h); }",
-              *(c_function(source, n) for n in ("transpose8", "row_block_codes", "panel_rows", "panel_rows512"))]
+              c_typedef(HEADERS[0].read_text(), "tkv_int8_rows"), c_typedef(source, "rows512"),
+              *(c_function(source, n) for n in ("transpose8", "row_block_codes", "panel_rows", "rows512_bytes",
+                                                "rows512_at", "lay_out_rows512", "panel_rows512"))]
     for width, bias in (("256", "0"), ("512", "128")):  # each path's packing, with its q8 codes
         for name in ("pack_rows", "pack_tile"):
             pieces.append(c_function(source, name).replace(f"{name}(", f"{name}_{width}(", 1)

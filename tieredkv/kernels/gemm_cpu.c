@@ -165,7 +165,7 @@ INLINE void panel_rows(const int bits, const int mr, const uint8_t *panel, const
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[4][2];
     for (int i = 0; i < mr; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = 0, left = gb; b < B; b++) {  /* left: the blocks left in the weight's group (no division) */
         const uint8_t *pb = panel + b * PANEL_BLOCK;
         __m256i s[4][2];
         for (int i = 0; i < mr; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();
@@ -188,9 +188,12 @@ INLINE void panel_rows(const int bits, const int mr, const uint8_t *panel, const
                 }
             }
         }
-        const float *db = pd + b / gb * PANEL_ROWS, *mb = pm + b / gb * PANEL_ROWS;
-        const __m256 d0 = _mm256_loadu_ps(db), d1 = _mm256_loadu_ps(db + 8);
-        const __m256 m0 = _mm256_loadu_ps(mb), m1 = _mm256_loadu_ps(mb + 8);
+        const __m256 d0 = _mm256_loadu_ps(pd), d1 = _mm256_loadu_ps(pd + 8);
+        const __m256 m0 = _mm256_loadu_ps(pm), m1 = _mm256_loadu_ps(pm + 8);
+        if (--left == 0) {
+            pd += PANEL_ROWS, pm += PANEL_ROWS;
+            left = gb;
+        }
         for (int i = 0; i < mr; i++) {
             const __m256 scale = _mm256_set1_ps(sx[i * B + b]), sum = _mm256_set1_ps(xs[i * B + b]);
             const __m256i s0 = bits == 4 ? _mm256_madd_epi16(s[i][0], ones) : s[i][0];
@@ -221,35 +224,72 @@ INLINE void panel_rows(const int bits, const int mr, const uint8_t *panel, const
 #ifdef GEMM_VNNI
 #define MR512 8
 
-/* MR activation rows (int8 blocks xq [MR][K], their scales sx, scaled sums xs and code sums qs [MR][B]) times a
- * panel on 512-bit registers: row i's 16 int32 sums of a block in one register, which vpdpbusd adds 4
- * inputs of all 16 rows to at a time (q8: from -128 x the block's code sum, the panel holding codes plus 128).
- * Eight rows at a time: eight independent chains of vpdpbusd, each a block (8 deep) long. The fp32 steps are
- * panel_rows' own, in its order; the outputs go to out (row stride N) with the bias added, only the panel's
- * first `keep` (the weight's last panel may be short). */
+/* A group of MR512 activation rows' int8 blocks side by side (tkv_quant_gemm lays each group out once, from
+ * tkv_int8_rows): per block of 32 inputs, its 8 chunks' 4-byte words of the MR512 rows ([B][8][MR512] int32), then
+ * the rows' scales, scaled sums and code sums ([B][MR512] each); rows past the group's end are zeros. One pointer
+ * and constant offsets reach every row (with a pointer a row, GCC kept some of the 8 in vector registers and moved
+ * them back for every broadcast) */
+typedef struct { const int32_t *x; const float *sx, *xs; const int32_t *qs; } rows512;
+
+static size_t rows512_bytes(int64_t K) { return (size_t)(K / BLOCK) * MR512 * (8 + 3) * sizeof(int32_t); }
+
+static rows512 rows512_at(const char *mem, int64_t K) {
+    const int64_t B = K / BLOCK;
+    const int32_t *x = (const int32_t *)mem;
+    const float *sx = (const float *)(x + B * 8 * MR512), *xs = sx + B * MR512;
+    rows512 r = {x, sx, xs, (const int32_t *)(xs + B * MR512)};
+    return r;
+}
+
+static void lay_out_rows512(const tkv_int8_rows *a, int64_t M, int64_t K, int64_t i0, char *mem) {
+    const int64_t B = K / BLOCK;
+    int32_t *x = (int32_t *)mem;
+    float *sx = (float *)(x + B * 8 * MR512), *xs = sx + B * MR512;
+    int32_t *qs = (int32_t *)(xs + B * MR512);
+    for (int i = 0; i < MR512; i++) {
+        const int64_t row = i0 + i;
+        for (int64_t b = 0; b < B; b++) {
+            for (int c = 0; c < 8; c++) {
+                int32_t four = 0;
+                if (row < M) memcpy(&four, a->xq + row * K + b * BLOCK + 4 * c, 4);
+                x[(b * 8 + c) * MR512 + i] = four;
+            }
+            sx[b * MR512 + i] = row < M ? a->sx[row * B + b] : 0.f;
+            xs[b * MR512 + i] = row < M ? a->xs[row * B + b] : 0.f;
+            qs[b * MR512 + i] = row < M ? a->qs[row * B + b] : 0;
+        }
+    }
+}
+
+/* MR activation rows (a group laid out by lay_out_rows512) times a panel on 512-bit registers: row i's 16 int32
+ * sums of a block in one register, which vpdpbusd adds 4 inputs of all 16 rows to at a time (q8: from -128 x the
+ * block's code sum, the panel holding codes plus 128). Eight rows at a time: eight independent chains of vpdpbusd,
+ * each a block (8 deep) long. The fp32 steps are panel_rows' own, in its order; the outputs go to out (row stride
+ * N) with the bias added, only the panel's first `keep` (the weight's last panel may be short). */
 INLINE void panel_rows512(const int bits, const int mr, const uint8_t *panel, const float *pd, const float *pm,
-                          int64_t K, int64_t gb, const int8_t *xq, const float *sx, const float *xs,
-                          const int32_t *qs, const __m512 bias, const __mmask16 keep, int64_t N, float *out) {
+                          int64_t K, int64_t gb, const rows512 a, const __m512 bias, const __mmask16 keep, int64_t N,
+                          float *out) {
     const int64_t B = K / BLOCK;
     __m512 f[MR512];
     for (int i = 0; i < mr; i++) f[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = 0, left = gb; b < B; b++) {  /* left: the blocks left in the weight's group (no division) */
         const uint8_t *pb = panel + b * PANEL_BLOCK;
+        const int32_t *xb = a.x + b * 8 * MR512;
         __m512i s[MR512];
         for (int i = 0; i < mr; i++)
-            s[i] = bits == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-Q8_PANEL_BIAS * qs[i * B + b]);
+            s[i] = bits == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-Q8_PANEL_BIAS * a.qs[b * MR512 + i]);
         for (int c = 0; c < 8; c++) {
             const __m512i w = _mm512_loadu_si512((const void *)(pb + c * 64));
-            for (int i = 0; i < mr; i++) {
-                int32_t four;
-                memcpy(&four, xq + i * K + b * BLOCK + 4 * c, 4);
-                s[i] = _mm512_dpbusd_epi32(s[i], w, _mm512_set1_epi32(four));
-            }
+            for (int i = 0; i < mr; i++) s[i] = _mm512_dpbusd_epi32(s[i], w, _mm512_set1_epi32(xb[c * MR512 + i]));
         }
-        const __m512 d = _mm512_loadu_ps(pd + b / gb * PANEL_ROWS), m = _mm512_loadu_ps(pm + b / gb * PANEL_ROWS);
+        const __m512 d = _mm512_loadu_ps(pd), m = _mm512_loadu_ps(pm);
         for (int i = 0; i < mr; i++) {
-            const __m512 scale = _mm512_set1_ps(sx[i * B + b]), sum = _mm512_set1_ps(xs[i * B + b]);
+            const __m512 scale = _mm512_set1_ps(a.sx[b * MR512 + i]), sum = _mm512_set1_ps(a.xs[b * MR512 + i]);
             f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, scale), _mm512_fmadd_ps(m, sum, f[i]));
+        }
+        if (--left == 0) {
+            pd += PANEL_ROWS, pm += PANEL_ROWS;
+            left = gb;
         }
     }
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(out + i * N, keep, _mm512_add_ps(f[i], bias));
@@ -257,17 +297,16 @@ INLINE void panel_rows512(const int bits, const int mr, const uint8_t *panel, co
 
 #define ROWS512_OF(name, bits)                                                                                    \
     static void name(int mr, const uint8_t *panel, const float *pd, const float *pm, int64_t K, int64_t gb,     \
-                     const int8_t *xq, const float *sx, const float *xs, const int32_t *qs, __m512 bias,        \
-                     __mmask16 keep, int64_t N, float *out) {                                                  \
+                     const rows512 a, __m512 bias, __mmask16 keep, int64_t N, float *out) {                    \
         switch (mr) {                                                                                          \
-            case 8: panel_rows512(bits, 8, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
-            case 7: panel_rows512(bits, 7, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
-            case 6: panel_rows512(bits, 6, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
-            case 5: panel_rows512(bits, 5, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
-            case 4: panel_rows512(bits, 4, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
-            case 3: panel_rows512(bits, 3, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
-            case 2: panel_rows512(bits, 2, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out); break;   \
-            default: panel_rows512(bits, 1, panel, pd, pm, K, gb, xq, sx, xs, qs, bias, keep, N, out);         \
+            case 8: panel_rows512(bits, 8, panel, pd, pm, K, gb, a, bias, keep, N, out); break;                \
+            case 7: panel_rows512(bits, 7, panel, pd, pm, K, gb, a, bias, keep, N, out); break;                \
+            case 6: panel_rows512(bits, 6, panel, pd, pm, K, gb, a, bias, keep, N, out); break;                \
+            case 5: panel_rows512(bits, 5, panel, pd, pm, K, gb, a, bias, keep, N, out); break;                \
+            case 4: panel_rows512(bits, 4, panel, pd, pm, K, gb, a, bias, keep, N, out); break;                \
+            case 3: panel_rows512(bits, 3, panel, pd, pm, K, gb, a, bias, keep, N, out); break;                \
+            case 2: panel_rows512(bits, 2, panel, pd, pm, K, gb, a, bias, keep, N, out); break;                \
+            default: panel_rows512(bits, 1, panel, pd, pm, K, gb, a, bias, keep, N, out);                      \
         }                                                                                                      \
     }
 ROWS512_OF(rows512_of_4bit, 4)
@@ -279,27 +318,31 @@ ROWS_OF(rows_of_8bit, 8)
 #define ROWS_AT_ONCE MR
 #endif
 
-/* The M activation rows times one panel (tile t of the weight), into out's columns of the tile */
+/* The M activation rows times one panel (tile t of the weight), into out's columns of the tile (groups: the rows
+ * laid out for the 512-bit kernel, rows512_bytes(K) a group of MR512) */
 static void panel_times_rows(const int bits, const uint8_t *panel, const float *pd, const float *pm, int64_t K,
-                             int64_t gb, const tkv_int8_rows *a, int64_t M, int64_t N, int64_t t, const float *bias,
-                             float *out) {
-    const int64_t B = K / BLOCK;
+                             int64_t gb, const tkv_int8_rows *a, const char *groups, int64_t M, int64_t N, int64_t t,
+                             const float *bias, float *out) {
     const int rows = N - t * PANEL_ROWS < PANEL_ROWS ? (int)(N - t * PANEL_ROWS) : PANEL_ROWS;
     const float *tb = bias ? bias + t * PANEL_ROWS : NULL;
 #ifdef GEMM_VNNI
     const __mmask16 keep = (__mmask16)((1u << rows) - 1);
     const __m512 vb = tb ? _mm512_maskz_loadu_ps(keep, tb) : _mm512_setzero_ps();
+    (void)a;
 #else
+    const int64_t B = K / BLOCK;
     float o[MR * PANEL_ROWS];
+    (void)groups;
 #endif
     for (int64_t i = 0; i < M; i += ROWS_AT_ONCE) {
         const int mr = M - i < ROWS_AT_ONCE ? (int)(M - i) : ROWS_AT_ONCE;
+#ifdef GEMM_VNNI
+        const rows512 group = rows512_at(groups + (size_t)(i / MR512) * rows512_bytes(K), K);
+        (bits == 4 ? rows512_of_4bit : rows512_of_8bit)(mr, panel, pd, pm, K, gb, group, vb, keep, N,
+                                                        out + i * N + t * PANEL_ROWS);
+#else
         const int8_t *xq = a->xq + i * K;
         const float *sx = a->sx + i * B, *xs = a->xs + i * B;
-#ifdef GEMM_VNNI
-        (bits == 4 ? rows512_of_4bit : rows512_of_8bit)(mr, panel, pd, pm, K, gb, xq, sx, xs, a->qs + i * B, vb, keep,
-                                                        N, out + i * N + t * PANEL_ROWS);
-#else
         (bits == 4 ? rows_of_4bit : rows_of_8bit)(mr, panel, pd, pm, K, gb, xq, sx, xs, o);
         for (int j = 0; j < mr; j++)
             for (int r = 0; r < rows; r++)
@@ -309,10 +352,16 @@ static void panel_times_rows(const int bits, const uint8_t *panel, const float *
 }
 #endif
 
-/* Bytes of scratch tkv_quant_gemm takes for M rows of K inputs with groups of g, `threads` threads */
-static size_t gemm_bytes(int64_t M, int64_t K, int64_t g, int threads, size_t *panel_bytes) {
+/* Bytes of scratch tkv_quant_gemm takes for M rows of K inputs with groups of g, `threads` threads (and, for the
+ * 512-bit kernel, the rows laid out a group at a time after the panels: *groups_at) */
+static size_t gemm_bytes(int64_t M, int64_t K, int64_t g, int threads, size_t *panel_bytes, size_t *groups_at) {
     *panel_bytes = ((size_t)K * PANEL_ROWS + 2 * (size_t)(K / g) * PANEL_ROWS * sizeof(float) + 63) & ~(size_t)63;
-    return tkv_int8_blocks_bytes(M, K) + (size_t)threads * *panel_bytes;
+    *groups_at = tkv_int8_blocks_bytes(M, K) + (size_t)threads * *panel_bytes;
+#ifdef GEMM_VNNI
+    return *groups_at + (size_t)((M + MR512 - 1) / MR512) * rows512_bytes(K);
+#else
+    return *groups_at;
+#endif
 }
 
 /* out [M, N] = x [M, K] @ W^T (+ bias) for a q4 (bits 4) or q8 (bits 8) weight (tiled: q4t / q8t tiles, else
@@ -328,8 +377,8 @@ int tkv_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, int b
 #else
     const int threads = 1;
 #endif
-    size_t panel_bytes;
-    char *mem = tkv_scratch(gemm_bytes(M, K, g, threads, &panel_bytes));
+    size_t panel_bytes, groups_at;
+    char *mem = tkv_scratch(gemm_bytes(M, K, g, threads, &panel_bytes, &groups_at));
     if (!mem) return -1;
     const tkv_int8_rows a = tkv_int8_blocks_at(mem, M, K);
     char *panels = mem + tkv_int8_blocks_bytes(M, K);
@@ -344,13 +393,18 @@ int tkv_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, int b
         float *pd = (float *)(panel + (size_t)K * PANEL_ROWS), *pm = pd + G * PANEL_ROWS;
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) tkv_int8_blocks_row(x, K, &a, i);
+#ifdef GEMM_VNNI
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < M; i += MR512) lay_out_rows512(&a, M, K, i, mem + groups_at + (size_t)(i / MR512) *
+                                                                           rows512_bytes(K));
+#endif
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             if (tiled)
                 pack_tile(bits, q, d, mn, g, K, t, panel, pd, pm);
             else
                 pack_rows(bits, q, d, mn, g, N, K, t * PANEL_ROWS, panel, pd, pm);
-            panel_times_rows(bits, panel, pd, pm, K, g / BLOCK, &a, M, N, t, bias, out);
+            panel_times_rows(bits, panel, pd, pm, K, g / BLOCK, &a, mem + groups_at, M, N, t, bias, out);
         }
     }
     return 0;

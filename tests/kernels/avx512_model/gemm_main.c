@@ -37,6 +37,11 @@ int main(void) {
                             xs[i] = sx[i] * (float)sum;
                         }
                         for (int i = 0; i < 48; i++) bias[i] = ((rand() % 2001) - 1000) * 1e-3f;
+                        /* the rows laid out for the 512-bit panel, a group of 8 at a time, as tkv_quant_gemm does */
+                        const tkv_int8_rows rows = {xq, sx, xs, qs};
+                        char *groups = malloc((M + 7) / 8 * rows512_bytes(K));
+                        for (int64_t i = 0; i < M; i += 8)
+                            lay_out_rows512(&rows, M, K, i, groups + i / 8 * rows512_bytes(K));
                         uint8_t *p256 = malloc(K * 16), *p512 = malloc(K * 16);
                         float pd[2 * 16 * 18], pm[2 * 16 * 18], pd2[2 * 16 * 18], pm2[2 * 16 * 18];
                         const uint16_t *m = offs ? mn : NULL;
@@ -59,9 +64,9 @@ int main(void) {
                             }
                             for (int64_t i = 0; i < M; i += 8) {
                                 const int mr = M - i < 8 ? (int)(M - i) : 8;
-                                panel_rows512(bits, mr, p512, pd2, pm2, K, g / 32, xq + i * K, sx + i * B, xs + i * B,
-                                              qs + i * B, _mm512_maskz_loadu_ps(keep, bias + t * 16), keep, 48,
-                                              v + i * 48);
+                                panel_rows512(bits, mr, p512, pd2, pm2, K, g / 32,
+                                              rows512_at(groups + i / 8 * rows512_bytes(K), K),
+                                              _mm512_maskz_loadu_ps(keep, bias + t * 16), keep, 48, v + i * 48);
                             }
                             for (int64_t i = 0; i < M; i++)
                                 for (int r = 0; r < rows; r++) {
@@ -87,6 +92,7 @@ int main(void) {
                                 }
                         }
                         free(q); free(d); free(mn); free(xq); free(sx); free(xs); free(qs); free(p256); free(p512);
+                        free(groups);
                     }
     printf("%d of %d outputs differ\n", bad, cases);
     return bad != 0;
