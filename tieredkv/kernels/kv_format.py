@@ -187,6 +187,7 @@ FORMATS = {f.name: f for f in (
 # (bf16 256), at head_dim 64 80 (bf16 128). On CPU rows are packed (the C kernels read bytes where they lie).
 ROW_ALIGN = 16
 CPU_FORMATS = 4  # the last format code the C kernels read (cpu_kernels.h: TKV_KV_I4): all but fp8
+FLOAT_FORMATS = {f.float_dtype: f.code for f in FORMATS.values() if f.float_dtype is not None}  # a float cache's code
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tieredkv.kernels.calls import record
 from tieredkv.kernels.cascade import prefill_cascade_attention
 from tieredkv.kernels.decode_attention import cpu_attention_fits, gather_kv
-from tieredkv.kernels.kv_format import CPU_FORMATS, FORMATS, KVLayout, rotates
+from tieredkv.kernels.kv_format import CPU_FORMATS, FLOAT_FORMATS, KVLayout, rotates
 
 
 def prefill_attention_ref(
@@ -63,7 +63,6 @@ def prefill_kernel_takes(query: torch.Tensor, key_cache: torch.Tensor, kv: KVLay
     return cpu_attention_fits(heads, kv_heads, dim)
 
 
-FLOAT_FORMATS = {f.float_dtype: f.code for f in FORMATS.values() if f.float_dtype is not None}  # caches of floats
 PREFILL_WIDTH = 16  # the head dims the kernel takes are whole vectors of its widest build (attention_cpu.c: PF_W)
 
 

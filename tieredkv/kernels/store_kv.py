@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tieredkv.kernels.kv_format import FORMATS, KVLayout
+from tieredkv.kernels.kv_format import FLOAT_FORMATS, KVLayout
 
 
 def store_kv_ref(
@@ -56,8 +56,6 @@ def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
             or torch.compiler.is_compiling() or kv_cache.dtype != (torch.float32 if plain else torch.uint8)):
         store_kv_ref(key, value, kv_cache, slot_mapping, kv)
         return
-    codes = (FLOAT32_ROWS, FLOAT32_ROWS) if plain else kv.codes
+    codes = (FLOAT_FORMATS[torch.float32],) * 2 if plain else kv.codes
     torch.ops.tieredkv.store_kv_rows(key, value, kv_cache.view(torch.uint8), slot_mapping, *codes)
 
-
-FLOAT32_ROWS = FORMATS["float32"].code  # (kv_format.py) the C kernels' code for a row of fp32 values
