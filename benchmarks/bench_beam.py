@@ -9,8 +9,8 @@ Measures, on the same chat prompts (greedy beam search, the model's EOS ending b
   2. KV blocks at the peak of an 8-beam search on a ~1,000-token document, against what 8 independent
      sequences of the same lengths hold (every beam its own copy of the prompt).
 
-transformers runs on the engine's worker thread (`AsyncEngine.run_in_worker`), so both share one OpenMP
-thread pool.
+The engine runs as an application gets it, through `AsyncEngine` with the core in a process of its own;
+transformers on this process's main thread while the core waits.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ def hf_beams(model, ids: list[int], k: int, new: int) -> list[list[int]]:
 async def throughput(k: int, new: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    # the core in this process: the transformers baseline runs on its worker thread
-    async with await AsyncEngine.start(EngineConfig(compile_in_background=False, model="default",
-                                                    core_process=False)) as engine:
+    # through the stream, the core in a process of its own; transformers on this thread while the core waits
+    async with await AsyncEngine.start(EngineConfig(compile_in_background=False, model="default")) as engine:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
         params = SamplingParams(max_tokens=new, beam_width=k, n=k)
         await engine.generate(prompts[0], SamplingParams(max_tokens=2, beam_width=k))  # warm-up
@@ -59,7 +58,7 @@ async def throughput(k: int, new: int) -> None:
         t_alone = time.perf_counter() - t
         model = AutoModelForCausalLM.from_pretrained(engine.info.model_dir, dtype=torch.float32).eval()
         t = time.perf_counter()
-        expected = [await engine.run_in_worker(hf_beams, model, p, k, new) for p in prompts]
+        expected = [hf_beams(model, p, k, new) for p in prompts]
         t_hf = time.perf_counter() - t
     same = sum([o.token_ids for o in r.outputs] == e for r, e in zip(together, expected))
     tokens = sum(len(r.outputs[0].token_ids) for r in together)

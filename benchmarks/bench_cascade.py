@@ -5,7 +5,9 @@
     .venv/bin/python benchmarks/bench_cascade.py --no-hf
 
 Reports output tok/s and median TTFT for the engine with grouping on and off (and transformers one
-request at a time), and the mean duration of the decode steps that run all 32 sequences.
+request at a time), and the median interval between a conversation's tokens while all 32 decode (one decode step
+of the 32 sequences, as the application sees it). The engine runs as an application gets it: through
+`AsyncEngine.stream` with its core in a process of its own (benchmarks/serving.py).
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ import argparse
 import asyncio
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv import EngineConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving import Served  # noqa: E402
 
 
 def workload(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -29,40 +36,19 @@ def workload(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
 
 
 async def run_engine(cascade: bool) -> dict:
-    cfg = EngineConfig(
-        compile_in_background=False, model="default", max_num_seqs=64, cascade_attention=cascade, warm_bytes=0,
-        core_process=False)  # it reads the core's steps
-    async with await AsyncEngine.start(cfg) as engine:
-        systems, convs = workload(engine.info.vocab_size)
-        for s in systems:  # the system prompts are cached, as a chatbot's are
-            await engine.generate(s + [5], SamplingParams(max_tokens=1))
-        core, steps = engine.core, []
-        inner = core.step
-
-        def timed():
-            decoding = len(core.scheduler.running) == 32 and not core.scheduler.waiting
-            t0 = time.perf_counter()
-            out = inner()
-            if decoding:
-                steps.append(time.perf_counter() - t0)
-            return out
-
-        core.step = timed
-        ttfts = []
-
-        async def one(prompt):
-            t0, first, n = time.perf_counter(), None, 0
-            async for chunk in engine.stream(prompt, SamplingParams(max_tokens=32, ignore_eos=True)):
-                first = first or time.perf_counter() - t0
-                n += len(chunk.token_ids)
-            ttfts.append(first)
-            return n
-
-        t0 = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(c) for c in convs)))
-        seconds = time.perf_counter() - t0
-        return {"tok_s": tokens / seconds, "ttft": statistics.median(ttfts),
-                "step_ms": 1000 * statistics.mean(steps) if steps else float("nan"), "steps": len(steps)}
+    cfg = EngineConfig(compile_in_background=False, model="default", max_num_seqs=64, cascade_attention=cascade,
+                       warm_bytes=0)
+    engine = await Served.start(cfg, "stream")
+    try:
+        systems, convs = workload(engine.vocab_size)
+        await engine.serve([(s + [5], 1) for s in systems])  # the system prompts are cached, as a chatbot's are
+        got = await engine.serve([(c, 32) for c in convs])
+    finally:
+        await engine.close()
+    # all 32 decode from the last first token on until the first conversation ends
+    gaps = got.gaps_ms(max(got.ttfts()) + got.t0, min(s[-1] for s in got.stamps))
+    return {"tok_s": got.tok_s(), "ttft": statistics.median(got.ttfts()),
+            "step_ms": statistics.median(gaps) if gaps else float("nan"), "steps": len(gaps) // len(convs)}
 
 
 def run_hf() -> dict:
@@ -89,9 +75,9 @@ async def main(args) -> None:
     results = {"engine, grouping on": await run_engine(True), "engine, grouping off": await run_engine(False)}
     if args.hf:
         results["transformers one at a time"] = run_hf()
-    print(f"{'run':<30}{'tok/s':>9}{'TTFT p50 s':>12}{'32-seq decode step ms':>24}")
+    print(f"{'run':<30}{'tok/s':>9}{'TTFT p50 s':>12}{'32-seq token interval ms':>27}")
     for name, r in results.items():
-        print(f"{name:<30}{r['tok_s']:>9.1f}{r['ttft']:>12.3f}{r.get('step_ms', float('nan')):>24.1f}")
+        print(f"{name:<30}{r['tok_s']:>9.1f}{r['ttft']:>12.3f}{r.get('step_ms', float('nan')):>27.1f}")
     on, off = results["engine, grouping on"], results["engine, grouping off"]
     print(f"grouping on / off: throughput {on['tok_s'] / off['tok_s']:.2f}x, "
           f"decode step {off['step_ms'] / on['step_ms']:.2f}x faster")

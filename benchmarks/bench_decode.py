@@ -3,10 +3,12 @@
     .venv/bin/python benchmarks/bench_decode.py            # ~12 min on 2 cores
     .venv/bin/python benchmarks/bench_decode.py --quick    # fewer tokens and repeats, no throughput part
 
-Measures, on the default model:
+Measures, on the default model, each engine both through `AsyncEngine.stream` with its core in a process of its
+own (what an application gets) and as the engine core alone on this thread (benchmarks/serving.py):
   1. start-up: a fresh process builds the engine with an empty compile cache, then again with the cache it
      left (the compiled decode path), and once with compile_decode=False;
-  2. batch-1 decode ms/token (128-token prompt, greedy, EOS ignored) for tieredkv fp32 and bf16, each with
+  2. batch-1 decode ms/token through the stream, the core alone's beside it (128-token prompt, greedy, EOS
+     ignored) for tieredkv fp32 and bf16, each with
      the compiled decode path and with the eager forward, int8, int4 and the default model's own Q4_1 file
      (quantization="gguf"), the three again with int8_activations, on the compiled path, and transformers
      fp32, interleaved; each row with its weight bytes, its floor (those bytes over the measured read bandwidth of
@@ -14,21 +16,22 @@ Measures, on the default model:
      llama-bench on the GGUF files given, same run;
      with --engine-gguf, the engine on other GGUF files of the default model too (llama-quantize's presets);
   3. the engine's own cost per decode step outside the forward (scheduler, block moves, sampling, stop rules)
-     and the batch preparation inside it;
+     and the batch preparation inside it (the core alone's steps);
   4. bf16 against fp32: greedy agreement over a set of prompts and the largest next-token logit difference;
-  5. mixed 32-request throughput (bench_engine.py's workload) with and without the compiled path, and int4
-     (with and without int8_activations).
+  5. mixed 32-request throughput through the stream (bench_engine.py's workload) with and without the compiled
+     path, and int4 (with and without int8_activations).
 Prints llama.cpp's F32 figure measured on these machines (FACTS) for reference. Ratios are what to
 compare: these machines are noisy.
 
-Every engine core and transformers run on the main thread, one at a time: engines on worker threads
-of their own would each bring an OpenMP thread pool, and once the pools' threads outnumber the cores
-libgomp stops spin-waiting and every variant slows (see docs/architecture.md, "One worker thread for torch").
+One engine works at a time: the cores alone and transformers on the main thread, the streamed engines' cores in
+their processes while this one waits (OpenMP pools that work at once outnumber the cores, and libgomp stops
+spin-waiting: see docs/architecture.md, "One worker thread for torch").
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -47,6 +50,7 @@ from tieredkv.engine.engine_core import EngineCore
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import hf_decode_ms, load_hf, make_requests  # noqa: E402
 from bench_quant_quality import gguf_model_dir  # noqa: E402
+from serving import MODES, Served  # noqa: E402
 
 KV_BYTES = 96 << 20
 
@@ -121,15 +125,24 @@ def decode_ms(core: EngineCore, prompt: list[int], n: int) -> float:
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1000
 
 
-def context_engine(prompts: list[list[int]], **config) -> EngineCore:
+async def served_decode_ms(engine: Served, prompt: list[int], n: int) -> float:
+    return (await engine.serve([(prompt, n)])).ms_per_token()
+
+
+async def context_served(prompts: list[list[int]], mode: str = "stream", **config) -> Served:
     """An engine (compiled decode ready) whose pool holds every prompt's blocks at once plus 128 new tokens each,
-    warmed on each prompt: the prompts' blocks then stay cached, so decode_ms on them times the decode alone."""
+    warmed on each prompt: the prompts' blocks then stay cached, so decoding after them times the decode alone."""
     longest = max(map(len, prompts)) + 128
-    core = EngineCore(EngineConfig(compile_in_background=False, warm_bytes=0, max_model_len=longest,
-                                   num_blocks=len(prompts) * (longest // 16 + 2), **config))
+    engine = await Served.start(EngineConfig(compile_in_background=False, warm_bytes=0, max_model_len=longest,
+                                             num_blocks=len(prompts) * (longest // 16 + 2), **config), mode)
     for prompt in prompts:
-        decode_ms(core, prompt, 4)
-    return core
+        await engine.serve([(prompt, 4)])
+    return engine
+
+
+def context_engine(prompts: list[list[int]], **config) -> EngineCore:
+    """context_served's engine core alone, for benchmarks that rebind its kernels."""
+    return asyncio.run(context_served(prompts, "core alone", **config)).core
 
 
 def next_token_logits(core: EngineCore, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -184,7 +197,7 @@ QUANTIZED = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
              "gguf Q4_1, int8 activations": {"quantization": "gguf", "int8_activations": True}}
 
 
-def main(args) -> dict:
+async def main(args) -> dict:
     from tieredkv.platform.cpu_features import cpu_info
 
     results: dict = {"machine": cpu_info().describe(torch.get_num_threads())}
@@ -200,7 +213,8 @@ def main(args) -> dict:
     print(f"start-up: compiled first {first['seconds']:.1f}s ({first['graphs']} graphs compiled), second "
           f"{second['seconds']:.1f}s (from the cache), eager {eager['seconds']:.1f}s", flush=True)
 
-    variants, built = {}, {}
+    variants: dict[str, dict[str, Served]] = {}  # name -> mode -> engine
+    built: dict[str, float] = {}  # name -> seconds to build its core alone
     configs = {f"{dtype}{'' if compiled else ' eager'}": {"dtype": dtype, "compile_decode": compiled}
                for dtype in ("float32", "bfloat16") for compiled in (True, False)}
     configs.update(QUANTIZED)
@@ -209,46 +223,59 @@ def main(args) -> dict:
         where = gguf_model_dir(Path(gguf), default_model_dir(), Path(links.name))
         configs[f"gguf {Path(gguf).name}"] = {"quantization": "gguf", "model": str(where)}
     for name, overrides in configs.items():
-        t0 = time.perf_counter()
-        variants[name] = EngineCore(EngineConfig(compile_in_background=False, kv_cache_bytes=KV_BYTES, warm_bytes=0,
-                                                 **overrides))
-        built[name] = time.perf_counter() - t0
+        config = EngineConfig(compile_in_background=False, kv_cache_bytes=KV_BYTES, warm_bytes=0, **overrides)
+        variants[name] = {}
+        for mode in MODES:
+            t0 = time.perf_counter()
+            variants[name][mode] = await Served.start(config, mode)
+            if mode == "core alone":
+                built[name] = time.perf_counter() - t0
+    cores = {name: v["core alone"].core for name, v in variants.items()}  # EngineCore, on this thread
+    streams = {name: v["stream"] for name, v in variants.items()}
     bandwidth = read_bandwidth()
     results["read_bandwidth_gb_s"] = bandwidth / 1e9
-    fp32 = variants["float32"]
+    fp32 = cores["float32"]
     vocab = fp32.spec.vocab_size
     hf = load_hf(fp32.model_dir)
     rng = random.Random(0)
     prompt = [rng.randrange(100, vocab) for _ in range(128)]
     run(fp32, [prompt], [4])  # first touches of every buffer, before anything is timed
-    clocks = {name: StepClock(core) for name, core in variants.items()}
+    for engine in streams.values():
+        await engine.serve([(prompt, 4)])  # the prompt's blocks cached in every engine, as in the cores below
+    clocks = {name: StepClock(core) for name, core in cores.items()}
     ms: dict[str, list[float]] = {name: [] for name in [*variants, "transformers"]}
+    alone: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):  # interleaved: a drift in machine speed hits every variant alike
-        for name, core in variants.items():
-            ms[name].append(decode_ms(core, prompt, args.tokens))
+        for name in variants:
+            ms[name].append(await served_decode_ms(streams[name], prompt, args.tokens))
+            alone[name].append(decode_ms(cores[name], prompt, args.tokens))
         ms["transformers"].append(hf_decode_ms(hf, prompt, args.tokens))
-    results["decode_ms"] = {name: statistics.median(v) for name, v in ms.items()}
+    results["decode_ms"] = {name: statistics.median(v) for name, v in ms.items()}  # the stream's; transformers'
+    results["decode_ms_core_alone"] = {name: statistics.median(v) for name, v in alone.items()}
     for binary, gguf in ((args.llama_bench, g) for g in args.gguf):
         results["decode_ms"][f"llama.cpp {Path(gguf).name}"] = llama_bench(binary, gguf)
         results.setdefault("llama_gguf_bytes", {})[f"llama.cpp {Path(gguf).name}"] = Path(gguf).stat().st_size
-    results["weight_bytes"] = {name: core.stats().weight_bytes for name, core in variants.items()}
+    results["weight_bytes"] = {name: core.stats().weight_bytes for name, core in cores.items()}
     results["weight_bytes"].update(results.get("llama_gguf_bytes", {}))
     results["built_s"] = built
-    results["decode_path"] = {name: core.stats().decode_path for name, core in variants.items()}
+    results["decode_path"] = {name: core.stats().decode_path for name, core in cores.items()}
     for name, clock in clocks.items():
         outside = [s - e for s, e in zip(clock.step, clock.execute)]
         results.setdefault("per_step_ms", {})[name] = {
             "step": statistics.median(clock.step) * 1e3, "outside_forward": statistics.median(outside) * 1e3,
             "prepare": statistics.median(clock.prepare) * 1e3}
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB tensor, best of 5)")
-    print("\n| batch-1 decode | ms/token | vs tieredkv fp32 (compiled) | weights MB | vs its floor | built in (s) |"
-          "\n|---|---|---|---|---|---|")
+    print("\n| batch-1 decode | ms/token through the stream | the core alone | vs tieredkv fp32 (compiled) | "
+          "weights MB | vs its floor | core built in (s) |\n|---|---|---|---|---|---|---|")
     base = results["decode_ms"]["float32"]
     for name, value in results["decode_ms"].items():
         nbytes = results["weight_bytes"].get(name, results["weight_bytes"]["float32"])
         floor = nbytes / bandwidth * 1e3
         built_s = f"{built[name]:.1f}" if name in built else "-"
-        print(f"| {name} | {value:.1f} | {value / base:.2f}x | {nbytes / 1e6:.0f} | {value / floor:.2f}x | {built_s} |")
+        core_ms = results["decode_ms_core_alone"].get(name)
+        core_s = f"{core_ms:.1f}" if core_ms else "-"
+        print(f"| {name} | {value:.1f} | {core_s} | {value / base:.2f}x | {nbytes / 1e6:.0f} | {value / floor:.2f}x | "
+              f"{built_s} |")
     print("\n| per decode step (ms, median) | step | outside the forward | batch preparation |\n|---|---|---|---|")
     for name, row in results["per_step_ms"].items():
         print(f"| {name} | {row['step']:.2f} | {row['outside_forward']:.2f} | {row['prepare']:.2f} |")
@@ -258,11 +285,11 @@ def main(args) -> dict:
         "What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
         "Explain what a hash table is.", "Give me a recipe for pancakes.", "Why is the sky blue?")]
     prompts += [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 256))] for _ in range(args.prompts - 6)]
-    outs = {name: [run(variants[name], [p], [32])[0] for p in prompts] for name in ("float32", "bfloat16")}
+    outs = {name: [run(cores[name], [p], [32])[0] for p in prompts] for name in ("float32", "bfloat16")}
     same = sum(a == b for a, b in zip(outs["float32"], outs["bfloat16"]))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                   for a, b in zip(outs["float32"], outs["bfloat16"])]
-    l32, l16 = next_token_logits(variants["float32"], prompts), next_token_logits(variants["bfloat16"], prompts)
+    l32, l16 = next_token_logits(cores["float32"], prompts), next_token_logits(cores["bfloat16"], prompts)
     diff = max(float((a - b).abs().max()) for a, b in zip(l32, l16))
     top1 = sum(int(a.argmax()) == int(b.argmax()) for a, b in zip(l32, l16))
     results["bf16_vs_fp32"] = {"prompts": len(prompts), "identical_32_token_continuations": same,
@@ -272,16 +299,13 @@ def main(args) -> dict:
           f"first divergence at token {statistics.mean(first_diff):.1f} on average, next-token top-1 agrees on "
           f"{top1}, largest next-token logit difference {diff:.3f}", flush=True)
 
-    if not args.quick:  # the mixed workload (bench_engine.py's), both ways, A-B-A-B
+    if not args.quick:  # the mixed workload (bench_engine.py's) through the stream, both ways, A-B-A-B
         requests = make_requests(32, vocab)
-        out_tokens = sum(n for _, n in requests)
         runs: dict[str, list[float]] = {"float32": [], "float32 eager": [], "int4": [], "int4, int8 activations": []}
         for _ in range(2):
             for name in runs:
-                variants[name].tiers.clear("all")  # from an empty cache each time
-                t0 = time.perf_counter()
-                run(variants[name], [p for p, _ in requests], [n for _, n in requests])
-                runs[name].append(out_tokens / (time.perf_counter() - t0))
+                await streams[name].clear_cache("all")  # from an empty cache each time
+                runs[name].append((await streams[name].serve(requests)).tok_s())
         results["mixed32_tok_s"] = {name: statistics.mean(v) for name, v in runs.items()}
         ratio = results["mixed32_tok_s"]["float32"] / results["mixed32_tok_s"]["float32 eager"]
         print(f"mixed 32 requests: compiled {results['mixed32_tok_s']['float32']:.1f} tok/s, eager "
@@ -289,8 +313,9 @@ def main(args) -> dict:
               f"{results['mixed32_tok_s']['int4']:.1f} tok/s "
               f"({results['mixed32_tok_s']['int4'] / results['mixed32_tok_s']['float32']:.2f}x fp32), with int8 "
               f"activations {results['mixed32_tok_s']['int4, int8 activations']:.1f} tok/s", flush=True)
-    for core in variants.values():
-        core.close()
+    for engines in variants.values():
+        for engine in engines.values():
+            await engine.close()
     return results
 
 
@@ -304,6 +329,6 @@ if __name__ == "__main__":
                         help="GGUF files of the default model the engine runs too (quantization=\"gguf\")")
     ns = parser.parse_args()
     ns.tokens, ns.repeats, ns.prompts = (32, 2, 8) if ns.quick else (128, 3, 16)
-    res = main(ns)
+    res = asyncio.run(main(ns))
     if ns.json:
         ns.json.write_text(json.dumps(res, indent=1))

@@ -3,17 +3,19 @@
     .venv/bin/python benchmarks/bench_engine.py            # the full run (~14 min on 2 cores)
     .venv/bin/python benchmarks/bench_engine.py --quick    # 8 requests instead of 32
 
-Measures, on the same requests (greedy, fixed seed, EOS ignored):
+Measures, on the same requests (greedy, fixed seed, EOS ignored), the engine as an application gets it: through
+`AsyncEngine.stream` with its core in a process of its own (benchmarks/serving.py):
   1. output tokens/s: engine (continuous batching) vs transformers one request at a time, and vs
      transformers in left-padded static batches of 16; the engine runs before and after the
      baselines, each time from an empty cache, and its rate is taken over both runs;
   2. time to first token for a 1,024-token shared prefix + a 32-token question, cold vs warm;
   3. batch-1 decode ms/token vs transformers;
-  4. KV memory waste at the step of peak allocation: (allocated slots - used slots) / allocated slots.
+  4. beside them, the engine core alone on this thread (EngineCore.step) on the same requests: its output tokens/s
+     and the KV memory waste at the step of peak allocation: (allocated slots - used slots) / allocated slots.
 Prints a table of ratios (these machines are noisy: compare within one run).
 
-transformers runs on the engine's worker thread (`AsyncEngine.run_in_worker`), so that both sides
-share one OpenMP thread pool: a second pool makes libgomp stop spin-waiting and slows both.
+transformers runs on this process's main thread while the engine's core process waits, as an application's own
+torch work would.
 """
 
 from __future__ import annotations
@@ -25,9 +27,15 @@ import random
 import statistics
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv import EngineConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving import Served  # noqa: E402
 
 
 def make_requests(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -103,31 +111,12 @@ class WasteMeter:
         return (allocated - used) / allocated if allocated else 0.0
 
 
-async def engine_throughput(engine: AsyncEngine, requests) -> float:
-    """Seconds for the engine to serve all requests at once, from an empty cache (checked)."""
+async def engine_throughput(engine: Served, requests) -> float:
+    """Output tokens/s of the engine serving all requests at once, from an empty cache (checked)."""
     await engine.clear_cache("all")
-    t0 = time.perf_counter()
-    results = await asyncio.gather(
-        *(engine.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in requests))
-    elapsed = time.perf_counter() - t0
-    assert all(r.usage.cached_prompt_tokens == 0 for r in results), "a prompt was served from cache"
-    assert [len(r.outputs[0].token_ids) for r in results] == [n for _, n in requests]
-    return elapsed
-
-
-async def ttft(engine: AsyncEngine, prompt: list[int]) -> float:
-    t0 = time.perf_counter()
-    stream = engine.stream(prompt, SamplingParams(max_tokens=1))
-    async for _ in stream:
-        return time.perf_counter() - t0
-    raise RuntimeError("no token")
-
-
-async def engine_decode_ms(engine: AsyncEngine, prompt: list[int], n: int) -> float:
-    times = []
-    async for _ in engine.stream(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
-        times.append(time.perf_counter())
-    return (times[-1] - times[0]) / (len(times) - 1) * 1000
+    got = await engine.serve(requests)
+    assert not any(got.cached), "a prompt was served from cache"
+    return got.tok_s()
 
 
 def hf_decode_ms(model, prompt: list[int], n: int) -> float:
@@ -136,32 +125,28 @@ def hf_decode_ms(model, prompt: list[int], n: int) -> float:
 
 
 async def main(args) -> dict:
-    results: dict[str, float] = {}
-    cfg = EngineConfig(compile_in_background=False, model="default", kv_cache_bytes=args.kv_bytes, max_num_seqs=64,
-                       core_process=False)  # transformers shares the engine's worker thread (run_in_worker)
-    engine = await AsyncEngine.start(cfg)
-    core = engine.core
-    vocab = core.spec.vocab_size
+    results: dict = {}
+    cfg = EngineConfig(compile_in_background=False, model="default", kv_cache_bytes=args.kv_bytes, max_num_seqs=64)
+    engine = await Served.start(cfg, "stream")
+    vocab = engine.vocab_size
     requests = make_requests(args.requests, vocab)
     results["requests"] = len(requests)
     out_tokens = sum(n for _, n in requests)
     print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, {out_tokens} output tokens")
-    hf = await engine.run_in_worker(load_hf, core.model_dir)
+    hf = load_hf(engine.model_dir)
 
     # The engine runs before and after the transformers baselines (A-B-A), so that a drift in machine
     # speed over the baselines' minutes weighs on both sides; its rate is taken over both runs.
-    meter = WasteMeter(core)
-    t_before = await engine_throughput(engine, requests)
-    results["kv_waste_at_peak"] = meter.waste
-    print(f"engine: {out_tokens / t_before:.1f} tok/s, peak KV waste {meter.waste:.2%}", flush=True)
-    results["hf_static16_tok_s"] = out_tokens / await engine.run_in_worker(hf_static_batches, hf, requests)
+    before = await engine_throughput(engine, requests)
+    print(f"engine: {before:.1f} tok/s", flush=True)
+    results["hf_static16_tok_s"] = out_tokens / hf_static_batches(hf, requests)
     print(f"transformers static batches of 16: {results['hf_static16_tok_s']:.1f} tok/s", flush=True)
-    results["hf_single_tok_s"] = out_tokens / await engine.run_in_worker(hf_one_at_a_time, hf, requests)
+    results["hf_single_tok_s"] = out_tokens / hf_one_at_a_time(hf, requests)
     print(f"transformers one at a time: {results['hf_single_tok_s']:.1f} tok/s", flush=True)
-    t_after = await engine_throughput(engine, requests)
-    print(f"engine again: {out_tokens / t_after:.1f} tok/s", flush=True)
-    results["engine_tok_s_runs"] = [out_tokens / t_before, out_tokens / t_after]
-    results["engine_tok_s"] = 2 * out_tokens / (t_before + t_after)
+    after = await engine_throughput(engine, requests)
+    print(f"engine again: {after:.1f} tok/s", flush=True)
+    results["engine_tok_s_runs"] = [before, after]
+    results["engine_tok_s"] = 2 / (1 / before + 1 / after)  # the rate over both runs' time
 
     rng = random.Random(1)
     cold, warm = [], []
@@ -169,8 +154,8 @@ async def main(args) -> dict:
         prefix = [rng.randrange(100, vocab) for _ in range(1024)]
         q1 = [rng.randrange(100, vocab) for _ in range(32)]
         q2 = [rng.randrange(100, vocab) for _ in range(32)]
-        cold.append(await ttft(engine, prefix + q1))
-        warm.append(await ttft(engine, prefix + q2))
+        cold.append((await engine.serve([(prefix + q1, 1)])).ttft())
+        warm.append((await engine.serve([(prefix + q2, 1)])).ttft())
     results["ttft_cold_s"] = statistics.median(cold)
     results["ttft_warm_s"] = statistics.median(warm)
     print(f"TTFT 1024+32: cold {results['ttft_cold_s']:.3f}s warm {results['ttft_warm_s']:.3f}s", flush=True)
@@ -178,13 +163,22 @@ async def main(args) -> dict:
     prompt = [rng.randrange(100, vocab) for _ in range(128)]
     engine_ms, hf_ms = [], []
     for _ in range(3):  # interleaved, so drifts in machine speed hit both alike
-        engine_ms.append(await engine_decode_ms(engine, prompt, 48))
-        hf_ms.append(await engine.run_in_worker(hf_decode_ms, hf, prompt, 48))
+        engine_ms.append((await engine.serve([(prompt, 48)])).ms_per_token())
+        hf_ms.append(hf_decode_ms(hf, prompt, 48))
     results["engine_decode_ms"] = statistics.median(engine_ms)
     results["hf_decode_ms"] = statistics.median(hf_ms)
     print(f"batch-1 decode: engine {results['engine_decode_ms']:.1f} ms/token, "
           f"transformers {results['hf_decode_ms']:.1f} ms/token", flush=True)
     await engine.close()
+
+    core = await Served.start(cfg, "core alone")  # the same requests on the engine core alone, its waste measured
+    meter = WasteMeter(core.core)
+    results["core_alone_tok_s"] = await engine_throughput(core, requests)
+    results["kv_waste_at_peak"] = meter.waste
+    await core.close()
+    print(f"the core alone: {results['core_alone_tok_s']:.1f} tok/s (the stream "
+          f"{results['core_alone_tok_s'] / results['engine_tok_s']:.2f}x its time), peak KV waste {meter.waste:.2%}",
+          flush=True)
 
     ratios = [
         ("throughput vs transformers one-at-a-time", results["engine_tok_s"] / results["hf_single_tok_s"], ">= 5x"),

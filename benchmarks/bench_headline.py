@@ -21,25 +21,24 @@ import argparse
 import asyncio
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from child import report, run_child, save  # noqa: E402
+from serving import MODES, Served, Timings  # noqa: E402
 
 WORKLOADS = ["decode fp32", "decode bf16", "decode int8", "decode int4", "decode Q4_1", "mixed 32", "burst"]
 DECODE_WEIGHTS = {"decode fp32": {}, "decode bf16": {"dtype": "bfloat16"}, "decode int8": {"quantization": "int8"},
                   "decode int4": {"quantization": "int4"}, "decode Q4_1": {"quantization": "gguf"}}
-MODES = ["stream", "core alone"]
 DECODE_TOKENS = 48
 WARM = [11 + 3 * i for i in range(64)]  # a first request that shares nothing with the workloads' prompts
 
 
-def _config(workload: str, core_process: bool):
+def _config(workload: str):
     from tieredkv import EngineConfig
 
     extra = DECODE_WEIGHTS.get(workload, {})
-    return EngineConfig(model="default", core_process=core_process, compile_in_background=False, warm_bytes=0,
+    return EngineConfig(model="default", compile_in_background=False, warm_bytes=0,
                         max_num_seqs=64, enable_prefix_caching=workload == "burst", **extra)
 
 
@@ -59,60 +58,19 @@ def _requests(workload: str, vocab: int) -> list[tuple[list[int], int]]:
     return [(prompt, NEW_TOKENS) for _, prompt in burst(vocab)[1]]
 
 
-def _summary(workload: str, stamps: list[list[float]], t0: float) -> dict:
+def _summary(workload: str, got: Timings) -> dict:
     if workload.startswith("decode"):
-        s = stamps[0][4:]  # after the prompt and the first tokens
-        return {"ms_per_token": (s[-1] - s[0]) / (len(s) - 1) * 1000}
-    tokens, end = sum(len(s) for s in stamps), max(s[-1] for s in stamps)
-    return {"tok_s": tokens / (end - t0)}
+        return {"ms_per_token": got.ms_per_token(skip=4)}  # after the prompt and the first tokens
+    return {"tok_s": got.tok_s()}
 
 
-async def _through_stream(workload: str) -> dict:
-    from tieredkv import AsyncEngine, SamplingParams
-
-    async with await AsyncEngine.start(_config(workload, core_process=True)) as engine:
-        requests = _requests(workload, engine.info.vocab_size)
-        await engine.generate(WARM, SamplingParams(max_tokens=8, ignore_eos=True))
-        stamps: list[list[float]] = [[] for _ in requests]
-
-        async def one(i: int, prompt: list[int], n: int) -> None:
-            async for chunk in engine.stream(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
-                stamps[i].extend([time.perf_counter()] * len(chunk.token_ids))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(requests)))
-    assert [len(s) for s in stamps] == [n for _, n in requests]
-    return _summary(workload, stamps, t0)
-
-
-def _core_alone(workload: str) -> dict:
-    from tieredkv import SamplingParams
-    from tieredkv.engine.engine_core import EngineCore
-
-    core = EngineCore(_config(workload, core_process=False))
+async def _run(workload: str, mode: str) -> dict:
+    engine = await Served.start(_config(workload), mode)
     try:
-        requests = _requests(workload, core.spec.vocab_size)
-        core.add_request(core.factory.make(WARM, SamplingParams(max_tokens=8, ignore_eos=True), "warm"))
-        while core.has_work():
-            core.step()
-        reqs = [core.factory.make(prompt, SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}")
-                for i, (prompt, n) in enumerate(requests)]
-        stamps: list[list[float]] = [[] for _ in requests]
-        seen = [0] * len(requests)
-        t0 = time.perf_counter()
-        for req in reqs:
-            core.add_request(req)
-        while core.has_work():
-            core.step()
-            now = time.perf_counter()
-            for i, req in enumerate(reqs):
-                got = len(req.seqs[0].output_token_ids) if req.seqs else 0
-                stamps[i].extend([now] * (got - seen[i]))
-                seen[i] = got
+        await engine.serve([(WARM, 8)])
+        return _summary(workload, await engine.serve(_requests(workload, engine.vocab_size)))
     finally:
-        core.close()
-    assert [len(s) for s in stamps] == [n for _, n in requests]
-    return _summary(workload, stamps, t0)
+        await engine.close()
 
 
 def main(args) -> dict:
@@ -148,7 +106,6 @@ if __name__ == "__main__":
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.workload:
-        result = asyncio.run(_through_stream(args.workload)) if args.mode == "stream" else _core_alone(args.workload)
-        report(result)
+        report(asyncio.run(_run(args.workload, args.mode)))
     else:
         main(args)

@@ -16,19 +16,25 @@ For each: time to first token of the first question and of the later ones, decod
 per tier, the most hot blocks in use at once, and whether the two engines' answers agree. The engines
 alternate (A B A B) and each figure is the median over the repeats; ratios are what to compare.
 
-Every engine runs on the main thread, one at a time (see bench_decode.py for why).
+The engines run as an application gets them, through `AsyncEngine.stream` with the core in a process of its own;
+one more run of each, the engine core alone on this thread (benchmarks/serving.py), gives the most hot blocks in use
+at any step and its own times beside the stream's.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
-import time
+import sys
+from pathlib import Path
 
-from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine.engine_core import EngineCore
+from tieredkv import EngineConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving import Served  # noqa: E402
 
 QUESTIONS = ["Which city hosts the most projects?", "Summarise the budget of project 12.",
              "Who leads project 40?", "List three projects that started before 2001.",
@@ -56,73 +62,84 @@ def chat(doc: str, question: str) -> list[dict]:
     return [{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}]
 
 
-def ask(core: EngineCore, prompt: list[int], max_tokens: int, peak: list[int]) -> dict:
-    """Runs one request to the end; returns its TTFT, decode ms/token, tokens and cached tokens by tier."""
-    req = core.factory.make(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    t0 = time.perf_counter()
-    core.add_request(req)
-    first = None
-    while core.has_work():
-        core.step()
-        peak[0] = max(peak[0], core.pool.num_blocks - core.pool.num_free)
-        if first is None and req.seqs[0].num_output_tokens:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    seq = req.seqs[0]
-    return {"ttft_s": first - t0, "decode_ms": (end - first) * 1e3 / (seq.num_output_tokens - 1),
-            "tokens": seq.output_token_ids, "cached": dict(req.cached_tokens_by_tier)}
-
-
-def run(label: str, cfg: EngineConfig, prompts: list[list[int]], max_tokens: int) -> dict:
-    core = EngineCore(cfg)
-    block_bytes = core.tiers.hot.block_bytes
+async def run(label: str, cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, mode: str) -> dict:
+    """The questions one after the other on a fresh engine; each one's TTFT, decode ms/token, tokens and cached
+    tokens by tier, the bytes each tier moved and (the core alone) the most hot blocks in use at any step."""
+    engine = await Served.start(cfg, mode)
     peak = [0]
-    answers = [ask(core, p, max_tokens, peak) for p in prompts]
-    stats = core.stats()
-    core.close()
+    if engine.core is not None:
+        core, step = engine.core, engine.core.step
+
+        def counted():
+            out = step()
+            peak[0] = max(peak[0], core.pool.num_blocks - core.pool.num_free)
+            return out
+
+        core.step = counted
+    try:
+        answers = []
+        for prompt in prompts:
+            got = await engine.serve([(prompt, max_tokens)])
+            answers.append({"ttft_s": got.ttft(), "decode_ms": got.ms_per_token(skip=0), "tokens": got.tokens[0],
+                            "cached": {k: v for k, v in got.usage[0].cached_tokens_by_tier.items() if v}})
+        stats = engine.stats()
+    finally:
+        await engine.close()
+    block_bytes = stats.kv_bytes_per_token * cfg.block_size
     moved = {name: {"demoted_MB": t.demotions * block_bytes / 1e6, "promoted_MB": t.promotions * block_bytes / 1e6}
              for name, t in stats.tiers.items()}
-    return {"label": label, "answers": answers, "moved": moved, "peak_hot_blocks": peak[0],
-            "hot_blocks": core.num_blocks, "blocks_offloaded": stats.blocks_offloaded,
+    return {"label": label, "answers": answers, "moved": moved, "peak_hot_blocks": peak[0] or None,
+            "hot_blocks": stats.blocks_total, "blocks_offloaded": stats.blocks_offloaded,
             "preemptions": stats.num_preemptions}
 
 
-def main(args) -> dict:
+async def main(args) -> dict:
     configs = {
         "offloaded": EngineConfig(compile_in_background=False, num_blocks=64, warm_bytes=1 << 30),
         "unconstrained": EngineConfig(compile_in_background=False, kv_cache_bytes=1 << 30, warm_bytes=0),
     }
     if args.staged:
         configs["offloaded, staged"] = configs["offloaded"].model_copy(update={"offload": "staged"})
-    probe = EngineCore(EngineConfig(compile_in_background=False, num_blocks=2, warm_bytes=0, compile_decode=False))
-    doc = document(probe.tokenizer, args.tokens)
-    prompts = [probe.tokenizer.apply_chat_template(chat(doc, q)) for q in QUESTIONS[: args.questions]]
-    del probe
+    from tieredkv.models.gguf_convert import default_model_dir
+    from tieredkv.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model_dir())
+    doc = document(tokenizer, args.tokens)
+    prompts = [tokenizer.apply_chat_template(chat(doc, q)) for q in QUESTIONS[: args.questions]]
     print(f"document + question: {len(prompts[0])} tokens; {len(prompts)} questions; {args.max_tokens} new each")
-    runs: dict[str, list[dict]] = {name: [] for name in configs}
-    for r in range(args.repeats):
+    runs: dict[str, list[dict]] = {name: [] for name in configs}  # through the stream
+    alone: dict[str, dict] = {}  # the core alone, once each
+    for r in range(args.repeats + 1):
+        mode = "stream" if r < args.repeats else "core alone"
         for name, cfg in configs.items():
-            res = run(name, cfg, prompts, args.max_tokens)
-            runs[name].append(res)
+            res = await run(name, cfg, prompts, args.max_tokens, mode)
+            if mode == "stream":
+                runs[name].append(res)
+            else:
+                alone[name] = res
             a = res["answers"]
-            print(f"  [{r + 1}] {name:17s} first TTFT {a[0]['ttft_s']:6.2f} s, later TTFT "
+            print(f"  [{mode}] {name:17s} first TTFT {a[0]['ttft_s']:6.2f} s, later TTFT "
                   f"{statistics.median(x['ttft_s'] for x in a[1:]):6.3f} s, decode "
                   f"{statistics.median(x['decode_ms'] for x in a):5.1f} ms/token, peak hot blocks "
-                  f"{res['peak_hot_blocks']}/{res['hot_blocks']}")
+                  f"{res['peak_hot_blocks']}/{res['hot_blocks']}", flush=True)
     out = {"prompt_tokens": len(prompts[0]), "questions": len(prompts), "max_tokens": args.max_tokens}
     for name, results in runs.items():
         out[name] = {
             "first_ttft_s": statistics.median(r["answers"][0]["ttft_s"] for r in results),
             "later_ttft_s": statistics.median(x["ttft_s"] for r in results for x in r["answers"][1:]),
             "decode_ms_per_token": statistics.median(x["decode_ms"] for r in results for x in r["answers"]),
-            "moved": results[-1]["moved"], "peak_hot_blocks": results[-1]["peak_hot_blocks"],
+            "moved": results[-1]["moved"], "peak_hot_blocks": alone[name]["peak_hot_blocks"],
             "hot_blocks": results[-1]["hot_blocks"], "blocks_offloaded": results[-1]["blocks_offloaded"],
             "preemptions": results[-1]["preemptions"],
             "cached_tokens_by_tier": [x["cached"] for x in results[-1]["answers"]],
+            "core_alone": {"first_ttft_s": alone[name]["answers"][0]["ttft_s"],
+                           "later_ttft_s": statistics.median(x["ttft_s"] for x in alone[name]["answers"][1:]),
+                           "decode_ms_per_token": statistics.median(x["decode_ms"] for x in alone[name]["answers"])},
         }
     off, big = out["offloaded"], out["unconstrained"]
+    every = {name: [*runs[name], alone[name]] for name in configs}
     out["same_answers"] = all(a["tokens"] == b["tokens"] for name in configs if name != "unconstrained"
-                              for ra, rb in zip(runs[name], runs["unconstrained"])
+                              for ra, rb in zip(every[name], every["unconstrained"])
                               for a, b in zip(ra["answers"], rb["answers"]))
     out["ratios"] = {
         "decode_offloaded_vs_unconstrained": off["decode_ms_per_token"] / big["decode_ms_per_token"],
@@ -147,7 +164,7 @@ if __name__ == "__main__":
     parser.add_argument("--staged", action="store_true", help="also run the staged far-block path (CUDA's)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    result = main(args)
+    result = asyncio.run(main(args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -7,8 +7,9 @@ prefill rate of each format against it, and a mixed batch of many streams.
   roofline   the products' peak here, 2 threads, large shapes (2048 x 2048 x 2048 and the default model's 512-row
              ones): fp32 and bf16 through oneDNN (bf16 where oneDNN's bf16 product checks out on this torch), int8
              x q4 and int8 x q8 on the project's many-row kernel (gemm_cpu.c; ops counted as 2 x M x N x K)
-  prefill    one 512-token prompt (prefix caching off), whole, 1 new token: prompt tok/s, best of the rounds, and
-             as a fraction of its arithmetic's peak (2 x the dense layers' weights a token, attention excluded)
+  prefill    one 512-token prompt (prefix caching off), whole, 1 new token: prompt tok/s, best of the rounds, through
+             the stream and on the core alone; the core's as a fraction of its arithmetic's peak (2 x the dense
+             layers' weights a token, attention excluded)
   mixed 32   (--mixed) 32 requests at once, prompts of 64-512 tokens, 16-128 new tokens (bench_engine.py's):
              output tok/s, best of the rounds (not bf16); with --llama-server, llama.cpp's server on each --gguf
              file (8 slots, its own best, prompts as token ids, nothing cached between rounds) in the same sitting
@@ -18,6 +19,9 @@ Formats: fp32, bf16 (dtype="bfloat16"), int8 and int4 (quantization=...), the de
 (quantization="gguf"); each quantized one with its default arithmetic (int8_activations=None: int8 blocks past
 the one-row kernels' rows, where the CPU can) and with int8_activations=False (the dequantized fp32 product) in
 the same rounds. Formats alternate within a round, every engine kept; ratios come from the same sitting.
+Throughput and prefill rates are taken as an application gets them, through `AsyncEngine.stream` with the core in
+a process of its own; the prefill rate also on the engine core alone, whose products the roofline bounds
+(benchmarks/serving.py).
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from pathlib import Path
 
 import torch
 
-from tieredkv import EngineConfig, SamplingParams
+from tieredkv import EngineConfig
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.platform.cpu_features import cpu_info
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving import MODES, Served  # noqa: E402
 
 FORMATS = {
     "fp32": {},
@@ -88,21 +95,9 @@ def roofline() -> dict:
     return out
 
 
-def engine(config: dict) -> EngineCore:
-    return EngineCore(EngineConfig(enable_prefix_caching=False, warm_bytes=0, compile_in_background=False,
-                                   max_num_batched_tokens=2048, **config))
-
-
-def serve(core: EngineCore, prompts: list[list[int]], new: list[int]) -> float:
-    """Seconds to serve the prompts at once to the end."""
-    reqs = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, new)]
-    t0 = time.perf_counter()
-    for r in reqs:
-        if core.add_request(r):
-            raise RuntimeError("request refused")
-    while core.has_work():
-        core.step()
-    return time.perf_counter() - t0
+async def engine(config: dict, mode: str) -> Served:
+    return await Served.start(EngineConfig(enable_prefix_caching=False, warm_bytes=0, compile_in_background=False,
+                                           max_num_batched_tokens=2048, **config), mode)
 
 
 def dense_flops_per_token(core: EngineCore) -> float:
@@ -119,33 +114,29 @@ def mixed_workload(vocab: int) -> tuple[list[list[int]], list[int]]:
     return prompts, [rng.randint(16, 128) for _ in range(32)]
 
 
-def burst_tok_s(config: dict) -> float:
-    """bench_burst.py's burst on a fresh engine with prefix caching: output tok/s."""
+async def burst_tok_s(config: dict) -> float:
+    """bench_burst.py's burst on a fresh engine with prefix caching, through the stream: output tok/s."""
     from bench_burst import NEW_TOKENS, workload
 
-    core = EngineCore(EngineConfig(warm_bytes=0, compile_in_background=False, max_num_seqs=64, **config))
+    engine = await Served.start(EngineConfig(warm_bytes=0, compile_in_background=False, max_num_seqs=64, **config))
     try:
-        convs = workload(core.spec.vocab_size)[1]
-        return NEW_TOKENS * len(convs) / serve(core, [p for _, p in convs], [NEW_TOKENS] * len(convs))
+        return (await engine.serve([(p, NEW_TOKENS) for _, p in workload(engine.vocab_size)[1]])).tok_s()
     finally:
-        core.close()
+        await engine.close()
 
 
-def llama_server_mixed(binary: str, gguf: str, prompts: list[list[int]], new: list[int], rounds: int) -> float:
+async def llama_server_mixed(binary: str, gguf: str, prompts: list[list[int]], new: list[int], rounds: int) -> float:
     """Output tok/s of the mixed workload through llama.cpp's server on `gguf` (8 slots), best of the rounds."""
     from llama_server import complete, llama_server
 
-    async def run() -> float:
-        async with llama_server(binary, gguf) as (session, url):
-            await complete(session, url, prompts[0][:64], 4)  # the weights paged in
-            best = 0.0
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                got = await asyncio.gather(*(complete(session, url, p, n) for p, n in zip(prompts, new)))
-                best = max(best, sum(g["tokens_predicted"] for g in got) / (time.perf_counter() - t0))
-            return best
-
-    return asyncio.run(run())
+    async with llama_server(binary, gguf) as (session, url):
+        await complete(session, url, prompts[0][:64], 4)  # the weights paged in
+        best = 0.0
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*(complete(session, url, p, n) for p, n in zip(prompts, new)))
+            best = max(best, sum(g["tokens_predicted"] for g in got) / (time.perf_counter() - t0))
+        return best
 
 
 def peak_for(name: str, core: EngineCore, peaks: dict) -> float | None:
@@ -155,35 +146,42 @@ def peak_for(name: str, core: EngineCore, peaks: dict) -> float | None:
     return peaks.get("bf16" if name == "bf16" and "widened" not in arithmetic else "fp32")
 
 
-def main(args) -> dict:
+async def main(args) -> dict:
     torch.manual_seed(0)
     results: dict = {"machine": cpu_info().describe(torch.get_num_threads()), "roofline_gflops": roofline()}
     print(f"machine: {results['machine']}\nroofline GFLOP/s: {results['roofline_gflops']}", flush=True)
-    names = args.formats or list(FORMATS)
-    cores = {name: engine(FORMATS[name]) for name in ["fp32", *[n for n in names if n != "fp32"]]}
+    names = ["fp32", *[n for n in args.formats or list(FORMATS) if n != "fp32"]]
+    served = {name: {mode: await engine(FORMATS[name], mode) for mode in MODES} for name in names}
+    cores = {name: s["core alone"].core for name, s in served.items()}  # EngineCore, on this thread
     vocab = next(iter(cores.values())).spec.vocab_size
     rng = random.Random(1)
     prompt = [rng.randrange(100, vocab) for _ in range(PROMPT)]
-    mixed = mixed_workload(vocab)
-    prefill = {name: [] for name in cores}
-    output = {name: [] for name in cores}
+    mixed = list(zip(*mixed_workload(vocab)))
+    prefill: dict[str, list[float]] = {name: [] for name in cores}  # through the stream
+    prefill_core: dict[str, list[float]] = {name: [] for name in cores}  # the core alone
+    output: dict[str, list[float]] = {name: [] for name in cores}
     for r in range(args.rounds):
         order = list(cores) if r % 2 == 0 else list(reversed(cores))
         for name in order:
-            prefill[name].append(PROMPT / serve(cores[name], [prompt], [1]))
+            prefill[name].append(PROMPT / (await served[name]["stream"].serve([(prompt, 1)])).ttft())
+            prefill_core[name].append(PROMPT / (await served[name]["core alone"].serve([(prompt, 1)])).ttft())
             if args.mixed and name != "bf16":  # (bf16 without bf16 units: F.linear at a sixth of fp32's rate)
-                output[name].append(sum(mixed[1]) / serve(cores[name], *mixed))
-        print(f"round {r + 1}: " + ", ".join(f"{n} {prefill[n][-1]:.0f}" for n in order), flush=True)
+                output[name].append((await served[name]["stream"].serve(mixed)).tok_s())
+        print(f"round {r + 1}: " + ", ".join(f"{n} {prefill[n][-1]:.0f} ({prefill_core[n][-1]:.0f} the core alone)"
+                                             for n in order), flush=True)
     peaks = results["roofline_gflops"]["peak"]
-    results["rounds"] = {"prefill": prefill, "mixed": output if args.mixed else None}
+    results["rounds"] = {"prefill": prefill, "prefill_core_alone": prefill_core,
+                         "mixed": output if args.mixed else None}
     table = {}
     for name, core in cores.items():
-        rate = max(prefill[name])
+        rate, rate_core = max(prefill[name]), max(prefill_core[name])
         peak = peak_for(name, core, peaks)
         table[name] = {"prefill_tok_s": round(rate, 1), "vs_fp32": round(rate / max(prefill["fp32"]), 3),
+                       "prefill_tok_s_core_alone": round(rate_core, 1),
+                       "vs_fp32_core_alone": round(rate_core / max(prefill_core["fp32"]), 3),
                        "arithmetic": core.stats().dense_arithmetic.get("gate_up_proj"),
                        "fraction_of_peak": None if peak is None else
-                       round(rate * dense_flops_per_token(core) / 1e9 / peak, 3)}
+                       round(rate_core * dense_flops_per_token(core) / 1e9 / peak, 3)}
         if output[name]:
             table[name]["mixed32_out_tok_s"] = round(max(output[name]), 1)
             table[name]["mixed32_vs_fp32"] = round(max(output[name]) / max(output["fp32"]), 3)
@@ -192,7 +190,7 @@ def main(args) -> dict:
         burst = {name: [] for name in cores}
         for r in range(args.rounds):
             for name in (list(cores) if r % 2 == 0 else list(reversed(cores))):
-                burst[name].append(burst_tok_s(FORMATS[name]))
+                burst[name].append(await burst_tok_s(FORMATS[name]))
         for name in cores:
             table[name]["burst_out_tok_s"] = round(max(burst[name]), 1)
             table[name]["burst_vs_fp32"] = round(max(burst[name]) / max(burst["fp32"]), 3)
@@ -201,14 +199,15 @@ def main(args) -> dict:
     if args.mixed and args.llama_server:
         results["llama_server_mixed32"] = {}
         for gguf in args.gguf:
-            rate = llama_server_mixed(args.llama_server, gguf, *mixed, args.rounds)
+            rate = await llama_server_mixed(args.llama_server, gguf, *zip(*mixed), args.rounds)
             results["llama_server_mixed32"][Path(gguf).name] = round(rate, 1)
             print(f"llama-server {Path(gguf).name}: mixed 32 {rate:.1f} out tok/s; the engine's fp32 "
                   f"{max(output['fp32']) / rate:.2f}x it" + "".join(
                       f", {n} {max(output[n]) / rate:.2f}x" for n in cores if n != "fp32" and output[n]))
     results["formats"] = table
-    for core in cores.values():
-        core.close()
+    for engines in served.values():
+        for e in engines.values():
+            await e.close()
     return results
 
 
@@ -222,7 +221,7 @@ if __name__ == "__main__":
     parser.add_argument("--formats", nargs="*", choices=list(FORMATS), help="these formats only (fp32 always)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    res = main(args)
+    res = asyncio.run(main(args))
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
     sys.exit(0)

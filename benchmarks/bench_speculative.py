@@ -11,7 +11,8 @@ Default model, greedy, stopping at EOS (at most --max-tokens). Tasks, each a cha
   - answer: project notes and a question to answer in the document's words;
   - chat: an open question with nothing to copy (speculation must cost little here).
 Each engine variant runs every task at batch 1 (one request after another) and at each --batch size above 1
-(that many requests of the task at once), on the main thread (EngineCore), and reports output tokens a second,
+(that many requests of the task at once), through `AsyncEngine.stream` with the core in a process of its own (what
+an application gets; benchmarks/serving.py), and reports output tokens a second,
 the acceptance, and whether its greedy tokens equal plain decoding's. With --draft, also the default model's own
 Q4_1 file as a draft model for its fp32 weights. Engines are built once and alternate per
 task (plain, speculative), so the ratios come from one sitting. llama-server runs the same prompts (token ids)
@@ -35,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_longdoc import document  # noqa: E402
 from llama_server import llama_server  # noqa: E402
 
-from tieredkv import EngineConfig, SamplingParams  # noqa: E402
-from tieredkv.engine.engine_core import EngineCore  # noqa: E402
+from serving import Served  # noqa: E402
+
+from tieredkv import EngineConfig  # noqa: E402
 from tieredkv.platform.cpu_features import cpu_info  # noqa: E402
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -79,31 +81,24 @@ def tasks(tokenizer, doc_tokens: int = 1000) -> dict[str, list[list[dict]]]:
     }
 
 
-def run(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], int, int]:
+async def run(engine: Served, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], int, int]:
     """All prompts at once to the end; (output tokens a second, outputs, drafts, accepted drafts)."""
-    params = SamplingParams(max_tokens=max_tokens)
-    reqs = [core.factory.make(p, params) for p in prompts]
-    t0 = time.perf_counter()
-    for r in reqs:
-        core.add_request(r)
-    while core.has_work():
-        core.step()
-    seconds = time.perf_counter() - t0
-    outs = [r.seqs[0].output_token_ids for r in reqs]
-    return sum(map(len, outs)) / seconds, outs, sum(r.spec_drafted for r in reqs), sum(r.spec_accepted for r in reqs)
+    got = await engine.serve([(p, max_tokens) for p in prompts], ignore_eos=False)
+    return (got.tok_s(), got.tokens, sum(u.draft_tokens for u in got.usage),
+            sum(u.accepted_draft_tokens for u in got.usage))
 
 
-def measure(cores: dict, prompts: dict[str, list[list[int]]], batches: list[int], max_tokens: int) -> dict:
+async def measure(engines: dict, prompts: dict[str, list[list[int]]], batches: list[int], max_tokens: int) -> dict:
     results: dict = {}
     for task, ps in prompts.items():
         for batch in batches:
             groups = [[p] for p in ps] if batch == 1 else [(ps * batch)[:batch]]
-            for name, core in cores.items():
+            for name, engine in engines.items():
                 for g in groups:  # the prompt computed once before: decode is what is timed
-                    run(core, g[:1], 1)
+                    await run(engine, g[:1], 1)
                 tok_s, outs, drafted, accepted = [], [], 0, 0
                 for g in groups:
-                    rate, out, d, a = run(core, g, max_tokens)
+                    rate, out, d, a = await run(engine, g, max_tokens)
                     tok_s.append(rate)
                     outs.extend(out)
                     drafted, accepted = drafted + d, accepted + a
@@ -153,23 +148,17 @@ async def run_llama(binary: str, gguf: str, prompts: dict[str, list[list[int]]],
     return results
 
 
-def mixed(cores: dict, rounds: int) -> dict:
+async def mixed(engines: dict, rounds: int) -> dict:
     """bench_engine.py's mixed workload (32 requests at once, prompts of 64-512 random tokens, 16-128 new tokens,
     EOS ignored): nothing to copy, and more sequences than disable_by_batch_size until the batch drains; the
     engines alternate, output tok/s over every round."""
     from bench_engine import make_requests
 
-    reqs = make_requests(32, next(iter(cores.values())).spec.vocab_size)
+    reqs = make_requests(32, next(iter(engines.values())).vocab_size)
     rates: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for name, core in cores.items():
-            t0 = time.perf_counter()
-            made = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in reqs]
-            for r in made:
-                core.add_request(r)
-            while core.has_work():
-                core.step()
-            rates.setdefault(name, []).append(sum(n for _, n in reqs) / (time.perf_counter() - t0))
+        for name, engine in engines.items():
+            rates.setdefault(name, []).append((await engine.serve(reqs)).tok_s())
     base = sum(rates["plain"])
     out = {name: {"tok_s": sum(v) / len(v), "vs_plain": sum(v) / base} for name, v in rates.items()}
     print("mixed 32: " + ", ".join(f"{n} {r['tok_s']:.1f} tok/s ({r['vs_plain']:.2f}x)" for n, r in out.items()),
@@ -177,7 +166,7 @@ def mixed(cores: dict, rounds: int) -> dict:
     return out
 
 
-def main(args) -> dict:
+async def main(args) -> dict:
     random.seed(0)
     out = {"machine": cpu_info().describe(torch.get_num_threads()), "speculative": SPEC, "engine": {}}
     if args.draft:
@@ -187,19 +176,19 @@ def main(args) -> dict:
                  "gguf-int8act": {"quantization": "gguf", "int8_activations": True}}[weights]
         cfg = dict(compile_in_background=False, warm_bytes=0, max_model_len=8192 if args.doc_tokens > 3000 else 4096,
                    num_blocks=40 * 256 // 16 * 4, max_num_seqs=max(args.batch), **quant)
-        cores = {"plain": EngineCore(EngineConfig(**cfg)),
-                 "ngram": EngineCore(EngineConfig(**cfg, speculative=SPEC))}
+        engines = {"plain": await Served.start(EngineConfig(**cfg)),
+                   "ngram": await Served.start(EngineConfig(**cfg, speculative=SPEC))}
         if args.draft and weights == "fp32":  # the Q4_1 file drafting for its own fp32 weights
-            cores["Q4_1 self-draft"] = EngineCore(EngineConfig(**cfg, speculative=DRAFT))
-        tok = cores["plain"].tokenizer
+            engines["Q4_1 self-draft"] = await Served.start(EngineConfig(**cfg, speculative=DRAFT))
+        tok = engines["plain"].tokenizer
         prompts = {t: [tok.apply_chat_template(m) for m in ms] for t, ms in tasks(tok, args.doc_tokens).items()
                    if t in args.tasks}
-        print(f"weights {weights}: decode path {cores['plain'].stats().decode_path}", flush=True)
-        out["engine"][weights] = measure(cores, prompts, args.batch, args.max_tokens) if prompts else {}
+        print(f"weights {weights}: decode path {engines['plain'].stats().decode_path}", flush=True)
+        out["engine"][weights] = await measure(engines, prompts, args.batch, args.max_tokens) if prompts else {}
         if args.mixed:
-            out.setdefault("mixed", {})[weights] = mixed(cores, args.mixed)
-        for core in cores.values():
-            core.close()
+            out.setdefault("mixed", {})[weights] = await mixed(engines, args.mixed)
+        for engine in engines.values():
+            await engine.close()
     if args.llama_server:
         out["llama.cpp"] = {}
         for gguf in args.gguf:
@@ -207,7 +196,7 @@ def main(args) -> dict:
                                  ("ngram-map-k n3 m8", ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n",
                                                         "3", "--spec-ngram-map-k-size-m", "8"])):
                 name = f"{Path(gguf).name} {label}"
-                res = asyncio.run(run_llama(args.llama_server, gguf, prompts, args.batch, args.max_tokens, flags))
+                res = await run_llama(args.llama_server, gguf, prompts, args.batch, args.max_tokens, flags)
                 out["llama.cpp"][name] = res
                 print(name + ": " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in res.items()), flush=True)
     if args.json:
@@ -230,4 +219,4 @@ if __name__ == "__main__":
     parser.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama-server")
     parser.add_argument("--json", help="write the results here")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(parser.parse_args())
+    asyncio.run(main(parser.parse_args()))

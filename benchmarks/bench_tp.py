@@ -5,6 +5,9 @@ time per step (rank 0's wall time inside the collectives, which on CPU includes 
     .venv/bin/python benchmarks/bench_tp.py                       # CPU, gloo: N=1 and N=2
     .venv/bin/python benchmarks/bench_tp.py --device cuda --dtype bfloat16   # a machine with 2 GPUs: NCCL
 
+The speed figures are the stream's (`AsyncEngine.stream`, the core in a process of its own, which starts the ranks:
+what an application gets), the core alone's beside them (benchmarks/serving.py); the rest are the core alone's.
+
 On a CPU every rank shares the same cores: on 2 cores, N=2 runs one thread per rank against 2 threads at N=1, so
 it is not expected to be faster; what it shows is the per-rank memory and the cost of the all-reduces (two per
 layer, one for the embedding) on this machine. On GPUs each rank has a device of its own.
@@ -13,62 +16,64 @@ layer, one for the embedding) on this machine. On GPUs each rank has a device of
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine.engine_core import EngineCore
+from tieredkv import EngineConfig
 from tieredkv.platform.cpu_features import cpu_info
 
-
-def run(core: EngineCore, prompts: list[list[int]], new: int) -> tuple[float, int]:
-    """Seconds to serve the prompts at once (greedy, EOS ignored) and the steps taken."""
-    reqs = [core.factory.make(p, SamplingParams(max_tokens=new, ignore_eos=True), f"r{i}")
-            for i, p in enumerate(prompts)]
-    for r in reqs:
-        core.add_request(r)
-    t0, steps = time.perf_counter(), 0
-    while core.has_work():
-        core.step()
-        steps += 1
-    return time.perf_counter() - t0, steps
+sys.path.insert(0, str(Path(__file__).parent))
+from serving import Served  # noqa: E402
 
 
-def measure(world: int, args) -> dict:
+async def measure(world: int, args, mode: str) -> dict:
+    """One row: batch-1 decode and batched throughput at tensor_parallel_size `world`, in `mode`; the core alone
+    adds the all-reduces' time, rank 0's messages, and each rank's weight bytes and resident growth."""
     threads = args.threads if args.threads else max(1, (os.cpu_count() or 1) // world)
     cfg = EngineConfig(model=args.model, tensor_parallel_size=world, device=args.device, dtype=args.dtype,
                        num_threads=threads, compile_decode=False, warm_bytes=args.warm_bytes,
                        num_blocks=args.num_blocks, offload="off")
     t0 = time.perf_counter()
-    core = EngineCore(cfg)
+    engine = await Served.start(cfg, mode)
     start_s = time.perf_counter() - t0
     try:
-        vocab = core.spec.vocab_size
+        vocab = engine.vocab_size
         prompts = [[(i * 7919 + j * 104729) % (vocab - 10) + 5 for j in range(args.prompt_len)]
                    for i in range(args.batch)]
-        run(core, prompts[:1], 4)  # warm-up: first-use allocations, oneDNN's primitive caches
-        tp = core.tp
-        one_s, one_steps = run(core, prompts[:1], args.new)
+        await engine.serve([(prompts[0], 4)])  # warm-up: first-use allocations, oneDNN's primitive caches
+        one = await engine.serve([(prompts[0], args.new)])
+        core, steps = engine.core, [0]
+        row = {"mode": mode, "tensor_parallel_size": world, "threads_per_rank": threads, "start_s": round(start_s, 2),
+               "decode_ms_per_token": round(one.ms_per_token(skip=0), 2)}
+        if core is None:
+            row["batch_output_tok_s"] = round((await engine.serve([(p, args.new) for p in prompts])).tok_s(), 1)
+            return row
+        tp, step = core.tp, core.step
+
+        def counted():
+            steps[0] += 1
+            return step()
+
+        core.step = counted
         r0, n0, m0, s0 = tp.reduce_s, tp.reduces, _messages(tp), core.stats().num_swaps
-        batch_s, batch_steps = run(core, prompts, args.new)
+        row["batch_output_tok_s"] = round((await engine.serve([(p, args.new) for p in prompts])).tok_s(), 1)
         memory = core.memory if isinstance(core.memory, list) else [core.memory]
-        return {
-            "tensor_parallel_size": world, "threads_per_rank": threads, "start_s": round(start_s, 2),
-            "decode_ms_per_token": round(1000 * one_s / one_steps, 2),
-            "batch_output_tok_s": round(args.batch * args.new / batch_s, 1),
-            "batch_steps": batch_steps,
-            "allreduce_ms_per_step": round(1000 * (tp.reduce_s - r0) / batch_steps, 2),
-            "allreduces_per_step": round((tp.reduces - n0) / batch_steps, 1),
-            "messages_per_step": round((_messages(tp) - m0) / batch_steps, 2),  # rank 0 to the others
+        return row | {
+            "batch_steps": steps[0],
+            "allreduce_ms_per_step": round(1000 * (tp.reduce_s - r0) / steps[0], 2),
+            "allreduces_per_step": round((tp.reduces - n0) / steps[0], 1),
+            "messages_per_step": round((_messages(tp) - m0) / steps[0], 2),  # rank 0 to the others
             "swaps": core.stats().num_swaps - s0,
             "rank_weight_bytes": [m.weight_bytes for m in memory],
             "rank_resident_growth_bytes": [m.resident_growth for m in memory],
         }
     finally:
-        core.close()
+        await engine.close()
 
 
 def _messages(tp) -> int:
@@ -81,10 +86,18 @@ def _messages(tp) -> int:
 
 
 def measure_fresh(world: int) -> dict:
-    """measure(world) in a process of its own, so that the resident-memory growth starts from a clean heap."""
+    """measure(world) in a process of its own, so that the resident-memory growth starts from a clean heap: the
+    core alone, then through the stream (the speed figures)."""
     out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", str(world)], check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+async def measure_modes(world: int, args) -> dict:
+    alone = await measure(world, args, "core alone")
+    stream = await measure(world, args, "stream")
+    return alone | {key: stream[key] for key in ("decode_ms_per_token", "batch_output_tok_s")} | {
+        "core_alone": {key: alone[key] for key in ("decode_ms_per_token", "batch_output_tok_s")}}
 
 
 def main(args) -> dict:
@@ -125,7 +138,7 @@ if __name__ == "__main__":
     p.add_argument("--only", type=int, default=None, help=argparse.SUPPRESS)  # one row, in this process
     args = p.parse_args()
     if args.only is not None:
-        print(json.dumps(measure(args.only, args)))
+        print(json.dumps(asyncio.run(measure_modes(args.only, args))))
         sys.exit(0)
     result = main(args)
     text = json.dumps(result, indent=2)
