@@ -51,6 +51,21 @@ async def test_restart_serves_prefixes_from_disk(llama_dir, tmp_path):
     assert stats.tiers["cold"].hits == 640 and stats.tiers["cold"].failures == 0
 
 
+async def test_a_close_writes_back_more_than_the_write_queue_holds(llama_dir, tmp_path, monkeypatch):
+    """The close writes every cached block to disk; the cold tier's bound on queued writes (which drops demotions
+    while serving rather than slow the steps) makes the close wait for the disk instead of dropping blocks."""
+    from tieredkv.tiers import cold, manager
+
+    monkeypatch.setattr(cold, "MAX_PENDING", 3 * BLOCK_BYTES)
+    monkeypatch.setattr(manager, "_BATCH", 2)  # the close exports 2 blocks at a time: the third waits for room
+    path = str(tmp_path / "cold")
+    first, _, stats = await run(llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
+    again, usage, stats = await run(llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
+    assert again == first
+    assert [u.cached_tokens_by_tier["cold"] for u in usage] == [160] * 4
+    assert stats.tiers["cold"].failures == 0
+
+
 @pytest.mark.parametrize("change", [{"block_size": 8}, {"dtype": "bfloat16"}], ids=["block-size", "dtype"])
 async def test_other_fingerprint_on_the_same_path_gets_no_hits(llama_dir, tmp_path, change):
     path = str(tmp_path / "cold")

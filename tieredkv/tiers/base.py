@@ -182,6 +182,12 @@ class KVTier(ABC):
         not change afterwards."""
         return self.put_sync(keys, blocks), NO_VICTIMS
 
+    def persist_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
+        """Write-back at shutdown (the tier manager's `persist`): like admit, but a tier that bounds the writes
+        waiting for it waits for room rather than dropping blocks, as nothing is served meanwhile. Returns how many
+        are stored or queued (present ones count)."""
+        return self.admit(keys, blocks)[0]
+
     def wanted(self, keys: Sequence[BlockKey]) -> list[int]:
         """Indices of the keys a shared tier would store if offered (it may skip those it knows it holds);
         cheap, no I/O."""

@@ -78,7 +78,7 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         self._used = 0  # bytes (whole pages) stored, as of the writer's last transaction
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0  # bytes of blocks queued for the writer (bounded by MAX_PENDING)
-        self._pending_lock = threading.Lock()
+        self._room = threading.Condition()  # guards _pending; the writer notifies as it takes bytes off
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="tieredkv-lmdb-writer", daemon=True)
         self._writer.start()
@@ -182,6 +182,14 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
         position renewed), not encoded and written again. When more than MAX_PENDING bytes already wait
         (a disk slower than the demotions), the blocks are dropped and counted as a failure: the queue stays
         bounded."""
+        return self._queue_blocks(keys, blocks, wait=False), NO_VICTIMS
+
+    def persist_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
+        """As admit, but when MAX_PENDING bytes already wait it waits for the writer to make room (shutdown's
+        write-back: a disk slower than the pool's export slows the close; nothing is dropped)."""
+        return self._queue_blocks(keys, blocks, wait=True)
+
+    def _queue_blocks(self, keys: Sequence[BlockKey], blocks: torch.Tensor, wait: bool) -> int:
         keys = list(keys)
         with self.handle.transaction(db=self.db_blocks, buffers=True) as txn:  # a block on disk already is not
             present = [txn.get(self._key(k)) is not None for k in keys]  # encoded and written again: touched
@@ -190,22 +198,24 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
                 self._queue.put(("touch", [self._key(k) for k, p in zip(keys, present) if p], None))
             new = [i for i, p in enumerate(present) if not p]
             if not new:
-                return len(keys), NO_VICTIMS
+                return len(keys)
             blocks = blocks[torch.tensor(new)]
             keys = [keys[i] for i in new]
         size = blocks.numel() * blocks.element_size()
-        with self._pending_lock:
-            queued = self._writer.is_alive() and self._pending + size <= MAX_PENDING
+        with self._room:
+            while wait and self._pending and self._pending + size > MAX_PENDING and self._writer.is_alive():
+                self._room.wait(0.5)  # (a batch larger than the bound goes alone, once nothing else waits)
+            queued = self._writer.is_alive() and (self._pending + size <= MAX_PENDING or wait)
             self._pending += size if queued else 0
         if not queued:
             if self._writer.is_alive():
                 log.warning("cold tier: %d MiB of writes wait for the disk; %d blocks dropped", self._pending >> 20,
                             len(keys))
                 self.count(failures=1)
-            return 0, NO_VICTIMS
+            return 0
         self._queue.put(("put_blocks", (keys, blocks), None))
         self.report_stored(keys)  # (queued: reported as written, as a router needs no more precision)
-        return len(keys) + sum(present), NO_VICTIMS
+        return len(keys) + sum(present)
 
     def put_sync(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
         stored = self._wait("put", [(self._key(k), self._encode(k, b)) for k, b in zip(keys, blocks)])
@@ -257,8 +267,9 @@ class ColdTier(ColdFormat, ColdTxnOps, KVTier):
                 results = [0] * len(batch)
             finally:
                 done_bytes = sum(p[1].numel() * p[1].element_size() for kind, p, _ in batch if kind == "put_blocks")
-                with self._pending_lock:
+                with self._room:
                     self._pending -= done_bytes
+                    self._room.notify_all()
             for (_, _, done), result in zip(batch, results):
                 if done is not None and not done.done():
                     done.set_result(result)

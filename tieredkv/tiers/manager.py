@@ -314,7 +314,7 @@ class TierManager:
             for keys, data in tier.export_sync(_BATCH):
                 keys, data = self._admitted(durable, keys, data)
                 if keys:
-                    durable.admit(keys, data)
+                    durable.persist_sync(keys, data)  # waits for room where the tier bounds its queue
                 n += len(keys)
         return n
 
