@@ -2,7 +2,7 @@
 4 system prompts of 1,024 tokens x 8 conversations (32-token questions, 32 output tokens), all at once.
 
     .venv/bin/python benchmarks/bench_cascade.py            # with transformers one at a time (~5 min more)
-    .venv/bin/python benchmarks/bench_cascade.py --no-hf
+    .venv/bin/python benchmarks/bench_cascade.py --no-hf [--json F]
 
 Reports output tok/s and median TTFT for the engine with grouping on and off (and transformers one
 request at a time), and the median interval between a conversation's tokens while all 32 decode (one decode step
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -83,9 +84,14 @@ async def main(args) -> None:
           f"decode step {off['step_ms'] / on['step_ms']:.2f}x faster")
     if args.hf:
         print(f"vs transformers one at a time: {on['tok_s'] / results['transformers one at a time']['tok_s']:.2f}x")
+    if args.json:
+        from tieredkv.platform.cpu_features import cpu_info
+
+        Path(args.json).write_text(json.dumps({"machine": cpu_info().describe(None), "results": results}, indent=1))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-hf", dest="hf", action="store_false")
+    parser.add_argument("--json", help="write the results here")
     asyncio.run(main(parser.parse_args()))

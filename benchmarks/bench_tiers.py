@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -112,16 +113,17 @@ async def rotating_chatbot(tiers_on: bool, systems: int, questions: int, concurr
             "preemptions": stats.num_preemptions}
 
 
-async def main(args) -> None:
+async def main(args) -> dict:
+    out: dict = {}
     if args.part in ("all", "restore"):
         print("## restoring a 4,096-token prefix (time to first token, median of", args.trials, "trials)")
-        ttfts = await restore_ttft(args.trials)
+        ttfts = out["restore_ttft_s"] = await restore_ttft(args.trials)
         base = ttfts["recompute"]
         print("| source | TTFT s | speed-up vs recompute |\n|---|---|---|")
         for name, t in ttfts.items():
             print(f"| {name} | {t:.3f} | {base / t:.1f}x |")
     if args.part == "restore":
-        return
+        return out
 
     print(f"\n## rotating chatbot: {args.systems} system prompts x {args.questions} questions, hot pool holds 4")
     on = await rotating_chatbot(True, args.systems, args.questions, args.concurrency)
@@ -132,6 +134,8 @@ async def main(args) -> None:
         print(f"| {name} | {h['hot']:.1%} | {h['warm']:.1%} | {h['cold']:.1%} | {r['requests/s']:.2f} | "
               f"{r['seconds']:.1f} |")
     print(f"\nthroughput, tiers on / hot only: {on['requests/s'] / off['requests/s']:.2f}x")
+    out["rotating"] = {"tiers on": on, "hot only": off}
+    return out
 
 
 if __name__ == "__main__":
@@ -139,7 +143,12 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--part", choices=["all", "restore", "rotating"], default="all")
+    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     args.trials = 1 if args.quick else 3
     args.systems, args.questions = (8, 4) if args.quick else (16, 8)
-    asyncio.run(main(args))
+    results = asyncio.run(main(args))
+    if args.json:
+        from tieredkv.platform.cpu_features import cpu_info
+
+        Path(args.json).write_text(json.dumps({"machine": cpu_info().describe(None), **results}, indent=1))
