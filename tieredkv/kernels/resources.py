@@ -12,6 +12,7 @@ prints the table in docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -164,17 +165,28 @@ def compile_variant(key: tuple, cc: int) -> KernelResources:
 
 def _report_file(ptx: str, cc: int) -> Path:
     """Where ptxas's report on this PTX for sm_<cc> is kept: under the cache directory, named by the PTX, the
-    target, Triton's version (its ptxas flags) and the ptxas binary (its path, size and time), so a report is only
-    ever read for what produced it."""
+    target, Triton's version (its ptxas flags) and the ptxas binary (its bytes), so a report is only ever read for
+    what produced it. The PTX's `.file` directives (the source's path, for line info) are left out of the name: a
+    checkout at another path, or another environment with the same Triton, produces the same code and reads the
+    same report (Triton's own cache is shared by them and serves a kernel compiled in either)."""
     import triton
     from triton.backends.nvidia.compiler import get_ptxas
 
     found = get_ptxas(cc)
-    ptxas = Path(getattr(found, "path", found))
-    stat = ptxas.stat()
-    made_by = f"{triton.__version__}\0{ptxas}\0{stat.st_size}\0{stat.st_mtime_ns}\0{cc}"
-    key = hashlib.sha256(f"{made_by}\0{ptx}".encode()).hexdigest()[:32]
+    made_by = f"{triton.__version__}\0{_binary_digest(str(getattr(found, 'path', found)))}\0{cc}"
+    code = re.sub(r"(?m)^\s*\.file\s.*$", "", ptx)
+    key = hashlib.sha256(f"{made_by}\0{code}".encode()).hexdigest()[:32]
     return default_cache_dir() / "ptxas" / f"{key}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _binary_digest(path: str) -> str:
+    """A digest of the file's bytes (ptxas: ~30 MB, read once a process)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _keep_report(ptx: str, cc: int, report: str) -> None:
