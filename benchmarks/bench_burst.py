@@ -29,7 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from llama_server import llama_server  # noqa: E402
 
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
+from serving import Served  # noqa: E402
+
+from tieredkv import EngineConfig  # noqa: E402
 from tieredkv.platform.cpu_features import cpu_info  # noqa: E402
 
 NEW_TOKENS, BS = 32, 16
@@ -60,30 +62,22 @@ def percentiles(ttfts: list[float]) -> dict:
 
 
 async def run_engine(name: str, **overrides) -> dict:
+    """The engine through the stream, the core in a process of its own (benchmarks/serving.py)."""
     cfg = EngineConfig(model="default", max_num_seqs=64, warm_bytes=0, compile_in_background=False, **overrides)
-    async with await AsyncEngine.start(cfg) as engine:
-        vocab = engine.info.vocab_size
+    engine = await Served.start(cfg, "stream")
+    try:
+        vocab = engine.vocab_size
         rng = random.Random(1)
-        await engine.generate([rng.randrange(100, vocab) for _ in range(64)], SamplingParams(max_tokens=4))
+        await engine.serve([([rng.randrange(100, vocab) for _ in range(64)], 4)])
         fresh = [rng.randrange(100, vocab) for _ in range(1024)]
-        t0 = time.perf_counter()
-        await engine.generate(fresh, SamplingParams(max_tokens=1))
-        prefill_rate = 1024 / (time.perf_counter() - t0)
+        prefill_rate = 1024 / (await engine.serve([(fresh, 1)])).ttft()
         systems, convs = workload(vocab)
         before = engine.stats()
-        t0, ttfts = time.perf_counter(), []
-
-        async def one(prompt):
-            first, n = None, 0
-            async for chunk in engine.stream(prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)):
-                first = first or time.perf_counter() - t0
-                n += len(chunk.token_ids)
-            ttfts.append(first)
-            return n
-
-        tokens = sum(await asyncio.gather(*(one(p) for _, p in convs)))
-        seconds = time.perf_counter() - t0
+        got = await engine.serve([(p, NEW_TOKENS) for _, p in convs])
         after = engine.stats()
+    finally:
+        await engine.close()
+    tokens, seconds, ttfts = sum(map(len, got.tokens)), max(s[-1] for s in got.stamps) - got.t0, got.ttfts()
     necessary = necessary_tokens(systems, convs)
     return {"name": name, "tok_s": tokens / seconds, "seconds": seconds,
             "computed": after.prompt_tokens_computed - before.prompt_tokens_computed, "necessary": necessary,
