@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from tieredkv import EngineConfig, SamplingParams
+from tieredkv import EngineConfig
 from tieredkv.engine.engine_core import EngineCore
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,26 +103,14 @@ class StepClock:
             sink.clear()
 
 
-def run(core: EngineCore, prompts: list[list[int]], max_tokens: list[int], stamps: list | None = None) -> list:
-    """Serves the prompts at once to the end; returns each one's tokens. `stamps` gets the time of every
-    step that produced a token for the first request."""
-    reqs = [core.factory.make(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_tokens)]
-    for r in reqs:
-        if core.add_request(r):
-            raise RuntimeError("request refused")
-    first = reqs[0].seqs[0]
-    while core.has_work():
-        before = first.num_tokens
-        core.step()
-        if stamps is not None and first.num_tokens > before:
-            stamps.append(time.perf_counter())
-    return [r.seqs[0].output_token_ids for r in reqs]
+def run(core: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -> list:
+    """Serves the prompts at once to the end on the engine core alone; returns each one's tokens."""
+    return Served("core alone", core=core).serve_sync(list(zip(prompts, max_tokens))).tokens
 
 
 def decode_ms(core: EngineCore, prompt: list[int], n: int) -> float:
-    stamps: list[float] = []
-    run(core, [prompt], [n], stamps)
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1000
+    """served_decode_ms on the engine core alone, for synchronous code."""
+    return Served("core alone", core=core).serve_sync([(prompt, n)]).ms_per_token()
 
 
 async def served_decode_ms(engine: Served, prompt: list[int], n: int) -> float:
@@ -248,7 +236,7 @@ async def main(args) -> dict:
     for _ in range(args.repeats):  # interleaved: a drift in machine speed hits every variant alike
         for name in variants:
             ms[name].append(await served_decode_ms(streams[name], prompt, args.tokens))
-            alone[name].append(decode_ms(cores[name], prompt, args.tokens))
+            alone[name].append(await served_decode_ms(variants[name]["core alone"], prompt, args.tokens))
         ms["transformers"].append(hf_decode_ms(hf, prompt, args.tokens))
     results["decode_ms"] = {name: statistics.median(v) for name, v in ms.items()}  # the stream's; transformers'
     results["decode_ms_core_alone"] = {name: statistics.median(v) for name, v in alone.items()}

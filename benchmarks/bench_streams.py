@@ -14,7 +14,6 @@ measured (is the measured count the right one?).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 from pathlib import Path
@@ -32,7 +31,7 @@ NEW = 64
 
 def output_rate(core: EngineCore, prompts: list[list[int]]) -> float:
     """Output tok/s of the prompts at once on the engine core alone (the kernels' choice is the core's to flip)."""
-    return asyncio.run(Served("core alone", core=core).serve([(p, NEW) for p in prompts])).tok_s()
+    return Served("core alone", core=core).serve_sync([(p, NEW) for p in prompts]).tok_s()
 
 
 def main(args) -> dict:

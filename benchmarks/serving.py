@@ -105,12 +105,17 @@ class Served:
     async def serve(self, requests: list[Request], ignore_eos: bool = True, **params) -> Timings:
         """Serves the requests at once (greedy, `params` added) to their ends: each its tokens, or (ignore_eos
         False) up to them, stopping at the end of a sequence."""
+        if self.engine is None:
+            return self.serve_sync(requests, ignore_eos, **params)
         made = [SamplingParams(max_tokens=n, ignore_eos=ignore_eos, **params) for _, n in requests]
-        got = await (self._stream(requests, made) if self.engine else self._step(requests, made))
-        counts = [len(s) for s in got.stamps]
-        if any(not 0 < c <= n or (ignore_eos and c != n) for c, (_, n) in zip(counts, requests)):
-            raise RuntimeError(f"token counts {counts}, asked {[n for _, n in requests]}")
-        return got
+        return _checked(await self._stream(requests, made), requests, ignore_eos)
+
+    def serve_sync(self, requests: list[Request], ignore_eos: bool = True, **params) -> Timings:
+        """`serve` on the engine core alone, for synchronous code."""
+        if self.core is None:
+            raise ValueError("serve_sync steps the engine core alone; a stream is served by `serve`")
+        made = [SamplingParams(max_tokens=n, ignore_eos=ignore_eos, **params) for _, n in requests]
+        return _checked(self._step(requests, made), requests, ignore_eos)
 
     async def _stream(self, requests: list[Request], made: list[SamplingParams]) -> Timings:
         engine = self.engine
@@ -130,7 +135,7 @@ class Served:
         await asyncio.gather(*(one(i) for i in range(len(requests))))
         return Timings(t0, stamps, tokens, usage)
 
-    async def _step(self, requests: list[Request], made: list[SamplingParams]) -> Timings:
+    def _step(self, requests: list[Request], made: list[SamplingParams]) -> Timings:
         core = self.core
         reqs = [core.factory.make(p, sp) for (p, _), sp in zip(requests, made)]
         stamps: list[list[float]] = [[] for _ in requests]
@@ -154,3 +159,10 @@ class Served:
             await self.engine.close()
         else:
             self.core.close()
+
+
+def _checked(got: Timings, requests: list[Request], ignore_eos: bool) -> Timings:
+    counts = [len(s) for s in got.stamps]
+    if any(not 0 < c <= n or (ignore_eos and c != n) for c, (_, n) in zip(counts, requests)):
+        raise RuntimeError(f"token counts {counts}, asked {[n for _, n in requests]}")
+    return got
