@@ -68,14 +68,12 @@ async def run(label: str, cfg: EngineConfig, prompts: list[list[int]], max_token
     engine = await Served.start(cfg, mode)
     peak = [0]
     if engine.core is not None:
-        core, step = engine.core, engine.core.step
+        pool = engine.core.pool
 
-        def counted():
-            out = step()
-            peak[0] = max(peak[0], core.pool.num_blocks - core.pool.num_free)
-            return out
+        def watch() -> None:
+            peak[0] = max(peak[0], pool.num_blocks - pool.num_free)
 
-        core.step = counted
+        engine.after_step = watch
     try:
         answers = []
         for prompt in prompts:

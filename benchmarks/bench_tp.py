@@ -53,13 +53,12 @@ async def measure(world: int, args, mode: str) -> dict:
         if core is None:
             row["batch_output_tok_s"] = round((await engine.serve([(p, args.new) for p in prompts])).tok_s(), 1)
             return row
-        tp, step = core.tp, core.step
+        tp = core.tp
 
-        def counted():
+        def count() -> None:
             steps[0] += 1
-            return step()
 
-        core.step = counted
+        engine.after_step = count
         r0, n0, m0, s0 = tp.reduce_s, tp.reduces, _messages(tp), core.stats().num_swaps
         row["batch_output_tok_s"] = round((await engine.serve([(p, args.new) for p in prompts])).tok_s(), 1)
         memory = core.memory if isinstance(core.memory, list) else [core.memory]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams, Usage
 
@@ -69,6 +70,7 @@ class Served:
 
     def __init__(self, mode: str, engine: AsyncEngine | None = None, core=None):
         self.mode, self.engine, self.core = mode, engine, core
+        self.after_step: Callable[[], None] | None = None  # the core alone: called after each of its steps
 
     @classmethod
     async def start(cls, config: EngineConfig, mode: str = "stream") -> "Served":
@@ -146,6 +148,8 @@ class Served:
         while core.has_work():
             core.step()
             now = time.perf_counter()
+            if self.after_step is not None:
+                self.after_step()
             for i, r in enumerate(reqs):
                 got = len(r.seqs[0].output_token_ids) if r.seqs else 0
                 stamps[i].extend([now] * (got - len(stamps[i])))
