@@ -232,6 +232,33 @@ async def test_a_full_server_costs_cache_never_a_request(llama_dir, fleet_key, t
         assert stats.failures == 0 and info["evicted_keys"] > 0
 
 
+def test_what_a_call_saw_before_another_threads_trip_is_not_remembered(server, tmp_path, monkeypatch):
+    """The server answered a call, then died, and another thread's call tripped the breaker (the server may
+    come back empty) before this one noted what it saw: those blocks must stay wanted, or a restarted server
+    never gets them again (a lookup then finds one block where it should find all)."""
+    tier = RemoteTier(server.url, "fp-race", SHAPE, torch.float32, tmp_path / "k", timeout_s=0.3, retry_s=0.1)
+    try:
+        keys, blocks = make_keys(4, seed=3), make_blocks(4, seed=3)
+        answered = tier._pipeline
+
+        def then_tripped(commands):
+            replies = answered(commands)
+            tier._trip(ConnectionError("another thread's call, to the killed server"))
+            return replies
+
+        monkeypatch.setattr(tier, "_pipeline", then_tripped)
+        assert tier.put_sync(keys, blocks) == 4  # the server stored them ...
+        assert tier.wanted(keys) == [0, 1, 2, 3]  # ... but after the trip that is not known
+        time.sleep(0.15)
+        assert tier.get_sync(keys).equal(blocks)
+        assert tier.wanted(keys) == [0, 1, 2, 3]
+        monkeypatch.undo()
+        time.sleep(0.15)
+        assert tier.put_sync(keys, blocks) == 4 and tier.wanted(keys) == []
+    finally:
+        tier.close_sync()
+
+
 def test_an_unreachable_server_at_start_is_a_miss_not_an_error(tmp_path):
     from tieredkv.tools.local_valkey import free_port
 

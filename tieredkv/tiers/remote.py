@@ -121,6 +121,7 @@ class RemoteTier(ColdFormat, KVTier):
         self._state_lock = threading.Lock()  # held for dict updates only: the worker thread takes it
         self._connect_lock = threading.Lock()  # held while connecting (network calls): never by the worker
         self._known: OrderedDict[bytes, float] = OrderedDict()  # block hash -> when seen on the server
+        self._outages = 0  # breaker trips so far: what a call saw before one is not remembered after it
         self._pending = 0  # bytes queued for the writer
         self._queue: queue.Queue = queue.Queue()
         self._url, self._timeout_s = url, timeout_s
@@ -168,10 +169,11 @@ class RemoteTier(ColdFormat, KVTier):
             was_up = time.monotonic() >= self._down_until
             self._down_until = time.monotonic() + self.retry_s
             self._known.clear()
+            self._outages += 1
         self.count(failures=1)
         if was_up:
             log.warning("remote tier %s unreachable (%s): lookups are misses and writes are dropped; retrying in "
-                        "%.0f s", self.url, error or "timeout", self.retry_s)
+                        "%g s", self.url, error or "timeout", self.retry_s)
 
     def _pipeline(self, commands: list[tuple]) -> list | None:
         """Sends the commands in one round trip; their replies (a failed command's is its exception,
@@ -228,9 +230,14 @@ class RemoteTier(ColdFormat, KVTier):
 
     # -- what this engine knows the server holds -------------------------------------------------------
 
-    def _remember(self, keys: Sequence[BlockKey]) -> None:
+    def _remember(self, keys: Sequence[BlockKey], outages: int) -> None:
+        """Notes keys as held by the server, seen by a call that started after `outages` trips. A trip since
+        (another thread's call failed: the server may have restarted empty) makes what the call saw stale:
+        remembering it would keep those blocks from being written again."""
         now = time.monotonic()
         with self._state_lock:
+            if outages != self._outages:
+                return
             for key in keys:
                 self._known[key.block_hash] = now
                 self._known.move_to_end(key.block_hash)
@@ -277,7 +284,7 @@ class RemoteTier(ColdFormat, KVTier):
     def get_sync(self, keys: Sequence[BlockKey]) -> torch.Tensor | None:
         """The blocks of the longest present prefix of keys, [n, *block_shape], or None; read in pipelined
         chunks, stopping at the first miss. Assembled with plain memory copies, as the cold tier's."""
-        data, found, deadline = bytearray(), 0, time.monotonic() + self._timeout_s
+        data, found, deadline, outages = bytearray(), 0, time.monotonic() + self._timeout_s, self._outages
         for start in range(0, len(keys), _CHUNK):
             if start and time.monotonic() > deadline:  # remote_timeout_s bounds the whole call: what came is served
                 self.count(failures=1)
@@ -298,7 +305,7 @@ class RemoteTier(ColdFormat, KVTier):
                 break
         if not found:
             return None
-        self._remember(keys[:found])
+        self._remember(keys[:found], outages)
         return self._blocks(data, found)
 
     def export_sync(self, batch: int) -> Iterator[tuple[list[BlockKey], torch.Tensor]]:
@@ -349,12 +356,13 @@ class RemoteTier(ColdFormat, KVTier):
                 break
             chunk = keys[start : start + _CHUNK]
             values = [self._encode(k, b) for k, b in zip(chunk, blocks[start : start + _CHUNK])]
+            outages = self._outages
             replies = self._pipeline([self._set_command(k, v) for k, v in zip(chunk, values)])
             if replies is None:
                 break
             ok = [k for k, r in zip(chunk, replies) if r is True or r == b"OK"]
             self.count(bytes_written=sum(len(v) for v in values))
-            self._remember(ok)
+            self._remember(ok, outages)
             stored += len(ok)
         return stored
 
