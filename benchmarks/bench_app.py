@@ -2,7 +2,8 @@
 engine does its own work, with the engine core in a process of its own (core_process=True, the default) and on a
 thread of the application's process (core_process=False), beside the engine core alone on the main thread.
 
-    .venv/bin/python benchmarks/bench_app.py [--rounds 3] [--tokens 48] [--cases clean "torch op" ...] [--out F]
+    .venv/bin/python benchmarks/bench_app.py [--rounds 3] [--tokens 48] [--cases clean "torch op" ...]
+        [--modes thread process "process, cores not shared"] [--out F]
 
 Cases (each run in a fresh process, the cases and modes alternating within a round, ratios from medians, and from
 the fastest round of each, as the machines these ran on drift between a quiet and a loaded state):
@@ -12,6 +13,8 @@ the fastest round of each, as the machines these ran on drift between a quiet an
   loop 13%     the application's event loop: JSON round trips of ~0.7 ms, then 5 ms asleep
   loop 40%     the same with 1 ms asleep
   loop busy    JSON round trips with `await asyncio.sleep(0)` between them, all the time; 4 streams at once
+Modes: "thread" (core_process=False), "process" (the default engine), "process, cores not shared" (the core in its
+own process with share_cores=False: every step on all threads, however busy the application keeps the cores).
 The prompt is 64 tokens, then --tokens new tokens (the default model, fp32, prefix caching off; the first
 tokens after the prompt are not timed). Busy cases stop after --limit seconds and report the tokens they got.
 """
@@ -75,15 +78,18 @@ async def _decode(engine, n: int, streams: int, limit: float) -> dict:
     return {"ms_per_token": ms, "tokens": tokens, "finished": not pending}
 
 
-async def _run_case(case: str, core_process: bool, n: int, limit: float) -> dict:
+MODES = ("thread", "process", "process, cores not shared")
+
+
+async def _run_case(case: str, mode: str, n: int, limit: float) -> dict:
     import torch
 
     from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 
     if case == "torch op":
         torch.ones(1 << 22).sum()  # a parallel op: the main thread's OpenMP team now exists
-    config = EngineConfig(core_process=core_process, enable_prefix_caching=False, warm_bytes=0,
-                          compile_in_background=False)
+    config = EngineConfig(core_process=mode != "thread", enable_prefix_caching=False, warm_bytes=0,
+                          compile_in_background=False, share_cores=mode != "process, cores not shared")
     t0 = time.perf_counter()
     engine = await AsyncEngine.start(config)
     started = time.perf_counter() - t0
@@ -94,6 +100,8 @@ async def _run_case(case: str, core_process: bool, n: int, limit: float) -> dict
     stop.set()
     if app is not None:
         out["app_rounds"] = await app
+    out["step_threads"] = {k.split(": ", 1)[1]: v for k, v in engine.stats().kernel_calls.items()
+                           if k.startswith("step threads")}  # steps per thread count (share_cores)
     await engine.close()
     return {**out, "start_s": started}
 
@@ -122,7 +130,7 @@ def child(args) -> None:
     if args.case == "core alone":
         result = _core_alone(args.tokens)
     else:
-        result = asyncio.run(_run_case(args.case, args.mode == "process", args.tokens, args.limit))
+        result = asyncio.run(_run_case(args.case, args.mode, args.tokens, args.limit))
     report(result)
 
 
@@ -135,7 +143,7 @@ def main(args) -> dict:
     from tieredkv.platform.cpu_features import cpu_info
 
     cases = [c for c in CASES[1:] if c in args.cases]
-    runs = [("core alone", "thread")] + [(c, m) for c in cases for m in ("thread", "process")]
+    runs = [("core alone", "thread")] + [(c, m) for c in cases for m in args.modes]
     rounds: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         for case, mode in runs if r % 2 == 0 else reversed(runs):
@@ -154,7 +162,7 @@ def main(args) -> dict:
     core, core_best = median("core alone | thread"), best("core alone | thread")
     table = {}
     for case in cases:
-        for mode in ("thread", "process"):
+        for mode in args.modes:
             key = f"{case} | {mode}"
             ms, fastest = median(key), best(key)
             clean, clean_best = median(f"clean | {mode}"), best(f"clean | {mode}")
@@ -179,6 +187,7 @@ if __name__ == "__main__":
     p.add_argument("--out", default=None)
     p.add_argument("--cases", nargs="+", choices=CASES[1:], default=CASES[1:], help="the cases beside the core alone")
     p.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=("thread", "process"), help=argparse.SUPPRESS)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:2]))
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
     child(args) if args.case else main(args)

@@ -160,6 +160,11 @@ class EngineConfig(BaseModel):
         'references for the rest); "torch": the torch references everywhere')
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's, one "
                                     "per core: measured 2x faster than 1 alone, equal beside busy processes)")
+    share_cores: bool = Field(
+        True, description="on CPU, with the core in a process of its own: while other processes keep the engine's "
+        "cores busy (the application beside it), run each step on one thread fewer where that is measured faster "
+        "for steps of its size; outputs unchanged to the bit (platform/cpu_share.py). Only where the engine has a "
+        "thread per core, one rank")
     compile_decode: bool | None = Field(
         None, description="run a step that decodes one sequence through an inductor-compiled graph (compiled at "
         "start-up, cached under cache_dir), or, for quantized weights on CPU, through the native C step (nothing "

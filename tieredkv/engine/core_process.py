@@ -24,6 +24,7 @@ from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.engine.outputs import EngineStats
 from tieredkv.engine.stream import Channel
 from tieredkv.engine.wire import FrameProtocol, encode
+from tieredkv.platform.process import PROCESS
 
 log = logging.getLogger("tieredkv")
 STATS_INTERVAL_S = 0.05  # stats that changed without any output (a prefill chunk, a sleep) go out this often
@@ -268,6 +269,7 @@ async def _serve_messages(frames: asyncio.Queue, host: Host) -> None:
 
 def main(argv: list[str]) -> int:
     fd = int(argv[1])
+    PROCESS.engine_owned = True
     os.set_inheritable(fd, False)  # processes this one starts (tensor-parallel ranks) must not hold the socket
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the application, which closes this engine
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s (core process): %(message)s")

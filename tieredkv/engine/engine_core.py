@@ -19,7 +19,10 @@ from tieredkv.engine.sizing import kv_token_bytes
 from tieredkv.engine.speculative import DraftProposer, draft_config
 from tieredkv.errors import EngineClosedError, LoRAError, RequestError
 from tieredkv.kernels.calls import labelled
+from tieredkv.kernels.quant_cpu import CPU
+from tieredkv.platform.cpu_share import CpuShare
 from tieredkv.platform.malloc_tuning import release_free_memory
+from tieredkv.platform.process import PROCESS
 from tieredkv.tiers.rates import RATE_TOKENS
 
 log = logging.getLogger("tieredkv")
@@ -34,6 +37,9 @@ class EngineCore:
         self.config = config
         self.parts = build_engine(config)
         parts = self.parts
+        self.cpu_share = CpuShare(on_start=CPU.set_split_threads) if (  # only in a core process: on a thread of
+            config.share_cores and PROCESS.engine_owned and parts.device.type == "cpu" and parts.tp.world == 1
+        ) else None  # the application's, its work is this process's and torch's threads are its too
         warm = parts.tiers.warm
         in_place = warm is not None and warm.slab.untyped_storage().data_ptr() == \
             parts.kv_cache.untyped_storage().data_ptr()
@@ -95,6 +101,9 @@ class EngineCore:
             if speculator is not None and hasattr(speculator.proposer, "close"):
                 speculator.proposer.close()  # a draft model's engine
             self.sleeper.discard()
+            if self.cpu_share is not None and self.cpu_share.active:
+                self.cpu_share.close()
+                CPU.set_split_threads(0)
             self.parts.pins.release_all()
             self.parts.tiers.persist()
             self.parts.tiers.close()
@@ -220,9 +229,13 @@ class EngineCore:
             self.parts.tiers.io.flush()  # (tensor parallelism: the moves' ops go in a step without rows)
             return self._idle(out)
         try:
+            threads = self._threads_for(out.num_tokens)
             t_forward = time.perf_counter()
             logits, sampled = self.parts.runner.execute(out)
-            self.parts.tiers.rates.prefill(out.num_tokens, time.perf_counter() - t_forward)
+            forward_s = time.perf_counter() - t_forward
+            self.parts.tiers.rates.prefill(out.num_tokens, forward_s)
+            if threads:
+                self.cpu_share.after(out.num_tokens, forward_s)
         except EngineClosedError:  # a tensor-parallel rank is gone: the engine cannot go on
             raise
         except Exception as e:
@@ -235,6 +248,17 @@ class EngineCore:
         if decode_only:
             self.parts.speculator.observe(len(out.scheduled), out.num_tokens - len(out.scheduled), seconds)
         return outputs
+
+    def _threads_for(self, rows: int) -> int:
+        """Sets the threads this step's forward runs on (platform/cpu_share.py); 0 where nothing chooses them."""
+        share = self.cpu_share
+        if share is None:
+            return 0
+        threads = share.before(rows)
+        if not share.active:
+            return 0
+        self.parts.runner.kernel_calls["step threads", f"{threads} of {share.threads}"] += 1
+        return threads
 
     def _publish(self) -> None:
         """Blocks that became full this step go to the shared tier (when there is one), while their data

@@ -359,7 +359,8 @@ def draft_config(config: "EngineConfig") -> "EngineConfig":
         "model": spec.model, "quantization": spec.quantization, "speculative": None, "warm_bytes": 0,
         "cold_path": None, "remote_url": None, "num_blocks": None, "kv_cache_bytes": None,
         "enable_prefix_caching": True, "compile_in_background": False, "tensor_parallel_size": 1,
-        "block_size": DRAFT_BLOCK_SIZE, "int8_activations": None})
+        "block_size": DRAFT_BLOCK_SIZE, "int8_activations": None,
+        "share_cores": False})  # (the target's steps choose the threads its drafts run on)
 
 
 def check_same_vocabulary(target, target_vocab: int, draft, draft_vocab: int, name: str) -> None:

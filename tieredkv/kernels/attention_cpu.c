@@ -555,7 +555,17 @@ int tkv_attention_fits(int64_t Hq, int64_t D, int64_t bs, int64_t Hkv) {
     return Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= ATT_MAX_G && D <= ATT_MAX_D && D > 0 && bs > 0;
 }
 
-static int threads_now(void) {
+/* The threads that decode attention's splits are chosen for (tkv_split_threads): 0, the team's that runs it;
+ * else the count set, fixed while an engine serves, so that a step run on fewer threads (platform/cpu_share.py)
+ * splits its positions as every other step does and gives the same bits. */
+static int split_threads_set = 0;
+
+void tkv_set_split_threads(int threads) {
+    split_threads_set = threads > 0 ? threads : 0;
+}
+
+int tkv_split_threads(void) {
+    if (split_threads_set > 0) return split_threads_set;
 #ifdef _OPENMP
     return omp_in_parallel() ? omp_get_num_threads() : omp_get_max_threads();
 #else
@@ -575,7 +585,7 @@ int tkv_paged_decode(const float *q, int64_t B, int64_t Hq, int64_t D, const voi
         return -1;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
-    const int64_t S = att_splits(B, longest, threads_now());
+    const int64_t S = att_splits(B, longest, tkv_split_threads());
     float *parts = (float *)tkv_scratch((size_t)parts_floats(B, S, Hq, D) * sizeof(float));
     if (!parts) return -1;
     #pragma omp parallel

@@ -144,6 +144,9 @@ void tkv_kv_values(const uint8_t *rows, int64_t n, int64_t rb, int fmt, int64_t 
 #define TKV_ATT_MAX_ROWS 64
 int tkv_attention_fits(int64_t Hq, int64_t D, int64_t bs, int64_t Hkv);
 int64_t tkv_attention_splits(int64_t len, int threads);
+/* The thread count splits are chosen for: the one set (tkv_set_split_threads, > 0), else the running team's */
+int tkv_split_threads(void);
+void tkv_set_split_threads(int threads);
 int64_t tkv_attention_together(const int32_t *lens, int64_t R, int64_t bs, int threads);
 int64_t tkv_attention_parts(int64_t rows, int64_t splits, int64_t Hq, int64_t D);  /* the floats `parts` holds */
 /* kc, vc: the caches' bytes, rows of rb bytes (kv_heads rows a token); fmt: K's format | V's format << 4 */

@@ -185,10 +185,7 @@ int tkv_decode_rows(const tkv_model *m, int64_t R, const int64_t *tokens, const 
                     const int64_t *slots, const int32_t *tables, int64_t table_stride, float *logits) {
     const int64_t H = m->hidden, Hq = m->heads, Hkv = m->kv_heads, D = m->head_dim, I = m->inter;
     const int64_t qn = Hq * D, kn = Hkv * D, qkvn = qn + 2 * kn;
-    int threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
+    const int threads = tkv_split_threads();  /* what attention's splits are chosen for */
     int64_t most_splits = 1;
     for (int64_t r = 0; r < R; r++) {
         const int64_t sp = tkv_attention_splits(positions[r] + 1, threads);

@@ -71,6 +71,7 @@ _SIGNATURES = {
     "tkv_decode_fits": ([_P], ctypes.c_int),
     "tkv_rotary": ([_P, _I, _I, _I, _I, _P, _P, _P], None),
     "tkv_decode_rows": ([_P, _I, _P, _P, _P, _P, _I, _P], ctypes.c_int),
+    "tkv_set_split_threads": ([ctypes.c_int], None),
 }
 
 
@@ -228,6 +229,7 @@ class CpuLibrary:
         self.int8_gemm = ""  # the instructions gemm_cpu.c's int8 products of many rows run on ("": none)
         self.operators: ctypes.CDLL | None = None  # quant_ops.cpp's library, loaded once (it registers the ops)
         self.operators_error: str | None = None  # why it could not be had (then never tried again)
+        self.split_threads = 0  # the threads decode attention's splits are chosen for (0: the running team's)
 
     @property
     def operators_bound(self) -> bool:
@@ -251,6 +253,13 @@ class CpuLibrary:
             self.serve_with(lib, cache_dir, operators)
         return lib is not None
 
+    def set_split_threads(self, threads: int) -> None:
+        """Decode attention's positions split for `threads` threads whatever team runs it (0: the running team's):
+        a step on fewer threads than an engine started with then gives the same bits (platform/cpu_share.py)."""
+        self.split_threads = threads
+        if self.lib is not None:
+            self.lib.tkv_set_split_threads(threads)
+
     def bind_operators(self, cache_dir: Path) -> bool:
         """Builds (once per torch build: ~6 s) and binds the C++ operators (the quantized one-row product, decode
         attention) to the loaded kernels; the compiled decode path calls it before it traces, on its own thread,
@@ -263,6 +272,8 @@ class CpuLibrary:
         """Makes `lib` (a build of quant_cpu.c; None: the torch reference) the kernels the ops run, and binds the
         C++ operators to it where they can be built."""
         self.lib = lib
+        if lib is not None:
+            lib.tkv_set_split_threads(self.split_threads)
         self.q4_rows = GEMV_MAX_ROWS if lib is None else lib.tkv_q4_max_rows()
         self.int8_gemm = "" if lib is None else INT8_GEMM_ISA[lib.tkv_quant_gemm_native()]
         if lib is None or self.bound is lib or not operators:

@@ -45,6 +45,9 @@ class ProcessSettings:
         self._saved: dict[str, object] = {}
         self._values: dict[str, object] = {}
         self._logged: set[str] = set()
+        # whether an engine core owns this process (engine/core_process.py): no application code shares its cores'
+        # threads or its torch settings, and what else runs on the machine is another process's
+        self.engine_owned = False
 
     def holders(self, name: str) -> int:
         with self._lock:

@@ -1,0 +1,143 @@
+"""Steps on fewer threads while other processes want the cores (platform/cpu_share.py): the choice per step size,
+from measured times, only while others are busy; and outputs the same to the bit whichever count runs a step."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from helpers import rand_ids
+from tieredkv import EngineConfig, SamplingParams
+from tieredkv.engine.engine_core import EngineCore
+from tieredkv.kernels.quant_cpu import CPU
+from tieredkv.platform.cpu_share import CpuShare, busy_ticks
+
+HZ = 100
+
+
+class Machine:
+    """/proc's busy ticks as a test sets them: `others` cores busy besides this process, as time goes."""
+
+    def __init__(self, others: float):
+        self.others, self.ticks, self.t = others, 0.0, time.monotonic()
+
+    def __call__(self):
+        now = time.monotonic()
+        self.ticks += self.others * HZ * (now - self.t)
+        self.t = now
+        return self.ticks, 0
+
+
+def share(machine, **kw) -> tuple[CpuShare, list[int]]:
+    calls: list[int] = []
+    s = CpuShare(threads=2, cores=2, read=machine, set_threads=calls.append, interval_s=0.0, **kw)
+    s._hz = HZ
+    s.before(2)  # the first step reads /proc once (its interval starts there)
+    time.sleep(0.01)
+    return s, calls
+
+
+def test_quiet_machine_every_step_on_all_threads():
+    s, calls = share(Machine(0.05))
+    for rows in (1, 1, 512, 1):
+        assert s.before(rows) == 2
+        time.sleep(0.02)
+        s.after(rows, 0.01)
+    assert s.active and not s.contended and calls == []
+
+
+def test_busy_machine_each_size_runs_on_the_count_measured_faster_and_tries_the_other():
+    machine = Machine(0.6)
+    s, calls = share(machine, explore=4)
+    cost = {(1, 1): 0.010, (1, 2): 0.014, (512, 1): 0.300, (512, 2): 0.170}  # decode faster on 1, prefill on 2
+    picked = {1: [], 512: []}
+    for _ in range(12):
+        for rows in (1, 512):
+            time.sleep(0.002)
+            n = s.before(rows)
+            picked[rows].append(n)
+            s.after(rows, cost[rows, n])
+    assert s.contended and 0.3 < s.others < 1.2
+    # the first steps of a size try both counts, then the faster runs, the other every 4th step of that size
+    assert picked[1] == [1, 2, 1, 2, 1, 1, 1, 2, 1, 1, 1, 2]
+    assert picked[512] == [1, 2, 2, 1, 2, 2, 2, 1, 2, 2, 2, 1]
+    assert calls and calls[-1] == s.now and all(c in (1, 2) for c in calls)
+    machine.others = 0.0  # the others went quiet: all threads again
+    time.sleep(0.01)
+    assert s.before(1) == 2 and not s.contended
+    s.close()
+    assert s.now == 2
+
+
+def test_nothing_is_chosen_without_a_thread_per_core_or_proc():
+    for kw in (dict(threads=1, cores=1), dict(threads=2, cores=4)):
+        s = CpuShare(read=Machine(2.0), set_threads=pytest.fail, interval_s=0.0, **kw)
+        assert s.before(1) == kw["threads"] and not s.active
+    s = CpuShare(threads=2, cores=2, read=lambda: None, set_threads=pytest.fail)
+    assert s.before(1) == 2 and not s.active
+    ticks = busy_ticks()  # this machine's /proc, as the engine reads it
+    assert ticks is None or (ticks[0] >= 0 and 0 <= ticks[1])
+
+
+def _serve(core: EngineCore, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
+    captured, inner = [], core.runner.execute
+    core.runner.execute = lambda out: captured.append(inner(out)) or captured[-1]
+    reqs = [core.factory.make(p, SamplingParams(max_tokens=12, ignore_eos=True), f"r{i}") for i, p in
+            enumerate(prompts)]
+    for r in reqs:
+        assert core.add_request(r) == []
+    while core.has_work():
+        core.step()
+    core.runner.execute = inner
+    return [r.seqs[0].output_token_ids for r in reqs], [logits.clone() for logits, _ in captured]
+
+
+@pytest.mark.parametrize("scheme", [dict(compile_decode=False), dict(quantization="int8", compile_decode=True)],
+                         ids=["fp32-eager", "int8-native-step"])
+def test_steps_on_one_thread_of_two_give_the_same_bits(llama_dir, scheme):
+    """A batch of two sequences, one long enough that decode attention splits its positions across the threads,
+    served with every step on 2 threads, and with the steps alternating between 1 and 2: the same tokens and the
+    same logits to the bit at every step (the splits follow the engine's 2 threads, not the team's)."""
+    cfg = dict(model=str(llama_dir), num_blocks=64, warm_bytes=0, enable_prefix_caching=False, num_threads=2,
+               **scheme)
+    prompts = [rand_ids(400, seed=1), rand_ids(40, seed=2)]
+    plain = EngineCore(EngineConfig(**cfg, share_cores=False))
+    try:
+        assert plain.cpu_share is None
+        want_tokens, want = _serve(plain, prompts)
+    finally:
+        plain.close()
+    shared = EngineCore(EngineConfig(**cfg))
+    try:
+        shared.cpu_share = CpuShare(threads=2, cores=2, read=Machine(1.5), interval_s=0.0, explore=2,
+                                    on_start=CPU.set_split_threads)
+        shared.cpu_share._hz = HZ
+        got_tokens, got = _serve(shared, prompts)
+        calls = shared.stats().kernel_calls
+        assert calls["step threads: 1 of 2"] >= 4 and calls["step threads: 2 of 2"] >= 4, calls
+        if scheme.get("quantization"):
+            assert calls["forward: native step"] >= 8, calls
+    finally:
+        shared.close()
+    assert CPU.split_threads == 0  # the close gave the kernels their own split count back
+    assert got_tokens == want_tokens
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+async def test_the_core_process_chooses_its_steps_threads_and_the_application_process_never(llama_dir):
+    """A core in a process of its own with a thread per core counts each step's threads (whichever the machine's
+    other work made it choose); an engine core on a thread of the application's process chooses none."""
+    from tieredkv import AsyncEngine
+
+    cores = len(os.sched_getaffinity(0))
+    cfg = EngineConfig(model=str(llama_dir), num_blocks=32, warm_bytes=0, num_threads=cores, core_process=True)
+    async with await AsyncEngine.start(cfg) as engine:
+        await engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))
+        steps = {k: v for k, v in engine.stats().kernel_calls.items() if k.startswith("step threads")}
+    if cores >= 2:
+        assert sum(steps.values()) == 4 and all(k.endswith(f" of {cores}") for k in steps), steps
+    else:
+        assert steps == {}
+    async with await AsyncEngine.start(cfg.model_copy(update={"core_process": False})) as engine:
+        assert engine.core.cpu_share is None
