@@ -33,8 +33,9 @@ def share(machine, **kw) -> tuple[CpuShare, list[int]]:
     calls: list[int] = []
     s = CpuShare(threads=2, cores=2, read=machine, set_threads=calls.append, interval_s=0.0, **kw)
     s._hz = HZ
-    s.before(2)  # the first step reads /proc once (its interval starts there)
-    time.sleep(0.01)
+    for _ in range(2):  # the first steps read /proc (busy for two intervals running: contended)
+        s.before(2)
+        time.sleep(0.01)
     return s, calls
 
 
@@ -47,21 +48,36 @@ def test_quiet_machine_every_step_on_all_threads():
     assert s.active and not s.contended and calls == []
 
 
+def test_one_busy_interval_is_a_blip_not_contention():
+    machine = Machine(0.05)
+    s, calls = share(machine)
+    machine.others = 1.0
+    time.sleep(0.01)
+    assert s.before(1) == 2 and s.others > 0.5 and not s.contended  # one interval busy
+    machine.others = 0.0
+    time.sleep(0.01)
+    assert s.before(1) == 2 and not s.contended and calls == []
+
+
 def test_busy_machine_each_size_runs_on_the_count_measured_faster_and_tries_the_other():
     machine = Machine(0.6)
     s, calls = share(machine, explore=4)
-    cost = {(1, 1): 0.010, (1, 2): 0.014, (512, 1): 0.300, (512, 2): 0.170}  # decode faster on 1, prefill on 2
-    picked = {1: [], 512: []}
-    for _ in range(12):
-        for rows in (1, 512):
+    # decode 1.2x faster on one thread: the other tried every 4th step; a prefill 1.76x faster on two: every 16th;
+    # a long prefill (0.25 s or more on two threads) never tried on one
+    cost = {(1, 1): 0.010, (1, 2): 0.012, (512, 1): 0.300, (512, 2): 0.170, (4096, 1): 0.5, (4096, 2): 0.3}
+    picked = {1: [], 512: [], 4096: []}
+    for _ in range(16):
+        for rows in (1, 512, 4096):
             time.sleep(0.002)
             n = s.before(rows)
             picked[rows].append(n)
             s.after(rows, cost[rows, n])
     assert s.contended and 0.3 < s.others < 1.2
-    # the first steps of a size try both counts, then the faster runs, the other every 4th step of that size
-    assert picked[1] == [1, 2, 1, 2, 1, 1, 1, 2, 1, 1, 1, 2]
-    assert picked[512] == [1, 2, 2, 1, 2, 2, 2, 1, 2, 2, 2, 1]
+    # the first steps of a size try both counts (all threads first), then the faster runs, the other every 4th step
+    # of that size (every 16th where it was 25% slower or more)
+    assert picked[1] == [2, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 2]
+    assert picked[512] == [2, 1] + [2] * 13 + [1]
+    assert picked[4096] == [2] * 16
     assert calls and calls[-1] == s.now and all(c in (1, 2) for c in calls)
     machine.others = 0.0  # the others went quiet: all threads again
     time.sleep(0.01)
@@ -110,9 +126,11 @@ def test_steps_on_one_thread_of_two_give_the_same_bits(llama_dir, scheme):
         plain.close()
     shared = EngineCore(EngineConfig(**cfg))
     try:
-        shared.cpu_share = CpuShare(threads=2, cores=2, read=Machine(1.5), interval_s=0.0, explore=2,
+        shared.cpu_share = CpuShare(threads=2, cores=2, read=Machine(1.5), interval_s=0.0,
                                     on_start=CPU.set_split_threads)
         shared.cpu_share._hz = HZ
+        turns = iter(range(1000))
+        shared.cpu_share._pick = lambda size: 1 + next(turns) % 2  # whatever the times: 1, 2, 1, 2, ...
         got_tokens, got = _serve(shared, prompts)
         calls = shared.stats().kernel_calls
         assert calls["step threads: 1 of 2"] >= 4 and calls["step threads: 2 of 2"] >= 4, calls

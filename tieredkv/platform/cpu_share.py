@@ -9,9 +9,12 @@ time beside an event loop 40% busy, and 1.1x on one thread fewer, which leaves t
 thread fewer than it loses to the waits.
 
 So the choice is measured, per step size. `CpuShare` reads how busy the other processes keep the machine's cores
-(/proc/stat's busy time less this process's own, every `interval_s`); while that is `busy_cores` or more, each step
-of a size class (its rows, by powers of two) runs on the thread count whose measured time for that class is lower,
-and every `explore`-th step of the class on the other, so that a change is seen; once the others go quiet, every
+(/proc/stat's busy time less this process's own, every `interval_s`); once that is `busy_cores` or more for two
+intervals running, each step of a size class (its rows, by powers of two) runs on the thread count whose measured
+time for that class is lower (all threads first, then one fewer), and every `explore`-th step of the class on the
+other, so that a change is seen (every 4 x `explore`-th where the other was measured 25% slower or more). A class
+whose steps take `long_s` or more on all threads (a prefill of many tokens: arithmetic, not waits) stays on them:
+one such step on a thread fewer would cost more than the waits could save; once the others go quiet, every
 step runs on all threads again. The outputs do not change with the count, to the bit: decode attention splits a
 sequence's positions for the engine's count whatever team runs it (kernels/attention_cpu.c: tkv_split_threads), and
 each output of a product is one thread's sum whatever the team's size (checked by tests/engine/test_cpu_share.py).
@@ -55,9 +58,9 @@ class CpuShare:
     def __init__(self, threads: int | None = None, busy_cores: float = 0.25, interval_s: float = 0.1,
                  explore: int = 16, read: Callable[[], tuple[int, int] | None] = busy_ticks,
                  set_threads: Callable[[int], None] = torch.set_num_threads, cores: int | None = None,
-                 on_start: Callable[[int], None] | None = None):
+                 on_start: Callable[[int], None] | None = None, long_s: float = 0.25):
         self.threads, self.fewer, self.now = threads or 0, 0, 0
-        self.busy_cores, self.interval_s, self.explore = busy_cores, interval_s, explore
+        self.busy_cores, self.interval_s, self.explore, self.long_s = busy_cores, interval_s, explore, long_s
         self.active: bool | None = None  # None: decided at the first step
         self.others = 0.0  # cores the other processes kept busy over the last interval
         self.contended = False
@@ -67,6 +70,7 @@ class CpuShare:
         self._times: dict[tuple[int, int], float] = {}  # (size class, threads) -> seconds a step, averaged
         self._steps: dict[int, int] = {}  # size class -> steps while contended
         self._logged = False
+        self._busy_samples = 0  # intervals in a row with others at busy_cores or more
 
     def _start(self) -> None:
         self.threads = self.threads or torch.get_num_threads()
@@ -92,7 +96,8 @@ class CpuShare:
             return
         others = max(0, (ticks[0] - before[0]) - (ticks[1] - before[1]))
         self.others = others / (self._hz * (now - t0))
-        if not self.contended and self.others >= self.busy_cores:
+        self._busy_samples = self._busy_samples + 1 if self.others >= self.busy_cores else 0
+        if not self.contended and self._busy_samples >= 2:  # busy for two intervals running: not a blip
             self.contended = True
             self.fewer = max(1, self.threads - max(1, math.floor(self.others + 0.5)))
             self._times.clear()  # a new contention: measure afresh
@@ -107,12 +112,14 @@ class CpuShare:
     def _pick(self, size: int) -> int:
         full, fewer = self._times.get((size, self.threads)), self._times.get((size, self.fewer))
         n = self._steps[size] = self._steps.get(size, 0) + 1
+        if full is None or full >= self.long_s:  # all threads first; and always for long steps
+            return self.threads
         if fewer is None:
             return self.fewer
-        if full is None:
-            return self.threads
         best, other = (self.fewer, self.threads) if fewer < full else (self.threads, self.fewer)
-        return other if n % self.explore == 0 else best
+        # the other count is tried again every `explore` steps of the size, 4x less often where it was far slower
+        every = self.explore if max(fewer, full) < 1.25 * min(fewer, full) else 4 * self.explore
+        return other if n % every == 0 else best
 
     def before(self, rows: int) -> int:
         """Sets the threads for a step of `rows` rows; returns the count."""
