@@ -15,8 +15,8 @@ the fastest round of each, as the machines these ran on drift between a quiet an
   loop busy    JSON round trips with `await asyncio.sleep(0)` between them, all the time; 4 streams at once
 Modes: "thread" (core_process=False), "process" (the default engine), "process, cores not shared" (the core in its
 own process with share_cores=False: every step on all threads, however busy the application keeps the cores).
-The prompt is 64 tokens, then --tokens new tokens (the default model, fp32, prefix caching off; the first
-tokens after the prompt are not timed). Busy cases stop after --limit seconds and report the tokens they got.
+The prompt is 64 tokens, then --tokens new tokens (the default model, fp32 or --quantization, prefix caching off;
+the first tokens after the prompt are not timed). Busy cases stop after --limit seconds and report the tokens they got.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ async def _decode(engine, n: int, streams: int, limit: float) -> dict:
 MODES = ("thread", "process", "process, cores not shared")
 
 
-async def _run_case(case: str, mode: str, n: int, limit: float) -> dict:
+async def _run_case(case: str, mode: str, n: int, limit: float, quantization: str | None) -> dict:
     import torch
 
     from tieredkv import AsyncEngine, EngineConfig, SamplingParams
@@ -89,7 +89,8 @@ async def _run_case(case: str, mode: str, n: int, limit: float) -> dict:
     if case == "torch op":
         torch.ones(1 << 22).sum()  # a parallel op: the main thread's OpenMP team now exists
     config = EngineConfig(core_process=mode != "thread", enable_prefix_caching=False, warm_bytes=0,
-                          compile_in_background=False, share_cores=mode != "process, cores not shared")
+                          compile_in_background=False, share_cores=mode != "process, cores not shared",
+                          quantization=quantization)
     t0 = time.perf_counter()
     engine = await AsyncEngine.start(config)
     started = time.perf_counter() - t0
@@ -106,12 +107,12 @@ async def _run_case(case: str, mode: str, n: int, limit: float) -> dict:
     return {**out, "start_s": started}
 
 
-def _core_alone(n: int) -> dict:
+def _core_alone(n: int, quantization: str | None) -> dict:
     from tieredkv import EngineConfig, SamplingParams
     from tieredkv.engine.engine_core import EngineCore
 
     core = EngineCore(EngineConfig(core_process=False, enable_prefix_caching=False, warm_bytes=0,
-                                   compile_in_background=False))
+                                   quantization=quantization, compile_in_background=False))
     for _ in range(2):
         req = core.factory.make(PROMPT, SamplingParams(max_tokens=n + 4, ignore_eos=True))
         req.sink = None
@@ -128,14 +129,16 @@ def _core_alone(n: int) -> dict:
 
 def child(args) -> None:
     if args.case == "core alone":
-        result = _core_alone(args.tokens)
+        result = _core_alone(args.tokens, args.quantization)
     else:
-        result = asyncio.run(_run_case(args.case, args.mode, args.tokens, args.limit))
+        result = asyncio.run(_run_case(args.case, args.mode, args.tokens, args.limit, args.quantization))
     report(result)
 
 
 def run_child(case: str, mode: str, args) -> dict:
     argv = ["--case", case, "--mode", mode, "--tokens", str(args.tokens), "--limit", str(args.limit)]
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
     return child_run(__file__, argv, timeout=args.limit + 300)
 
 
@@ -173,6 +176,7 @@ def main(args) -> dict:
                           "tokens": median(key, "tokens"), "finished_all": all(g["finished"] for g in rounds[key]),
                           "start_s": median(key, "start_s")}
     result = {"machine": cpu_info().describe(None), "tokens": args.tokens, "rounds": args.rounds,
+              "quantization": args.quantization,
               "core_alone_ms_per_token": core, "core_alone_best_ms_per_token": core_best, "cases": table,
               "raw": rounds}
     print(json.dumps({k: v for k, v in result.items() if k != "raw"}, indent=2))
@@ -188,6 +192,8 @@ if __name__ == "__main__":
     p.add_argument("--cases", nargs="+", choices=CASES[1:], default=CASES[1:], help="the cases beside the core alone")
     p.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:2]))
+    p.add_argument("--quantization", default=None, help='the weights (EngineConfig.quantization: "int8", "int4", '
+                   '"gguf" for the default model\'s Q4_1 file); default fp32')
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
     child(args) if args.case else main(args)
