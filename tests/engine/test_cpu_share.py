@@ -79,6 +79,8 @@ def test_busy_machine_each_size_runs_on_the_count_measured_faster_and_tries_the_
     assert picked[512] == [2, 1] + [2] * 13 + [1]
     assert picked[4096] == [2] * 16
     assert calls and calls[-1] == s.now and all(c in (1, 2) for c in calls)
+    assert s.before(1, exact=lambda: False) == 2  # a step whose bits follow the team (torch's reductions): all threads
+    s.after(1, 0.012)
     machine.others = 0.0  # the others went quiet: all threads again
     time.sleep(0.01)
     assert s.before(1) == 2 and not s.contended
@@ -109,15 +111,20 @@ def _serve(core: EngineCore, prompts) -> tuple[list[list[int]], list[torch.Tenso
     return [r.seqs[0].output_token_ids for r in reqs], [logits.clone() for logits, _ in captured]
 
 
-@pytest.mark.parametrize("scheme", [dict(compile_decode=False), dict(quantization="int8", compile_decode=True)],
-                         ids=["fp32-eager", "int8-native-step"])
+@pytest.mark.parametrize("scheme", [dict(compile_decode=False), dict(quantization="int8", compile_decode=True),
+                                    dict(compile_decode=False, enable_prefix_caching=True)],
+                         ids=["fp32-eager", "int8-native-step", "cascade"])
 def test_steps_on_one_thread_of_two_give_the_same_bits(llama_dir, scheme):
     """A batch of two sequences, one long enough that decode attention splits its positions across the threads,
     served with every step on 2 threads, and with the steps alternating between 1 and 2: the same tokens and the
-    same logits to the bit at every step (the splits follow the engine's 2 threads, not the team's)."""
-    cfg = dict(model=str(llama_dir), num_blocks=64, warm_bytes=0, enable_prefix_caching=False, num_threads=2,
-               **scheme)
+    same logits to the bit at every step (the splits follow the engine's 2 threads, not the team's). Two that share
+    a cached prefix attend to it as a cascade, in torch's reductions: those steps stay on 2 threads (with them on
+    1 the logits differed)."""
+    cfg = dict(model=str(llama_dir), num_blocks=96, warm_bytes=0, num_threads=2,
+               **{"enable_prefix_caching": False, **scheme})
     prompts = [rand_ids(400, seed=1), rand_ids(40, seed=2)]
+    if cfg["enable_prefix_caching"]:  # a shared prefix: the rows that share it attend to it as a cascade
+        prompts = [prompts[0] + rand_ids(8, seed=3), prompts[0] + rand_ids(8, seed=4)]
     plain = EngineCore(EngineConfig(**cfg, share_cores=False))
     try:
         assert plain.cpu_share is None
@@ -133,7 +140,10 @@ def test_steps_on_one_thread_of_two_give_the_same_bits(llama_dir, scheme):
         shared.cpu_share._pick = lambda size: 1 + next(turns) % 2  # whatever the times: 1, 2, 1, 2, ...
         got_tokens, got = _serve(shared, prompts)
         calls = shared.stats().kernel_calls
-        assert calls["step threads: 1 of 2"] >= 4 and calls["step threads: 2 of 2"] >= 4, calls
+        if cfg["enable_prefix_caching"]:  # steps that may attend as a cascade (torch's reductions) on all threads
+            assert calls["decode attention: cascade"] > 0 and calls["step threads: 2 of 2"] >= 11, calls
+        else:
+            assert calls["step threads: 1 of 2"] >= 4 and calls["step threads: 2 of 2"] >= 4, calls
         if scheme.get("quantization"):
             assert calls["forward: native step"] >= 8, calls
     finally:

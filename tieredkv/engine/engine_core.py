@@ -229,7 +229,7 @@ class EngineCore:
             self.parts.tiers.io.flush()  # (tensor parallelism: the moves' ops go in a step without rows)
             return self._idle(out)
         try:
-            threads = self._threads_for(out.num_tokens)
+            threads = self._threads_for(out)
             t_forward = time.perf_counter()
             logits, sampled = self.parts.runner.execute(out)
             forward_s = time.perf_counter() - t_forward
@@ -249,12 +249,12 @@ class EngineCore:
             self.parts.speculator.observe(len(out.scheduled), out.num_tokens - len(out.scheduled), seconds)
         return outputs
 
-    def _threads_for(self, rows: int) -> int:
+    def _threads_for(self, out) -> int:
         """Sets the threads this step's forward runs on (platform/cpu_share.py); 0 where nothing chooses them."""
         share = self.cpu_share
         if share is None:
             return 0
-        threads = share.before(rows)
+        threads = share.before(out.num_tokens, lambda: self.parts.runner.same_bits_on_fewer_threads(out.scheduled))
         if not share.active:
             return 0
         self.parts.runner.kernel_calls["step threads", f"{threads} of {share.threads}"] += 1

@@ -18,6 +18,8 @@ one such step on a thread fewer would cost more than the waits could save; once 
 step runs on all threads again. The outputs do not change with the count, to the bit: decode attention splits a
 sequence's positions for the engine's count whatever team runs it (kernels/attention_cpu.c: tkv_split_threads), and
 each output of a product is one thread's sum whatever the team's size (checked by tests/engine/test_cpu_share.py).
+A step that would run torch's own reductions (the torch references, cascade attention, LoRA rows: their partition
+follows the team) runs on all threads (ModelRunner.same_bits_on_fewer_threads).
 """
 
 from __future__ import annotations
@@ -121,14 +123,16 @@ class CpuShare:
         every = self.explore if max(fewer, full) < 1.25 * min(fewer, full) else 4 * self.explore
         return other if n % every == 0 else best
 
-    def before(self, rows: int) -> int:
-        """Sets the threads for a step of `rows` rows; returns the count."""
+    def before(self, rows: int, exact: Callable[[], bool] | None = None) -> int:
+        """Sets the threads for a step of `rows` rows; returns the count. `exact()`, asked only while others are
+        busy: whether the step gives the same bits on fewer threads (else it runs on all of them)."""
         if self.active is None:
             self._start()
         if not self.active:
             return self.threads
         self._sample()
-        want = self._pick(self.size_class(rows)) if self.contended else self.threads
+        fewer_ok = self.contended and (exact is None or exact())
+        want = self._pick(self.size_class(rows)) if fewer_ok else self.threads
         if want != self.now:
             self._set(want)
             self.now = want

@@ -78,6 +78,7 @@ class ModelRunner:
         self.read_ahead_layers = self.late_layers = 0  # staged layers read ahead / copied at their gather
         self.peak_staged_blocks = 0  # the largest staging buffer a step used, in blocks of one layer
         self.kernel_calls: Counter = Counter()  # (kind, implementation) -> calls in its forwards (kernels/calls.py)
+        self._c_attention = False  # attention in the CPU kernels, once seen (same_bits_on_fewer_threads)
 
     def _table_ids(self, seqs: list[Sequence]) -> tuple[list[list[int]], StagePlan | None]:
         """Each sequence's block ids as the kernels index them, and the staging plan when they need one."""
@@ -244,6 +245,26 @@ class ModelRunner:
         if not self.cascade or len(scheduled) < 2:
             return []
         return shared_prefixes(ids, [s.num_computed_tokens + 1 for s, _ in scheduled], self.block_size)
+
+    def same_bits_on_fewer_threads(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """Whether this step's forward gives the same bits on fewer threads than the engine's (platform/cpu_share.py):
+        its attention in the CPU kernels (splits follow the engine's count) and its products each output one
+        thread's sum. Not where torch's own reductions would serve a part, whose partition follows the team: the
+        torch references, cascade attention over a shared prefix (two decodes that share their first block may
+        take it), LoRA rows."""
+        if not self._c_attention:  # (asked again until true: the operators may be bound after the first steps)
+            from tieredkv.kernels.decode_attention import paged_decode_usable
+
+            spec = self.model.spec
+            query = torch.empty(1, spec.num_heads, spec.head_dim)
+            self._c_attention = self.ops.name == "cpu" and paged_decode_usable(query, self.kv_cache[0][0], self.ops.kv)
+        if not self._c_attention or any(adapter_of(s) is not None for s, _ in scheduled):
+            return False
+        if self.cascade:
+            firsts = [s.block_table[0].block_id for s, _ in scheduled if s.block_table and s.num_computed_tokens]
+            if len(set(firsts)) < len(firsts):
+                return False
+        return True
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
