@@ -68,7 +68,7 @@ async def through_http(client: openai.AsyncOpenAI, requests) -> tuple[float, lis
 async def one_mode(args, core_process: bool) -> dict[str, float]:
     async with await AsyncEngine.start(EngineConfig(
             compile_in_background=False, model="default", max_num_seqs=64, warm_bytes=0,
-            core_process=core_process)) as engine:
+            core_process=core_process, share_cores=not args.no_share_cores)) as engine:
         runner, port = await start_server(engine, ServerSettings(max_queued=1024), port=0)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
                                     timeout=3600)
@@ -114,6 +114,8 @@ if __name__ == "__main__":
     parser.add_argument("--clients", type=int, default=None)
     parser.add_argument("--modes", nargs="+", choices=("process", "thread"), default=["process", "thread"])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--no-share-cores", action="store_true", help="every step of the core process on all threads "
+                        "however busy the server and its clients keep the cores (EngineConfig.share_cores=False)")
     args = parser.parse_args()
     args.clients = args.clients or (16 if args.quick else 64)
     asyncio.run(main(args))
