@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from helpers import rand_ids
+from helpers import rand_ids, run_to_end
 from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.quant_cpu import CPU
@@ -99,16 +99,14 @@ def test_nothing_is_chosen_without_a_thread_per_core_or_proc():
 
 
 def _serve(core: EngineCore, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt's greedy tokens (12, served together) and every step's logits."""
     captured, inner = [], core.runner.execute
     core.runner.execute = lambda out: captured.append(inner(out)) or captured[-1]
-    reqs = [core.factory.make(p, SamplingParams(max_tokens=12, ignore_eos=True), f"r{i}") for i, p in
-            enumerate(prompts)]
-    for r in reqs:
-        assert core.add_request(r) == []
-    while core.has_work():
-        core.step()
-    core.runner.execute = inner
-    return [r.seqs[0].output_token_ids for r in reqs], [logits.clone() for logits, _ in captured]
+    try:
+        tokens = run_to_end(core, prompts, [12] * len(prompts))
+    finally:
+        core.runner.execute = inner
+    return tokens, [logits.clone() for logits, _ in captured]
 
 
 @pytest.mark.parametrize("scheme", [dict(compile_decode=False), dict(quantization="int8", compile_decode=True),
