@@ -128,6 +128,16 @@ def lib(request, kernel_cache):
 
 
 @pytest.fixture(scope="session")
+def engines():
+    """The run's engine factory (helpers.Engines): new engines over weights each worker loads once per form."""
+    from helpers import Engines
+
+    factory = Engines()
+    yield factory
+    factory.weights.clear()
+
+
+@pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
 

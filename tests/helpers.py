@@ -182,6 +182,32 @@ def check_far_blocks(core, holders: dict[int, int]) -> None:
     assert not slots & set(warm.free_slots) and not slots & {s for s, _ in warm.entries.values()}
 
 
+class Engines:
+    """The test run's engine factory (conftest's session fixture `engines`): `core(config)` builds an EngineCore,
+    `await start(config)` an AsyncEngine on the test's loop (core_process=False), each over weights loaded once per
+    worker process for every config that loads them alike (tieredkv.SharedWeights, keyed by the config's model,
+    dtype, quantization, KV formats and kernels). Every engine is a new one (its own cache, tiers, scheduler and
+    counters), closed by its test as any other: tests share the loaded weights, never an engine's state."""
+
+    def __init__(self) -> None:
+        from tieredkv import SharedWeights
+
+        self.weights = SharedWeights()
+
+    def core(self, config=None, **fields):
+        """An EngineCore for `config` (or EngineConfig(**fields))."""
+        from tieredkv import EngineConfig
+        from tieredkv.engine.engine_core import EngineCore
+
+        return EngineCore(config or EngineConfig(**fields), self.weights)
+
+    async def start(self, config=None, **fields):
+        """An AsyncEngine for `config` (or EngineConfig(**fields)) serving on the running loop."""
+        from tieredkv import AsyncEngine
+
+        return await AsyncEngine.start(config, shared_weights=self.weights, **fields)
+
+
 def drive(core, requests=(), each_step=None, max_steps: int = 10_000) -> list:
     """The tests' one loop over an EngineCore: adds `requests`, then steps until the core has no work. Returns
     every (request, chunk or error) the adds and steps gave, in order. `each_step(n, outputs)` runs after step n

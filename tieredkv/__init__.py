@@ -4,6 +4,7 @@ from tieredkv.config import EngineConfig, KVEventsConfig, SamplingParams, Specul
 from tieredkv.engine.async_engine import AsyncEngine
 from tieredkv.engine import core_client  # noqa: F401  (serves AsyncEngine.start's default, core_process=True)
 from tieredkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
+from tieredkv.engine.shared_weights import SharedWeights
 from tieredkv.errors import (CheckpointError, ColdTierError, EngineClosedError, KVEventsError, LoRAError,
                              ModelNotFoundError, RankLostError, RankStartError, RemoteTierError, RequestError,
                              SamplingError, SnapshotError, StepError, TieredKVError, UnsupportedModelError,
@@ -30,6 +31,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SamplingError",
+    "SharedWeights",
     "SnapshotError",
     "StepError",
     "SpeculativeConfig",

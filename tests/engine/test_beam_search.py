@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from helpers import check_pool_clean, check_pool_consistent, drive
-from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+from tieredkv import EngineConfig, RequestError, SamplingParams
 from tieredkv.core.kv_manager import cdiv
-from tieredkv.engine.engine_core import EngineCore
 
 MAX_NEW = 16
 VARIANTS = [{}, {"length_penalty": -1.0}, {"length_penalty": 2.0, "early_stopping": "never"},
@@ -82,9 +81,9 @@ def check_against(results, expected, variant):
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
-async def test_beam_search_matches_transformers(ref, k):
+async def test_beam_search_matches_transformers(engines, ref, k):
     model_dir, reference = ref
-    async with await AsyncEngine.start(EngineConfig(model=str(model_dir), num_blocks=256)) as engine:
+    async with await engines.start(EngineConfig(model=str(model_dir), num_blocks=256)) as engine:
         for variant in VARIANTS:
             check_against(await run_beams(engine, reference, k, variant), reference.expected(k, variant), variant)
         stats = engine.stats()
@@ -93,14 +92,14 @@ async def test_beam_search_matches_transformers(ref, k):
 
 
 @pytest.mark.parametrize("squeeze", ["preempt", "offload", "split"])
-async def test_beam_search_matches_transformers_under_pressure(ref, squeeze):
+async def test_beam_search_matches_transformers_under_pressure(engines, ref, squeeze):
     """A pool too small for every beam of every prompt at once (beams preempted with their group and
     recomputed, or their old blocks offloaded), or a step budget smaller than a group (beams of one
     request computed over several steps, the search waiting for all of them)."""
     model_dir, reference = ref
     cfg = {"preempt": dict(num_blocks=14, offload="off"), "offload": dict(num_blocks=14, warm_bytes=1 << 20),
            "split": dict(num_blocks=256, max_num_batched_tokens=5)}[squeeze]
-    async with await AsyncEngine.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
+    async with await engines.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
         variant = VARIANTS[0]
         check_against(await run_beams(engine, reference, 4, variant), reference.expected(4, variant), variant)
         stats = engine.stats()
@@ -111,7 +110,7 @@ async def test_beam_search_matches_transformers_under_pressure(ref, squeeze):
         await engine.run_in_worker(check_pool_clean, engine.core)
 
 
-async def test_stop_strings_end_beams_as_transformers_does(llama_dir):
+async def test_stop_strings_end_beams_as_transformers_does(engines, llama_dir):
     """A stop string ends a beam (transformers' stop_strings); the text is cut before it."""
     from transformers import AutoTokenizer
 
@@ -122,7 +121,7 @@ async def test_stop_strings_end_beams_as_transformers_does(llama_dir):
     text = tok.decode(plain[0], skip_special_tokens=True)
     stop = text[len(text) // 2 : len(text) // 2 + 2]  # two characters from the middle of the best beam
     expected, _ = reference.generate(prompt, 4, MAX_NEW, stop=[], stop_strings=[stop], tokenizer=tok)
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=256)) as engine:
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=256)) as engine:
         out = await engine.generate(prompt, SamplingParams(max_tokens=MAX_NEW, beam_width=4, n=4, stop=[stop]))
     assert [o.token_ids for o in out.outputs] == expected
     assert out.outputs[0].finish_reason == "stop" and stop not in out.outputs[0].text
@@ -139,12 +138,12 @@ def peak_blocks(core, requests) -> int:
     return max(peaks)
 
 
-def test_beams_share_blocks(llama_dir):
+def test_beams_share_blocks(engines, llama_dir):
     """Peak blocks of an 8-beam search against 8 independent sequences of the same lengths: the beams
     hold one copy of the prompt and of their common history."""
     prompt_len, new, k, bs = 150, 40, 8, 16
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=512, enable_prefix_caching=False,
-                                   compile_decode=False, max_num_seqs=k))
+    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=512, enable_prefix_caching=False,
+                                     compile_decode=False, max_num_seqs=k))
     prompt = make_prompts(core.spec.vocab_size)[2] * 4
     prompt = prompt[:prompt_len]
     beam = peak_blocks(core, [core.factory.make(prompt, SamplingParams(max_tokens=new, beam_width=k,
@@ -158,8 +157,8 @@ def test_beams_share_blocks(llama_dir):
     check_pool_clean(core)
 
 
-def test_beam_search_aborted_mid_search_frees_every_block(llama_dir):
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=128, compile_decode=False))
+def test_beam_search_aborted_mid_search_frees_every_block(engines, llama_dir):
+    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=128, compile_decode=False))
     sink = object()
     req = core.factory.make([5, 6, 7, 8], SamplingParams(max_tokens=40, beam_width=4, n=2, ignore_eos=True), "a")
     req.sink = sink
@@ -173,8 +172,8 @@ def test_beam_search_aborted_mid_search_frees_every_block(llama_dir):
     check_pool_clean(core)
 
 
-async def test_stream_delivers_each_returned_beam_whole(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=128)) as engine:
+async def test_stream_delivers_each_returned_beam_whole(engines, llama_dir):
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128)) as engine:
         params = SamplingParams(max_tokens=8, beam_width=3, n=3, ignore_eos=True)
         chunks = [c async for c in engine.stream([5, 6, 7], params)]
         out = await engine.generate([5, 6, 7], params)
@@ -198,19 +197,19 @@ def test_beam_parameters_are_checked(kw, message):
         SamplingParams(**kw)
 
 
-async def test_more_beams_than_max_num_seqs_is_a_request_error(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, max_num_seqs=4)) as engine:
+async def test_more_beams_than_max_num_seqs_is_a_request_error(engines, llama_dir):
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, max_num_seqs=4)) as engine:
         with pytest.raises(RequestError, match="beam_width=8 exceeds max_num_seqs=4"):
             await engine.generate([5, 6], SamplingParams(beam_width=8))
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "shortest_prefill"])
-def test_searches_competing_for_a_small_pool_finish(llama_dir, policy):
+def test_searches_competing_for_a_small_pool_finish(engines, llama_dir, policy):
     """Four searches of 4 beams on a 14-block pool, all added in one tick: preempted beams are admitted
     beside their siblings, never interleaved with another search's (each would hold part of the pool
     and wait for the rest, for ever)."""
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=14, offload="off", compile_decode=False,
-                                   scheduling_policy=policy))
+    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=14, offload="off", compile_decode=False,
+                                     scheduling_policy=policy))
     drive(core, [core.factory.make(p, SamplingParams(max_tokens=MAX_NEW, beam_width=4, n=4), f"r{i}")
                  for i, p in enumerate(make_prompts(core.spec.vocab_size))], max_steps=1000)
     assert core.stats().num_preemptions > 0

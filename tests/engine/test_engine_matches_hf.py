@@ -7,7 +7,7 @@ import random
 import pytest
 
 from helpers import check_pool_clean, hf_greedy
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv import EngineConfig, SamplingParams
 
 MAX_NEW = 24
 
@@ -26,9 +26,9 @@ def case(request, llama_dir, qwen2_dir):
     return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_NEW)
 
 
-async def run_engine(model_dir, prompts, batched: bool, **cfg):
+async def run_engine(engines, model_dir, prompts, batched: bool, **cfg):
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    async with await AsyncEngine.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
+    async with await engines.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
         if batched:
             results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         else:
@@ -39,9 +39,9 @@ async def run_engine(model_dir, prompts, batched: bool, **cfg):
 
 @pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
 @pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "batched"])
-async def test_greedy_matches_transformers(case, caching, batched):
+async def test_greedy_matches_transformers(engines, case, caching, batched):
     model_dir, prompts, expected = case
-    got, stats, usage = await run_engine(model_dir, prompts, batched, enable_prefix_caching=caching,
+    got, stats, usage = await run_engine(engines, model_dir, prompts, batched, enable_prefix_caching=caching,
                                          num_blocks=256, max_num_batched_tokens=64)
     assert got == expected
     hits = sum(u.cached_prompt_tokens for u in usage)
@@ -53,38 +53,38 @@ async def test_greedy_matches_transformers(case, caching, batched):
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
-async def test_greedy_matches_transformers_under_preemption(case, caching):
+async def test_greedy_matches_transformers_under_preemption(engines, case, caching):
     model_dir, prompts, expected = case
-    got, stats, _ = await run_engine(model_dir, prompts, True, enable_prefix_caching=caching,
+    got, stats, _ = await run_engine(engines, model_dir, prompts, True, enable_prefix_caching=caching,
                                      num_blocks=16, max_num_batched_tokens=128, offload="off")
     assert stats.num_preemptions > 0
     assert got == expected
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
-async def test_greedy_matches_transformers_with_old_blocks_offloaded(case, caching):
+async def test_greedy_matches_transformers_with_old_blocks_offloaded(engines, case, caching):
     """The same squeeze with offloading on: old blocks move to the warm tier instead of preempting."""
     model_dir, prompts, expected = case
-    got, stats, _ = await run_engine(model_dir, prompts, True, enable_prefix_caching=caching,
+    got, stats, _ = await run_engine(engines, model_dir, prompts, True, enable_prefix_caching=caching,
                                      num_blocks=16, max_num_batched_tokens=128, warm_bytes=1 << 20)
     assert stats.blocks_offloaded > 0 and stats.num_preemptions == 0 and stats.blocks_far == 0
     assert got == expected
 
 
-async def test_block_size_8_and_32(case):
+async def test_block_size_8_and_32(engines, case):
     model_dir, prompts, expected = case
     for bs in (8, 32):
-        got, _, _ = await run_engine(model_dir, prompts, True, block_size=bs, num_blocks=128)
+        got, _, _ = await run_engine(engines, model_dir, prompts, True, block_size=bs, num_blocks=128)
         assert got == expected
 
 
 @pytest.fixture(scope="module")
-async def compiled_engine(case):
+async def compiled_engine(engines, case):
     """One engine on the compiled decode path (the CPU default; the suite turns it off elsewhere) per model:
     one compile serves both tests below."""
     model_dir = case[0]
     config = EngineConfig(model=str(model_dir), num_blocks=256, max_num_batched_tokens=64, compile_decode=True)
-    engine = await AsyncEngine.start(config)
+    engine = await engines.start(config)
     yield engine
     await engine.close()
 

@@ -56,9 +56,9 @@ def case(request, llama_dir, qwen2_dir):
     return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_NEW), vocab
 
 
-async def run(model_dir, prompts, params, batched=True, proposer=None, **cfg):
+async def run(engines, model_dir, prompts, params, batched=True, proposer=None, **cfg):
     """Outputs (tokens, finish reasons, logprobs), stats and usages of one engine over the prompts."""
-    async with await AsyncEngine.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
+    async with await engines.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
         if proposer is not None:
             engine.core.parts.speculator.proposer = proposer
         if batched:
@@ -72,13 +72,13 @@ async def run(model_dir, prompts, params, batched=True, proposer=None, **cfg):
 
 @pytest.mark.parametrize("proposer", ["ngram", "oracle"])
 @pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "batched"])
-async def test_greedy_matches_transformers_with_drafts(case, proposer, batched):
+async def test_greedy_matches_transformers_with_drafts(engines, case, proposer, batched):
     """Drafts accepted in full, in part and not at all: the output is transformers' greedy output, and the
     counters add up (stats, usage, per position)."""
     model_dir, prompts, expected, vocab = case
     oracle = Oracle({tuple(p): e for p, e in zip(prompts, expected)}, vocab) if proposer == "oracle" else None
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    outs, stats, usage = await run(model_dir, prompts, params, batched, oracle, num_blocks=256,
+    outs, stats, usage = await run(engines, model_dir, prompts, params, batched, oracle, num_blocks=256,
                                    max_num_batched_tokens=64, speculative=NGRAM)
     assert [o[0][0] for o in outs] == expected
     spec = stats.speculative
@@ -91,26 +91,26 @@ async def test_greedy_matches_transformers_with_drafts(case, proposer, batched):
 
 
 @pytest.mark.parametrize("squeeze", [dict(offload="off"), dict(warm_bytes=1 << 20)], ids=["preempt", "offload"])
-async def test_drafts_under_a_dry_pool(case, squeeze):
+async def test_drafts_under_a_dry_pool(engines, case, squeeze):
     """A pool too small for the batch: drafts never take blocks another sequence needs, and preemption or
     offloading still give transformers' output."""
     model_dir, prompts, expected, vocab = case
     oracle = Oracle({tuple(p): e for p, e in zip(prompts, expected)}, vocab)
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    outs, stats, _ = await run(model_dir, prompts, params, True, oracle, num_blocks=16, max_num_batched_tokens=128,
-                               speculative=NGRAM, **squeeze)
+    outs, stats, _ = await run(engines, model_dir, prompts, params, True, oracle, num_blocks=16,
+                               max_num_batched_tokens=128, speculative=NGRAM, **squeeze)
     assert [o[0][0] for o in outs] == expected
     assert stats.num_preemptions + stats.blocks_offloaded > 0 and stats.speculative.num_accepted_tokens > 0
 
 
-def test_rejected_drafts_leave_the_cache_exact(llama_dir):
+def test_rejected_drafts_leave_the_cache_exact(engines, llama_dir):
     """Step by step: block tables cover the computed tokens and no more once a step is over, reference counts
     match the tables, and every cached block holds the tokens its hash names (never a rejected draft)."""
     vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, seed=5)[:4]
     expected = hf_greedy(llama_dir, prompts, MAX_NEW)
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, block_size=4, max_num_batched_tokens=64,
-                                   speculative=NGRAM))
+    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=64, block_size=4, max_num_batched_tokens=64,
+                                     speculative=NGRAM))
     try:
         core.parts.speculator.proposer = Oracle({tuple(p): e for p, e in zip(prompts, expected)}, vocab, spoil=2)
         reqs = [core.factory.make(p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), f"r{i}")
@@ -137,14 +137,14 @@ def test_rejected_drafts_leave_the_cache_exact(llama_dir):
         core.close()
 
 
-async def test_every_request_option_holds_with_drafts(llama_dir):
+async def test_every_request_option_holds_with_drafts(engines, llama_dir):
     """Stop strings and tokens, max and min tokens, logit bias, penalties, logprobs, n > 1, a json_schema grammar:
     the same outputs, finish reasons and log-probabilities with drafts as without (drafts that run past a stop
     are cut there; a draft the grammar forbids is rejected by the masked row)."""
     vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, seed=3)[:5]
     plain_params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    base, _, _ = await run(llama_dir, prompts, plain_params, num_blocks=256)
+    base, _, _ = await run(engines, llama_dir, prompts, plain_params, num_blocks=256)
     texts = [o[0][3] for o in base]
     stop = next(t[5:8] for t in texts if len(t) > 8)  # a string some output contains
     cases = [dict(stop=[stop]), dict(stop_token_ids=[base[0][0][0][6]]), dict(max_tokens=3),
@@ -154,9 +154,9 @@ async def test_every_request_option_holds_with_drafts(llama_dir):
              dict(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})]
     for extra in cases:
         params = SamplingParams(**{"max_tokens": MAX_NEW, "ignore_eos": True, **extra})
-        want, _, _ = await run(llama_dir, prompts, params, num_blocks=256)
+        want, _, _ = await run(engines, llama_dir, prompts, params, num_blocks=256)
         oracle = Oracle({tuple(p): w[0][0] for p, w in zip(prompts, want)}, vocab, spoil=4)
-        got, stats, _ = await run(llama_dir, prompts, params, True, oracle, num_blocks=256, speculative=NGRAM)
+        got, stats, _ = await run(engines, llama_dir, prompts, params, True, oracle, num_blocks=256, speculative=NGRAM)
         for g, w in zip(got, want):
             for (gt, gr, gl, gx), (wt, wr, wl, wx) in zip(g, w):
                 assert (gt, gr, gx) == (wt, wr, wx), extra
@@ -188,7 +188,7 @@ def test_a_draft_keeps_the_sampled_distribution():
         assert counts[~keep].sum() == 0  # nothing outside the nucleus, even as a draft
 
 
-async def test_sampled_outputs_keep_their_distribution_with_drafts(llama_dir):
+async def test_sampled_outputs_keep_their_distribution_with_drafts(engines, llama_dir):
     """In the engine: 300 seeded samples of the first 3 output tokens with drafts (the greedy continuation,
     which rejection sampling takes or refuses) and 300 without: each position's token histogram passes a
     two-sample chi-square test (p > 0.001; categories under 5 expected pooled)."""
@@ -201,7 +201,7 @@ async def test_sampled_outputs_keep_their_distribution_with_drafts(llama_dir):
         cfg = dict(model=str(llama_dir), num_blocks=512, max_num_seqs=300)
         if spec:
             cfg["speculative"] = {**NGRAM, "disable_by_batch_size": 300}
-        async with await AsyncEngine.start(EngineConfig(**cfg)) as engine:
+        async with await engines.start(EngineConfig(**cfg)) as engine:
             if spec:
                 engine.core.parts.speculator.proposer = Oracle({tuple(prompt): greedy}, vocab, spoil=10**9)
             results = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
@@ -242,8 +242,8 @@ def test_ngram_index_finds_the_latest_longest_match():
     assert index.lookup([5, 6], 2) == []
 
 
-def test_ngram_proposer_reads_prompt_and_output(llama_dir):
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=32, speculative=NGRAM))
+def test_ngram_proposer_reads_prompt_and_output(engines, llama_dir):
+    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=32, speculative=NGRAM))
     try:
         req = core.factory.make([5, 6, 7, 8, 9, 5, 6], SamplingParams(max_tokens=4))
         seq = core.lifecycle._new_sequence(req, 0, req.prompt_token_ids)
@@ -291,10 +291,10 @@ async def test_bad_speculative_settings_are_refused(llama_dir):
         assert (await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, speculative=False))).outputs
 
 
-async def test_a_request_can_turn_drafts_off(llama_dir):
+async def test_a_request_can_turn_drafts_off(engines, llama_dir):
     prompts = make_prompts(448, seed=2)[:3]
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, speculative=False)
-    _, stats, usage = await run(llama_dir, prompts, params, num_blocks=64, speculative=NGRAM)
+    _, stats, usage = await run(engines, llama_dir, prompts, params, num_blocks=64, speculative=NGRAM)
     assert stats.speculative.num_drafts == 0 and all(u.draft_tokens == 0 for u in usage)
 
 
@@ -307,13 +307,14 @@ def other_vocab_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("draft", [dict(), dict(quantization="int8")], ids=["same-weights", "int8-self-draft"])
-async def test_a_draft_model_proposes(case, draft):
+async def test_a_draft_model_proposes(engines, case, draft):
     """A draft model (the target's own checkpoint, as it is or quantized): transformers' greedy output, and drafts
     taken (all of them where the draft is the target itself)."""
     model_dir, prompts, expected, _ = case
     spec = {"method": "draft", "model": str(model_dir), "num_speculative_tokens": 3, "adaptive": False, **draft}
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    outs, stats, usage = await run(model_dir, prompts[:5], params, True, None, num_blocks=256, speculative=spec)
+    outs, stats, usage = await run(engines, model_dir, prompts[:5], params, True, None, num_blocks=256,
+                                   speculative=spec)
     assert [o[0][0] for o in outs] == expected[:5]
     s = stats.speculative
     assert s.method == "draft" and s.num_accepted_tokens > 0
@@ -337,7 +338,7 @@ def test_the_server_reports_drafts_as_openai_names_predicted_tokens():
     assert "completion_tokens_details" not in usage_body([Usage(10, 0, 20)])
 
 
-async def test_drafts_keep_quantized_steps_on_the_integer_kernels(llama_dir):
+async def test_drafts_keep_quantized_steps_on_the_integer_kernels(engines, llama_dir):
     """Quantized weights on CPU: drafts never carry a step past the rows the integer kernels take (past them a
     dequantized fp32 product or int8 blocks, other arithmetic, would serve it), so batched outputs are plain
     decoding's on the same weights (int8_activations=False: a step past those rows without drafts then meets the
@@ -348,10 +349,11 @@ async def test_drafts_keep_quantized_steps_on_the_integer_kernels(llama_dir):
     vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, seed=11)
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    want, _, _ = await run(llama_dir, prompts, params, num_blocks=256, quantization="int8", int8_activations=False)
+    want, _, _ = await run(engines, llama_dir, prompts, params, num_blocks=256, quantization="int8",
+                           int8_activations=False)
     oracle = Oracle({tuple(p): w[0][0] for p, w in zip(prompts, want)}, vocab, spoil=5)
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=256, quantization="int8",
-                                                    int8_activations=False, speculative=NGRAM)) as engine:
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=256, quantization="int8",
+                                                int8_activations=False, speculative=NGRAM)) as engine:
         core = engine.core
         core.parts.speculator.proposer = oracle
         rows, inner = [], core.runner.execute
@@ -390,11 +392,11 @@ class RandomDrafts:
 
 
 @pytest.fixture(scope="module")
-def squeezed(llama_dir):
+def squeezed(engines, llama_dir):
     """A plain engine and a speculative one on a pool small enough to preempt, shared by the examples."""
     cfg = dict(model=str(llama_dir), num_blocks=20, max_num_batched_tokens=48, warm_bytes=0, block_size=8)
-    plain = EngineCore(EngineConfig(**cfg))
-    spec = EngineCore(EngineConfig(**cfg, speculative={**NGRAM, "num_speculative_tokens": 6}))
+    plain = engines.core(EngineConfig(**cfg))
+    spec = engines.core(EngineConfig(**cfg, speculative={**NGRAM, "num_speculative_tokens": 6}))
     yield plain, spec
     plain.close()
     spec.close()
@@ -444,7 +446,7 @@ def plain_decoding_up_to_a_tie(got: list[int], plain: list, within: float = 1e-4
     return len(got) == len(plain)
 
 
-async def test_a_failing_proposer_or_verification_fails_no_request_it_need_not(llama_dir, monkeypatch):
+async def test_a_failing_proposer_or_verification_fails_no_request_it_need_not(engines, llama_dir, monkeypatch):
     """A proposer that raises costs its drafts only (the requests decode on, the same tokens); a fault while
     verifying fails the requests that drafted, with a StepError each, and the engine serves the next request."""
     from tieredkv import StepError
@@ -458,16 +460,16 @@ async def test_a_failing_proposer_or_verification_fails_no_request_it_need_not(l
 
     prompts = make_prompts(448, seed=4)[:3]
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    want, _, _ = await run(llama_dir, prompts, params, num_blocks=64)
-    got, stats, _ = await run(llama_dir, prompts, params, True, Broken(), num_blocks=64, speculative=NGRAM)
+    want, _, _ = await run(engines, llama_dir, prompts, params, num_blocks=64)
+    got, stats, _ = await run(engines, llama_dir, prompts, params, True, Broken(), num_blocks=64, speculative=NGRAM)
     assert got == want and stats.speculative.proposer_errors > 0 and stats.speculative.num_drafts == 0
 
     def broken_verify(self, logits, verifying):
         raise RuntimeError("verification bug")
 
     monkeypatch.setattr(Lifecycle, "_verify", broken_verify)
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64,
-                                                    speculative=NGRAM)) as engine:
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64,
+                                                speculative=NGRAM)) as engine:
         engine.core.parts.speculator.proposer = Oracle({tuple(prompts[0]): want[0][0][0]}, 448)
         plain = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, speculative=False)
         results = await asyncio.gather(engine.generate(prompts[0], params), engine.generate(prompts[1], plain),

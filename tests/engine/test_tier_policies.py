@@ -144,9 +144,9 @@ def test_admission_keeps_blocks_out_of_the_tiers_below_warm_until_they_earn_it()
 # -- through the engine ------------------------------------------------------------------------------
 
 
-async def test_lfu_with_every_tier_matches_the_unconstrained_output(llama_dir, tmp_path):
-    expected, _, _ = await run(llama_dir, WORKLOAD, num_blocks=512, warm_bytes=0)
-    got, usage, stats = await run(llama_dir, WORKLOAD, num_blocks=24, warm_bytes=12 * BLOCK_BYTES,
+async def test_lfu_with_every_tier_matches_the_unconstrained_output(engines, llama_dir, tmp_path):
+    expected, _, _ = await run(engines, llama_dir, WORKLOAD, num_blocks=512, warm_bytes=0)
+    got, usage, stats = await run(engines, llama_dir, WORKLOAD, num_blocks=24, warm_bytes=12 * BLOCK_BYTES,
                                   cold_path=str(tmp_path / "cold"), eviction_policy="lfu")
     assert got == expected
     assert stats.tiers["warm"].evictions > 0 and stats.tiers["cold"].demotions > 0

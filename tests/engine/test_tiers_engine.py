@@ -6,7 +6,7 @@ import random
 import pytest
 
 from helpers import check_pool_clean, rand_ids
-from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+from tieredkv import EngineConfig, RequestError, SamplingParams
 
 BS = 16
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
@@ -17,16 +17,16 @@ WORKLOAD = [SYSTEMS[i % 4] + rand_ids(9, seed=100 + i) for i in range(12)]
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-async def run(model_dir, prompts, **cfg):
-    async with await AsyncEngine.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
+async def run(engines, model_dir, prompts, **cfg):
+    async with await engines.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
         outs = [await engine.generate(p, PARAMS) for p in prompts]
         check_pool_clean(engine.core)
         return [o.outputs[0].token_ids for o in outs], [o.usage for o in outs], engine.stats()
 
 
-async def test_tiny_hot_pool_with_all_tiers_matches_unconstrained(llama_dir, tmp_path):
-    expected, _, _ = await run(llama_dir, WORKLOAD, num_blocks=512, warm_bytes=0)
-    got, usage, stats = await run(llama_dir, WORKLOAD, num_blocks=24, warm_bytes=12 * BLOCK_BYTES,
+async def test_tiny_hot_pool_with_all_tiers_matches_unconstrained(engines, llama_dir, tmp_path):
+    expected, _, _ = await run(engines, llama_dir, WORKLOAD, num_blocks=512, warm_bytes=0)
+    got, usage, stats = await run(engines, llama_dir, WORKLOAD, num_blocks=24, warm_bytes=12 * BLOCK_BYTES,
                                   cold_path=str(tmp_path / "cold"))
     assert got == expected
     warm, cold = stats.tiers["warm"], stats.tiers["cold"]
@@ -41,17 +41,17 @@ async def test_tiny_hot_pool_with_all_tiers_matches_unconstrained(llama_dir, tmp
     assert cold.failures == 0 and warm.failures == 0
 
 
-async def test_restart_serves_prefixes_from_disk(llama_dir, tmp_path):
+async def test_restart_serves_prefixes_from_disk(engines, llama_dir, tmp_path):
     path = str(tmp_path / "cold")
-    first, usage1, _ = await run(llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
+    first, usage1, _ = await run(engines, llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
     assert all(u.cached_prompt_tokens == 0 for u in usage1)
-    again, usage2, stats = await run(llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
+    again, usage2, stats = await run(engines, llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
     assert again == first
     assert [u.cached_tokens_by_tier["cold"] for u in usage2] == [160] * 4
     assert stats.tiers["cold"].hits == 640 and stats.tiers["cold"].failures == 0
 
 
-async def test_a_close_writes_back_more_than_the_write_queue_holds(llama_dir, tmp_path, monkeypatch):
+async def test_a_close_writes_back_more_than_the_write_queue_holds(engines, llama_dir, tmp_path, monkeypatch):
     """The close writes every cached block to disk; the cold tier's bound on queued writes (which drops demotions
     while serving rather than slow the steps) makes the close wait for the disk instead of dropping blocks."""
     from tieredkv.tiers import cold, manager
@@ -59,29 +59,30 @@ async def test_a_close_writes_back_more_than_the_write_queue_holds(llama_dir, tm
     monkeypatch.setattr(cold, "MAX_PENDING", 3 * BLOCK_BYTES)
     monkeypatch.setattr(manager, "_BATCH", 2)  # the close exports 2 blocks at a time: the third waits for room
     path = str(tmp_path / "cold")
-    first, _, stats = await run(llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
-    again, usage, stats = await run(llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
+    first, _, stats = await run(engines, llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
+    again, usage, stats = await run(engines, llama_dir, WORKLOAD[:4], num_blocks=256, warm_bytes=0, cold_path=path)
     assert again == first
     assert [u.cached_tokens_by_tier["cold"] for u in usage] == [160] * 4
     assert stats.tiers["cold"].failures == 0
 
 
 @pytest.mark.parametrize("change", [{"block_size": 8}, {"dtype": "bfloat16"}], ids=["block-size", "dtype"])
-async def test_other_fingerprint_on_the_same_path_gets_no_hits(llama_dir, tmp_path, change):
+async def test_other_fingerprint_on_the_same_path_gets_no_hits(engines, llama_dir, tmp_path, change):
     path = str(tmp_path / "cold")
-    await run(llama_dir, WORKLOAD[:2], num_blocks=256, warm_bytes=0, cold_path=path)
-    _, usage, stats = await run(llama_dir, WORKLOAD[:2], num_blocks=256, warm_bytes=0, cold_path=path, **change)
+    await run(engines, llama_dir, WORKLOAD[:2], num_blocks=256, warm_bytes=0, cold_path=path)
+    _, usage, stats = await run(engines, llama_dir, WORKLOAD[:2], num_blocks=256, warm_bytes=0, cold_path=path,
+                                **change)
     assert all(u.cached_tokens_by_tier["cold"] == 0 for u in usage)
     assert stats.tiers["cold"].hits == 0
     # the first model's entries are still there for it
-    _, usage, _ = await run(llama_dir, WORKLOAD[:2], num_blocks=256, warm_bytes=0, cold_path=path)
+    _, usage, _ = await run(engines, llama_dir, WORKLOAD[:2], num_blocks=256, warm_bytes=0, cold_path=path)
     assert all(u.cached_tokens_by_tier["cold"] == 160 for u in usage)
 
 
-async def test_demoted_down_to_cold_and_promoted_back(llama_dir, tmp_path):
+async def test_demoted_down_to_cold_and_promoted_back(engines, llama_dir, tmp_path):
     cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=32 * BLOCK_BYTES,
                        cold_path=str(tmp_path / "cold"))
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         first = await engine.generate(SYSTEMS[1] + [4, 5], PARAMS)
         await engine.clear_cache("hot", demote=True)
         await engine.clear_cache("warm", demote=True)
@@ -91,14 +92,14 @@ async def test_demoted_down_to_cold_and_promoted_back(llama_dir, tmp_path):
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
-async def test_preemption_swaps_to_warm_and_restores(llama_dir):
+async def test_preemption_swaps_to_warm_and_restores(engines, llama_dir):
     prompts = [rand_ids(40 + 7 * i, seed=i) for i in range(6)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     outs = {}
     for label, cfg in (("big", dict(num_blocks=256, warm_bytes=0)),
                        ("swap", dict(num_blocks=14, warm_bytes=64 * BLOCK_BYTES, enable_prefix_caching=False,
                                      offload="off"))):
-        async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), **cfg)) as engine:
+        async with await engines.start(EngineConfig(model=str(llama_dir), **cfg)) as engine:
             res = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
             outs[label] = [r.outputs[0].token_ids for r in res]
             stats = engine.stats()
@@ -107,9 +108,9 @@ async def test_preemption_swaps_to_warm_and_restores(llama_dir):
     assert stats.num_preemptions > 0 and stats.num_swaps == stats.num_preemptions
 
 
-async def test_prefill_clear_cache_and_pin(llama_dir):
+async def test_prefill_clear_cache_and_pin(engines, llama_dir):
     cfg = EngineConfig(model=str(llama_dir), num_blocks=40, warm_bytes=64 * BLOCK_BYTES, max_pinned_fraction=0.5)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         system = SYSTEMS[0]
         usage = await engine.prefill(system)
         assert usage.completion_tokens == 0 and engine.stats().blocks_cached == 10
@@ -139,10 +140,11 @@ async def test_prefill_clear_cache_and_pin(llama_dir):
 
 
 @pytest.mark.parametrize("damage", ["flip-payloads", "flip-anywhere", "truncate", "zero"])
-async def test_a_damaged_cold_store_never_changes_a_token(llama_dir, tmp_path, damage):
+async def test_a_damaged_cold_store_never_changes_a_token(engines, llama_dir, tmp_path, damage):
     path = tmp_path / "cold"
-    expected, _, _ = await run(llama_dir, WORKLOAD[:6], num_blocks=512, warm_bytes=0, enable_prefix_caching=False)
-    await run(llama_dir, WORKLOAD[:6], num_blocks=256, warm_bytes=0, cold_path=str(path))  # persisted at close
+    expected, _, _ = await run(engines, llama_dir, WORKLOAD[:6], num_blocks=512, warm_bytes=0,
+                               enable_prefix_caching=False)
+    await run(engines, llama_dir, WORKLOAD[:6], num_blocks=256, warm_bytes=0, cold_path=str(path))  # persisted at close
     data = path / "data.mdb"
     raw = bytearray(data.read_bytes())
     rng = random.Random(damage)
@@ -155,5 +157,5 @@ async def test_a_damaged_cold_store_never_changes_a_token(llama_dir, tmp_path, d
             at = rng.randrange(len(raw)) if damage == "flip-anywhere" else rng.randrange(len(raw) // 2, len(raw))
             raw[at] ^= 0xFF
     data.write_bytes(bytes(raw))
-    got, _, stats = await run(llama_dir, WORKLOAD[:6], num_blocks=256, warm_bytes=0, cold_path=str(path))
+    got, _, stats = await run(engines, llama_dir, WORKLOAD[:6], num_blocks=256, warm_bytes=0, cold_path=str(path))
     assert got == expected  # served from cache where intact, recomputed where not

@@ -95,10 +95,10 @@ def test_bad_formats_are_refused_at_start_naming_what_is_supported(llama_dir, tm
 # -- the engine in each format -----------------------------------------------------------------------
 
 
-async def outputs(model_dir, prompts, params=PARAMS, **cfg):
+async def outputs(engines, model_dir, prompts, params=PARAMS, **cfg):
     config = EngineConfig(model=str(model_dir), num_blocks=cfg.pop("num_blocks", 128), warm_bytes=cfg.pop(
         "warm_bytes", 0), **cfg)
-    async with await AsyncEngine.start(config) as engine:
+    async with await engines.start(config) as engine:
         res = [await engine.generate(p, params) for p in prompts]
         await engine.run_in_worker(check_pool_clean, engine.core)
         return [[o.token_ids for o in r.outputs] for r in res], [r.usage for r in res], engine.stats()
@@ -110,17 +110,17 @@ FORMAT_CONFIGS = {"bfloat16": dict(kv_cache_dtype="bfloat16"), "float16": dict(k
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir):
+def reference(engines, llama_dir):
     """Each format's outputs through the torch references (the caches gathered, then dequantized)."""
-    return {name: asyncio.run(outputs(llama_dir, PROMPTS, attention_backend="torch", **cfg))
+    return {name: asyncio.run(outputs(engines, llama_dir, PROMPTS, attention_backend="torch", **cfg))
             for name, cfg in FORMAT_CONFIGS.items()}
 
 
 @pytest.mark.parametrize("name", list(FORMAT_CONFIGS))
-async def test_the_cpu_kernels_read_each_format_as_the_torch_reference(llama_dir, reference, name):
+async def test_the_cpu_kernels_read_each_format_as_the_torch_reference(engines, llama_dir, reference, name):
     # the C decode kernel reads the codes where they lie; greedy outputs, prefix hits and the pool's use are the
     # reference's, and the stats say the format and its bytes
-    got, usage, stats = await outputs(llama_dir, PROMPTS, **FORMAT_CONFIGS[name])
+    got, usage, stats = await outputs(engines, llama_dir, PROMPTS, **FORMAT_CONFIGS[name])
     want, want_usage, _ = reference[name]
     assert got == want
     assert [u.cached_tokens_by_tier for u in usage] == [u.cached_tokens_by_tier for u in want_usage]
@@ -129,14 +129,14 @@ async def test_the_cpu_kernels_read_each_format_as_the_torch_reference(llama_dir
     assert (stats.kv_format, stats.kv_bytes_per_token) == (name, token_bytes(k, v))
 
 
-async def test_a_smaller_kv_stays_close_to_fp32_kv(llama_dir):
+async def test_a_smaller_kv_stays_close_to_fp32_kv(engines, llama_dir):
     # the next-token distribution after a prompt, against fp32 KV: 16-bit nearly equal, int8 close, int4 near
     prompt = SYSTEMS[0] + rand_ids(40, seed=9)
     params = SamplingParams(max_tokens=1, logprobs=5)
     top = {}
     for name in ("float32", "bfloat16", "int8", "int4"):
-        async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0,
-                                                        kv_cache_dtype=name)) as engine:
+        async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0,
+                                                    kv_cache_dtype=name)) as engine:
             out = await engine.generate(prompt, params)
             top[name] = dict(out.outputs[0].logprobs[0].top)
     for name, tol in (("bfloat16", 0.02), ("int8", 0.05), ("int4", 0.5)):
@@ -144,22 +144,23 @@ async def test_a_smaller_kv_stays_close_to_fp32_kv(llama_dir):
             assert abs(top[name].get(token, -99.0) - logprob) < tol, (name, token)
 
 
-async def test_samples_beams_and_swaps_work_unchanged_on_int8_blocks(llama_dir):
+async def test_samples_beams_and_swaps_work_unchanged_on_int8_blocks(engines, llama_dir):
     # n > 1 shares the prompt's int8 blocks (CoW of the partial one), beams fork them, preemption swaps them to
     # warm and back: each gives what the roomy engine in the same format gives
     params = SamplingParams(max_tokens=6, n=3, temperature=0.8, seed=7, ignore_eos=True)
     beams = SamplingParams(max_tokens=5, beam_width=3, n=2)
-    want_n, _, _ = await outputs(llama_dir, PROMPTS[:2], params, kv_cache_dtype="int8")
-    want_b, _, _ = await outputs(llama_dir, PROMPTS[:2], beams, kv_cache_dtype="int8")
-    got_n, _, stats = await outputs(llama_dir, PROMPTS[:2], params, kv_cache_dtype="int8", num_blocks=20)
+    want_n, _, _ = await outputs(engines, llama_dir, PROMPTS[:2], params, kv_cache_dtype="int8")
+    want_b, _, _ = await outputs(engines, llama_dir, PROMPTS[:2], beams, kv_cache_dtype="int8")
+    got_n, _, stats = await outputs(engines, llama_dir, PROMPTS[:2], params, kv_cache_dtype="int8", num_blocks=20)
     assert got_n == want_n and stats.cow_copies > 0
-    got_b, _, _ = await outputs(llama_dir, PROMPTS[:2], beams, kv_cache_dtype="int8", attention_backend="torch")
+    got_b, _, _ = await outputs(engines, llama_dir, PROMPTS[:2], beams, kv_cache_dtype="int8",
+                                attention_backend="torch")
     assert got_b == want_b
     long = [rand_ids(40 + 9 * i, seed=i) for i in range(5)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     block = token_bytes("int8") * BS
-    roomy, _, _ = await outputs(llama_dir, long, params, kv_cache_dtype="int8")
-    async with await AsyncEngine.start(EngineConfig(
+    roomy, _, _ = await outputs(engines, llama_dir, long, params, kv_cache_dtype="int8")
+    async with await engines.start(EngineConfig(
             model=str(llama_dir), kv_cache_dtype="int8", num_blocks=12, warm_bytes=64 * block,
             enable_prefix_caching=False, offload="off")) as engine:
         res = await asyncio.gather(*(engine.generate(p, params) for p in long))
@@ -167,23 +168,23 @@ async def test_samples_beams_and_swaps_work_unchanged_on_int8_blocks(llama_dir):
         assert engine.stats().num_swaps > 0
 
 
-async def test_native_step_writes_and_reads_each_format_as_the_eager_forward(llama_dir):
+async def test_native_step_writes_and_reads_each_format_as_the_eager_forward(engines, llama_dir):
     # quantized weights on CPU: the native C step stores its K/V rows in the cache's format (tkv_kv_store) and
     # attends over them; its tokens are the eager forward's
     for name in ("int8", "int4", "bfloat16"):
-        eager, _, _ = await outputs(llama_dir, PROMPTS[:3], kv_cache_dtype=name, quantization="int8")
-        native, _, stats = await outputs(llama_dir, PROMPTS[:3], kv_cache_dtype=name, quantization="int8",
+        eager, _, _ = await outputs(engines, llama_dir, PROMPTS[:3], kv_cache_dtype=name, quantization="int8")
+        native, _, stats = await outputs(engines, llama_dir, PROMPTS[:3], kv_cache_dtype=name, quantization="int8",
                                          compile_decode=True)
         assert stats.decode_path == "native" and native == eager, name
 
 
-async def test_the_compiled_decode_graph_reads_int4_rows(llama2_dir):
+async def test_the_compiled_decode_graph_reads_int4_rows(engines, llama2_dir):
     # fp32 weights: one-sequence decodes run through the inductor graph, whose attention is the CPU kernel's
     # operator on the turned int4 rows and whose store quantizes in the graph; its tokens are the eager forward's
     # (two layers: the compile is most of the test's time; the cache's shape is the store-path test's below, so
     # the two share one graph, compiled once into the default cache)
-    eager, _, _ = await outputs(llama2_dir, PROMPTS[:2], kv_cache_dtype="int4", num_blocks=32)
-    compiled, _, stats = await outputs(llama2_dir, PROMPTS[:2], kv_cache_dtype="int4", compile_decode=True,
+    eager, _, _ = await outputs(engines, llama2_dir, PROMPTS[:2], kv_cache_dtype="int4", num_blocks=32)
+    compiled, _, stats = await outputs(engines, llama2_dir, PROMPTS[:2], kv_cache_dtype="int4", compile_decode=True,
                                        num_blocks=32)
     assert stats.decode_path == "compiled" and compiled == eager
 
@@ -215,7 +216,8 @@ def test_every_path_stores_int4_keys_less_each_layers_key_mean(llama2_dir, path)
     # int4 keys are stored less a vector per layer and KV head (runner/key_shift.py), which the softmax ignores:
     # the prefill's store, the native C step's and the compiled graph's all take the layer's own vector (one graph
     # serves every layer: each must read its own). Set to large distinct vectors, the stored keys are the fp32
-    # engine's keys less them, within int4's rounding, at every layer and position
+    # engine's keys less them, within int4's rounding, at every layer and position (engines of their own: the test
+    # changes the shifts their weights hold, which the `engines` fixture would share with other tests)
     from tieredkv.engine.engine_core import EngineCore
 
     cfg = dict(model=str(llama2_dir), num_blocks=32, warm_bytes=0, quantization="int8" if path == "native" else None,
@@ -285,13 +287,13 @@ def test_the_key_shift_is_measured_once_then_read_from_the_cache(llama2_dir, tmp
 
 
 @pytest.mark.parametrize("far", ["in_place", "staged"])
-async def test_a_document_past_the_hot_pool_reads_its_int4_far_blocks(llama_dir, far):
+async def test_a_document_past_the_hot_pool_reads_its_int4_far_blocks(engines, llama_dir, far):
     # a 700-token document on a hot pool of 8 blocks: its older blocks kept in the warm tier as int4 rows, read
     # in place (the slab is the cache tensor's tail) or staged per layer, as the roomy pool's output
     doc = [rand_ids(700, seed=77)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    want, _, _ = await outputs(llama_dir, doc, params, kv_cache_dtype="int4")
-    got, _, stats = await outputs(llama_dir, doc, params, kv_cache_dtype="int4", num_blocks=8, offload=far,
+    want, _, _ = await outputs(engines, llama_dir, doc, params, kv_cache_dtype="int4")
+    got, _, stats = await outputs(engines, llama_dir, doc, params, kv_cache_dtype="int4", num_blocks=8, offload=far,
                                   warm_bytes=80 * token_bytes("int4") * BS, max_num_batched_tokens=256)
     assert got == want and stats.blocks_offloaded >= 700 // BS - 8
 
@@ -299,13 +301,13 @@ async def test_a_document_past_the_hot_pool_reads_its_int4_far_blocks(llama_dir,
 # -- every tier holds the same bytes -----------------------------------------------------------------
 
 
-async def test_warm_and_cold_hold_int8_blocks_and_a_restart_serves_them(llama_dir, tmp_path):
+async def test_warm_and_cold_hold_int8_blocks_and_a_restart_serves_them(engines, llama_dir, tmp_path):
     path = str(tmp_path / "cold")
     block = token_bytes("int8") * BS
-    want, _, _ = await outputs(llama_dir, PROMPTS, kv_cache_dtype="int8")
+    want, _, _ = await outputs(engines, llama_dir, PROMPTS, kv_cache_dtype="int8")
     cfg = EngineConfig(model=str(llama_dir), kv_cache_dtype="int8", num_blocks=14, warm_bytes=8 * block,
                        cold_path=path)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         tiers = engine.core.tiers
         assert tiers.warm.block_bytes == block and tiers.cold.payload_bytes == block  # unconverted bytes
         assert tiers.warm.slab.dtype == torch.uint8 and tiers.cold.dtype == torch.uint8
@@ -314,33 +316,33 @@ async def test_warm_and_cold_hold_int8_blocks_and_a_restart_serves_them(llama_di
     assert [[g] for g in got] == want
     warm, cold = stats.tiers["warm"], stats.tiers["cold"]
     assert warm.demotions > 0 and cold.demotions > 0 and warm.capacity_bytes == 8 * block
-    again, usage, stats = await outputs(llama_dir, PROMPTS[:3], kv_cache_dtype="int8", cold_path=path)
+    again, usage, stats = await outputs(engines, llama_dir, PROMPTS[:3], kv_cache_dtype="int8", cold_path=path)
     assert again == want[:3] and [u.cached_tokens_by_tier["cold"] for u in usage] == [96] * 3
     # an fp32 engine on the same path is never served the int8 blocks, and explain says why
-    _, usage, _ = await outputs(llama_dir, PROMPTS[:1], cold_path=path)
+    _, usage, _ = await outputs(engines, llama_dir, PROMPTS[:1], cold_path=path)
     assert usage[0].cached_tokens_by_tier["cold"] == 0
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0,
-                                                    cold_path=path, kv_cache_dtype="int4")) as engine:
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0,
+                                                cold_path=path, kv_cache_dtype="int4")) as engine:
         report = await engine.explain(SYSTEMS[1])
         assert report[0].source is None
         assert "its KV is stored as int8; this engine stores int4" in report[0].reason
 
 
-async def test_a_snapshot_keeps_the_format_and_is_refused_by_another(llama_dir, tmp_path):
+async def test_a_snapshot_keeps_the_format_and_is_refused_by_another(engines, llama_dir, tmp_path):
     path = tmp_path / "int4.tkv"
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
-                                                    kv_cache_dtype="int4")) as engine:
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
+                                                kv_cache_dtype="int4")) as engine:
         want = [(await engine.generate(p, PARAMS)).outputs[0].token_ids for p in PROMPTS[:3]]
         assert await engine.export_cache(path, prompts=SYSTEMS) == 18
     assert path.stat().st_size < 18 * token_bytes("int4") * BS * 1.1  # int4 bytes, not fp32
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
-                                                    kv_cache_dtype="int4")) as engine:
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
+                                                kv_cache_dtype="int4")) as engine:
         assert (await engine.import_cache(path))["imported"] == 18
         res = [await engine.generate(p, PARAMS) for p in PROMPTS[:3]]
         assert [r.outputs[0].token_ids for r in res] == want
         assert [r.usage.cached_tokens_by_tier["warm"] for r in res] == [96] * 3
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
-                                                    kv_cache_dtype="int8")) as engine:
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
+                                                kv_cache_dtype="int8")) as engine:
         with pytest.raises(SnapshotError, match="another model"):
             await engine.import_cache(path)
 
@@ -348,11 +350,11 @@ async def test_a_snapshot_keeps_the_format_and_is_refused_by_another(llama_dir, 
 # -- sizing --------------------------------------------------------------------------------------------
 
 
-async def test_the_same_budget_holds_proportionally_more_blocks(llama_dir):
+async def test_the_same_budget_holds_proportionally_more_blocks(engines, llama_dir):
     budget = 1 << 20
     for name in ("float32", "bfloat16", "int8", "int4"):
         cfg = EngineConfig(model=str(llama_dir), kv_cache_bytes=budget, warm_bytes=budget, kv_cache_dtype=name)
-        async with await AsyncEngine.start(cfg) as engine:
+        async with await engines.start(cfg) as engine:
             block = token_bytes(name) * BS
             assert engine.core.num_blocks == budget // block
             assert engine.core.tiers.warm.capacity == budget // block

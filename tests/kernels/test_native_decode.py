@@ -59,15 +59,15 @@ def decode_logits(core: EngineCore, prompt: list[int], rows: slice = slice(-1, N
 @pytest.mark.parametrize("scheme", [dict(quantization="int8"), dict(quantization="int4"),
                                     dict(quantization="int4", quantization_group_size=64,
                                          quantization_symmetric=True)], ids=["int8", "int4", "int4-sym-64"])
-def test_native_step_matches_the_eager_forward(request, family, scheme):
+def test_native_step_matches_the_eager_forward(engines, request, family, scheme):
     """Every decode step's logits within float rounding of the eager forward's on the same quantized weights
     (the same product kernels; the norms, rotary embedding and softmax summed in another order), the same greedy
     tokens, and the same K/V rows in the cache (q/k/v biases: qwen2; per-head q/k norms: qwen3; fused q/k/v and
     gate/up as stored: phi3)."""
     path = request.getfixturevalue(f"{family}_dir")
     cfg = dict(model=str(path), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, **scheme)
-    eager = EngineCore(EngineConfig(**cfg, compile_decode=False))
-    native = EngineCore(EngineConfig(**cfg, compile_decode=True))
+    eager = engines.core(EngineConfig(**cfg, compile_decode=False))
+    native = engines.core(EngineConfig(**cfg, compile_decode=True))
     try:
         assert native.stats().decode_path == "native" and isinstance(native.runner.compiled, NativeDecode)
         for prompt in PROMPTS:
@@ -91,15 +91,15 @@ def test_native_step_matches_the_eager_forward(request, family, scheme):
 
 @pytest.mark.parametrize("scheme", [dict(quantization="int4"), dict(quantization="int8", kv_cache_dtype="int8")],
                          ids=["int4", "int8-kv8"])
-def test_a_batch_of_decodes_is_one_native_step_with_the_eager_forwards_tokens(llama_dir, scheme):
+def test_a_batch_of_decodes_is_one_native_step_with_the_eager_forwards_tokens(engines, llama_dir, scheme):
     """Sequences of different lengths (one across blocks, one whose attention splits across the threads) decoding
     together: each step is one native step, a row a sequence, each row attending through its own block table;
     every sequence's greedy tokens are the eager forward's, batched alike, and (an fp32 cache) its K/V rows within
     rounding of them."""
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], list(range(20, 100)), [3] * 17]
     cfg = dict(model=str(llama_dir), num_blocks=64, warm_bytes=0, enable_prefix_caching=False, **scheme)
-    eager = EngineCore(EngineConfig(**cfg, compile_decode=False))
-    native = EngineCore(EngineConfig(**cfg, compile_decode=True))
+    eager = engines.core(EngineConfig(**cfg, compile_decode=False))
+    native = engines.core(EngineConfig(**cfg, compile_decode=True))
     try:
         new = [12, 9, 15, 10]  # the batch shrinks as they end
         want, got = run_to_end(eager, prompts, new), run_to_end(native, prompts, new)
@@ -114,13 +114,13 @@ def test_a_batch_of_decodes_is_one_native_step_with_the_eager_forwards_tokens(ll
         native.close()
 
 
-def test_a_short_prompt_joins_the_decodes_in_one_native_step(llama_dir):
+def test_a_short_prompt_joins_the_decodes_in_one_native_step(engines, llama_dir):
     """A prompt of a few tokens arriving while another sequence decodes: that step (the prompt's rows beside the
     decode, a block table a row) is a native step too, and both sequences' tokens are the eager forward's."""
     cfg = dict(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0, enable_prefix_caching=False)
     outputs = []
     for compiled in (False, True):
-        core = EngineCore(EngineConfig(**cfg, compile_decode=compiled))
+        core = engines.core(EngineConfig(**cfg, compile_decode=compiled))
         try:
             params = SamplingParams(max_tokens=6, ignore_eos=True)
             first, short = core.factory.make(PROMPTS[1], params), core.factory.make([9, 10, 11, 12, 13], params)
@@ -134,13 +134,13 @@ def test_a_short_prompt_joins_the_decodes_in_one_native_step(llama_dir):
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["at start", "in the background"])
-def test_the_native_step_binds_the_operators_the_batched_steps_run(llama_dir, monkeypatch, background):
+def test_the_native_step_binds_the_operators_the_batched_steps_run(engines, llama_dir, monkeypatch, background):
     """The native step takes decodes and short chunks; the eager forward's steps that mix a decode with a longer
     prompt run the C++ operators, which its warm-up binds as the compiled graph's does before its trace (in the
     background: by the time finish returns): their decode attention goes to the CPU kernel, not torch's reference."""
     monkeypatch.setattr(CPU, "bound", None)  # as in a fresh process
-    core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
-                                   compile_decode=True, compile_in_background=background))
+    core = engines.core(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
+                                     compile_decode=True, compile_in_background=background))
     try:
         assert isinstance(core.runner.compiled, NativeDecode)
         core.runner.compiled.finish()
@@ -157,12 +157,12 @@ def test_the_native_step_binds_the_operators_the_batched_steps_run(llama_dir, mo
         core.close()
 
 
-def test_native_step_takes_only_what_it_can(llama_dir, caplog):
+def test_native_step_takes_only_what_it_can(engines, llama_dir, caplog):
     """Where the step cannot serve, `make` says why and the compiled graph does: a bfloat16 cache, a model that is
     not quantized; where it can, it points at each layer's own K and V caches."""
-    core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=8, warm_bytes=0,
-                                   compile_decode=True))
-    plain = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=0, compile_decode=False))
+    core = engines.core(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=8, warm_bytes=0,
+                                     compile_decode=True))
+    plain = engines.core(EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=0, compile_decode=False))
     try:
         step = core.runner.compiled
         assert isinstance(step, NativeDecode)
@@ -182,7 +182,7 @@ def test_native_step_takes_only_what_it_can(llama_dir, caplog):
         plain.close()
 
 
-def test_native_step_reads_far_blocks_in_place(llama_dir):
+def test_native_step_reads_far_blocks_in_place(engines, llama_dir):
     """A document whose KV outgrows a hot pool of 8 blocks: its old blocks are far blocks in the warm tier's slab,
     the cache tensor's tail, which the native step's attention reads in place; the greedy tokens are those of an
     engine whose pool holds everything (eager forward, same int4 weights)."""
@@ -192,9 +192,9 @@ def test_native_step_reads_far_blocks_in_place(llama_dir):
     document = [rng.randrange(3, 440) for _ in range(600)]
     block_bytes = 3 * 2 * 16 * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
     base = dict(model=str(llama_dir), quantization="int4")
-    whole = EngineCore(EngineConfig(**base, num_blocks=64, warm_bytes=0, compile_decode=False))
-    far = EngineCore(EngineConfig(**base, num_blocks=8, warm_bytes=100 * block_bytes, max_num_batched_tokens=256,
-                                  offload="in_place", compile_decode=True))
+    whole = engines.core(EngineConfig(**base, num_blocks=64, warm_bytes=0, compile_decode=False))
+    far = engines.core(EngineConfig(**base, num_blocks=8, warm_bytes=100 * block_bytes, max_num_batched_tokens=256,
+                                    offload="in_place", compile_decode=True))
     try:
         assert far.stats().decode_path == "native" and far.kv_cache.shape[2] == 8 + 100 + 1
         assert run_to_end(far, [document], [24]) == run_to_end(whole, [document], [24])
@@ -209,7 +209,7 @@ def test_native_step_reads_far_blocks_in_place(llama_dir):
 @pytest.mark.parametrize("scheme", [dict(quantization="int4"), dict(quantization="int8"),
                                     dict(quantization="int4", int8_activations=True)],
                          ids=["int4", "int8", "int4-tiles"])
-def test_native_step_verifies_drafts_as_the_eager_forward(served_build, llama_dir, phi3_dir, scheme):
+def test_native_step_verifies_drafts_as_the_eager_forward(engines, served_build, llama_dir, phi3_dir, scheme):
     """Speculative decoding's verification (a sequence's last token and its drafts, one step): the native step's
     rows (every product reading its weight once for all of them, kernels/decode_cpu.c tkv_decode_rows) give the
     eager forward's logits on every row, and both engines the same tokens, for each build of the kernels."""
@@ -219,12 +219,12 @@ def test_native_step_verifies_drafts_as_the_eager_forward(served_build, llama_di
         prompt = PROMPTS[1]
         cfg = dict(model=str(path), num_blocks=32, warm_bytes=0, enable_prefix_caching=False,
                    speculative={"method": "ngram", "num_speculative_tokens": 5, "adaptive": False}, **scheme)
-        plain = EngineCore(EngineConfig(**{**cfg, "speculative": None}, compile_decode=False))
+        plain = engines.core(EngineConfig(**{**cfg, "speculative": None}, compile_decode=False))
         want_tokens, _ = decode_logits(plain, prompt)
         plain.close()
         runs = []
         for compiled in (False, True):
-            core = EngineCore(EngineConfig(**cfg, compile_decode=compiled))
+            core = engines.core(EngineConfig(**cfg, compile_decode=compiled))
             core.parts.speculator.proposer = Oracle({tuple(prompt): want_tokens}, 10**6, spoil=2)
             runs.append(decode_logits(core, prompt, slice(None)) + (core.runner.compiled,))
             core.close()

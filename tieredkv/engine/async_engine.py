@@ -13,6 +13,7 @@ from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.engine.explain import BlockReport, explain
 from tieredkv.engine.outputs import CompletionOutput, EngineInfo, EngineStats, RequestOutput, Usage
+from tieredkv.engine.shared_weights import SharedWeights
 from tieredkv.engine.stream import Channel, RequestStream
 from tieredkv.engine.worker import EngineWorker
 from tieredkv.errors import EngineClosedError, RequestError, WrongLoopError
@@ -67,13 +68,18 @@ class AsyncEngine:
         worker.closed.add_done_callback(self._on_closed)
 
     @classmethod
-    async def start(cls, config: EngineConfig | None = None, **kwargs) -> "AsyncEngine":
+    async def start(cls, config: EngineConfig | None = None, *, shared_weights: SharedWeights | None = None,
+                    **kwargs) -> "AsyncEngine":
         """Loads the model (in the engine's core process, or with core_process=False on the worker thread) and
-        starts serving on the running loop. kwargs build an EngineConfig when none is given."""
+        starts serving on the running loop. kwargs build an EngineConfig when none is given. `shared_weights`
+        (core_process=False only): where the model is taken from if an earlier engine of this process loaded it in
+        the same form (engine/shared_weights.py)."""
         config = config or EngineConfig(**kwargs)
         if config.core_process and cls is AsyncEngine:
+            if shared_weights is not None:
+                raise ValueError("shared_weights needs core_process=False: a core process has memory of its own")
             return await AsyncEngine._process_front.launch(config)
-        worker = EngineWorker(config, asyncio.get_running_loop())
+        worker = EngineWorker(config, asyncio.get_running_loop(), shared_weights)
         await worker.started
         return cls(worker)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -18,11 +19,12 @@ from tieredkv.core.scheduler import Scheduler
 from tieredkv.engine.identity import identity_in_background, model_fingerprint
 from tieredkv.engine.kv_events import make_recorder
 from tieredkv.engine.lifecycle import Lifecycle
-from tieredkv.engine.rank_build import (RankMemory, data_plane, load_share, make_kv_cache,
+from tieredkv.engine.rank_build import (RankMemory, bind_kernels, data_plane, load_share, make_kv_cache,
                                         prepare_process, shift_keys, total_weight_bytes, weights_label)
 from tieredkv.engine.request_factory import RequestFactory
 from tieredkv.engine.resolve import (eos_token_ids, max_model_len, quant_settings, resolve_cache_dir,
                                      resolve_kv_layout, resolve_model_dir)
+from tieredkv.engine.shared_weights import SharedWeights
 from tieredkv.engine.sizing import far_extent, far_mode, kv_block_bytes, num_kv_blocks, warm_blocks
 from tieredkv.engine.speculative import Speculator, make_speculator
 from tieredkv.engine.telemetry import Telemetry
@@ -132,10 +134,11 @@ class EngineParts:
         return self.tiers.hot.pool
 
 
-def build_engine(cfg: EngineConfig) -> EngineParts:
+def build_engine(cfg: EngineConfig, shared: SharedWeights | None = None) -> EngineParts:
     """Loads the model and builds the cache, tiers, scheduler, runner and request lifecycle around it;
     compiles what the first request would otherwise wait for. With tensor_parallel_size N > 1, first starts
-    ranks 1..N-1 (engine/ranks.py), which load their shares while this process loads its own."""
+    ranks 1..N-1 (engine/ranks.py), which load their shares while this process loads its own. With `shared`,
+    the model is taken from it where an earlier engine loaded it in the same form (engine/shared_weights.py)."""
     device, dtype, held = prepare_process(cfg)
     tp = None
     try:
@@ -145,7 +148,8 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
         limit = max_model_len(spec, cfg.max_model_len)
         tokenizer = Tokenizer(model_dir)
         tp = _start_ranks(cfg, spec, model_dir, device)
-        return replace(_build(cfg, device, dtype, cache_dir, model_dir, spec, limit, tokenizer, tp), process=held)
+        return replace(_build(cfg, device, dtype, cache_dir, model_dir, spec, limit, tokenizer, tp, shared),
+                       process=held)
     except BaseException:
         if tp is not None:
             tp.abort()
@@ -164,15 +168,14 @@ def _start_ranks(cfg: EngineConfig, spec: ModelSpec, model_dir: Path, device: to
 
 
 def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_dir: Path, model_dir: Path,
-           spec: ModelSpec, limit: int, tokenizer: Tokenizer, tp: TPGroup) -> EngineParts:
+           spec: ModelSpec, limit: int, tokenizer: Tokenizer, tp: TPGroup,
+           shared: SharedWeights | None = None) -> EngineParts:
     quant = quant_settings(cfg, model_dir)
     identity = identity_in_background(model_dir, quant, cache_dir)  # hashed while the weights load
     compiled = compile_wanted(cfg.compile_decode, device) and tp.world == 1
     kv_format = resolve_kv_layout(cfg, spec, dtype, device)
-    model, ops, memory = load_share(cfg, model_dir, device, tp, compiled)
-    weights = quant.fingerprint if quant else None
-    shift_keys(cfg, model, device, tp, lambda: (shift_key(identity.result(), weights, dtype, device),
-                                                calibration_ids(tokenizer.encode, spec.vocab_size)))
+    model, ops, memory = _weights(cfg, device, dtype, model_dir, spec, tokenizer, tp, (compiled, kv_format),
+                                  lambda: identity.result(), shared)
     leader = tp if tp.world > 1 else None
     num_warm = warm_blocks(cfg, spec, kv_format)
     mode = far_mode(cfg, device) if num_warm else None
@@ -216,6 +219,30 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
             tier.events = events
     _log_ready(cfg, parts, num_warm)
     return parts
+
+
+def _weights(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, model_dir: Path, spec: ModelSpec,
+             tokenizer: Tokenizer, tp: TPGroup, form: tuple[bool, KVLayout], identity: Callable[[], str],
+             shared: SharedWeights | None) -> tuple[LlamaModel, KernelOps, "RankMemory | list[RankMemory]"]:
+    """This rank's share of the weights as the engine reads them (loaded, held in the kernels' layout, 4-bit keys'
+    shifts set) and the kernel set: loaded here, or with `shared` taken from it where an earlier engine of this
+    process loaded them in the same form (engine/shared_weights.py). `form`: (compiled decode, the KV formats);
+    `identity`: the checkpoint's identity hash (engine/identity.py), asked only where keys are shifted."""
+    quant, (compiled, kv_format) = quant_settings(cfg, model_dir), form
+
+    def load() -> tuple[LlamaModel, KernelOps, "RankMemory | list[RankMemory]"]:
+        model, ops, memory = load_share(cfg, model_dir, device, tp, compiled)
+        fmt = quant.fingerprint if quant else None
+        shift_keys(cfg, model, device, tp, lambda: (shift_key(identity(), fmt, dtype, device),
+                                                    calibration_ids(tokenizer.encode, spec.vocab_size)))
+        return model, ops, memory
+
+    if shared is None:
+        return load()
+    ops = bind_kernels(cfg, device, compiled, kv_format)  # first: the CPU kernels' build is part of the key
+    key = SharedWeights.key(cfg, model_dir, device, dtype, quant, kv_format, compiled, resolve_cache_dir(cfg))
+    model, memory = shared.take(key, load)
+    return model, ops, memory
 
 
 def _log_ready(cfg: EngineConfig, parts: EngineParts, num_warm: int) -> None:

@@ -14,6 +14,7 @@ from tieredkv.engine.build import build_engine
 from tieredkv.engine.outputs import EngineInfo, EngineStats, Output, collect_stats
 from tieredkv.engine.rank_build import total_weight_bytes
 from tieredkv.engine.resolve import resolve_cache_dir
+from tieredkv.engine.shared_weights import SharedWeights
 from tieredkv.engine.sleep import Sleeper
 from tieredkv.engine.sizing import kv_token_bytes
 from tieredkv.engine.speculative import DraftProposer, draft_config
@@ -33,9 +34,12 @@ class EngineCore:
     the request lifecycle, read through the core by name: `core.scheduler` is `core.parts.scheduler`) and the
     live requests; `step()` is schedule -> execute (block moves, then one forward) -> update."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, shared_weights: SharedWeights | None = None):
+        """`shared_weights`: where the model is taken from if an earlier engine of this process loaded it in the
+        same form, and kept for the next (engine/shared_weights.py); None loads it for this engine alone."""
         self.config = config
-        self.parts = build_engine(config)
+        self.shared_weights = shared_weights
+        self.parts = build_engine(config, shared_weights)
         parts = self.parts
         self.cpu_share = CpuShare(on_start=CPU.set_split_threads) if (  # only in a core process: on a thread of
             config.share_cores and PROCESS.engine_owned and parts.device.type == "cpu" and parts.tp.world == 1
@@ -70,7 +74,7 @@ class EngineCore:
     def _add_draft_model(self, config: EngineConfig) -> None:
         """Speculative decoding's draft model: an engine of its own, checked to share the target's tokenizer."""
         try:
-            draft = EngineCore(draft_config(config))
+            draft = EngineCore(draft_config(config), self.shared_weights)
             try:
                 self.parts.speculator.proposer = DraftProposer(draft, self.parts.tokenizer, self.parts.spec.vocab_size,
                                                                config.speculative.model)
@@ -112,6 +116,8 @@ class EngineCore:
         finally:
             self._close_events()
             self.parts.tp.close()
+            if self.shared_weights is not None:
+                self.shared_weights.give_back(self.parts.model)
             if self.parts.process is not None:
                 self.parts.process.release()  # torch's threads as the process had them
 
@@ -125,7 +131,8 @@ class EngineCore:
         """Gives the engine's memory back while it has no request: level 1 the KV cache's (pins released; the
         cached blocks of hot, and of warm, go to the tiers outside this process's memory, cold and remote, written
         before this returns; with none, hot's go to warm, which keeps its memory), level 2 the weights' too.
-        RequestError with requests in flight or under tensor parallelism. Returns what it released and the
+        RequestError with requests in flight, under tensor parallelism, or at level 2 while another engine uses the
+        same weights (shared_weights). Returns what it released and the
         process's resident memory after."""
         if level not in (1, 2):
             raise RequestError(f"sleep level must be 1 or 2, got {level!r}")
@@ -133,6 +140,10 @@ class EngineCore:
             raise RequestError("sleep is not supported with tensor_parallel_size > 1")
         if self.requests:
             raise RequestError(f"cannot sleep with {len(self.requests)} requests in flight")
+        others = self.shared_weights.users(self.parts.model) - 1 if self.shared_weights is not None else 0
+        if level == 2 and others > 0:
+            raise RequestError(f"sleep level 2 releases the weights, which {others} other engine(s) use "
+                               "(shared_weights): sleep at level 1")
         sleeper, released = self.sleeper, {}
         if sleeper.level >= level:
             return sleeper.last

@@ -231,6 +231,14 @@ def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tup
     return runner, io
 
 
+def bind_kernels(cfg: EngineConfig, device: torch.device, compiled: bool, kv: KVLayout) -> KernelOps:
+    """The kernel set of an engine over weights already loaded and held (engine/shared_weights.py), with the CPU
+    kernels bound as load_rank_model binds them."""
+    if device.type == "cpu":
+        CPU.use(resolve_cache_dir(cfg), operators=not compiled)
+    return select_kernels(cfg.attention_backend, device, kv)
+
+
 def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,
                          compiled: bool, kv: KVLayout | None = None) -> KernelOps:
     """The kernel set, with every full-precision weight held in the layout kernels/dense.py chooses for this

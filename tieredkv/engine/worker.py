@@ -15,6 +15,7 @@ from tieredkv.config import EngineConfig
 from tieredkv.core.sequence import Request
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.engine.outputs import EngineStats, Output
+from tieredkv.engine.shared_weights import SharedWeights
 from tieredkv.errors import EngineClosedError, StepError
 from tieredkv.platform.malloc_tuning import release_free_memory
 
@@ -44,9 +45,11 @@ class EngineWorker:
     flight or queued ends with EngineClosedError.
     """
 
-    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop):
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
+                 shared_weights: SharedWeights | None = None):
         self.loop = loop
         self.config = config
+        self.shared_weights = shared_weights
         self.core: EngineCore | None = None
         self.snapshot: EngineStats | None = None
         self.close_reason: EngineClosedError | None = None
@@ -117,7 +120,7 @@ class EngineWorker:
 
     def _main(self) -> None:
         try:
-            self.core = EngineCore(self.config)
+            self.core = EngineCore(self.config, self.shared_weights)
             self.snapshot = self.core.stats()
         except BaseException as e:
             with self._lock:
