@@ -184,10 +184,11 @@ def check_far_blocks(core, holders: dict[int, int]) -> None:
 
 class Engines:
     """The test run's engine factory (conftest's session fixture `engines`): `core(config)` builds an EngineCore,
-    `await start(config)` an AsyncEngine on the test's loop (core_process=False), each over weights loaded once per
-    worker process for every config that loads them alike (tieredkv.SharedWeights, keyed by the config's model,
-    dtype, quantization, KV formats and kernels). Every engine is a new one (its own cache, tiers, scheduler and
-    counters), closed by its test as any other: tests share the loaded weights, never an engine's state."""
+    `await start(config)` an AsyncEngine on the test's loop, each over weights loaded once per worker process for
+    every config that loads them alike (tieredkv.SharedWeights, keyed by the config's model, dtype, quantization, KV
+    formats and kernels; a core process and tensor-parallel ranks load their own). Every engine is a new one (its
+    own cache, tiers, scheduler and counters), closed by its test as any other: tests share the loaded weights,
+    never an engine's state."""
 
     def __init__(self) -> None:
         from tieredkv import SharedWeights
@@ -199,13 +200,19 @@ class Engines:
         from tieredkv import EngineConfig
         from tieredkv.engine.engine_core import EngineCore
 
-        return EngineCore(config or EngineConfig(**fields), self.weights)
+        config = config or EngineConfig(**fields)
+        return EngineCore(config, self._weights_for(config))
 
     async def start(self, config=None, **fields):
         """An AsyncEngine for `config` (or EngineConfig(**fields)) serving on the running loop."""
-        from tieredkv import AsyncEngine
+        from tieredkv import AsyncEngine, EngineConfig
 
-        return await AsyncEngine.start(config, shared_weights=self.weights, **fields)
+        config = config or EngineConfig(**fields)
+        return await AsyncEngine.start(config, shared_weights=self._weights_for(config))
+
+    def _weights_for(self, config):
+        """The shared weights, or None for a config that loads its own (a core process, tensor parallelism)."""
+        return None if config.core_process or config.tensor_parallel_size > 1 else self.weights
 
 
 def drive(core, requests=(), each_step=None, max_steps: int = 10_000) -> list:

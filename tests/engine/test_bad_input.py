@@ -8,13 +8,13 @@ import pytest
 from pydantic import ValidationError
 
 from helpers import check_pool_clean
-from tieredkv import (AsyncEngine, CheckpointError, EngineConfig, RequestError, SamplingParams,
+from tieredkv import (CheckpointError, EngineConfig, RequestError, SamplingParams,
                       UnsupportedModelError)
 
 
 @pytest.fixture(scope="module")
-async def engine(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, max_model_len=256, warm_bytes=0))
+async def engine(engines, llama_dir):
+    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, max_model_len=256, warm_bytes=0))
     yield engine
     await engine.close()
 
@@ -103,41 +103,41 @@ async def test_duplicate_request_id(engine):
         break
 
 
-async def test_unknown_model_path(tmp_path):
+async def test_unknown_model_path(engines, tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-model"):
-        await AsyncEngine.start(EngineConfig(model=str(tmp_path / "no-such-model")))
+        await engines.start(EngineConfig(model=str(tmp_path / "no-such-model")))
 
 
-async def test_truncated_safetensors(llama_dir, tmp_path):
+async def test_truncated_safetensors(engines, llama_dir, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(llama_dir, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
-        await AsyncEngine.start(EngineConfig(model=str(broken)))
+        await engines.start(EngineConfig(model=str(broken)))
 
 
-async def test_unsupported_architecture(llama_dir, tmp_path):
+async def test_unsupported_architecture(engines, llama_dir, tmp_path):
     other = tmp_path / "gpt2ish"
     shutil.copytree(llama_dir, other)
     cfg = json.loads((other / "config.json").read_text())
     cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
-        await AsyncEngine.start(EngineConfig(model=str(other)))
+        await engines.start(EngineConfig(model=str(other)))
 
 
-async def test_missing_weights(llama_dir, tmp_path):
+async def test_missing_weights(engines, llama_dir, tmp_path):
     empty = tmp_path / "noweights"
     shutil.copytree(llama_dir, empty)
     (empty / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
-        await AsyncEngine.start(EngineConfig(model=str(empty)))
+        await engines.start(EngineConfig(model=str(empty)))
 
 
-async def test_max_model_len_beyond_the_model(llama_dir):
+async def test_max_model_len_beyond_the_model(engines, llama_dir):
     with pytest.raises(ValueError, match="max_model_len"):
-        await AsyncEngine.start(EngineConfig(model=str(llama_dir), max_model_len=10**6))
+        await engines.start(EngineConfig(model=str(llama_dir), max_model_len=10**6))
 
 
 def _copy_with_config(llama_dir, tmp_path, name, **changes):
@@ -157,15 +157,16 @@ def _copy_with_config(llama_dir, tmp_path, name, **changes):
     ({"intermediate_size": "lots"}, UnsupportedModelError, "wrong kind"),
     ({"head_dim": 15}, UnsupportedModelError, "even"),
 ])
-async def test_a_hostile_config_is_refused_before_anything_is_built(llama_dir, tmp_path, changes, error, match):
+async def test_a_hostile_config_is_refused_before_anything_is_built(engines, llama_dir, tmp_path, changes, error,
+                                                                   match):
     model = _copy_with_config(llama_dir, tmp_path, "hostile", **changes)
     with pytest.raises(error, match=match):
-        await asyncio.wait_for(AsyncEngine.start(EngineConfig(model=str(model), num_blocks=16)), 20)
+        await asyncio.wait_for(engines.start(EngineConfig(model=str(model), num_blocks=16)), 20)
 
 
-async def test_a_huge_max_position_embeddings_allocates_nothing_for_it(llama_dir, tmp_path):
+async def test_a_huge_max_position_embeddings_allocates_nothing_for_it(engines, llama_dir, tmp_path):
     model = _copy_with_config(llama_dir, tmp_path, "longctx", max_position_embeddings=10**9)
-    async with await asyncio.wait_for(AsyncEngine.start(EngineConfig(model=str(model), num_blocks=16)), 20) as e:
+    async with await asyncio.wait_for(engines.start(EngineConfig(model=str(model), num_blocks=16)), 20) as e:
         out = await e.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(out.outputs[0].token_ids) == 3
         assert not any(b.numel() > 10**6 for b in e.core.model.buffers())
@@ -173,7 +174,7 @@ async def test_a_huge_max_position_embeddings_allocates_nothing_for_it(llama_dir
 
 @pytest.mark.parametrize("target", ["config.json", "model.safetensors", "tokenizer.json"])
 @pytest.mark.parametrize("kind", ["device", "fifo"])
-async def test_files_that_never_end_are_refused(llama_dir, tmp_path, target, kind):
+async def test_files_that_never_end_are_refused(engines, llama_dir, tmp_path, target, kind):
     import os
 
     model = tmp_path / "odd"
@@ -184,4 +185,4 @@ async def test_files_that_never_end_are_refused(llama_dir, tmp_path, target, kin
     else:
         os.mkfifo(model / target)
     with pytest.raises(CheckpointError, match=f"{target}.* not a regular file"):
-        await asyncio.wait_for(AsyncEngine.start(EngineConfig(model=str(model), num_blocks=16)), 20)
+        await asyncio.wait_for(engines.start(EngineConfig(model=str(model), num_blocks=16)), 20)

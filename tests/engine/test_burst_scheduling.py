@@ -7,7 +7,6 @@ import pytest
 
 from helpers import check_pool_clean, drive
 from tieredkv import EngineConfig, SamplingParams
-from tieredkv.engine.engine_core import EngineCore
 
 BS = 16
 
@@ -37,10 +36,10 @@ def run(core, prompts, max_tokens=6, abort_after=None):
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir):
+def reference(engines, llama_dir):
     """Each conversation alone, with no prefix cache: what the shared runs must produce."""
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=256, enable_prefix_caching=False,
-                                   compile_decode=False))
+    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=256, enable_prefix_caching=False,
+                                     compile_decode=False))
 
     def answer(prompt):
         return run(core, [prompt])[0]["r0"]
@@ -48,17 +47,17 @@ def reference(llama_dir):
     core.close()
 
 
-def make_core(llama_dir, **kw):
+def make_core(engines, llama_dir, **kw):
     kw = {"num_blocks": 256, "block_size": BS, "max_num_batched_tokens": 64, "compile_decode": False, **kw}
-    return EngineCore(EngineConfig(model=str(llama_dir), **kw))
+    return engines.core(EngineConfig(model=str(llama_dir), **kw))
 
 
-def test_followers_wait_for_the_chunk_that_computes_their_prefix(llama_dir, reference):
+def test_followers_wait_for_the_chunk_that_computes_their_prefix(engines, llama_dir, reference):
     """The first prompt's last chunk computes shared blocks 12-14 in the step where budget is left for
     the others: they wait one step and take those blocks from the cache instead of computing them too."""
     system, n = ids(240, 1), 4  # 15 full blocks
     prompts = [system + ids(8, 100 + i) for i in range(n)]  # 248 tokens: chunks of 64, 64, 64 and 56
-    core = make_core(llama_dir)
+    core = make_core(engines, llama_dir)
     outputs, computed = run(core, prompts)
     s = core.stats()
     assert computed == 248 + (n - 1) * 8  # without waiting: + 48, blocks 12-14 computed twice
@@ -71,10 +70,10 @@ def test_followers_wait_for_the_chunk_that_computes_their_prefix(llama_dir, refe
 
 
 @pytest.mark.parametrize("budget", [48, 100])
-def test_interleaved_system_prompts_each_computed_once(llama_dir, reference, budget):
+def test_interleaved_system_prompts_each_computed_once(engines, llama_dir, reference, budget):
     systems = [ids(100, 2), ids(130, 3), ids(64, 4)]
     prompts = [systems[i % 3] + ids(10, 200 + i) for i in range(12)]
-    core = make_core(llama_dir, max_num_batched_tokens=budget)
+    core = make_core(engines, llama_dir, max_num_batched_tokens=budget)
     outputs, computed = run(core, prompts)
     necessary = sum(len(x) + 10 for x in systems) + sum(len(p) - (len(p) - 10) // BS * BS for p in prompts[3:])
     assert computed == necessary
@@ -84,12 +83,12 @@ def test_interleaved_system_prompts_each_computed_once(llama_dir, reference, bud
     core.close()
 
 
-def test_sharer_aborted_mid_prefill(llama_dir, reference):
+def test_sharer_aborted_mid_prefill(engines, llama_dir, reference):
     """The request computing the shared prefix is aborted half way: the next one takes what was
     computed and computes the rest (once); all answer as they would alone."""
     system = ids(256, 5)
     prompts = [system + ids(12, 300 + i) for i in range(4)]  # 268 tokens
-    core = make_core(llama_dir)
+    core = make_core(engines, llama_dir)
     outputs, computed = run(core, prompts, abort_after=2)  # r0 computed 2 chunks of 64
     assert computed == 128 + (268 - 128) + 2 * (268 - 256)
     for i, p in enumerate(prompts[1:], 1):
@@ -98,9 +97,9 @@ def test_sharer_aborted_mid_prefill(llama_dir, reference):
     core.close()
 
 
-def test_without_prefix_caching_nobody_waits(llama_dir):
+def test_without_prefix_caching_nobody_waits(engines, llama_dir):
     system = ids(100, 6)
-    core = make_core(llama_dir, enable_prefix_caching=False)
+    core = make_core(engines, llama_dir, enable_prefix_caching=False)
     _, computed = run(core, [system + ids(8, 400 + i) for i in range(3)])
     assert computed == 3 * 108
     assert core.stats().prefix_blocks_joined == 0
@@ -123,9 +122,9 @@ def first_token_steps(core, prompts, max_tokens=2):
 
 
 @pytest.mark.parametrize("policy", ["shortest_prefill", "fcfs"])
-def test_a_conversation_on_a_cached_prompt_starts_beside_a_long_new_one(llama_dir, policy):
+def test_a_conversation_on_a_cached_prompt_starts_beside_a_long_new_one(engines, llama_dir, policy):
     system = ids(160, 7)
-    core = make_core(llama_dir, scheduling_policy=policy)
+    core = make_core(engines, llama_dir, scheduling_policy=policy)
     run(core, [system + ids(4, 500)])  # the system prompt is cached
     long_new, follow_up = ids(300, 8), system + ids(12, 501)  # the long one arrives first
     steps = first_token_steps(core, [long_new, follow_up])
@@ -137,10 +136,10 @@ def test_a_conversation_on_a_cached_prompt_starts_beside_a_long_new_one(llama_di
     core.close()
 
 
-def test_a_long_prompt_is_overtaken_a_bounded_number_of_times(llama_dir):
+def test_a_long_prompt_is_overtaken_a_bounded_number_of_times(engines, llama_dir):
     """max_num_seqs 2: the policy orders 4 waiting requests, and a request overtaken by 4 later arrivals
     goes first from the next step on; short prompts that keep coming never hold a long one back longer."""
-    core = make_core(llama_dir, max_num_seqs=2, max_num_batched_tokens=32)
+    core = make_core(engines, llama_dir, max_num_seqs=2, max_num_batched_tokens=32)
     reqs = [core.factory.make(ids(200, 9), SamplingParams(max_tokens=1), "long")]
     reqs += [core.factory.make(ids(20, 600 + i), SamplingParams(max_tokens=1), f"s{i}") for i in range(10)]
     drive(core, reqs)

@@ -6,12 +6,12 @@ import random
 import pytest
 
 from helpers import cancel_midstream, check_pool_clean
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv import EngineConfig, SamplingParams
 
 
 @pytest.fixture
-async def engine(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=256, max_num_seqs=64))
+async def engine(engines, llama_dir):
+    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=256, max_num_seqs=64))
     yield engine
     await engine.close()
 
@@ -88,10 +88,10 @@ async def test_64_concurrent_streams(engine):
     assert len(loop_lag) > 5
 
 
-async def test_close_ends_open_streams(llama_dir):
+async def test_close_ends_open_streams(engines, llama_dir):
     from tieredkv import EngineClosedError
 
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64))
+    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64))
     with pytest.raises(EngineClosedError):
         async for chunk in engine.stream([5, 6, 7], SamplingParams(max_tokens=10_000 // 16, ignore_eos=True)):
             await engine.close()

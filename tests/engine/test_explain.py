@@ -2,7 +2,7 @@
 
 import random
 
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv import EngineConfig, SamplingParams
 
 BS = 16
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4
@@ -16,8 +16,8 @@ def ids(n, seed):
 PROMPT = ids(80, 1)  # exactly 5 blocks
 
 
-async def test_a_new_prompt_then_the_same_prompt_cached(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0)) as engine:
+async def test_a_new_prompt_then_the_same_prompt_cached(engines, llama_dir):
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0)) as engine:
         fresh = await engine.explain(PROMPT + [5, 6, 7])
         assert [r.source for r in fresh] == [None] * 6
         assert "never computed" in fresh[0].reason and "first miss" in fresh[1].reason
@@ -33,25 +33,25 @@ async def test_a_new_prompt_then_the_same_prompt_cached(llama_dir):
         assert out.usage.cached_tokens_by_tier["hot"] == 4 * BS  # what explain said
 
 
-async def test_evicted_and_demoted_blocks(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=12, warm_bytes=0)) as engine:
+async def test_evicted_and_demoted_blocks(engines, llama_dir):
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=12, warm_bytes=0)) as engine:
         await engine.generate(PROMPT, SamplingParams(max_tokens=1))
         await engine.generate(ids(190, 2), SamplingParams(max_tokens=1))  # needs all 12 blocks: evicts PROMPT
         report = await engine.explain(PROMPT)
         assert report[0].source is None and "evicted from hot" in report[0].reason
     cfg = EngineConfig(model=str(llama_dir), num_blocks=12, warm_bytes=16 * BLOCK_BYTES)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         await engine.generate(PROMPT, SamplingParams(max_tokens=1))
         await engine.generate(ids(190, 2), SamplingParams(max_tokens=1))
         assert [r.source for r in await engine.explain(PROMPT)][:4] == ["warm"] * 4
 
 
-async def test_cold_entries_damaged_or_of_another_fingerprint(llama_dir, tmp_path):
+async def test_cold_entries_damaged_or_of_another_fingerprint(engines, llama_dir, tmp_path):
     path = str(tmp_path / "cold")
     cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, cold_path=path)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         await engine.generate(PROMPT, SamplingParams(max_tokens=1))  # persisted to cold at close
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         assert [r.source for r in await engine.explain(PROMPT)][:4] == ["cold"] * 4
         cold = engine.core.tiers.cold
         key = engine.core.kv.chain_keys(PROMPT)[0]
@@ -62,7 +62,7 @@ async def test_cold_entries_damaged_or_of_another_fingerprint(llama_dir, tmp_pat
         report = await engine.explain(PROMPT)
         assert report[0].source is None and "authentication" in report[0].reason
     other = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, cold_path=path, dtype="bfloat16")
-    async with await AsyncEngine.start(other) as engine:
+    async with await engines.start(other) as engine:
         report = await engine.explain(PROMPT)
         assert report[0].source is None and "another fingerprint" in report[0].reason
         assert report[1].source is None and "first miss" in report[1].reason

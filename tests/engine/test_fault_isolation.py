@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from helpers import check_pool_clean
 from test_serve_hardening import ThreadServer
-from tieredkv import AsyncEngine, EngineConfig, SamplingError, SamplingParams, StepError
+from tieredkv import EngineConfig, SamplingError, SamplingParams, StepError
 from tieredkv.core import beam
 from tieredkv.core.sequence import Sequence
 from tieredkv.engine import sampler
@@ -28,8 +28,8 @@ BYSTANDERS = [SamplingParams(max_tokens=64, ignore_eos=True),
 
 
 @pytest.fixture(scope="module")
-async def engine(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=16))
+async def engine(engines, llama_dir):
+    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=16))
     yield engine
     await engine.close()
 

@@ -6,19 +6,18 @@ from hypothesis import strategies as st
 
 from helpers import check_pool_clean, check_pool_consistent, drive
 from tieredkv import EngineConfig, RequestError, SamplingParams
-from tieredkv.engine.engine_core import EngineCore
 
 
 @pytest.fixture(scope="module", params=[(True, "auto"), (False, "auto"), (True, "off"), (True, "staged")],
                 ids=["cache", "nocache", "cache-nooffload", "cache-staged"])
-def core(request, llama_dir):
+def core(engines, request, llama_dir):
     # a warm tier of 20 blocks: evictions demote, hits promote; sequences that outgrow the pool keep old
     # blocks there (offload; staged: only what preemption cannot solve), or without offloading,
     # preemptions swap (up to 10 blocks)
     caching, offload = request.param
-    return EngineCore(EngineConfig(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
-                                   max_num_batched_tokens=16, enable_prefix_caching=caching, offload=offload,
-                                   warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
+    return engines.core(EngineConfig(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
+                                     max_num_batched_tokens=16, enable_prefix_caching=caching, offload=offload,
+                                     warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
 
 
 add = st.tuples(st.just("add"), st.integers(1, 22), st.integers(1, 8), st.integers(1, 3), st.booleans(),

@@ -5,12 +5,12 @@ import random
 import pytest
 
 from helpers import check_pool_clean
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv import EngineConfig, SamplingParams
 
 
 @pytest.fixture
-async def engine(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=512, block_size=16))
+async def engine(engines, llama_dir):
+    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=512, block_size=16))
     yield engine
     await engine.close()
 
@@ -77,9 +77,9 @@ async def test_child_i_uses_seed_plus_i(engine):
         assert together.outputs[i].token_ids == alone.outputs[0].token_ids
 
 
-async def test_caching_off_hashes_nothing(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=128,
-                                                    enable_prefix_caching=False)) as engine:
+async def test_caching_off_hashes_nothing(engines, llama_dir):
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128,
+                                                enable_prefix_caching=False)) as engine:
         prompt = random_ids(100, seed=2)
         for _ in range(2):
             out = await engine.generate(prompt, SamplingParams(max_tokens=3))
@@ -88,9 +88,9 @@ async def test_caching_off_hashes_nothing(llama_dir):
         assert not engine.core.pool.cached
 
 
-async def test_freed_chain_is_evicted_tail_first(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=24, block_size=16,
-                                                    warm_bytes=0)) as engine:
+async def test_freed_chain_is_evicted_tail_first(engines, llama_dir):
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=24, block_size=16,
+                                                warm_bytes=0)) as engine:
         prompt = random_ids(16 * 6 + 1, seed=4)  # 6 full blocks get cached
         await engine.generate(prompt, SamplingParams(max_tokens=1))
         pool = engine.core.pool

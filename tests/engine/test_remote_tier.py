@@ -10,7 +10,7 @@ import torch
 import valkey
 
 from helpers import check_pool_clean, rand_ids
-from tieredkv import AsyncEngine, EngineConfig, RemoteTierError, SamplingParams
+from tieredkv import EngineConfig, RemoteTierError, SamplingParams
 from tieredkv.tiers.remote import RemoteTier
 from tieredkv.tools.local_valkey import LocalValkey
 
@@ -52,24 +52,24 @@ async def flushed(engine):
 
 
 @pytest.fixture(scope="module")
-async def reference(llama_dir):
+async def reference(engines, llama_dir):
     """What the conversations answer with no tier below hot and no prefix caching."""
     cfg = EngineConfig(model=str(llama_dir), num_blocks=128, warm_bytes=0, enable_prefix_caching=False)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         return (await answers(engine, [SYSTEM + q for q in QUESTIONS]))[0]
 
 
-async def test_a_second_engine_computes_none_of_the_prefix_the_first_computed(llama_dir, valkey_server, fleet_key,
-                                                                              reference):
+async def test_a_second_engine_computes_none_of_the_prefix_the_first_computed(engines, llama_dir, valkey_server,
+                                                                              fleet_key, reference):
     prompts = [SYSTEM + q for q in QUESTIONS]
-    async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as first:
+    async with await engines.start(config(llama_dir, valkey_server.url, fleet_key)) as first:
         got1, usage1 = await answers(first, prompts[:1])
         await flushed(first)
         published = remote(first).stats()
         assert usage1[0].cached_prompt_tokens == 0
         assert published.demotions == (len(prompts[0]) + PARAMS.max_tokens - 1) // BS  # each full block computed
         assert published.bytes_written > published.demotions * torch.Size(SHAPE).numel()
-        async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as second:
+        async with await engines.start(config(llama_dir, valkey_server.url, fleet_key)) as second:
             report = await second.explain(prompts[1])
             assert [b.source for b in report[: FULL // BS]] == ["remote"] * (FULL // BS)
             got2, usage2 = await answers(second, prompts)
@@ -82,9 +82,9 @@ async def test_a_second_engine_computes_none_of_the_prefix_the_first_computed(ll
     assert stats.round_trips >= 1 and stats.bytes_read >= stats.promotions * torch.Size(SHAPE).numel()
 
 
-async def test_remote_beside_cold_both_keep_what_warm_evicts(llama_dir, valkey_server, fleet_key, tmp_path):
+async def test_remote_beside_cold_both_keep_what_warm_evicts(engines, llama_dir, valkey_server, fleet_key, tmp_path):
     cfg = config(llama_dir, valkey_server.url, fleet_key, cold_path=str(tmp_path / "cold"), remote_ttl_s=None)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         await engine.generate(SYSTEM + QUESTIONS[0], PARAMS)
         await engine.clear_cache("remote")
         await engine.clear_cache("hot", demote=True)  # -> remote and cold, each a copy
@@ -96,10 +96,10 @@ async def test_remote_beside_cold_both_keep_what_warm_evicts(llama_dir, valkey_s
         assert remote(engine).stats().demotions >= len(keys)
 
 
-async def test_server_killed_mid_run_then_restarted(llama_dir, server, fleet_key, reference):
+async def test_server_killed_mid_run_then_restarted(engines, llama_dir, server, fleet_key, reference):
     prompts = [SYSTEM + q for q in QUESTIONS]
     cfg = config(llama_dir, server.url, fleet_key, remote_timeout_s=0.3, remote_retry_s=0.5)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         got, _ = await answers(engine, prompts[:2])
         server.kill()
         await engine.clear_cache("hot")
@@ -119,9 +119,9 @@ async def test_server_killed_mid_run_then_restarted(llama_dir, server, fleet_key
         assert usage[0].cached_tokens_by_tier["remote"] == 0 and usage2[0].cached_tokens_by_tier["remote"] == FULL
 
 
-async def test_a_slow_server_delays_no_step_beyond_the_timeout(llama_dir, server, fleet_key, reference):
+async def test_a_slow_server_delays_no_step_beyond_the_timeout(engines, llama_dir, server, fleet_key, reference):
     cfg = config(llama_dir, server.url, fleet_key, remote_timeout_s=0.3, remote_retry_s=30)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         stamps = []
 
         async def long_generation():
@@ -187,10 +187,10 @@ def valkey_raw(server):
     return valkey.Valkey.from_url(server.url)
 
 
-async def test_a_tampered_entry_is_computed_and_written_over(llama_dir, valkey_server, fleet_key, reference):
+async def test_a_tampered_entry_is_computed_and_written_over(engines, llama_dir, valkey_server, fleet_key, reference):
     prompt = SYSTEM + QUESTIONS[1]
     cfg = config(llama_dir, valkey_server.url, fleet_key, remote_ttl_s=3600)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         await engine.clear_cache("remote")
         await answers(engine, [prompt])
         await flushed(engine)
@@ -211,10 +211,10 @@ async def test_a_tampered_entry_is_computed_and_written_over(llama_dir, valkey_s
 
 
 @pytest.mark.parametrize("policy", ["noeviction", "allkeys-lru"])
-async def test_a_full_server_costs_cache_never_a_request(llama_dir, fleet_key, tmp_path, policy, reference):
+async def test_a_full_server_costs_cache_never_a_request(engines, llama_dir, fleet_key, tmp_path, policy, reference):
     with LocalValkey(tmp_path / "valkey", maxmemory="4mb", maxmemory_policy=policy) as server:
         cfg = config(llama_dir, server.url, fleet_key)
-        async with await AsyncEngine.start(cfg) as engine:
+        async with await engines.start(cfg) as engine:
             prompts = [rand_ids(600, seed=50 + i) for i in range(16)]  # 600 blocks of 12 KiB: 7.3 MiB
             await answers(engine, prompts)
             await flushed(engine)
@@ -285,16 +285,16 @@ def test_the_url_password_never_reaches_a_log(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://user:hunter2@127.0.0.1:notaport/0"])
-async def test_a_url_the_client_cannot_take_stops_the_start_with_one_clear_error(llama_dir, url, tmp_path):
+async def test_a_url_the_client_cannot_take_stops_the_start_with_one_clear_error(engines, llama_dir, url, tmp_path):
     with pytest.raises(RemoteTierError, match="remote_url") as info:
-        await AsyncEngine.start(EngineConfig(model=str(llama_dir), remote_url=url,
-                                             cold_secret_path=str(tmp_path / "k")))
+        await engines.start(EngineConfig(model=str(llama_dir), remote_url=url,
+                                         cold_secret_path=str(tmp_path / "k")))
     assert "hunter2" not in str(info.value)
 
 
-async def test_remote_at_the_bottom_keeps_what_it_admits(llama_dir, valkey_server, fleet_key):
+async def test_remote_at_the_bottom_keeps_what_it_admits(engines, llama_dir, valkey_server, fleet_key):
     """With no cold tier, remote is the bottom: what it admits stays findable (nothing is noted as dropped)."""
-    async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as engine:
+    async with await engines.start(config(llama_dir, valkey_server.url, fleet_key)) as engine:
         prompt = SYSTEM + QUESTIONS[2]
         await engine.generate(prompt, PARAMS)
         await engine.clear_cache("hot", demote=True)
@@ -330,8 +330,8 @@ def test_a_connect_that_hangs_never_holds_up_the_engine_thread(tmp_path):
         listener.close()
 
 
-async def test_clearing_all_leaves_the_shared_tier_alone(llama_dir, valkey_server, fleet_key):
-    async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as engine:
+async def test_clearing_all_leaves_the_shared_tier_alone(engines, llama_dir, valkey_server, fleet_key):
+    async with await engines.start(config(llama_dir, valkey_server.url, fleet_key)) as engine:
         prompt = SYSTEM + QUESTIONS[3]
         await engine.generate(prompt, PARAMS)
         await flushed(engine)
@@ -342,15 +342,15 @@ async def test_clearing_all_leaves_the_shared_tier_alone(llama_dir, valkey_serve
         assert await remote(engine).contains(keys) == 0
 
 
-async def test_a_slow_tier_is_read_only_where_it_beats_computing(llama_dir, valkey_server, fleet_key):
+async def test_a_slow_tier_is_read_only_where_it_beats_computing(engines, llama_dir, valkey_server, fleet_key):
     """Load or recompute (tiers/rates.py): reads of a remote tier made slow (0.4 s a call, injected) pass their
     deadline (the time computing the blocks takes) and are given up; measured slow, the tier is then not read at
     all; once it is fast again and due for a probe, it serves again. Output is the same throughout."""
     prompts = [rand_ids(320, seed=500 + i) + q for i, q in enumerate(QUESTIONS)]  # 20 blocks each, none shared
-    async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as writer:
+    async with await engines.start(config(llama_dir, valkey_server.url, fleet_key)) as writer:
         reference, _ = await answers(writer, prompts)
         await flushed(writer)
-    async with await AsyncEngine.start(config(llama_dir, valkey_server.url, fleet_key)) as engine:
+    async with await engines.start(config(llama_dir, valkey_server.url, fleet_key)) as engine:
         tier, rates = remote(engine), engine.core.tiers.rates
         assert rates.prefill_tokens_per_s > 0  # measured at start: decisions hold from the first request
         fast_get = tier.get_sync

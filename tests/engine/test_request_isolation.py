@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from helpers import check_pool_clean
-from tieredkv import (AsyncEngine, EngineClosedError, EngineConfig, RequestError, SamplingError, SamplingParams,
+from tieredkv import (EngineClosedError, EngineConfig, RequestError, SamplingError, SamplingParams,
                       TieredKVError, WrongLoopError)
 from tieredkv.core.sequence import Request
 
@@ -15,8 +15,8 @@ PROMPT = list(range(3, 40))
 
 
 @pytest.fixture(scope="module")
-async def engine(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=64))
+async def engine(engines, llama_dir):
+    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=64))
     yield engine
     await engine.close()
 
@@ -233,8 +233,8 @@ async def test_abort_and_stats_work_from_another_thread(engine):
     await settled(engine)
 
 
-async def test_concurrent_close_calls_all_wait_for_the_close(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32))
+async def test_concurrent_close_calls_all_wait_for_the_close(engines, llama_dir):
+    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=32))
     stream = engine.stream(PROMPT, SamplingParams(max_tokens=100, ignore_eos=True))
     await stream.__anext__()
     first = asyncio.create_task(engine.close())
@@ -249,8 +249,8 @@ async def test_concurrent_close_calls_all_wait_for_the_close(llama_dir):
         await engine.generate(PROMPT)
 
 
-async def test_a_dead_worker_fails_every_call_instead_of_hanging(llama_dir, monkeypatch):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32))
+async def test_a_dead_worker_fails_every_call_instead_of_hanging(engines, llama_dir, monkeypatch):
+    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=32))
     core = engine.core
 
     def broken(*_):

@@ -6,13 +6,13 @@ import random
 import pytest
 import torch
 
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv import EngineConfig, SamplingParams
 from tieredkv.engine.sampler import apply_top_k_top_p
 
 
 @pytest.fixture(scope="module")
-async def engine(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=256))
+async def engine(engines, llama_dir):
+    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=256))
     yield engine
     await engine.close()
 

@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from helpers import check_pool_clean
-from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+from tieredkv import EngineConfig, RequestError, SamplingParams
 from tieredkv.engine.logits_processors import RowState, apply_min_p, apply_processors
 
 V = 50
@@ -71,8 +71,8 @@ def test_out_of_range_options_are_rejected(kwargs):
 
 
 @pytest.fixture(scope="module")
-async def engine(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=128))
+async def engine(engines, llama_dir):
+    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128))
     yield engine
     await engine.close()
 

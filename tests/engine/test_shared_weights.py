@@ -4,7 +4,7 @@ its own cache, tiers and counters, and what would take the weights from another 
 import pytest
 
 from helpers import run_to_end
-from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams, SharedWeights
+from tieredkv import AsyncEngine, EngineConfig, LoRAError, RequestError, SamplingParams, SharedWeights
 from tieredkv.engine import rank_build
 from tieredkv.engine.engine_core import EngineCore
 
@@ -62,6 +62,10 @@ def test_what_would_take_the_weights_from_another_engine_is_refused(llama_dir):
         assert run_to_end(a, PROMPTS[:1], [8]) == want
     finally:
         a.close()
+    with pytest.raises(LoRAError, match="not a folder"):  # a start that fails once it took the weights: no user left
+        EngineCore(EngineConfig(model=str(llama_dir), num_blocks=32, warm_bytes=0, compile_decode=False,
+                                lora_adapters={"missing": str(llama_dir / "no-such-adapter")}), shared)
+    assert shared.users(a.parts.model) == 0 and len(shared) == 1
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         EngineCore(EngineConfig(model=str(llama_dir), tensor_parallel_size=2, num_threads=1), shared)
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from helpers import check_pool_clean
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams, SnapshotError
+from tieredkv import EngineConfig, SamplingParams, SnapshotError
 
 BS = 16
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4
@@ -24,9 +24,9 @@ async def answers(engine, prompts):
 
 
 @pytest.fixture(scope="module")
-async def snapshot(llama_dir, tmp_path_factory):
+async def snapshot(engines, llama_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("snap") / "cache.tkv"
-    async with await AsyncEngine.start(cfg(llama_dir)) as engine:
+    async with await engines.start(cfg(llama_dir)) as engine:
         expected, _ = await answers(engine, [s + [7, 8] for s in SYSTEMS])
         seen = []
         n = await engine.export_cache(path, prompts=SYSTEMS, progress=seen.append)
@@ -36,9 +36,9 @@ async def snapshot(llama_dir, tmp_path_factory):
     return path, expected
 
 
-async def test_a_fresh_replica_serves_imported_prompts_from_warm(llama_dir, snapshot):
+async def test_a_fresh_replica_serves_imported_prompts_from_warm(engines, llama_dir, snapshot):
     path, expected = snapshot
-    async with await AsyncEngine.start(cfg(llama_dir)) as engine:
+    async with await engines.start(cfg(llama_dir)) as engine:
         report = await engine.import_cache(path)
         assert report == {"imported": 18, "corrupt": 0, "complete": True}
         got, usage = await answers(engine, [s + [7, 8] for s in SYSTEMS])
@@ -47,19 +47,19 @@ async def test_a_fresh_replica_serves_imported_prompts_from_warm(llama_dir, snap
         await engine.run_in_worker(check_pool_clean, engine.core)
 
 
-async def test_into_cold_when_there_is_no_warm_tier(llama_dir, snapshot, tmp_path):
+async def test_into_cold_when_there_is_no_warm_tier(engines, llama_dir, snapshot, tmp_path):
     path, expected = snapshot
     config = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, cold_path=str(tmp_path / "c"))
-    async with await AsyncEngine.start(config) as engine:
+    async with await engines.start(config) as engine:
         assert (await engine.import_cache(path))["imported"] == 18
         await engine.run_in_worker(engine.core.tiers.cold.flush_sync)
         got, usage = await answers(engine, [s + [7, 8] for s in SYSTEMS])
         assert got == expected and [u.cached_tokens_by_tier["cold"] for u in usage] == [96] * 3
 
 
-async def test_another_models_snapshot_is_refused(llama_dir, snapshot):
+async def test_another_models_snapshot_is_refused(engines, llama_dir, snapshot):
     path, _ = snapshot
-    async with await AsyncEngine.start(cfg(llama_dir, dtype="bfloat16")) as engine:
+    async with await engines.start(cfg(llama_dir, dtype="bfloat16")) as engine:
         with pytest.raises(SnapshotError, match="another model"):
             await engine.import_cache(path)
         with pytest.raises(SnapshotError, match="not a tieredkv"):
@@ -67,7 +67,7 @@ async def test_another_models_snapshot_is_refused(llama_dir, snapshot):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-async def test_a_damaged_snapshot_imports_nothing_wrong(llama_dir, snapshot, tmp_path, damage):
+async def test_a_damaged_snapshot_imports_nothing_wrong(engines, llama_dir, snapshot, tmp_path, damage):
     path, expected = snapshot
     raw = bytearray(path.read_bytes())
     if damage == "flip":
@@ -77,7 +77,7 @@ async def test_a_damaged_snapshot_imports_nothing_wrong(llama_dir, snapshot, tmp
         raw = raw[: len(raw) * 2 // 3]
     bad = tmp_path / "bad.tkv"
     bad.write_bytes(bytes(raw))
-    async with await AsyncEngine.start(cfg(llama_dir)) as engine:
+    async with await engines.start(cfg(llama_dir)) as engine:
         report = await engine.import_cache(bad)
         assert report["imported"] < 18
         assert report["corrupt"] > 0 if damage == "flip" else not report["complete"]

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from helpers import check_pool_clean
-from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+from tieredkv import EngineConfig, RequestError, SamplingParams
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -32,8 +32,8 @@ PROMPT = list(range(5, 60))  # 55 tokens: 3 full blocks, served from the cache a
 
 
 @pytest.fixture(scope="module")
-async def engine(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=16)) as e:
+async def engine(engines, llama_dir):
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=16)) as e:
         yield e
 
 

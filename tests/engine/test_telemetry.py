@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from tieredkv import EngineConfig, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,9 @@ def metric_sums(reader) -> dict[str, int]:
     return out
 
 
-async def test_request_span_and_counters(otel, llama_dir):
+async def test_request_span_and_counters(engines, otel, llama_dir):
     exporter, reader = otel
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64)) as engine:
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64)) as engine:
         prompt = list(range(3, 40))
         await engine.generate(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
         await engine.generate(prompt, SamplingParams(max_tokens=3, n=2, ignore_eos=True))
@@ -67,7 +67,7 @@ def by_attr(pts, key) -> dict:
 
 
 @pytest.mark.parametrize("core_process", [False, True], ids=["in-process", "core process"])
-async def test_a_scripted_scenario_gives_exact_metrics_and_span_events(otel, llama_dir, core_process):
+async def test_a_scripted_scenario_gives_exact_metrics_and_span_events(engines, otel, llama_dir, core_process):
     """The same figures whichever process runs the core (its records reach the application's providers)."""
     import pytest as _pytest
 
@@ -78,7 +78,7 @@ async def test_a_scripted_scenario_gives_exact_metrics_and_span_events(otel, lla
     exporter.clear()
     shared = list(range(3, 3 + 64))  # 64 tokens: 4 full blocks
     cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, core_process=core_process)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         await engine.generate(shared + [200, 201], SamplingParams(max_tokens=4, ignore_eos=True))
         second = await engine.generate(shared + [300, 301, 302], SamplingParams(max_tokens=6, ignore_eos=True))
         assert second.usage.cached_tokens_by_tier["hot"] == 64
@@ -156,12 +156,12 @@ asyncio.run(main())
     assert 'tieredkv_kv_cache_usage_ratio{' in text or 'tieredkv_kv_cache_usage{' in text
 
 
-async def test_a_promotion_is_a_span_event_with_counts(otel, llama_dir):
+async def test_a_promotion_is_a_span_event_with_counts(engines, otel, llama_dir):
     exporter, _ = otel
     exporter.clear()
     cfg = EngineConfig(model=str(llama_dir), num_blocks=12, warm_bytes=64 * 3 * 2 * 16 * 2 * 16 * 4)
     prompt = list(range(3, 3 + 64)) + [5]
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         await engine.generate(prompt, SamplingParams(max_tokens=1))
         await engine.generate(list(range(100, 290)), SamplingParams(max_tokens=1))  # evicts the prompt to warm
         out = await engine.generate(prompt, SamplingParams(max_tokens=1))
@@ -170,12 +170,12 @@ async def test_a_promotion_is_a_span_event_with_counts(otel, llama_dir):
     assert [dict(e.attributes) for e in promoted] == [{"tieredkv.promoted_tokens.warm": 64}]
 
 
-async def test_offloaded_blocks_are_metrics(otel, llama_dir):
+async def test_offloaded_blocks_are_metrics(engines, otel, llama_dir):
     """A prompt of 20 blocks on a pool of 8: its old blocks go to the warm tier, and the counter says how many."""
     _, reader = otel
     before = metric_sums(reader).get("tieredkv.kv_cache.offloaded_blocks", 0)
     cfg = EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=64 * 3 * 2 * 16 * 2 * 16 * 4)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         await engine.generate([(7 * i) % 400 + 3 for i in range(320)], SamplingParams(max_tokens=4, ignore_eos=True))
         stats = engine.stats()
         sums = metric_sums(reader)
@@ -183,13 +183,13 @@ async def test_offloaded_blocks_are_metrics(otel, llama_dir):
     assert sums["tieredkv.kv_cache.offloaded_blocks"] - before == stats.blocks_offloaded
 
 
-async def test_the_remote_tiers_bytes_and_round_trips_are_metrics(otel, llama_dir, valkey_server, fleet_key):
+async def test_the_remote_tiers_bytes_and_round_trips_are_metrics(engines, otel, llama_dir, valkey_server, fleet_key):
     import asyncio
 
     _, reader = otel
     cfg = EngineConfig(model=str(llama_dir), num_blocks=64, remote_url=valkey_server.url,
                        cold_secret_path=str(fleet_key), remote_ttl_s=600)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         remote = engine.core.tiers.tier("remote")
         await engine.generate([(11 * i) % 400 + 3 for i in range(70)], SamplingParams(max_tokens=1))
         await asyncio.to_thread(remote.flush_sync)
@@ -201,13 +201,13 @@ async def test_the_remote_tiers_bytes_and_round_trips_are_metrics(otel, llama_di
         assert by_attr(pts[f"tieredkv.tier.{name}"], "tier")["remote"] == getattr(live, name)
 
 
-async def test_speculative_decoding_counts_drafts_and_a_draft_models_requests_are_not_counted(otel, llama_dir):
+async def test_speculative_decoding_counts_drafts_and_a_draft_models_requests_are_not_counted(engines, otel, llama_dir):
     """vLLM's spec_decode counters by proposer, equal to the engine's stats; the draft model's own engine records
     nothing (its requests are not the application's)."""
     _, reader = otel
     before = metric_sums(reader)
     spec = {"method": "draft", "model": str(llama_dir), "num_speculative_tokens": 3, "adaptive": False}
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, speculative=spec)) as engine:
+    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, speculative=spec)) as engine:
         await engine.generate(list(range(3, 40)), SamplingParams(max_tokens=12, ignore_eos=True))
         stats = engine.stats().speculative
     sums = metric_sums(reader)

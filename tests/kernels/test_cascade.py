@@ -84,10 +84,10 @@ def test_shared_prefixes_follows_the_rule():
     assert cascade.shared_prefixes([[1, 2], [1, 3]], [20, 20], bs) == []  # too short to pay
 
 
-async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_alone(llama_dir, monkeypatch):
+async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_alone(engines, llama_dir, monkeypatch):
     import asyncio
 
-    from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+    from tieredkv import EngineConfig, SamplingParams
     from tieredkv.kernels import decode_attention as da
 
     rng = random.Random(7)
@@ -115,14 +115,14 @@ async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_a
 
     monkeypatch.setattr(ModelRunner, "prepare", prepare)
     cfg = EngineConfig(model=str(llama_dir), num_blocks=256, max_num_seqs=16)
-    async with await AsyncEngine.start(cfg) as engine:
+    async with await engines.start(cfg) as engine:
         for s in systems:  # the system prompts are cached first, as a chatbot's are
             await engine.generate(s + [5], SamplingParams(max_tokens=1))
         together = await asyncio.gather(*(engine.generate(c, params) for c in convs))
     assert max(formed) == 2  # both system prompts were attended as cascades
     assert max(prefill_groups) == 2  # the burst of new conversations prefilled against them together
     alone = []
-    async with await AsyncEngine.start(cfg.model_copy(update={"cascade_attention": False})) as engine:
+    async with await engines.start(cfg.model_copy(update={"cascade_attention": False})) as engine:
         for c in convs:
             alone.append(await engine.generate(c, params))
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
@@ -166,9 +166,9 @@ def test_triton_cascade_in_bf16_on_the_gpu(members):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=0)
 
 
-async def test_engine_cascades_through_triton_match_the_torch_path(llama2_dir):
+async def test_engine_cascades_through_triton_match_the_torch_path(engines, llama2_dir):
     pytest.importorskip("tieredkv.kernels.triton_ops")
-    from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+    from tieredkv import EngineConfig, SamplingParams
 
     rng = random.Random(8)
     system = [rng.randrange(3, 300) for _ in range(80)]
@@ -177,7 +177,7 @@ async def test_engine_cascades_through_triton_match_the_torch_path(llama2_dir):
     outs = {}
     for backend in ("torch", "triton"):
         cfg = EngineConfig(model=str(llama2_dir), num_blocks=64, attention_backend=backend, max_num_seqs=8)
-        async with await AsyncEngine.start(cfg) as engine:
+        async with await engines.start(cfg) as engine:
             runner, cascades = engine.core.runner, []
             real = runner.ops.plan_decode
 

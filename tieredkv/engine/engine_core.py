@@ -41,6 +41,8 @@ class EngineCore:
         self.shared_weights = shared_weights
         self.parts = build_engine(config, shared_weights)
         parts = self.parts
+        if shared_weights is not None:
+            shared_weights.hold(parts.model)  # given back at close (also a close because the rest of this failed)
         self.cpu_share = CpuShare(on_start=CPU.set_split_threads) if (  # only in a core process: on a thread of
             config.share_cores and PROCESS.engine_owned and parts.device.type == "cpu" and parts.tp.world == 1
         ) else None  # the application's, its work is this process's and torch's threads are its too

@@ -59,15 +59,20 @@ class SharedWeights:
                 cfg.cpu_linear, compiled, str(cache_dir), cpu)
 
     def take(self, key: tuple, load: Callable[[], tuple[LlamaModel, Any, Any]]) -> tuple[LlamaModel, Any]:
-        """The model and RankMemory under `key`, from `load()` (model, kernel set, RankMemory) the first time;
-        counts one more user."""
+        """The model and RankMemory under `key`, from `load()` (model, kernel set, RankMemory) the first time."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 model, _, memory = load()
                 entry = self._entries[key] = _Entry(model, memory)
-            entry.users += 1
             return entry.model, entry.memory
+
+    def hold(self, model: LlamaModel) -> None:
+        """An engine over `model` is built (EngineCore counts itself once its build succeeded)."""
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.model is model:
+                    entry.users += 1
 
     def give_back(self, model: LlamaModel) -> None:
         """An engine over `model` closed (the model stays loaded for the next one)."""
