@@ -134,8 +134,7 @@ class EngineCore:
         cached blocks of hot, and of warm, go to the tiers outside this process's memory, cold and remote, written
         before this returns; with none, hot's go to warm, which keeps its memory), level 2 the weights' too.
         RequestError with requests in flight, under tensor parallelism, or at level 2 while another engine uses the
-        same weights (shared_weights). Returns what it released and the
-        process's resident memory after."""
+        same weights (shared_weights). Returns what it released and the process's resident memory after."""
         if level not in (1, 2):
             raise RequestError(f"sleep level must be 1 or 2, got {level!r}")
         if self.parts.tp.world > 1:
