@@ -81,3 +81,29 @@ async def test_the_async_engine_takes_shared_weights_on_its_worker_thread_only(l
             assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     with pytest.raises(ValueError, match="core_process=False"):
         await AsyncEngine.start(EngineConfig(**cfg, core_process=True), shared_weights=shared)
+
+
+def test_two_compiled_graphs_over_one_model_decode_as_the_eager_forward(llama_dir):
+    """Each engine traces its own decode graph over the shared parameters (and its own cache tensor); steps of
+    the two alternating give the tokens of an engine that loaded its own weights."""
+    shared = SharedWeights()
+    cfg = dict(model=str(llama_dir), warm_bytes=0, compile_in_background=False)
+    own = EngineCore(EngineConfig(**cfg, num_blocks=64, compile_decode=False))
+    a = EngineCore(EngineConfig(**cfg, num_blocks=64, compile_decode=True), shared)
+    b = EngineCore(EngineConfig(**cfg, num_blocks=64, compile_decode=True), shared)
+    try:
+        assert a.parts.model is b.parts.model
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        for prompt in PROMPTS:
+            want = run_to_end(own, [prompt], [12])[0]
+            ra, rb = a.factory.make(prompt, params), b.factory.make(prompt, params)
+            a.add_request(ra), b.add_request(rb)
+            while a.has_work() or b.has_work():  # one step of each in turn
+                for core in (a, b):
+                    if core.has_work():
+                        core.step()
+            assert ra.seqs[0].output_token_ids == rb.seqs[0].output_token_ids == want
+        assert a.runner.compiled.steps == b.runner.compiled.steps == len(PROMPTS) * 11
+    finally:
+        for core in (own, a, b):
+            core.close()
