@@ -3,7 +3,7 @@ its own cache, tiers and counters, and what would take the weights from another 
 
 import pytest
 
-from helpers import run_to_end
+from helpers import drive, run_to_end
 from tieredkv import AsyncEngine, EngineConfig, LoRAError, RequestError, SamplingParams, SharedWeights
 from tieredkv.engine import rank_build
 from tieredkv.engine.engine_core import EngineCore
@@ -97,11 +97,9 @@ def test_two_compiled_graphs_over_one_model_decode_as_the_eager_forward(llama_di
         for prompt in PROMPTS:
             want = run_to_end(own, [prompt], [12])[0]
             ra, rb = a.factory.make(prompt, params), b.factory.make(prompt, params)
-            a.add_request(ra), b.add_request(rb)
-            while a.has_work() or b.has_work():  # one step of each in turn
-                for core in (a, b):
-                    if core.has_work():
-                        core.step()
+            assert b.add_request(rb) == []
+            drive(a, [ra], each_step=lambda n, _: b.has_work() and b.step())  # a step of each in turn
+            drive(b)
             assert ra.seqs[0].output_token_ids == rb.seqs[0].output_token_ids == want
         assert a.runner.compiled.steps == b.runner.compiled.steps == len(PROMPTS) * 11
     finally:
