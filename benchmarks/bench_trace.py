@@ -20,6 +20,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
@@ -27,19 +28,40 @@ from tieredkv.tiers.base import TIER_NAMES
 
 
 def make_trace(seed: int, requests: int, systems: int, system_tokens: int, question_tokens: int,
-               zipf: float) -> list[list[int]]:
+               zipf: float) -> tuple[list[list[int]], list[int]]:
     """The requests' prompts (token ids): system prompt k (k drawn with weight 1 / (k + 1) ** zipf) + a question
-    of its own."""
+    of its own; and each request's k."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(200, 40000) for _ in range(system_tokens)] for _ in range(systems)]
     weights = [1 / (k + 1) ** zipf for k in range(systems)]
     picks = rng.choices(range(systems), weights, k=requests)
-    return [prompts[k] + [rng.randrange(200, 40000) for _ in range(question_tokens)] for k in picks]
+    return [prompts[k] + [rng.randrange(200, 40000) for _ in range(question_tokens)] for k in picks], picks
 
 
-async def replay(cfg: EngineConfig, trace: list[list[int]], max_tokens: int) -> dict:
+def source(usage, system_tokens: int) -> str:
+    """Where a request's system prompt came from: the tier that gave most of its cached tokens, or "computed"
+    where less than half of the system prompt was cached."""
+    tier, n = max(usage.cached_tokens_by_tier.items(), key=lambda kv: kv[1])
+    return tier if n >= system_tokens // 2 else "computed"
+
+
+def static_bound(picks: list[int], hot: int, warm: int, cost: dict[str, float]) -> float:
+    """The mean TTFT of the best any eviction policy can do with these tiers' measured costs (`cost`: mean TTFT by
+    source): under independent Zipf picks the most popular system prompts held for good, the first `hot` in hot,
+    the next `warm` in warm, the rest read from cold, each prompt computed at its first request."""
+    rank = {k: i for i, (k, _) in enumerate(sorted(Counter(picks).items(), key=lambda kv: -kv[1]))}
+    seen, total = set(), 0.0
+    for k in picks:
+        where = "computed" if k not in seen else "hot" if rank[k] < hot else "warm" if rank[k] < hot + warm else "cold"
+        seen.add(k)
+        total += cost.get(where, cost["computed"])
+    return total / len(picks)
+
+
+async def replay(cfg: EngineConfig, trace: list[list[int]], max_tokens: int, system_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     ttfts, by_tier, prompt_tokens = [], dict.fromkeys(TIER_NAMES, 0), 0
+    by_source: dict[str, list[float]] = {}
     async with await AsyncEngine.start(cfg) as engine:
         t_start = time.perf_counter()
         for prompt in trace:
@@ -50,6 +72,7 @@ async def replay(cfg: EngineConfig, trace: list[list[int]], max_tokens: int) -> 
                 if chunk.usage is not None:
                     usage = chunk.usage
             ttfts.append(first)
+            by_source.setdefault(source(usage, system_tokens), []).append(first)
             prompt_tokens += usage.prompt_tokens
             for name, n in usage.cached_tokens_by_tier.items():
                 by_tier[name] += n
@@ -62,7 +85,9 @@ async def replay(cfg: EngineConfig, trace: list[list[int]], max_tokens: int) -> 
             "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))], 4),
             "hit_rate": round(sum(by_tier.values()) / prompt_tokens, 4),
             "hit_rate_by_tier": {k: round(v / prompt_tokens, 4) for k, v in by_tier.items() if v},
-            "wall_s": round(wall, 1), "tiers": tiers}
+            "wall_s": round(wall, 1), "tiers": tiers,
+            "ttft_by_source": {k: {"requests": len(v), "mean_s": round(statistics.mean(v), 4)}
+                               for k, v in sorted(by_source.items())}}
 
 
 async def main() -> None:
@@ -80,7 +105,8 @@ async def main() -> None:
                    "(separated by ';')")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    trace = make_trace(args.seed, args.requests, args.systems, args.system_tokens, args.question_tokens, args.zipf)
+    trace, picks = make_trace(args.seed, args.requests, args.systems, args.system_tokens, args.question_tokens,
+                              args.zipf)
     block = 16
     hot = int(args.hot_prompts * args.system_tokens / block)
     async with await AsyncEngine.start(EngineConfig(num_blocks=64, warm_bytes=0)) as probe:
@@ -100,7 +126,7 @@ async def main() -> None:
         for name, cfg in setups.items():
             if args.only and not any(part in name for part in args.only.split(";")):
                 continue
-            results[name] = await replay(cfg, trace, args.max_tokens)
+            results[name] = await replay(cfg, trace, args.max_tokens, args.system_tokens)
             r = results[name]
             print(f"{name:<30} TTFT mean {r['ttft_mean_s']:.4f}s p99 {r['ttft_p99_s']:.4f}s hit {r['hit_rate']:.3f} "
                   f"{r['hit_rate_by_tier']} ({r['wall_s']} s)", flush=True)
@@ -112,6 +138,12 @@ async def main() -> None:
         ratio = f"{r['ttft_mean_s'] / base['ttft_mean_s']:>6.2f}x" if base else "      -"
         print(f"{name:<30} {r['ttft_mean_s']:>9.4f}s {r['ttft_p99_s']:>7.4f}s {r['hit_rate']:>9.3f} {ratio}  "
               f"{r['hit_rate_by_tier']}")
+    if base:  # the costs LRU's run measured, each source's mean TTFT, placed as the best static policy places them
+        cost = {k: v["mean_s"] for k, v in base["ttft_by_source"].items()}
+        bound = static_bound(picks, int(args.hot_prompts), int(args.warm_prompts), cost)
+        results["best static placement (bound)"] = {"ttft_mean_s": round(bound, 4), "costs_s": cost}
+        print(f"TTFT by source in LRU's run: {cost}; the most popular prompts held for good, at those costs: mean "
+              f"{bound:.4f}s ({bound / base['ttft_mean_s']:.2f}x LRU): what no eviction policy can beat here")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "hot_blocks": hot, "warm_blocks": warm // block_bytes,
