@@ -69,17 +69,17 @@ class SharedWeights:
 
     def hold(self, model: LlamaModel) -> None:
         """An engine over `model` is built (EngineCore counts itself once its build succeeded)."""
-        with self._lock:
-            for entry in self._entries.values():
-                if entry.model is model:
-                    entry.users += 1
+        self._count(model, 1)
 
     def give_back(self, model: LlamaModel) -> None:
         """An engine over `model` closed (the model stays loaded for the next one)."""
+        self._count(model, -1)
+
+    def _count(self, model: LlamaModel, change: int) -> None:
         with self._lock:
             for entry in self._entries.values():
                 if entry.model is model:
-                    entry.users = max(0, entry.users - 1)
+                    entry.users = max(0, entry.users + change)  # (a core closed twice counts once)
 
     def users(self, model: LlamaModel) -> int:
         """Live engines over `model` (0 for a model not held here)."""
