@@ -126,6 +126,34 @@ def test_released_pages_read_as_zeros_and_stay_usable():
     assert int(t[page : 2 * page].sum()) == 3 * page
 
 
+@pytest.mark.parametrize("with_warm", [False, True])
+def test_sleep_releases_the_hot_range_and_a_warm_slab_in_the_cache_tensors_tail(tmp_path, with_warm):
+    """On CPU the warm slab may be the cache tensor's tail (far blocks read in place): the hot range is released by
+    itself, the tail too when warm's entries went below it; a block past both (the scratch) keeps its bytes."""
+    import mmap
+    from types import SimpleNamespace
+
+    import torch
+
+    from tieredkv.engine.sleep import Sleeper, memory_runs
+    from tieredkv.platform.malloc_tuning import anonymous_memory
+
+    layers, hot, tail, floats = 3, 4, 5, mmap.PAGESIZE // 4  # a block a page: every range is whole pages
+    cache = anonymous_memory(layers * 2 * (hot + tail + 1) * mmap.PAGESIZE).view(torch.float32)
+    cache = cache.view(layers, 2, hot + tail + 1, floats).fill_(7)
+    slab = cache[:, :, hot : hot + tail]
+    runs = memory_runs(slab)
+    assert len(runs) == layers * 2 and sum(n for _, n in runs) == slab.numel() * 4
+    assert runs[0][0] == slab.data_ptr() and runs[1][0] == cache[0, 1, hot].data_ptr()
+    assert memory_runs(cache) == [(cache.data_ptr(), cache.numel() * 4)]
+    released = Sleeper(cache, hot, tmp_path).release_cache(SimpleNamespace(slab=slab) if with_warm else None)
+    assert released == layers * 2 * (hot + tail * with_warm) * mmap.PAGESIZE
+    assert int(cache[:, :, :hot].count_nonzero()) == 0
+    assert bool((cache[:, :, hot : hot + tail] == 0).all()) == with_warm
+    assert bool((cache[:, :, hot : hot + tail] == 7).all()) == (not with_warm)
+    assert bool((cache[:, :, -1] == 7).all())
+
+
 async def test_the_server_says_it_sleeps_and_wakes_on_a_request(llama_dir):
     from tieredkv.serve import ServerSettings, start_server
 

@@ -46,10 +46,7 @@ class EngineCore:
         self.cpu_share = CpuShare(on_start=CPU.set_split_threads) if (  # only in a core process: on a thread of
             config.share_cores and PROCESS.engine_owned and parts.device.type == "cpu" and parts.tp.world == 1
         ) else None  # the application's, its work is this process's and torch's threads are its too
-        warm = parts.tiers.warm
-        in_place = warm is not None and warm.slab.untyped_storage().data_ptr() == \
-            parts.kv_cache.untyped_storage().data_ptr()
-        self.sleeper = Sleeper(parts.kv_cache, parts.num_blocks, in_place, resolve_cache_dir(config) / "sleep")
+        self.sleeper = Sleeper(parts.kv_cache, parts.num_blocks, resolve_cache_dir(config) / "sleep")
         self.adapters = Adapters(parts.spec, parts.dtype, parts.device, parts.kv.root, config.max_loras,
                                  config.max_lora_rank, parts.tp.shard, parts.tp if parts.tp.world > 1 else None)
         parts.runner.lora_stack = self.adapters.stack

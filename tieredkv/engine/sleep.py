@@ -1,20 +1,21 @@
 """An idle engine gives its memory back: `sleep(level)` and `wake()` (EngineCore), in the spirit of vLLM's sleep
 mode and llama.cpp's --sleep-idle-seconds.
 
-Level 1: pins are released, the cached blocks in this process's memory go to the tiers outside it (hot's and
-warm's to cold and remote, written before sleep returns; with neither, hot's go to warm, which keeps its
-memory, and without warm they are dropped), and that memory goes back to the system: on CPU its pages are handed
-back in place (madvise MADV_DONTNEED on the cache tensor, or on its hot range where warm keeps its entries; every
-address stays valid, and a page reads as zeros until written again), on CUDA the cache tensor's storage is
-freed and allocated again on wake. Level 2: the
-weights as well, written to a file under the cache directory first and read back into the same memory on wake
-(on CUDA: into storage allocated again), so every kernel handle and the native step's pointers stay valid.
-Nothing is rebuilt either way; waking level 1 on CPU costs nothing (pages come back as blocks are written).
+Level 1: pins are released, the cached blocks in this process's memory go to the tiers outside it (hot's and warm's
+to cold and remote, written before sleep returns; with neither, hot's go to warm, which keeps its memory, and
+without warm they are dropped), and that memory goes back to the system: on CPU its pages are handed back in place
+(madvise MADV_DONTNEED on the cache tensor's hot range, and on warm's slab where its entries went below it too, in
+its own memory or as the cache tensor's tail; every address stays valid, and a page reads as zeros until written
+again), on CUDA the cache tensor's storage is freed and allocated again on wake. Level 2: the weights as well,
+written to a file under the cache directory first and read back into the same memory on wake (on CUDA: into storage
+allocated again), so every kernel handle and the native step's pointers stay valid. Nothing is rebuilt either way;
+waking level 1 on CPU costs nothing (pages come back as blocks are written).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import tempfile
@@ -47,6 +48,15 @@ def release_pages(address: int, nbytes: int) -> int:
     except (OSError, AttributeError):
         return 0
     return end - start
+
+
+def memory_runs(t: torch.Tensor) -> list[tuple[int, int]]:
+    """The (address, bytes) ranges a tensor's elements occupy: one per index of its leading dimensions, the
+    trailing ones being contiguous (the whole tensor when it is; a layer-major range of blocks, one per layer and
+    K/V)."""
+    lead = next(i for i in range(t.dim() + 1) if t[(0,) * i].is_contiguous())
+    return [(part.data_ptr(), part.numel() * part.element_size())
+            for part in (t[index] for index in itertools.product(*map(range, t.shape[:lead])))]
 
 
 def writable_private(regions: list[tuple[int, int]]) -> list[bool]:
@@ -114,10 +124,9 @@ def weight_memory(model: torch.nn.Module) -> list[tuple[int, int, torch.Tensor]]
 class Sleeper:
     """What a sleeping engine released and how to take it back. Owned by the EngineCore's thread."""
 
-    def __init__(self, kv_cache: torch.Tensor, num_blocks: int, warm_in_place: bool, spill_dir: Path):
+    def __init__(self, kv_cache: torch.Tensor, num_blocks: int, spill_dir: Path):
         self.kv_cache = kv_cache
         self.num_blocks = num_blocks
-        self.warm_in_place = warm_in_place
         self.spill_dir = spill_dir
         self.level = 0  # 0: awake
         self._kv_bytes = 0  # CUDA: the cache storage's size, to allocate again
@@ -131,23 +140,18 @@ class Sleeper:
 
     def release_cache(self, warm: "WarmTier | None" = None) -> int:
         """The hot pool's memory, and `warm`'s slab (their blocks must hold nothing anyone reads: all demoted, none
-        in use). A pinned (CUDA) warm slab stays: page-locked memory cannot be handed back this way."""
+        in use), wherever the slab lies (its own memory or the cache tensor's tail). A pinned (CUDA) warm slab
+        stays: page-locked memory cannot be handed back this way."""
         cache = self.kv_cache
-        slab = 0
-        if warm is not None and not self.warm_in_place and warm.slab.device.type == "cpu" and \
-                not warm.slab.is_pinned():
-            slab = release_pages(warm.slab.data_ptr(), warm.slab.numel() * warm.slab.element_size())
+        slab = warm.slab if warm is not None and warm.slab.device.type == "cpu" and not warm.slab.is_pinned() else None
+        released = sum(release_pages(*run) for run in memory_runs(slab)) if slab is not None else 0
         if cache.device.type == "cuda":
             storage = cache.untyped_storage()
             self._kv_bytes = storage.nbytes()
             storage.resize_(0)
             torch.cuda.empty_cache()
-            return self._kv_bytes + slab
-        if not self.warm_in_place or warm is not None:  # the whole tensor: the pool, the warm tail, the scratch
-            return release_pages(cache.data_ptr(), cache.numel() * cache.element_size()) + slab
-        block_bytes = cache.stride(2) * cache.element_size()
-        return sum(release_pages(cache[layer, kv].data_ptr(), self.num_blocks * block_bytes)
-                   for layer in range(cache.shape[0]) for kv in range(cache.shape[1]))
+            return self._kv_bytes + released
+        return released + sum(release_pages(*run) for run in memory_runs(cache[:, :, : self.num_blocks]))
 
     def restore_cache(self) -> None:
         if self.kv_cache.device.type == "cuda" and self._kv_bytes:
