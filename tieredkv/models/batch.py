@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 if TYPE_CHECKING:
     from tieredkv.models.lora import LoRABatch
+
+
+def own_cache(layer_cache: torch.Tensor, layer_id: int) -> torch.Tensor:
+    """What attention reads where no block table indexes a staged block: each layer's own cache."""
+    return layer_cache
 
 
 @dataclass
@@ -26,6 +31,7 @@ class AttentionMetadata:
     decode_plan: object = None  # the kernel set's per-step decode plan (KernelOps.plan_decode), if it has one
     prefill_plan: list | None = None  # prefill chunks that follow the same cached blocks (cascade.shared_prefixes)
     stage: Any = None  # far_stage.StagePlan when the tables index staged blocks instead of the cache
+    read: Callable[[torch.Tensor, int], torch.Tensor] = own_cache  # what cache_to_read reads: the stage's gather
 
     def row_tables(self) -> torch.Tensor:
         """Each token row's block table [T, W] int32, in the rows' order: a decode's own, a prefill chunk's once for
@@ -42,7 +48,7 @@ class AttentionMetadata:
     def cache_to_read(self, layer_cache: torch.Tensor, layer_id: int) -> torch.Tensor:
         """What this layer's attention reads through the block tables: its own cache, or where the tables index
         staged far blocks (runner/far_stage.py, never in a compiled graph) the buffer they were staged into."""
-        return layer_cache if self.stage is None else self.stage.gather(layer_cache, layer_id)
+        return self.read(layer_cache, layer_id)
 
 
 @dataclass

@@ -159,7 +159,7 @@ class ModelRunner:
             prefixes = self._prefixes(decodes, decode_ids) or None
             plan = self.ops.plan_decode(decode_tables, decode_lens, self.block_size, self.dtype, prefixes,
                                         host_lens=host_lens, host_tables=decode_ids)
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_decode_tokens=len(decodes),
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
@@ -172,6 +172,9 @@ class ModelRunner:
             prefill_plan=self._prefixes(prefills, prefill_ids) or None,
             stage=stage,
         )
+        if stage is not None:  # attention reads the buffer the tables' far blocks are staged into
+            meta.read = stage.gather
+        return meta
 
     def compile_now(self, background: bool = False) -> None:
         """Compiles what would otherwise compile on the first request: every Triton kernel variant a step
