@@ -9,6 +9,7 @@ import torch
 
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.core.sequence import Request, Sequence, SeqStatus
+from tieredkv.core.far_blocks import FAR_POLICY, Room
 from tieredkv.engine.build import build_cache_core
 from tieredkv.kernels.dispatch import TORCH_OPS
 from tieredkv.runner.far_stage import stage_groups
@@ -22,14 +23,14 @@ def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device=
     builds them (build.build_cache_core) over a cache tensor of its own. With `far`, the warm slab is the cache
     tensor's tail and the pool lends its slots as far blocks (in place, as on CPU); `mode="staged"` lends them from
     a slab of its own (as on CUDA)."""
-    mode = mode or ("in place" if far else None)
-    cache = torch.zeros(LAYERS, 2, num_blocks + (warm_blocks if mode == "in place" else 0), BS, HEADS, DIM,
+    policy = FAR_POLICY[mode or ("in_place" if far else "off")]
+    cache = torch.zeros(LAYERS, 2, num_blocks + policy.tail(warm_blocks), BS, HEADS, DIM,
                         device=device)
     cfg = EngineConfig(model="unused", block_size=BS, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                        scheduling_policy="fcfs")
     spec = SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS)
     tiers, kv, _, sched = build_cache_core(cfg, spec, num_blocks, cache, TORCH_OPS, "test", warm_blocks,
-                                           mode, cold=lower)
+                                           policy, cold=lower)
     return tiers.hot.pool, kv, cache, tiers, sched
 
 
@@ -157,7 +158,7 @@ def test_preemption_swaps_the_newest_out_first_and_back_in_intact():
     assert pool.num_free == pool.num_blocks
 
 
-@pytest.mark.parametrize("mode", ["in place", "staged", None])
+@pytest.mark.parametrize("mode", ["in_place", "staged", "off"])
 def test_each_far_mode_makes_room_before_or_instead_of_preempting_as_its_policy_says(mode):
     """A dry pool, planned under each far mode's room (core/far_blocks.py): read in place, old blocks of any running
     sequence move below hot before anyone is preempted; staged, the newest sequence is preempted (swapped) first, and
@@ -170,7 +171,7 @@ def test_each_far_mode_makes_room_before_or_instead_of_preempting_as_its_policy_
     old.token_ids.extend([1] * 4)  # old needs a 4th block
     out = run_step(sched, tiers, cache, kv)
     kinds = [m.kind for m in out.moves]
-    if mode == "in place":  # old's oldest block (the first of the lowest position) goes down; nobody is preempted
+    if mode == "in_place":  # old's oldest block (the first of the lowest position) goes down; nobody is preempted
         assert kinds == [OFFLOAD] and not out.preempted and old.block_table[0].block_id == pool.far_base
         assert sched.room.offloaded_blocks == 1 and not sched.room.swappable(old) and sched.room.swappable(new)
         return
@@ -452,5 +453,5 @@ def test_a_tier_of_ones_own_stands_in_cold_s_place_but_never_beside_a_cold_path(
     cfg = EngineConfig(model="unused", block_size=BS, cold_path=str(tmp_path / "cold"))
     with pytest.raises(ValueError, match="one of them"):
         build_cache_core(cfg, SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS), 4,
-                         torch.zeros(LAYERS, 2, 4, BS, HEADS, DIM), TORCH_OPS, "test", 0, None, cold=memory)
+                         torch.zeros(LAYERS, 2, 4, BS, HEADS, DIM), TORCH_OPS, "test", 0, Room, cold=memory)
     assert not (tmp_path / "cold").exists()  # refused before anything was opened

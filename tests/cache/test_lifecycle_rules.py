@@ -186,3 +186,32 @@ def test_an_abort_ends_the_request_and_frees_its_blocks(tokenizer):
     assert w.chunks[("x", 0)][-1].finish_reason == "abort"
     assert not w.sched.running and not w.sched.waiting
     w.clean()
+
+
+@pytest.mark.parametrize("mode", ["off", "in_place", "staged"])
+def test_a_request_fits_hot_and_the_blocks_its_far_policy_lends(tokenizer, mode):
+    """The factory's precheck asks the far-block policy: off, a request's every block must be hot; with far blocks
+    (either mode) warm's blocks count too, but each sample's last block and one more must be hot at once."""
+    from tieredkv.core.far_blocks import FAR_POLICY
+    from tieredkv.errors import RequestError
+
+    cfg = EngineConfig(model="unused", block_size=4, max_num_seqs=8)
+    spec = SimpleNamespace(vocab_size=len(tokenizer.hf))
+    factory = RequestFactory(tokenizer, spec, cfg, 512, frozenset(), 6, 10, FAR_POLICY[mode])
+    far = mode != "off"
+
+    def fits(prompt, max_tokens, n=1, pinned=0):
+        try:
+            factory.check_fits(prompt, SamplingParams(max_tokens=max_tokens, n=n), pinned)
+            return True
+        except RequestError as e:
+            assert ("in the pool at once" in str(e)) == (far and prompt + max_tokens <= 4 * 16), str(e)
+            return False
+
+    assert fits(20, 4)  # 6 blocks: the pool's
+    assert fits(20, 5) == far  # 7 blocks: one in warm
+    assert fits(60, 4) == far and not fits(60, 5)  # 16: the pool's and warm's, then one more
+    assert fits(20, 4, pinned=1) == far  # 6 blocks beside a pinned one
+    assert fits(2, 2, n=6) and not fits(2, 2, n=7)  # six one-block samples fit hot either way, seven do not
+    assert fits(2, 4, n=5) == far  # five two-block samples: 10 blocks, 6 of them hot at once
+    assert not fits(2, 4, n=6)  # 12 blocks, 7 of them hot at once

@@ -142,7 +142,8 @@ async def test_a_repeat_from_cold_after_a_restart_is_placed_in_warm(engines, lla
 async def test_a_request_beyond_hot_and_warm_is_refused_with_the_numbers(engines, llama_dir):
     cfg = EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=40 * BLOCK_BYTES)
     async with await engines.start(cfg) as engine:
-        with pytest.raises(RequestError, match="needs up to 67 KV blocks but the pool has 8 and the warm tier 40"):
+        with pytest.raises(RequestError, match="needs up to 67 KV blocks but the pool has 8 and the warm tier "
+                                               "lends 40 more"):
             engine.stream(DOC_A, SamplingParams(max_tokens=NEW))
         check_pool_clean(engine.core)
 

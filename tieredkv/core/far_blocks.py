@@ -4,36 +4,79 @@ must be hot. Two things put a block there: an offload (old full blocks of runnin
 pool runs dry) and an adoption in place (a prefix found below hot that hot cannot hold stays where the lookup found it,
 or is read into lent slots).
 
-How attention reaches far blocks decides when to offload, one policy per mode (sizing.far_mode), each a class here:
-- `FarInPlace` ("in place", CPU: the warm slab is the cache tensor's tail and attention reads a far block as cheaply
+How attention reaches far blocks decides when to offload, one policy per mode (config `offload`, resolved by
+far_policy), each a class here:
+- `FarInPlace` ("in_place", CPU: the warm slab is the cache tensor's tail and attention reads a far block as cheaply
   as a hot one): old blocks of any running sequence move down before anyone is preempted.
 - `FarStaged` ("staged", CUDA: the runner copies a step's far blocks to the device, runner/far_stage.py): preemption
   comes first; only a sequence that cannot fit beside the others, or whose victim holds far blocks (a preempted
   sequence with far blocks is recomputed, never swapped), moves its own request's old blocks down.
-- `Room` itself (off): no room below hot; a dry pool preempts.
+- `Room` itself ("off"): no room below hot; a dry pool preempts.
 
-The scheduler asks its policy for room at these points and never branches on far blocks itself. Every slot is lent
-through KVCacheManager.lend_slots (the one way KV leaves the hot pool while planning, a swap-out's too), and every
-move is recorded on the KV manager's list: nothing here touches a tensor.
+The scheduler asks its policy for room at these points and never branches on far blocks itself. The engine's
+assembly asks the same class what the mode means for the parts it builds (the block pool's lender, the cache
+tensor's tail, the staging the runner does, how much of a request must be hot): class methods, asked before any KV
+manager exists. Every slot is lent through KVCacheManager.lend_slots (the one way KV leaves the hot pool while
+planning, a swap-out's too), and every move is recorded on the KV manager's list: nothing here touches a tensor.
 """
 
 from __future__ import annotations
 
+import torch
+
 from tieredkv.core.kv_manager import Blocks, KVCacheManager
 from tieredkv.core.sequence import Sequence
 from tieredkv.hashing import BlockHash
-from tieredkv.tiers.base import BlockKey
+from tieredkv.tiers.base import BlockKey, SwapSpace
 from tieredkv.tiers.block_pool import KVBlock
 from tieredkv.tiers.moves import OFFLOAD, PROMOTE, BlockMove, Restore
+from tieredkv.tiers.warm import WarmTier
 
 
 class Room:
     """Where a dry hot pool may make room without preempting, as the scheduler asks for it. This base is far blocks
     off: no room is ever made below hot, and a preempted sequence may always be swapped."""
 
+    mode = "off"  # config `offload`'s name for it (what rank 0 tells the other ranks)
+
     def __init__(self, kv: KVCacheManager):
         self.kv = kv
         self.offloaded_blocks = 0  # hot blocks of running sequences moved to far blocks
+
+    # -- what the mode means for the engine's parts (engine/build.py, engine/rank_build.py, tools/plan.py) --------
+
+    @classmethod
+    def far_blocks(cls, num_warm: int) -> int:
+        """How many of the warm tier's `num_warm` blocks a sequence may keep its older KV in."""
+        return 0
+
+    @classmethod
+    def lender(cls, warm: SwapSpace | None) -> SwapSpace | None:
+        """The tier the block pool lends far blocks from (tiers/block_pool.py), or None."""
+        return None
+
+    @classmethod
+    def tail(cls, extent: int) -> int:
+        """Blocks the cache tensor spans beyond the pool for the warm slab (`extent`: sizing.far_extent)."""
+        return 0
+
+    @classmethod
+    def staged_layers(cls, num_layers: int) -> int:
+        """Layers whose far blocks a step stages into buffers beside the hot pool (sizing.kv_pool_bytes)."""
+        return 0
+
+    @classmethod
+    def stage_from(cls, num_blocks: int, warm: WarmTier | None) -> tuple[int, torch.Tensor] | None:
+        """What the runner stages far blocks from (runner/far_stage.py): (the first far block id, warm's slab)."""
+        return None
+
+    @classmethod
+    def refusal(cls, needed: int, num_seqs: int, hot: int, num_warm: int) -> str | None:
+        """Why a request whose KV takes up to `needed` blocks over `num_seqs` sequences cannot run beside the
+        others' pins (`hot`: the pool's blocks not pinned; `num_warm`: the warm tier's), or None: every block hot."""
+        return f"up to {needed} KV blocks" if needed > hot else None
+
+    # -- what the scheduler asks ----------------------------------------------------------------------------------
 
     def make_room(self, seq: Sequence, n: int, running: list[Sequence], cached: Blocks = ()) -> int:
         """Moves old blocks down until seq's n new tokens (after `cached`) fit in the hot pool, or as many as can
@@ -53,12 +96,40 @@ class Room:
         """Whether a preempted seq may be swapped out whole (one holding far blocks is recomputed)."""
         return True
 
-    def adopt(self, seq: Sequence, cached: list[KVBlock], restore: Restore) -> list[KVBlock]:
-        raise AssertionError("a prefix is adopted in place only where room was made below hot")
+    def take_found(self, seq: Sequence, cached: list[KVBlock], found: Restore | None,
+                   below: bool) -> tuple[list[KVBlock], list[KVBlock], Restore | None]:
+        """What seq's admission takes of its prefix: `cached` hot blocks, then what a lookup `found` below hot (or
+        a swapped-out table), `below` when make_room made room for its first chunk but not for what was found.
+        Returns (its hits, the hot blocks it allocates after, what to restore into hot). Off: all of it to hot."""
+        return cached, cached, found
 
 
 class FarBlocks(Room):
     """Far blocks on; the subclasses say when room is made."""
+
+    @classmethod
+    def far_blocks(cls, num_warm: int) -> int:
+        return num_warm
+
+    @classmethod
+    def lender(cls, warm: SwapSpace | None) -> SwapSpace | None:
+        return warm
+
+    @classmethod
+    def refusal(cls, needed: int, num_seqs: int, hot: int, num_warm: int) -> str | None:
+        """Far blocks count, but each sequence's last block must be hot, and one more for the block a step starts
+        before an older one moves down."""
+        if needed > hot + num_warm:
+            return f"up to {needed} KV blocks"
+        at_once = min(needed, num_seqs + 1)
+        return f"{at_once} KV blocks in the pool at once" if at_once > hot else None
+
+    def take_found(self, seq: Sequence, cached: list[KVBlock], found: Restore | None,
+                   below: bool) -> tuple[list[KVBlock], list[KVBlock], Restore | None]:
+        """Where hot cannot hold what was found, it is adopted in place below hot (adopt)."""
+        if not below or found is None:
+            return cached, cached, found
+        return cached + self.adopt(seq, cached, found), [], None
 
     def _holders(self, seq: Sequence, running: list[Sequence]) -> list[Sequence]:
         """Whose old blocks may move down for seq."""
@@ -159,6 +230,12 @@ class FarInPlace(FarBlocks):
     """Far blocks read in place, as cheaply as hot ones: any running sequence's old blocks move down before anyone
     is preempted."""
 
+    mode = "in_place"
+
+    @classmethod
+    def tail(cls, extent: int) -> int:
+        return extent
+
     def _holders(self, seq: Sequence, running: list[Sequence]) -> list[Sequence]:
         return running
 
@@ -170,6 +247,17 @@ class FarStaged(FarBlocks):
     """Far blocks staged for each step that reads them: preemption first, but seq's own request's old blocks move
     down when seq cannot fit beside the others or its victim holds far blocks (and so would be recomputed)."""
 
+    mode = "staged"
+
+    @classmethod
+    def staged_layers(cls, num_layers: int) -> int:
+        return num_layers
+
+    @classmethod
+    def stage_from(cls, num_blocks: int, warm: WarmTier | None) -> tuple[int, torch.Tensor] | None:
+        assert warm is not None, "far blocks are staged from the warm tier's slab"
+        return num_blocks, warm.slab
+
     def _holders(self, seq: Sequence, running: list[Sequence]) -> list[Sequence]:
         return [s for s in running if s.request is seq.request]
 
@@ -177,5 +265,13 @@ class FarStaged(FarBlocks):
         return self.make_room(seq, n, running) if victim is seq or not self.swappable(victim) else 0
 
 
-# the policy for each far mode (sizing.far_mode); None: far blocks off
-FAR_POLICY: dict[str | None, type[Room]] = {"in place": FarInPlace, "staged": FarStaged, None: Room}
+# the policy for each far mode, by config `offload`'s names ("auto" resolved by far_policy)
+FAR_POLICY: dict[str, type[Room]] = {cls.mode: cls for cls in (Room, FarInPlace, FarStaged)}
+
+
+def far_policy(offload: str, device_type: str, num_warm: int) -> type[Room]:
+    """The policy for config `offload` on a device: "auto" reads far blocks in place on CPU, where the warm slab can
+    be the tail of the cache tensor, and stages them on CUDA, where it is pinned host memory (runner/far_stage.py);
+    "staged" stages on CPU too (it runs the CUDA path's logic). Off without a warm block to lend."""
+    auto = "in_place" if device_type == "cpu" else "staged"
+    return FAR_POLICY[(auto if offload == "auto" else offload) if num_warm else "off"]

@@ -241,30 +241,27 @@ class Scheduler:
         return seq.num_tokens - n * self.kv.block_size
 
     def _admit(self, seq: Sequence, cached: list, restore: "Restore | Lookup | None", step: _Step) -> bool:
-        """Gives seq its cached prefix, what a finished lookup found below hot (promoted into hot, or
-        adopted in place below hot when hot cannot hold it: self.room) or its swapped blocks, and blocks for its
-        first chunk. Returns False, holding nothing, when it does not fit now."""
-        promoting, in_place = isinstance(restore, Lookup), False
+        """Gives seq its cached prefix, what a finished lookup found below hot (promoted into hot, or taken where it
+        is when hot cannot hold it: self.room.take_found) or its swapped blocks, and blocks for its first chunk.
+        Returns False, holding nothing, when it does not fit now."""
+        promoting, below = isinstance(restore, Lookup), False
         if isinstance(restore, Lookup):  # room for what it found, before taking anything from the tiers
             fits_hot = self._lookup_fits(seq, cached, restore, step.budget)
             if fits_hot is None:
                 return False  # the finished lookup stays for the next attempt
-            in_place = not fits_hot
+            below = not fits_hot
             seq.lookup = None
             taken = self.tiers.finish_lookup(restore, len(cached))  # at most what it found (and how it was read)
             if seq.request.cache_decision is None:
                 seq.request.cache_decision = describe(restore.decision, restore.blocking, self.kv.block_size)
         else:
             taken = restore
-        hits = cached
-        if in_place and taken is not None:
-            hits = cached + self.room.adopt(seq, cached, taken)
-            cached = []
-        n = self._fit_waiting(seq, cached, None if in_place else taken, step.budget)
+        hits, cached, into_hot = self.room.take_found(seq, cached, taken, below)
+        n = self._fit_waiting(seq, cached, into_hot, step.budget)
         if n is None:
-            if promoting and not in_place:  # cannot happen after can_allocate; never leak a taken slot
-                self.tiers.drop_restore(taken)
-            self.kv.free(seq)  # (holds adopted blocks only if room.adopt ran; then cannot happen either)
+            if promoting:  # cannot happen after can_allocate; never leak a taken slot
+                self.tiers.drop_restore(into_hot)
+            self.kv.free(seq)  # (holds blocks taken below hot only if the room took them; then cannot happen either)
             return False  # a swapped sequence keeps its swap slots for the next attempt
         self.waiting.remove(seq)
         seq.swapped = None

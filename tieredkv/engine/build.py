@@ -12,7 +12,7 @@ import torch
 
 from tieredkv.config import EngineConfig
 from tieredkv.core.cache_index import CacheIndex
-from tieredkv.core.far_blocks import FAR_POLICY
+from tieredkv.core.far_blocks import Room, far_policy
 from tieredkv.core.kv_manager import KVCacheManager
 from tieredkv.core.pins import PinTable
 from tieredkv.core.scheduler import Scheduler
@@ -25,7 +25,7 @@ from tieredkv.engine.request_factory import RequestFactory
 from tieredkv.engine.resolve import (eos_token_ids, max_model_len, quant_settings, resolve_cache_dir,
                                      resolve_kv_layout, resolve_model_dir)
 from tieredkv.engine.shared_weights import SharedWeights
-from tieredkv.engine.sizing import far_extent, far_mode, kv_block_bytes, num_kv_blocks, warm_blocks
+from tieredkv.engine.sizing import far_extent, kv_block_bytes, num_kv_blocks, warm_blocks
 from tieredkv.engine.speculative import Speculator, make_speculator
 from tieredkv.engine.telemetry import Telemetry
 from tieredkv.hashing import root_hash
@@ -52,33 +52,32 @@ log = logging.getLogger("tieredkv")
 
 
 def build_cache_core(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
-                     fingerprint: str, num_warm_blocks: int, far_blocks: str | None, tp: TPGroup | None = None,
+                     fingerprint: str, num_warm_blocks: int, far: type[Room], tp: TPGroup | None = None,
                      cold: KVTier | None = None) -> tuple[TierManager, KVCacheManager, CacheIndex, Scheduler]:
     """What the engine keeps below its model, over a KV cache tensor: the tiers (build_tiers), the KV manager, the
-    cache index and the scheduler, whose far-block policy follows `far_blocks` (sizing.far_mode: "in place",
-    "staged" or None). tests/cache build theirs here too, with no model."""
-    tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm_blocks,
-                        far=far_blocks is not None, tp=tp, cold=cold)
+    cache index and the scheduler, with the far-block policy `far` (core/far_blocks.py: far_policy). tests/cache
+    build theirs here too, with no model."""
+    tiers = build_tiers(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm_blocks, far, tp=tp, cold=cold)
     kv = KVCacheManager(tiers.hot.pool, cfg.block_size, cfg.enable_prefix_caching, root_hash(fingerprint),
                         tiers.swap)
     index = CacheIndex(tiers.hot.pool, tiers, root_hash(fingerprint), cfg.block_size)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, tiers, index,
-                          room=FAR_POLICY[far_blocks](kv), policy=cfg.scheduling_policy)
+                          room=far(kv), policy=cfg.scheduling_policy)
     return tiers, kv, index, scheduler
 
 
 def build_tiers(cfg: EngineConfig, spec: ModelSpec, num_blocks: int, kv_cache: torch.Tensor, ops: KernelOps,
-                fingerprint: str, num_warm_blocks: int, far: bool, tp: TPGroup | None = None,
+                fingerprint: str, num_warm_blocks: int, far: type[Room] = Room, tp: TPGroup | None = None,
                 cold: KVTier | None = None) -> TierManager:
-    """The block pool (lending warm slots as far blocks when `far`) and hot over it; warm when its budget
-    holds a block (the tail of kv_cache when that has room beyond the pool); cold (LMDB, imported only
-    then) with a path, or the caller's own tier in its place (`cold`: any KVTier); remote (Valkey/Redis, imported
-    only then) with a URL."""
+    """The block pool (lending warm slots as far blocks where the far-block policy `far` says) and hot over it; warm
+    when its budget holds a block (the tail of kv_cache when that has room beyond the pool); cold (LMDB,
+    imported only then) with a path, or the caller's own tier in its place (`cold`: any KVTier); remote
+    (Valkey/Redis, imported only then) with a URL."""
     block_shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, kv_cache.shape[-1])  # rows as stored
     warm, io = data_plane(kv_cache, ops, num_blocks, num_warm_blocks, spec, tp)  # as every rank builds its own
     read = cfg.eviction_policy == "lfu" or cfg.admit_min_uses > 1 or not cfg.admit_output_blocks
     popularity = Popularity(16 * (num_blocks + num_warm_blocks), active=read)  # counted only where read
-    pool = BlockPool(num_blocks, warm if far else None, cfg.eviction_policy, popularity)
+    pool = BlockPool(num_blocks, far.lender(warm), cfg.eviction_policy, popularity)
     if warm is not None:
         warm.set_eviction(cfg.eviction_policy, popularity)
     hot = HotTier(pool, kv_cache, ops, io)
@@ -178,24 +177,23 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
                                   lambda: identity.result(), shared)
     leader = tp if tp.world > 1 else None
     num_warm = warm_blocks(cfg, spec, kv_format)
-    mode = far_mode(cfg, device) if num_warm else None
+    far = far_policy(cfg.offload, device.type, num_warm)
     # on CPU every rank's share is in the one machine's memory: the budget counts whole blocks
     num_blocks = num_kv_blocks(cfg, spec if device.type == "cpu" else tp.shard.local_spec(spec), kv_format, device,
-                               limit, staged=mode == "staged")
-    num_far = num_warm if mode else 0
-    extent = far_extent(cfg, spec, kv_format) if mode == "in place" else 0
+                               limit, far.staged_layers(spec.num_layers))
+    extent = far.tail(far_extent(cfg, spec, kv_format))
     if leader is not None:
-        leader.broadcast((num_blocks, extent, num_warm, mode))
+        leader.broadcast((num_blocks, extent, num_warm, far.mode))
     kv_cache = make_kv_cache(tp.shard.local_spec(spec), cfg.block_size, num_blocks, extent, kv_format, device)
     factory = RequestFactory(tokenizer, spec, cfg, limit, eos_token_ids(spec, model_dir, tokenizer.eos_token_id),
-                             num_blocks, num_far)
+                             num_blocks, num_warm, far)
     fingerprint = model_fingerprint(model_dir, dtype, cfg.block_size, quant, identity=identity.result(),
                                     kv=kv_format)
-    tiers, kv, index, scheduler = build_cache_core(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, mode,
+    tiers, kv, index, scheduler = build_cache_core(cfg, spec, num_blocks, kv_cache, ops, fingerprint, num_warm, far,
                                                    tp=tp)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
                          _decode_path(model, kv_cache, ops, cache_dir, cfg.native_decode) if compiled else None,
-                         far=(num_blocks, tiers.warm.slab) if mode == "staged" else None, leader=leader)
+                         far=far.stage_from(num_blocks, tiers.warm), leader=leader)
     tp.drive(tiers.io)
     if leader is not None:
         leader.gather_objects(None)  # every rank has its cache and runner

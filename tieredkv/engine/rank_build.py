@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from tieredkv.config import EngineConfig
+from tieredkv.core.far_blocks import FAR_POLICY
 from tieredkv.engine.resolve import quant_settings, resolve_cache_dir, resolve_device, resolve_dtype, resolve_kv_layout
 from tieredkv.errors import RankStartError
 from tieredkv.kernels import KernelOps, select_kernels
@@ -90,21 +91,6 @@ def make_kv_cache(spec: ModelSpec, block_size: int, num_blocks: int, num_far: in
 def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor whose pages are taken only when written (the tensor keeps the mapping alive)."""
     return anonymous_memory(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
-
-
-def local_warm(num_warm_blocks: int, kv_cache: torch.Tensor, num_blocks: int,
-               block_shape: tuple[int, ...] | None = None) -> WarmTier | None:
-    """The warm tier over this process's cache tensor: its slab is the tensor's tail when that has room beyond
-    the pool (far blocks read in place), else a slab of its own (pinned on CUDA); None without a budget.
-    `block_shape`: the blocks it takes and gives, whole ones under tensor parallelism (the slab's by default)."""
-    if num_warm_blocks <= 0:
-        return None
-    in_place = kv_cache.shape[2] > num_blocks + 1  # more than the pool and the scratch block
-    tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks] if in_place else None
-    local = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
-    pin = kv_cache.device.type == "cuda"
-    slab = tail if in_place else torch.empty((num_warm_blocks, *local), dtype=kv_cache.dtype, pin_memory=pin)
-    return WarmTier(num_warm_blocks, block_shape or local, kv_cache.dtype, pin, slab=slab, layer_major=in_place)
 
 
 @dataclass(frozen=True)
@@ -212,7 +198,7 @@ def data_plane(kv_cache: torch.Tensor, ops: KernelOps, num_blocks: int, num_warm
     whose blocks are the whole model's: rank 0 keeps the index, the other ranks use only the slab) and the block
     ops over the pool and the slab (tiers/block_io.py). `spec`: the whole model's."""
     block_shape = (spec.num_layers, 2, kv_cache.shape[3], spec.num_kv_heads, kv_cache.shape[-1])  # rows as stored
-    warm = local_warm(num_warm_blocks, kv_cache, num_blocks, block_shape)
+    warm = WarmTier.over_cache(num_warm_blocks, kv_cache, num_blocks, block_shape)
     io = BlockIO(kv_cache, ops, warm.store if warm is not None else None, tp,
                  tp.shard.sizes(spec.num_kv_heads) if tp is not None else None)
     return warm, io
@@ -223,11 +209,12 @@ def rank_runner(cfg: EngineConfig, model: LlamaModel, ops: KernelOps, setup: tup
     """The model runner of a tensor-parallel rank other than 0, over its heads of every block id, and its block
     ops (data_plane, as rank 0's). `setup`: rank 0's (num_blocks, far extent, warm blocks, far mode)."""
     num_blocks, extent, num_warm, mode = setup
+    far = FAR_POLICY[mode]
     kv_cache = make_kv_cache(tp.shard.local_spec(model.spec), cfg.block_size, num_blocks, extent,
                              resolve_kv_layout(cfg, model.spec, resolve_dtype(cfg.dtype, device), device), device)
     warm, io = data_plane(kv_cache, ops, num_blocks, num_warm, model.spec, tp)
     runner = ModelRunner(model, kv_cache, cfg.block_size, ops, cfg.cascade_attention,
-                         far=(num_blocks, warm.slab) if mode == "staged" else None)
+                         far=far.stage_from(num_blocks, warm))
     return runner, io
 
 

@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 from tieredkv.config import EngineConfig, SamplingParams
+from tieredkv.core.far_blocks import Room
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.core.sequence import Request
 from tieredkv.errors import RequestError
@@ -26,11 +27,12 @@ class RequestFactory:
     """
 
     def __init__(self, tokenizer: Tokenizer, spec: ModelSpec, config: EngineConfig, max_model_len: int,
-                 eos_token_ids: frozenset[int], num_blocks: int, num_far_blocks: int = 0):
+                 eos_token_ids: frozenset[int], num_blocks: int, num_warm_blocks: int = 0, far: type[Room] = Room):
         self.tokenizer = tokenizer
         self.block_size = config.block_size
         self.num_blocks = num_blocks
-        self.num_far_blocks = num_far_blocks  # warm blocks a sequence may keep its older KV in
+        self.num_far_blocks = far.far_blocks(num_warm_blocks)  # warm blocks a sequence may keep its older KV in
+        self.refusal = far.refusal  # why a request's KV cannot fit (core/far_blocks.py: the far-block policy)
         self.vocab_size = spec.vocab_size
         self.max_num_seqs = config.max_num_seqs
         self.speculative = config.speculative is not None  # whether a request may ask for speculation
@@ -98,16 +100,18 @@ class RequestFactory:
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams, pinned_blocks: int) -> None:
         """Raises unless the request's most KV (every sample at max_tokens) fits beside the pinned blocks,
-        in the hot pool and the warm blocks it may offload to; each sample's last block must be hot."""
+        in the hot pool and the warm blocks it may offload to, as the far-block policy says (its refusal: with far
+        blocks, each sample's last block and one more must be hot at once)."""
         total = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
         shared = num_prompt_tokens // self.block_size
         needed = shared + params.num_seqs * (cdiv(total, self.block_size) - shared)
         hot = self.num_blocks - pinned_blocks
-        if needed > hot + self.num_far_blocks or (self.num_far_blocks and params.num_seqs + 1 > hot):
+        what = self.refusal(needed, params.num_seqs, hot, self.num_far_blocks)
+        if what is not None:
             where = f" and {pinned_blocks} of them are pinned" if pinned_blocks else ""
-            warm = f" and the warm tier {self.num_far_blocks} more" if self.num_far_blocks else ""
-            raise RequestError(f"request needs up to {needed} KV blocks but the pool has {self.num_blocks}{where}"
-                               f"{warm}; lower max_tokens, n or beam_width, unpin, or give the engine more KV memory")
+            raise RequestError(f"request needs {what} but the pool has {self.num_blocks}{where} and the warm tier "
+                               f"lends {self.num_far_blocks} more; lower max_tokens, n or beam_width, unpin, or give "
+                               "the engine more KV memory")
 
     def token_ids(self, prompt: PromptType) -> list[int]:
         """The prompt's token ids, checked; tokenizes strings and applies the chat template to messages."""

@@ -1,5 +1,6 @@
-"""How big each part of the cache is: the hot pool's bytes and blocks, the warm tier's blocks, the far blocks'
-extent, and how attention reaches far blocks. `tieredkv plan` sizes with these same functions."""
+"""How big each part of the cache is: the hot pool's bytes and blocks, the warm tier's blocks and the far blocks'
+extent (how attention reaches far blocks is core/far_blocks.py's far_policy). `tieredkv plan` sizes with these same
+functions."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from tieredkv.config import EngineConfig
 from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.models.spec import ModelSpec
+from tieredkv.runner.far_stage import pool_share
 
 
 WARM_CAP = 4 << 30  # the default warm tier's most bytes
@@ -32,38 +34,27 @@ def _share_of_memory(pages: str, part: int = 10) -> int:
     return min(memory // part, WARM_CAP)
 
 
-STAGE_RESERVE = 4  # staging far blocks takes up to this many layers' worth of the hot pool (far_stage.py)
-
-
 def kv_pool_bytes(cfg: EngineConfig, device_type: str, total: int = 0, used: int = 0, token_bytes: int = 0,
                   max_len: int = 0, staged_layers: int = 0) -> int:
     """The hot pool's bytes, for the engine and `tieredkv plan` alike: kv_cache_bytes when given; on CUDA
     gpu_memory_utilization of the device's `total` memory less what is `used` (weights, and what else
     the engine measured or the plan estimated), less the staging buffers when far blocks are staged
-    (`staged_layers`: the model's layers; 0 when they are not); elsewhere cpu_kv_cache_bytes, or room for
-    max_num_seqs sequences of `max_len` tokens of `token_bytes` each, at most CPU_POOL_CAP and an eighth
-    of the memory.
-
-    Staging (far_stage.py) holds two buffers of one layer each (the layer computing and the next one,
-    whose far blocks are read ahead), each at most a pool's worth of hot blocks and as many far ones, so
-    STAGE_RESERVE layers of the pool in all. The pool takes what leaves room for them:
-    budget * layers / (layers + STAGE_RESERVE)."""
+    (`staged_layers`: the model's layers; 0 when they are not; runner/far_stage.py's pool_share); elsewhere
+    cpu_kv_cache_bytes, or room for max_num_seqs sequences of `max_len` tokens of `token_bytes` each, at most
+    CPU_POOL_CAP and an eighth of the memory."""
     if cfg.kv_cache_bytes is not None:
         return cfg.kv_cache_bytes
     if device_type == "cuda":
-        budget = int(total * cfg.gpu_memory_utilization) - used
-        if staged_layers and budget > 0:
-            return budget * staged_layers // (staged_layers + STAGE_RESERVE)
-        return budget
+        return pool_share(int(total * cfg.gpu_memory_utilization) - used, staged_layers)
     if cfg.cpu_kv_cache_bytes is not None:
         return cfg.cpu_kv_cache_bytes
     return min(cfg.max_num_seqs * max_len * token_bytes, CPU_POOL_CAP, _share_of_memory("SC_PHYS_PAGES", 8))
 
 
 def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, kv: KVLayout, device: torch.device,
-                  max_len: int, staged: bool = False) -> int:
+                  max_len: int, staged_layers: int = 0) -> int:
     """num_blocks when given; else the blocks kv_pool_bytes holds, with the device's memory as measured
-    now (the weights loaded), and room for staging far blocks when they are `staged`."""
+    now (the weights loaded), and room for staging far blocks of `staged_layers` (kv_pool_bytes)."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     block_bytes = kv_block_bytes(spec, cfg.block_size, kv)
@@ -71,8 +62,7 @@ def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, kv: KVLayout, device: torc
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-    budget = kv_pool_bytes(cfg, device.type, total, used, kv_token_bytes(spec, kv), max_len,
-                           spec.num_layers if staged else 0)
+    budget = kv_pool_bytes(cfg, device.type, total, used, kv_token_bytes(spec, kv), max_len, staged_layers)
     num = budget // block_bytes
     if num < 2:
         raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {block_bytes} bytes")
@@ -103,13 +93,3 @@ def far_extent(cfg: EngineConfig, spec: ModelSpec, kv: KVLayout) -> int:
     budget = _share_of_memory("SC_PHYS_PAGES") if cfg.warm_bytes is None else cfg.warm_bytes
     return budget // kv_block_bytes(spec, cfg.block_size, kv)
 
-
-def far_mode(cfg: EngineConfig, device: torch.device) -> str | None:
-    """How attention reaches far blocks (block_pool.py): "in place" on CPU, where the warm slab can be
-    the tail of the cache tensor; "staged" on CUDA, where it is pinned host memory (far_stage.py); None
-    with offloading off. `offload="staged"` stages on CPU too (it runs the CUDA path's logic)."""
-    if cfg.offload == "off":
-        return None
-    if device.type != "cpu" or cfg.offload == "staged":
-        return "staged"
-    return "in place"

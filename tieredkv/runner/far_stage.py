@@ -22,6 +22,24 @@ import torch
 
 T = TypeVar("T")
 
+STAGE_RESERVE = 4  # the staging buffers take up to this many layers' worth of the hot pool
+
+
+def pool_share(budget: int, staged_layers: int) -> int:
+    """Of a device's KV budget, the hot pool's part beside the staging buffers where a step stages the far blocks
+    of `staged_layers` layers (0: nothing is staged, the pool takes it all). Two buffers of one layer each (the
+    layer computing and the next one, whose far blocks are read ahead), each at most a pool's worth of hot blocks
+    and as many far ones: STAGE_RESERVE layers of the pool in all, so the pool takes
+    budget * layers / (layers + STAGE_RESERVE)."""
+    if staged_layers == 0 or budget <= 0:
+        return budget
+    return budget * staged_layers // (staged_layers + STAGE_RESERVE)
+
+
+def staging_bytes(hot_blocks: int, block_bytes: int, staged_layers: int) -> int:
+    """The staging buffers' most bytes beside a hot pool of `hot_blocks` blocks (pool_share); 0 with nothing staged."""
+    return STAGE_RESERVE * hot_blocks * block_bytes // staged_layers if staged_layers else 0
+
 
 @dataclass
 class StagePlan:

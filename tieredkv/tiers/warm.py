@@ -38,6 +38,23 @@ class WarmTier(SwapSpace):
     name = "warm"
     medium = "CPU"  # vLLM's name for host memory (its CPU offloading tier)
 
+    @classmethod
+    def over_cache(cls, num_warm_blocks: int, kv_cache: torch.Tensor, num_blocks: int,
+                   block_shape: tuple[int, ...] | None = None) -> WarmTier | None:
+        """The warm tier beside a process's cache tensor: its slab is the tensor's tail when the tensor has room
+        beyond the pool and the scratch block (far blocks read in place), else a slab of its own (pinned on CUDA);
+        None without a budget. `block_shape`: the blocks it takes and gives, whole ones under tensor parallelism
+        (the slab's by default)."""
+        if num_warm_blocks <= 0:
+            return None
+        local = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
+        pin = kv_cache.device.type == "cuda"
+        if kv_cache.shape[2] > num_blocks + 1:
+            tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks]
+            return cls(num_warm_blocks, block_shape or local, kv_cache.dtype, pin, slab=tail, layer_major=True)
+        slab = torch.empty((num_warm_blocks, *local), dtype=kv_cache.dtype, pin_memory=pin)
+        return cls(num_warm_blocks, block_shape or local, kv_cache.dtype, pin, slab=slab, layer_major=False)
+
     def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
                  slab: torch.Tensor | None = None, layer_major: bool | None = None, eviction: str = "lru",
                  popularity: Popularity | None = None, io: BlockIO | None = None):

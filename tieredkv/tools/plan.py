@@ -12,10 +12,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tieredkv.config import EngineConfig
+from tieredkv.core.far_blocks import far_policy
 from tieredkv.core.kv_manager import cdiv
 from tieredkv.engine.identity import model_fingerprint
 from tieredkv.engine.resolve import max_model_len, quant_settings, resolve_dtype, resolve_kv_layout, resolve_model_dir
-from tieredkv.engine.sizing import STAGE_RESERVE, far_mode, kv_block_bytes, kv_pool_bytes, kv_token_bytes, warm_blocks
+from tieredkv.engine.sizing import kv_block_bytes, kv_pool_bytes, kv_token_bytes, warm_blocks
 from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.quant import quantized_bytes
 from tieredkv.models.checks import tensor_shapes
@@ -24,6 +25,7 @@ from tieredkv.models.loader import QuantSettings, weight_files
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tp_shard import Shard, check_shardable
 from tieredkv.platform.malloc_tuning import process_status_bytes
+from tieredkv.runner.far_stage import staging_bytes
 from tieredkv.tiers.cold_format import ColdFormat
 from tieredkv.tiers.cold_txn import disk_cost
 from tieredkv.tools.config_flags import parse_bytes  # noqa: F401 (the command line's sizes, also for plan's callers)
@@ -206,7 +208,7 @@ def _plan(cfg: EngineConfig, model_dir, device: str, memory: int | None, activat
         longest_sequence=min(limit, (hot + warm) * block_size), shared_prompt_len=shared_prompt_len,
         shared_prompts={t: n // prompt_blocks for t, n in (("hot", hot), ("warm", warm), ("cold", cold))},
         measured=measured, device=torch.device(device).type,
-        staging_bytes=STAGE_RESERVE * hot * per_block // spec.num_layers if staged else 0,
+        staging_bytes=staging_bytes(hot, per_block, staged),
         tensor_parallel_size=tp_size, rank_weight_bytes=rank_weights, rank_kv_bytes_per_block=rank_blocks,
         kv_format=kv.label)
 
@@ -230,8 +232,7 @@ def _hot_blocks(cfg: EngineConfig, spec: ModelSpec, device: torch.device, memory
     reserve (0 when none): on CUDA rank 0's device, its weights and its share of each block; on CPU one
     machine's memory for every rank, whole blocks."""
     per_token, per_block = kv_token_bytes(spec, kv), kv_block_bytes(spec, cfg.block_size, kv)
-    staged = spec.num_layers if device.type == "cuda" and far_mode(cfg, device) and warm_blocks(cfg, spec, kv) \
-        else 0
+    staged = far_policy(cfg.offload, device.type, warm_blocks(cfg, spec, kv)).staged_layers(spec.num_layers)
     limit = max_model_len(spec, cfg.max_model_len)
     if device.type == "cuda":
         pool = kv_pool_bytes(cfg, device.type, memory, rank_weights[0] + activation_bytes,
