@@ -14,6 +14,7 @@ layer or a lower one, and no module imports one that imports it back, directly o
 """
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tieredkv"
@@ -124,3 +125,29 @@ def test_only_kernels_ops_registers_torch_operators():
     """The tieredkv library of torch operators is declared in one module: no other calls torch.library."""
     users = sorted(name for name, path in modules().items() if "torch.library" in path.read_text())
     assert users == ["tieredkv.kernels.ops"]
+
+
+FAR_OWNERS = {"tiers/block_pool.py", "tiers/hot.py", "tiers/manager.py", "core/far_blocks.py",
+              "runner/model_runner.py", "runner/far_stage.py"}  # and the kernels (the attention ops)
+FAR_WORDS = re.compile(r"far|offload|stag|in_place", re.IGNORECASE)
+FAR_SHOWN = {"tools/plan.py": "format_plan"}  # a report: its staging line is shown where a plan stages
+
+
+def test_conditions_on_far_blocks_live_only_where_far_blocks_are_acted_on():
+    """Outside the block pool, the tiers, the far-block policy (core/far_blocks.py, which the scheduler, the request
+    factory and the assembly ask), the runner's staging and the kernels, no `if`, `while`, conditional expression
+    or comprehension filter names far blocks, offloading or staging (docs/architecture.md: The scheduler)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in FAR_OWNERS or rel.startswith("kernels/"):
+            continue
+        source, tree = path.read_text(), ast.parse(path.read_text())
+        shown = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == FAR_SHOWN.get(rel)]
+        for node in ast.walk(tree):
+            if any(f.lineno <= getattr(node, "lineno", 0) <= f.end_lineno for f in shown):
+                continue
+            tests = [node.test] if isinstance(node, (ast.If, ast.While, ast.IfExp)) else \
+                list(node.ifs) if isinstance(node, ast.comprehension) else []
+            found += [f"{rel}:{t.lineno}" for t in tests if FAR_WORDS.search(ast.get_source_segment(source, t) or "")]
+    assert not found
