@@ -55,24 +55,13 @@ for folder in (".", "cache", "kernels", "engine", "serve"):
     sys.path.insert(0, str(Path(__file__).parent / folder))
 
 from helpers import make_checkpoint  # noqa: E402
-from tieredkv.config import EngineConfig  # noqa: E402
 from tieredkv.kernels.quant_cpu import NATIVE  # noqa: E402
 from tieredkv.platform.cpu_features import cpu_info  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Engines here run the eager forward unless a test asks for the compiled decode path (compile_decode=True,
-# or None for the per-device default): compiling costs seconds per engine. test_compiled_decode.py, the
-# transformers comparisons and the default-model tests run it. In this process that is the field's default;
-# the command-line tools the tests start read it from the environment (EngineConfig.from_env).
-EngineConfig.model_fields["compile_decode"].default = False
-# Where a test compiles, start() waits for the graph, so that the test knows which path serves
-# (test_compiled_decode.py tests the background compile itself).
-EngineConfig.model_fields["compile_in_background"].default = False
-# Engines here run their core in the test's process unless a test asks for a process of its own
-# (core_process=True: test_core_process.py, and every server the tests start with `tieredkv serve`, whose
-# default it is): most tests read the core's state through AsyncEngine.core, which only that mode has.
-EngineConfig.model_fields["core_process"].default = False
-EngineConfig.model_rebuild(force=True)
+# The command-line tools the tests start (`tieredkv serve`, `generate`) run the eager forward unless a test asks
+# for the compiled path: they read it from the environment (EngineConfig.from_env). The tests' own engines take
+# their defaults from helpers.make_config.
 os.environ.setdefault("TIEREDKV_COMPILE_DECODE", "0")
 # the cold tier's key file lives under XDG_CONFIG_HOME: keep the tests' key out of the user's home
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tieredkv-test-config-")

@@ -11,6 +11,23 @@ import torch
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent  # the project's root: what a child process puts on its path to import the package
 
+# What the tests' engines run unless a test says otherwise (make_config): the eager forward, as compiling costs seconds
+# per engine (test_compiled_decode.py, the transformers comparisons and the default-model tests ask for the compiled
+# path); where a test does compile, start() waits for the graph, so that it knows which path serves
+# (test_compiled_decode.py tests the background compile itself); and the core in the test's process, whose state
+# the tests read through AsyncEngine.core (test_core_process.py, and every `tieredkv serve` the tests start, ask
+# for a process of its own).
+TEST_DEFAULTS = {"compile_decode": False, "compile_in_background": False, "core_process": False}
+
+
+def make_config(**fields):
+    """An EngineConfig of `fields`, with TEST_DEFAULTS for the fields not given (a field given as None takes the
+    engine's own default for it, as in production)."""
+    from tieredkv import EngineConfig
+
+    return EngineConfig(**{**TEST_DEFAULTS, **fields})
+
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. ",
     "Paged attention keeps keys and values in fixed-size blocks. ",
@@ -196,18 +213,17 @@ class Engines:
         self.weights = SharedWeights()
 
     def core(self, config=None, **fields):
-        """An EngineCore for `config` (or EngineConfig(**fields))."""
-        from tieredkv import EngineConfig
+        """An EngineCore for `config` (or make_config(**fields))."""
         from tieredkv.engine.engine_core import EngineCore
 
-        config = config or EngineConfig(**fields)
+        config = config or make_config(**fields)
         return EngineCore(config, self._weights_for(config))
 
     async def start(self, config=None, **fields):
-        """An AsyncEngine for `config` (or EngineConfig(**fields)) serving on the running loop."""
-        from tieredkv import AsyncEngine, EngineConfig
+        """An AsyncEngine for `config` (or make_config(**fields)) serving on the running loop."""
+        from tieredkv import AsyncEngine
 
-        config = config or EngineConfig(**fields)
+        config = config or make_config(**fields)
         return await AsyncEngine.start(config, shared_weights=self._weights_for(config))
 
     def _weights_for(self, config):

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tieredkv.config import EngineConfig, SamplingParams
+from helpers import make_config
+from tieredkv.config import SamplingParams
 from tieredkv.core.sequence import Request, Sequence, SeqStatus
 from tieredkv.core.far_blocks import FAR_POLICY, Room
 from tieredkv.engine.build import build_cache_core
@@ -26,7 +27,7 @@ def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device=
     policy = FAR_POLICY[mode or ("in_place" if far else "off")]
     cache = torch.zeros(LAYERS, 2, num_blocks + policy.tail(warm_blocks), BS, HEADS, DIM,
                         device=device)
-    cfg = EngineConfig(model="unused", block_size=BS, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+    cfg = make_config(model="unused", block_size=BS, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                        scheduling_policy="fcfs")
     spec = SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS)
     tiers, kv, _, sched = build_cache_core(cfg, spec, num_blocks, cache, TORCH_OPS, "test", warm_blocks,
@@ -450,7 +451,7 @@ def test_a_tier_of_ones_own_stands_in_cold_s_place_but_never_beside_a_cold_path(
     memory = MemoryTier(4, LAYERS * 2 * BS * HEADS * DIM * 4)
     _, _, _, tiers, _ = make(num_blocks=4, warm_blocks=2, lower=memory)
     assert tiers.lower == [tiers.warm, memory]
-    cfg = EngineConfig(model="unused", block_size=BS, cold_path=str(tmp_path / "cold"))
+    cfg = make_config(model="unused", block_size=BS, cold_path=str(tmp_path / "cold"))
     with pytest.raises(ValueError, match="one of them"):
         build_cache_core(cfg, SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS), 4,
                          torch.zeros(LAYERS, 2, 4, BS, HEADS, DIM), TORCH_OPS, "test", 0, Room, cold=memory)

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import make_tokenizer
+from helpers import make_config, make_tokenizer
 from test_data_path import fake_forward, make
-from tieredkv.config import EngineConfig, SamplingParams
+from tieredkv.config import SamplingParams
 from tieredkv.core.pins import PinTable
 from tieredkv.engine.lifecycle import Lifecycle
 from tieredkv.engine.outputs import StreamChunk
@@ -35,7 +35,7 @@ class World:
         self.pool, self.kv, self.cache, self.tiers, self.sched = make(num_blocks=num_blocks, warm_blocks=0)
         vocab = len(tokenizer.hf)
         spec = SimpleNamespace(vocab_size=vocab)
-        cfg = EngineConfig(model="unused", block_size=4, max_num_seqs=8)
+        cfg = make_config(model="unused", block_size=4, max_num_seqs=8)
         self.factory = RequestFactory(tokenizer, spec, cfg, 512, frozenset({tokenizer.hf.eos_token_id}), num_blocks)
         pins = PinTable(self.sched.index, budget=0)
         self.life = Lifecycle(self.sched, self.kv, self.factory, tokenizer, pins, Telemetry(silent=True),
@@ -195,7 +195,7 @@ def test_a_request_fits_hot_and_the_blocks_its_far_policy_lends(tokenizer, mode)
     from tieredkv.core.far_blocks import FAR_POLICY
     from tieredkv.errors import RequestError
 
-    cfg = EngineConfig(model="unused", block_size=4, max_num_seqs=8)
+    cfg = make_config(model="unused", block_size=4, max_num_seqs=8)
     spec = SimpleNamespace(vocab_size=len(tokenizer.hf))
     factory = RequestFactory(tokenizer, spec, cfg, 512, frozenset(), 6, 10, FAR_POLICY[mode])
     far = mode != "off"

@@ -7,14 +7,14 @@ import shutil
 import pytest
 from pydantic import ValidationError
 
-from helpers import check_pool_clean
-from tieredkv import (CheckpointError, EngineConfig, RequestError, SamplingParams,
+from helpers import check_pool_clean, make_config
+from tieredkv import (CheckpointError, RequestError, SamplingParams,
                       UnsupportedModelError)
 
 
 @pytest.fixture(scope="module")
 async def engine(engines, llama_dir):
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, max_model_len=256, warm_bytes=0))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=64, max_model_len=256, warm_bytes=0))
     yield engine
     await engine.close()
 
@@ -78,15 +78,15 @@ def test_bad_sampling_params(kwargs, field):
 )
 def test_bad_engine_config(kwargs, field):
     with pytest.raises(ValidationError, match=field):
-        EngineConfig(**kwargs)
+        make_config(**kwargs)
 
 
 def test_offload_is_one_field_that_also_takes_a_switch():
     """`offload` names how far blocks are read, or "off"; True and False (and the environment's 1/0) are the
     device's way and off."""
-    assert [EngineConfig(offload=v).offload for v in (True, False, "1", "false", "staged")] == \
+    assert [make_config(offload=v).offload for v in (True, False, "1", "false", "staged")] == \
         ["auto", "off", "auto", "off", "staged"]
-    assert EngineConfig().offload == "auto"
+    assert make_config().offload == "auto"
 
 
 async def test_request_too_big_for_the_pool(engine):
@@ -105,7 +105,7 @@ async def test_duplicate_request_id(engine):
 
 async def test_unknown_model_path(engines, tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-model"):
-        await engines.start(EngineConfig(model=str(tmp_path / "no-such-model")))
+        await engines.start(make_config(model=str(tmp_path / "no-such-model")))
 
 
 async def test_truncated_safetensors(engines, llama_dir, tmp_path):
@@ -114,7 +114,7 @@ async def test_truncated_safetensors(engines, llama_dir, tmp_path):
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
-        await engines.start(EngineConfig(model=str(broken)))
+        await engines.start(make_config(model=str(broken)))
 
 
 async def test_unsupported_architecture(engines, llama_dir, tmp_path):
@@ -124,7 +124,7 @@ async def test_unsupported_architecture(engines, llama_dir, tmp_path):
     cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
-        await engines.start(EngineConfig(model=str(other)))
+        await engines.start(make_config(model=str(other)))
 
 
 async def test_missing_weights(engines, llama_dir, tmp_path):
@@ -132,12 +132,12 @@ async def test_missing_weights(engines, llama_dir, tmp_path):
     shutil.copytree(llama_dir, empty)
     (empty / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
-        await engines.start(EngineConfig(model=str(empty)))
+        await engines.start(make_config(model=str(empty)))
 
 
 async def test_max_model_len_beyond_the_model(engines, llama_dir):
     with pytest.raises(ValueError, match="max_model_len"):
-        await engines.start(EngineConfig(model=str(llama_dir), max_model_len=10**6))
+        await engines.start(make_config(model=str(llama_dir), max_model_len=10**6))
 
 
 def _copy_with_config(llama_dir, tmp_path, name, **changes):
@@ -161,12 +161,12 @@ async def test_a_hostile_config_is_refused_before_anything_is_built(engines, lla
                                                                    match):
     model = _copy_with_config(llama_dir, tmp_path, "hostile", **changes)
     with pytest.raises(error, match=match):
-        await asyncio.wait_for(engines.start(EngineConfig(model=str(model), num_blocks=16)), 20)
+        await asyncio.wait_for(engines.start(make_config(model=str(model), num_blocks=16)), 20)
 
 
 async def test_a_huge_max_position_embeddings_allocates_nothing_for_it(engines, llama_dir, tmp_path):
     model = _copy_with_config(llama_dir, tmp_path, "longctx", max_position_embeddings=10**9)
-    async with await asyncio.wait_for(engines.start(EngineConfig(model=str(model), num_blocks=16)), 20) as e:
+    async with await asyncio.wait_for(engines.start(make_config(model=str(model), num_blocks=16)), 20) as e:
         out = await e.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(out.outputs[0].token_ids) == 3
         assert not any(b.numel() > 10**6 for b in e.core.model.buffers())
@@ -185,4 +185,4 @@ async def test_files_that_never_end_are_refused(engines, llama_dir, tmp_path, ta
     else:
         os.mkfifo(model / target)
     with pytest.raises(CheckpointError, match=f"{target}.* not a regular file"):
-        await asyncio.wait_for(engines.start(EngineConfig(model=str(model), num_blocks=16)), 20)
+        await asyncio.wait_for(engines.start(make_config(model=str(model), num_blocks=16)), 20)

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from helpers import check_pool_clean, check_pool_consistent, drive
-from tieredkv import EngineConfig, RequestError, SamplingParams
+from helpers import check_pool_clean, check_pool_consistent, drive, make_config
+from tieredkv import RequestError, SamplingParams
 from tieredkv.core.kv_manager import cdiv
 
 MAX_NEW = 16
@@ -83,7 +83,7 @@ def check_against(results, expected, variant):
 @pytest.mark.parametrize("k", [2, 4, 8])
 async def test_beam_search_matches_transformers(engines, ref, k):
     model_dir, reference = ref
-    async with await engines.start(EngineConfig(model=str(model_dir), num_blocks=256)) as engine:
+    async with await engines.start(make_config(model=str(model_dir), num_blocks=256)) as engine:
         for variant in VARIANTS:
             check_against(await run_beams(engine, reference, k, variant), reference.expected(k, variant), variant)
         stats = engine.stats()
@@ -99,7 +99,7 @@ async def test_beam_search_matches_transformers_under_pressure(engines, ref, squ
     model_dir, reference = ref
     cfg = {"preempt": dict(num_blocks=14, offload="off"), "offload": dict(num_blocks=14, warm_bytes=1 << 20),
            "split": dict(num_blocks=256, max_num_batched_tokens=5)}[squeeze]
-    async with await engines.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
+    async with await engines.start(make_config(model=str(model_dir), **cfg)) as engine:
         variant = VARIANTS[0]
         check_against(await run_beams(engine, reference, 4, variant), reference.expected(4, variant), variant)
         stats = engine.stats()
@@ -121,7 +121,7 @@ async def test_stop_strings_end_beams_as_transformers_does(engines, llama_dir):
     text = tok.decode(plain[0], skip_special_tokens=True)
     stop = text[len(text) // 2 : len(text) // 2 + 2]  # two characters from the middle of the best beam
     expected, _ = reference.generate(prompt, 4, MAX_NEW, stop=[], stop_strings=[stop], tokenizer=tok)
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=256)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=256)) as engine:
         out = await engine.generate(prompt, SamplingParams(max_tokens=MAX_NEW, beam_width=4, n=4, stop=[stop]))
     assert [o.token_ids for o in out.outputs] == expected
     assert out.outputs[0].finish_reason == "stop" and stop not in out.outputs[0].text
@@ -142,7 +142,7 @@ def test_beams_share_blocks(engines, llama_dir):
     """Peak blocks of an 8-beam search against 8 independent sequences of the same lengths: the beams
     hold one copy of the prompt and of their common history."""
     prompt_len, new, k, bs = 150, 40, 8, 16
-    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=512, enable_prefix_caching=False,
+    core = engines.core(make_config(model=str(llama_dir), num_blocks=512, enable_prefix_caching=False,
                                      compile_decode=False, max_num_seqs=k))
     prompt = make_prompts(core.spec.vocab_size)[2] * 4
     prompt = prompt[:prompt_len]
@@ -158,7 +158,7 @@ def test_beams_share_blocks(engines, llama_dir):
 
 
 def test_beam_search_aborted_mid_search_frees_every_block(engines, llama_dir):
-    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=128, compile_decode=False))
+    core = engines.core(make_config(model=str(llama_dir), num_blocks=128, compile_decode=False))
     sink = object()
     req = core.factory.make([5, 6, 7, 8], SamplingParams(max_tokens=40, beam_width=4, n=2, ignore_eos=True), "a")
     req.sink = sink
@@ -173,7 +173,7 @@ def test_beam_search_aborted_mid_search_frees_every_block(engines, llama_dir):
 
 
 async def test_stream_delivers_each_returned_beam_whole(engines, llama_dir):
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=128)) as engine:
         params = SamplingParams(max_tokens=8, beam_width=3, n=3, ignore_eos=True)
         chunks = [c async for c in engine.stream([5, 6, 7], params)]
         out = await engine.generate([5, 6, 7], params)
@@ -198,7 +198,7 @@ def test_beam_parameters_are_checked(kw, message):
 
 
 async def test_more_beams_than_max_num_seqs_is_a_request_error(engines, llama_dir):
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, max_num_seqs=4)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, max_num_seqs=4)) as engine:
         with pytest.raises(RequestError, match="beam_width=8 exceeds max_num_seqs=4"):
             await engine.generate([5, 6], SamplingParams(beam_width=8))
 
@@ -208,7 +208,7 @@ def test_searches_competing_for_a_small_pool_finish(engines, llama_dir, policy):
     """Four searches of 4 beams on a 14-block pool, all added in one tick: preempted beams are admitted
     beside their siblings, never interleaved with another search's (each would hold part of the pool
     and wait for the rest, for ever)."""
-    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=14, offload="off", compile_decode=False,
+    core = engines.core(make_config(model=str(llama_dir), num_blocks=14, offload="off", compile_decode=False,
                                      scheduling_policy=policy))
     drive(core, [core.factory.make(p, SamplingParams(max_tokens=MAX_NEW, beam_width=4, n=4), f"r{i}")
                  for i, p in enumerate(make_prompts(core.spec.vocab_size))], max_steps=1000)

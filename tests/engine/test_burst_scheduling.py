@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from helpers import check_pool_clean, drive
-from tieredkv import EngineConfig, SamplingParams
+from helpers import check_pool_clean, drive, make_config
+from tieredkv import SamplingParams
 
 BS = 16
 
@@ -38,7 +38,7 @@ def run(core, prompts, max_tokens=6, abort_after=None):
 @pytest.fixture(scope="module")
 def reference(engines, llama_dir):
     """Each conversation alone, with no prefix cache: what the shared runs must produce."""
-    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=256, enable_prefix_caching=False,
+    core = engines.core(make_config(model=str(llama_dir), num_blocks=256, enable_prefix_caching=False,
                                      compile_decode=False))
 
     def answer(prompt):
@@ -49,7 +49,7 @@ def reference(engines, llama_dir):
 
 def make_core(engines, llama_dir, **kw):
     kw = {"num_blocks": 256, "block_size": BS, "max_num_batched_tokens": 64, "compile_decode": False, **kw}
-    return engines.core(EngineConfig(model=str(llama_dir), **kw))
+    return engines.core(make_config(model=str(llama_dir), **kw))
 
 
 def test_followers_wait_for_the_chunk_that_computes_their_prefix(engines, llama_dir, reference):

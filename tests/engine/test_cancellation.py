@@ -5,13 +5,13 @@ import random
 
 import pytest
 
-from helpers import cancel_midstream, check_pool_clean
-from tieredkv import EngineConfig, SamplingParams
+from helpers import cancel_midstream, check_pool_clean, make_config
+from tieredkv import SamplingParams
 
 
 @pytest.fixture
 async def engine(engines, llama_dir):
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=256, max_num_seqs=64))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=256, max_num_seqs=64))
     yield engine
     await engine.close()
 
@@ -91,7 +91,7 @@ async def test_64_concurrent_streams(engine):
 async def test_close_ends_open_streams(engines, llama_dir):
     from tieredkv import EngineClosedError
 
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=64))
     with pytest.raises(EngineClosedError):
         async for chunk in engine.stream([5, 6, 7], SamplingParams(max_tokens=10_000 // 16, ignore_eos=True)):
             await engine.close()

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import fresh_cache
+from helpers import fresh_cache, make_config
 
-from tieredkv import AsyncEngine, CheckpointError, EngineConfig, SamplingParams, UnsupportedModelError
+from tieredkv import AsyncEngine, CheckpointError, SamplingParams, UnsupportedModelError
 
 
 def copy_of(llama_dir, tmp_path, name="model"):
@@ -30,7 +30,7 @@ def rewrite(model_dir, change) -> None:
 
 
 async def start(model_dir, **cfg):
-    return await asyncio.wait_for(AsyncEngine.start(EngineConfig(model=str(model_dir), num_blocks=16,
+    return await asyncio.wait_for(AsyncEngine.start(make_config(model=str(model_dir), num_blocks=16,
                                                                  warm_bytes=0, **cfg)), 60)
 
 

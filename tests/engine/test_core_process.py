@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import cancel_midstream
+from helpers import cancel_midstream, make_config
 from tieredkv import (AsyncEngine, EngineClosedError, EngineConfig, LoRAError, RequestError, SamplingParams,
                       SnapshotError)
 from tieredkv.engine.explain import BlockReport
@@ -24,7 +24,7 @@ PROMPTS = [list(range(3, 40)), list(range(50, 71)), [7, 8, 9, 10, 11]]
 
 
 def config(model, **kw) -> EngineConfig:
-    return EngineConfig(model=str(model), num_blocks=96, max_num_seqs=8, **kw)
+    return make_config(model=str(model), num_blocks=96, max_num_seqs=8, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,7 @@ async def test_no_core_outlives_its_application_and_each_end_writes_cold_back(ll
         app.kill()
         app.wait()
     # the blocks it computed reached the cold tier on its way out
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, cold_path=str(cold),
+    async with await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=64, cold_path=str(cold),
                                                     warm_bytes=0)) as engine:
         sources = [r.source for r in await engine.explain(list(range(100, 165)))]
     assert sources[:4] == ["cold"] * 4

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from helpers import rand_ids, run_to_end
-from tieredkv import EngineConfig, SamplingParams
+from helpers import make_config, rand_ids, run_to_end
+from tieredkv import SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.platform.cpu_share import CpuShare, busy_ticks
@@ -123,13 +123,13 @@ def test_steps_on_one_thread_of_two_give_the_same_bits(llama_dir, scheme):
     prompts = [rand_ids(400, seed=1), rand_ids(40, seed=2)]
     if cfg["enable_prefix_caching"]:  # a shared prefix: the rows that share it attend to it as a cascade
         prompts = [prompts[0] + rand_ids(8, seed=3), prompts[0] + rand_ids(8, seed=4)]
-    plain = EngineCore(EngineConfig(**cfg, share_cores=False))
+    plain = EngineCore(make_config(**cfg, share_cores=False))
     try:
         assert plain.cpu_share is None
         want_tokens, want = _serve(plain, prompts)
     finally:
         plain.close()
-    shared = EngineCore(EngineConfig(**cfg))
+    shared = EngineCore(make_config(**cfg))
     try:
         shared.cpu_share = CpuShare(threads=2, cores=2, read=Machine(1.5), interval_s=0.0,
                                     on_start=CPU.set_split_threads)
@@ -157,7 +157,7 @@ async def test_the_core_process_chooses_its_steps_threads_and_the_application_pr
     from tieredkv import AsyncEngine
 
     cores = len(os.sched_getaffinity(0))
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=32, warm_bytes=0, num_threads=cores, core_process=True)
+    cfg = make_config(model=str(llama_dir), num_blocks=32, warm_bytes=0, num_threads=cores, core_process=True)
     async with await AsyncEngine.start(cfg) as engine:
         await engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))
         steps = {k: v for k, v in engine.stats().kernel_calls.items() if k.startswith("step threads")}

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from helpers import check_pool_clean, hf_greedy
-from tieredkv import EngineConfig, SamplingParams
+from helpers import check_pool_clean, hf_greedy, make_config
+from tieredkv import SamplingParams
 
 MAX_NEW = 24
 
@@ -28,7 +28,7 @@ def case(request, llama_dir, qwen2_dir):
 
 async def run_engine(engines, model_dir, prompts, batched: bool, **cfg):
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    async with await engines.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
+    async with await engines.start(make_config(model=str(model_dir), **cfg)) as engine:
         if batched:
             results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         else:
@@ -83,7 +83,7 @@ async def compiled_engine(engines, case):
     """One engine on the compiled decode path (the CPU default; the suite turns it off elsewhere) per model:
     one compile serves both tests below."""
     model_dir = case[0]
-    config = EngineConfig(model=str(model_dir), num_blocks=256, max_num_batched_tokens=64, compile_decode=True)
+    config = make_config(model=str(model_dir), num_blocks=256, max_num_batched_tokens=64, compile_decode=True)
     engine = await engines.start(config)
     yield engine
     await engine.close()

@@ -2,7 +2,8 @@
 
 import random
 
-from tieredkv import EngineConfig, SamplingParams
+from helpers import make_config
+from tieredkv import SamplingParams
 
 BS = 16
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4
@@ -17,7 +18,7 @@ PROMPT = ids(80, 1)  # exactly 5 blocks
 
 
 async def test_a_new_prompt_then_the_same_prompt_cached(engines, llama_dir):
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0)) as engine:
         fresh = await engine.explain(PROMPT + [5, 6, 7])
         assert [r.source for r in fresh] == [None] * 6
         assert "never computed" in fresh[0].reason and "first miss" in fresh[1].reason
@@ -34,12 +35,12 @@ async def test_a_new_prompt_then_the_same_prompt_cached(engines, llama_dir):
 
 
 async def test_evicted_and_demoted_blocks(engines, llama_dir):
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=12, warm_bytes=0)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=12, warm_bytes=0)) as engine:
         await engine.generate(PROMPT, SamplingParams(max_tokens=1))
         await engine.generate(ids(190, 2), SamplingParams(max_tokens=1))  # needs all 12 blocks: evicts PROMPT
         report = await engine.explain(PROMPT)
         assert report[0].source is None and "evicted from hot" in report[0].reason
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=12, warm_bytes=16 * BLOCK_BYTES)
+    cfg = make_config(model=str(llama_dir), num_blocks=12, warm_bytes=16 * BLOCK_BYTES)
     async with await engines.start(cfg) as engine:
         await engine.generate(PROMPT, SamplingParams(max_tokens=1))
         await engine.generate(ids(190, 2), SamplingParams(max_tokens=1))
@@ -48,7 +49,7 @@ async def test_evicted_and_demoted_blocks(engines, llama_dir):
 
 async def test_cold_entries_damaged_or_of_another_fingerprint(engines, llama_dir, tmp_path):
     path = str(tmp_path / "cold")
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, cold_path=path)
+    cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0, cold_path=path)
     async with await engines.start(cfg) as engine:
         await engine.generate(PROMPT, SamplingParams(max_tokens=1))  # persisted to cold at close
     async with await engines.start(cfg) as engine:
@@ -61,7 +62,7 @@ async def test_cold_entries_damaged_or_of_another_fingerprint(engines, llama_dir
             txn.put(cold._key(key), bytes(value))
         report = await engine.explain(PROMPT)
         assert report[0].source is None and "authentication" in report[0].reason
-    other = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, cold_path=path, dtype="bfloat16")
+    other = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0, cold_path=path, dtype="bfloat16")
     async with await engines.start(other) as engine:
         report = await engine.explain(PROMPT)
         assert report[0].source is None and "another fingerprint" in report[0].reason

@@ -12,9 +12,9 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from helpers import check_pool_clean
+from helpers import check_pool_clean, make_config
 from test_serve_hardening import ThreadServer
-from tieredkv import EngineConfig, SamplingError, SamplingParams, StepError
+from tieredkv import SamplingError, SamplingParams, StepError
 from tieredkv.core import beam
 from tieredkv.core.sequence import Sequence
 from tieredkv.engine import sampler
@@ -29,7 +29,7 @@ BYSTANDERS = [SamplingParams(max_tokens=64, ignore_eos=True),
 
 @pytest.fixture(scope="module")
 async def engine(engines, llama_dir):
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=16))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=128, max_num_seqs=16))
     yield engine
     await engine.close()
 

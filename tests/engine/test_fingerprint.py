@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import make_checkpoint
+from helpers import make_checkpoint, make_config
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams, SnapshotError
 from tieredkv.engine.identity import model_fingerprint
 from tieredkv.models import digest
@@ -52,7 +52,7 @@ async def answer(cfg: EngineConfig, prompt=PROMPT):
 @pytest.fixture(scope="module")
 async def alone(pair):
     """What each model answers with no tier below hot."""
-    return [(await answer(EngineConfig(model=str(m), num_blocks=64, warm_bytes=0)))[0] for m in pair]
+    return [(await answer(make_config(model=str(m), num_blocks=64, warm_bytes=0)))[0] for m in pair]
 
 
 def test_the_fingerprint_covers_every_byte_of_the_weights(pair, tmp_path):
@@ -66,9 +66,9 @@ async def test_another_checkpoint_of_the_same_size_takes_nothing_from_the_cold_t
     assert alone[0] != alone[1]
     cold = dict(cold_path=str(tmp_path / "cold"), cold_secret_path=str(tmp_path / "key"), num_blocks=64,
                 warm_bytes=0)
-    assert await answer(EngineConfig(model=str(base), **cold)) == (alone[0], 0)
-    assert await answer(EngineConfig(model=str(base), **cold)) == (alone[0], 80)  # the cold tier serves its own
-    assert await answer(EngineConfig(model=str(tuned), **cold)) == (alone[1], 0)
+    assert await answer(make_config(model=str(base), **cold)) == (alone[0], 0)
+    assert await answer(make_config(model=str(base), **cold)) == (alone[0], 80)  # the cold tier serves its own
+    assert await answer(make_config(model=str(tuned), **cold)) == (alone[1], 0)
 
 
 async def test_another_checkpoint_of_the_same_size_takes_nothing_from_the_remote_tier(pair, alone, valkey_server,
@@ -77,21 +77,21 @@ async def test_another_checkpoint_of_the_same_size_takes_nothing_from_the_remote
 
     base, tuned = pair
     remote = dict(remote_url=valkey_server.url, cold_secret_path=str(fleet_key), num_blocks=64, warm_bytes=0)
-    async with await AsyncEngine.start(EngineConfig(model=str(base), **remote)) as engine:
+    async with await AsyncEngine.start(make_config(model=str(base), **remote)) as engine:
         assert (await engine.generate(PROMPT, PARAMS)).outputs[0].token_ids == alone[0]
         tier: RemoteTier = engine.core.tiers.tier("remote")
         await asyncio.to_thread(tier.flush_sync)
-    assert await answer(EngineConfig(model=str(base), **remote)) == (alone[0], 80)
-    assert await answer(EngineConfig(model=str(tuned), **remote)) == (alone[1], 0)
+    assert await answer(make_config(model=str(base), **remote)) == (alone[0], 80)
+    assert await answer(make_config(model=str(tuned), **remote)) == (alone[1], 0)
 
 
 async def test_another_checkpoints_snapshot_is_refused(pair, tmp_path):
     base, tuned = pair
     path = tmp_path / "base.snapshot"
-    async with await AsyncEngine.start(EngineConfig(model=str(base), num_blocks=64, warm_bytes=0)) as engine:
+    async with await AsyncEngine.start(make_config(model=str(base), num_blocks=64, warm_bytes=0)) as engine:
         await engine.generate(PROMPT, PARAMS)
         assert await engine.export_cache(path) >= 5
-    async with await AsyncEngine.start(EngineConfig(model=str(tuned), num_blocks=64, warm_bytes=0)) as engine:
+    async with await AsyncEngine.start(make_config(model=str(tuned), num_blocks=64, warm_bytes=0)) as engine:
         with pytest.raises(SnapshotError, match="another model"):
             await engine.import_cache(path)
 

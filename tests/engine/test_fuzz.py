@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from helpers import check_pool_clean, check_pool_consistent, drive
-from tieredkv import EngineConfig, RequestError, SamplingParams, TieredKVError
+from helpers import check_pool_clean, check_pool_consistent, drive, make_config
+from tieredkv import RequestError, SamplingParams, TieredKVError
 
 CLEAR = (RequestError, TypeError, ValidationError)
 extreme_ints = st.one_of(st.integers(-(2**70), 2**70), st.sampled_from([0, 1, -1, 2**63, 2**64 - 1, 2**64]))
@@ -30,7 +30,7 @@ prompts = st.one_of(
 
 @pytest.fixture(scope="module")
 def core(engines, llama_dir):
-    return engines.core(EngineConfig(model=str(llama_dir), num_blocks=48, max_num_seqs=8, max_model_len=256,
+    return engines.core(make_config(model=str(llama_dir), num_blocks=48, max_num_seqs=8, max_model_len=256,
                                      warm_bytes=0))
 
 

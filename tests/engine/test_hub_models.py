@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from helpers import drive, hf_greedy
-from tieredkv import EngineConfig, SamplingParams
+from helpers import drive, hf_greedy, make_config
+from tieredkv import SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.engine.resolve import resolve_model_dir
 from tieredkv.errors import ModelNotFoundError, TieredKVError
@@ -43,7 +43,7 @@ def test_a_repo_id_is_served_from_the_hugging_face_cache(hub, name):
 
 
 def test_an_engine_on_a_repo_id_matches_transformers(hub, llama_dir):
-    core = EngineCore(EngineConfig(model="acme/tiny-llama", num_blocks=32))
+    core = EngineCore(make_config(model="acme/tiny-llama", num_blocks=32))
     assert core.model_dir == hub
     req = core.factory.make([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
     drive(core, [req])

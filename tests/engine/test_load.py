@@ -5,8 +5,8 @@ import asyncio
 import os
 import random
 
-from helpers import check_pool_clean
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from helpers import check_pool_clean, make_config
+from tieredkv import AsyncEngine, SamplingParams
 
 
 def rss_bytes() -> int:
@@ -15,7 +15,7 @@ def rss_bytes() -> int:
 
 
 async def test_a_thousand_streams_with_a_third_left_early(llama_dir):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, max_num_seqs=64, warm_bytes=0)
+    cfg = make_config(model=str(llama_dir), num_blocks=64, max_num_seqs=64, warm_bytes=0)
     async with await AsyncEngine.start(cfg) as engine:
         rng = random.Random(3)
         peak, base = 0, rss_bytes()

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from helpers import check_pool_clean, check_pool_consistent, drive, hf_greedy
-from tieredkv import EngineConfig, RequestError, SamplingParams
+from helpers import check_pool_clean, check_pool_consistent, drive, hf_greedy, make_config
+from tieredkv import RequestError, SamplingParams
 
 BS = 16
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
@@ -47,10 +47,10 @@ async def generate(engine, prompt, n=1, max_tokens=NEW):
 
 
 async def test_a_document_larger_than_the_hot_pool_matches_transformers(engines, llama_dir, expected, far_mode, small):
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=128)) as engine:
         assert (await generate(engine, DOC_A)).outputs[0].token_ids == expected[0]  # unconstrained
         assert engine.stats().blocks_offloaded == 0
-    async with await engines.start(EngineConfig(model=str(llama_dir), **small)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), **small)) as engine:
         core = engine.core
         staged = core.runner.far_base is not None
         # the pool, the far tail in place, and the scratch block
@@ -70,7 +70,7 @@ async def test_a_document_larger_than_the_hot_pool_matches_transformers(engines,
 
 
 async def test_two_samples_share_the_offloaded_prompt(engines, llama_dir, expected, small):
-    async with await engines.start(EngineConfig(model=str(llama_dir), **small)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), **small)) as engine:
         out = await generate(engine, DOC_A, n=2)
         assert [o.token_ids for o in out.outputs] == [expected[0], expected[0]]
         # the prompt's far blocks are shared, not copied: 62 full prompt blocks, at most 8 blocks hot
@@ -79,7 +79,7 @@ async def test_two_samples_share_the_offloaded_prompt(engines, llama_dir, expect
 
 
 async def test_two_long_documents_at_once(engines, llama_dir, expected, far_mode, small):
-    async with await engines.start(EngineConfig(model=str(llama_dir), **small)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), **small)) as engine:
         outs = await asyncio.gather(generate(engine, DOC_A), generate(engine, DOC_B))
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert engine.stats().num_preemptions == 0
@@ -92,7 +92,7 @@ async def test_two_long_documents_at_once(engines, llama_dir, expected, far_mode
 
 
 async def test_an_abort_midway_releases_every_tier(engines, llama_dir, small):
-    async with await engines.start(EngineConfig(model=str(llama_dir), **small)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), **small)) as engine:
         params = SamplingParams(max_tokens=NEW, n=2, ignore_eos=True)
         seen = 0
         async for _ in engine.stream(DOC_A, params):
@@ -112,7 +112,7 @@ async def test_an_abort_midway_releases_every_tier(engines, llama_dir, small):
 
 
 async def test_a_repeat_reuses_the_document_from_warm_in_place(engines, llama_dir, expected, small):
-    async with await engines.start(EngineConfig(model=str(llama_dir), **small)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), **small)) as engine:
         first = await generate(engine, DOC_A)
         again = await generate(engine, DOC_A)
         assert again.outputs[0].token_ids == first.outputs[0].token_ids == expected[0]
@@ -126,7 +126,7 @@ async def test_a_repeat_reuses_the_document_from_warm_in_place(engines, llama_di
 
 
 async def test_a_repeat_from_cold_after_a_restart_is_placed_in_warm(engines, llama_dir, expected, tmp_path, small):
-    cfg = EngineConfig(model=str(llama_dir), cold_path=str(tmp_path / "cold"), **small)
+    cfg = make_config(model=str(llama_dir), cold_path=str(tmp_path / "cold"), **small)
     async with await engines.start(cfg) as engine:
         await generate(engine, DOC_A)  # closing persists every cached block to the cold tier
     async with await engines.start(cfg) as engine:
@@ -140,7 +140,7 @@ async def test_a_repeat_from_cold_after_a_restart_is_placed_in_warm(engines, lla
 
 
 async def test_a_request_beyond_hot_and_warm_is_refused_with_the_numbers(engines, llama_dir):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=40 * BLOCK_BYTES)
+    cfg = make_config(model=str(llama_dir), num_blocks=8, warm_bytes=40 * BLOCK_BYTES)
     async with await engines.start(cfg) as engine:
         with pytest.raises(RequestError, match="needs up to 67 KV blocks but the pool has 8 and the warm tier "
                                                "lends 40 more"):
@@ -151,7 +151,7 @@ async def test_a_request_beyond_hot_and_warm_is_refused_with_the_numbers(engines
 def test_pool_consistent_while_offloaded(engines, llama_dir, small):
     """Step by step through two long documents and a fork: reference counts hold in both tiers."""
 
-    core = engines.core(EngineConfig(model=str(llama_dir), **small))
+    core = engines.core(make_config(model=str(llama_dir), **small))
     for i, prompt in enumerate((DOC_A[:300], DOC_B[:400])):
         core.add_request(core.factory.make(prompt, SamplingParams(max_tokens=20, n=1 + i, ignore_eos=True)))
     steps = []
@@ -163,13 +163,13 @@ def test_pool_consistent_while_offloaded(engines, llama_dir, small):
 async def test_the_triton_kernels_read_far_blocks(engines, llama2_dir, far_mode, small):
     """The Triton attention kernels (under the interpreter here) over far blocks: in place, by their ids
     in the extended cache tensor, or staged into the per-layer buffer."""
-    cfg = EngineConfig(model=str(llama2_dir), attention_backend="triton", **{**small, "num_blocks": 4})
+    cfg = make_config(model=str(llama2_dir), attention_backend="triton", **{**small, "num_blocks": 4})
     prompt = DOC_A[:80]  # 5 blocks on a hot pool of 4: the first ones are read as far blocks
     async with await engines.start(cfg) as engine:
         out = await generate(engine, prompt, max_tokens=4)
         assert engine.core.runner.ops.name == "triton" and engine.stats().blocks_offloaded > 0
         check_pool_clean(engine.core)
-    async with await engines.start(EngineConfig(model=str(llama2_dir), num_blocks=64)) as engine:
+    async with await engines.start(make_config(model=str(llama2_dir), num_blocks=64)) as engine:
         assert out.outputs[0].token_ids == (await generate(engine, prompt, max_tokens=4)).outputs[0].token_ids
 
 
@@ -177,7 +177,7 @@ async def test_the_triton_kernels_read_far_blocks(engines, llama2_dir, far_mode,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_a_long_document_on_cuda_streams_far_blocks_from_pinned_memory(engines, llama_dir, expected, far_mode,
                                                                              small):
-    cfg = EngineConfig(model=str(llama_dir), device="cuda", dtype="float32", **small)
+    cfg = make_config(model=str(llama_dir), device="cuda", dtype="float32", **small)
     async with await engines.start(cfg) as engine:
         assert engine.core.tiers.warm.slab.is_pinned() and engine.core.runner.far_base == 8
         outs = await asyncio.gather(generate(engine, DOC_A), generate(engine, DOC_B, n=2))
@@ -192,7 +192,7 @@ async def test_a_long_document_on_cuda_streams_far_blocks_from_pinned_memory(eng
 
 async def test_without_prefix_caching(engines, llama_dir, expected, small):
     """Far blocks without hashes: offloaded, read, and given back to warm as free slots, not cache."""
-    cfg = EngineConfig(model=str(llama_dir), enable_prefix_caching=False, **small)
+    cfg = make_config(model=str(llama_dir), enable_prefix_caching=False, **small)
     async with await engines.start(cfg) as engine:
         outs = await asyncio.gather(generate(engine, DOC_A, n=2), generate(engine, DOC_B))
         assert [o.token_ids for o in outs[0].outputs] == [expected[0]] * 2

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import make_checkpoint
-from tieredkv import AsyncEngine, EngineConfig, LoRAError, RequestError, SamplingParams
+from helpers import make_checkpoint, make_config
+from tieredkv import AsyncEngine, LoRAError, RequestError, SamplingParams
 
 ADAPTERS = {  # name -> peft LoraConfig arguments
     "qv": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
@@ -75,7 +75,7 @@ def references(llama_dir, adapter_dirs):
 
 @pytest.fixture(scope="module")
 async def engine(llama_dir, adapter_dirs):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=8,
+    cfg = make_config(model=str(llama_dir), num_blocks=128, max_num_seqs=8,
                        lora_adapters={name: str(path) for name, path in adapter_dirs.items()})
     async with await AsyncEngine.start(cfg) as engine:
         yield engine
@@ -240,7 +240,7 @@ async def test_isolation_in_every_tier_and_across_restarts(llama_dir, adapter_di
     loras = {name: str(path) for name, path in adapter_dirs.items()}
 
     def config(**kw):
-        return EngineConfig(**{"model": str(llama_dir), "num_blocks": 64, "max_num_seqs": 4, "lora_adapters": loras,
+        return make_config(**{"model": str(llama_dir), "num_blocks": 64, "max_num_seqs": 4, "lora_adapters": loras,
                                "cold_path": str(tmp_path / "cold"), "cold_secret_path": str(fleet_key),
                                "remote_url": valkey_server.url, **kw})
 
@@ -277,7 +277,7 @@ async def test_adapters_with_quantized_weights_samples_beams_and_speculation(lla
     p = prompts(1, seed=3, length=48)[0]
     # (int8_activations=False: a row's arithmetic the same in a step of any size, so rows batched together are
     # each what they are alone; with int8 blocks for many rows a batch past 16 rows meets other arithmetic)
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=96, quantization="int8",
+    async with await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=96, quantization="int8",
                                                     int8_activations=False,
                                                     lora_adapters=loras)) as engine:
         alone = {name: (await engine.generate(p, PARAMS, adapter=name)).outputs[0].token_ids
@@ -297,9 +297,9 @@ async def test_adapters_with_quantized_weights_samples_beams_and_speculation(lla
         assert [t.outputs[0].token_ids for t in together] == [beams, base_beams]  # each beam row with its own
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     repeat = p[:24] * 3  # a prompt that repeats itself: prompt lookup has drafts to offer
-    plain_cfg = EngineConfig(model=str(llama_dir), num_blocks=96, lora_adapters=loras)
+    plain_cfg = make_config(model=str(llama_dir), num_blocks=96, lora_adapters=loras)
     async with await AsyncEngine.start(plain_cfg) as plain, \
-            await AsyncEngine.start(EngineConfig(**{**plain_cfg.model_dump(), "speculative": spec})) as fast:
+            await AsyncEngine.start(make_config(**{**plain_cfg.model_dump(), "speculative": spec})) as fast:
         for name in ("qv", "all"):
             want = (await plain.generate(repeat, PARAMS, adapter=name)).outputs[0].token_ids
             got = await fast.generate(repeat, PARAMS, adapter=name)
@@ -339,9 +339,9 @@ def test_the_lora_option_takes_pairs_or_json():
     args = build_parser().parse_args(["generate", "hi", "--lora", "a=/x/a,b=/x/b", "--max-loras", "2"])
     cfg = engine_config(args)
     assert cfg.lora_adapters == {"a": "/x/a", "b": "/x/b"} and cfg.max_loras == 2
-    assert EngineConfig(lora_adapters='{"c": "/x/c"}').lora_adapters == {"c": "/x/c"}
+    assert make_config(lora_adapters='{"c": "/x/c"}').lora_adapters == {"c": "/x/c"}
     with pytest.raises(ValueError, match="name=folder"):
-        EngineConfig(lora_adapters="just-a-path")
+        make_config(lora_adapters="just-a-path")
 
 
 @pytest.mark.slow
@@ -350,14 +350,14 @@ async def test_the_default_model_with_adapters_matches_peft(tmp_path):
     one batch: greedy output equal to peft's PeftModel on transformers."""
     from tieredkv.engine.resolve import resolve_cache_dir, resolve_model_dir
 
-    base = resolve_model_dir("default", resolve_cache_dir(EngineConfig()))
+    base = resolve_model_dir("default", resolve_cache_dir(make_config()))
     made = {"attn": make_adapter(base, tmp_path / "attn", seed=11, r=8, lora_alpha=16,
                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
             "mlp": make_adapter(base, tmp_path / "mlp", seed=12, r=4, lora_alpha=4,
                                 target_modules=["gate_proj", "up_proj", "down_proj"])}
     chats = [[{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "user", "content": "Name three primary colours."}]]
-    async with await AsyncEngine.start(EngineConfig(num_blocks=64, lora_adapters={k: str(v) for k, v in made.items()})
+    async with await AsyncEngine.start(make_config(num_blocks=64, lora_adapters={k: str(v) for k, v in made.items()})
                                        ) as engine:
         ids = [await engine.tokenize(c) for c in chats]
         want = {name: peft_greedy(base, made.get(name), ids) for name in (None, *made)}
@@ -395,7 +395,7 @@ async def test_two_ranks_split_each_adapter_as_its_layers(llama_dir, adapter_dir
     columns of its o/down inputs) and the output is peft's, alone and mixed; an adapter loaded at run time reaches
     the other rank too."""
     ps, want = references
-    cfg = EngineConfig(model=str(llama_dir), tensor_parallel_size=2, num_threads=1, num_blocks=64,
+    cfg = make_config(model=str(llama_dir), tensor_parallel_size=2, num_threads=1, num_blocks=64,
                        lora_adapters={"qv": str(adapter_dirs["qv"])})
     async with await AsyncEngine.start(cfg) as engine:
         await engine.load_adapter("all", adapter_dirs["all"])

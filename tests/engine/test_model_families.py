@@ -5,8 +5,7 @@ decode path."""
 
 import pytest
 
-from helpers import hf_greedy, make_checkpoint, run_to_end
-from tieredkv import EngineConfig
+from helpers import hf_greedy, make_checkpoint, make_config, run_to_end
 
 PROMPTS = [list(range(5, 25)), list(range(5, 21)) + [7, 9, 11], [3, 4, 5, 6]]  # the first block shared
 NEW = 12
@@ -23,7 +22,7 @@ def family(request, tmp_path_factory):
 def test_greedy_matches_transformers(engines, family, variant):
     """(The attention kernels are the same for every family: the Triton ones are tested on Llama and Qwen2.)"""
     kind, path, expected = family
-    core = engines.core(EngineConfig(model=str(path), num_blocks=32, **variant))
+    core = engines.core(make_config(model=str(path), num_blocks=32, **variant))
     assert core.spec.model_type == kind and core.spec.qk_norm == (kind == "qwen3")
     if variant.get("compile_decode"):  # one at a time: every decode through the graph
         assert [run_to_end(core, [p], [NEW])[0] for p in PROMPTS] == expected
@@ -39,13 +38,13 @@ def test_greedy_matches_transformers_with_drafts(engines, family, variant):
     from test_speculative import Oracle
 
     kind, path, expected = family
-    core = engines.core(EngineConfig(model=str(path), num_blocks=32, speculative={
+    core = engines.core(make_config(model=str(path), num_blocks=32, speculative={
         "method": "ngram", "num_speculative_tokens": 4, "adaptive": False}, **variant))
     try:
         core.parts.speculator.proposer = Oracle({tuple(p): e for p, e in zip(PROMPTS, expected)}, 100, spoil=3)
         got = [run_to_end(core, [p], [NEW])[0] for p in PROMPTS]
         if variant:  # int8 weights: the native step's own greedy tokens, with and without drafts
-            plain = engines.core(EngineConfig(model=str(path), num_blocks=32, **variant))
+            plain = engines.core(make_config(model=str(path), num_blocks=32, **variant))
             expected = [run_to_end(plain, [p], [NEW])[0] for p in PROMPTS]
             plain.close()
         assert got == expected

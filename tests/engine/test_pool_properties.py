@@ -4,8 +4,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import check_pool_clean, check_pool_consistent, drive
-from tieredkv import EngineConfig, RequestError, SamplingParams
+from helpers import check_pool_clean, check_pool_consistent, drive, make_config
+from tieredkv import RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module", params=[(True, "auto"), (False, "auto"), (True, "off"), (True, "staged")],
@@ -15,7 +15,7 @@ def core(engines, request, llama_dir):
     # blocks there (offload; staged: only what preemption cannot solve), or without offloading,
     # preemptions swap (up to 10 blocks)
     caching, offload = request.param
-    return engines.core(EngineConfig(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
+    return engines.core(make_config(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
                                      max_num_batched_tokens=16, enable_prefix_caching=caching, offload=offload,
                                      warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
 

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from tieredkv import EngineConfig
+from helpers import make_config
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.platform.process import ProcessSettings
 
@@ -43,7 +43,7 @@ def test_torch_threads_stay_the_first_holders_and_come_back_after_the_last(caplo
 
 def test_an_engine_gives_the_process_its_thread_count_back_at_close(llama_dir):
     before = torch.get_num_threads()
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, warm_bytes=0, num_threads=before + 1))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=16, warm_bytes=0, num_threads=before + 1))
     assert torch.get_num_threads() == before + 1
     core.close()
     assert torch.get_num_threads() == before

@@ -9,8 +9,8 @@ import pytest
 import torch
 import valkey
 
-from helpers import check_pool_clean, rand_ids
-from tieredkv import EngineConfig, RemoteTierError, SamplingParams
+from helpers import check_pool_clean, make_config, rand_ids
+from tieredkv import RemoteTierError, SamplingParams
 from tieredkv.tiers.remote import RemoteTier
 from tieredkv.tools.local_valkey import LocalValkey
 
@@ -34,7 +34,7 @@ def server(tmp_path):
 
 
 def config(model_dir, url, key, **cfg):
-    return EngineConfig(model=str(model_dir), num_blocks=128, warm_bytes=0, remote_url=url,
+    return make_config(model=str(model_dir), num_blocks=128, warm_bytes=0, remote_url=url,
                         cold_secret_path=str(key), **cfg)
 
 
@@ -54,7 +54,7 @@ async def flushed(engine):
 @pytest.fixture(scope="module")
 async def reference(engines, llama_dir):
     """What the conversations answer with no tier below hot and no prefix caching."""
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=128, warm_bytes=0, enable_prefix_caching=False)
+    cfg = make_config(model=str(llama_dir), num_blocks=128, warm_bytes=0, enable_prefix_caching=False)
     async with await engines.start(cfg) as engine:
         return (await answers(engine, [SYSTEM + q for q in QUESTIONS]))[0]
 
@@ -287,7 +287,7 @@ def test_the_url_password_never_reaches_a_log(tmp_path, caplog):
 @pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://user:hunter2@127.0.0.1:notaport/0"])
 async def test_a_url_the_client_cannot_take_stops_the_start_with_one_clear_error(engines, llama_dir, url, tmp_path):
     with pytest.raises(RemoteTierError, match="remote_url") as info:
-        await engines.start(EngineConfig(model=str(llama_dir), remote_url=url,
+        await engines.start(make_config(model=str(llama_dir), remote_url=url,
                                          cold_secret_path=str(tmp_path / "k")))
     assert "hunter2" not in str(info.value)
 

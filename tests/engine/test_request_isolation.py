@@ -6,8 +6,8 @@ import threading
 import pytest
 from pydantic import ValidationError
 
-from helpers import check_pool_clean
-from tieredkv import (EngineClosedError, EngineConfig, RequestError, SamplingError, SamplingParams,
+from helpers import check_pool_clean, make_config
+from tieredkv import (EngineClosedError, RequestError, SamplingError, SamplingParams,
                       TieredKVError, WrongLoopError)
 from tieredkv.core.sequence import Request
 
@@ -16,7 +16,7 @@ PROMPT = list(range(3, 40))
 
 @pytest.fixture(scope="module")
 async def engine(engines, llama_dir):
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=64))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=128, max_num_seqs=64))
     yield engine
     await engine.close()
 
@@ -234,7 +234,7 @@ async def test_abort_and_stats_work_from_another_thread(engine):
 
 
 async def test_concurrent_close_calls_all_wait_for_the_close(engines, llama_dir):
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=32))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=32))
     stream = engine.stream(PROMPT, SamplingParams(max_tokens=100, ignore_eos=True))
     await stream.__anext__()
     first = asyncio.create_task(engine.close())
@@ -250,7 +250,7 @@ async def test_concurrent_close_calls_all_wait_for_the_close(engines, llama_dir)
 
 
 async def test_a_dead_worker_fails_every_call_instead_of_hanging(engines, llama_dir, monkeypatch):
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=32))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=32))
     core = engine.core
 
     def broken(*_):

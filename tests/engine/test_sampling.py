@@ -6,13 +6,14 @@ import random
 import pytest
 import torch
 
-from tieredkv import EngineConfig, SamplingParams
+from helpers import make_config
+from tieredkv import SamplingParams
 from tieredkv.engine.sampler import apply_top_k_top_p
 
 
 @pytest.fixture(scope="module")
 async def engine(engines, llama_dir):
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=256))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=256))
     yield engine
     await engine.close()
 

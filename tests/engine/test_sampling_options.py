@@ -9,8 +9,8 @@ from pydantic import ValidationError
 from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
-from helpers import check_pool_clean
-from tieredkv import EngineConfig, RequestError, SamplingParams
+from helpers import check_pool_clean, make_config
+from tieredkv import RequestError, SamplingParams
 from tieredkv.engine.logits_processors import RowState, apply_min_p, apply_processors
 
 V = 50
@@ -72,7 +72,7 @@ def test_out_of_range_options_are_rejected(kwargs):
 
 @pytest.fixture(scope="module")
 async def engine(engines, llama_dir):
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=128))
     yield engine
     await engine.close()
 

@@ -6,8 +6,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from helpers import check_pool_clean, fresh_cache
-from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+from helpers import check_pool_clean, fresh_cache, make_config
+from tieredkv import AsyncEngine, RequestError, SamplingParams
 from tieredkv.engine.sleep import _host_bytes, release_pages, weight_memory
 
 from test_tiers_engine import BLOCK_BYTES, rand_ids
@@ -28,7 +28,7 @@ async def test_level_1_gives_the_pool_back_and_the_next_request_reads_its_prefix
     extra = {"warm_bytes": 64 * BLOCK_BYTES}
     if tiers != "warm":
         extra = {"warm_bytes": 64 * BLOCK_BYTES if tiers == "warm+cold" else 0, "cold_path": str(tmp_path / "cold")}
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, **extra)) as engine:
+    async with await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=64, **extra)) as engine:
         want, _ = await answer(engine)
         if tiers == "warm+cold":
             await engine.clear_cache("hot", demote=True)  # into warm
@@ -49,7 +49,7 @@ async def test_level_1_gives_the_pool_back_and_the_next_request_reads_its_prefix
 
 
 async def test_level_2_gives_the_weights_back_and_reads_them_back_unchanged(llama_dir, tmp_path):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0,
+    cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0,
                        cache_dir=str(fresh_cache(tmp_path / "cache")))
     async with await AsyncEngine.start(cfg) as engine:
         want, _ = await answer(engine)
@@ -72,7 +72,7 @@ async def test_level_2_gives_the_weights_back_and_reads_them_back_unchanged(llam
 
 
 async def test_sleep_is_refused_while_requests_run(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0)) as engine:
+    async with await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0)) as engine:
         async with engine.stream(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True)) as stream:
             await stream.__anext__()
             with pytest.raises(RequestError, match="in flight"):
@@ -82,7 +82,7 @@ async def test_sleep_is_refused_while_requests_run(llama_dir):
 
 
 async def test_idle_sleep_then_the_next_request_wakes_it(llama_dir):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=64 * BLOCK_BYTES, idle_sleep_s=0.2)
+    cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=64 * BLOCK_BYTES, idle_sleep_s=0.2)
     async with await AsyncEngine.start(cfg) as engine:
         want, _ = await answer(engine)
         for _ in range(50):
@@ -157,7 +157,7 @@ def test_sleep_releases_the_hot_range_and_a_warm_slab_in_the_cache_tensors_tail(
 async def test_the_server_says_it_sleeps_and_wakes_on_a_request(llama_dir):
     from tieredkv.serve import ServerSettings, start_server
 
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0))
+    engine = await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0))
     runner, port = await start_server(engine, ServerSettings(model_name="tiny"), port=0)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from helpers import check_pool_clean
-from tieredkv import EngineConfig, SamplingParams, SnapshotError
+from helpers import check_pool_clean, make_config
+from tieredkv import SamplingParams, SnapshotError
 
 BS = 16
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4
@@ -15,7 +15,7 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 def cfg(llama_dir, **kw):
-    return EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=64 * BLOCK_BYTES, **kw)
+    return make_config(model=str(llama_dir), num_blocks=64, warm_bytes=64 * BLOCK_BYTES, **kw)
 
 
 async def answers(engine, prompts):
@@ -49,7 +49,7 @@ async def test_a_fresh_replica_serves_imported_prompts_from_warm(engines, llama_
 
 async def test_into_cold_when_there_is_no_warm_tier(engines, llama_dir, snapshot, tmp_path):
     path, expected = snapshot
-    config = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, cold_path=str(tmp_path / "c"))
+    config = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0, cold_path=str(tmp_path / "c"))
     async with await engines.start(config) as engine:
         assert (await engine.import_cache(path))["imported"] == 18
         await engine.run_in_worker(engine.core.tiers.cold.flush_sync)

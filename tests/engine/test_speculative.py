@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from helpers import check_pool_clean, check_pool_consistent, drive, hf_greedy
+from helpers import check_pool_clean, check_pool_consistent, drive, hf_greedy, make_config
 from test_engine_matches_hf import make_prompts
 from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
 from tieredkv.config import SpeculativeConfig
@@ -58,7 +58,7 @@ def case(request, llama_dir, qwen2_dir):
 
 async def run(engines, model_dir, prompts, params, batched=True, proposer=None, **cfg):
     """Outputs (tokens, finish reasons, logprobs), stats and usages of one engine over the prompts."""
-    async with await engines.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
+    async with await engines.start(make_config(model=str(model_dir), **cfg)) as engine:
         if proposer is not None:
             engine.core.parts.speculator.proposer = proposer
         if batched:
@@ -109,7 +109,7 @@ def test_rejected_drafts_leave_the_cache_exact(engines, llama_dir):
     vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, seed=5)[:4]
     expected = hf_greedy(llama_dir, prompts, MAX_NEW)
-    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=64, block_size=4, max_num_batched_tokens=64,
+    core = engines.core(make_config(model=str(llama_dir), num_blocks=64, block_size=4, max_num_batched_tokens=64,
                                      speculative=NGRAM))
     try:
         core.parts.speculator.proposer = Oracle({tuple(p): e for p, e in zip(prompts, expected)}, vocab, spoil=2)
@@ -201,7 +201,7 @@ async def test_sampled_outputs_keep_their_distribution_with_drafts(engines, llam
         cfg = dict(model=str(llama_dir), num_blocks=512, max_num_seqs=300)
         if spec:
             cfg["speculative"] = {**NGRAM, "disable_by_batch_size": 300}
-        async with await engines.start(EngineConfig(**cfg)) as engine:
+        async with await engines.start(make_config(**cfg)) as engine:
             if spec:
                 engine.core.parts.speculator.proposer = Oracle({tuple(prompt): greedy}, vocab, spoil=10**9)
             results = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
@@ -243,7 +243,7 @@ def test_ngram_index_finds_the_latest_longest_match():
 
 
 def test_ngram_proposer_reads_prompt_and_output(engines, llama_dir):
-    core = engines.core(EngineConfig(model=str(llama_dir), num_blocks=32, speculative=NGRAM))
+    core = engines.core(make_config(model=str(llama_dir), num_blocks=32, speculative=NGRAM))
     try:
         req = core.factory.make([5, 6, 7, 8, 9, 5, 6], SamplingParams(max_tokens=4))
         seq = core.lifecycle._new_sequence(req, 0, req.prompt_token_ids)
@@ -269,22 +269,22 @@ def test_the_plan_other_ranks_rebuild_carries_the_drafts():
 
 async def test_bad_speculative_settings_are_refused(llama_dir):
     with pytest.raises(ValidationError, match="ngram"):
-        EngineConfig(speculative={"method": "eagle9"})
+        make_config(speculative={"method": "eagle9"})
     for bad in ({"num_speculative_tokens": 0}, {"num_speculative_tokens": 17},
                 {"prompt_lookup_min": 5, "prompt_lookup_max": 2}):
         with pytest.raises(ValidationError):
-            EngineConfig(speculative={"method": "ngram", **bad})
+            make_config(speculative={"method": "ngram", **bad})
     with pytest.raises(ValidationError, match="draft model"):
-        EngineConfig(speculative={"method": "draft"})
+        make_config(speculative={"method": "draft"})
     with pytest.raises(ValidationError, match="apply to method"):
-        EngineConfig(speculative={"method": "ngram", "model": "default"})
+        make_config(speculative={"method": "ngram", "model": "default"})
     with pytest.raises(ValidationError, match="JSON"):
-        EngineConfig(speculative="{method: ngram")
+        make_config(speculative="{method: ngram")
     assert EngineConfig.from_env({"TIEREDKV_SPECULATIVE": '{"method": "ngram", "num_speculative_tokens": 6}'}
                                  ).speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=6)
     with pytest.raises(ValidationError, match="beam search"):
         SamplingParams(beam_width=2, speculative=True)
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32)) as engine:
+    async with await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=32)) as engine:
         with pytest.raises(RequestError, match="speculative") as err:
             await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, speculative=True))
         assert err.value.param == "speculative"
@@ -325,7 +325,7 @@ async def test_a_draft_model_proposes(engines, case, draft):
 
 def test_a_draft_model_must_share_the_vocabulary(llama_dir, other_vocab_dir):
     with pytest.raises(ValueError, match="vocabulary of 600 tokens"):
-        EngineCore(EngineConfig(model=str(llama_dir), num_blocks=32,
+        EngineCore(make_config(model=str(llama_dir), num_blocks=32,
                                 speculative={"method": "draft", "model": str(other_vocab_dir)}))
 
 
@@ -352,7 +352,7 @@ async def test_drafts_keep_quantized_steps_on_the_integer_kernels(engines, llama
     want, _, _ = await run(engines, llama_dir, prompts, params, num_blocks=256, quantization="int8",
                            int8_activations=False)
     oracle = Oracle({tuple(p): w[0][0] for p, w in zip(prompts, want)}, vocab, spoil=5)
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=256, quantization="int8",
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=256, quantization="int8",
                                                 int8_activations=False, speculative=NGRAM)) as engine:
         core = engine.core
         core.parts.speculator.proposer = oracle
@@ -395,8 +395,8 @@ class RandomDrafts:
 def squeezed(engines, llama_dir):
     """A plain engine and a speculative one on a pool small enough to preempt, shared by the examples."""
     cfg = dict(model=str(llama_dir), num_blocks=20, max_num_batched_tokens=48, warm_bytes=0, block_size=8)
-    plain = engines.core(EngineConfig(**cfg))
-    spec = engines.core(EngineConfig(**cfg, speculative={**NGRAM, "num_speculative_tokens": 6}))
+    plain = engines.core(make_config(**cfg))
+    spec = engines.core(make_config(**cfg, speculative={**NGRAM, "num_speculative_tokens": 6}))
     yield plain, spec
     plain.close()
     spec.close()
@@ -468,7 +468,7 @@ async def test_a_failing_proposer_or_verification_fails_no_request_it_need_not(e
         raise RuntimeError("verification bug")
 
     monkeypatch.setattr(Lifecycle, "_verify", broken_verify)
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64,
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=64,
                                                 speculative=NGRAM)) as engine:
         engine.core.parts.speculator.proposer = Oracle({tuple(prompts[0]): want[0][0][0]}, 448)
         plain = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, speculative=False)

@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from helpers import check_pool_clean
-from tieredkv import EngineConfig, RequestError, SamplingParams
+from helpers import check_pool_clean, make_config
+from tieredkv import RequestError, SamplingParams
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -33,7 +33,7 @@ PROMPT = list(range(5, 60))  # 55 tokens: 3 full blocks, served from the cache a
 
 @pytest.fixture(scope="module")
 async def engine(engines, llama_dir):
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=128, max_num_seqs=16)) as e:
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=128, max_num_seqs=16)) as e:
         yield e
 
 

@@ -8,7 +8,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tieredkv import EngineConfig, SamplingParams
+from helpers import make_config
+from tieredkv import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def metric_sums(reader) -> dict[str, int]:
 
 async def test_request_span_and_counters(engines, otel, llama_dir):
     exporter, reader = otel
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=64)) as engine:
         prompt = list(range(3, 40))
         await engine.generate(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
         await engine.generate(prompt, SamplingParams(max_tokens=3, n=2, ignore_eos=True))
@@ -77,7 +78,7 @@ async def test_a_scripted_scenario_gives_exact_metrics_and_span_events(engines, 
     before = points(reader)
     exporter.clear()
     shared = list(range(3, 3 + 64))  # 64 tokens: 4 full blocks
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, core_process=core_process)
+    cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0, core_process=core_process)
     async with await engines.start(cfg) as engine:
         await engine.generate(shared + [200, 201], SamplingParams(max_tokens=4, ignore_eos=True))
         second = await engine.generate(shared + [300, 301, 302], SamplingParams(max_tokens=6, ignore_eos=True))
@@ -159,7 +160,7 @@ asyncio.run(main())
 async def test_a_promotion_is_a_span_event_with_counts(engines, otel, llama_dir):
     exporter, _ = otel
     exporter.clear()
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=12, warm_bytes=64 * 3 * 2 * 16 * 2 * 16 * 4)
+    cfg = make_config(model=str(llama_dir), num_blocks=12, warm_bytes=64 * 3 * 2 * 16 * 2 * 16 * 4)
     prompt = list(range(3, 3 + 64)) + [5]
     async with await engines.start(cfg) as engine:
         await engine.generate(prompt, SamplingParams(max_tokens=1))
@@ -174,7 +175,7 @@ async def test_offloaded_blocks_are_metrics(engines, otel, llama_dir):
     """A prompt of 20 blocks on a pool of 8: its old blocks go to the warm tier, and the counter says how many."""
     _, reader = otel
     before = metric_sums(reader).get("tieredkv.kv_cache.offloaded_blocks", 0)
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=64 * 3 * 2 * 16 * 2 * 16 * 4)
+    cfg = make_config(model=str(llama_dir), num_blocks=8, warm_bytes=64 * 3 * 2 * 16 * 2 * 16 * 4)
     async with await engines.start(cfg) as engine:
         await engine.generate([(7 * i) % 400 + 3 for i in range(320)], SamplingParams(max_tokens=4, ignore_eos=True))
         stats = engine.stats()
@@ -187,7 +188,7 @@ async def test_the_remote_tiers_bytes_and_round_trips_are_metrics(engines, otel,
     import asyncio
 
     _, reader = otel
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, remote_url=valkey_server.url,
+    cfg = make_config(model=str(llama_dir), num_blocks=64, remote_url=valkey_server.url,
                        cold_secret_path=str(fleet_key), remote_ttl_s=600)
     async with await engines.start(cfg) as engine:
         remote = engine.core.tiers.tier("remote")
@@ -207,7 +208,7 @@ async def test_speculative_decoding_counts_drafts_and_a_draft_models_requests_ar
     _, reader = otel
     before = metric_sums(reader)
     spec = {"method": "draft", "model": str(llama_dir), "num_speculative_tokens": 3, "adaptive": False}
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, speculative=spec)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, speculative=spec)) as engine:
         await engine.generate(list(range(3, 40)), SamplingParams(max_tokens=12, ignore_eos=True))
         stats = engine.stats().speculative
     sums = metric_sums(reader)

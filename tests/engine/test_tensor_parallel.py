@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from helpers import check_pool_clean, hf_greedy, rand_ids, run_to_end
+from helpers import check_pool_clean, hf_greedy, make_config, rand_ids, run_to_end
 from tieredkv import AsyncEngine, EngineClosedError, EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.engine.ranks import _wait_for_hellos, rank_device
@@ -27,7 +27,7 @@ NEW = 10
 
 
 def tp_config(path, **kw) -> EngineConfig:
-    return EngineConfig(model=str(path), tensor_parallel_size=2, num_threads=1, **kw)
+    return make_config(model=str(path), tensor_parallel_size=2, num_threads=1, **kw)
 
 
 # -- the shards, without processes ------------------------------------------------------------------
@@ -115,7 +115,7 @@ def test_plan_splits_weights_and_kv(llama_dir):
 def test_bad_settings_are_refused(llama_dir):
     for bad in (dict(compile_decode=True), dict(quantization="gguf")):
         with pytest.raises(ValueError, match="tensor_parallel_size"):
-            EngineConfig(model=str(llama_dir), tensor_parallel_size=2, **bad)
+            make_config(model=str(llama_dir), tensor_parallel_size=2, **bad)
 
 
 def test_rank_start_failures_are_clear(monkeypatch):
@@ -185,7 +185,7 @@ def test_greedy_matches_transformers_through_preemption_and_tiers(llama_dir, tmp
         assert warm.stats().promotions - before == full
     finally:
         core.close()
-    one = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0, cold_path=cold))
+    one = EngineCore(make_config(model=str(llama_dir), num_blocks=24, warm_bytes=0, cold_path=cold))
     try:
         assert run_to_end(one, PROMPTS[:1], [24]) == expected[:1]
         assert one.tiers.cold.stats().promotions == full
@@ -199,7 +199,7 @@ def test_two_ranks_keep_their_heads_as_int4_keys_and_int8_values(llama_dir, tmp_
     scale; int4 keys take 10 of those bytes), swaps move them between the two on each rank, whole blocks reach the
     cold tier; the outputs are one process's in the same formats, which reads what the two ranks persisted."""
     formats = dict(kv_cache_dtype="int4", kv_cache_dtype_v="int8")
-    one = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0, **formats))
+    one = EngineCore(make_config(model=str(llama_dir), num_blocks=24, warm_bytes=0, **formats))
     try:
         expected = run_to_end(one, PROMPTS, [16] * len(PROMPTS))
         one_shift = one.model.layers[1].self_attn.k_shift.clone()
@@ -218,7 +218,7 @@ def test_two_ranks_keep_their_heads_as_int4_keys_and_int8_values(llama_dir, tmp_
         check_pool_clean(core)
     finally:
         core.close()
-    again = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0, cold_path=cold,
+    again = EngineCore(make_config(model=str(llama_dir), num_blocks=24, warm_bytes=0, cold_path=cold,
                                     **formats))
     try:  # what the two ranks persisted, one process reads
         assert run_to_end(again, PROMPTS[:1], [16]) == expected[:1]
@@ -232,7 +232,7 @@ def test_two_ranks_publish_whole_blocks_to_the_shared_tier(llama_dir, valkey_ser
     block op outside a step, sent as a step message without rows) and written whole; one process then reads those
     blocks from the server and answers as it would have computed."""
     key, prompts = tmp_path / "key", [rand_ids(40, seed=71), rand_ids(33, seed=72)]
-    one = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0))
+    one = EngineCore(make_config(model=str(llama_dir), num_blocks=24, warm_bytes=0))
     try:
         expected = run_to_end(one, prompts, [6, 6])
     finally:
@@ -246,7 +246,7 @@ def test_two_ranks_publish_whole_blocks_to_the_shared_tier(llama_dir, valkey_ser
         assert core.tiers.tier("remote").stats().demotions >= (40 + 33) // core.block_size
     finally:
         core.close()
-    again = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=24, warm_bytes=0, remote_url=valkey_server.url,
+    again = EngineCore(make_config(model=str(llama_dir), num_blocks=24, warm_bytes=0, remote_url=valkey_server.url,
                                     cold_secret_path=str(key)))
     try:
         assert run_to_end(again, prompts[:1], [6]) == expected[:1]

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from helpers import check_pool_clean
-from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+from helpers import check_pool_clean, make_config
+from tieredkv import AsyncEngine, RequestError, SamplingParams
 from tieredkv.hashing import chain_keys, root_hash
 from tieredkv.kernels.dispatch import TORCH_OPS
 from tieredkv.tiers.block_pool import BlockPool
@@ -158,7 +158,7 @@ async def test_only_prompt_blocks_used_twice_reach_the_disk(llama_dir, tmp_path)
     demote); the disk holds exactly the system prompts' blocks (each used 3 times), none of a single question's or
     of the output."""
     path = str(tmp_path / "cold")
-    async with await AsyncEngine.start(EngineConfig(
+    async with await AsyncEngine.start(make_config(
             model=str(llama_dir), num_blocks=256, warm_bytes=0, cold_path=path, admit_min_uses=2,
             admit_output_blocks=False)) as engine:
         for i in range(12):  # a question's block used once, then one holding output (ignore_eos: 20 tokens)
@@ -179,7 +179,7 @@ async def test_only_prompt_blocks_used_twice_reach_the_disk(llama_dir, tmp_path)
 
 
 async def test_pins_expire_renew_and_stay_within_each_clients_share(llama_dir):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, max_pinned_fraction=0.5,
+    cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0, max_pinned_fraction=0.5,
                        max_pinned_per_client=0.5)  # 32 blocks pinned at most, 16 per client
     async with await AsyncEngine.start(cfg) as engine:
         a, b = rand_ids(160, seed=901), rand_ids(160, seed=902)  # 10 blocks each
@@ -206,7 +206,7 @@ async def test_pins_expire_renew_and_stay_within_each_clients_share(llama_dir):
 
 
 async def test_overlapping_pins_count_their_blocks_once(llama_dir):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, max_pinned_fraction=0.25)  # 16 blocks
+    cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0, max_pinned_fraction=0.25)  # 16 blocks
     async with await AsyncEngine.start(cfg) as engine:
         system = rand_ids(160, seed=903)
         assert await engine.pin(system) == 160
@@ -229,7 +229,7 @@ SYSTEM_TEXT = "Blocks that many prompts share are worth keeping close. " * 12
 async def served(llama_dir, tmp_path):
     from tieredkv.serve import ServerSettings, start_server
 
-    engine = await AsyncEngine.start(EngineConfig(
+    engine = await AsyncEngine.start(make_config(
         model=str(llama_dir), num_blocks=128, warm_bytes=0, cold_path=str(tmp_path / "cold"), admit_min_uses=3,
         max_pinned_fraction=0.5, max_pinned_per_client=0.5))  # 64 blocks pinned at most, 32 per client
     runner, port = await start_server(engine, ServerSettings(model_name="tiny"), port=0)

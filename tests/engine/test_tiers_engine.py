@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from helpers import check_pool_clean, rand_ids
-from tieredkv import EngineConfig, RequestError, SamplingParams
+from helpers import check_pool_clean, make_config, rand_ids
+from tieredkv import RequestError, SamplingParams
 
 BS = 16
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
@@ -18,7 +18,7 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 async def run(engines, model_dir, prompts, **cfg):
-    async with await engines.start(EngineConfig(model=str(model_dir), **cfg)) as engine:
+    async with await engines.start(make_config(model=str(model_dir), **cfg)) as engine:
         outs = [await engine.generate(p, PARAMS) for p in prompts]
         check_pool_clean(engine.core)
         return [o.outputs[0].token_ids for o in outs], [o.usage for o in outs], engine.stats()
@@ -80,7 +80,7 @@ async def test_other_fingerprint_on_the_same_path_gets_no_hits(engines, llama_di
 
 
 async def test_demoted_down_to_cold_and_promoted_back(engines, llama_dir, tmp_path):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=32 * BLOCK_BYTES,
+    cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=32 * BLOCK_BYTES,
                        cold_path=str(tmp_path / "cold"))
     async with await engines.start(cfg) as engine:
         first = await engine.generate(SYSTEMS[1] + [4, 5], PARAMS)
@@ -99,7 +99,7 @@ async def test_preemption_swaps_to_warm_and_restores(engines, llama_dir):
     for label, cfg in (("big", dict(num_blocks=256, warm_bytes=0)),
                        ("swap", dict(num_blocks=14, warm_bytes=64 * BLOCK_BYTES, enable_prefix_caching=False,
                                      offload="off"))):
-        async with await engines.start(EngineConfig(model=str(llama_dir), **cfg)) as engine:
+        async with await engines.start(make_config(model=str(llama_dir), **cfg)) as engine:
             res = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
             outs[label] = [r.outputs[0].token_ids for r in res]
             stats = engine.stats()
@@ -109,7 +109,7 @@ async def test_preemption_swaps_to_warm_and_restores(engines, llama_dir):
 
 
 async def test_prefill_clear_cache_and_pin(engines, llama_dir):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=40, warm_bytes=64 * BLOCK_BYTES, max_pinned_fraction=0.5)
+    cfg = make_config(model=str(llama_dir), num_blocks=40, warm_bytes=64 * BLOCK_BYTES, max_pinned_fraction=0.5)
     async with await engines.start(cfg) as engine:
         system = SYSTEMS[0]
         usage = await engine.prefill(system)

@@ -6,15 +6,15 @@ import threading
 
 import pytest
 
-from helpers import check_pool_clean, drive
-from tieredkv import AsyncEngine, EngineConfig, RequestError, SamplingParams
+from helpers import check_pool_clean, drive, make_config
+from tieredkv import AsyncEngine, RequestError, SamplingParams
 
 
 READS = 150
 
 
 async def test_stats_in_a_tight_loop_beside_32_streams(llama_dir):
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=96, max_num_seqs=32,
+    async with await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=96, max_num_seqs=32,
                                                     warm_bytes=0)) as engine:
         rng = random.Random(1)
         prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 60))] for _ in range(32)]
@@ -55,7 +55,7 @@ async def test_stats_in_a_tight_loop_beside_32_streams(llama_dir):
 
 
 async def test_pin_under_concurrent_load_succeeds(llama_dir):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=24, max_num_seqs=16, max_pinned_fraction=0.5, warm_bytes=0)
+    cfg = make_config(model=str(llama_dir), num_blocks=24, max_num_seqs=16, max_pinned_fraction=0.5, warm_bytes=0)
     async with await AsyncEngine.start(cfg) as engine:
         rng = random.Random(2)
         system = [rng.randrange(3, 300) for _ in range(64)]
@@ -73,7 +73,7 @@ async def test_pin_under_concurrent_load_succeeds(llama_dir):
 
 
 async def test_a_request_that_cannot_fit_beside_the_pinned_blocks_fails_clearly(llama_dir):
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=16, max_pinned_fraction=0.5, warm_bytes=0)
+    cfg = make_config(model=str(llama_dir), num_blocks=16, max_pinned_fraction=0.5, warm_bytes=0)
     async with await AsyncEngine.start(cfg) as engine:
         assert await engine.pin(list(range(3, 3 + 8 * 16))) == 128  # 8 of 16 blocks pinned
         # 11 blocks: fits the pool, not beside the pins; it used to be admitted and stall the engine
@@ -90,7 +90,7 @@ async def test_a_request_that_cannot_fit_beside_the_pinned_blocks_fails_clearly(
 def test_a_request_that_can_never_be_scheduled_fails_instead_of_spinning(llama_dir):
     from tieredkv.engine.engine_core import EngineCore
 
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, max_pinned_fraction=0.5, warm_bytes=0))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=8, max_pinned_fraction=0.5, warm_bytes=0))
     req = core.factory.make(list(range(3, 100)), SamplingParams(max_tokens=20))  # 8 blocks: fits the pool
     assert core.add_request(req) == []
     held = core.pool.allocate(4)[0]  # pinned behind admission's back: it can never run now
@@ -136,7 +136,7 @@ def test_the_decode_plan_is_made_once_per_step_and_carried_in_the_batch(llama_di
     from tieredkv.engine.engine_core import EngineCore
     from tieredkv.kernels.decode_attention import plan_decode
 
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=32, warm_bytes=0))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=32, warm_bytes=0))
     made = []
 
     def counting(*args, **kwargs):
@@ -173,7 +173,7 @@ async def test_the_worker_hands_freed_heap_back_once_idle(llama_dir, monkeypatch
 
     calls = []
     monkeypatch.setattr(worker, "release_free_memory", lambda collect=True: calls.append(collect))
-    async with await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32)) as engine:
+    async with await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=32)) as engine:
         assert calls == []  # nothing ran yet
         for expected in ([False], [False, False]):
             # the three requests reach the worker together (it waits on `gate` meanwhile), so each batch is one

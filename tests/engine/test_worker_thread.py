@@ -8,7 +8,8 @@ import threading
 
 import torch
 
-from tieredkv import EngineConfig, SamplingParams
+from helpers import make_config
+from tieredkv import SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 
 
@@ -25,7 +26,7 @@ async def test_load_steps_and_close_run_on_the_worker_thread(engines, llama_dir,
     monkeypatch.setattr(EngineCore, "step", recording("step", EngineCore.step))
     monkeypatch.setattr(EngineCore, "close", recording("close", EngineCore.close))
 
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=64))
     out = await engine.generate(list(range(3, 40)), SamplingParams(max_tokens=5, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 5
     worker = await engine.run_in_worker(threading.get_ident)
@@ -38,7 +39,7 @@ async def test_load_steps_and_close_run_on_the_worker_thread(engines, llama_dir,
 
 
 async def test_run_in_worker_raises_what_fn_raises_and_the_engine_keeps_serving(engines, llama_dir):
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64)) as engine:
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=64)) as engine:
         def boom():
             raise KeyError("nope")
 
@@ -56,7 +57,7 @@ async def test_run_in_worker_raises_what_fn_raises_and_the_engine_keeps_serving(
 async def test_close_leaves_no_engine_thread_running(engines, llama_dir):
     import asyncio
 
-    engine = await engines.start(EngineConfig(model=str(llama_dir), num_blocks=32))
+    engine = await engines.start(make_config(model=str(llama_dir), num_blocks=32))
     await engine.generate("Paged attention", SamplingParams(max_tokens=2))  # the tokenizer thread ran too
     await engine.close()
     assert not engine._worker.thread.is_alive()  # an engine thread alive at exit aborts the interpreter

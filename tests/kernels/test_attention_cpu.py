@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from helpers import check_pool_clean, hf_greedy, naive_decode, run_to_end
+from helpers import check_pool_clean, hf_greedy, make_config, naive_decode, run_to_end
 from tieredkv.kernels.cascade import shared_prefixes
 from tieredkv.kernels.decode_attention import (
     decode_attention_compiled,
@@ -428,14 +428,13 @@ def test_the_engine_batch_through_the_kernel_is_transformers_greedy(llama_dir, h
     """An engine on CPU binds the operators at start for its eager forward (its own build of the kernels);
     decode steps of 5 rows, two sharing a prefix as a cascade, the others through the kernel: every token is
     transformers'."""
-    from tieredkv import EngineConfig
     from tieredkv.engine.engine_core import EngineCore
     from tieredkv.kernels import decode_attention as da
 
     cascades, real = [], da.plan_cascades
     monkeypatch.setattr(da, "plan_cascades", lambda *a, **k: cascades.append(1) or real(*a, **k))
     prompts, want = hf_outputs
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0, compile_decode=False))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0, compile_decode=False))
     try:
         assert core.runner.ops.decode_attention is decode_attention_cpu
         assert paged_decode_usable(torch.zeros(1, 4, 16), core.runner.kv_cache[0, 0])

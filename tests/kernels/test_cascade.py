@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers import make_config
 from tieredkv.kernels import cascade
 from tieredkv.kernels.decode_attention import DecodePlanRef, decode_attention_ref, plan_decode
 
@@ -87,7 +88,7 @@ def test_shared_prefixes_follows_the_rule():
 async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_alone(engines, llama_dir, monkeypatch):
     import asyncio
 
-    from tieredkv import EngineConfig, SamplingParams
+    from tieredkv import SamplingParams
     from tieredkv.kernels import decode_attention as da
 
     rng = random.Random(7)
@@ -114,7 +115,7 @@ async def test_engine_outputs_on_shared_system_prompts_equal_each_conversation_a
         return batch, sampled
 
     monkeypatch.setattr(ModelRunner, "prepare", prepare)
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=256, max_num_seqs=16)
+    cfg = make_config(model=str(llama_dir), num_blocks=256, max_num_seqs=16)
     async with await engines.start(cfg) as engine:
         for s in systems:  # the system prompts are cached first, as a chatbot's are
             await engine.generate(s + [5], SamplingParams(max_tokens=1))
@@ -168,7 +169,7 @@ def test_triton_cascade_in_bf16_on_the_gpu(members):
 
 async def test_engine_cascades_through_triton_match_the_torch_path(engines, llama2_dir):
     pytest.importorskip("tieredkv.kernels.triton_ops")
-    from tieredkv import EngineConfig, SamplingParams
+    from tieredkv import SamplingParams
 
     rng = random.Random(8)
     system = [rng.randrange(3, 300) for _ in range(80)]
@@ -176,7 +177,7 @@ async def test_engine_cascades_through_triton_match_the_torch_path(engines, llam
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        cfg = EngineConfig(model=str(llama2_dir), num_blocks=64, attention_backend=backend, max_num_seqs=8)
+        cfg = make_config(model=str(llama2_dir), num_blocks=64, attention_backend=backend, max_num_seqs=8)
         async with await engines.start(cfg) as engine:
             runner, cascades = engine.core.runner, []
             real = runner.ops.plan_decode

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from helpers import check_pool_clean, fresh_cache, hf_greedy, run_to_end
+from helpers import check_pool_clean, fresh_cache, hf_greedy, make_config, run_to_end
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.decode_attention import decode_attention_dense, decode_attention_ref
@@ -55,8 +55,8 @@ def test_compile_setting_and_the_command_lines_environment(monkeypatch):
     monkeypatch.setenv("TIEREDKV_COMPILE_DECODE", "1")
     assert compile_wanted(None, CPU) and not compile_wanted(None, torch.device("cuda"))
     assert not compile_wanted(False, CPU) and compile_wanted(True, torch.device("cuda"))
-    assert EngineConfig.model_fields["compile_decode"].default is False  # (the tests' default: see conftest)
-    assert EngineConfig(compile_decode=None).compile_decode is None  # the environment is not read here
+    assert EngineConfig(model="m").compile_decode is None  # the environment is not read here
+    assert make_config().compile_decode is False and make_config(compile_decode=None).compile_decode is None
     env = {"TIEREDKV_COMPILE_DECODE": "0", "TIEREDKV_WARM_BYTES": "none", "TIEREDKV_MAX_NUM_SEQS": "8"}
     cfg = EngineConfig.from_env(env, max_num_seqs=4, cold_path=None)
     assert (cfg.compile_decode, cfg.warm_bytes, cfg.max_num_seqs, cfg.cold_path) == (False, None, 4, None)
@@ -68,7 +68,7 @@ def test_compiled_path_is_what_runs_and_compiles_once(llama_dir):
     """One graph at start-up (one decode, any table width); steps that decode one sequence run it with no
     further compile; a step with a prefill chunk, or more decodes, runs the eager forward; outputs equal
     transformers'."""
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=128, compile_decode=True))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=128, compile_decode=True))
     compiled = core.runner.compiled
     assert compiled is not None and compiled.graphs == 1 and compiled.steps == 0
     prompt = list(range(5, 12))  # 7 tokens: the first decodes read a table of one block
@@ -89,7 +89,7 @@ def test_compiled_path_is_what_runs_and_compiles_once(llama_dir):
 
 
 async def test_async_engine_defaults_to_compiled_decode_on_cpu(llama_dir):
-    config = EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=None)
+    config = make_config(model=str(llama_dir), num_blocks=64, compile_decode=None)
     async with await AsyncEngine.start(config) as engine:
         out = await engine.generate([7, 8, 9, 3], SamplingParams(max_tokens=6, ignore_eos=True))
         assert len(out.outputs[0].token_ids) == 6
@@ -103,7 +103,7 @@ async def test_requests_are_served_while_the_graph_compiles_in_the_background(ll
     from tieredkv.runner import compiled_decode
 
     prompt, want = [5, 6, 7, 8], None
-    cfg = EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=True, compile_in_background=True)
+    cfg = make_config(model=str(llama_dir), num_blocks=64, compile_decode=True, compile_in_background=True)
     with compiled_decode._ONE_COMPILE:  # holds the background compile back until the first answers are in
         engine = await AsyncEngine.start(cfg)
         assert engine.stats().decode_path == "compiling"
@@ -130,7 +130,7 @@ def test_a_compiler_failure_leaves_the_eager_forward_serving(llama_dir, monkeypa
 
     monkeypatch.setattr(CompiledDecode, "_backend", refuse)
     caplog.set_level("INFO", logger="tieredkv")
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=True))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, compile_decode=True))
     compiled = core.runner.compiled
     assert compiled.disabled and "no compiler" in compiled.disabled and "compiled decode is off" in caplog.text
     assert "trying again" in caplog.text and "compile_decode=False" in caplog.text
@@ -147,7 +147,7 @@ def test_the_eager_forward_never_goes_through_module_call(llama_dir, monkeypatch
     shared prefix, with __call__ refusing."""
     prompts = [list(range(5, 60)), list(range(5, 60)) + [9, 8], [4, 5, 6]]
     want = hf_greedy(llama_dir, prompts, 8)
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, max_num_batched_tokens=32))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, max_num_batched_tokens=32))
 
     def refuse(self, *args, **kwargs):
         raise AssertionError(f"{type(self).__name__}.__call__ during a step")
@@ -175,7 +175,7 @@ def test_a_broken_compile_cache_is_emptied_and_the_graph_rebuilt(llama_dir, tmp_
     leftover = tmp_path / "inductor" / "xy" / "cxy.main.so"
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"")
-    core = EngineCore(EngineConfig(model=str(llama_dir), cache_dir=str(fresh_cache(tmp_path)), num_blocks=64,
+    core = EngineCore(make_config(model=str(llama_dir), cache_dir=str(fresh_cache(tmp_path)), num_blocks=64,
                                   compile_decode=True))
     compiled = core.runner.compiled
     assert "on an emptied cache" in caplog.text and not leftover.exists()
@@ -188,7 +188,7 @@ def test_a_broken_compile_cache_is_emptied_and_the_graph_rebuilt(llama_dir, tmp_
 def test_a_compiler_failure_while_serving_is_reported_and_the_eager_forward_takes_over(llama_dir, monkeypatch, caplog):
     """The first decode after start-up may hit the compiler (a recompile past the limit, say): the path turns
     itself off with a warning, and that step and the rest run eager, with the same tokens."""
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=True))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, compile_decode=True))
     compiled = core.runner.compiled
     assert compiled.disabled is None and compiled.steps == 0
 
@@ -231,7 +231,7 @@ def test_a_stack_in_several_runs_shares_one_graph(llama_dir, monkeypatch):
     import tieredkv.runner.compiled_decode as cd
 
     monkeypatch.setattr(cd, "MAX_LAYERS_PER_GRAPH", 1)
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=64, compile_decode=True))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, compile_decode=True))
     compiled = core.runner.compiled
     assert len(compiled._groups) == core.spec.num_layers > 1
     prompt = list(range(9, 30))

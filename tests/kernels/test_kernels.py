@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from helpers import make_config
 from tieredkv.kernels.block_copy import copy_blocks_ref, gather_blocks_ref, scatter_blocks_ref
 from tieredkv.kernels.decode_attention import decode_attention_ref
 from tieredkv.kernels.kv_format import KVLayout
@@ -184,13 +185,13 @@ def test_attention_kernels_read_each_kv_format_as_the_reference(k, v):
 async def test_engine_through_triton_kernels_matches_reference_kernels(engines, llama2_dir, kv_cache_dtype):
     """The whole engine, prefill chunks, prefix hits and decodes, through Triton (interpreted on CPU); with int8
     KV the Triton store and attention against the torch references in the same format."""
-    from tieredkv import EngineConfig, SamplingParams
+    from tieredkv import SamplingParams
 
     prompts = [[5, 17, 33, 2 + 40, 9] * 4, [7] * 23 + [5, 17, 33, 42, 9], [5, 17, 33, 42, 9] * 4 + [11]]
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        cfg = EngineConfig(model=str(llama2_dir), num_blocks=32, block_size=8, attention_backend=backend,
+        cfg = make_config(model=str(llama2_dir), num_blocks=32, block_size=8, attention_backend=backend,
                            device=DEVICE, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
         async with await engines.start(cfg) as engine:
             assert engine.core.runner.ops.name == backend
@@ -237,13 +238,13 @@ def test_bf16_decode_and_prefill_kernels_within_tolerance():
 @pytest.mark.gpu
 @pytest.mark.slow
 async def test_default_model_on_cuda_kernels_match_references(engines):
-    from tieredkv import EngineConfig, SamplingParams
+    from tieredkv import SamplingParams
 
     chats = [[{"role": "user", "content": q}] for q in
              ("What is the capital of France? Answer in one sentence.", "Name three primary colours.")]
     outs = {}
     for backend in ("torch", "triton"):
-        cfg = EngineConfig(model="default", device="cuda", dtype="float32", attention_backend=backend,
+        cfg = make_config(model="default", device="cuda", dtype="float32", attention_backend=backend,
                            kv_cache_bytes=1 << 30)
         async with await engines.start(cfg) as engine:
             outs[backend] = [(await engine.generate(c, SamplingParams(max_tokens=32))).outputs[0].token_ids

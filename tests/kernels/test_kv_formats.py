@@ -8,8 +8,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from helpers import check_pool_clean, drive, fresh_cache, make_checkpoint, rand_ids
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from helpers import check_pool_clean, drive, fresh_cache, make_checkpoint, make_config, rand_ids
+from tieredkv import AsyncEngine, SamplingParams
 from tieredkv.errors import SnapshotError
 from tieredkv.kernels.kv_format import FORMATS, KVLayout, hadamard, rotates
 from tieredkv.tools.plan import plan
@@ -81,13 +81,13 @@ def test_the_turn_is_its_own_inverse_and_keeps_products():
 
 def test_bad_formats_are_refused_at_start_naming_what_is_supported(llama_dir, tmp_path):
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="int2")
+        make_config(kv_cache_dtype="int2")
     with pytest.raises(ValueError, match="fp8 runs on CUDA only.*supported here: auto, float32, bfloat16"):
-        asyncio.run(AsyncEngine.start(EngineConfig(model=str(llama_dir), kv_cache_dtype="fp8", device="cpu")))
+        asyncio.run(AsyncEngine.start(make_config(model=str(llama_dir), kv_cache_dtype="fp8", device="cpu")))
     odd = make_checkpoint(tmp_path / "odd", hidden_size=60, num_attention_heads=6, num_key_value_heads=2)  # head 10
     with pytest.raises(ValueError, match="int4 packs two values a byte and needs head_dim divisible by 4; the "
                                          "model's is 10"):
-        asyncio.run(AsyncEngine.start(EngineConfig(model=str(odd), kv_cache_dtype_v="int4")))
+        asyncio.run(AsyncEngine.start(make_config(model=str(odd), kv_cache_dtype_v="int4")))
     with pytest.raises(ValueError, match="int4"):
         plan(str(odd), device="cpu", kv_cache_dtype="int4")
 
@@ -96,7 +96,7 @@ def test_bad_formats_are_refused_at_start_naming_what_is_supported(llama_dir, tm
 
 
 async def outputs(engines, model_dir, prompts, params=PARAMS, **cfg):
-    config = EngineConfig(model=str(model_dir), num_blocks=cfg.pop("num_blocks", 128), warm_bytes=cfg.pop(
+    config = make_config(model=str(model_dir), num_blocks=cfg.pop("num_blocks", 128), warm_bytes=cfg.pop(
         "warm_bytes", 0), **cfg)
     async with await engines.start(config) as engine:
         res = [await engine.generate(p, params) for p in prompts]
@@ -135,7 +135,7 @@ async def test_a_smaller_kv_stays_close_to_fp32_kv(engines, llama_dir):
     params = SamplingParams(max_tokens=1, logprobs=5)
     top = {}
     for name in ("float32", "bfloat16", "int8", "int4"):
-        async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0,
+        async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0,
                                                     kv_cache_dtype=name)) as engine:
             out = await engine.generate(prompt, params)
             top[name] = dict(out.outputs[0].logprobs[0].top)
@@ -160,7 +160,7 @@ async def test_samples_beams_and_swaps_work_unchanged_on_int8_blocks(engines, ll
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     block = token_bytes("int8") * BS
     roomy, _, _ = await outputs(engines, llama_dir, long, params, kv_cache_dtype="int8")
-    async with await engines.start(EngineConfig(
+    async with await engines.start(make_config(
             model=str(llama_dir), kv_cache_dtype="int8", num_blocks=12, warm_bytes=64 * block,
             enable_prefix_caching=False, offload="off")) as engine:
         res = await asyncio.gather(*(engine.generate(p, params) for p in long))
@@ -222,7 +222,7 @@ def test_every_path_stores_int4_keys_less_each_layers_key_mean(llama2_dir, path)
 
     cfg = dict(model=str(llama2_dir), num_blocks=32, warm_bytes=0, quantization="int8" if path == "native" else None,
                compile_decode=path != "eager", compile_in_background=False, enable_prefix_caching=False)
-    core = EngineCore(EngineConfig(kv_cache_dtype="int4", **cfg))
+    core = EngineCore(make_config(kv_cache_dtype="int4", **cfg))
     try:
         g = torch.Generator().manual_seed(4)
         shifts = []
@@ -235,7 +235,7 @@ def test_every_path_stores_int4_keys_less_each_layers_key_mean(llama2_dir, path)
         assert core.stats().decode_path == path
     finally:
         core.close()
-    ref = EngineCore(EngineConfig(**{**cfg, "compile_decode": False}))
+    ref = EngineCore(make_config(**{**cfg, "compile_decode": False}))
     try:
         assert all(layer.self_attn.k_shift is None for layer in ref.parts.model.layers)  # fp32 KV: no shift
         want, _ = stored_keys(ref, ids, 0)
@@ -257,7 +257,7 @@ def test_the_key_shift_is_measured_once_then_read_from_the_cache(llama2_dir, tmp
     measured = []
     inner = rank_build.measure_key_shift
     monkeypatch.setattr(rank_build, "measure_key_shift", lambda *a: (measured.append(1), inner(*a)))
-    cfg = EngineConfig(model=str(llama2_dir), num_blocks=16, warm_bytes=0, kv_cache_dtype="int4",
+    cfg = make_config(model=str(llama2_dir), num_blocks=16, warm_bytes=0, kv_cache_dtype="int4",
                        compile_decode=False, cache_dir=str(fresh_cache(tmp_path)))
 
     def shifts():
@@ -305,7 +305,7 @@ async def test_warm_and_cold_hold_int8_blocks_and_a_restart_serves_them(engines,
     path = str(tmp_path / "cold")
     block = token_bytes("int8") * BS
     want, _, _ = await outputs(engines, llama_dir, PROMPTS, kv_cache_dtype="int8")
-    cfg = EngineConfig(model=str(llama_dir), kv_cache_dtype="int8", num_blocks=14, warm_bytes=8 * block,
+    cfg = make_config(model=str(llama_dir), kv_cache_dtype="int8", num_blocks=14, warm_bytes=8 * block,
                        cold_path=path)
     async with await engines.start(cfg) as engine:
         tiers = engine.core.tiers
@@ -321,7 +321,7 @@ async def test_warm_and_cold_hold_int8_blocks_and_a_restart_serves_them(engines,
     # an fp32 engine on the same path is never served the int8 blocks, and explain says why
     _, usage, _ = await outputs(engines, llama_dir, PROMPTS[:1], cold_path=path)
     assert usage[0].cached_tokens_by_tier["cold"] == 0
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=0,
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0,
                                                 cold_path=path, kv_cache_dtype="int4")) as engine:
         report = await engine.explain(SYSTEMS[1])
         assert report[0].source is None
@@ -330,18 +330,18 @@ async def test_warm_and_cold_hold_int8_blocks_and_a_restart_serves_them(engines,
 
 async def test_a_snapshot_keeps_the_format_and_is_refused_by_another(engines, llama_dir, tmp_path):
     path = tmp_path / "int4.tkv"
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
                                                 kv_cache_dtype="int4")) as engine:
         want = [(await engine.generate(p, PARAMS)).outputs[0].token_ids for p in PROMPTS[:3]]
         assert await engine.export_cache(path, prompts=SYSTEMS) == 18
     assert path.stat().st_size < 18 * token_bytes("int4") * BS * 1.1  # int4 bytes, not fp32
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
                                                 kv_cache_dtype="int4")) as engine:
         assert (await engine.import_cache(path))["imported"] == 18
         res = [await engine.generate(p, PARAMS) for p in PROMPTS[:3]]
         assert [r.outputs[0].token_ids for r in res] == want
         assert [r.usage.cached_tokens_by_tier["warm"] for r in res] == [96] * 3
-    async with await engines.start(EngineConfig(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
+    async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
                                                 kv_cache_dtype="int8")) as engine:
         with pytest.raises(SnapshotError, match="another model"):
             await engine.import_cache(path)
@@ -353,7 +353,7 @@ async def test_a_snapshot_keeps_the_format_and_is_refused_by_another(engines, ll
 async def test_the_same_budget_holds_proportionally_more_blocks(engines, llama_dir):
     budget = 1 << 20
     for name in ("float32", "bfloat16", "int8", "int4"):
-        cfg = EngineConfig(model=str(llama_dir), kv_cache_bytes=budget, warm_bytes=budget, kv_cache_dtype=name)
+        cfg = make_config(model=str(llama_dir), kv_cache_bytes=budget, warm_bytes=budget, kv_cache_dtype=name)
         async with await engines.start(cfg) as engine:
             block = token_bytes(name) * BS
             assert engine.core.num_blocks == budget // block

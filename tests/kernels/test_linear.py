@@ -12,9 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tieredkv import EngineConfig
 from tieredkv.engine.engine_core import EngineCore
-from helpers import hf_greedy, run_to_end
+from helpers import hf_greedy, make_config, run_to_end
 from tieredkv.kernels import dense, linear, quant_cpu
 from tieredkv.kernels.dense import PLAIN, DenseLayout, PackedWeight, PlainWeight, choose_layout
 from tieredkv.kernels.linear import (
@@ -346,7 +345,7 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
     monkeypatch.setattr(dense, "graph_reads_packed", lambda dtype, shapes, cache_dir: graph_packed)
     collapsed = []
     monkeypatch.setattr(setup, "collapse_into_huge_pages", lambda ranges: collapsed.append(sorted(ranges)) or 0)
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, compile_decode=compiled, cpu_linear=force))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=16, compile_decode=compiled, cpu_linear=force))
     for thread in threading.enumerate():
         if thread.name == "tieredkv-huge-pages":
             thread.join()
@@ -401,4 +400,4 @@ def test_bad_cpu_linear_value_is_refused():
     with pytest.raises(ValueError, match="cpu_linear"):
         choose_layout(CPU, torch.float32, "blas")
     with pytest.raises(pydantic.ValidationError, match="cpu_linear"):
-        EngineConfig(cpu_linear="blas")
+        make_config(cpu_linear="blas")

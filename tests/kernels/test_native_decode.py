@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from helpers import drive, make_checkpoint, run_to_end
-from tieredkv import EngineConfig, SamplingParams
+from helpers import drive, make_checkpoint, make_config, run_to_end
+from tieredkv import SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.runner.native_decode import NativeDecode
@@ -66,8 +66,8 @@ def test_native_step_matches_the_eager_forward(engines, request, family, scheme)
     gate/up as stored: phi3)."""
     path = request.getfixturevalue(f"{family}_dir")
     cfg = dict(model=str(path), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, **scheme)
-    eager = engines.core(EngineConfig(**cfg, compile_decode=False))
-    native = engines.core(EngineConfig(**cfg, compile_decode=True))
+    eager = engines.core(make_config(**cfg, compile_decode=False))
+    native = engines.core(make_config(**cfg, compile_decode=True))
     try:
         assert native.stats().decode_path == "native" and isinstance(native.runner.compiled, NativeDecode)
         for prompt in PROMPTS:
@@ -98,8 +98,8 @@ def test_a_batch_of_decodes_is_one_native_step_with_the_eager_forwards_tokens(en
     rounding of them."""
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], list(range(20, 100)), [3] * 17]
     cfg = dict(model=str(llama_dir), num_blocks=64, warm_bytes=0, enable_prefix_caching=False, **scheme)
-    eager = engines.core(EngineConfig(**cfg, compile_decode=False))
-    native = engines.core(EngineConfig(**cfg, compile_decode=True))
+    eager = engines.core(make_config(**cfg, compile_decode=False))
+    native = engines.core(make_config(**cfg, compile_decode=True))
     try:
         new = [12, 9, 15, 10]  # the batch shrinks as they end
         want, got = run_to_end(eager, prompts, new), run_to_end(native, prompts, new)
@@ -120,7 +120,7 @@ def test_a_short_prompt_joins_the_decodes_in_one_native_step(engines, llama_dir)
     cfg = dict(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0, enable_prefix_caching=False)
     outputs = []
     for compiled in (False, True):
-        core = engines.core(EngineConfig(**cfg, compile_decode=compiled))
+        core = engines.core(make_config(**cfg, compile_decode=compiled))
         try:
             params = SamplingParams(max_tokens=6, ignore_eos=True)
             first, short = core.factory.make(PROMPTS[1], params), core.factory.make([9, 10, 11, 12, 13], params)
@@ -139,7 +139,7 @@ def test_the_native_step_binds_the_operators_the_batched_steps_run(engines, llam
     prompt run the C++ operators, which its warm-up binds as the compiled graph's does before its trace (in the
     background: by the time finish returns): their decode attention goes to the CPU kernel, not torch's reference."""
     monkeypatch.setattr(CPU, "bound", None)  # as in a fresh process
-    core = engines.core(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
+    core = engines.core(make_config(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
                                      compile_decode=True, compile_in_background=background))
     try:
         assert isinstance(core.runner.compiled, NativeDecode)
@@ -160,9 +160,9 @@ def test_the_native_step_binds_the_operators_the_batched_steps_run(engines, llam
 def test_native_step_takes_only_what_it_can(engines, llama_dir, caplog):
     """Where the step cannot serve, `make` says why and the compiled graph does: a bfloat16 cache, a model that is
     not quantized; where it can, it points at each layer's own K and V caches."""
-    core = engines.core(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=8, warm_bytes=0,
+    core = engines.core(make_config(model=str(llama_dir), quantization="int4", num_blocks=8, warm_bytes=0,
                                      compile_decode=True))
-    plain = engines.core(EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=0, compile_decode=False))
+    plain = engines.core(make_config(model=str(llama_dir), num_blocks=8, warm_bytes=0, compile_decode=False))
     try:
         step = core.runner.compiled
         assert isinstance(step, NativeDecode)
@@ -192,8 +192,8 @@ def test_native_step_reads_far_blocks_in_place(engines, llama_dir):
     document = [rng.randrange(3, 440) for _ in range(600)]
     block_bytes = 3 * 2 * 16 * 2 * 16 * 4  # tiny llama: layers * k|v * block * kv_heads * head_dim * fp32
     base = dict(model=str(llama_dir), quantization="int4")
-    whole = engines.core(EngineConfig(**base, num_blocks=64, warm_bytes=0, compile_decode=False))
-    far = engines.core(EngineConfig(**base, num_blocks=8, warm_bytes=100 * block_bytes, max_num_batched_tokens=256,
+    whole = engines.core(make_config(**base, num_blocks=64, warm_bytes=0, compile_decode=False))
+    far = engines.core(make_config(**base, num_blocks=8, warm_bytes=100 * block_bytes, max_num_batched_tokens=256,
                                     offload="in_place", compile_decode=True))
     try:
         assert far.stats().decode_path == "native" and far.kv_cache.shape[2] == 8 + 100 + 1
@@ -219,12 +219,12 @@ def test_native_step_verifies_drafts_as_the_eager_forward(engines, served_build,
         prompt = PROMPTS[1]
         cfg = dict(model=str(path), num_blocks=32, warm_bytes=0, enable_prefix_caching=False,
                    speculative={"method": "ngram", "num_speculative_tokens": 5, "adaptive": False}, **scheme)
-        plain = engines.core(EngineConfig(**{**cfg, "speculative": None}, compile_decode=False))
+        plain = engines.core(make_config(**{**cfg, "speculative": None}, compile_decode=False))
         want_tokens, _ = decode_logits(plain, prompt)
         plain.close()
         runs = []
         for compiled in (False, True):
-            core = engines.core(EngineConfig(**cfg, compile_decode=compiled))
+            core = engines.core(make_config(**cfg, compile_decode=compiled))
             core.parts.speculator.proposer = Oracle({tuple(prompt): want_tokens}, 10**6, spoil=2)
             runs.append(decode_logits(core, prompt, slice(None)) + (core.runner.compiled,))
             core.close()
@@ -257,8 +257,8 @@ def plain_then_drafted(cfg: dict, prompts: list[list[int]], check) -> tuple[list
         finally:
             core.close()
 
-    plain, _, _ = logprobs(EngineCore(EngineConfig(**cfg)))
-    core = EngineCore(EngineConfig(**cfg, speculative={"method": "ngram", "num_speculative_tokens": 5,
+    plain, _, _ = logprobs(EngineCore(make_config(**cfg)))
+    core = EngineCore(make_config(**cfg, speculative={"method": "ngram", "num_speculative_tokens": 5,
                                                        "adaptive": False}))
     core.parts.speculator.proposer = Oracle({tuple(p): [lp.token_id for lp in want] for p, want in zip(prompts, plain)},
                                             10**6, spoil=3)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import check_pool_clean, drive, run_to_end
-from tieredkv import EngineConfig, SamplingParams
+from helpers import check_pool_clean, drive, make_config, run_to_end
+from tieredkv import SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.errors import CheckpointError
 from tieredkv.kernels import quant
@@ -308,13 +308,12 @@ def test_int8_blocks_take_batched_steps_from_the_measured_row_count(monkeypatch,
     to the kernels' rows (0 where any count above loses), measured once per shapes and kept; an engine without
     speculative decoding starts its weights' int8 blocks there, one with it keeps them above the int16 rows (its
     verification steps must multiply as its plain steps do)."""
-    from tieredkv import EngineConfig
     from tieredkv.engine.engine_core import EngineCore
     from tieredkv.engine.rank_build import many_rows_arithmetic
     from tieredkv.kernels.quant import int16_rows_most
     from tieredkv.kernels.quant import QuantizedWeight
 
-    core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0))
+    core = EngineCore(make_config(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0))
     try:  # (the engine loads the CPU kernels, whose rows the measurement counts up to)
         layer = [weights("int4-g32", 32, 64), weights("int4-g32", 48, 64)]
         win, lose = quant.FEW_ROWS_MARGIN * 1.05, quant.FEW_ROWS_MARGIN * 0.95  # int16 rows' time over the blocks'
@@ -569,11 +568,11 @@ def test_quantizers_error_bounds():
 
 def test_group_size_and_activation_errors(llama_dir):
     with pytest.raises(ValueError, match="quantization_group_size must be one of"):
-        EngineConfig(quantization="int4", quantization_group_size=48)
+        make_config(quantization="int4", quantization_group_size=48)
     with pytest.raises(ValueError, match="int8_activations applies to quantized weights"):
-        EngineConfig(int8_activations=True)  # full-precision weights: nothing it could change
+        make_config(int8_activations=True)  # full-precision weights: nothing it could change
     with pytest.raises(CheckpointError, match="does not divide the input dimension 64"):  # hidden_size 64
-        EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", quantization_group_size=128,
+        EngineCore(make_config(model=str(llama_dir), quantization="int4", quantization_group_size=128,
                                 num_blocks=16, warm_bytes=0))
 
 
@@ -698,7 +697,7 @@ def test_engine_matches_transformers_on_the_dequantized_weights(scheme, llama_di
     ref_dir = _dequantized_checkpoint(llama_dir, tmp_path / "ref", scheme)
     prompts = [[5, 9, 33, 2, 71] * 3, list(range(3, 40)), [200, 17]]
     want = hf_greedy(ref_dir, prompts, 16)
-    core = EngineCore(EngineConfig(model=str(llama_dir), quantization=scheme, num_blocks=32, warm_bytes=0,
+    core = EngineCore(make_config(model=str(llama_dir), quantization=scheme, num_blocks=32, warm_bytes=0,
                                    int8_activations=False))
     try:
         reqs = [core.factory.make(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
@@ -713,7 +712,7 @@ def test_engine_matches_transformers_on_the_dequantized_weights(scheme, llama_di
         assert held[-1] is [t for t in (head.codes, head.scales, head.offsets) if t is not None][-1]
         stats = core.stats()
         assert stats.weights == f"{scheme} (float32 activations)"
-        full = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=8, warm_bytes=0))
+        full = EngineCore(make_config(model=str(llama_dir), num_blocks=8, warm_bytes=0))
         mats = [(m.out_features, m.in_features) for m in full.model.layers.modules() if isinstance(m, Projection)]
         head = (full.model.lm_head.out_features, full.model.lm_head.in_features)
         per = (lambda n, k: n * k + 2 * n) if scheme == "int8" else (lambda n, k: n * k // 2 + 4 * n * k // 32)
@@ -732,7 +731,7 @@ def test_plan_counts_the_weights_in_their_format(scheme, llama_dir):
     from tieredkv.tools.plan import plan
 
     p = plan(str(llama_dir), device="cpu", quantization=scheme)
-    core = EngineCore(EngineConfig(model=str(llama_dir), quantization=scheme, num_blocks=8, warm_bytes=0))
+    core = EngineCore(make_config(model=str(llama_dir), quantization=scheme, num_blocks=8, warm_bytes=0))
     try:
         assert p.weight_bytes == core.stats().weight_bytes and p.weights == ("int8" if scheme == "int8" else
                                                                               "int4-g32-asym")
@@ -749,7 +748,7 @@ def test_one_sequence_decode_paths_serve_quantized_weights(llama_dir, monkeypatc
     prompts = [[7, 3, 99, 14] * 4, list(range(20, 60))]
     outs, cores = [], []
     for compiled in (False, True):
-        core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
+        core = EngineCore(make_config(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
                                        compile_decode=compiled, native_decode=path == "native"))
         cores.append(core)
         got = []
@@ -776,11 +775,11 @@ def test_int8_activations_hold_4bit_weights_in_tiles_where_the_processor_can(lla
     tokens may part at near-ties). Without AVX-512 VNNI the weights stay as they are; the default keeps int16."""
     prompt = list(range(20, 60))
     cfg = dict(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0)
-    plain = EngineCore(EngineConfig(**cfg, compile_decode=False))
+    plain = EngineCore(make_config(**cfg, compile_decode=False))
     cores, logits = [], []
     try:
         for compiled in (False, True):
-            core = EngineCore(EngineConfig(**cfg, int8_activations=True, compile_decode=compiled))
+            core = EngineCore(make_config(**cfg, int8_activations=True, compile_decode=compiled))
             cores.append(core)
             captured, inner = [], core.runner.execute
             core.runner.execute = lambda out, inner=inner, captured=captured: captured.append(inner(out)) or \
@@ -904,7 +903,7 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
     expected = hf_greedy(ref, prompts, 12)
     monkeypatch.setattr(compiled_decode, "MAX_LAYERS_PER_GRAPH", 1)  # a run per layer: runs of two kinds
     for path in ("native", "compiled"):  # the native step takes the parts too; with it off, the graphs
-        core = EngineCore(EngineConfig(model=str(model_dir), quantization="gguf", num_blocks=32, warm_bytes=0,
+        core = EngineCore(make_config(model=str(model_dir), quantization="gguf", num_blocks=32, warm_bytes=0,
                                        compile_decode=True, compile_in_background=False,
                                        native_decode=path == "native", int8_activations=False))
         try:
@@ -994,7 +993,7 @@ def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeyp
     rows = quant.kernel_rows(torch.zeros(1, 1, dtype=torch.uint8))
     prints = set()
     for setting in (None, False):
-        cfg = EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0,
+        cfg = make_config(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0,
                            int8_activations=setting)
         core = EngineCore(cfg)
         try:
@@ -1009,7 +1008,7 @@ def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeyp
         finally:
             core.close()
     assert len(prints) == 2
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_blocks=16, warm_bytes=0, cpu_linear="torch"))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=16, warm_bytes=0, cpu_linear="torch"))
     try:
         stats = core.stats()
         assert stats.dense_formats == stats.dense_arithmetic == {k: "float32" for k in (*kinds, "lm_head")}
@@ -1030,7 +1029,7 @@ def test_stats_count_what_served_each_call(llama_dir, monkeypatch, faster):
 
     monkeypatch.setattr(rank_build, "int8_many_rows_win", lambda weights, cache_dir: faster)
     monkeypatch.setattr(rank_build, "int8_fewest_rows", lambda weights, cache_dir: 8)
-    core = EngineCore(EngineConfig(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
+    core = EngineCore(make_config(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
                                    compile_decode=True))
     try:
         assert core.stats().decode_path == "native" and core.stats().kernel_calls == {}

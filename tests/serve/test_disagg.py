@@ -9,12 +9,13 @@ import aiohttp
 import pytest
 
 from test_fleet import KEY, NAME, chat, router, serving
+from helpers import make_config
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 
 
 def config(llama_dir, valkey=None, key=None) -> EngineConfig:
     extra = {"remote_url": valkey.url, "cold_secret_path": str(key)} if valkey is not None else {}
-    return EngineConfig(model=str(llama_dir), num_blocks=128, warm_bytes=0, max_num_seqs=4, **extra)
+    return make_config(model=str(llama_dir), num_blocks=128, warm_bytes=0, max_num_seqs=4, **extra)
 
 
 def system_prompt() -> str:

@@ -18,7 +18,8 @@ import aiohttp
 import openai
 import pytest
 
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from helpers import make_config
+from tieredkv import AsyncEngine, SamplingParams
 from tieredkv.serve import ServerSettings, start_server
 
 NAME = "tiny"
@@ -29,7 +30,7 @@ SYSTEMS = ["Paged attention keeps keys and values in fixed-size blocks. " * 8,
 
 @pytest.fixture(scope="module")
 async def engines(llama_dir):
-    pair = [await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=256, max_num_seqs=8))
+    pair = [await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=256, max_num_seqs=8))
             for _ in range(2)]
     yield pair
     for engine in pair:

@@ -8,6 +8,7 @@ import time
 import pytest
 import zmq
 
+from helpers import make_config
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.engine.kv_events import END_SEQ, decode_batch, external_hash
 from tieredkv.errors import KVEventsError
@@ -50,7 +51,7 @@ def stored_hashes(events: list[dict]) -> list[int]:
 
 def config(llama_dir, port: int, **events) -> EngineConfig:
     """Events on the port (a wildcard address binds, vLLM's rule; subscribers connect to 127.0.0.1)."""
-    return EngineConfig(model=str(llama_dir), num_blocks=64, max_num_seqs=4, kv_events_config={
+    return make_config(model=str(llama_dir), num_blocks=64, max_num_seqs=4, kv_events_config={
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", **events})
 
 
@@ -137,9 +138,9 @@ async def test_positional_encoding_and_bad_endpoints(llama_dir):
         sub.close()
         await engine.close()
     with pytest.raises(ValueError, match="kv_events_config"):
-        EngineConfig(kv_events_config="{not json")
+        make_config(kv_events_config="{not json")
     with pytest.raises(ValueError):
-        EngineConfig(kv_events_config={"enable_kv_cache_events": True, "publisher": "kafka"})
+        make_config(kv_events_config={"enable_kv_cache_events": True, "publisher": "kafka"})
 
 
 SYSTEMS = ["Paged attention keeps keys and values in fixed-size blocks of sixteen tokens. " * 6,

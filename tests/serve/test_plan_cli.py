@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from helpers import make_config
 from tieredkv.cli import main
-from tieredkv.config import EngineConfig
 from tieredkv.tools.plan import parse_bytes, plan, profile_activations
 
 
@@ -49,7 +49,7 @@ def test_plan_and_the_engine_agree_on_cpu(llama_dir):
     from tieredkv.engine.engine_core import EngineCore
 
     p = plan(str(llama_dir), device="cpu", cpu_kv_cache_bytes=3 << 20, warm_bytes=2 << 20)
-    core = EngineCore(EngineConfig(model=str(llama_dir), cpu_kv_cache_bytes=3 << 20, warm_bytes=2 << 20))
+    core = EngineCore(make_config(model=str(llama_dir), cpu_kv_cache_bytes=3 << 20, warm_bytes=2 << 20))
     assert (p.dtype, p.hot_blocks, p.warm_blocks) == ("float32", core.num_blocks, core.tiers.warm.capacity)
     assert p.hot_blocks == (3 << 20) // 12_288 == 256
 
@@ -74,12 +74,12 @@ def test_explain_cli(llama_dir, capsys):
 def test_cache_cli_export_import_inspect_clear(llama_dir, tmp_path, capsys):
     import asyncio
 
-    from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+    from tieredkv import AsyncEngine, SamplingParams
 
     cold = str(tmp_path / "cold")
 
     async def fill():
-        cfg = EngineConfig(model=str(llama_dir), cold_path=cold, warm_bytes=0, num_blocks=64)
+        cfg = make_config(model=str(llama_dir), cold_path=cold, warm_bytes=0, num_blocks=64)
         async with await AsyncEngine.start(cfg) as engine:
             await engine.generate(list(range(3, 70)), SamplingParams(max_tokens=1))
 
@@ -149,7 +149,7 @@ def test_the_cpu_pool_is_sized_from_max_num_seqs_and_max_model_len(llama_dir):
     from tieredkv.engine.engine_core import EngineCore
 
     p = plan(str(llama_dir), device="cpu", max_num_seqs=4, max_len=256, warm_bytes=0)
-    core = EngineCore(EngineConfig(model=str(llama_dir), max_num_seqs=4, max_model_len=256, warm_bytes=0))
+    core = EngineCore(make_config(model=str(llama_dir), max_num_seqs=4, max_model_len=256, warm_bytes=0))
     assert p.hot_blocks == core.num_blocks == 4 * 256 // 16
 
 

@@ -8,8 +8,8 @@ import aiohttp
 import openai
 import pytest
 
-from helpers import check_pool_clean
-from tieredkv import AsyncEngine, EngineConfig, SamplingParams
+from helpers import check_pool_clean, make_config
+from tieredkv import AsyncEngine, SamplingParams
 from tieredkv.serve import ServerSettings, start_server
 
 NAME = "tiny"
@@ -18,7 +18,7 @@ SYSTEM = "Paged attention keeps keys and values in fixed-size blocks. " * 8
 
 @pytest.fixture(scope="module")
 async def server(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=256, max_num_seqs=8))
+    engine = await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=256, max_num_seqs=8))
     runner, port = await start_server(engine, ServerSettings(model_name=NAME, max_queued=4, max_body_bytes=1 << 16,
                                                              max_prompt_chars=20_000), port=0)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -208,7 +208,7 @@ async def test_overload_queues_then_answers_429_with_retry_after(server):
 
 
 async def test_an_api_key_is_required_when_set(llama_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32))
+    engine = await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=32))
     runner, port = await start_server(engine, ServerSettings(model_name=NAME, api_key="sekret"), port=0)
     try:
         bad = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)

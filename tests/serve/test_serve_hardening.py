@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import ROOT, check_pool_clean, make_checkpoint
-from tieredkv import AsyncEngine, EngineClosedError, EngineConfig, RequestError, SamplingParams
+from helpers import check_pool_clean, make_checkpoint, make_config, ROOT
+from tieredkv import AsyncEngine, EngineClosedError, RequestError, SamplingParams
 from tieredkv.serve import ServerSettings, start_server
 
 NAME = "tiny"
@@ -37,7 +37,7 @@ class ThreadServer:
         self.engine, self.runner, self.port = self.call(self._start(model_dir, config, settings))
 
     async def _start(self, model_dir, config, settings):
-        engine = await AsyncEngine.start(EngineConfig(model=str(model_dir), max_num_seqs=8, warm_bytes=0, **config))
+        engine = await AsyncEngine.start(make_config(model=str(model_dir), max_num_seqs=8, warm_bytes=0, **config))
         runner, port = await start_server(engine, ServerSettings(model_name=NAME, **settings), port=0)
         return engine, runner, port
 
@@ -294,7 +294,7 @@ def test_the_cli_serves_and_on_sigterm_drains_writes_the_cold_tier_and_exits_0(t
 
 async def cold_tokens(llama_dir, cold, key, prompt) -> int:
     """Prompt tokens a fresh engine on the cold store serves from it."""
-    config = EngineConfig(model=str(llama_dir), num_blocks=32, cold_path=str(cold), cold_secret_path=str(key),
+    config = make_config(model=str(llama_dir), num_blocks=32, cold_path=str(cold), cold_secret_path=str(key),
                           warm_bytes=0)
     async with await AsyncEngine.start(config) as engine:
         out = await engine.generate(prompt, SamplingParams(max_tokens=1))
@@ -304,7 +304,7 @@ async def cold_tokens(llama_dir, cold, key, prompt) -> int:
 async def test_close_on_signals_drains_an_application_engine(llama_dir, tmp_path):
     """The Python API: close_on_signals(grace) makes SIGTERM refuse new streams at once, let the running
     ones finish, and close (writing the cold tier); closed() returns then."""
-    engine = await AsyncEngine.start(EngineConfig(model=str(llama_dir), num_blocks=32, cold_path=str(tmp_path),
+    engine = await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=32, cold_path=str(tmp_path),
                                                   warm_bytes=0))
     engine.close_on_signals(grace=30)
     prompt = list(range(5, 5 + 40))
