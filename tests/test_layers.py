@@ -151,3 +151,12 @@ def test_conditions_on_far_blocks_live_only_where_far_blocks_are_acted_on():
                 list(node.ifs) if isinstance(node, ast.comprehension) else []
             found += [f"{rel}:{t.lineno}" for t in tests if FAR_WORDS.search(ast.get_source_segment(source, t) or "")]
     assert not found
+
+
+def test_no_function_is_longer_than_50_lines():
+    """A function that outgrows a screen is split where its parts have jobs of their own (engine/build.py's pieces,
+    the plan command's parser); counted from `def` to its last line, docstring included."""
+    long = [f"{path.relative_to(PACKAGE).as_posix()}:{node.name} ({node.end_lineno - node.lineno + 1})"
+            for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 50]
+    assert not long

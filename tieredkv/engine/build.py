@@ -200,11 +200,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     runner.compile_now(background=cfg.compile_in_background)
     pinned = int(num_blocks * cfg.max_pinned_fraction)
     pins, telemetry = PinTable(index, pinned, int(pinned * cfg.max_pinned_per_client)), Telemetry()
-    speculator = make_speculator(cfg, device.type, spec.vocab_size) if cfg.speculative is not None else None
-    if speculator is not None and device.type == "cpu" and model.quantization is not None:
-        scheduler.max_draft_rows = int16_rows_most(model)  # below where int8 blocks start
-        if isinstance(runner.compiled, NativeDecode):  # and within the native step's rows, as plain decodes are
-            scheduler.max_draft_rows = min(scheduler.max_draft_rows, runner.compiled.max_batch)
+    speculator = _speculator(cfg, device, spec, model, runner, scheduler)
     lifecycle = Lifecycle(scheduler, kv, factory, tokenizer, pins, telemetry, device, limit, speculator)
     weights = weights_label(model, dtype)
     parts = EngineParts(device, dtype, model_dir, spec, limit, tokenizer, model, num_blocks, kv_cache, fingerprint,
@@ -217,6 +213,18 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
             tier.events = events
     _log_ready(cfg, parts, num_warm)
     return parts
+
+
+def _speculator(cfg: EngineConfig, device: torch.device, spec: ModelSpec, model: LlamaModel, runner: ModelRunner,
+                scheduler: Scheduler) -> Speculator | None:
+    """The drafts' proposer where cfg.speculative asks for one; on quantized CPU weights a step's draft rows stay
+    below where int8 blocks start (and within the native step's rows), so that verifying is plain decoding."""
+    speculator = make_speculator(cfg, device.type, spec.vocab_size) if cfg.speculative is not None else None
+    if speculator is not None and device.type == "cpu" and model.quantization is not None:
+        scheduler.max_draft_rows = int16_rows_most(model)  # below where int8 blocks start
+        if isinstance(runner.compiled, NativeDecode):  # and within the native step's rows, as plain decodes are
+            scheduler.max_draft_rows = min(scheduler.max_draft_rows, runner.compiled.max_batch)
+    return speculator
 
 
 def _weights(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, model_dir: Path, spec: ModelSpec,
