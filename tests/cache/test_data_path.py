@@ -456,3 +456,13 @@ def test_a_tier_of_ones_own_stands_in_cold_s_place_but_never_beside_a_cold_path(
         build_cache_core(cfg, SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS), 4,
                          torch.zeros(LAYERS, 2, 4, BS, HEADS, DIM), TORCH_OPS, "test", 0, Room, cold=memory)
     assert not (tmp_path / "cold").exists()  # refused before anything was opened
+
+
+def test_the_far_policy_follows_the_offload_setting_and_the_device():
+    from tieredkv.core.far_blocks import FarInPlace, FarStaged, far_policy
+
+    assert [far_policy(o, "cpu", 8) for o in ("auto", "in_place", "staged", "off")] == \
+        [FarInPlace, FarInPlace, FarStaged, Room]
+    assert [far_policy(o, "cuda", 8) for o in ("auto", "in_place", "staged", "off")] == \
+        [FarStaged, FarStaged, FarStaged, Room]  # pinned host memory: never read in place
+    assert far_policy("auto", "cpu", 0) is Room  # no warm block to lend

@@ -270,8 +270,12 @@ FAR_POLICY: dict[str, type[Room]] = {cls.mode: cls for cls in (Room, FarInPlace,
 
 
 def far_policy(offload: str, device_type: str, num_warm: int) -> type[Room]:
-    """The policy for config `offload` on a device: "auto" reads far blocks in place on CPU, where the warm slab can
-    be the tail of the cache tensor, and stages them on CUDA, where it is pinned host memory (runner/far_stage.py);
-    "staged" stages on CPU too (it runs the CUDA path's logic). Off without a warm block to lend."""
-    auto = "in_place" if device_type == "cpu" else "staged"
-    return FAR_POLICY[(auto if offload == "auto" else offload) if num_warm else "off"]
+    """The policy for config `offload` on a device: on CPU "auto" reads far blocks in place, where the warm slab can
+    be the tail of the cache tensor, and "staged" stages them (it runs the CUDA path's logic); on CUDA, where the
+    slab is pinned host memory the kernels cannot index, far blocks are always staged (runner/far_stage.py). Off
+    without a warm block to lend."""
+    if offload == "off" or num_warm <= 0:
+        return Room
+    if device_type != "cpu":
+        return FarStaged
+    return FAR_POLICY["in_place" if offload == "auto" else offload]
