@@ -116,6 +116,8 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         setups = {
             "no lower tiers (LRU)": EngineConfig(num_blocks=hot, warm_bytes=0),
+            "LRU, warm only": EngineConfig(num_blocks=hot, warm_bytes=warm),  # a deployment with no disk tier
+            "LFU, warm only": EngineConfig(num_blocks=hot, warm_bytes=warm, eviction_policy="lfu"),
             "LRU, warm + cold": EngineConfig(num_blocks=hot, warm_bytes=warm, cold_path=str(Path(tmp) / "lru")),
             "LFU, warm + cold": EngineConfig(num_blocks=hot, warm_bytes=warm, cold_path=str(Path(tmp) / "lfu1"),
                                              eviction_policy="lfu"),
