@@ -47,13 +47,11 @@ class WarmTier(SwapSpace):
         (the slab's by default)."""
         if num_warm_blocks <= 0:
             return None
-        local = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
-        pin = kv_cache.device.type == "cuda"
-        if kv_cache.shape[2] > num_blocks + 1:
-            tail = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks]
-            return cls(num_warm_blocks, block_shape or local, kv_cache.dtype, pin, slab=tail, layer_major=True)
-        slab = torch.empty((num_warm_blocks, *local), dtype=kv_cache.dtype, pin_memory=pin)
-        return cls(num_warm_blocks, block_shape or local, kv_cache.dtype, pin, slab=slab, layer_major=False)
+        local, pin = (kv_cache.shape[0], 2, *kv_cache.shape[3:]), kv_cache.device.type == "cuda"
+        beyond = kv_cache.shape[2] > num_blocks + 1  # room past the pool and the scratch block: the slab is the tail
+        slab = kv_cache[:, :, num_blocks : num_blocks + num_warm_blocks] if beyond else \
+            torch.empty((num_warm_blocks, *local), dtype=kv_cache.dtype, pin_memory=pin)
+        return cls(num_warm_blocks, block_shape or local, kv_cache.dtype, pin, slab=slab, layer_major=beyond)
 
     def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
                  slab: torch.Tensor | None = None, layer_major: bool | None = None, eviction: str = "lru",
