@@ -14,6 +14,7 @@ layer or a lower one, and no module imports one that imports it back, directly o
 """
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -32,12 +33,18 @@ def modules() -> dict[str, Path]:
     return found
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A source file's tree, parsed once for all the tests here."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the tieredkv modules it imports (a package's module where `from pkg import module`)."""
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name.startswith("tieredkv"))
             elif isinstance(node, ast.ImportFrom):
@@ -142,14 +149,14 @@ def test_conditions_on_far_blocks_live_only_where_far_blocks_are_acted_on():
         rel = path.relative_to(PACKAGE).as_posix()
         if rel in FAR_OWNERS or rel.startswith("kernels/"):
             continue
-        source, tree = path.read_text(), ast.parse(path.read_text())
+        tree = parsed(path)
         shown = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == FAR_SHOWN.get(rel)]
         for node in ast.walk(tree):
             if any(f.lineno <= getattr(node, "lineno", 0) <= f.end_lineno for f in shown):
                 continue
             tests = [node.test] if isinstance(node, (ast.If, ast.While, ast.IfExp)) else \
                 list(node.ifs) if isinstance(node, ast.comprehension) else []
-            found += [f"{rel}:{t.lineno}" for t in tests if FAR_WORDS.search(ast.get_source_segment(source, t) or "")]
+            found += [f"{rel}:{t.lineno}" for t in tests if FAR_WORDS.search(ast.unparse(t))]
     assert not found
 
 
@@ -157,6 +164,6 @@ def test_no_function_is_longer_than_50_lines():
     """A function that outgrows a screen is split where its parts have jobs of their own (engine/build.py's pieces,
     the plan command's parser); counted from `def` to its last line, docstring included."""
     long = [f"{path.relative_to(PACKAGE).as_posix()}:{node.name} ({node.end_lineno - node.lineno + 1})"
-            for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(parsed(path))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 50]
     assert not long
