@@ -28,7 +28,7 @@ def make(num_blocks=8, warm_blocks=8, budget=64, max_seqs=8, lower=None, device=
     cache = torch.zeros(LAYERS, 2, num_blocks + policy.tail(warm_blocks), BS, HEADS, DIM,
                         device=device)
     cfg = make_config(model="unused", block_size=BS, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                       scheduling_policy="fcfs")
+                      scheduling_policy="fcfs")
     spec = SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS)
     tiers, kv, _, sched = build_cache_core(cfg, spec, num_blocks, cache, TORCH_OPS, "test", warm_blocks,
                                            policy, cold=lower)

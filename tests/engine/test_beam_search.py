@@ -143,7 +143,7 @@ def test_beams_share_blocks(engines, llama_dir):
     hold one copy of the prompt and of their common history."""
     prompt_len, new, k, bs = 150, 40, 8, 16
     core = engines.core(make_config(model=str(llama_dir), num_blocks=512, enable_prefix_caching=False,
-                                     compile_decode=False, max_num_seqs=k))
+                                    compile_decode=False, max_num_seqs=k))
     prompt = make_prompts(core.spec.vocab_size)[2] * 4
     prompt = prompt[:prompt_len]
     beam = peak_blocks(core, [core.factory.make(prompt, SamplingParams(max_tokens=new, beam_width=k,
@@ -209,7 +209,7 @@ def test_searches_competing_for_a_small_pool_finish(engines, llama_dir, policy):
     beside their siblings, never interleaved with another search's (each would hold part of the pool
     and wait for the rest, for ever)."""
     core = engines.core(make_config(model=str(llama_dir), num_blocks=14, offload="off", compile_decode=False,
-                                     scheduling_policy=policy))
+                                    scheduling_policy=policy))
     drive(core, [core.factory.make(p, SamplingParams(max_tokens=MAX_NEW, beam_width=4, n=4), f"r{i}")
                  for i, p in enumerate(make_prompts(core.spec.vocab_size))], max_steps=1000)
     assert core.stats().num_preemptions > 0

@@ -39,7 +39,7 @@ def run(core, prompts, max_tokens=6, abort_after=None):
 def reference(engines, llama_dir):
     """Each conversation alone, with no prefix cache: what the shared runs must produce."""
     core = engines.core(make_config(model=str(llama_dir), num_blocks=256, enable_prefix_caching=False,
-                                     compile_decode=False))
+                                    compile_decode=False))
 
     def answer(prompt):
         return run(core, [prompt])[0]["r0"]

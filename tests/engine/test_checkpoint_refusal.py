@@ -31,7 +31,7 @@ def rewrite(model_dir, change) -> None:
 
 async def start(model_dir, **cfg):
     return await asyncio.wait_for(AsyncEngine.start(make_config(model=str(model_dir), num_blocks=16,
-                                                                 warm_bytes=0, **cfg)), 60)
+                                                                warm_bytes=0, **cfg)), 60)
 
 
 @pytest.mark.parametrize("dtype, stored", [(torch.int8, "I8"), (torch.int32, "I32"), (torch.bool, "BOOL")])

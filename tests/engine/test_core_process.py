@@ -257,7 +257,7 @@ async def test_no_core_outlives_its_application_and_each_end_writes_cold_back(ll
         app.wait()
     # the blocks it computed reached the cold tier on its way out
     async with await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=64, cold_path=str(cold),
-                                                    warm_bytes=0)) as engine:
+                                                   warm_bytes=0)) as engine:
         sources = [r.source for r in await engine.explain(list(range(100, 165)))]
     assert sources[:4] == ["cold"] * 4
 

@@ -27,7 +27,7 @@ async def engine():
     # stack in one graph is the tiny models' case in test_compiled_decode.py); a hot pool of 24 blocks (384
     # tokens) holds each chat, and makes a document of 486 tokens offload its older blocks to the warm tier
     engine = await AsyncEngine.start(make_config(model="default", num_blocks=24, warm_bytes=64 << 20,
-                                                  compile_decode=True))
+                                                 compile_decode=True))
     compiled = engine.core.runner.compiled
     # five runs of alike layers, one graph traced for them all (a repr that named a weight's address once made
     # each run a kind of its own: five traces at every start)
@@ -160,7 +160,7 @@ async def test_two_tensor_parallel_ranks_match_one_and_transformers(engine, hf):
         # plain F.linear (no oneDNN packing, whose first use adds its own code and caches to the resident memory
         # of each process), so that each rank's growth over the load is its weights
         core = EngineCore(make_config(num_blocks=96, warm_bytes=0, num_threads=1, max_num_batched_tokens=256,
-                                       tensor_parallel_size=2, cpu_linear="torch"))
+                                      tensor_parallel_size=2, cpu_linear="torch"))
         try:
             outs = run_to_end(core, chats[:1], [new])
             params = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -215,8 +215,8 @@ async def test_default_model_served_from_its_own_q4_1_blocks(engine):
 
     params = SamplingParams(max_tokens=12)
     async with await AsyncEngine.start(make_config(model="default", quantization="gguf", num_blocks=48,
-                                                    warm_bytes=0, compile_decode=False,
-                                                    int8_activations=False)) as q:
+                                                   warm_bytes=0, compile_decode=False,
+                                                   int8_activations=False)) as q:
         for messages in CHATS:
             assert (await q.generate(messages, params)).outputs[0].token_ids == \
                 (await engine.generate(messages, params)).outputs[0].token_ids

@@ -31,7 +31,7 @@ prompts = st.one_of(
 @pytest.fixture(scope="module")
 def core(engines, llama_dir):
     return engines.core(make_config(model=str(llama_dir), num_blocks=48, max_num_seqs=8, max_model_len=256,
-                                     warm_bytes=0))
+                                    warm_bytes=0))
 
 
 def run(core, prompt, params) -> list:

@@ -76,7 +76,7 @@ def references(llama_dir, adapter_dirs):
 @pytest.fixture(scope="module")
 async def engine(llama_dir, adapter_dirs):
     cfg = make_config(model=str(llama_dir), num_blocks=128, max_num_seqs=8,
-                       lora_adapters={name: str(path) for name, path in adapter_dirs.items()})
+                      lora_adapters={name: str(path) for name, path in adapter_dirs.items()})
     async with await AsyncEngine.start(cfg) as engine:
         yield engine
 
@@ -278,8 +278,8 @@ async def test_adapters_with_quantized_weights_samples_beams_and_speculation(lla
     # (int8_activations=False: a row's arithmetic the same in a step of any size, so rows batched together are
     # each what they are alone; with int8 blocks for many rows a batch past 16 rows meets other arithmetic)
     async with await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=96, quantization="int8",
-                                                    int8_activations=False,
-                                                    lora_adapters=loras)) as engine:
+                                                   int8_activations=False,
+                                                   lora_adapters=loras)) as engine:
         alone = {name: (await engine.generate(p, PARAMS, adapter=name)).outputs[0].token_ids
                  for name in (None, "qv", "all")}
         assert alone["qv"] != alone[None] and alone["all"] != alone[None]
@@ -396,7 +396,7 @@ async def test_two_ranks_split_each_adapter_as_its_layers(llama_dir, adapter_dir
     the other rank too."""
     ps, want = references
     cfg = make_config(model=str(llama_dir), tensor_parallel_size=2, num_threads=1, num_blocks=64,
-                       lora_adapters={"qv": str(adapter_dirs["qv"])})
+                      lora_adapters={"qv": str(adapter_dirs["qv"])})
     async with await AsyncEngine.start(cfg) as engine:
         await engine.load_adapter("all", adapter_dirs["all"])
         await check_alone_and_mixed(engine, ps, want)

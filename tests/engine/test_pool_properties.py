@@ -16,8 +16,8 @@ def core(engines, request, llama_dir):
     # preemptions swap (up to 10 blocks)
     caching, offload = request.param
     return engines.core(make_config(model=str(llama_dir), num_blocks=12, block_size=4, max_num_seqs=5,
-                                     max_num_batched_tokens=16, enable_prefix_caching=caching, offload=offload,
-                                     warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
+                                    max_num_batched_tokens=16, enable_prefix_caching=caching, offload=offload,
+                                    warm_bytes=20 * 3 * 2 * 4 * 2 * 16 * 4))
 
 
 add = st.tuples(st.just("add"), st.integers(1, 22), st.integers(1, 8), st.integers(1, 3), st.booleans(),

@@ -79,7 +79,7 @@ async def test_child_i_uses_seed_plus_i(engine):
 
 async def test_caching_off_hashes_nothing(engines, llama_dir):
     async with await engines.start(make_config(model=str(llama_dir), num_blocks=128,
-                                                enable_prefix_caching=False)) as engine:
+                                               enable_prefix_caching=False)) as engine:
         prompt = random_ids(100, seed=2)
         for _ in range(2):
             out = await engine.generate(prompt, SamplingParams(max_tokens=3))
@@ -90,7 +90,7 @@ async def test_caching_off_hashes_nothing(engines, llama_dir):
 
 async def test_freed_chain_is_evicted_tail_first(engines, llama_dir):
     async with await engines.start(make_config(model=str(llama_dir), num_blocks=24, block_size=16,
-                                                warm_bytes=0)) as engine:
+                                               warm_bytes=0)) as engine:
         prompt = random_ids(16 * 6 + 1, seed=4)  # 6 full blocks get cached
         await engine.generate(prompt, SamplingParams(max_tokens=1))
         pool = engine.core.pool

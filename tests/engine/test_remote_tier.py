@@ -35,7 +35,7 @@ def server(tmp_path):
 
 def config(model_dir, url, key, **cfg):
     return make_config(model=str(model_dir), num_blocks=128, warm_bytes=0, remote_url=url,
-                        cold_secret_path=str(key), **cfg)
+                       cold_secret_path=str(key), **cfg)
 
 
 async def answers(engine, prompts):
@@ -288,7 +288,7 @@ def test_the_url_password_never_reaches_a_log(tmp_path, caplog):
 async def test_a_url_the_client_cannot_take_stops_the_start_with_one_clear_error(engines, llama_dir, url, tmp_path):
     with pytest.raises(RemoteTierError, match="remote_url") as info:
         await engines.start(make_config(model=str(llama_dir), remote_url=url,
-                                         cold_secret_path=str(tmp_path / "k")))
+                                        cold_secret_path=str(tmp_path / "k")))
     assert "hunter2" not in str(info.value)
 
 

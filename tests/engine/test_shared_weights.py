@@ -64,7 +64,7 @@ def test_what_would_take_the_weights_from_another_engine_is_refused(llama_dir):
         a.close()
     with pytest.raises(LoRAError, match="not a folder"):  # a start that fails once it took the weights: no user left
         EngineCore(make_config(model=str(llama_dir), num_blocks=32, warm_bytes=0, compile_decode=False,
-                                lora_adapters={"missing": str(llama_dir / "no-such-adapter")}), shared)
+                               lora_adapters={"missing": str(llama_dir / "no-such-adapter")}), shared)
     assert shared.users(a.parts.model) == 0 and len(shared) == 1
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         EngineCore(make_config(model=str(llama_dir), tensor_parallel_size=2, num_threads=1), shared)

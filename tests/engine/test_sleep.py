@@ -50,7 +50,7 @@ async def test_level_1_gives_the_pool_back_and_the_next_request_reads_its_prefix
 
 async def test_level_2_gives_the_weights_back_and_reads_them_back_unchanged(llama_dir, tmp_path):
     cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0,
-                       cache_dir=str(fresh_cache(tmp_path / "cache")))
+                      cache_dir=str(fresh_cache(tmp_path / "cache")))
     async with await AsyncEngine.start(cfg) as engine:
         want, _ = await answer(engine)
         regions = weight_memory(engine.core.model)

@@ -110,7 +110,7 @@ def test_rejected_drafts_leave_the_cache_exact(engines, llama_dir):
     prompts = make_prompts(vocab, seed=5)[:4]
     expected = hf_greedy(llama_dir, prompts, MAX_NEW)
     core = engines.core(make_config(model=str(llama_dir), num_blocks=64, block_size=4, max_num_batched_tokens=64,
-                                     speculative=NGRAM))
+                                    speculative=NGRAM))
     try:
         core.parts.speculator.proposer = Oracle({tuple(p): e for p, e in zip(prompts, expected)}, vocab, spoil=2)
         reqs = [core.factory.make(p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), f"r{i}")
@@ -326,7 +326,7 @@ async def test_a_draft_model_proposes(engines, case, draft):
 def test_a_draft_model_must_share_the_vocabulary(llama_dir, other_vocab_dir):
     with pytest.raises(ValueError, match="vocabulary of 600 tokens"):
         EngineCore(make_config(model=str(llama_dir), num_blocks=32,
-                                speculative={"method": "draft", "model": str(other_vocab_dir)}))
+                               speculative={"method": "draft", "model": str(other_vocab_dir)}))
 
 
 def test_the_server_reports_drafts_as_openai_names_predicted_tokens():
@@ -353,7 +353,7 @@ async def test_drafts_keep_quantized_steps_on_the_integer_kernels(engines, llama
                            int8_activations=False)
     oracle = Oracle({tuple(p): w[0][0] for p, w in zip(prompts, want)}, vocab, spoil=5)
     async with await engines.start(make_config(model=str(llama_dir), num_blocks=256, quantization="int8",
-                                                int8_activations=False, speculative=NGRAM)) as engine:
+                                               int8_activations=False, speculative=NGRAM)) as engine:
         core = engine.core
         core.parts.speculator.proposer = oracle
         rows, inner = [], core.runner.execute
@@ -469,7 +469,7 @@ async def test_a_failing_proposer_or_verification_fails_no_request_it_need_not(e
 
     monkeypatch.setattr(Lifecycle, "_verify", broken_verify)
     async with await engines.start(make_config(model=str(llama_dir), num_blocks=64,
-                                                speculative=NGRAM)) as engine:
+                                               speculative=NGRAM)) as engine:
         engine.core.parts.speculator.proposer = Oracle({tuple(prompts[0]): want[0][0][0]}, 448)
         plain = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, speculative=False)
         results = await asyncio.gather(engine.generate(prompts[0], params), engine.generate(prompts[1], plain),

@@ -189,7 +189,7 @@ async def test_the_remote_tiers_bytes_and_round_trips_are_metrics(engines, otel,
 
     _, reader = otel
     cfg = make_config(model=str(llama_dir), num_blocks=64, remote_url=valkey_server.url,
-                       cold_secret_path=str(fleet_key), remote_ttl_s=600)
+                      cold_secret_path=str(fleet_key), remote_ttl_s=600)
     async with await engines.start(cfg) as engine:
         remote = engine.core.tiers.tier("remote")
         await engine.generate([(11 * i) % 400 + 3 for i in range(70)], SamplingParams(max_tokens=1))

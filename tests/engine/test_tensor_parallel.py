@@ -219,7 +219,7 @@ def test_two_ranks_keep_their_heads_as_int4_keys_and_int8_values(llama_dir, tmp_
     finally:
         core.close()
     again = EngineCore(make_config(model=str(llama_dir), num_blocks=24, warm_bytes=0, cold_path=cold,
-                                    **formats))
+                                   **formats))
     try:  # what the two ranks persisted, one process reads
         assert run_to_end(again, PROMPTS[:1], [16]) == expected[:1]
         assert again.tiers.cold.stats().promotions == len(PROMPTS[0]) // again.block_size
@@ -247,7 +247,7 @@ def test_two_ranks_publish_whole_blocks_to_the_shared_tier(llama_dir, valkey_ser
     finally:
         core.close()
     again = EngineCore(make_config(model=str(llama_dir), num_blocks=24, warm_bytes=0, remote_url=valkey_server.url,
-                                    cold_secret_path=str(key)))
+                                   cold_secret_path=str(key)))
     try:
         assert run_to_end(again, prompts[:1], [6]) == expected[:1]
         assert again.tiers.tier("remote").stats().promotions == 40 // again.block_size

@@ -180,7 +180,7 @@ async def test_only_prompt_blocks_used_twice_reach_the_disk(llama_dir, tmp_path)
 
 async def test_pins_expire_renew_and_stay_within_each_clients_share(llama_dir):
     cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0, max_pinned_fraction=0.5,
-                       max_pinned_per_client=0.5)  # 32 blocks pinned at most, 16 per client
+                      max_pinned_per_client=0.5)  # 32 blocks pinned at most, 16 per client
     async with await AsyncEngine.start(cfg) as engine:
         a, b = rand_ids(160, seed=901), rand_ids(160, seed=902)  # 10 blocks each
         assert await engine.pin(a, ttl=0.3, cache_salt="t1") == 160

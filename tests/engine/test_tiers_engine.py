@@ -81,7 +81,7 @@ async def test_other_fingerprint_on_the_same_path_gets_no_hits(engines, llama_di
 
 async def test_demoted_down_to_cold_and_promoted_back(engines, llama_dir, tmp_path):
     cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=32 * BLOCK_BYTES,
-                       cold_path=str(tmp_path / "cold"))
+                      cold_path=str(tmp_path / "cold"))
     async with await engines.start(cfg) as engine:
         first = await engine.generate(SYSTEMS[1] + [4, 5], PARAMS)
         await engine.clear_cache("hot", demote=True)

@@ -15,7 +15,7 @@ READS = 150
 
 async def test_stats_in_a_tight_loop_beside_32_streams(llama_dir):
     async with await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=96, max_num_seqs=32,
-                                                    warm_bytes=0)) as engine:
+                                                   warm_bytes=0)) as engine:
         rng = random.Random(1)
         prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 60))] for _ in range(32)]
         done, enough = asyncio.Event(), asyncio.Event()

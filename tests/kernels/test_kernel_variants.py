@@ -34,7 +34,7 @@ def workload(max_len: int, max_seqs: int, bs: int, chunk: int):
 @pytest.mark.parametrize("model", ["llama2_dir", "qwen2_dir"])  # 2 query heads per KV head; q/k/v bias
 def test_no_workload_asks_for_a_variant_the_warm_up_did_not_compile(model, request):
     cfg = make_config(model=str(request.getfixturevalue(model)), attention_backend="triton", num_blocks=64,
-                       warm_bytes=0, max_num_seqs=64)
+                      warm_bytes=0, max_num_seqs=64)
     core = EngineCore(cfg)
     try:
         runner = core.runner

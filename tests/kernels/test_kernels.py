@@ -192,7 +192,7 @@ async def test_engine_through_triton_kernels_matches_reference_kernels(engines, 
     outs = {}
     for backend in ("torch", "triton"):
         cfg = make_config(model=str(llama2_dir), num_blocks=32, block_size=8, attention_backend=backend,
-                           device=DEVICE, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
+                          device=DEVICE, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
         async with await engines.start(cfg) as engine:
             assert engine.core.runner.ops.name == backend
             assert engine.core.runner.warmed_up == (backend == "triton")  # kernels compiled at start-up
@@ -245,7 +245,7 @@ async def test_default_model_on_cuda_kernels_match_references(engines):
     outs = {}
     for backend in ("torch", "triton"):
         cfg = make_config(model="default", device="cuda", dtype="float32", attention_backend=backend,
-                           kv_cache_bytes=1 << 30)
+                          kv_cache_bytes=1 << 30)
         async with await engines.start(cfg) as engine:
             outs[backend] = [(await engine.generate(c, SamplingParams(max_tokens=32))).outputs[0].token_ids
                              for c in chats]

@@ -136,7 +136,7 @@ async def test_a_smaller_kv_stays_close_to_fp32_kv(engines, llama_dir):
     top = {}
     for name in ("float32", "bfloat16", "int8", "int4"):
         async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0,
-                                                    kv_cache_dtype=name)) as engine:
+                                                   kv_cache_dtype=name)) as engine:
             out = await engine.generate(prompt, params)
             top[name] = dict(out.outputs[0].logprobs[0].top)
     for name, tol in (("bfloat16", 0.02), ("int8", 0.05), ("int4", 0.5)):
@@ -258,7 +258,7 @@ def test_the_key_shift_is_measured_once_then_read_from_the_cache(llama2_dir, tmp
     inner = rank_build.measure_key_shift
     monkeypatch.setattr(rank_build, "measure_key_shift", lambda *a: (measured.append(1), inner(*a)))
     cfg = make_config(model=str(llama2_dir), num_blocks=16, warm_bytes=0, kv_cache_dtype="int4",
-                       compile_decode=False, cache_dir=str(fresh_cache(tmp_path)))
+                      compile_decode=False, cache_dir=str(fresh_cache(tmp_path)))
 
     def shifts():
         core = EngineCore(cfg)
@@ -306,7 +306,7 @@ async def test_warm_and_cold_hold_int8_blocks_and_a_restart_serves_them(engines,
     block = token_bytes("int8") * BS
     want, _, _ = await outputs(engines, llama_dir, PROMPTS, kv_cache_dtype="int8")
     cfg = make_config(model=str(llama_dir), kv_cache_dtype="int8", num_blocks=14, warm_bytes=8 * block,
-                       cold_path=path)
+                      cold_path=path)
     async with await engines.start(cfg) as engine:
         tiers = engine.core.tiers
         assert tiers.warm.block_bytes == block and tiers.cold.payload_bytes == block  # unconverted bytes
@@ -322,7 +322,7 @@ async def test_warm_and_cold_hold_int8_blocks_and_a_restart_serves_them(engines,
     _, usage, _ = await outputs(engines, llama_dir, PROMPTS[:1], cold_path=path)
     assert usage[0].cached_tokens_by_tier["cold"] == 0
     async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0,
-                                                cold_path=path, kv_cache_dtype="int4")) as engine:
+                                               cold_path=path, kv_cache_dtype="int4")) as engine:
         report = await engine.explain(SYSTEMS[1])
         assert report[0].source is None
         assert "its KV is stored as int8; this engine stores int4" in report[0].reason
@@ -331,18 +331,18 @@ async def test_warm_and_cold_hold_int8_blocks_and_a_restart_serves_them(engines,
 async def test_a_snapshot_keeps_the_format_and_is_refused_by_another(engines, llama_dir, tmp_path):
     path = tmp_path / "int4.tkv"
     async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
-                                                kv_cache_dtype="int4")) as engine:
+                                               kv_cache_dtype="int4")) as engine:
         want = [(await engine.generate(p, PARAMS)).outputs[0].token_ids for p in PROMPTS[:3]]
         assert await engine.export_cache(path, prompts=SYSTEMS) == 18
     assert path.stat().st_size < 18 * token_bytes("int4") * BS * 1.1  # int4 bytes, not fp32
     async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
-                                                kv_cache_dtype="int4")) as engine:
+                                               kv_cache_dtype="int4")) as engine:
         assert (await engine.import_cache(path))["imported"] == 18
         res = [await engine.generate(p, PARAMS) for p in PROMPTS[:3]]
         assert [r.outputs[0].token_ids for r in res] == want
         assert [r.usage.cached_tokens_by_tier["warm"] for r in res] == [96] * 3
     async with await engines.start(make_config(model=str(llama_dir), num_blocks=64, warm_bytes=1 << 20,
-                                                kv_cache_dtype="int8")) as engine:
+                                               kv_cache_dtype="int8")) as engine:
         with pytest.raises(SnapshotError, match="another model"):
             await engine.import_cache(path)
 

@@ -140,7 +140,7 @@ def test_the_native_step_binds_the_operators_the_batched_steps_run(engines, llam
     background: by the time finish returns): their decode attention goes to the CPU kernel, not torch's reference."""
     monkeypatch.setattr(CPU, "bound", None)  # as in a fresh process
     core = engines.core(make_config(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
-                                     compile_decode=True, compile_in_background=background))
+                                    compile_decode=True, compile_in_background=background))
     try:
         assert isinstance(core.runner.compiled, NativeDecode)
         core.runner.compiled.finish()
@@ -161,7 +161,7 @@ def test_native_step_takes_only_what_it_can(engines, llama_dir, caplog):
     """Where the step cannot serve, `make` says why and the compiled graph does: a bfloat16 cache, a model that is
     not quantized; where it can, it points at each layer's own K and V caches."""
     core = engines.core(make_config(model=str(llama_dir), quantization="int4", num_blocks=8, warm_bytes=0,
-                                     compile_decode=True))
+                                    compile_decode=True))
     plain = engines.core(make_config(model=str(llama_dir), num_blocks=8, warm_bytes=0, compile_decode=False))
     try:
         step = core.runner.compiled
@@ -194,7 +194,7 @@ def test_native_step_reads_far_blocks_in_place(engines, llama_dir):
     base = dict(model=str(llama_dir), quantization="int4")
     whole = engines.core(make_config(**base, num_blocks=64, warm_bytes=0, compile_decode=False))
     far = engines.core(make_config(**base, num_blocks=8, warm_bytes=100 * block_bytes, max_num_batched_tokens=256,
-                                    offload="in_place", compile_decode=True))
+                                   offload="in_place", compile_decode=True))
     try:
         assert far.stats().decode_path == "native" and far.kv_cache.shape[2] == 8 + 100 + 1
         assert run_to_end(far, [document], [24]) == run_to_end(whole, [document], [24])

@@ -573,7 +573,7 @@ def test_group_size_and_activation_errors(llama_dir):
         make_config(int8_activations=True)  # full-precision weights: nothing it could change
     with pytest.raises(CheckpointError, match="does not divide the input dimension 64"):  # hidden_size 64
         EngineCore(make_config(model=str(llama_dir), quantization="int4", quantization_group_size=128,
-                                num_blocks=16, warm_bytes=0))
+                               num_blocks=16, warm_bytes=0))
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
@@ -698,7 +698,7 @@ def test_engine_matches_transformers_on_the_dequantized_weights(scheme, llama_di
     prompts = [[5, 9, 33, 2, 71] * 3, list(range(3, 40)), [200, 17]]
     want = hf_greedy(ref_dir, prompts, 16)
     core = EngineCore(make_config(model=str(llama_dir), quantization=scheme, num_blocks=32, warm_bytes=0,
-                                   int8_activations=False))
+                                  int8_activations=False))
     try:
         reqs = [core.factory.make(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
         drive(core, reqs)
@@ -749,7 +749,7 @@ def test_one_sequence_decode_paths_serve_quantized_weights(llama_dir, monkeypatc
     outs, cores = [], []
     for compiled in (False, True):
         core = EngineCore(make_config(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
-                                       compile_decode=compiled, native_decode=path == "native"))
+                                      compile_decode=compiled, native_decode=path == "native"))
         cores.append(core)
         got = []
         for p in prompts:  # one at a time: every step after the prefill decodes one sequence
@@ -904,8 +904,8 @@ def test_engine_serves_a_k_quant_gguf_as_transformers_does_its_dequantized_weigh
     monkeypatch.setattr(compiled_decode, "MAX_LAYERS_PER_GRAPH", 1)  # a run per layer: runs of two kinds
     for path in ("native", "compiled"):  # the native step takes the parts too; with it off, the graphs
         core = EngineCore(make_config(model=str(model_dir), quantization="gguf", num_blocks=32, warm_bytes=0,
-                                       compile_decode=True, compile_in_background=False,
-                                       native_decode=path == "native", int8_activations=False))
+                                      compile_decode=True, compile_in_background=False,
+                                      native_decode=path == "native", int8_activations=False))
         try:
             attn, mlp = core.model.layers[0].self_attn, core.model.layers[0].mlp
             assert isinstance(attn.qkv_proj.format, quant.QuantizedParts) and attn.qkv_proj.weight is None
@@ -994,7 +994,7 @@ def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeyp
     prints = set()
     for setting in (None, False):
         cfg = make_config(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0,
-                           int8_activations=setting)
+                          int8_activations=setting)
         core = EngineCore(cfg)
         try:
             stats = core.stats()
@@ -1030,7 +1030,7 @@ def test_stats_count_what_served_each_call(llama_dir, monkeypatch, faster):
     monkeypatch.setattr(rank_build, "int8_many_rows_win", lambda weights, cache_dir: faster)
     monkeypatch.setattr(rank_build, "int8_fewest_rows", lambda weights, cache_dir: 8)
     core = EngineCore(make_config(model=str(llama_dir), quantization="int4", num_blocks=32, warm_bytes=0,
-                                   compile_decode=True))
+                                  compile_decode=True))
     try:
         assert core.stats().decode_path == "native" and core.stats().kernel_calls == {}
         layers = core.spec.num_layers

@@ -295,7 +295,7 @@ def test_the_cli_serves_and_on_sigterm_drains_writes_the_cold_tier_and_exits_0(t
 async def cold_tokens(llama_dir, cold, key, prompt) -> int:
     """Prompt tokens a fresh engine on the cold store serves from it."""
     config = make_config(model=str(llama_dir), num_blocks=32, cold_path=str(cold), cold_secret_path=str(key),
-                          warm_bytes=0)
+                         warm_bytes=0)
     async with await AsyncEngine.start(config) as engine:
         out = await engine.generate(prompt, SamplingParams(max_tokens=1))
         return out.usage.cached_tokens_by_tier.get("cold", 0)
@@ -305,7 +305,7 @@ async def test_close_on_signals_drains_an_application_engine(llama_dir, tmp_path
     """The Python API: close_on_signals(grace) makes SIGTERM refuse new streams at once, let the running
     ones finish, and close (writing the cold tier); closed() returns then."""
     engine = await AsyncEngine.start(make_config(model=str(llama_dir), num_blocks=32, cold_path=str(tmp_path),
-                                                  warm_bytes=0))
+                                                 warm_bytes=0))
     engine.close_on_signals(grace=30)
     prompt = list(range(5, 5 + 40))
     async with engine.stream(prompt, SamplingParams(max_tokens=30, ignore_eos=True)) as stream:

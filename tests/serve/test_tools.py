@@ -79,7 +79,7 @@ async def default_server():
     # the default model's own Q4_1 file with its native decode step, as served for speed: these tests check the
     # protocol and the grammars on a real model's answers (test_default_model.py checks its arithmetic)
     engine = await AsyncEngine.start(make_config(model="default", quantization="gguf", compile_decode=True,
-                                                  num_blocks=256, max_num_seqs=16))
+                                                 num_blocks=256, max_num_seqs=16))
     runner, client, url = await _served(engine)
     yield engine, client, url
     await client.close()
@@ -107,7 +107,7 @@ def hermes_dir(tmp_path_factory):
 @pytest.fixture(scope="module", params=sorted(NATIVE))
 async def native_server(request, tmp_path_factory):
     engine = await AsyncEngine.start(make_config(model=str(native_dir(tmp_path_factory, request.param)),
-                                                  num_blocks=256, max_num_seqs=8))
+                                                 num_blocks=256, max_num_seqs=8))
     runner, client, url = await _served(engine)
     yield request.param, engine, client, url
     await client.close()
