@@ -33,6 +33,7 @@ from tieredkv.kernels import KernelOps
 from tieredkv.kernels.kv_format import KVLayout
 from tieredkv.kernels.quant import int16_rows_most
 from tieredkv.models.llama import LlamaModel
+from tieredkv.models.loader import QuantSettings
 from tieredkv.models.spec import ModelSpec
 from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.models.tp_group import TPGroup
@@ -173,7 +174,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
     identity = identity_in_background(model_dir, quant, cache_dir)  # hashed while the weights load
     compiled = compile_wanted(cfg.compile_decode, device) and tp.world == 1
     kv_format = resolve_kv_layout(cfg, spec, dtype, device)
-    model, ops, memory = _weights(cfg, device, dtype, model_dir, spec, tokenizer, tp, (compiled, kv_format),
+    model, ops, memory = _weights(cfg, device, dtype, model_dir, spec, tokenizer, tp, (compiled, kv_format, quant),
                                   lambda: identity.result(), shared)
     leader = tp if tp.world > 1 else None
     num_warm = warm_blocks(cfg, spec, kv_format)
@@ -228,13 +229,15 @@ def _speculator(cfg: EngineConfig, device: torch.device, spec: ModelSpec, model:
 
 
 def _weights(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, model_dir: Path, spec: ModelSpec,
-             tokenizer: Tokenizer, tp: TPGroup, form: tuple[bool, KVLayout], identity: Callable[[], str],
+             tokenizer: Tokenizer, tp: TPGroup, form: tuple[bool, KVLayout, QuantSettings | None],
+             identity: Callable[[], str],
              shared: SharedWeights | None) -> tuple[LlamaModel, KernelOps, "RankMemory | list[RankMemory]"]:
     """This rank's share of the weights as the engine reads them (loaded, held in the kernels' layout, 4-bit keys'
     shifts set) and the kernel set: loaded here, or with `shared` taken from it where an earlier engine of this
-    process loaded them in the same form (engine/shared_weights.py). `form`: (compiled decode, the KV formats);
-    `identity`: the checkpoint's identity hash (engine/identity.py), asked only where keys are shifted."""
-    quant, (compiled, kv_format) = quant_settings(cfg, model_dir), form
+    process loaded them in the same form (engine/shared_weights.py). `form`: (compiled decode, the KV formats, the
+    quantization settings); `identity`: the checkpoint's identity hash (engine/identity.py), asked only where keys
+    are shifted."""
+    compiled, kv_format, quant = form
 
     def load() -> tuple[LlamaModel, KernelOps, "RankMemory | list[RankMemory]"]:
         model, ops, memory = load_share(cfg, model_dir, device, tp, compiled)
