@@ -517,7 +517,7 @@ def test_tiled_products_are_the_same_bits_on_every_build(kernel_cache):
 
     from tieredkv.kernels.quant_cpu import load
 
-    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(6, 320, generator=torch.Generator().manual_seed(4))  # a group of four rows and two more
     bias = torch.randn(32)
     for fmt, g in (("int4-sym", 64), ("gguf-Q5_1", 32)):  # q4 in groups of 64; q8 with offsets
         _, tiled = tiled_weights(fmt, 32, 320)
@@ -527,7 +527,7 @@ def test_tiled_products_are_the_same_bits_on_every_build(kernel_cache):
             lib = load(kernel_cache, flags)
             q8 = tiled.fmt == "q8t"
             for rows, call in ((1, lib.tkv_q8t_gemv if q8 else lib.tkv_q4t_gemv),
-                               (3, lib.tkv_q8t_linear if q8 else lib.tkv_q4t_linear)):
+                               (6, lib.tkv_q8t_linear if q8 else lib.tkv_q4t_linear)):
                 out = torch.empty(rows, 32)
                 args = (x.data_ptr(), 320) if rows == 1 else (x.data_ptr(), rows, 320)
                 assert call(*args, tiled.codes.data_ptr(), tiled.scales.data_ptr(), offsets, g, 32, bias.data_ptr(),
@@ -535,6 +535,23 @@ def test_tiled_products_are_the_same_bits_on_every_build(kernel_cache):
                 outs.append(out)
         assert all(torch.equal(o, outs[0] if o.shape[0] == 1 else outs[1]) for o in outs), fmt
         assert torch.equal(outs[0][0], outs[1][0])  # a row alone or among others
+
+
+@pytest.mark.parametrize("fmt", TILED)
+def test_a_tiled_row_is_the_same_bits_alone_or_among_others(lib, fmt):
+    """The tiled products of several rows (a batched step, a speculative step's verification rows) take the rows
+    four at a time, each block's codes unpacked once for the four (quant_cpu.c: tile_group_outputs), and each row's
+    outputs are still those of the one-row product: every count of rows up to the kernels' most (whole groups of
+    four and every remainder), with and without a bias, on this processor's build and the plain C one."""
+    k = 256 if fmt in K_QUANTS else 384
+    _, tiled = tiled_weights(fmt, 48, k)
+    most = quant.kernel_rows(tiled.codes)
+    x = torch.randn(most, k, generator=torch.Generator().manual_seed(7)) * 3
+    x[:, 9] = 30.0  # an outlier channel
+    for bias in (None, torch.randn(48)):
+        alone = torch.cat([quant.quant_linear(x[i : i + 1], tiled, bias) for i in range(most)])
+        for rows in range(2, most + 1):
+            assert torch.equal(quant.quant_linear(x[:rows], tiled, bias), alone[:rows]), (rows, bias is None)
 
 
 def test_tiles_only_where_they_fit(lib):
