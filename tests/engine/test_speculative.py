@@ -242,6 +242,28 @@ def test_ngram_index_finds_the_latest_longest_match():
     assert index.lookup([5, 6], 2) == []
 
 
+def test_ngram_index_follows_the_passage_being_copied():
+    """While the output goes on as the passage its last match found, the draft continues that passage, though the
+    latest occurrence of the suffix lies elsewhere (a line of notes copied whose ", led by" every line has); once
+    the output leaves it, the lookup starts again."""
+    tokens = [10, 1, 2, 11, 12, 1, 2, 13, 14, 99, 10]
+    index = NgramIndex(1, 2)
+    index.extend(tokens)
+    assert index.lookup(tokens, 3) == [1, 2, 11]  # "10" occurred at 0
+    tokens += [1, 2]  # the draft's first two accepted
+    index.extend(tokens)
+    assert index.lookup(tokens, 3) == [11, 12, 1]  # on the passage of the first "10", not the latest "1 2"
+    fresh = NgramIndex(1, 2)
+    fresh.extend(tokens)
+    assert fresh.lookup(tokens, 3) == [13, 14, 99]  # what the latest "1 2" alone would give
+    tokens += [11, 7]  # the output leaves the passage: 7 never occurred before
+    index.extend(tokens)
+    assert index.lookup(tokens, 3) == [] and index.follow is None
+    tokens += [1]
+    index.extend(tokens)
+    assert index.lookup(tokens, 2) == [2, 11]  # a new match: the latest "1" (in the copied output)
+
+
 def test_ngram_proposer_reads_prompt_and_output(engines, llama_dir):
     core = engines.core(make_config(model=str(llama_dir), num_blocks=32, speculative=NGRAM))
     try:

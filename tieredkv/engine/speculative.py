@@ -49,13 +49,16 @@ class Proposer(Protocol):
 
 class NgramIndex:
     """Where each n-gram (n in [lo, hi]) of a token list last occurred with a token after it: appended to as
-    the list grows, so a step looks its suffix up in O(hi - lo) dict reads whatever the document's length."""
+    the list grows, so a step looks its suffix up in O(hi - lo) dict reads whatever the document's length. It also
+    follows the match it found last while the list goes on as the text there did (text being copied)."""
 
     def __init__(self, lo: int, hi: int):
         self.sizes = range(hi, lo - 1, -1)  # longest first: a longer match is the better guess
         # n-gram -> the position of the token that followed it
         self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self.indexed = 0  # positions whose preceding n-grams are in `last`
+        # (position, length): the last lookup found the list's first `length` tokens continued at `position`
+        self.follow: tuple[int, int] | None = None
 
     def extend(self, tokens: list[int]) -> None:
         """Indexes the n-grams that end before each position up to the last token (which has no successor yet)."""
@@ -66,12 +69,24 @@ class NgramIndex:
         self.indexed = max(self.indexed, len(tokens))
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """The k tokens (or fewer) that followed the latest earlier occurrence of the longest indexed suffix."""
+        """The k tokens (or fewer) that follow the match of the list's suffix: the match the last lookup found,
+        while every token since then went on as the text there did (a passage being copied stays on its own
+        line, however often its last few tokens occur elsewhere: project notes whose every line has ", led by"),
+        else the latest earlier occurrence of the longest indexed suffix."""
+        if self.follow is not None:
+            at, upto = self.follow
+            while upto < len(tokens) and tokens[at] == tokens[upto]:  # (at < upto: the match lies before)
+                at, upto = at + 1, upto + 1
+            if upto == len(tokens):
+                self.follow = (at, upto)
+                return tokens[at : at + k]
+        self.follow = None
         for n in self.sizes:
             if len(tokens) < n:
                 continue
             p = self.last[n].get(tuple(tokens[-n:]))
             if p is not None:
+                self.follow = (p, len(tokens))
                 return tokens[p : p + k]
         return []
 
@@ -79,7 +94,9 @@ class NgramIndex:
 class NgramProposer:
     """Prompt lookup (transformers' prompt_lookup_num_tokens, vLLM's and llama.cpp's n-gram): the draft is what
     followed the sequence's last n tokens where they occurred before in its own prompt or output, n from
-    prompt_lookup_max down to prompt_lookup_min. A long document is the best draft a question about it has."""
+    prompt_lookup_max down to prompt_lookup_min, or what follows the passage the sequence is copying while its
+    output goes on as that passage does (NgramIndex.lookup). A long document is the best draft a question about it
+    has."""
 
     name = "ngram"
     free = True  # a lookup costs nothing worth weighing: a back-off may end in a full draft (Speculator)
