@@ -235,6 +235,37 @@ def test_one_row_kernels_read_onednns_packed_weights_where_they_lie(lib, dtype, 
     assert a.extra_repr() == b.extra_repr() and f"{layout[0]} x {layout[1]}" in a.extra_repr()
 
 
+@pytest.mark.parametrize("shape", [(960, 576), (100, 161), (7, 33), (4097, 64)])
+def test_a_few_fp32_rows_on_a_packed_weight_are_each_the_one_row_kernels_bits(lib, shape):
+    """A batched step's or a verification's few fp32 rows on a packed weight: on a build with AVX-512 through the
+    kernel of several rows, each row the same bits as the one-row kernel gives it alone (so a speculative step's
+    verification rows are plain decoding's), every count of rows to FEW_PACKED_ROWS (groups of six and every
+    remainder), bias or not; on the other builds oneDNN's product. Both equal F.linear within float rounding;
+    past FEW_PACKED_ROWS, oneDNN's product."""
+    n, k = shape
+    g = torch.Generator().manual_seed(n * k)
+    w, b = torch.randn(n, k, generator=g) * 0.1, torch.randn(n, generator=g)
+    x = torch.randn(linear.FEW_PACKED_ROWS + 3, k, generator=g)
+    packed = pack_onednn_weight(w)
+    layout = linear.packed_row_layout(packed)
+    assert layout is not None
+    native = bool(quant_cpu.CPU.lib.tkv_f32_packed_rows_native())
+    for bias in (None, b):
+        alone = torch.cat([linear.one_row_or_onednn(x[i : i + 1], packed, layout, bias) for i in range(len(x))])
+        for rows in range(2, linear.FEW_PACKED_ROWS + 1):
+            got = linear.one_row_or_onednn(x[:rows], packed, layout, bias)
+            if native:
+                assert torch.equal(got, alone[:rows]), (rows, bias is None)
+            else:
+                assert torch.equal(got, onednn_linear(x[:rows], packed, bias))
+            torch.testing.assert_close(got, F.linear(x[:rows], w, bias), rtol=1e-5, atol=1e-5)
+        many = linear.one_row_or_onednn(x, packed, layout, bias)
+        assert torch.equal(many, onednn_linear(x, packed, bias))
+    # leading dimensions come back in their own shape; no rows, no outputs
+    assert linear.one_row_or_onednn(x[:6].view(2, 3, k), packed, layout, b).shape == (2, 3, n)
+    assert linear.one_row_or_onednn(x[:0], packed, layout, b).shape == (0, n)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_buffers_handle_takes_one_row_through_the_cpp_operator(lib, dtype):
     """Where the one-row kernels read the packed layout and its blocks cover the outputs, the handle is the

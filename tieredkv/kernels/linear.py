@@ -210,15 +210,41 @@ def _dense_packed(x, handle, bias):
     return one_row_or_onednn(x, *entry, bias)
 
 
+# up to this many fp32 rows quant_cpu.c's kernel multiplies a packed weight (tkv_f32_packed_rows, AVX-512 builds),
+# oneDNN above: on an AMD EPYC (Zen 4, 2 threads) over the default model's products it took 0.48-0.69x oneDNN's time
+# for 2-6 rows, 0.74x for 9 (a verification of 8 drafts), 0.85x for 16, 0.90x for 32
+FEW_PACKED_ROWS = 16
+
+
 def one_row_or_onednn(x, packed, layout, bias):
     """One row (a batch-1 decode step) through the one-row kernel where `layout` (packed_row_layout) is one it
-    reads, else oneDNN's product: for one row oneDNN read the default model's layers at 30-39 GB/s on an AMD
-    EPYC Zen 5, the kernel at 39-59 (fp32), 25-32 against 36-45 (bf16)."""
-    if layout is not None and x.numel() == x.shape[-1] == packed.shape[1] and x.dtype == packed.dtype:
-        out = packed_row(x, packed, layout, bias)
+    reads, a few fp32 rows (a batched step, a speculative step's verification) through the kernel of several rows
+    on AVX-512 builds, each row the same bits as alone; else oneDNN's product. For one row oneDNN read the default
+    model's layers at 30-39 GB/s on an AMD EPYC Zen 5, the kernel at 39-59 (fp32), 25-32 against 36-45 (bf16)."""
+    if layout is not None and x.shape[-1] == packed.shape[1] and x.dtype == packed.dtype:
+        rows = x.numel() // x.shape[-1]
+        out = packed_row(x, packed, layout, bias) if rows == 1 else \
+            packed_rows(x, packed, layout, bias) if 1 < rows <= FEW_PACKED_ROWS else None
         if out is not None:
             return out
     return onednn_linear(x, packed, bias)
+
+
+def packed_rows(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int, int], bias: torch.Tensor | None
+                ) -> torch.Tensor | None:
+    """Rows x [..., K] of fp32 times `packed` through quant_cpu.c's kernel of several rows (each row the one-row
+    kernel's bits); None where that kernel does not serve (bf16, a build without AVX-512, no kernels loaded)."""
+    if CPU.lib is None or x.dtype != torch.float32 or not CPU.lib.tkv_f32_packed_rows_native():
+        return None
+    n, k = packed.shape
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
+    b = None if bias is None else bias.float().contiguous()
+    block, stored, address = layout
+    if CPU.lib.tkv_f32_packed_rows(x2.data_ptr(), x2.shape[0], k, address, n, block, stored,
+                                   None if b is None else b.data_ptr(), out.data_ptr()) != 0:
+        raise RuntimeError(f"packed product of several rows: blocks of {block} x {stored} not taken by the kernel")
+    return out
 
 
 def _dense_packed_shape(x, handle, bias):

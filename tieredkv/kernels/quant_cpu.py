@@ -48,6 +48,8 @@ _SIGNATURES = {
     "tkv_q8_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "tkv_q4_rows": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "tkv_f32_packed_row": ([_P, _I, _P, _I, _I, _I, _P, _P], ctypes.c_int),
+    "tkv_f32_packed_rows": ([_P, _I, _I, _P, _I, _I, _I, _P, _P], ctypes.c_int),
+    "tkv_f32_packed_rows_native": ([], ctypes.c_int),
     "tkv_bf16_packed_row": ([_P, _I, _P, _I, _I, _I, _P, _P], ctypes.c_int),
     "tkv_q4_max_rows": ([], ctypes.c_int),
     "tkv_q4t_linear": ([_P, _I, _I, _P, _P, _P, _I, _I, _P, _P], ctypes.c_int),
