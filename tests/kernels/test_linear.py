@@ -412,8 +412,8 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
         assert all(lay is None or lay[2] == torch.ops.mkldnn.data_ptr(w) for lay, w in zip(layouts, weights))
         if not compiled and any(layouts):  # eager batch-1 steps run the one-row kernels, tokens unchanged
             calls = []
-            real = linear.packed_row
-            monkeypatch.setattr(linear, "packed_row", lambda *a: calls.append(1) or real(*a))
+            real = linear.packed_product
+            monkeypatch.setattr(linear, "packed_product", lambda *a: calls.append(1) or real(*a))
             prompt = list(range(5, 14))
             assert run_to_end(core, [prompt], [6]) == hf_greedy(llama_dir, [prompt], 6)
             assert len(calls) >= 5 * sum(lay is not None for lay in layouts)  # the 5 steps after the prefill

@@ -156,24 +156,6 @@ def packed_range(packed: torch.Tensor) -> tuple[int, int]:
     return torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
 
 
-def packed_row(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int, int], bias: torch.Tensor | None
-               ) -> torch.Tensor | None:
-    """One row x [..., K] times `packed` through quant_cpu.c's one-row kernel for its layout (packed_row_layout);
-    None where the kernels are not loaded (then oneDNN's product serves)."""
-    if CPU.lib is None:
-        return None
-    n, k = packed.shape
-    x = x.contiguous()
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
-    b = None if bias is None else bias.float().contiguous()
-    fn = CPU.lib.tkv_f32_packed_row if x.dtype == torch.float32 else CPU.lib.tkv_bf16_packed_row
-    block, stored, address = layout
-    status = fn(x.data_ptr(), k, address, n, block, stored, None if b is None else b.data_ptr(), out.data_ptr())
-    if status != 0:
-        raise RuntimeError(f"packed one-row product: blocks of {block} x {stored} not taken by the kernel")
-    return out
-
-
 def with_row_layout(packed: torch.Tensor) -> torch.Tensor:
     """`packed`, carrying the layout the one-row kernels read it in (packed_row_layout; None: oneDNN's product
     serves its single rows), found once where the weights are packed."""
@@ -219,31 +201,39 @@ FEW_PACKED_ROWS = 16
 def one_row_or_onednn(x, packed, layout, bias):
     """One row (a batch-1 decode step) through the one-row kernel where `layout` (packed_row_layout) is one it
     reads, a few fp32 rows (a batched step, a speculative step's verification) through the kernel of several rows
-    on AVX-512 builds, each row the same bits as alone; else oneDNN's product. For one row oneDNN read the default
-    model's layers at 30-39 GB/s on an AMD EPYC Zen 5, the kernel at 39-59 (fp32), 25-32 against 36-45 (bf16)."""
+    on AVX-512 builds, each row the same bits as alone (packed_product); else oneDNN's product. For one row oneDNN
+    read the default model's layers at 30-39 GB/s on an AMD EPYC Zen 5, the kernel at 39-59 (fp32), 25-32 against
+    36-45 (bf16)."""
     if layout is not None and x.shape[-1] == packed.shape[1] and x.dtype == packed.dtype:
-        rows = x.numel() // x.shape[-1]
-        out = packed_row(x, packed, layout, bias) if rows == 1 else \
-            packed_rows(x, packed, layout, bias) if 1 < rows <= FEW_PACKED_ROWS else None
+        out = packed_product(x, packed, layout, bias)
         if out is not None:
             return out
     return onednn_linear(x, packed, bias)
 
 
-def packed_rows(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int, int], bias: torch.Tensor | None
-                ) -> torch.Tensor | None:
-    """Rows x [..., K] of fp32 times `packed` through quant_cpu.c's kernel of several rows (each row the one-row
-    kernel's bits); None where that kernel does not serve (bf16, a build without AVX-512, no kernels loaded)."""
-    if CPU.lib is None or x.dtype != torch.float32 or not CPU.lib.tkv_f32_packed_rows_native():
+def packed_product(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int, int], bias: torch.Tensor | None
+                   ) -> torch.Tensor | None:
+    """x [..., K] times `packed` through quant_cpu.c's kernels for its layout (packed_row_layout): one row (fp32 or
+    bf16), or 2 to FEW_PACKED_ROWS fp32 rows on a build with AVX-512; None where they do not serve (then oneDNN's
+    product does): more rows, several bf16 rows or without AVX-512, no kernels loaded."""
+    rows = x.numel() // x.shape[-1]
+    lib = CPU.lib
+    several = 1 < rows <= FEW_PACKED_ROWS and x.dtype == torch.float32
+    if lib is None or not (rows == 1 or several and lib.tkv_f32_packed_rows_native()):
         return None
     n, k = packed.shape
-    x2 = x.reshape(-1, k).contiguous()
+    x = x.contiguous()
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
-    b = None if bias is None else bias.float().contiguous()
+    b = None if bias is None else bias.float().contiguous()  # (held while the kernel reads it)
+    bp = None if b is None else b.data_ptr()
     block, stored, address = layout
-    if CPU.lib.tkv_f32_packed_rows(x2.data_ptr(), x2.shape[0], k, address, n, block, stored,
-                                   None if b is None else b.data_ptr(), out.data_ptr()) != 0:
-        raise RuntimeError(f"packed product of several rows: blocks of {block} x {stored} not taken by the kernel")
+    if rows > 1:
+        status = lib.tkv_f32_packed_rows(x.data_ptr(), rows, k, address, n, block, stored, bp, out.data_ptr())
+    else:
+        fn = lib.tkv_f32_packed_row if x.dtype == torch.float32 else lib.tkv_bf16_packed_row
+        status = fn(x.data_ptr(), k, address, n, block, stored, bp, out.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"packed product of {rows} row(s): blocks of {block} x {stored} not taken by the kernel")
     return out
 
 
