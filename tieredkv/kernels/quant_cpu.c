@@ -1089,6 +1089,11 @@ INLINE void tile_group_outputs(const int bits, const uint8_t *tc, const uint16_t
 #endif
 }
 
+/* The outputs of tile t (+ bias) for activation row i, into out's row i (rows N apart) */
+INLINE void tile_store(const float *o, const float *bias, int64_t N, int64_t t, int64_t i, float *out) {
+    for (int r = 0; r < TILE_ROWS; r++) out[i * N + t * TILE_ROWS + r] = o[r] + (bias ? bias[t * TILE_ROWS + r] : 0.f);
+}
+
 /* Tile t's outputs (+ bias) for all M activation rows, TILE_GROUP rows at a time, into out [M, ostride] */
 INLINE void tile_all_rows(const int bits, const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t K,
                           int64_t g, const tkv_int8_rows *a, int64_t M, int64_t t, const float *bias,
@@ -1107,15 +1112,8 @@ INLINE void tile_all_rows(const int bits, const uint8_t *q, const uint16_t *d, c
             tile_group_outputs(8, tc, td, tm, K, g / 32, a, i0, TILE_GROUP, o);
         else
             tile_group_outputs(8, tc, td, tm, K, g / 32, a, i0, R, o);
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < TILE_ROWS; j++)
-                out[(i0 + r) * ostride + t * TILE_ROWS + j] = o[r * TILE_ROWS + j] + (bias ? bias[t * TILE_ROWS + j] : 0.f);
+        for (int r = 0; r < R; r++) tile_store(o + r * TILE_ROWS, bias, ostride, t, i0 + r, out);
     }
-}
-
-/* The outputs of tile t (+ bias) for activation row i, into out's row i */
-INLINE void tile_store(const float *o, const float *bias, int64_t N, int64_t t, int64_t i, float *out) {
-    for (int r = 0; r < TILE_ROWS; r++) out[i * N + t * TILE_ROWS + r] = o[r] + (bias ? bias[t * TILE_ROWS + r] : 0.f);
 }
 
 /* The int8 blocks of M activation rows (q8_blocks) in `mem` (tkv_int8_blocks_bytes): codes [M, K], then the
