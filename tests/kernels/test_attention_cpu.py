@@ -356,13 +356,36 @@ def test_prefill_kernel_matches_the_reference(lib, seqs, bs, kv_heads, group, d)
 
 def test_prefill_kernel_over_a_long_context_lays_it_out_in_memory_of_its_own(lib):
     """A context whose keys and values laid out pass the 32 MB a thread keeps (attention_cpu.c: PF_KEPT) takes an
-    allocation of its own, given back after: the same attention as the reference, a chunk after 33,000 cached
-    positions."""
+    allocation of its own, given back after: the same attention as the reference, a chunk of 12 queries after 33,000
+    cached positions."""
     _, kc, vc, tables, ctx = paged_batch([33_000], bs=16, kv_heads=1, group=2, d=128, pad=0, spare=0)
-    q = torch.randn(3, 2, 128, generator=torch.Generator().manual_seed(4))
-    starts = torch.tensor([0, 3], dtype=torch.int32)
+    q = torch.randn(12, 2, 128, generator=torch.Generator().manual_seed(4))  # (more than a short chunk's queries)
+    starts = torch.tensor([0, 12], dtype=torch.int32)
     torch.testing.assert_close(prefill_attention_cpu(q, kc, vc, tables, starts, ctx, 128**-0.5),
                                prefill_attention_ref(q, kc, vc, tables, starts, ctx, 128**-0.5), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("chunk, context", [(1, 40), (2, 8), (5, 700), (9, 36), (9, 1000), (9, 4097)])
+@pytest.mark.parametrize("k, v", [("float32", "float32"), ("int8", "int8")])
+def test_a_short_chunk_over_a_long_context_attends_as_decode_rows(lib, chunk, context, k, v):
+    """A lone sequence's chunk of at most 9 queries over at least 4 times as many positions (a speculative
+    verification: the last token and its drafts) attends as decode rows (attention_cpu.c: chunk_as_decode): query j
+    gets exactly what decode attention gives it alone over its L - T + j + 1 positions, bit for bit, and the
+    reference's attention; a longer chunk, or a shorter context, takes the prefill items (the reference's too)."""
+    d, kv_heads, group = 64, 3, 3
+    _, kc, vc, tables, ctx = paged_batch([context], d=d, kv_heads=kv_heads, group=group, pad=0, seed=chunk)
+    kv = KVLayout.resolve(k, v, d, torch.float32)
+    kr, vr, _, _ = stored(kc, vc, kv)
+    q = torch.randn(chunk + 1, kv_heads * group, d, generator=torch.Generator().manual_seed(context))
+    for t in (chunk, chunk + 1):
+        starts = torch.tensor([0, t], dtype=torch.int32)
+        got = prefill_attention_cpu(q[:t], kr, vr, tables, starts, ctx, 0.125, kv=kv)
+        torch.testing.assert_close(got, prefill_attention_ref(q[:t], kr, vr, tables, starts, ctx, 0.125, kv=kv),
+                                   rtol=2e-5, atol=2e-6)
+        if t <= 9 and context >= 4 * t:
+            lens = [torch.tensor([context - t + j + 1], dtype=torch.int32) for j in range(t)]
+            alone = torch.cat([paged(q[j : j + 1], kr, vr, tables, lens[j], 0.125, *kv.kernel_codes) for j in range(t)])
+            assert torch.equal(got, alone), (t, context)
 
 
 @pytest.mark.parametrize("k,v", [("bfloat16", "bfloat16"), ("float16", "int8"), ("int8", "int8"), ("int4", "int4")])
