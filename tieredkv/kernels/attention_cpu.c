@@ -841,8 +841,10 @@ int tkv_prefill_attention(const float *q, int64_t Hq, int64_t D, const void *kc,
         tiles += (T * G + per - 1) / per;
         spans += (L + PF_SPAN - 1) / PF_SPAN;
     }
-    if (B == 1 && qstart[1] - qstart[0] <= PF_DECODE_ROWS && lens[0] >= PF_DECODE_SPAN * (qstart[1] - qstart[0]))
-        return chunk_as_decode(q, qstart[1] - qstart[0], Hq, D, kc, vc, fmt, rb, bs, Hkv, tables, lens[0], scale, out);
+    const int64_t T0 = qstart[1] - qstart[0];
+    if (B == 1 && T0 <= PF_DECODE_ROWS && lens[0] >= PF_DECODE_SPAN * T0)
+        return chunk_as_decode(q + (int64_t)qstart[0] * Hq * D, T0, Hq, D, kc, vc, fmt, rb, bs, Hkv, tables, lens[0],
+                               scale, out + (int64_t)qstart[0] * Hq * D);
     const size_t bytes = (size_t)floats * sizeof(float) + (size_t)(2 * B + tiles + spans) * sizeof(int64_t);
     /* the thread's scratch, which it keeps, up to PF_KEPT bytes; a long context's layout is its own allocation,
      * given back when done (its page faults are small beside that many positions' products) */
