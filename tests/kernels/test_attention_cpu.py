@@ -3,6 +3,7 @@ written out per sequence, on each build of the kernels (this processor's, AVX2, 
 thread counts, bf16 caches, shared-prefix plans, the compiled graph's call, and the inputs it refuses; and the
 CPU prefill attention kernel (tkv_prefill_attention) against the torch reference."""
 
+import itertools
 import random
 from collections import Counter
 
@@ -386,6 +387,23 @@ def test_a_short_chunk_over_a_long_context_attends_as_decode_rows(lib, chunk, co
             lens = [torch.tensor([context - t + j + 1], dtype=torch.int32) for j in range(t)]
             alone = torch.cat([paged(q[j : j + 1], kr, vr, tables, lens[j], 0.125, *kv.kernel_codes) for j in range(t)])
             assert torch.equal(got, alone), (t, context)
+
+
+@pytest.mark.parametrize("seqs, as_decode", [([(9, 600), (5, 1000), (1, 512)], True), ([(9, 600), (9, 128)], False)])
+def test_several_short_chunks_over_long_contexts_attend_as_decode_rows(lib, seqs, as_decode):
+    """A batch's verifications (chunks of at most 9 queries) over at least 512 positions each attend as decode rows,
+    every query decode attention's bits alone; where one context is shorter, the whole batch takes the prefill
+    items. The reference's attention either way."""
+    d, kv_heads, group = 64, 3, 3
+    _, kc, vc, tables, ctx = paged_batch([n for _, n in seqs], d=d, kv_heads=kv_heads, group=group, pad=0)
+    starts = torch.tensor([0, *itertools.accumulate(t for t, _ in seqs)], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), kv_heads * group, d, generator=torch.Generator().manual_seed(3))
+    got = prefill_attention_cpu(q, kc, vc, tables, starts, ctx, 0.125)
+    torch.testing.assert_close(got, prefill_attention_ref(q, kc, vc, tables, starts, ctx, 0.125), rtol=2e-5, atol=2e-6)
+    alone = torch.cat([paged(q[int(starts[b]) + j : int(starts[b]) + j + 1], kc, vc, tables[b : b + 1],
+                             torch.tensor([n - t + j + 1], dtype=torch.int32), 0.125)
+                       for b, (t, n) in enumerate(seqs) for j in range(t)])
+    assert torch.equal(got, alone) == as_decode
 
 
 @pytest.mark.parametrize("k,v", [("bfloat16", "bfloat16"), ("float16", "int8"), ("int8", "int8"), ("int4", "int4")])

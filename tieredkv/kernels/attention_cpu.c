@@ -635,13 +635,16 @@ void tkv_attention_share(const float *q, int64_t qs, int64_t R, int64_t Hq, int6
 #endif
 #define PF_KEYS (2 * PF_W)  /* positions a chunk */
 #define PF_ROWS 32          /* query vectors an item takes at most */
-/* a lone sequence's chunk of at most PF_DECODE_ROWS queries over at least PF_DECODE_SPAN times as many positions
- * attends as decode rows (chunk_as_decode). Measured on an AMD EPYC (Zen 4, 2 threads), the default model's 30
- * layers (9 query heads, 3 KV heads, 64 dims), against the items: 2 to 9 queries over 48 to 4,000 positions
- * 0.18-0.70x the time (9 over 128: 3.12 -> 1.93 ms, over 1,000: 21.4 -> 8.3, over 4,000: 44.0 -> 27.2); 9 over 16
- * 1.05x, and 16 queries over 4,000 positions 1.22x (there the items' matrix products win). */
+/* chunks of at most PF_DECODE_ROWS queries attend as decode rows (chunks_as_decode): a lone sequence's over at least
+ * PF_DECODE_SPAN times as many positions, several sequences' where each has at least PF_DECODE_BATCH positions.
+ * Measured on an AMD EPYC (Zen 4, 2 threads), the default model's 30 layers (9 query heads, 3 KV heads, 64 dims),
+ * against the items. One sequence: 2 to 9 queries over 48 to 4,000 positions 0.18-0.70x the time (9 over 128: 3.12
+ * -> 1.93 ms, over 1,000: 21.4 -> 8.3, over 4,000: 44.0 -> 27.2); 9 over 16 1.05x, and 16 queries over 4,000
+ * positions 1.22x (there the items' matrix products win). 2 to 8 sequences of 9 queries: over 512 positions
+ * 0.70-0.92x, over 1,000 0.36-0.48x, but over 48-128 1.1-1.45x (a group's barriers beside few positions). */
 #define PF_DECODE_ROWS 9
 #define PF_DECODE_SPAN 4
+#define PF_DECODE_BATCH 512
 typedef float pf_vec __attribute__((vector_size(PF_W * 4), aligned(4)));  /* loads and stores need no alignment */
 
 /* Positions [p0, p1) of a sequence's keys of KV head h turned into kt [D][Lp] and its values into vt [L][D] (Lp: L
@@ -793,26 +796,36 @@ static void pf_item(const float *q, int64_t T, int64_t Hq, int64_t D, int64_t G,
     }
 }
 
-/* One sequence's short chunk of T queries (a speculative verification: the last token and its drafts) attends as
- * T decode rows, query j meeting positions [0, L - T + j]: each row's positions in the splits decode gives it, rows
- * whose splits agree together (tkv_attention_together: each chunk of positions read once for them), all threads on
- * every row, each row's arithmetic what decode attention does for it alone. The prefill items take a tile of whole
- * positions (30 query vectors of 3 query heads a KV head: the default model's 9-row chunk is one item a head, on one
- * thread, after its keys are laid out). See PF_DECODE_ROWS for where each serves. */
-static int chunk_as_decode(const float *q, int64_t T, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt,
-                           int64_t rb, int64_t bs, int64_t Hkv, const int32_t *table, int64_t L, float scale,
-                           float *out) {
-    int32_t lens[TKV_ATT_MAX_ROWS];
-    for (int64_t j = 0; j < T; j++) lens[j] = (int32_t)(L - T + j + 1);
+/* Short chunks (a speculative verification each: the last token and its drafts) attend as decode rows: sequence b's
+ * T queries, query j meeting positions [0, L - T + j], each row's positions in the splits decode gives it, rows of
+ * one sequence whose splits agree together (tkv_attention_together: each chunk of positions read once for them),
+ * all threads on every group, each row's arithmetic what decode attention does for it alone. The prefill items
+ * take a tile of whole positions (30 query vectors of 3 query heads a KV head: the default model's 9-row chunk is
+ * one item a head, on one thread, after its keys are laid out). See PF_DECODE_ROWS for where each serves. */
+static int chunks_as_decode(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int fmt, int64_t rb,
+                            int64_t bs, int64_t Hkv, int64_t B, const int32_t *tables, int64_t ts,
+                            const int32_t *qstart, const int32_t *lens, float scale, float *out) {
     const int threads = tkv_split_threads();
-    float *parts = (float *)tkv_scratch((size_t)parts_floats(T, att_splits(1, L, threads), Hq, D) * sizeof(float));
+    int64_t most = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t need = parts_floats(qstart[b + 1] - qstart[b], att_splits(1, lens[b], threads), Hq, D);
+        most = need > most ? need : most;
+    }
+    float *parts = (float *)tkv_scratch((size_t)most * sizeof(float));
     if (!parts) return -1;
     #pragma omp parallel
-    for (int64_t r = 0; r < T;) {  /* (every thread walks the same groups: their loops share the work) */
-        const int64_t n = tkv_attention_together(lens + r, T - r, bs, threads);
-        attention_share(q + r * Hq * D, Hq * D, n, Hq, D, kc, vc, fmt, rb, bs, Hkv, table, 0, lens + r, scale,
-                        att_splits(1, lens[r], threads), 1, parts, out + r * Hq * D);
-        r += n;
+    for (int64_t b = 0; b < B; b++) {  /* (every thread walks the same groups: their loops share the work) */
+        const int64_t T = qstart[b + 1] - qstart[b], L = lens[b];
+        int32_t len[PF_DECODE_ROWS];
+        for (int64_t j = 0; j < T; j++) len[j] = (int32_t)(L - T + j + 1);
+        const float *qb = q + (int64_t)qstart[b] * Hq * D;
+        float *ob = out + (int64_t)qstart[b] * Hq * D;
+        for (int64_t r = 0; r < T;) {
+            const int64_t n = tkv_attention_together(len + r, T - r, bs, threads);
+            attention_share(qb + r * Hq * D, Hq * D, n, Hq, D, kc, vc, fmt, rb, bs, Hkv, tables + b * ts, 0, len + r,
+                            scale, att_splits(1, len[r], threads), 1, parts, ob + r * Hq * D);
+            r += n;
+        }
     }
     return 0;
 }
@@ -841,10 +854,13 @@ int tkv_prefill_attention(const float *q, int64_t Hq, int64_t D, const void *kc,
         tiles += (T * G + per - 1) / per;
         spans += (L + PF_SPAN - 1) / PF_SPAN;
     }
-    const int64_t T0 = qstart[1] - qstart[0];
-    if (B == 1 && T0 <= PF_DECODE_ROWS && lens[0] >= PF_DECODE_SPAN * T0)
-        return chunk_as_decode(q + (int64_t)qstart[0] * Hq * D, T0, Hq, D, kc, vc, fmt, rb, bs, Hkv, tables, lens[0],
-                               scale, out + (int64_t)qstart[0] * Hq * D);
+    int short_chunks = 1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t T = qstart[b + 1] - qstart[b];
+        short_chunks &= T <= PF_DECODE_ROWS && lens[b] >= (B == 1 ? PF_DECODE_SPAN * T : PF_DECODE_BATCH);
+    }
+    if (short_chunks)
+        return chunks_as_decode(q, Hq, D, kc, vc, fmt, rb, bs, Hkv, B, tables, ts, qstart, lens, scale, out);
     const size_t bytes = (size_t)floats * sizeof(float) + (size_t)(2 * B + tiles + spans) * sizeof(int64_t);
     /* the thread's scratch, which it keeps, up to PF_KEPT bytes; a long context's layout is its own allocation,
      * given back when done (its page faults are small beside that many positions' products) */
