@@ -370,7 +370,7 @@ def test_prefill_kernel_over_a_long_context_lays_it_out_in_memory_of_its_own(lib
 @pytest.mark.parametrize("k, v", [("float32", "float32"), ("int8", "int8")])
 def test_a_short_chunk_over_a_long_context_attends_as_decode_rows(lib, chunk, context, k, v):
     """A lone sequence's chunk of at most 9 queries over at least 4 times as many positions (a speculative
-    verification: the last token and its drafts) attends as decode rows (attention_cpu.c: chunk_as_decode): query j
+    verification: the last token and its drafts) attends as decode rows (attention_cpu.c: chunks_as_decode): query j
     gets exactly what decode attention gives it alone over its L - T + j + 1 positions, bit for bit, and the
     reference's attention; a longer chunk, or a shorter context, takes the prefill items (the reference's too)."""
     d, kv_heads, group = 64, 3, 3
