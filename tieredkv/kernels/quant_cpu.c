@@ -1062,7 +1062,7 @@ INLINE void tile_group_outputs(const int bits, const uint8_t *tc, const uint16_t
         } else {
             for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512(bc + j * 64);
         }
-        const int64_t s = (gb == 1 ? b : b / gb) * 16;  /* (a division a block cost a tenth of the time) */
+        const int64_t s = (gb == 1 ? b : b / gb) * 16;  /* (no division where groups are blocks) */
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + s)));
         const __m512 m = tm ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + s))) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
@@ -1452,14 +1452,28 @@ static float bf2f(uint16_t h) {
 /* One block's B = 16 v (AVX-512) or 8 v (AVX2) outputs, inlined with a constant v so that the accumulators
  * stay in registers (with v known only at run time they went through memory: 1.5x slower) */
 #if defined(__AVX512F__)
-INLINE void f32_block512(const float *x, int64_t K, const float *wb, int64_t B, const int v, float *acc) {
-    __m512 a[PACKED_MAX_B / 16];
-    for (int i = 0; i < v; i++) a[i] = _mm512_setzero_ps();
+#define ROWS_GROUP 6  /* the most rows f32_rows512 takes at once (tkv_f32_packed_rows) */
+
+/* The block's B = 16 v outputs (wb: its weights, B apart per input) for R rows of x (K inputs each): acc [R][B],
+ * each input's weights loaded once for the R rows. R and v constants. */
+INLINE void f32_rows512(const float *x, const int R, int64_t K, const float *wb, int64_t B, const int v, float *acc) {
+    __m512 a[ROWS_GROUP][PACKED_MAX_B / 16];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < v; i++) a[r][i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        __m512 xv = _mm512_set1_ps(x[k]);
-        for (int i = 0; i < v; i++) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(wb + k * B + 16 * i), xv, a[i]);
+        __m512 w[PACKED_MAX_B / 16];
+        for (int i = 0; i < v; i++) w[i] = _mm512_loadu_ps(wb + k * B + 16 * i);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+            for (int i = 0; i < v; i++) a[r][i] = _mm512_fmadd_ps(w[i], xv, a[r][i]);
+        }
     }
-    for (int i = 0; i < v; i++) _mm512_storeu_ps(acc + 16 * i, a[i]);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < v; i++) _mm512_storeu_ps(acc + r * B + 16 * i, a[r][i]);
+}
+
+INLINE void f32_block512(const float *x, int64_t K, const float *wb, int64_t B, const int v, float *acc) {
+    f32_rows512(x, 1, K, wb, B, v, acc);
 }
 #endif
 #ifdef TKV_AVX2
@@ -1631,32 +1645,11 @@ int tkv_f32_packed_row(const float *x, int64_t K, const float *w, int64_t N, int
  * 9 rows 0.74x, 16 rows 0.85x, 32 rows 0.90x. AVX2 builds (16 registers: 3 rows of 4 vectors would spill) keep
  * oneDNN's product for several rows: not measured there. */
 #if defined(__AVX512F__)
-#define ROWS_GROUP 6
-
-/* The block's B = 16 v outputs (wb: its weights, B apart per input) for R rows of x (row stride ldx): acc [R][B].
- * R and v constants. */
-INLINE void f32_rows512(const float *x, int64_t ldx, const int R, int64_t K, const float *wb, int64_t B, const int v,
-                        float *acc) {
-    __m512 a[ROWS_GROUP][4];
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < v; i++) a[r][i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        __m512 w[4];
-        for (int i = 0; i < v; i++) w[i] = _mm512_loadu_ps(wb + k * B + 16 * i);
-        for (int r = 0; r < R; r++) {
-            const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-            for (int i = 0; i < v; i++) a[r][i] = _mm512_fmadd_ps(w[i], xv, a[r][i]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < v; i++) _mm512_storeu_ps(acc + r * B + 16 * i, a[r][i]);
-}
-
-#define ROWS_CASE(n, vv) case n: f32_rows512(x, ldx, n, K, wb, B, vv, acc); return 1;
+#define ROWS_CASE(n, vv) case n: f32_rows512(x, n, K, wb, B, vv, acc); return 1;
 #define ROWS_SWITCH(vv) switch (R) { ROWS_CASE(1, vv) ROWS_CASE(2, vv) ROWS_CASE(3, vv) ROWS_CASE(4, vv) \
                                      ROWS_CASE(5, vv) ROWS_CASE(6, vv) }
 /* f32_rows512 with R (1..ROWS_GROUP) and v = B / 16 (1..4) as constants; 0 where B is not one of those */
-static int f32_rows_dispatch(const float *x, int64_t ldx, int R, int64_t K, const float *wb, int64_t B, float *acc) {
+static int f32_rows_dispatch(const float *x, int R, int64_t K, const float *wb, int64_t B, float *acc) {
     switch (B % 16 == 0 ? B / 16 : 0) {
     case 1: ROWS_SWITCH(1) break;
     case 2: ROWS_SWITCH(2) break;
@@ -1669,12 +1662,13 @@ static int f32_rows_dispatch(const float *x, int64_t ldx, int R, int64_t K, cons
 #define ROWS_GROUP 1
 #endif
 
-/* acc [R][B] = R rows of x (R <= ROWS_GROUP) times one block's B outputs, each as packed_block computes it */
-static void f32_rows_block(const float *x, int64_t ldx, int R, int64_t K, const float *wb, int64_t B, float *acc) {
+/* acc [R][B] = R rows of x (R <= ROWS_GROUP, K inputs each) times one block's B outputs, each as packed_block
+ * computes it */
+static void f32_rows_block(const float *x, int R, int64_t K, const float *wb, int64_t B, float *acc) {
 #if defined(__AVX512F__)
-    if (f32_rows_dispatch(x, ldx, R, K, wb, B, acc)) return;
+    if (f32_rows_dispatch(x, R, K, wb, B, acc)) return;
 #endif
-    for (int r = 0; r < R; r++) packed_block(0, x + r * ldx, K, wb, B, acc + r * B);
+    for (int r = 0; r < R; r++) packed_block(0, x + r * K, K, wb, B, acc + r * B);
 }
 
 /* 1 where this build multiplies several rows on packed fp32 weights in registers (AVX-512), else 0 (oneDNN then) */
@@ -1692,7 +1686,7 @@ int tkv_f32_packed_rows(const float *x, int64_t M, int64_t K, const float *w, in
         const float *wb = (const float *)((const char *)w + blk * bytes);
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_GROUP) {
             const int R = M - m0 < ROWS_GROUP ? (int)(M - m0) : ROWS_GROUP;
-            f32_rows_block(x + m0 * K, K, R, K, wb, B, acc);
+            f32_rows_block(x + m0 * K, R, K, wb, B, acc);
             for (int r = 0; r < R; r++) packed_store(0, acc + r * B, bias, N, B, blk, out + (m0 + r) * N);
         }
     }
