@@ -249,7 +249,7 @@ def test_a_few_fp32_rows_on_a_packed_weight_are_each_the_one_row_kernels_bits(li
     packed = pack_onednn_weight(w)
     layout = linear.packed_row_layout(packed)
     assert layout is not None
-    native = bool(quant_cpu.CPU.lib.tkv_f32_packed_rows_native())
+    native = quant_cpu.CPU.f32_rows
     for bias in (None, b):
         alone = torch.cat([linear.one_row_or_onednn(x[i : i + 1], packed, layout, bias) for i in range(len(x))])
         for rows in range(2, linear.FEW_PACKED_ROWS + 1):

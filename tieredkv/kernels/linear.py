@@ -219,7 +219,7 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, layout: tuple[int, int
     rows = x.numel() // x.shape[-1]
     lib = CPU.lib
     several = 1 < rows <= FEW_PACKED_ROWS and x.dtype == torch.float32
-    if lib is None or not (rows == 1 or several and lib.tkv_f32_packed_rows_native()):
+    if lib is None or not (rows == 1 or several and CPU.f32_rows):
         return None
     n, k = packed.shape
     x = x.contiguous()

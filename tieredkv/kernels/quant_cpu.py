@@ -221,13 +221,15 @@ class CpuLibrary:
     serves); `bound`, the build whose kernels the C++ operators of torch.ops.tieredkv run (quant_ops.cpp);
     `q4_rows`, the most rows the loaded build's q4 kernels take (kernels/quant.py kernel_rows); `int8_gemm`, the
     instructions products of more rows on q4 and q8 weights run on as int8 (gemm_cpu.c: "AVX2", "AVX-512 VNNI"; ""
-    where the build has none). One a process
+    where the build has none); `f32_rows`, whether the build multiplies a few fp32 rows on packed weights itself
+    (tkv_f32_packed_rows, AVX-512 builds; kernels/linear.py packed_product). One a process
     (`CPU`): a loaded library and torch's operator registry are the process's."""
 
     def __init__(self) -> None:
         self.lib: ctypes.CDLL | None = None
         self.bound: ctypes.CDLL | None = None
         self.q4_rows = GEMV_MAX_ROWS
+        self.f32_rows = False
         self.int8_gemm = ""  # the instructions gemm_cpu.c's int8 products of many rows run on ("": none)
         self.operators: ctypes.CDLL | None = None  # quant_ops.cpp's library, loaded once (it registers the ops)
         self.operators_error: str | None = None  # why it could not be had (then never tried again)
@@ -277,6 +279,7 @@ class CpuLibrary:
         if lib is not None:
             lib.tkv_set_split_threads(self.split_threads)
         self.q4_rows = GEMV_MAX_ROWS if lib is None else lib.tkv_q4_max_rows()
+        self.f32_rows = lib is not None and bool(lib.tkv_f32_packed_rows_native())
         self.int8_gemm = "" if lib is None else INT8_GEMM_ISA[lib.tkv_quant_gemm_native()]
         if lib is None or self.bound is lib or not operators:
             return
