@@ -124,6 +124,16 @@ def fresh_cache(path: Path) -> Path:
     return path
 
 
+def native_takes_fp32() -> bool:
+    """Whether the native decode step takes fp32 weights on this processor: its own build of the CPU kernels (the
+    one engines load) multiplies several fp32 rows itself (AVX-512; runner/native_decode.py)."""
+    from tieredkv.cache_dir import default_cache_dir
+    from tieredkv.kernels.quant_cpu import load
+
+    lib = load(default_cache_dir())
+    return lib is not None and bool(lib.tkv_f32_packed_rows_native())
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' generate, greedy, one prompt at a time, EOS ignored: the new token ids of each."""
     from transformers import AutoModelForCausalLM

@@ -167,11 +167,12 @@ class EngineConfig(BaseModel):
         "thread per core, one rank")
     compile_decode: bool | None = Field(
         None, description="run a step that decodes one sequence through an inductor-compiled graph (compiled at "
-        "start-up, cached under cache_dir), or, for quantized weights on CPU, through the native C step (nothing "
-        "to compile); None: on for CPU")
+        "start-up, cached under cache_dir), or, for quantized weights on CPU and for fp32 weights on CPUs with "
+        "AVX-512, through the native C step (nothing to compile); None: on for CPU")
     native_decode: bool = Field(
-        True, description="with compile_decode, a one-sequence decode of quantized weights on CPU runs whole in C "
-        "(the native step) where it takes the model, and so does a step that only decodes a few sequences (up to 16, "
+        True, description="with compile_decode, a one-sequence decode runs whole in C (the native step) where it "
+        "takes the model (quantized weights on CPU; fp32 weights in oneDNN's packed layout on a build with "
+        "AVX-512), and so does a step that only decodes a few sequences or verifies their drafts (up to 16 rows, "
         "below the rows where products take int8 blocks); False: the compiled graph serves a one-sequence decode "
         "and the eager forward batches (stats().decode_path)")
     compile_in_background: bool = Field(

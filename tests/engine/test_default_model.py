@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from helpers import check_pool_clean, drive, make_config
+from helpers import check_pool_clean, drive, make_config, native_takes_fp32
 from tieredkv import AsyncEngine, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -22,12 +22,13 @@ BEAM_NEW = 10
 
 @pytest.fixture(scope="module")
 async def engine():
-    # the compiled decode path, as on CPU by default (the suite turns it off for other engines); one engine,
-    # so one compile for every test: the default graph over 6 layers serving the 30 as 5 runs (the whole
-    # stack in one graph is the tiny models' case in test_compiled_decode.py); a hot pool of 24 blocks (384
-    # tokens) holds each chat, and makes a document of 486 tokens offload its older blocks to the warm tier
+    # the compiled decode graph, as on CPU by default where the native step does not take fp32 weights (the suite
+    # turns it off for other engines); one engine, so one compile for every test: the default graph over 6 layers
+    # serving the 30 as 5 runs (the whole stack in one graph is the tiny models' case in test_compiled_decode.py);
+    # a hot pool of 24 blocks (384 tokens) holds each chat, and makes a document of 486 tokens offload its older
+    # blocks to the warm tier
     engine = await AsyncEngine.start(make_config(model="default", num_blocks=24, warm_bytes=64 << 20,
-                                                 compile_decode=True))
+                                                 compile_decode=True, native_decode=False))
     compiled = engine.core.runner.compiled
     # five runs of alike layers, one graph traced for them all (a repr that named a weight's address once made
     # each run a kind of its own: five traces at every start)
@@ -50,17 +51,45 @@ def test_default_checkpoint_is_a_plain_hf_checkpoint(engine):
     assert spec.tie_word_embeddings and spec.vocab_size == 49152
 
 
-async def test_greedy_chat_matches_transformers(engine, hf):
-    tok = engine.tokenizer
-    params = SamplingParams(max_tokens=MAX_NEW)
-    steps = engine.core.runner.compiled.steps
-    decodes = 0  # requests run one at a time: every step after a prefill is one decode
+@pytest.fixture(scope="module")
+def hf_chats(engine, hf):
+    """transformers' greedy tokens for each chat."""
+    tok, expected = engine.tokenizer, []
     for messages in CHATS:
         ids = tok.apply_chat_template(messages)
         with torch.no_grad():
             x = torch.tensor([ids])
             y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False)
-        expected = y[0, len(ids):].tolist()
+        expected.append(y[0, len(ids):].tolist())
+    return expected
+
+
+async def test_greedy_chat_matches_transformers(engine, hf_chats):
+    await greedy_chats_match(engine, hf_chats)
+
+
+async def test_greedy_chat_through_the_native_step_matches_transformers(hf_chats):
+    """The CPU default where the native C step takes fp32 weights (builds with AVX-512): every decode whole in C."""
+    if not native_takes_fp32():
+        pytest.skip("the native step takes fp32 weights on builds with AVX-512 only")
+    engine = await AsyncEngine.start(make_config(model="default", num_blocks=24, compile_decode=True))
+    try:
+        assert engine.core.stats().decode_path == "native"
+        await greedy_chats_match(engine, hf_chats)
+    finally:
+        await engine.close()
+
+
+async def greedy_chats_match(engine, hf_chats):
+    """Each chat's greedy tokens are transformers', its text their decoding; every decode ran on the decode path."""
+    tok = engine.tokenizer
+    params = SamplingParams(max_tokens=MAX_NEW)
+    def eager_forwards() -> int:
+        return engine.core.stats().kernel_calls.get("forward: eager", 0)
+
+    steps, eager = engine.core.runner.compiled.steps, eager_forwards()
+    decodes = 0  # requests run one at a time: every step after a prefill is one decode
+    for messages, expected in zip(CHATS, hf_chats):
         out = await engine.generate(messages, params)
         assert out.outputs[0].token_ids == expected
         decodes += len(expected) - 1
@@ -69,7 +98,10 @@ async def test_greedy_chat_matches_transformers(engine, hf):
     assert first.text == "The capital of France is Paris."
     assert first.outputs[0].finish_reason == "stop"
     decodes += len(first.outputs[0].token_ids) - 1
-    assert engine.core.runner.compiled.steps - steps == decodes  # the compiled path ran every one
+    ran, eager = engine.core.runner.compiled.steps - steps, eager_forwards() - eager
+    assert ran + eager == decodes + len(CHATS) + 1  # a forward a prompt, one a decode
+    # the decode path ran every decode (the native step takes a prompt's short tail past its cached blocks too)
+    assert ran == decodes or engine.core.stats().decode_path == "native" and ran > decodes
     check_pool_clean(engine.core)
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from helpers import check_pool_clean, hf_greedy, make_config
+from helpers import check_pool_clean, hf_greedy, make_config, native_takes_fp32
 from tieredkv import SamplingParams
 
 MAX_NEW = 24
@@ -78,12 +78,14 @@ async def test_block_size_8_and_32(engines, case):
         assert got == expected
 
 
-@pytest.fixture(scope="module")
-async def compiled_engine(engines, case):
-    """One engine on the compiled decode path (the CPU default; the suite turns it off elsewhere) per model:
-    one compile serves both tests below."""
+@pytest.fixture(scope="module", params=["graph", "native"])
+async def compiled_engine(engines, case, request):
+    """One engine per model on the compiled graph, and one on the CPU default (the suite turns it off elsewhere):
+    the native C step where it takes fp32 weights (a build with AVX-512), else the graph again. One compile
+    serves both tests below."""
     model_dir = case[0]
-    config = make_config(model=str(model_dir), num_blocks=256, max_num_batched_tokens=64, compile_decode=True)
+    config = make_config(model=str(model_dir), num_blocks=256, max_num_batched_tokens=64, compile_decode=True,
+                         native_decode=request.param == "native")
     engine = await engines.start(config)
     yield engine
     await engine.close()
@@ -102,6 +104,8 @@ async def test_greedy_matches_transformers_compiled_decode(case, compiled_engine
     else:
         results = [await engine.generate(p, params) for p in prompts]
     compiled = engine.core.runner.compiled
-    assert compiled.steps > steps and compiled.graphs == 1
+    assert compiled.steps > steps and getattr(compiled, "graphs", 1) == 1
+    native = engine.core.config.native_decode and native_takes_fp32()
+    assert engine.core.stats().decode_path == ("native" if native else "compiled")
     assert [r.outputs[0].token_ids for r in results] == expected
     await engine.run_in_worker(check_pool_clean, engine.core)

@@ -1,11 +1,11 @@
 """Families beside Llama/Mistral/Qwen2: Qwen3 (q/k norms per head, head_dim apart from hidden_size / heads)
 and Phi-3 (q/k/v and gate/up stored fused), token-identical to transformers on tiny random checkpoints built
 from transformers' own config classes: batched with prefix caching, and one at a time through the compiled
-decode path."""
+decode path: the compiled graph, and the native C step (fp32 weights, on builds with AVX-512)."""
 
 import pytest
 
-from helpers import hf_greedy, make_checkpoint, make_config, run_to_end
+from helpers import hf_greedy, make_checkpoint, make_config, native_takes_fp32, run_to_end
 
 PROMPTS = [list(range(5, 25)), list(range(5, 21)) + [7, 9, 11], [3, 4, 5, 6]]  # the first block shared
 NEW = 12
@@ -18,15 +18,19 @@ def family(request, tmp_path_factory):
     return kind, path, hf_greedy(path, PROMPTS, NEW)
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(compile_decode=True)], ids=["eager", "compiled"])
+@pytest.mark.parametrize("variant", [dict(), dict(compile_decode=True, native_decode=False),
+                                     dict(compile_decode=True)], ids=["eager", "compiled", "native"])
 def test_greedy_matches_transformers(engines, family, variant):
     """(The attention kernels are the same for every family: the Triton ones are tested on Llama and Qwen2.)"""
     kind, path, expected = family
     core = engines.core(make_config(model=str(path), num_blocks=32, **variant))
     assert core.spec.model_type == kind and core.spec.qk_norm == (kind == "qwen3")
-    if variant.get("compile_decode"):  # one at a time: every decode through the graph
+    if variant.get("compile_decode"):  # one at a time: every decode through the graph or the C step
+        native = variant.get("native_decode", True) and native_takes_fp32()
+        assert core.stats().decode_path == ("native" if native else "compiled")
         assert [run_to_end(core, [p], [NEW])[0] for p in PROMPTS] == expected
-        assert core.runner.compiled.steps == len(PROMPTS) * (NEW - 1)
+        # (the C step takes a short prompt chunk too: the second prompt's 3 tokens past its cached block, the third)
+        assert core.runner.compiled.steps == len(PROMPTS) * (NEW - 1) + 2 * native
     else:  # all at once, the shared prefix from the cache
         assert run_to_end(core, PROMPTS, [NEW] * len(PROMPTS)) == expected
 

@@ -89,8 +89,8 @@ def test_two_compiled_graphs_over_one_model_decode_as_the_eager_forward(llama_di
     shared = SharedWeights()
     cfg = dict(model=str(llama_dir), warm_bytes=0, compile_in_background=False)
     own = EngineCore(make_config(**cfg, num_blocks=64, compile_decode=False))
-    a = EngineCore(make_config(**cfg, num_blocks=64, compile_decode=True), shared)
-    b = EngineCore(make_config(**cfg, num_blocks=64, compile_decode=True), shared)
+    a = EngineCore(make_config(**cfg, num_blocks=64, compile_decode=True, native_decode=False), shared)
+    b = EngineCore(make_config(**cfg, num_blocks=64, compile_decode=True, native_decode=False), shared)
     try:
         assert a.parts.model is b.parts.model
         params = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from helpers import check_pool_clean, fresh_cache, hf_greedy, make_config, run_to_end
+from helpers import check_pool_clean, fresh_cache, hf_greedy, make_config, native_takes_fp32, run_to_end
 from tieredkv import AsyncEngine, EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.decode_attention import decode_attention_dense, decode_attention_ref
@@ -68,7 +68,7 @@ def test_compiled_path_is_what_runs_and_compiles_once(llama_dir):
     """One graph at start-up (one decode, any table width); steps that decode one sequence run it with no
     further compile; a step with a prefill chunk, or more decodes, runs the eager forward; outputs equal
     transformers'."""
-    core = EngineCore(make_config(model=str(llama_dir), num_blocks=128, compile_decode=True))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=128, compile_decode=True, native_decode=False))
     compiled = core.runner.compiled
     assert compiled is not None and compiled.graphs == 1 and compiled.steps == 0
     prompt = list(range(5, 12))  # 7 tokens: the first decodes read a table of one block
@@ -88,12 +88,16 @@ def test_compiled_path_is_what_runs_and_compiles_once(llama_dir):
     check_pool_clean(core)
 
 
-async def test_async_engine_defaults_to_compiled_decode_on_cpu(llama_dir):
+async def test_async_engine_defaults_to_a_decode_path_on_cpu(llama_dir):
+    """compile_decode=None is on for CPU: fp32 weights go to the native C step where it takes them (builds with
+    AVX-512), else to the compiled graph."""
     config = make_config(model=str(llama_dir), num_blocks=64, compile_decode=None)
     async with await AsyncEngine.start(config) as engine:
         out = await engine.generate([7, 8, 9, 3], SamplingParams(max_tokens=6, ignore_eos=True))
         assert len(out.outputs[0].token_ids) == 6
-        assert engine.core.runner.compiled.steps == 5
+        native = native_takes_fp32()
+        assert engine.stats().decode_path == ("native" if native else "compiled")
+        assert engine.core.runner.compiled.steps == 5 + native  # (the native step takes the 4-token prompt too)
 
 
 async def test_requests_are_served_while_the_graph_compiles_in_the_background(llama_dir):
@@ -103,7 +107,8 @@ async def test_requests_are_served_while_the_graph_compiles_in_the_background(ll
     from tieredkv.runner import compiled_decode
 
     prompt, want = [5, 6, 7, 8], None
-    cfg = make_config(model=str(llama_dir), num_blocks=64, compile_decode=True, compile_in_background=True)
+    cfg = make_config(model=str(llama_dir), num_blocks=64, compile_decode=True, native_decode=False,
+                      compile_in_background=True)
     with compiled_decode._ONE_COMPILE:  # holds the background compile back until the first answers are in
         engine = await AsyncEngine.start(cfg)
         assert engine.stats().decode_path == "compiling"
@@ -130,7 +135,7 @@ def test_a_compiler_failure_leaves_the_eager_forward_serving(llama_dir, monkeypa
 
     monkeypatch.setattr(CompiledDecode, "_backend", refuse)
     caplog.set_level("INFO", logger="tieredkv")
-    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, compile_decode=True))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, compile_decode=True, native_decode=False))
     compiled = core.runner.compiled
     assert compiled.disabled and "no compiler" in compiled.disabled and "compiled decode is off" in caplog.text
     assert "trying again" in caplog.text and "compile_decode=False" in caplog.text
@@ -176,7 +181,7 @@ def test_a_broken_compile_cache_is_emptied_and_the_graph_rebuilt(llama_dir, tmp_
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"")
     core = EngineCore(make_config(model=str(llama_dir), cache_dir=str(fresh_cache(tmp_path)), num_blocks=64,
-                                  compile_decode=True))
+                                  compile_decode=True, native_decode=False))
     compiled = core.runner.compiled
     assert "on an emptied cache" in caplog.text and not leftover.exists()
     assert compiled.ready and compiled.disabled is None and len(calls) == 2
@@ -188,7 +193,7 @@ def test_a_broken_compile_cache_is_emptied_and_the_graph_rebuilt(llama_dir, tmp_
 def test_a_compiler_failure_while_serving_is_reported_and_the_eager_forward_takes_over(llama_dir, monkeypatch, caplog):
     """The first decode after start-up may hit the compiler (a recompile past the limit, say): the path turns
     itself off with a warning, and that step and the rest run eager, with the same tokens."""
-    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, compile_decode=True))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, compile_decode=True, native_decode=False))
     compiled = core.runner.compiled
     assert compiled.disabled is None and compiled.steps == 0
 
@@ -231,7 +236,7 @@ def test_a_stack_in_several_runs_shares_one_graph(llama_dir, monkeypatch):
     import tieredkv.runner.compiled_decode as cd
 
     monkeypatch.setattr(cd, "MAX_LAYERS_PER_GRAPH", 1)
-    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, compile_decode=True))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=64, compile_decode=True, native_decode=False))
     compiled = core.runner.compiled
     assert len(compiled._groups) == core.spec.num_layers > 1
     prompt = list(range(9, 30))
@@ -245,7 +250,8 @@ import json, sys
 from tieredkv.config import EngineConfig, SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 
-core = EngineCore(EngineConfig(model=sys.argv[1], cache_dir=sys.argv[2], num_blocks=32, compile_decode=True))
+core = EngineCore(EngineConfig(model=sys.argv[1], cache_dir=sys.argv[2], num_blocks=32, compile_decode=True,
+                               native_decode=False))
 
 
 def answer():

@@ -185,7 +185,7 @@ async def test_the_compiled_decode_graph_reads_int4_rows(engines, llama2_dir):
     # the two share one graph, compiled once into the default cache)
     eager, _, _ = await outputs(engines, llama2_dir, PROMPTS[:2], kv_cache_dtype="int4", num_blocks=32)
     compiled, _, stats = await outputs(engines, llama2_dir, PROMPTS[:2], kv_cache_dtype="int4", compile_decode=True,
-                                       num_blocks=32)
+                                       native_decode=False, num_blocks=32)
     assert stats.decode_path == "compiled" and compiled == eager
 
 
@@ -221,7 +221,8 @@ def test_every_path_stores_int4_keys_less_each_layers_key_mean(llama2_dir, path)
     from tieredkv.engine.engine_core import EngineCore
 
     cfg = dict(model=str(llama2_dir), num_blocks=32, warm_bytes=0, quantization="int8" if path == "native" else None,
-               compile_decode=path != "eager", compile_in_background=False, enable_prefix_caching=False)
+               compile_decode=path != "eager", native_decode=path == "native", compile_in_background=False,
+               enable_prefix_caching=False)
     core = EngineCore(make_config(kv_cache_dtype="int4", **cfg))
     try:
         g = torch.Generator().manual_seed(4)

@@ -145,6 +145,14 @@ def test_with_the_compiled_path_the_layout_follows_the_measurement(monkeypatch, 
     else:
         assert got == DenseLayout(cpu=True, onednn=True)
     assert choose_layout(CPU, torch.float32, cpu_linear, compiled=True, shapes=[]).handles is False  # quantized
+    # where the native step would take fp32 weights (a build that multiplies several fp32 rows), packed without
+    # measuring: the layout it reads, with handles for the graph should the step not take the model after all
+    for f32_rows in (False, True):
+        monkeypatch.setattr(quant_cpu.CPU, "f32_rows", f32_rows)
+        asked.clear()
+        native = choose_layout(CPU, torch.float32, cpu_linear, compiled=True, shapes=[(8, 16)], native=True)
+        assert native == (DenseLayout(cpu=True, onednn=True, packed=True, handles=True) if f32_rows else got)
+        assert len(asked) == (0 if f32_rows else 1)
 
 
 @pytest.mark.skipif(not onednn_linear_usable(torch.bfloat16), reason="this torch build has no usable oneDNN bf16")
@@ -266,6 +274,41 @@ def test_a_few_fp32_rows_on_a_packed_weight_are_each_the_one_row_kernels_bits(li
     assert linear.one_row_or_onednn(x[:0], packed, layout, b).shape == (0, n)
 
 
+@pytest.mark.parametrize("shape", [(960, 576), (100, 161), (7, 33)])
+def test_the_native_steps_packed_fp32_weight_is_the_one_row_kernels_product(lib, shape):
+    """A packed fp32 weight as the native decode step reads it (cpu_kernels.h TKV_F32P): rows prepared and multiplied
+    through the step's interface (tkv_rows_prepare / tkv_rows_share, here outside a parallel region, into rows
+    `ostride` apart) are each the one-row kernel's bits, bias or not; its rows read back are the weight's rows."""
+    import ctypes
+
+    from tieredkv.kernels.dense import PackedWeight
+    from tieredkv.runner.native_decode import _Weight
+
+    n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g) * 0.1, torch.randn(n, generator=g)
+    x = torch.randn(7, k, generator=g)
+    weight = PackedWeight(w)
+    block, stored, address = weight.row_layout
+    lib = quant_cpu.CPU.lib
+    for bias in (None, b):
+        qw = _Weight(4, address, None, None, block, n, k, None if bias is None else bias.data_ptr(), stored)
+        assert lib.tkv_row_fits(ctypes.byref(qw)) == 1
+        prep = torch.empty(lib.tkv_rows_bytes(ctypes.byref(qw), len(x)), dtype=torch.uint8)
+        lib.tkv_rows_prepare(ctypes.byref(qw), x.data_ptr(), len(x), prep.data_ptr())
+        out = torch.full((len(x), n + 5), float("nan"))
+        lib.tkv_rows_share(ctypes.byref(qw), prep.data_ptr(), len(x), n + 5, out.data_ptr())
+        alone = torch.cat([linear.one_row_or_onednn(x[i : i + 1], weight.packed, weight.row_layout, bias)
+                           for i in range(len(x))])
+        assert torch.equal(out[:, :n], alone) and out[:, n:].isnan().all()
+    rows = torch.empty(3, k)
+    ids = torch.tensor([0, n - 1, n // 2])
+    lib.tkv_row_dequantize(ctypes.byref(qw), ids.data_ptr(), 3, rows.data_ptr())
+    assert torch.equal(rows, w[ids])
+    qw.kp = k - 1  # fewer inputs stored than the weight has: not taken
+    assert lib.tkv_row_fits(ctypes.byref(qw)) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_buffers_handle_takes_one_row_through_the_cpp_operator(lib, dtype):
     """Where the one-row kernels read the packed layout and its blocks cover the outputs, the handle is the
@@ -376,7 +419,8 @@ def test_engine_holds_the_weights_once_packed_or_plain_and_the_embedding_plain(l
     monkeypatch.setattr(dense, "graph_reads_packed", lambda dtype, shapes, cache_dir: graph_packed)
     collapsed = []
     monkeypatch.setattr(setup, "collapse_into_huge_pages", lambda ranges: collapsed.append(sorted(ranges)) or 0)
-    core = EngineCore(make_config(model=str(llama_dir), num_blocks=16, compile_decode=compiled, cpu_linear=force))
+    core = EngineCore(make_config(model=str(llama_dir), num_blocks=16, compile_decode=compiled, cpu_linear=force,
+                                  native_decode=False))  # (the native step's layout: the test above)
     for thread in threading.enumerate():
         if thread.name == "tieredkv-huge-pages":
             thread.join()

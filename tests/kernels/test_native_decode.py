@@ -1,6 +1,7 @@
 """The native decode step (kernels/decode_cpu.c through runner/native_decode.py): a one-sequence decode of a
-model with quantized weights, whole in C. Checked against the eager forward on the same weights, step by
-step: the logits, the greedy tokens, and the K/V rows it writes into the paged cache."""
+model with quantized weights (or fp32 weights in oneDNN's packed layout, on builds with AVX-512), whole in C.
+Checked against the eager forward on the same weights, step by step: the logits, the greedy tokens, and the K/V
+rows it writes into the paged cache."""
 
 import ctypes
 import logging
@@ -8,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from helpers import drive, make_checkpoint, make_config, run_to_end
+from helpers import drive, make_checkpoint, make_config, native_takes_fp32, run_to_end
 from tieredkv import SamplingParams
 from tieredkv.engine.engine_core import EngineCore
 from tieredkv.kernels.quant_cpu import CPU
@@ -58,12 +59,15 @@ def decode_logits(core: EngineCore, prompt: list[int], rows: slice = slice(-1, N
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("scheme", [dict(quantization="int8"), dict(quantization="int4"),
                                     dict(quantization="int4", quantization_group_size=64,
-                                         quantization_symmetric=True)], ids=["int8", "int4", "int4-sym-64"])
+                                         quantization_symmetric=True), dict()],
+                         ids=["int8", "int4", "int4-sym-64", "fp32"])
 def test_native_step_matches_the_eager_forward(engines, request, family, scheme):
-    """Every decode step's logits within float rounding of the eager forward's on the same quantized weights
-    (the same product kernels; the norms, rotary embedding and softmax summed in another order), the same greedy
-    tokens, and the same K/V rows in the cache (q/k/v biases: qwen2; per-head q/k norms: qwen3; fused q/k/v and
-    gate/up as stored: phi3)."""
+    """Every decode step's logits within float rounding of the eager forward's on the same weights (the same
+    product kernels; the norms, rotary embedding and softmax summed in another order), the same greedy tokens,
+    and the same K/V rows in the cache (q/k/v biases: qwen2; per-head q/k norms: qwen3; fused q/k/v and gate/up
+    as stored: phi3). fp32 weights: on builds that multiply several fp32 rows themselves (AVX-512)."""
+    if not scheme and not native_takes_fp32():
+        pytest.skip("the native step takes fp32 weights on builds with AVX-512 only")
     path = request.getfixturevalue(f"{family}_dir")
     cfg = dict(model=str(path), num_blocks=32, warm_bytes=0, enable_prefix_caching=False, **scheme)
     eager = engines.core(make_config(**cfg, compile_decode=False))
@@ -158,11 +162,12 @@ def test_the_native_step_binds_the_operators_the_batched_steps_run(engines, llam
 
 
 def test_native_step_takes_only_what_it_can(engines, llama_dir, caplog):
-    """Where the step cannot serve, `make` says why and the compiled graph does: a bfloat16 cache, a model that is
-    not quantized; where it can, it points at each layer's own K and V caches."""
+    """Where the step cannot serve, `make` says why and the compiled graph does: a bfloat16 cache, weights neither
+    quantized nor packed; where it can, it points at each layer's own K and V caches."""
     core = engines.core(make_config(model=str(llama_dir), quantization="int4", num_blocks=8, warm_bytes=0,
                                     compile_decode=True))
-    plain = engines.core(make_config(model=str(llama_dir), num_blocks=8, warm_bytes=0, compile_decode=False))
+    plain = engines.core(make_config(model=str(llama_dir), num_blocks=8, warm_bytes=0, compile_decode=False,
+                                     cpu_linear="torch"))
     try:
         step = core.runner.compiled
         assert isinstance(step, NativeDecode)
@@ -170,8 +175,9 @@ def test_native_step_takes_only_what_it_can(engines, llama_dir, caplog):
         assert layer.k_cache == core.kv_cache[1, 0].data_ptr() and layer.v_cache == core.kv_cache[1, 1].data_ptr()
         with caplog.at_level(logging.INFO, logger="tieredkv"):
             assert NativeDecode.make(core.model, core.kv_cache.to(torch.bfloat16)) is None
+            assert NativeDecode.make(plain.model, plain.kv_cache) is None  # F.linear's plain weights
         assert "native decode step off" in caplog.text and "torch.bfloat16" in caplog.text
-        assert NativeDecode.make(plain.model, plain.kv_cache) is None  # nothing quantized
+        assert "neither quantized nor packed" in caplog.text
         assert CPU.lib.tkv_decode_fits(ctypes.byref(step._model)) == 1
         for field, value in (("head_dim", 512), ("heads", 3), ("inter", step._model.inter + 16)):
             bad = type(step._model).from_buffer_copy(step._model)  # what the kernels cannot take is refused
@@ -269,8 +275,9 @@ def plain_then_drafted(cfg: dict, prompts: list[list[int]], check) -> tuple[list
                                     dict(quantization="int4", quantization_group_size=64,
                                          quantization_symmetric=True),
                                     dict(quantization="int4", kv_cache_dtype="int8"),
-                                    dict(quantization="int4", kv_cache_dtype="int4")],
-                         ids=["int4", "int8", "int4-sym-64", "int4-kv8", "int4-kv4"])
+                                    dict(quantization="int4", kv_cache_dtype="int4"), dict(),
+                                    dict(kv_cache_dtype="int8")],
+                         ids=["int4", "int8", "int4-sym-64", "int4-kv8", "int4-kv4", "fp32", "fp32-kv8"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_native_verification_rows_are_plain_native_decoding_to_the_bits(request, served_build, llama_dir, scheme,
                                                                         threads):
@@ -279,8 +286,11 @@ def test_native_verification_rows_are_plain_native_decoding_to_the_bits(request,
     each row's positions as a decode step does: the rows whose splits agree go through each chunk of positions
     together, attention_cpu.c att_item, each as it would alone), so drafts never change a greedy token, however
     close its runner-up; on each build of the kernels, with 1 and 3 threads (2 and up to 4 splits of a row's
-    positions, rows of 3 and of 4 splits in one verification)."""
+    positions, rows of 3 and of 4 splits in one verification). fp32 weights: on builds with AVX-512 (the several-row
+    fp32 kernel, quant_cpu.c f32p_share: a row's sums the one-row kernel's)."""
     served = CPU.lib
+    if "quantization" not in scheme and not CPU.f32_rows:
+        pytest.skip("the native step takes fp32 weights on builds with AVX-512 only")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # (the kernels' OpenMP threads: one runtime with torch's)
     request.addfinalizer(lambda: torch.set_num_threads(before))

@@ -219,12 +219,14 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, cache_di
 def _speculator(cfg: EngineConfig, device: torch.device, spec: ModelSpec, model: LlamaModel, runner: ModelRunner,
                 scheduler: Scheduler) -> Speculator | None:
     """The drafts' proposer where cfg.speculative asks for one; on quantized CPU weights a step's draft rows stay
-    below where int8 blocks start (and within the native step's rows), so that verifying is plain decoding."""
+    below where int8 blocks start, and where the native step serves within its rows, so that verifying is plain
+    decoding."""
     speculator = make_speculator(cfg, device.type, spec.vocab_size) if cfg.speculative is not None else None
     if speculator is not None and device.type == "cpu" and model.quantization is not None:
         scheduler.max_draft_rows = int16_rows_most(model)  # below where int8 blocks start
-        if isinstance(runner.compiled, NativeDecode):  # and within the native step's rows, as plain decodes are
-            scheduler.max_draft_rows = min(scheduler.max_draft_rows, runner.compiled.max_batch)
+    if speculator is not None and isinstance(runner.compiled, NativeDecode):  # as plain decodes of a batch are
+        scheduler.max_draft_rows = min(scheduler.max_draft_rows or runner.compiled.max_batch,
+                                       runner.compiled.max_batch)
     return speculator
 
 

@@ -230,7 +230,8 @@ def _kernels_and_weights(cfg: EngineConfig, model: LlamaModel, device: torch.dev
                          compiled: bool, kv: KVLayout | None = None) -> KernelOps:
     """The kernel set, with every full-precision weight held in the layout kernels/dense.py chooses for this
     device, dtype and decode path (docs/architecture.md: Kernels), its packed copies moved into huge pages."""
-    layout = choose_layout(device, dtype, cfg.cpu_linear, compiled, model.linear_shapes(), resolve_cache_dir(cfg))
+    layout = choose_layout(device, dtype, cfg.cpu_linear, compiled, model.linear_shapes(), resolve_cache_dir(cfg),
+                           native=compiled and cfg.native_decode)
     model.hold_weights(layout)
     _collapse(model.packed_weights())
     return select_kernels(cfg.attention_backend, device, kv)

@@ -56,7 +56,7 @@ class SharedWeights:
         cpu = getattr(CPU.lib, "_name", None) if device.type == "cpu" else None  # the build quantized weights were
         # laid out for (tiles where it has VNNI)
         return (str(model_dir.resolve()), str(device), str(dtype), repr(quant), repr(kv), cfg.attention_backend,
-                cfg.cpu_linear, compiled, str(cache_dir), cpu)
+                cfg.cpu_linear, compiled, compiled and cfg.native_decode, str(cache_dir), cpu)
 
     def take(self, key: tuple, load: Callable[[], tuple[LlamaModel, Any, Any]]) -> tuple[LlamaModel, Any]:
         """The model and RankMemory under `key`, from `load()` (model, kernel set, RankMemory) the first time."""

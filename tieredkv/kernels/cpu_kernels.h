@@ -12,15 +12,17 @@
 
 void *tkv_scratch(size_t bytes);  /* the calling thread's scratch memory (quant_cpu.c) */
 
-/* A quantized weight [N, K] as the one-row products read it, in one of quant_cpu.c's formats */
-enum { TKV_Q8 = 0, TKV_Q4 = 1, TKV_Q8T = 2, TKV_Q4T = 3 };
+/* A weight [N, K] as the one-row products read it, in one of quant_cpu.c's formats: quantized, or fp32 in oneDNN's
+ * packed layout (TKV_F32P: blocks of g outputs, kp inputs stored for each, as tkv_f32_packed_row reads them) */
+enum { TKV_Q8 = 0, TKV_Q4 = 1, TKV_Q8T = 2, TKV_Q4T = 3, TKV_F32P = 4 };
 typedef struct {
-    int64_t fmt;           /* TKV_Q8, TKV_Q4, TKV_Q8T, TKV_Q4T */
-    const void *q;         /* codes */
-    const uint16_t *d;     /* fp16 scales */
+    int64_t fmt;           /* TKV_Q8, TKV_Q4, TKV_Q8T, TKV_Q4T, TKV_F32P */
+    const void *q;         /* codes (TKV_F32P: the packed weights) */
+    const uint16_t *d;     /* fp16 scales (TKV_F32P: NULL) */
     const uint16_t *mn;    /* fp16 offsets, or NULL */
-    int64_t g, N, K;       /* group size, outputs, inputs */
+    int64_t g, N, K;       /* group size (TKV_F32P: a block's outputs), outputs, inputs */
     const float *bias;     /* [N] or NULL */
+    int64_t kp;            /* TKV_F32P: inputs stored for each block (>= K); else unused */
 } tkv_qw;
 
 /* One activation row x [K] times such a weight, in two steps, so that a caller's parallel region runs many

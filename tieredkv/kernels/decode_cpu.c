@@ -1,4 +1,5 @@
-/* A batch-1 decode step of a Llama-family model whose projections are quantized, whole in C: the embedding
+/* A batch-1 decode step of a Llama-family model whose projections are quantized (or fp32 in oneDNN's packed
+ * layout: cpu_kernels.h TKV_F32P), whole in C: the embedding
  * row, every layer (norms, the q/k/v product, per-head q/k norms where the model has them, the rotary
  * embedding, the new K/V row into the paged cache, decode attention, the output product and residual, the MLP)
  * and the final norm and LM head, in one OpenMP parallel region.

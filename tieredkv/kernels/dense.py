@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.kernels.linear import (SWAP_MAX_OUT, SWAP_MAX_ROWS, bf16_units, dense_by_handle, graph_reads_packed,
                                      onednn_linear, onednn_linear_usable, one_row_or_onednn, pack_onednn_weight,
                                      packed_handle, swapped_linear, tiled_product, with_row_layout)
@@ -207,12 +208,15 @@ def cpu_products(device: torch.device, dtype: torch.dtype, cpu_linear: str = "au
 
 
 def choose_layout(device: torch.device, dtype: torch.dtype, cpu_linear: str = "auto", compiled: bool = False,
-                  shapes: list[tuple[int, int]] | None = None, cache_dir: Path | None = None) -> DenseLayout:
+                  shapes: list[tuple[int, int]] | None = None, cache_dir: Path | None = None,
+                  native: bool = False) -> DenseLayout:
     """The one choice of how full-precision weights are held (docs/architecture.md: Kernels). On CPU in fp32 (bf16
-    with bf16 units) packed for oneDNN and held once; with the compiled decode path, packed too (the graph reading
-    them through handles) unless its one-row products read the plain weights clearly faster on this processor
-    (measured once per processor and shapes: linear.graph_reads_packed), else plain, for it and for the eager
-    steps; cpu_linear="packed" keeps a packed copy beside plain weights the graph reads. F.linear elsewhere."""
+    with bf16 units) packed for oneDNN and held once; with the compiled decode path, packed too where the native
+    step would serve it (`native`: EngineConfig.native_decode; fp32 weights on a build that multiplies several fp32
+    rows itself, AVX-512), which reads that layout; else packed (the graph reading them through handles) unless
+    the graph's one-row products read the plain weights clearly faster on this processor (measured once per
+    processor and shapes: linear.graph_reads_packed), else plain, for it and for the eager steps;
+    cpu_linear="packed" keeps a packed copy beside plain weights the graph reads. F.linear elsewhere."""
     if not cpu_products(device, dtype, cpu_linear):
         widen = device.type == "cpu" and cpu_linear != "torch" and dtype in (torch.bfloat16, torch.float16)
         return DenseLayout(widen=True) if widen else PLAIN
@@ -220,6 +224,8 @@ def choose_layout(device: torch.device, dtype: torch.dtype, cpu_linear: str = "a
         return DenseLayout(cpu=True)
     if not compiled:
         return DenseLayout(cpu=True, onednn=True, packed=True)
+    if native and shapes and dtype == torch.float32 and CPU.f32_rows:  # (handles: for the graph, should the native
+        return DenseLayout(cpu=True, onednn=True, packed=True, handles=True)  # step not take the model after all)
     graph_packed = bool(shapes) and graph_reads_packed(dtype, shapes, cache_dir)
     if not graph_packed and cpu_linear != "packed":
         return DenseLayout(cpu=True, onednn=True)

@@ -1252,7 +1252,13 @@ static void tile_rows(const int bits, const uint8_t *q, const uint16_t *d, const
 }
 
 /* ---- one-row products through one interface (cpu_kernels.h: prepare, then share) ------------------------ */
+/* fp32 weights in oneDNN's packed layout (TKV_F32P): with the packed kernels below */
+static int f32p_fits(const tkv_qw *w);
+static void f32p_share(const tkv_qw *w, const float *x, int64_t M, int64_t ostride, float *out);
+static void f32p_rows(const tkv_qw *w, const int64_t *ids, int64_t count, float *out);
+
 int tkv_row_fits(const tkv_qw *w) {
+    if (w->fmt == TKV_F32P) return f32p_fits(w);
     if (w->g <= 0 || w->K % w->g) return 0;
     switch (w->fmt) {
     case TKV_Q8: return w->g % 16 == 0;
@@ -1287,6 +1293,7 @@ static int q4_wide(const tkv_qw *w) { return w->g == 32 && w->K >= 256; }
 size_t tkv_row_bytes(const tkv_qw *w) { return tkv_rows_bytes(w, 1); }
 
 size_t tkv_rows_bytes(const tkv_qw *w, int64_t M) {
+    if (w->fmt == TKV_F32P) return (size_t)(M * w->K) * sizeof(float);  /* the rows as they are */
     if (tiled(w)) return tkv_int8_blocks_bytes(M, w->K);
     return M == 1 ? int16_row_bytes(w->K, w->K / w->g) : int16_rows_bytes(M, w->K, w->K / w->g);
 }
@@ -1295,6 +1302,10 @@ void tkv_row_prepare(const tkv_qw *w, const float *x, char *mem) { tkv_rows_prep
 
 void tkv_rows_prepare(const tkv_qw *w, const float *x, int64_t M, char *mem) {
     const int64_t K = w->K;
+    if (w->fmt == TKV_F32P) {
+        memcpy(mem, x, (size_t)(M * K) * sizeof(float));
+        return;
+    }
     if (tiled(w)) {
         tile_prepare(x, M, K, mem);
         return;
@@ -1347,7 +1358,9 @@ static void blocks_share(const tkv_qw *w, const char *mem, int64_t M, int64_t os
 }
 
 void tkv_rows_share(const tkv_qw *w, const char *mem, int64_t M, int64_t ostride, float *out) {
-    if (tiled(w))
+    if (w->fmt == TKV_F32P)
+        f32p_share(w, (const float *)mem, M, ostride, out);
+    else if (tiled(w))
         tile_share(w->fmt == TKV_Q4T ? 4 : 8, mem, M, ostride, w->K, (const uint8_t *)w->q, w->d, w->mn, w->g, w->N,
                    w->bias, out);
     else if (M > 1)
@@ -1359,7 +1372,9 @@ void tkv_rows_share(const tkv_qw *w, const char *mem, int64_t M, int64_t ostride
 }
 
 void tkv_row_dequantize(const tkv_qw *w, const int64_t *ids, int64_t count, float *out) {
-    if (w->fmt == TKV_Q8)
+    if (w->fmt == TKV_F32P)
+        f32p_rows(w, ids, count, out);
+    else if (w->fmt == TKV_Q8)
         tkv_q8_rows((const int8_t *)w->q, w->d, w->mn, w->g, w->K, ids, count, out);
     else if (w->fmt == TKV_Q4)
         tkv_q4_rows((const uint8_t *)w->q, w->d, w->mn, w->g, w->K, ids, count, out);
@@ -1635,8 +1650,8 @@ int tkv_f32_packed_row(const float *x, int64_t K, const float *w, int64_t N, int
 }
 
 /* ---- a few activation rows times an fp32 weight in oneDNN's packed layout ---------------------------------
- * A batched decode step's rows or a speculative step's verification rows (kernels/linear.py: one_row_or_onednn),
- * on AVX-512 builds. Each output's sum is the one-row kernel's (f32_block512: a fused multiply-add per input, in
+ * A batched decode step's rows or a speculative step's verification rows (kernels/linear.py: one_row_or_onednn;
+ * the native decode step's products, decode_cpu.c, through f32p_share), on AVX-512 builds. Each output's sum is the one-row kernel's (f32_block512: a fused multiply-add per input, in
  * order, from zero, then the bias in packed_store), so a row is the same bits alone or among others. A block's
  * weights are read from memory once for up to ROWS_GROUP rows: the B outputs of each row accumulated in registers
  * (6 rows of up to 4 vectors: 24), each input's weights loaded once for the rows, the next rows' pass over the
@@ -1674,22 +1689,42 @@ static void f32_rows_block(const float *x, int R, int64_t K, const float *wb, in
 /* 1 where this build multiplies several rows on packed fp32 weights in registers (AVX-512), else 0 (oneDNN then) */
 int tkv_f32_packed_rows_native(void) { return ROWS_GROUP > 1; }
 
+static int f32p_fits(const tkv_qw *w) { return w->g > 0 && w->g <= PACKED_MAX_B && w->kp >= w->K && w->K > 0; }
+
+/* out[m * ostride + n] = x [M, K] times the packed fp32 weight w, each row as tkv_f32_packed_row computes it; the
+ * blocks as a worksharing loop (decode_cpu.c's region, or tkv_f32_packed_rows' own) */
+static void f32p_share(const tkv_qw *w, const float *x, int64_t M, int64_t ostride, float *out) {
+    const int64_t K = w->K, N = w->N, B = w->g, nb = (N + B - 1) / B, bytes = w->kp * B * 4;
+    #pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nb; blk++) {
+        float acc[ROWS_GROUP * PACKED_MAX_B];
+        const float *wb = (const float *)((const char *)w->q + blk * bytes);
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS_GROUP) {
+            const int R = M - m0 < ROWS_GROUP ? (int)(M - m0) : ROWS_GROUP;
+            f32_rows_block(x + m0 * K, R, K, wb, B, acc);
+            for (int r = 0; r < R; r++) packed_store(0, acc + r * B, w->bias, N, B, blk, out + (m0 + r) * ostride);
+        }
+    }
+}
+
+/* weight rows ids[0..count) (ids NULL: 0..count) out of the packed layout, fp32 [count, K] */
+static void f32p_rows(const tkv_qw *w, const int64_t *ids, int64_t count, float *out) {
+    const int64_t B = w->g;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t n = ids ? ids[i] : i;
+        const float *wb = (const float *)w->q + (n / B) * w->kp * B + n % B;
+        for (int64_t k = 0; k < w->K; k++) out[i * w->K + k] = wb[k * B];
+    }
+}
+
 /* x [M, K] times the packed fp32 weight (packed_row's layout) into out [M, N], each row as tkv_f32_packed_row
  * computes it. Returns 0, or -1 for a block width it does not take. */
 int tkv_f32_packed_rows(const float *x, int64_t M, int64_t K, const float *w, int64_t N, int64_t B, int64_t Kp,
                         const float *bias, float *out) {
-    if (B <= 0 || B > PACKED_MAX_B || Kp < K || M < 1) return -1;
-    const int64_t nb = (N + B - 1) / B, bytes = Kp * B * 4;
-    #pragma omp parallel for schedule(static)
-    for (int64_t blk = 0; blk < nb; blk++) {
-        float acc[ROWS_GROUP * PACKED_MAX_B];
-        const float *wb = (const float *)((const char *)w + blk * bytes);
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS_GROUP) {
-            const int R = M - m0 < ROWS_GROUP ? (int)(M - m0) : ROWS_GROUP;
-            f32_rows_block(x + m0 * K, R, K, wb, B, acc);
-            for (int r = 0; r < R; r++) packed_store(0, acc + r * B, bias, N, B, blk, out + (m0 + r) * N);
-        }
-    }
+    const tkv_qw q = {TKV_F32P, w, NULL, NULL, B, N, K, bias, Kp};
+    if (!f32p_fits(&q) || M < 1) return -1;
+    #pragma omp parallel
+    f32p_share(&q, x, M, N, out);
     return 0;
 }
 

@@ -71,6 +71,12 @@ _SIGNATURES = {
     "tkv_kv_values": ([_P, _I, _I, ctypes.c_int, _I, _P], None),
     "tkv_kv_row_bytes": ([ctypes.c_int, _I], _I),
     "tkv_decode_fits": ([_P], ctypes.c_int),
+    # one weight as decode_cpu.c reads it (cpu_kernels.h: tkv_qw), for the tests
+    "tkv_row_fits": ([_P], ctypes.c_int),
+    "tkv_rows_bytes": ([_P, _I], ctypes.c_size_t),
+    "tkv_rows_prepare": ([_P, _P, _I, _P], None),
+    "tkv_rows_share": ([_P, _P, _I, _I, _P], None),
+    "tkv_row_dequantize": ([_P, _P, _I, _P], None),
     "tkv_rotary": ([_P, _I, _I, _I, _I, _P, _P, _P], None),
     "tkv_decode_rows": ([_P, _I, _P, _P, _P, _P, _I, _P], ctypes.c_int),
     "tkv_set_split_threads": ([ctypes.c_int], None),

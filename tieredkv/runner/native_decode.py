@@ -1,20 +1,26 @@
 """The native decode step: on CPU, a step that decodes one sequence of a model whose projections and LM head
-are quantized runs whole in C (kernels/decode_cpu.c), one call a token, in place of the compiled graph.
+are quantized, or fp32 in oneDNN's packed layout (builds with AVX-512), runs whole in C (kernels/decode_cpu.c), one
+call a token, in place of the compiled graph; so do a verification of its drafts and a batch of a few decodes.
 
 Why: at batch 1 the quantized products are a minority of the compiled graph's step. Measured on an Intel Xeon
 (KVM guest, 2 cores), the default model's Q4_1 file: 6.8 ms a token, of which the 4-bit products ~2.6 ms and
 the Q8_0 LM head ~1.1 ms; the rest was ~150 kernel calls through inductor's wrapper and torch's dispatcher,
 the fused loops between them, and Python (see docs/guide/quantization.md for the measurements). decode_cpu.c
-runs every layer in one OpenMP parallel region with the same product kernels, nothing allocated.
+runs every layer in one OpenMP parallel region with the same product kernels, nothing allocated. fp32 weights:
+the graph decodes one row only, so a verification of 8 drafts ran the eager forward, ~13 ms of its step Python,
+torch's dispatch and small parallel regions; on an AMD EPYC (Zen 4, 2 cores), the default model, 128 tokens of
+context, both engines in one process: a decode 15.1-16.9 ms against the graph's 16.7-18.2, a verification of 8
+drafts 23.3-24.8 against the eager forward's 33.4-34.3 (the products alone: ~18 ms for 9 rows).
 
 What: `NativeDecode.make` lays out the model for the C step once (ctypes structures pointing at the
 weights, the norms and each layer's K and V caches; the tensors stay the model's and the cache's) where the
 step can take it: fp32 activations and cache, one rank, every projection and the LM head quantized in a
-format the kernels read. Else it says why not, and the compiled graph (or the eager forward) serves. It
-offers what the model runner and engine call of CompiledDecode (accepts, run, state, start_background, warmup,
-finish, steps), with nothing to compile; what its warm-up does is bind the C++ operators (decode attention, the
-quantized one-row products) that the eager forward's steps run, the ones this step does not take (many sequences,
-long chunks), as the compiled graph's warm-up does before its trace.
+format the kernels read or fp32 packed (kernels/dense.py: PackedWeight; a build without AVX-512 would read each
+packed block again for every row of a step: not taken there). Else it says why not, and the compiled graph (or the
+eager forward) serves. It offers what the model runner and engine call of CompiledDecode (accepts, run, state,
+start_background, warmup, finish, steps), with nothing to compile; what its warm-up does is bind the C++ operators
+(decode attention, the quantized one-row products) that the eager forward's steps run, the ones this step does not
+take (many sequences, long chunks), as the compiled graph's warm-up does before its trace.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch
 
 from tieredkv.config import MAX_SPECULATIVE_TOKENS
 from tieredkv.kernels.kv_format import CPU_FORMATS, KVLayout
+from tieredkv.kernels.dense import PackedWeight
+from tieredkv.kernels.linear import FEW_PACKED_ROWS
 from tieredkv.kernels.quant import QuantizedParts, QuantizedWeight, int16_rows_most
 from tieredkv.kernels.quant_cpu import CPU
 from tieredkv.models.llama import LlamaModel, Projection
@@ -35,13 +43,14 @@ from tieredkv.models.llama import LlamaModel, Projection
 log = logging.getLogger("tieredkv")
 
 MAX_PARTS = 3  # decode_cpu.c: TKV_MAX_PARTS
-FORMATS = {"q8": 0, "q4": 1, "q8t": 2, "q4t": 3}  # cpu_kernels.h: TKV_Q8 ...
+FORMATS = {"q8": 0, "q4": 1, "q8t": 2, "q4t": 3, "f32p": 4}  # cpu_kernels.h: TKV_Q8 ... TKV_F32P
 
 _I, _P = ctypes.c_int64, ctypes.c_void_p
 
 
 class _Weight(ctypes.Structure):  # cpu_kernels.h: tkv_qw
-    _fields_ = [("fmt", _I), ("q", _P), ("d", _P), ("mn", _P), ("g", _I), ("N", _I), ("K", _I), ("bias", _P)]
+    _fields_ = [("fmt", _I), ("q", _P), ("d", _P), ("mn", _P), ("g", _I), ("N", _I), ("K", _I), ("bias", _P),
+                ("kp", _I)]
 
 
 class _Proj(ctypes.Structure):  # decode_cpu.c: tkv_proj
@@ -79,9 +88,11 @@ def _fp32(t: torch.Tensor | None, what: str) -> int | None:
 
 
 def _proj(qw, bias: torch.Tensor | None, what: str) -> _Proj:
+    if isinstance(qw, PackedWeight):
+        return _packed(qw, bias, what)
     parts = list(qw.parts) if isinstance(qw, QuantizedParts) else [qw]
     if not all(isinstance(p, QuantizedWeight) for p in parts):
-        raise Unfit(f"{what} is not quantized")
+        raise Unfit(f"{what} is neither quantized nor packed ({qw.label})")
     if len(parts) > MAX_PARTS:
         raise Unfit(f"{what} has {len(parts)} parts")
     proj, at = _Proj(parts=len(parts)), 0
@@ -92,6 +103,19 @@ def _proj(qw, bias: torch.Tensor | None, what: str) -> _Proj:
         proj.part[i] = _Weight(FORMATS[p.fmt], _ptr(p.codes, what), _ptr(p.scales, what), _ptr(p.offsets, what),
                                p.group_size, p.out_features, p.in_features, b)
         at += p.out_features
+    return proj
+
+
+def _packed(w: PackedWeight, bias: torch.Tensor | None, what: str) -> _Proj:
+    """An fp32 weight in oneDNN's packed layout, as the one-row and several-row kernels read it (TKV_F32P)."""
+    if w.packed.dtype != torch.float32 or w.row_layout is None:
+        raise Unfit(f"{what} is {w.label}, not in a layout the kernels read")
+    if not CPU.f32_rows:  # (the one-row kernel alone would read the weight again for each of a step's rows)
+        raise Unfit("the kernels multiply several fp32 rows only on AVX-512 builds")
+    block, stored, address = w.row_layout
+    proj = _Proj(parts=1)
+    proj.part[0] = _Weight(FORMATS["f32p"], address, None, None, block, w.out_features, w.in_features,
+                           _fp32(bias, f"{what}'s bias"), stored)
     return proj
 
 
@@ -107,6 +131,9 @@ def _linear(layer: Projection, what: str) -> _Proj:
 # fifth to a quarter of one (1 row 1.9 ms, 9 rows 6.3, 17 10.3: 0.57x / 0.72x the eager forward's; 32 0.88x).
 MAX_ROWS = 9
 MAX_ROWS_TILED = 2 * (MAX_SPECULATIVE_TOKENS + 1)
+# fp32 weights in oneDNN's packed layout: each block read once for up to six rows, so that 2-6 rows cost the one-row
+# read and 9 rows some 1.3x it (kernels/linear.py: FEW_PACKED_ROWS, the rows the eager forward sends there too)
+FP32_ROWS = FEW_PACKED_ROWS
 # the most sequences whose decodes one native step takes together (a row each, every product reading its weight
 # once for all): the eager forward's ~150 calls a step, each a parallel region and a dispatch, are what a batch of a
 # few decodes spent most of its time on. The default model's Q4_1 file on an AMD EPYC Zen 3 (2 threads, 64-token
@@ -126,8 +153,6 @@ def _fit(model: LlamaModel, kv_cache: torch.Tensor, kv: KVLayout | None) -> tupl
         raise Unfit(f"the kernels do not read KV stored as {kv.label}")
     if model.tp.world > 1:
         raise Unfit("the model is split over ranks")
-    if model.quantized_head is None:
-        raise Unfit("the LM head is not quantized")
     if model.rotary.inv_freq.numel() * 2 != model.spec.head_dim:
         raise Unfit("the rotary embedding does not turn the whole head")
     return codes
@@ -162,17 +187,19 @@ class NativeDecode:
             len(model.layers), spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
             spec.intermediate_size, kv_cache.shape[3], spec.rms_norm_eps, model.layers[0].self_attn.scale,
             _fp32(model.rotary.inv_freq, "the rotary frequencies"), layers, _fp32(model.norm.weight, "a norm"),
-            _proj(model.quantized_head, None, "the LM head"), _fp32(table, "the embedding table"),
+            _linear(model.lm_head, "the LM head"), _fp32(table, "the embedding table"),
             codes[0] | codes[1] << 4, kv_cache.shape[-1] * kv_cache.element_size())
         self._layers = layers  # the structure points into it
         self._held = (model, kv_cache)  # every pointer above is into these
-        self.vocab = model.quantized_head.out_features
-        tiled = all(proj.part[j].fmt in (FORMATS["q8t"], FORMATS["q4t"]) for layer in layers
-                    for proj in (layer.qkv, layer.o, layer.gate_up, layer.down) for j in range(proj.parts))
-        self.max_rows = MAX_ROWS_TILED if tiled else MAX_ROWS  # the longest chunk it takes (see MAX_ROWS)
+        self.vocab = model.lm_head.out_features
+        formats = {proj.part[j].fmt for layer in layers for proj in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                   for j in range(proj.parts)}
+        # the longest chunk it takes (see MAX_ROWS and FP32_ROWS)
+        self.max_rows = (FP32_ROWS if formats == {FORMATS["f32p"]} else
+                         MAX_ROWS_TILED if formats <= {FORMATS["q8t"], FORMATS["q4t"]} else MAX_ROWS)
         # the most rows of several sequences it takes together (MAX_BATCH): fewer than the rows from which the
         # weights' products take int8 blocks (quant.QuantizedWeight.int8_rows), whose arithmetic it does not run
-        self.max_batch = min(MAX_BATCH, int16_rows_most(model))
+        self.max_batch = min(MAX_BATCH, int16_rows_most(model), FP32_ROWS)
         if not lib.tkv_decode_fits(ctypes.byref(self._model)):
             raise Unfit("the kernels do not take a projection's shape or the attention's heads")
 
@@ -182,7 +209,7 @@ class NativeDecode:
         """The native step for this model and cache, or None (logged, with the reason) where it cannot serve;
         `cache_dir`: the engine's cache, where warmup finds or builds the C++ operators."""
         lib = CPU.lib
-        if kv_cache.device.type != "cpu" or model.quantization is None:
+        if kv_cache.device.type != "cpu":
             return None
         if lib is None:
             log.info("native decode step off: the CPU kernels are not built")
