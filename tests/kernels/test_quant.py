@@ -1007,13 +1007,14 @@ def test_stats_name_the_format_each_kind_of_dense_layer_reads(llama_dir, monkeyp
     monkeypatch.setattr(rank_build, "int8_many_rows_win", lambda weights, cache_dir: faster)
     monkeypatch.setattr(rank_build, "int8_fewest_rows", lambda weights, cache_dir: 8)  # blocks from 8 rows on
     kinds = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    rows = quant.kernel_rows(torch.zeros(1, 1, dtype=torch.uint8))
     prints = set()
     for setting in (None, False):
         cfg = make_config(model=str(llama_dir), quantization="int4", num_blocks=16, warm_bytes=0,
                           int8_activations=setting)
         core = EngineCore(cfg)
         try:
+            # (asked of the build the engine serves with: before a worker's first engine none may be loaded)
+            rows = quant.kernel_rows(torch.zeros(1, 1, dtype=torch.uint8))
             stats = core.stats()
             assert stats.dense_formats == {**{k: "q4 g32 (int4)" for k in kinds}, "lm_head": "q8 g64 (int8)"}
             int8 = setting is None and CPU.int8_gemm and faster
