@@ -11,8 +11,10 @@ own (what an application gets) and as the engine core alone on this thread (benc
      ignored) for tieredkv fp32 and bf16, each with
      the compiled decode path and with the eager forward, int8, int4 and the default model's own Q4_1 file
      (quantization="gguf"), the three again with int8_activations, on the compiled path, and transformers
-     fp32, interleaved; each row with its weight bytes, its floor (those bytes over the measured read bandwidth of
-     a 1 GiB tensor) and the time its engine took to build in this run; with --llama-bench, llama.cpp's
+     fp32, interleaved (fp32 also through the compiled graph with the native step off: where the native
+     step takes fp32 weights, the two decode paths side by side); each row with its weight bytes, its floor
+     (those bytes over the measured read bandwidth of a 1 GiB tensor) and the time its engine took to build in
+     this run; with --llama-bench, llama.cpp's
      llama-bench on the GGUF files given, same run;
      with --engine-gguf, the engine on other GGUF files of the default model too (llama-quantize's presets);
   3. the engine's own cost per decode step outside the forward (scheduler, block moves, sampling, stop rules)
@@ -61,8 +63,8 @@ from tieredkv.config import EngineConfig
 from tieredkv.engine.engine_core import EngineCore
 core = EngineCore(EngineConfig(
     compile_in_background=False, kv_cache_bytes={kv}, warm_bytes=0, compile_decode={compiled}))
-graphs = core.runner.compiled.graphs if core.runner.compiled else 0
-print(json.dumps({{"seconds": time.perf_counter() - t0, "graphs": graphs}}))
+graphs = getattr(core.runner.compiled, "graphs", 0)  # (the native step compiles none)
+print(json.dumps({{"seconds": time.perf_counter() - t0, "graphs": graphs, "path": core.runner.decode_path}}))
 """
 
 
@@ -198,13 +200,15 @@ async def main(args) -> dict:
         eager = startup_seconds(cache, False)
     results["startup_s"] = {"compiled_first": first["seconds"], "compiled_second": second["seconds"],
                             "eager": eager["seconds"]}
-    print(f"start-up: compiled first {first['seconds']:.1f}s ({first['graphs']} graphs compiled), second "
+    print(f"start-up: {first['path']} first {first['seconds']:.1f}s ({first['graphs']} graphs compiled), second "
           f"{second['seconds']:.1f}s (from the cache), eager {eager['seconds']:.1f}s", flush=True)
 
     variants: dict[str, dict[str, Served]] = {}  # name -> mode -> engine
     built: dict[str, float] = {}  # name -> seconds to build its core alone
     configs = {f"{dtype}{'' if compiled else ' eager'}": {"dtype": dtype, "compile_decode": compiled}
                for dtype in ("float32", "bfloat16") for compiled in (True, False)}
+    # the compiled graph, where the native step takes fp32 weights by default (AVX-512 builds): both paths side by side
+    configs["float32 graph"] = {"dtype": "float32", "compile_decode": True, "native_decode": False}
     configs.update(QUANTIZED)
     links = tempfile.TemporaryDirectory()
     for gguf in args.engine_gguf:  # the engine on other GGUF files of the default model (llama-quantize's presets)
