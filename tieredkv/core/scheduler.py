@@ -173,9 +173,9 @@ class Scheduler:
     def _fit_draft_rows(self, step: _Step) -> None:
         """With `max_draft_rows` (quantized weights on CPU: the most rows their integer kernels take, more going
         through a dequantized fp32 product; the native step's rows, where it serves), drafts never carry a step
-        past it: the step's rows then go through
-        the kernels a step without drafts would use, so the tokens come out as plain decoding's. Drafts are cut
-        from the last sequences first; the blocks they took are freed after the step (KVCacheManager.trim)."""
+        past it: the step's rows then go through the kernels a step without drafts would use, so the tokens come
+        out as plain decoding's. Drafts are cut from the last sequences first; the blocks they took are freed after
+        the step (KVCacheManager.trim)."""
         if self.max_draft_rows is None:
             return
         total = sum(step.scheduled.values())

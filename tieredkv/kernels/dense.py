@@ -224,8 +224,9 @@ def choose_layout(device: torch.device, dtype: torch.dtype, cpu_linear: str = "a
         return DenseLayout(cpu=True)
     if not compiled:
         return DenseLayout(cpu=True, onednn=True, packed=True)
-    if native and shapes and dtype == torch.float32 and CPU.f32_rows:  # (handles: for the graph, should the native
-        return DenseLayout(cpu=True, onednn=True, packed=True, handles=True)  # step not take the model after all)
+    if native and shapes and dtype == torch.float32 and CPU.f32_rows:
+        # the native step's layout (handles too, for the graph should the step not take the model after all)
+        return DenseLayout(cpu=True, onednn=True, packed=True, handles=True)
     graph_packed = bool(shapes) and graph_reads_packed(dtype, shapes, cache_dir)
     if not graph_packed and cpu_linear != "packed":
         return DenseLayout(cpu=True, onednn=True)

@@ -1651,8 +1651,9 @@ int tkv_f32_packed_row(const float *x, int64_t K, const float *w, int64_t N, int
 
 /* ---- a few activation rows times an fp32 weight in oneDNN's packed layout ---------------------------------
  * A batched decode step's rows or a speculative step's verification rows (kernels/linear.py: one_row_or_onednn;
- * the native decode step's products, decode_cpu.c, through f32p_share), on AVX-512 builds. Each output's sum is the one-row kernel's (f32_block512: a fused multiply-add per input, in
- * order, from zero, then the bias in packed_store), so a row is the same bits alone or among others. A block's
+ * the native decode step's products, decode_cpu.c, through f32p_share), on AVX-512 builds. Each output's sum is
+ * the one-row kernel's (f32_block512: a fused multiply-add per input, in order, from zero, then the bias in
+ * packed_store), so a row is the same bits alone or among others. A block's
  * weights are read from memory once for up to ROWS_GROUP rows: the B outputs of each row accumulated in registers
  * (6 rows of up to 4 vectors: 24), each input's weights loaded once for the rows, the next rows' pass over the
  * block reading it from L2. Measured on an AMD EPYC (Zen 4, 2 threads) over the default model's 121 fp32 products
