@@ -5,6 +5,7 @@ import asyncio
 
 import aiohttp
 import pytest
+import torch
 
 from helpers import check_pool_clean, fresh_cache, make_config
 from tieredkv import AsyncEngine, RequestError, SamplingParams
@@ -69,6 +70,27 @@ async def test_level_2_gives_the_weights_back_and_reads_them_back_unchanged(llam
         assert (await answer(engine))[0] == want  # the request wakes it from level 2
         await engine.sleep(2)
     assert not list((tmp_path / "cache" / "sleep").glob("weights-*.bin"))  # closed asleep: the file is gone
+
+
+async def test_level_2_gives_back_only_the_sleeping_engines_weights(llama_dir, tmp_path):
+    """Another model's packed weight in the same process (its handle in kernels/linear.py's process-wide table, as
+    every engine's packed weights are where the native step or the graph reads them) reads the same while an engine
+    sleeps at level 2, and after that engine is closed asleep (its weights' file discarded, nothing restored)."""
+    from tieredkv.kernels.dense import PackedWeight
+
+    g = torch.Generator().manual_seed(5)
+    other = PackedWeight(torch.randn(256, 128, generator=g), handle=True)
+    x = torch.randn(3, 128, generator=g)
+    want = other.forward(x)
+    cfg = make_config(model=str(llama_dir), num_blocks=64, warm_bytes=0, cache_dir=str(fresh_cache(tmp_path)))
+    engine = await AsyncEngine.start(cfg)
+    try:
+        await answer(engine)
+        await engine.sleep(2)
+        assert torch.equal(other.forward(x), want)
+    finally:
+        await engine.close()
+    assert torch.equal(other.forward(x), want)
 
 
 async def test_sleep_is_refused_while_requests_run(llama_dir):

@@ -94,10 +94,9 @@ def _host_bytes(address: int, nbytes: int) -> memoryview:
 def weight_memory(model: torch.nn.Module) -> list[tuple[int, int, torch.Tensor]]:
     """The distinct memory the model's weights take in every form it holds them, as (address, bytes, a tensor that
     keeps it alive): parameters, buffers, tensors kept as attributes of its modules (packed and quantized
-    layouts, oneDNN's opaque blocked tensors included), and the packed copies the CPU linear kernels keep beside
-    them (kernels/linear.py)."""
-    from tieredkv.kernels import linear
-
+    layouts, oneDNN's opaque blocked tensors included). This model's only: the process-wide table of packed
+    weights' handles (kernels/linear.py) names other engines' weights too, which a sleeping engine must neither
+    release nor, closed asleep, leave released."""
     seen: dict[int, tuple[int, int, torch.Tensor]] = {}
 
     def add(t) -> None:
@@ -116,8 +115,6 @@ def weight_memory(model: torch.nn.Module) -> list[tuple[int, int, torch.Tensor]]
         for value in vars(module).values():
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 add(t)
-    for packed, _ in list(linear._HANDLES.values()):
-        add(packed)
     return list(seen.values())
 
 
