@@ -84,6 +84,7 @@ async def greedy_chats_match(engine, hf_chats):
     """Each chat's greedy tokens are transformers', its text their decoding; every decode ran on the decode path."""
     tok = engine.tokenizer
     params = SamplingParams(max_tokens=MAX_NEW)
+
     def eager_forwards() -> int:
         return engine.core.stats().kernel_calls.get("forward: eager", 0)
 

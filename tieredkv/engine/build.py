@@ -225,8 +225,8 @@ def _speculator(cfg: EngineConfig, device: torch.device, spec: ModelSpec, model:
     if speculator is not None and device.type == "cpu" and model.quantization is not None:
         scheduler.max_draft_rows = int16_rows_most(model)  # below where int8 blocks start
     if speculator is not None and isinstance(runner.compiled, NativeDecode):  # as plain decodes of a batch are
-        scheduler.max_draft_rows = min(scheduler.max_draft_rows or runner.compiled.max_batch,
-                                       runner.compiled.max_batch)
+        rows = runner.compiled.max_batch
+        scheduler.max_draft_rows = rows if scheduler.max_draft_rows is None else min(scheduler.max_draft_rows, rows)
     return speculator
 
 
