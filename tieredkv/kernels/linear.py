@@ -194,8 +194,9 @@ def _dense_packed(x, handle, bias):
 
 # up to this many fp32 rows quant_cpu.c's kernel multiplies a packed weight (tkv_f32_packed_rows, AVX-512 builds),
 # oneDNN above: on an AMD EPYC (Zen 4, 2 threads) over the default model's products it took 0.48-0.69x oneDNN's time
-# for 2-6 rows, 0.74x for 9 (a verification of 8 drafts), 0.85x for 16, 0.90x for 32
-FEW_PACKED_ROWS = 16
+# for 2-6 rows, 0.74x for 9 (a verification of 8 drafts), 0.85x for 16, 0.90x for 32 (a batched decode step of 32
+# streams; past that oneDNN's blocking of many rows is not measured against)
+FEW_PACKED_ROWS = 32
 
 
 def one_row_or_onednn(x, packed, layout, bias):
