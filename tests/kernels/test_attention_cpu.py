@@ -389,6 +389,26 @@ def test_a_short_chunk_over_a_long_context_attends_as_decode_rows(lib, chunk, co
             assert torch.equal(got, alone), (t, context)
 
 
+@pytest.mark.parametrize("bs", [3, 8, 16, 48])
+@pytest.mark.parametrize("k, v", [("float32", "float32"), ("bfloat16", "int8")])
+def test_a_chunk_of_positions_spans_blocks_and_each_row_keeps_its_bits(lib, bs, k, v):
+    """Decode attention reads up to 32 positions a chunk whatever the block size (several blocks of 3, 8 or 16 rows;
+    part of a block of 48), each block's rows where they lie (fp32) or widened side by side: the reference's
+    attention, and a verification's rows (ending mid-block, mid-chunk) each the bits it gets alone."""
+    d, kv_heads, group, t, context = 64, 3, 3, 7, 701
+    _, kc, vc, tables, ctx = paged_batch([context], bs=bs, d=d, kv_heads=kv_heads, group=group, pad=0, seed=bs)
+    kv = KVLayout.resolve(k, v, d, torch.float32)
+    kr, vr, _, _ = stored(kc, vc, kv)
+    q = torch.randn(t, kv_heads * group, d, generator=torch.Generator().manual_seed(bs))
+    starts = torch.tensor([0, t], dtype=torch.int32)
+    got = prefill_attention_cpu(q, kr, vr, tables, starts, ctx, 0.125, kv=kv)
+    torch.testing.assert_close(got, prefill_attention_ref(q, kr, vr, tables, starts, ctx, 0.125, kv=kv),
+                               rtol=2e-5, atol=2e-6)
+    lens = [torch.tensor([context - t + j + 1], dtype=torch.int32) for j in range(t)]
+    alone = torch.cat([paged(q[j : j + 1], kr, vr, tables, lens[j], 0.125, *kv.kernel_codes) for j in range(t)])
+    assert torch.equal(got, alone)
+
+
 @pytest.mark.parametrize("seqs, as_decode", [([(9, 600), (5, 1000), (1, 512)], True), ([(9, 600), (9, 128)], False)])
 def test_several_short_chunks_over_long_contexts_attend_as_decode_rows(lib, seqs, as_decode):
     """A batch's verifications (chunks of at most 9 queries) over at least 512 positions each attend as decode rows,

@@ -6,13 +6,13 @@
  * KV formats, cpu_kernels.h: fp32 read in place, int8 and int4 from their codes where AVX-512 is missing (codes_read),
  * the others a chunk of one KV head at a time widened into L1):
  * position p of sequence b is row p % bs of block tables[b * ts + p / bs]. Nothing is gathered or padded, so
- * a step costs the positions its sequences have, each read once (the G query heads of a KV head take their
- * scores from the same load of a key row).
+ * a step costs the positions its sequences have, each read once (the G query heads of a KV head meet each key and
+ * value row while it is in L1; on AVX-512 one load of a value row serves them all).
  *
  * Work items are (sequence, split of its positions): a batch of one sequence still has as many items as the
- * threads can share evenly (att_splits). An item reads its positions a chunk at a time (a cache block, at
- * most ATT_CHUNK rows: every KV head of those rows, side by side in memory), prefetching the next chunk, which
- * lies in another block, and keeps for each query head a running maximum, sum and weighted sum of values
+ * threads can share evenly (att_splits). An item reads its positions a chunk at a time (ATT_CHUNK rows, from as
+ * many cache blocks as that takes: every KV head of those rows, side by side in memory), prefetching the next
+ * chunk, which lies in other blocks, and keeps for each query head a running maximum, sum and weighted sum of values
  * (online softmax); the splits of a head are then merged. The result does not depend on which thread ran an
  * item, so it is the same from call to call. Built into the same library as quant_cpu.c (kernels/quant_cpu.py). */
 
@@ -106,29 +106,55 @@ static void scores(const float *qs, int64_t G, const float *k, int64_t stride, i
         for (int64_t g = 0; g < G; g++) s[g][i0] = dot(qs + g * D, k + i0 * stride, D);
 }
 
-/* acc[g * (D + 2) + 2 ...] += sum over i of p[g][i] * v_i for the n rows v_i = v + i * stride */
-static void weigh(float p[][ATT_CHUNK], int64_t G, const float *v, int64_t stride, int64_t n, int64_t D, float *acc) {
-    for (int64_t g = 0; g < G; g++) {
-        float *a = acc + g * (D + 2) + 2;
-        int64_t d = 0;
 #ifdef ATT_AVX512
-        for (; d + 64 <= D; d += 64) {  /* 64 outputs in registers over the rows */
-            __m512 a0 = _mm512_loadu_ps(a + d), a1 = _mm512_loadu_ps(a + d + 16);
-            __m512 a2 = _mm512_loadu_ps(a + d + 32), a3 = _mm512_loadu_ps(a + d + 48);
-            for (int64_t i = 0; i < n; i++) {
-                const __m512 w = _mm512_set1_ps(p[g][i]);
-                const float *vi = v + i * stride + d;
-                a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vi), a0);
-                a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vi + 16), a1);
-                a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vi + 32), a2);
-                a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vi + 48), a3);
+#define WEIGH_HEADS 6  /* heads whose 64 outputs weigh64 keeps in registers at once: 24 of the 32 */
+
+/* acc[g * (D + 2) + d0 ...] for gn (a constant after inlining) heads from g0: their 64 outputs from d0 plus the n value
+ * rows times each head's weights, each output a chain of fused multiply-adds over the rows in order; a value row's
+ * four loads serve every head */
+static inline __attribute__((always_inline)) void weigh64(float p[][ATT_CHUNK], const int gn, int64_t g0,
+                                                          const float *v, int64_t stride, int64_t n, int64_t D,
+                                                          int64_t d0, float *acc) {
+    __m512 a[WEIGH_HEADS][4];
+    for (int g = 0; g < gn; g++)
+        for (int j = 0; j < 4; j++) a[g][j] = _mm512_loadu_ps(acc + (g0 + g) * (D + 2) + d0 + 16 * j);
+    for (int64_t i = 0; i < n; i++) {
+        const float *vi = v + i * stride + d0;
+        const __m512 v0 = _mm512_loadu_ps(vi), v1 = _mm512_loadu_ps(vi + 16);
+        const __m512 v2 = _mm512_loadu_ps(vi + 32), v3 = _mm512_loadu_ps(vi + 48);
+        for (int g = 0; g < gn; g++) {
+            const __m512 w = _mm512_set1_ps(p[g0 + g][i]);
+            a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+            a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+            a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+            a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + (g0 + g) * (D + 2) + d0 + 16 * j, a[g][j]);
+}
+#endif
+
+/* acc[g * (D + 2) + 2 ...] += sum over i of p[g][i] * v_i for the n rows v_i = v + i * stride: each output a chain
+ * of fused multiply-adds over the rows in order, whatever the registers' width */
+static void weigh(float p[][ATT_CHUNK], int64_t G, const float *v, int64_t stride, int64_t n, int64_t D, float *acc) {
+    int64_t d0 = 0;
+#ifdef ATT_AVX512
+    for (; d0 + 64 <= D; d0 += 64)  /* 64 outputs of up to WEIGH_HEADS heads in registers over the rows */
+        for (int64_t g0 = 0; g0 < G; g0 += WEIGH_HEADS) {
+            switch (G - g0 < WEIGH_HEADS ? G - g0 : WEIGH_HEADS) {
+            case 1: weigh64(p, 1, g0, v, stride, n, D, d0, acc + 2); break;
+            case 2: weigh64(p, 2, g0, v, stride, n, D, d0, acc + 2); break;
+            case 3: weigh64(p, 3, g0, v, stride, n, D, d0, acc + 2); break;
+            case 4: weigh64(p, 4, g0, v, stride, n, D, d0, acc + 2); break;
+            case 5: weigh64(p, 5, g0, v, stride, n, D, d0, acc + 2); break;
+            default: weigh64(p, WEIGH_HEADS, g0, v, stride, n, D, d0, acc + 2); break;
             }
-            _mm512_storeu_ps(a + d, a0);
-            _mm512_storeu_ps(a + d + 16, a1);
-            _mm512_storeu_ps(a + d + 32, a2);
-            _mm512_storeu_ps(a + d + 48, a3);
         }
 #endif
+    for (int64_t g = 0; g < G; g++) {
+        float *a = acc + g * (D + 2) + 2;
+        int64_t d = d0;
 #ifdef ATT_AVX2
         for (; d + 32 <= D; d += 32) {  /* 32 outputs in registers over the rows */
             __m256 a0 = _mm256_loadu_ps(a + d), a1 = _mm256_loadu_ps(a + d + 8);
@@ -312,12 +338,43 @@ static void weigh_codes(float p[][ATT_CHUNK], int64_t G, const uint8_t *v, int64
 }
 #endif
 
-/* x[i] = e^(x[i] - m), returns their sum */
+#ifdef ATT_AVX512
+/* exp256's operations on 16 lanes: each lane the same bits */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
+/* x[i] = e^(x[i] - m), returns their sum (eight lanes' sums over the rows in order, then summed: on AVX-512 two
+ * groups of eight at a time, added in that order) */
 static inline float exp_sum(float *x, int64_t n, float m) {
     int64_t i = 0;
     float s = 0.f;
 #ifdef ATT_AVX2
     __m256 vs = _mm256_setzero_ps(), vm = _mm256_set1_ps(m);
+#ifdef ATT_AVX512
+    const __m512 vm16 = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm16));
+        _mm512_storeu_ps(x + i, e);
+        vs = _mm256_add_ps(vs, _mm512_castps512_ps256(e));
+        vs = _mm256_add_ps(vs, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+#endif
     for (; i + 8 <= n; i += 8) {
         __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
         _mm256_storeu_ps(x + i, e);
@@ -327,6 +384,25 @@ static inline float exp_sum(float *x, int64_t n, float m) {
 #endif
     for (; i < n; i++) s += (x[i] = expf(x[i] - m));
     return s;
+}
+
+/* x[i] *= scale, returns the largest of m and them */
+static inline float scale_max(float *x, int64_t n, float scale, float m) {
+    int64_t i = 0;
+#ifdef ATT_AVX512
+    if (n >= 16) {
+        const __m512 sc = _mm512_set1_ps(scale);
+        __m512 top = _mm512_set1_ps(m);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), sc);
+            _mm512_storeu_ps(x + i, v);
+            top = _mm512_max_ps(v, top);  /* v where v > top, else top (a NaN score is passed over, as below) */
+        }
+        m = _mm512_reduce_max_ps(top);
+    }
+#endif
+    for (; i < n; i++) m = (x[i] *= scale) > m ? x[i] : m;
+    return m;
 }
 
 /* The largest of m and x[0..n) */
@@ -390,27 +466,65 @@ static inline void att_fetch(const void *kc, const void *vc, int64_t at, int64_t
     }
 }
 
-/* One item: positions [p0, p1) of one sequence, every head. A chunk of positions is read once, all its KV
- * heads side by side in memory, while the next is fetched: the next chunk lies in another block, where the
- * hardware prefetchers' streams stop. The item's first chunk is asked for at once; each next one a KV head's
- * share at a time, as this one's heads are computed (all at once, the requests waited on one another). From
- * memory, the default model's shapes, AMD EPYC Zen 5, 2 threads, us a layer before -> after, two runs: 192
- * positions 29.5 -> 26.6 and 35.2 -> 34.5, 1,024 positions 122 -> 118 and 105 -> 98, 4,000 421 -> 402.
- * `part` receives each query head's maximum, sum and D weighted values (part[h * (D + 2)]: m, l, acc[D]).
+/* A chunk of an item's positions: up to ATT_CHUNK of them from a position, in spans that each lie in one block (each
+ * span's first row's byte offset in the caches and its rows) */
+typedef struct {
+    int64_t n, spans, first[ATT_CHUNK], rows[ATT_CHUNK];
+} att_span;
+
+/* The chunk of [p, p1) that starts at p into *c; returns its rows */
+static inline int64_t att_spans(const int32_t *table, int64_t bs, int64_t row, int64_t p, int64_t p1, att_span *c) {
+    c->n = c->spans = 0;
+    while (c->n < ATT_CHUNK && p + c->n < p1) {
+        int64_t first, k = att_chunk(table, bs, row, p + c->n, p1, &first);
+        k = k < ATT_CHUNK - c->n ? k : ATT_CHUNK - c->n;
+        c->first[c->spans] = first;
+        c->rows[c->spans++] = k;
+        c->n += k;
+    }
+    return c->n;
+}
+
+/* Asks for one KV head's share (kvh of Hkv) of a chunk's K and V rows */
+static inline void att_fetch_share(const void *kc, const void *vc, const att_span *c, int64_t row, int64_t kvh,
+                                   int64_t Hkv) {
+    for (int64_t j = 0; j < c->spans; j++)
+        att_fetch(kc, vc, c->first[j], c->rows[j] * row * kvh / Hkv, c->rows[j] * row * (kvh + 1) / Hkv);
+}
+
+/* One item: positions [p0, p1) of one sequence, every head. A chunk of positions (up to ATT_CHUNK, over as many
+ * blocks as that takes) is read once, all its KV heads side by side in memory, while the next is fetched: the next
+ * chunk lies in other blocks, where the hardware prefetchers' streams stop. The item's first chunk is asked for at
+ * once; each next one a KV head's share at a time, as this one's heads are computed (all at once, the requests
+ * waited on one another). From memory, the default model's shapes, AMD EPYC Zen 5, 2 threads, us a layer before ->
+ * after, two runs: 192 positions 29.5 -> 26.6 and 35.2 -> 34.5, 1,024 positions 122 -> 118 and 105 -> 98, 4,000
+ * 421 -> 402. A chunk's softmax step (its maximum, the rescale of the sums so far) and the loads and stores of the
+ * weighted sums cost the same for few positions as for many: chunks of 32 positions over two blocks of 16 rather
+ * than one block's 16 (with the value rows' loads shared by a KV head's query heads, weigh64, and the softmax step
+ * 16 lanes wide) took 0.81-0.86x the time for a verification's 9 rows over 7,000 positions and 0.76-0.93x for one
+ * decode row (AMD EPYC Zen 4, 2 threads, the default model's heads, both builds in one process, 30 layers from
+ * memory and one from cache). `part` receives each query head's maximum, sum and D weighted values
+ * (part[h * (D + 2)]: m, l, acc[D]).
  *
  * R rows at once (speculative decoding's verification: a sequence's consecutive positions) that read the same
  * table from the same first position p0, row r to its own end p1[r], its query at q + r * qs, its results at
  * part + r * ps: each chunk of positions is read once for all of them (the longest row's chunk; a shorter row's
  * last chunk is its first rows), and each row's arithmetic is what it would be alone, the same chunks in the
- * same order (att_chunk cuts a chunk at the row's end, and nowhere else otherwise). */
+ * same order (a chunk's spans end at blocks' ends and at the row's end, and nowhere else). */
 static void att_item(const float *q, int64_t qs, int64_t R, const uint8_t *kc, const uint8_t *vc, int fmt, int64_t rb,
                      int64_t bs, int64_t Hkv, int64_t D, int64_t G, const int32_t *table, int64_t p0,
                      const int64_t *p1, float scale, float *part, int64_t ps) {
     float s[ATT_MAX_G][ATT_CHUNK];
     /* a chunk's K and V rows of one KV head as fp32, where they are stored otherwise */
     float wide_k[ATT_CHUNK * ATT_MAX_D], wide_v[ATT_CHUNK * ATT_MAX_D];
+    att_span chunk, next;
     const int64_t G2 = D + 2, row = Hkv * rb;
     const int kf = fmt & 15, vf = fmt >> 4;
+#ifdef ATT_CODES
+    const int k_codes = codes_read(kf, G, D), v_codes = codes_read(vf, G, D);
+#else
+    const int k_codes = 0, v_codes = 0;
+#endif
     int64_t end = p0;
     for (int64_t r = 0; r < R; r++) {
         end = p1[r] > end ? p1[r] : end;
@@ -421,39 +535,43 @@ static void att_item(const float *q, int64_t qs, int64_t R, const uint8_t *kc, c
             memset(ph + 2, 0, D * sizeof(float));
         }
     }
+    chunk.n = 0;
     if (p0 < end) {
-        int64_t at0, n0 = att_chunk(table, bs, row, p0, end, &at0);
-        att_fetch(kc, vc, at0, 0, n0 * row);
+        att_spans(table, bs, row, p0, end, &chunk);
+        att_fetch_share(kc, vc, &chunk, row, 0, 1);
     }
-    for (int64_t p = p0; p < end;) {
-        int64_t first, next_first = 0, next_bytes = 0;
-        const int64_t n = att_chunk(table, bs, row, p, end, &first);
-        if (p + n < end) next_bytes = att_chunk(table, bs, row, p + n, end, &next_first) * row;
+    for (int64_t p = p0; p < end; chunk = next) {
+        const int64_t n = chunk.n;
+        next.n = next.spans = 0;
+        if (p + n < end) att_spans(table, bs, row, p + n, end, &next);
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            att_fetch(kc, vc, next_first, next_bytes * kvh / Hkv, next_bytes * (kvh + 1) / Hkv);
-            const int64_t at = first + kvh * rb;
-#ifdef ATT_CODES
-            const int k_codes = codes_read(kf, G, D), v_codes = codes_read(vf, G, D);
-#else
-            const int k_codes = 0, v_codes = 0;
-#endif
+            att_fetch_share(kc, vc, &next, row, kvh, Hkv);
+            /* each span's rows of this KV head: where they lie (fp32), or widened side by side */
+            const float *k[ATT_CHUNK], *v[ATT_CHUNK];
             int64_t k_stride = 0, v_stride = 0;
-            const float *k = k_codes ? NULL : att_rows(kc + at, kf, row, n, D, wide_k, &k_stride);
-            const float *v = v_codes ? NULL : att_rows(vc + at, vf, row, n, D, wide_v, &v_stride);
+            for (int64_t j = 0, o = 0; j < chunk.spans; o += chunk.rows[j++]) {
+                const int64_t at = chunk.first[j] + kvh * rb;
+                k[j] = k_codes ? NULL : att_rows(kc + at, kf, row, chunk.rows[j], D, wide_k + o * D, &k_stride);
+                v[j] = v_codes ? NULL : att_rows(vc + at, vf, row, chunk.rows[j], D, wide_v + o * D, &v_stride);
+            }
             for (int64_t r = 0; r < R; r++) {
-                const int64_t nr = p1[r] - p < n ? p1[r] - p : n;  /* this row's chunk: n, or its last rows */
+                const int64_t nr = p1[r] - p < n ? p1[r] - p : n;  /* this row's chunk: n, or its first rows */
                 if (nr <= 0) continue;
                 const float *qr = q + r * qs + kvh * G * D;
                 float *ph = part + r * ps + kvh * G * G2;
+                for (int64_t j = 0, o = 0; j < chunk.spans && o < nr; o += chunk.rows[j++]) {
+                    const int64_t c = nr - o < chunk.rows[j] ? nr - o : chunk.rows[j];
+                    float(*sj)[ATT_CHUNK] = (float(*)[ATT_CHUNK])(s[0] + o);
 #ifdef ATT_CODES
-                if (k_codes)
-                    scores_codes(qr, G, kc + at, row, nr, D, kf, s);
-                else
+                    if (k_codes)
+                        scores_codes(qr, G, kc + chunk.first[j] + kvh * rb, row, c, D, kf, sj);
+                    else
 #endif
-                    scores(qr, G, k, k_stride, nr, D, s);
+                        scores(qr, G, k[j], k_stride, c, D, sj);
+                }
                 for (int64_t g = 0; g < G; g++) {
-                    float *pg = ph + g * G2, m = pg[0];
-                    for (int64_t i = 0; i < nr; i++) m = (s[g][i] *= scale) > m ? s[g][i] : m;
+                    float *pg = ph + g * G2;
+                    const float m = scale_max(s[g], nr, scale, pg[0]);
                     const float alpha = expf(pg[0] - m);  /* 0 at the first chunk (m was -inf) */
                     const float sum = exp_sum(s[g], nr, m);
                     if (alpha != 1.f)
@@ -461,13 +579,17 @@ static void att_item(const float *q, int64_t qs, int64_t R, const uint8_t *kc, c
                     pg[0] = m;
                     pg[1] = pg[1] * alpha + sum;
                 }
+                for (int64_t j = 0, o = 0; j < chunk.spans && o < nr; o += chunk.rows[j++]) {
+                    const int64_t c = nr - o < chunk.rows[j] ? nr - o : chunk.rows[j];
+                    float(*pj)[ATT_CHUNK] = (float(*)[ATT_CHUNK])(s[0] + o);
 #ifdef ATT_CODES
-                if (v_codes) {
-                    weigh_codes(s, G, vc + at, row, nr, D, vf, ph);
-                    continue;
-                }
+                    if (v_codes) {
+                        weigh_codes(pj, G, vc + chunk.first[j] + kvh * rb, row, c, D, vf, ph);
+                        continue;
+                    }
 #endif
-                weigh(s, G, v, v_stride, nr, D, ph);
+                    weigh(pj, G, v[j], v_stride, c, D, ph);
+                }
             }
         }
         p += n;
