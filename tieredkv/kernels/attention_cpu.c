@@ -338,43 +338,12 @@ static void weigh_codes(float p[][ATT_CHUNK], int64_t G, const uint8_t *v, int64
 }
 #endif
 
-#ifdef ATT_AVX512
-/* exp256's operations on 16 lanes: each lane the same bits */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-#endif
-
-/* x[i] = e^(x[i] - m), returns their sum (eight lanes' sums over the rows in order, then summed: on AVX-512 two
- * groups of eight at a time, added in that order) */
+/* x[i] = e^(x[i] - m), returns their sum (eight lanes' sums over the rows in order, then summed) */
 static inline float exp_sum(float *x, int64_t n, float m) {
     int64_t i = 0;
     float s = 0.f;
 #ifdef ATT_AVX2
     __m256 vs = _mm256_setzero_ps(), vm = _mm256_set1_ps(m);
-#ifdef ATT_AVX512
-    const __m512 vm16 = _mm512_set1_ps(m);
-    for (; i + 16 <= n; i += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm16));
-        _mm512_storeu_ps(x + i, e);
-        vs = _mm256_add_ps(vs, _mm512_castps512_ps256(e));
-        vs = _mm256_add_ps(vs, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
-    }
-#endif
     for (; i + 8 <= n; i += 8) {
         __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
         _mm256_storeu_ps(x + i, e);
@@ -500,10 +469,10 @@ static inline void att_fetch_share(const void *kc, const void *vc, const att_spa
  * after, two runs: 192 positions 29.5 -> 26.6 and 35.2 -> 34.5, 1,024 positions 122 -> 118 and 105 -> 98, 4,000
  * 421 -> 402. A chunk's softmax step (its maximum, the rescale of the sums so far) and the loads and stores of the
  * weighted sums cost the same for few positions as for many: chunks of 32 positions over two blocks of 16 rather
- * than one block's 16 (with the value rows' loads shared by a KV head's query heads, weigh64, and the softmax step
- * 16 lanes wide) took 0.81-0.86x the time for a verification's 9 rows over 7,000 positions and 0.76-0.93x for one
- * decode row (AMD EPYC Zen 4, 2 threads, the default model's heads, both builds in one process, 30 layers from
- * memory and one from cache). `part` receives each query head's maximum, sum and D weighted values
+ * than one block's 16 (with the value rows' loads shared by a KV head's query heads, weigh64, and the scaling and
+ * maximum 16 lanes wide) took 0.81-0.86x the time for a verification's 9 rows over 7,000 positions and 0.76-0.93x
+ * for one decode row (AMD EPYC Zen 4, 2 threads, the default model's heads, both builds in one process, 30 layers
+ * from memory and one from cache). `part` receives each query head's maximum, sum and D weighted values
  * (part[h * (D + 2)]: m, l, acc[D]).
  *
  * R rows at once (speculative decoding's verification: a sequence's consecutive positions) that read the same
