@@ -391,11 +391,13 @@ def test_a_short_chunk_over_a_long_context_attends_as_decode_rows(lib, chunk, co
 
 @pytest.mark.parametrize("bs", [3, 8, 16, 48])
 @pytest.mark.parametrize("k, v", [("float32", "float32"), ("bfloat16", "int8")])
-def test_a_chunk_of_positions_spans_blocks_and_each_row_keeps_its_bits(lib, bs, k, v):
+@pytest.mark.parametrize("kv_heads, d", [(3, 64), (5, 256)], ids=["rows copied", "rows read in place"])
+def test_a_chunk_of_positions_spans_blocks_and_each_row_keeps_its_bits(lib, bs, k, v, kv_heads, d):
     """Decode attention reads up to 32 positions a chunk whatever the block size (several blocks of 3, 8 or 16 rows;
-    part of a block of 48), each block's rows where they lie (fp32) or widened side by side: the reference's
-    attention, and a verification's rows (ending mid-block, mid-chunk) each the bits it gets alone."""
-    d, kv_heads, group, t, context = 64, 3, 3, 7, 701
+    part of a block of 48), copied side by side first (a long item's chunk of at most 128 KiB of K rows: 5 KV heads
+    of 256 fp32 values are more, read in the cache), then each block's rows where they lie (fp32) or widened: the
+    reference's attention, and a verification's rows (ending mid-block, mid-chunk) each the bits it gets alone."""
+    group, t, context = 3, 7, 701
     _, kc, vc, tables, ctx = paged_batch([context], bs=bs, d=d, kv_heads=kv_heads, group=group, pad=0, seed=bs)
     kv = KVLayout.resolve(k, v, d, torch.float32)
     kr, vr, _, _ = stored(kc, vc, kv)

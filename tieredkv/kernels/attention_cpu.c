@@ -2,11 +2,12 @@
  *
  *   out[b, h, :] = softmax(scale * q[b, h, :] . K[b, p, h / G, :] for p < lens[b]) @ V[b, p, h / G, :]
  *
- * K and V are [num_blocks, bs, Hkv, row] caches read where they lie, through the block table (rows in one of the
- * KV formats, cpu_kernels.h: fp32 read in place, int8 and int4 from their codes where AVX-512 is missing (codes_read),
- * the others a chunk of one KV head at a time widened into L1):
- * position p of sequence b is row p % bs of block tables[b * ts + p / bs]. Nothing is gathered or padded, so
- * a step costs the positions its sequences have, each read once (the G query heads of a KV head meet each key and
+ * K and V are [num_blocks, bs, Hkv, row] caches read through the block table (a long item's chunk of rows copied
+ * side by side first, so that memory is read in order, else where they lie; rows in one of the KV formats,
+ * cpu_kernels.h: fp32 as they are, int8 and int4 from their codes where AVX-512 is missing (codes_read), the
+ * others a chunk of one KV head at a time widened into L1): position p of sequence b is row p % bs of block
+ * tables[b * ts + p / bs]. Nothing is gathered into a tensor or padded, so a step costs the positions its sequences
+ * have, each read once (the G query heads of a KV head meet each key and
  * value row while it is in L1; on AVX-512 one load of a value row serves them all).
  *
  * Work items are (sequence, split of its positions): a batch of one sequence still has as many items as the
@@ -37,6 +38,8 @@
 #define ATT_MAX_G 32     /* query heads per KV head */
 #define ATT_MAX_D 256    /* head dimension */
 #define ATT_MIN_SPLIT 32 /* positions an item takes at least */
+#define ATT_COPY 131072  /* bytes of a chunk's K rows (and of its V rows) copied side by side before they are read */
+#define ATT_COPY_FROM 256 /* positions from which an item's chunks are copied (fewer: likely in cache, see att_item) */
 
 #ifdef ATT_AVX2
 static inline float hsum256(__m256 v) {
@@ -435,6 +438,9 @@ static inline void att_fetch(const void *kc, const void *vc, int64_t at, int64_t
     }
 }
 
+/* Each thread's copies of a chunk's K and V rows (att_item) */
+static __thread uint8_t att_copy[2][ATT_COPY] __attribute__((aligned(64)));
+
 /* A chunk of an item's positions: up to ATT_CHUNK of them from a position, in spans that each lie in one block (each
  * span's first row's byte offset in the caches and its rows) */
 typedef struct {
@@ -513,15 +519,28 @@ static void att_item(const float *q, int64_t qs, int64_t R, const uint8_t *kc, c
         const int64_t n = chunk.n;
         next.n = next.spans = 0;
         if (p + n < end) att_spans(table, bs, row, p + n, end, &next);
+        /* each span's first row, K and V: the chunk's rows copied side by side (read from memory in order: reading
+         * them a KV head at a time, a slice of each row, went at a third to a half of the memory's speed), or in the
+         * caches for a short item or where a chunk's rows are more than ATT_COPY bytes */
+        const uint8_t *kb[ATT_CHUNK], *vb[ATT_CHUNK];
+        const int copy = end - p0 >= ATT_COPY_FROM && n * row <= ATT_COPY;
+        for (int64_t j = 0, o = 0; j < chunk.spans; o += chunk.rows[j++]) {
+            kb[j] = copy ? att_copy[0] + o * row : kc + chunk.first[j];
+            vb[j] = copy ? att_copy[1] + o * row : vc + chunk.first[j];
+            if (copy) {
+                memcpy(att_copy[0] + o * row, kc + chunk.first[j], chunk.rows[j] * row);
+                memcpy(att_copy[1] + o * row, vc + chunk.first[j], chunk.rows[j] * row);
+            }
+        }
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             att_fetch_share(kc, vc, &next, row, kvh, Hkv);
             /* each span's rows of this KV head: where they lie (fp32), or widened side by side */
             const float *k[ATT_CHUNK], *v[ATT_CHUNK];
             int64_t k_stride = 0, v_stride = 0;
             for (int64_t j = 0, o = 0; j < chunk.spans; o += chunk.rows[j++]) {
-                const int64_t at = chunk.first[j] + kvh * rb;
-                k[j] = k_codes ? NULL : att_rows(kc + at, kf, row, chunk.rows[j], D, wide_k + o * D, &k_stride);
-                v[j] = v_codes ? NULL : att_rows(vc + at, vf, row, chunk.rows[j], D, wide_v + o * D, &v_stride);
+                const int64_t m = chunk.rows[j];
+                k[j] = k_codes ? NULL : att_rows(kb[j] + kvh * rb, kf, row, m, D, wide_k + o * D, &k_stride);
+                v[j] = v_codes ? NULL : att_rows(vb[j] + kvh * rb, vf, row, m, D, wide_v + o * D, &v_stride);
             }
             for (int64_t r = 0; r < R; r++) {
                 const int64_t nr = p1[r] - p < n ? p1[r] - p : n;  /* this row's chunk: n, or its first rows */
@@ -533,7 +552,7 @@ static void att_item(const float *q, int64_t qs, int64_t R, const uint8_t *kc, c
                     float(*sj)[ATT_CHUNK] = (float(*)[ATT_CHUNK])(s[0] + o);
 #ifdef ATT_CODES
                     if (k_codes)
-                        scores_codes(qr, G, kc + chunk.first[j] + kvh * rb, row, c, D, kf, sj);
+                        scores_codes(qr, G, kb[j] + kvh * rb, row, c, D, kf, sj);
                     else
 #endif
                         scores(qr, G, k[j], k_stride, c, D, sj);
@@ -553,7 +572,7 @@ static void att_item(const float *q, int64_t qs, int64_t R, const uint8_t *kc, c
                     float(*pj)[ATT_CHUNK] = (float(*)[ATT_CHUNK])(s[0] + o);
 #ifdef ATT_CODES
                     if (v_codes) {
-                        weigh_codes(pj, G, vc + chunk.first[j] + kvh * rb, row, c, D, vf, ph);
+                        weigh_codes(pj, G, vb[j] + kvh * rb, row, c, D, vf, ph);
                         continue;
                     }
 #endif
