@@ -7,8 +7,8 @@
  * cpu_kernels.h: fp32 as they are, int8 and int4 from their codes where AVX-512 is missing (codes_read), the
  * others a chunk of one KV head at a time widened into L1): position p of sequence b is row p % bs of block
  * tables[b * ts + p / bs]. Nothing is gathered into a tensor or padded, so a step costs the positions its sequences
- * have, each read once (the G query heads of a KV head meet each key and
- * value row while it is in L1; on AVX-512 one load of a value row serves them all).
+ * have, each read once (the G query heads of a KV head meet each key and value row while it is in L1; on AVX-512
+ * one load of a value row serves them all).
  *
  * Work items are (sequence, split of its positions): a batch of one sequence still has as many items as the
  * threads can share evenly (att_splits). An item reads its positions a chunk at a time (ATT_CHUNK rows, from as
