@@ -100,8 +100,8 @@ def test_a_batch_of_decodes_is_one_native_step_with_the_eager_forwards_tokens(en
     """Sequences of different lengths (one across blocks, one whose attention splits across the threads) decoding
     together: each step is one native step, a row a sequence, each row attending through its own block table;
     every sequence's greedy tokens are the eager forward's, batched alike, and (an fp32 cache) its K/V rows within
-    rounding of them. fp32 weights (builds with AVX-512): 24 streams, more than a quantized model's steps take, as
-    many as FP32_ROWS allows."""
+    rounding of them. fp32 weights (builds with AVX-512): 24 streams, more than a quantized model's steps take and
+    within the fp32 step's FP32_ROWS."""
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], list(range(20, 100)), [3] * 17]
     new = [12, 9, 15, 10]  # the batch shrinks as they end
     if not scheme:
