@@ -197,13 +197,14 @@ class NativeDecode:
         self.vocab = model.lm_head.out_features
         formats = {proj.part[j].fmt for layer in layers for proj in (layer.qkv, layer.o, layer.gate_up, layer.down)
                    for j in range(proj.parts)}
+        fp32 = formats == {FORMATS["f32p"]}
         # the longest chunk it takes (see MAX_ROWS and FP32_ROWS)
-        self.max_rows = (FP32_ROWS if formats == {FORMATS["f32p"]} else
+        self.max_rows = (FP32_ROWS if fp32 else
                          MAX_ROWS_TILED if formats <= {FORMATS["q8t"], FORMATS["q4t"]} else MAX_ROWS)
         # the most rows of several sequences it takes together: fp32 weights FP32_ROWS; quantized ones MAX_BATCH, and
         # fewer than the rows from which their products take int8 blocks (quant.QuantizedWeight.int8_rows), whose
         # arithmetic it does not run
-        self.max_batch = FP32_ROWS if formats == {FORMATS["f32p"]} else min(MAX_BATCH, int16_rows_most(model))
+        self.max_batch = FP32_ROWS if fp32 else min(MAX_BATCH, int16_rows_most(model))
         if not lib.tkv_decode_fits(ctypes.byref(self._model)):
             raise Unfit("the kernels do not take a projection's shape or the attention's heads")
 
